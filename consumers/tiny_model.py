@@ -1,0 +1,164 @@
+"""A tiny Qwen2 causal LM and byte-level BPE tokenizer, built locally for tests and the demo.
+
+No run of this project downloads weights: tests, the demo and benchmarks build this model
+in a temporary directory in well under a second. It is a real `Qwen2ForCausalLM` saved with
+safetensors, loadable by `transformers` (`AutoModelForCausalLM`/`AutoTokenizer`) and by vLLM,
+with a head size of 32 (the smallest vLLM's CPU attention accepts).
+
+The tokenizer is the same for every `seed` (trained on fixed generated text), so checkpoints
+of different seeds are interchangeable weight versions of one policy. The random init is
+scaled up so that next-token distributions are peaked: a logprob check against a flat
+distribution would pass for almost any bug.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+PAD, BOS, EOS = "<|endoftext|>", "<|bos|>", "<|eos|>"
+ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
+SPECIAL_TOKENS = (PAD, BOS, EOS, *ROLE_TOKENS)
+VOCAB_SIZE = 512
+TOKENIZER_SEED = 1234
+"""Fixed: the tokenizer must not depend on the weights' seed."""
+INIT_SCALE = 4.0
+"""Multiplies every initialised weight matrix, so that logits are far from flat."""
+LM_HEAD_SCALE = 4.0
+"""And the output projection once more: next-token entropy ~3.4 nats against log(512) = 6.2."""
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>' + message['content'] + eos_token }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+
+_SUBJECTS = ["the cat", "a dog", "my friend", "the robot", "our teacher", "a bird", "the model", "she", "he", "they"]
+_VERBS = ["sees", "likes", "counts", "finds", "reads", "writes", "moves", "paints", "builds", "opens"]
+_OBJECTS = ["a red ball", "the old book", "three apples", "a small box", "the blue door", "many stars", "the river"]
+_ENDINGS = ["today", "at night", "in the park", "slowly", "again", "with care", "before lunch", "."]
+_SYLLABLES = ["ka", "lo", "mi", "ren", "sto", "va", "qui", "ber", "dan", "fel", "gor", "hu", "jin", "pra", "zel", "tor"]
+
+
+def corpus(n_lines: int = 3000, seed: int = TOKENIZER_SEED) -> list[str]:
+    """Deterministic English-ish sentences and arithmetic to train the tokenizer on."""
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(n_lines):
+        roll = rng.random()
+        if roll < 0.3:
+            a, b = rng.randint(0, 99), rng.randint(0, 99)
+            op = rng.choice("+-*")
+            value = a + b if op == "+" else a - b if op == "-" else a * b
+            lines.append(f"What is {a} {op} {b}? The answer is {value}.")
+        elif roll < 0.5:
+            words = ["".join(rng.choices(_SYLLABLES, k=rng.randint(1, 3))) for _ in range(rng.randint(3, 8))]
+            lines.append(" ".join(words).capitalize() + rng.choice([".", "!", "?"]))
+        else:
+            sentence = f"{rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} {rng.choice(_OBJECTS)} {rng.choice(_ENDINGS)}"
+            lines.append(sentence[0].upper() + sentence[1:])
+    return lines
+
+
+def build_tokenizer(vocab_size: int = VOCAB_SIZE):  # -> PreTrainedTokenizerFast
+    """Train a byte-level BPE on `corpus()`; identical on every call (fixed text, deterministic trainer)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    # The same normalizer and pre-tokenizer as transformers' `Qwen2Tokenizer`, which `AutoTokenizer`
+    # picks for a `qwen2` config whatever `tokenizer_class` says: both classes then encode alike.
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        unk_token=PAD,
+        additional_special_tokens=list(ROLE_TOKENS),
+        model_max_length=512,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def build_tiny_model(out_dir: Path, seed: int = 0) -> Path:
+    """Write a tiny Qwen2 causal LM (weights from `seed`) and the shared tokenizer into `out_dir`.
+
+    `AutoTokenizer.from_pretrained(out_dir)` and `AutoModelForCausalLM.from_pretrained(out_dir)`
+    both work offline; vLLM loads it too. Returns `out_dir`.
+    """
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()
+    ids = tokenizer.convert_tokens_to_ids([PAD, BOS, EOS])
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        use_sliding_window=False,
+        pad_token_id=ids[0],
+        bos_token_id=ids[1],
+        eos_token_id=ids[2],
+    )
+    config.architectures = ["Qwen2ForCausalLM"]
+    config.dtype = torch.float32
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config).to(torch.float32)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if param.ndim == 2:
+                    param.mul_(INIT_SCALE * (LM_HEAD_SCALE if name == "lm_head.weight" else 1.0))
+                elif name.endswith(".bias"):
+                    param.normal_(0.0, 0.1)
+    model.generation_config.bos_token_id = ids[1]
+    model.generation_config.eos_token_id = ids[2]
+    model.generation_config.pad_token_id = ids[0]
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    _add_legacy_dtype(out_dir / "config.json")
+    return out_dir
+
+
+def _add_legacy_dtype(config_path: Path) -> None:
+    """Write `torch_dtype` beside transformers 5's `dtype`, for readers that know only the old key."""
+    config = json.loads(config_path.read_text())
+    config.setdefault("dtype", "float32")
+    config.setdefault("torch_dtype", config["dtype"])
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+if __name__ == "__main__":
+    import sys
+
+    target = Path(sys.argv[1] if len(sys.argv) > 1 else "tiny-model")
+    print(build_tiny_model(target, seed=int(sys.argv[2]) if len(sys.argv) > 2 else 0))

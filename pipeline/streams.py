@@ -1,0 +1,208 @@
+"""The stream layer: consumer groups, reading, claiming, publishing, dead letters, trimming.
+
+Every Redis command that touches a stream of the wire contract lives here, so that
+workers, the trainer client and the CLI share one implementation. It is synchronous;
+the asyncio worker calls it from a thread, which keeps one code path for both sides.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple
+
+import redis
+
+from pipeline.wire import GENERATORS, TRAINER, Fields, Keys, Prompt, Rollout, dead_letter_fields
+
+
+class Entry(NamedTuple):
+    stream: str
+    id: bytes
+    fields: Fields
+
+
+def connect(url: str) -> redis.Redis:
+    """A client for binary payloads (`decode_responses=False`), checked with a PING."""
+    client = redis.Redis.from_url(url, decode_responses=False, health_check_interval=30)
+    client.ping()
+    return client
+
+
+def entries_from_reply(reply: Any) -> list[Entry]:
+    """Flatten an XREAD/XREADGROUP reply, whatever protocol the client speaks.
+
+    RESP2 gives `[[stream, [(id, fields), ...]], ...]`; RESP3 gives `{stream: [[(id, fields), ...]]}`.
+    Entries deleted while pending come back with no fields; they are skipped (there is nothing to do).
+    """
+    if not reply:
+        return []
+    pairs = reply.items() if isinstance(reply, dict) else reply
+    entries = []
+    for stream, items in pairs:
+        if items and isinstance(items[0], list):  # RESP3 wraps the entries once more
+            items = items[0]
+        name = stream.decode() if isinstance(stream, bytes) else stream
+        entries.extend(Entry(name, entry_id, fields) for entry_id, fields in items if fields)
+    return entries
+
+
+# KEYS: rollouts stream, source stream, then one `published` marker key per rollout.
+# ARGV: group, source entry id, marker ttl, then for each rollout: field count, fields...
+# The source entry is acked first: if it was no longer pending (another worker finished it),
+# nothing is published. A rollout id already published (a resubmitted prompt) is skipped.
+_PUBLISH_LUA = """
+if redis.call('XACK', KEYS[2], ARGV[1], ARGV[2]) == 0 then
+  return -1
+end
+local published = 0
+local at = 4
+for k = 3, #KEYS do
+  local count = tonumber(ARGV[at])
+  if redis.call('SET', KEYS[k], '1', 'NX', 'EX', ARGV[3]) then
+    redis.call('XADD', KEYS[1], '*', unpack(ARGV, at + 1, at + count))
+    published = published + 1
+  end
+  at = at + count + 1
+end
+return published
+"""
+
+
+class Streams:
+    """The streams of one namespace, over one Redis client."""
+
+    def __init__(self, client: redis.Redis, ns: str, dedupe_ttl_s: int = 86_400) -> None:
+        self.redis = client
+        self.keys = Keys(ns)
+        self.dedupe_ttl_s = dedupe_ttl_s
+        self._publish = client.register_script(_PUBLISH_LUA)
+
+    def ensure_groups(self) -> None:
+        """Create the consumer groups (and their streams) if missing; safe to call from every process."""
+        for stream, group in (
+            (self.keys.prompts, GENERATORS),
+            (self.keys.partials, GENERATORS),
+            (self.keys.rollouts, TRAINER),
+        ):
+            try:
+                self.redis.xgroup_create(stream, group, id="0", mkstream=True)
+            except redis.ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
+
+    # -- producer side -------------------------------------------------------------------------
+
+    def add_prompts(self, prompts: Sequence[Prompt]) -> list[bytes]:
+        pipe = self.redis.pipeline(transaction=False)
+        for prompt in prompts:
+            pipe.xadd(self.keys.prompts, prompt.to_fields())
+        return pipe.execute()
+
+    # -- worker side ---------------------------------------------------------------------------
+
+    def read_work(self, consumer: str, count: int, block_ms: int | None) -> list[Entry]:
+        """New work for `consumer`: partial rollouts first, then prompts, in one round trip."""
+        reply = self.redis.xreadgroup(
+            GENERATORS,
+            consumer,
+            {self.keys.partials: ">", self.keys.prompts: ">"},
+            count=count,
+            block=block_ms,
+        )
+        entries = entries_from_reply(reply)
+        entries.sort(key=lambda e: e.stream != self.keys.partials)
+        return entries
+
+    def claim_abandoned(self, consumer: str, min_idle_ms: int, count: int) -> list[Entry]:
+        """Take over work whose owner stopped touching it (a dead or hung worker), via XAUTOCLAIM."""
+        claimed = []
+        for stream in (self.keys.partials, self.keys.prompts):
+            _next, items, *_deleted = self.redis.xautoclaim(stream, GENERATORS, consumer, min_idle_ms, count=count)
+            claimed.extend(Entry(stream, entry_id, fields) for entry_id, fields in items if fields)
+        return claimed
+
+    def touch(self, consumer: str, entries: Iterable[Entry]) -> None:
+        """Reset the idle time of work still in progress, so that nobody claims it from a live worker."""
+        by_stream: dict[str, list[bytes]] = {}
+        for entry in entries:
+            by_stream.setdefault(entry.stream, []).append(entry.id)
+        pipe = self.redis.pipeline(transaction=False)
+        for stream, ids in by_stream.items():
+            pipe.xclaim(stream, GENERATORS, consumer, 0, ids, justid=True)
+        pipe.execute()
+
+    def delivery_count(self, entry: Entry) -> int:
+        """How many times the group has handed this entry out (1 on first delivery)."""
+        pending = self.redis.xpending_range(entry.stream, GENERATORS, min=entry.id, max=entry.id, count=1)
+        return pending[0]["times_delivered"] if pending else 0
+
+    def publish_rollouts(self, rollouts: Sequence[Rollout], source: Entry) -> int:
+        """Publish the rollouts made from `source` and ack it, atomically, in one round trip.
+
+        Returns how many were published: fewer when some ids were already published,
+        -1 when `source` had already been acked (another worker finished it first).
+        """
+        keys = [self.keys.rollouts, source.stream]
+        args: list[Any] = [GENERATORS, source.id, self.dedupe_ttl_s]
+        for rollout in rollouts:
+            keys.append(self.keys.published(rollout.id))
+            fields = rollout.to_fields()
+            args.append(2 * len(fields))
+            for name, value in fields.items():
+                args.extend((name, value))
+        return int(self._publish(keys=keys, args=args))
+
+    def dead_letter(self, entry: Entry, error: str, stage: str) -> None:
+        """Move a bad entry to `{ns}:dead` with the reason and ack it, in one transaction."""
+        group = TRAINER if entry.stream == self.keys.rollouts else GENERATORS
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.xadd(self.keys.dead, dead_letter_fields(entry.fields, error, stage))
+        pipe.xack(entry.stream, group, entry.id)
+        pipe.execute()
+
+    def heartbeat(self, name: str, status: dict[str, Any], ttl_s: float) -> None:
+        key = self.keys.worker(name)
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hset(key, mapping={k: str(v) for k, v in status.items()})
+        pipe.pexpire(key, int(ttl_s * 1000))
+        pipe.execute()
+
+    def forget_worker(self, name: str) -> None:
+        self.redis.delete(self.keys.worker(name))
+
+    # -- trainer side --------------------------------------------------------------------------
+
+    def read_rollouts(self, consumer: str, count: int, block_ms: int | None, pending: bool = False) -> list[Entry]:
+        """New rollouts for `consumer`; with `pending`, those it was handed before but never acked."""
+        reply = self.redis.xreadgroup(
+            TRAINER, consumer, {self.keys.rollouts: "0" if pending else ">"}, count=count, block=block_ms
+        )
+        return entries_from_reply(reply)
+
+    def ack_rollouts(self, ids: Sequence[bytes]) -> None:
+        if ids:
+            self.redis.xack(self.keys.rollouts, TRAINER, *ids)
+
+    # -- upkeep --------------------------------------------------------------------------------
+
+    def trim_consumed(self, stream: str) -> int:
+        """Drop entries every consumer group has finished with, never one still unread or pending."""
+        groups = self.redis.xinfo_groups(stream)
+        if not groups:
+            return 0
+        keep_from = []
+        for group in groups:
+            pending = self.redis.xpending(stream, group["name"])
+            if pending["pending"]:
+                keep_from.append(_parse_id(pending["min"]))
+            else:
+                ms, seq = _parse_id(group["last-delivered-id"])
+                keep_from.append((ms, seq + 1))
+        ms, seq = min(keep_from)
+        return self.redis.xtrim(stream, minid=f"{ms}-{seq}", approximate=False)
+
+
+def _parse_id(entry_id: bytes | str) -> tuple[int, int]:
+    text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    ms, _, seq = text.partition("-")
+    return int(ms), int(seq or 0)

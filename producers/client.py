@@ -1,0 +1,262 @@
+"""The trainer's side of the pipeline: submit prompts, receive whole groups of rollouts.
+
+`RolloutClient` deduplicates on rollout id (delivery is at-least-once; the trainer sees each
+sample once), holds rollouts until their group is whole, and acks entries only once it has
+handed them over, so that a trainer that dies re-reads what it never got to use.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import redis
+
+from pipeline.streams import Entry, Streams, connect
+from pipeline.wire import Prompt, Rollout, Sampling, WireError
+
+
+@dataclass
+class Group:
+    """All `n` samples of one prompt, in sample order."""
+
+    prompt_id: str
+    rollouts: list[Rollout]
+    entry_ids: list[bytes] = field(default_factory=list, repr=False)
+
+
+@dataclass
+class Batch:
+    groups: list[Group]
+
+    @property
+    def rollouts(self) -> list[Rollout]:
+        return [r for g in self.groups for r in g.rollouts]
+
+    def to_arrays(self) -> dict[str, np.ndarray]:
+        """Right-padded arrays for a trainer (`torch.from_numpy` takes them as they are).
+
+        `input_ids` is prompt + completion; `loss_mask` marks completion tokens; `logprobs` and
+        `token_versions` are aligned with `input_ids` (0 and -1 on prompt and padding).
+        """
+        rollouts = self.rollouts
+        width = max(len(r.prompt_tokens) + len(r.tokens) for r in rollouts)
+        shape = (len(rollouts), width)
+        arrays = {
+            "input_ids": np.zeros(shape, np.int64),
+            "attention_mask": np.zeros(shape, np.int64),
+            "loss_mask": np.zeros(shape, np.int64),
+            "logprobs": np.zeros(shape, np.float32),
+            "token_versions": np.full(shape, -1, np.int64),
+        }
+        for row, r in enumerate(rollouts):
+            p, t = len(r.prompt_tokens), len(r.tokens)
+            arrays["input_ids"][row, :p] = r.prompt_tokens
+            arrays["input_ids"][row, p : p + t] = r.tokens
+            arrays["attention_mask"][row, : p + t] = 1
+            arrays["loss_mask"][row, p : p + t] = 1
+            arrays["logprobs"][row, p : p + t] = r.logprobs
+            for version, start, end in r.spans:
+                arrays["token_versions"][row, p + start : p + end] = version
+        return arrays
+
+
+class RolloutClient:
+    """Submit prompts and iterate over finished groups of one pipeline namespace."""
+
+    def __init__(
+        self,
+        redis_url: str | redis.Redis,
+        ns: str,
+        *,
+        tokenizer: str | Path | None = None,
+        consumer: str = "trainer-0",
+        read_count: int = 512,
+        remember_ids: int = 1_000_000,
+    ) -> None:
+        client = connect(redis_url) if isinstance(redis_url, str) else redis_url
+        self.streams = Streams(client, ns)
+        self.streams.ensure_groups()
+        self.consumer = consumer
+        self.read_count = read_count
+        self.stats = {"received": 0, "duplicates": 0, "dead": 0, "groups": 0}
+        self._tokenizer_path = tokenizer
+        self._tokenizer: Any = None
+        self._seen: OrderedDict[str, None] = OrderedDict()
+        self._remember_ids = remember_ids
+        self._open: dict[str, dict[int, tuple[Rollout, bytes]]] = {}
+        self._read_pending = True  # first re-read what this consumer was handed before a restart
+
+    # -- submitting ----------------------------------------------------------------------------
+
+    def submit(
+        self,
+        prompt: str | None = None,
+        *,
+        tokens: Sequence[int] | np.ndarray | None = None,
+        n: int = 1,
+        max_tokens: int = 64,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        stop_token_ids: Sequence[int] = (),
+        seed: int | None = None,
+        meta: dict[str, Any] | None = None,
+        id: str | None = None,
+        chat: bool = True,
+    ) -> str:
+        """Queue one prompt (text through the tokenizer and its chat template, or token ids); returns its id."""
+        item = self.make_prompt(
+            prompt,
+            tokens=tokens,
+            n=n,
+            sampling=Sampling(
+                max_tokens=max_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                stop_token_ids=list(stop_token_ids),
+                seed=seed,
+            ),
+            meta=meta,
+            id=id,
+            chat=chat,
+        )
+        self.submit_prompts([item])
+        return item.id
+
+    def make_prompt(
+        self,
+        prompt: str | None = None,
+        *,
+        tokens: Sequence[int] | np.ndarray | None = None,
+        n: int = 1,
+        sampling: Sampling | None = None,
+        meta: dict[str, Any] | None = None,
+        id: str | None = None,
+        chat: bool = True,
+    ) -> Prompt:
+        """Build and check a prompt without sending it; raises `ValueError` saying what to fix."""
+        if (prompt is None) == (tokens is None):
+            raise ValueError("give exactly one of `prompt` (text) or `tokens` (token ids)")
+        sampling = sampling or Sampling()
+        problems = sampling.problems()
+        if problems:
+            raise ValueError("; ".join(problems))
+        if tokens is None:
+            tokens = self.tokenize(prompt or "", chat=chat)
+        return Prompt(id=id or uuid.uuid4().hex, n=n, tokens=tokens, sampling=sampling, meta=meta or {})
+
+    def submit_prompts(self, prompts: Sequence[Prompt]) -> None:
+        """Queue many prompts in one round trip."""
+        self.streams.add_prompts(prompts)
+
+    def tokenize(self, text: str, chat: bool = True) -> list[int]:
+        if self._tokenizer is None:
+            if self._tokenizer_path is None:
+                raise ValueError("text prompts need a tokenizer: RolloutClient(..., tokenizer=MODEL_DIR)")
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(str(self._tokenizer_path))
+        tok = self._tokenizer
+        if chat and tok.chat_template:
+            ids = tok.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+            return list(ids)
+        return list(tok.encode(text, add_special_tokens=False))
+
+    # -- receiving -----------------------------------------------------------------------------
+
+    def groups(self, timeout: float | None = None) -> Iterator[Group]:
+        """Yield each prompt's group once all its samples arrived; each sample exactly once.
+
+        A group's entries are acked when the caller comes back for the next one (or stops).
+        Raises `TimeoutError` when no new rollout arrived for `timeout` seconds.
+        """
+        for group in self._whole_groups(timeout):
+            try:
+                yield group
+            finally:
+                self.streams.ack_rollouts(group.entry_ids)
+
+    def batches(self, groups_per_batch: int, timeout: float | None = None) -> Iterator[Batch]:
+        """Yield batches of whole groups; a batch is acked when the caller comes back for the next."""
+        pending: list[Group] = []
+        for group in self._whole_groups(timeout):
+            pending.append(group)
+            if len(pending) < groups_per_batch:
+                continue
+            batch, pending = Batch(pending), []
+            try:
+                yield batch
+            finally:
+                self.streams.ack_rollouts([e for g in batch.groups for e in g.entry_ids])
+
+    def collect(self, n_groups: int, timeout: float | None = 60.0) -> list[Group]:
+        """The next `n_groups` whole groups (all acked); a convenience for scripts and tests."""
+        got: list[Group] = []
+        if n_groups <= 0:
+            return got
+        for group in self.groups(timeout=timeout):
+            got.append(group)
+            if len(got) == n_groups:
+                break
+        return got
+
+    def _whole_groups(self, timeout: float | None, block_ms: int = 500) -> Iterator[Group]:
+        last_news = time.monotonic()
+        while True:
+            entries = self._read(block_ms)
+            if entries:
+                last_news = time.monotonic()
+            elif timeout is not None and time.monotonic() - last_news > timeout:
+                raise TimeoutError(
+                    f"no rollout arrived in {timeout:.0f}s; {len(self._open)} groups are incomplete. "
+                    "Is a worker running on this namespace (`rollouts top`)?"
+                )
+            yield from self._take(entries)
+
+    def _read(self, block_ms: int) -> list[Entry]:
+        if self._read_pending:
+            entries = self.streams.read_rollouts(self.consumer, self.read_count, None, pending=True)
+            if entries:
+                return entries
+            self._read_pending = False
+        return self.streams.read_rollouts(self.consumer, self.read_count, block_ms)
+
+    def _take(self, entries: list[Entry]) -> list[Group]:
+        """Decode, dedupe and file entries by group; return the groups that became whole."""
+        whole = []
+        duplicates = []
+        for entry in entries:
+            try:
+                rollout = Rollout.from_fields(entry.fields)
+            except WireError as exc:
+                self.streams.dead_letter(entry, str(exc), "trainer-decode")
+                self.stats["dead"] += 1
+                continue
+            if rollout.id in self._seen:
+                duplicates.append(entry.id)
+                continue
+            self._remember(rollout.id)
+            self.stats["received"] += 1
+            samples = self._open.setdefault(rollout.prompt_id, {})
+            samples[rollout.sample] = (rollout, entry.id)
+            if len(samples) == rollout.n:
+                del self._open[rollout.prompt_id]
+                ordered = [samples[k] for k in sorted(samples)]
+                whole.append(Group(rollout.prompt_id, [r for r, _ in ordered], [e for _, e in ordered]))
+        self.stats["duplicates"] += len(duplicates)
+        self.streams.ack_rollouts(duplicates)
+        self.stats["groups"] += len(whole)
+        return whole
+
+    def _remember(self, rollout_id: str) -> None:
+        self._seen[rollout_id] = None
+        if len(self._seen) > self._remember_ids:
+            self._seen.popitem(last=False)

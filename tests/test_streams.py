@@ -1,0 +1,139 @@
+"""The stream layer on fakeredis and on a real redis-server."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import redis
+
+from pipeline.local import RedisServer
+from pipeline.streams import Entry, Streams, entries_from_reply
+from pipeline.wire import GENERATORS, TRAINER, Prompt, Rollout
+
+
+def prompt(pid: str, n: int = 2) -> Prompt:
+    return Prompt(id=pid, n=n, tokens=[1, 2, 3])
+
+
+def rollouts_for(p: Prompt, worker: str = "w") -> list[Rollout]:
+    return [
+        Rollout(
+            prompt_id=p.id,
+            sample=k,
+            n=p.n,
+            version=0,
+            version_end=0,
+            finish_reason="length",
+            worker=worker,
+            prompt_tokens=p.tokens,
+            tokens=np.arange(4),
+            logprobs=np.full(4, -1.0),
+            spans=[(0, 0, 4)],
+        )
+        for k in range(p.n)
+    ]
+
+
+def test_groups_are_created_once(any_redis: redis.Redis, ns: str) -> None:
+    streams = Streams(any_redis, ns)
+    streams.ensure_groups()
+    streams.ensure_groups()
+    assert [g["name"] for g in any_redis.xinfo_groups(streams.keys.prompts)] == [GENERATORS.encode()]
+    assert [g["name"] for g in any_redis.xinfo_groups(streams.keys.rollouts)] == [TRAINER.encode()]
+
+
+def test_partials_are_read_before_prompts(any_redis: redis.Redis, ns: str) -> None:
+    streams = Streams(any_redis, ns)
+    streams.ensure_groups()
+    streams.add_prompts([prompt("a"), prompt("b")])
+    any_redis.xadd(streams.keys.partials, {b"x": b"1"})
+    entries = streams.read_work("w1", count=10, block_ms=None)
+    assert [e.stream for e in entries] == [streams.keys.partials, streams.keys.prompts, streams.keys.prompts]
+    assert streams.read_work("w1", count=10, block_ms=None) == []
+
+
+def test_publish_is_atomic_idempotent_and_acks(any_redis: redis.Redis, ns: str) -> None:
+    streams = Streams(any_redis, ns)
+    streams.ensure_groups()
+    p = prompt("p1", n=3)
+    streams.add_prompts([p])
+    (entry,) = streams.read_work("w1", 10, None)
+    assert streams.publish_rollouts(rollouts_for(p), entry) == 3
+    assert any_redis.xpending(streams.keys.prompts, GENERATORS)["pending"] == 0
+    # The same work finished a second time (a slow worker whose entry was claimed) publishes nothing.
+    assert streams.publish_rollouts(rollouts_for(p, worker="w2"), entry) == -1
+    # The same prompt id submitted again: its rollout ids are already published.
+    streams.add_prompts([p])
+    (again,) = streams.read_work("w2", 10, None)
+    assert streams.publish_rollouts(rollouts_for(p), again) == 0
+    ids = [fields[b"id"] for _, fields in any_redis.xrange(streams.keys.rollouts)]
+    assert ids == [b"p1:0", b"p1:1", b"p1:2"]
+    assert any_redis.xpending(streams.keys.prompts, GENERATORS)["pending"] == 0
+
+
+def test_dead_letter_keeps_the_original_and_acks(any_redis: redis.Redis, ns: str) -> None:
+    streams = Streams(any_redis, ns)
+    streams.ensure_groups()
+    any_redis.xadd(streams.keys.prompts, {b"garbage": b"\xff"})
+    (entry,) = streams.read_work("w1", 10, None)
+    streams.dead_letter(entry, "missing field 'v'", "decode")
+    ((_, dead),) = any_redis.xrange(streams.keys.dead)
+    assert dead == {b"garbage": b"\xff", b"error": b"missing field 'v'", b"stage": b"decode"}
+    assert any_redis.xpending(streams.keys.prompts, GENERATORS)["pending"] == 0
+
+
+def test_abandoned_work_is_claimed_but_touched_work_is_not(any_redis: redis.Redis, ns: str) -> None:
+    streams = Streams(any_redis, ns)
+    streams.ensure_groups()
+    streams.add_prompts([prompt("alive"), prompt("dead")])
+    alive, dead = streams.read_work("w1", 10, None)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:  # let both entries idle past 50 ms
+        streams.touch("w1", [alive])
+        if [e.id for e in streams.claim_abandoned("w2", min_idle_ms=50, count=10)] == [dead.id]:
+            break
+    else:
+        pytest.fail("the idle entry was never claimed")
+    assert streams.delivery_count(dead) == 2
+    assert streams.delivery_count(alive) == 1
+
+
+def test_trim_never_passes_the_slowest_group(any_redis: redis.Redis, ns: str) -> None:
+    streams = Streams(any_redis, ns)
+    streams.ensure_groups()
+    rollouts = streams.keys.rollouts
+    any_redis.xgroup_create(rollouts, "recorder", id="0")
+    ids = [any_redis.xadd(rollouts, {b"i": str(i).encode()}) for i in range(6)]
+    any_redis.xreadgroup(TRAINER, "t", {rollouts: ">"}, count=4)
+    any_redis.xack(rollouts, TRAINER, *ids[:3])  # trainer: 3 acked, 1 pending
+    any_redis.xreadgroup("recorder", "r", {rollouts: ">"}, count=5)
+    any_redis.xack(rollouts, "recorder", *ids[:5])
+    assert streams.trim_consumed(rollouts) == 3
+    assert [i for i, _ in any_redis.xrange(rollouts)] == ids[3:]
+
+
+@pytest.mark.parametrize("protocol", [2, 3])
+def test_read_helper_understands_both_protocols(redis_server: RedisServer, ns: str, protocol: int) -> None:
+    client = redis.Redis.from_url(redis_server.url, protocol=protocol)
+    streams = Streams(client, ns)
+    streams.ensure_groups()
+    streams.add_prompts([prompt("p")])
+    (entry,) = streams.read_work("w", 10, 100)
+    assert isinstance(entry, Entry) and entry.stream == streams.keys.prompts
+    assert Prompt.from_fields(entry.fields).id == "p"
+    assert entries_from_reply(client.xreadgroup(GENERATORS, "w", {streams.keys.prompts: ">"}, block=10)) == []
+
+
+def test_blocking_read_wakes_on_new_work(real_redis: redis.Redis, ns: str) -> None:
+    streams = Streams(real_redis, ns)
+    streams.ensure_groups()
+    timer = threading.Timer(0.2, lambda: streams.add_prompts([prompt("late")]))
+    timer.start()
+    started = time.monotonic()
+    entries = streams.read_work("w", 10, block_ms=5000)
+    timer.join()
+    assert [Prompt.from_fields(e.fields).id for e in entries] == ["late"]
+    assert time.monotonic() - started < 4

@@ -1,0 +1,105 @@
+"""Wire contract v1: field encodings, round trips and the errors bad entries get."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from pipeline.codec import INT32, CodecError, decode_array, encode_float32, encode_int32
+from pipeline.wire import Keys, Prompt, Rollout, Sampling, WireError, rollout_id
+
+
+def make_rollout(**over: object) -> Rollout:
+    fields = dict(
+        prompt_id="p1",
+        sample=2,
+        n=4,
+        version=3,
+        version_end=4,
+        finish_reason="length",
+        worker="w1",
+        prompt_tokens=[1, 2, 3],
+        tokens=np.array([7, 8, 9, 10], np.int32),
+        logprobs=np.array([-0.5, -1.25, -2.0, -0.125], np.float32),
+        spans=[(3, 0, 2), (4, 2, 4)],
+        meta={"task": "add", "nested": {"a": [1, 2]}},
+        timing={"generate_s": 0.25},
+    )
+    fields.update(over)
+    return Rollout(**fields)
+
+
+def test_arrays_are_raw_little_endian() -> None:
+    assert encode_int32([1, -2]) == b"\x01\x00\x00\x00\xfe\xff\xff\xff"
+    assert encode_float32([1.0]) == b"\x00\x00\x80\x3f"
+    assert decode_array(encode_int32([5, 6]), INT32, "tokens").tolist() == [5, 6]
+    with pytest.raises(CodecError, match="tokens: 5 bytes"):
+        decode_array(b"\x00" * 5, INT32, "tokens")
+
+
+def test_keys_share_one_hash_tag() -> None:
+    keys = Keys("exp1")
+    names = [keys.prompts, keys.partials, keys.rollouts, keys.control, keys.state, keys.dead, keys.worker("a")]
+    assert names[:6] == [f"{{exp1}}:{k}" for k in ("prompts", "partials", "rollouts", "control", "state", "dead")]
+    assert all(name.startswith("{exp1}:") for name in names)
+    with pytest.raises(ValueError, match="namespace"):
+        Keys("a:b")
+
+
+def test_prompt_round_trip_and_readable_fields() -> None:
+    prompt = Prompt(id="p1", n=3, tokens=[4, 5, 6], sampling=Sampling(max_tokens=9, temperature=0.5), meta={"k": 1})
+    fields = prompt.to_fields()
+    assert set(fields) == {b"v", b"id", b"n", b"tokens", b"sampling", b"meta", b"submitted_version", b"ts"}
+    assert fields[b"v"] == b"1" and fields[b"n"] == b"3"
+    assert json.loads(fields[b"sampling"]) == {"max_tokens": 9, "temperature": 0.5}
+    back = Prompt.from_fields(fields)
+    assert back.tokens.tolist() == [4, 5, 6] and back.sampling == prompt.sampling and back.meta == {"k": 1}
+
+
+def test_rollout_round_trip() -> None:
+    rollout = make_rollout()
+    fields = rollout.to_fields()
+    assert fields[b"id"] == b"p1:2" == rollout_id("p1", 2).encode()
+    assert fields[b"n_tokens"] == b"4" and fields[b"finish_reason"] == b"length"
+    assert json.loads(fields[b"spans"]) == [[3, 0, 2], [4, 2, 4]]
+    back = Rollout.from_fields(fields)
+    assert back.tokens.tolist() == [7, 8, 9, 10]
+    assert back.logprobs.tolist() == [-0.5, -1.25, -2.0, -0.125]
+    assert back.spans == [(3, 0, 2), (4, 2, 4)] and back.meta == rollout.meta and back.error is None
+    scored = Rollout.from_fields(make_rollout(reward=1.5, finish_reason="error", error="boom").to_fields())
+    assert scored.reward == 1.5 and scored.error == "boom"
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({b"v": b"2"}, "unsupported wire version"),
+        ({b"n": b"zero"}, "n:"),
+        ({b"n": b"0"}, "n:"),
+        ({b"tokens": b"\x01\x02\x03"}, "tokens: 3 bytes"),
+        ({b"sampling": b"{not json"}, "sampling: not valid JSON"),
+        ({b"sampling": b'{"temperature": "hot"}'}, "sampling.temperature"),
+        ({b"sampling": b'{"colour": 1}'}, "sampling.colour"),
+        ({b"id": b"\xff\xfe"}, "id: not UTF-8"),
+    ],
+)
+def test_bad_prompt_fields_say_what_is_wrong(change: dict[bytes, bytes], message: str) -> None:
+    fields = Prompt(id="p", n=1, tokens=[1]).to_fields() | change
+    with pytest.raises(WireError, match=message):
+        Prompt.from_fields(fields)
+
+
+def test_missing_field_and_mismatched_logprobs() -> None:
+    fields = make_rollout().to_fields()
+    with pytest.raises(WireError, match="missing field 'tokens'"):
+        Rollout.from_fields({k: v for k, v in fields.items() if k != b"tokens"})
+    with pytest.raises(WireError, match="3 values for 4 tokens"):
+        Rollout.from_fields(fields | {b"logprobs": encode_float32([0.0, 0.0, 0.0])})
+
+
+def test_sampling_ranges_are_problems_not_decode_errors() -> None:
+    sampling = Sampling(temperature=-1, top_p=0, max_tokens=0)
+    assert len(sampling.problems()) == 3
+    assert Sampling().problems() == []
