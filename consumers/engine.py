@@ -85,3 +85,15 @@ def check_request(prompt_tokens: np.ndarray, sampling: Sampling, max_model_len: 
         problems.append(f"stop_token_ids {bad_stops} are outside the vocabulary [0, {vocab_size})")
     if problems:
         raise EngineInputError("; ".join(problems))
+
+
+ENGINES = ("torch",)
+
+
+def create_engine(kind: str, model: str, **options: object) -> Engine:
+    """Build an engine by name; heavy imports happen only for the engine asked for."""
+    if kind == "torch":
+        from consumers.torch_engine import TorchEngine
+
+        return TorchEngine(model, **options)  # type: ignore[arg-type]
+    raise ValueError(f"unknown engine {kind!r}; choose one of {', '.join(ENGINES)}")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import socket
 import time
 from dataclasses import dataclass
@@ -228,3 +229,17 @@ class Worker:
                 continue
             log.info("%s: claimed abandoned %s %s", self.name, entry.stream, entry.id)
             self._start(entry)
+
+
+def run_worker(streams: Streams, engine: Engine, name: str | None, settings: WorkerSettings) -> Worker:
+    """Run a worker until SIGINT/SIGTERM, then drain and stop the engine."""
+    worker = Worker(streams, engine, name, settings)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, worker.stop)
+        await worker.run()
+
+    asyncio.run(main())
+    return worker

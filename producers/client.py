@@ -155,14 +155,19 @@ class RolloutClient:
         """Queue many prompts in one round trip."""
         self.streams.add_prompts(prompts)
 
-    def tokenize(self, text: str, chat: bool = True) -> list[int]:
+    @property
+    def tokenizer(self) -> Any:
+        """The model's tokenizer (transformers), loaded on first use."""
         if self._tokenizer is None:
             if self._tokenizer_path is None:
                 raise ValueError("text prompts need a tokenizer: RolloutClient(..., tokenizer=MODEL_DIR)")
             from transformers import AutoTokenizer
 
             self._tokenizer = AutoTokenizer.from_pretrained(str(self._tokenizer_path))
-        tok = self._tokenizer
+        return self._tokenizer
+
+    def tokenize(self, text: str, chat: bool = True) -> list[int]:
+        tok = self.tokenizer
         if chat and tok.chat_template:
             ids = tok.apply_chat_template(
                 [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False

@@ -1,3 +1,0 @@
-import typer
-
-app = typer.Typer()

@@ -1,0 +1,207 @@
+"""The `rollouts` command: the one place that composes pipeline, producers, consumers and staleness.
+
+Every command turns the mistakes a person makes (a wrong URL, a missing model, a bad
+prompts file) into one line that says what to fix, never a traceback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Annotated, NoReturn
+
+import redis
+import typer
+from rich.console import Console
+from rich.live import Live
+from rich.logging import RichHandler
+
+from pipeline.streams import Streams, connect
+from pipeline.wire import WireError
+
+app = typer.Typer(
+    help="Rollout Streams: a Redis-streams rollout pipeline for asynchronous RL on language models.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+console = Console(stderr=True)
+
+RedisOpt = Annotated[str, typer.Option("--redis", envvar="ROLLOUTS_REDIS", help="Redis URL.")]
+NsOpt = Annotated[str, typer.Option("--ns", envvar="ROLLOUTS_NS", help="Pipeline namespace (the key hash tag).")]
+DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
+DEFAULT_NS = "rollouts"
+
+
+def fail(message: str) -> NoReturn:
+    console.print(f"[bold red]error:[/] {message}")
+    raise typer.Exit(2)
+
+
+@contextlib.contextmanager
+def user_errors(redis_url: str | None = None) -> Iterator[None]:
+    """Report the errors a user can fix in one line each."""
+    try:
+        yield
+    except (redis.ConnectionError, redis.TimeoutError) as exc:
+        fail(f"cannot reach Redis at {redis_url}: {exc}. Is redis-server running there? Pass --redis URL.")
+    except redis.ResponseError as exc:
+        fail(f"Redis at {redis_url} refused a command: {exc}")
+    except (FileNotFoundError, NotADirectoryError, ValueError, WireError) as exc:
+        fail(str(exc))
+
+
+def open_streams(redis_url: str, ns: str) -> Streams:
+    with user_errors(redis_url):
+        return Streams(connect(redis_url), ns)
+
+
+def check_model_dir(model: Path) -> None:
+    if not (model / "config.json").is_file():
+        fail(f"no model at {model} (config.json missing). Build a tiny one with: rollouts tiny-model {model}")
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(message)s", handlers=[RichHandler(console=console)])
+
+
+@app.command("tiny-model")
+def tiny_model(
+    out: Annotated[Path, typer.Argument(help="Directory to write the model and tokenizer to.")],
+    seed: Annotated[int, typer.Option(help="Weight seed: different seeds give different policy weights.")] = 0,
+) -> None:
+    """Build the tiny local Qwen2 model and its byte-level BPE tokenizer (nothing is downloaded)."""
+    from consumers.tiny_model import build_tiny_model
+
+    with user_errors():
+        path = build_tiny_model(out, seed=seed)
+    console.print(f"tiny model (seed {seed}) written to [bold]{path}[/]")
+
+
+@app.command()
+def worker(
+    model: Annotated[Path, typer.Option(help="Model directory (safetensors + tokenizer).")],
+    redis_url: RedisOpt = DEFAULT_REDIS,
+    ns: NsOpt = DEFAULT_NS,
+    engine: Annotated[str, typer.Option(help="Generation engine: torch.")] = "torch",
+    name: Annotated[str | None, typer.Option(help="Consumer name; default host-pid.")] = None,
+    dtype: Annotated[str, typer.Option(help="Weights dtype: float32, bfloat16, float16.")] = "float32",
+    device: Annotated[str, typer.Option(help="Torch device for the torch engine.")] = "cpu",
+    max_batch: Annotated[int, typer.Option(help="Largest decode batch of the torch engine.")] = 64,
+    max_inflight: Annotated[int, typer.Option(help="Samples in flight on the engine at once.")] = 256,
+    claim_idle_ms: Annotated[int, typer.Option(help="Claim work untouched this long (a dead worker's).")] = 10_000,
+    heartbeat_s: Annotated[float, typer.Option(help="Heartbeat period in seconds.")] = 1.0,
+    log_level: Annotated[str, typer.Option(help="debug, info, warning.")] = "info",
+) -> None:
+    """Serve prompts from the namespace until interrupted (SIGINT/SIGTERM drain in-flight work)."""
+    from consumers.engine import ENGINES, create_engine
+    from consumers.worker import WorkerSettings, run_worker
+
+    setup_logging(log_level)
+    if engine not in ENGINES:
+        fail(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
+    check_model_dir(model)
+    streams = open_streams(redis_url, ns)
+    settings = WorkerSettings(max_inflight=max_inflight, claim_idle_ms=claim_idle_ms, heartbeat_s=heartbeat_s)
+    settings.heartbeat_ttl_s = max(settings.heartbeat_ttl_s, 5 * heartbeat_s)
+    with user_errors(redis_url):
+        gen = create_engine(engine, str(model), dtype=dtype, device=device, max_batch=max_batch)
+        done = run_worker(streams, gen, name, settings)
+    console.print(f"worker {done.name} stopped after publishing {done.published} rollouts")
+
+
+@app.command()
+def submit(
+    file: Annotated[Path, typer.Option("--file", help="JSONL: one prompt object a line.")],
+    redis_url: RedisOpt = DEFAULT_REDIS,
+    ns: NsOpt = DEFAULT_NS,
+    model: Annotated[Path | None, typer.Option(help="Model directory whose tokenizer reads text prompts.")] = None,
+) -> None:
+    """Queue prompts from a JSONL file: `id`, `prompt` (text) or `tokens`, `n`, `max_tokens`,
+    `temperature`, `top_p`, `stop_token_ids`, `seed`, `meta`. Nothing is queued unless every line is valid."""
+    from producers.prompts_file import read_prompts_file
+
+    if not file.is_file():
+        fail(f"no prompts file at {file}")
+    with user_errors(redis_url):
+        from producers.client import RolloutClient
+
+        client = RolloutClient(redis_url, ns, tokenizer=model)
+        prompts = read_prompts_file(file, client)
+        client.submit_prompts(prompts)
+    samples = sum(p.n for p in prompts)
+    console.print(f"queued {len(prompts)} prompts ({samples} samples) on {client.streams.keys.prompts}")
+
+
+@app.command()
+def top(
+    redis_url: RedisOpt = DEFAULT_REDIS,
+    ns: NsOpt = DEFAULT_NS,
+    once: Annotated[bool, typer.Option(help="Print one snapshot and exit.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="With --once: print the snapshot as JSON.")] = False,
+    interval: Annotated[float, typer.Option(help="Refresh period in seconds.")] = 1.0,
+) -> None:
+    """Live view of stream depth, group lag and pending, and workers; `--once --json` for scripts."""
+    from pipeline.top import render, snapshot
+
+    streams = open_streams(redis_url, ns)
+    with user_errors(redis_url):
+        if once:
+            snap = snapshot(streams)
+            if as_json:
+                print(json.dumps(snap, indent=2))
+            else:
+                Console().print(render(snap))
+            return
+        with Live(render(snapshot(streams)), console=Console(), refresh_per_second=4) as live:
+            try:
+                while True:
+                    time.sleep(interval)
+                    live.update(render(snapshot(streams)))
+            except KeyboardInterrupt:
+                pass
+
+
+@app.command()
+def demo(
+    prompts: Annotated[int, typer.Option(help="How many prompts to submit.")] = 16,
+    n: Annotated[int, typer.Option(help="Samples per prompt.")] = 4,
+    max_tokens: Annotated[int, typer.Option(help="Tokens to generate per sample.")] = 48,
+    keep: Annotated[bool, typer.Option(help="Keep Redis and the worker running for a look inside.")] = False,
+) -> None:
+    """Everything on an embedded default: private Redis, tiny model, a worker, prompts, a summary."""
+    from pipeline.cli.demo import run_demo
+
+    with user_errors():
+        run_demo(console, prompts=prompts, n=n, max_tokens=max_tokens, keep=keep)
+
+
+@app.command()
+def bench(
+    engine: Annotated[str, typer.Option(help="Engine to measure: torch.")] = "torch",
+    model: Annotated[Path | None, typer.Option(help="Model directory; default: a fresh tiny model.")] = None,
+    prompts: Annotated[int, typer.Option(help="Prompts per round.")] = 64,
+    n: Annotated[int, typer.Option(help="Samples per prompt.")] = 4,
+    max_tokens: Annotated[int, typer.Option(help="Tokens per sample (no early stop).")] = 64,
+    rounds: Annotated[int, typer.Option(help="Rounds of each; medians are reported.")] = 3,
+    max_batch: Annotated[int, typer.Option(help="Largest decode batch of the torch engine.")] = 64,
+) -> None:
+    """Rollouts/s and tokens/s of the engine called directly vs through the whole pipeline; JSON out."""
+    from pipeline.cli.bench import run_bench
+
+    with user_errors():
+        result = run_bench(
+            console,
+            engine=engine,
+            model=model,
+            prompts=prompts,
+            n=n,
+            max_tokens=max_tokens,
+            rounds=rounds,
+            max_batch=max_batch,
+        )
+    print(json.dumps(result, indent=2))

@@ -1,0 +1,137 @@
+"""`rollouts bench`: the engine called directly vs the whole pipeline, side by side in one run.
+
+Both sides get the same prompts with the same per-sample seeds, so they generate the
+same tokens: the difference is what Redis, the worker loop and the client cost. Rounds
+alternate (direct, pipeline, direct, ...) so that noise on a shared machine hits both;
+medians are reported.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from rich.console import Console
+from rich.progress import Progress
+
+from consumers.engine import Engine, create_engine
+from consumers.tiny_model import build_tiny_model
+from pipeline.cli.processes import start_worker, stop_process, wait_for_worker
+from pipeline.local import embedded_redis
+from pipeline.wire import Prompt, Sampling
+from producers.client import RolloutClient
+
+NS = "bench"
+
+
+def make_prompts(count: int, n: int, max_tokens: int, vocab: int, tag: str) -> list[Prompt]:
+    """Random token prompts of 8-32 tokens, seeded per prompt so both sides generate the same samples."""
+    rng = random.Random(1234)
+    return [
+        Prompt(
+            id=f"{tag}-{i}",
+            n=n,
+            tokens=[rng.randrange(3, vocab) for _ in range(rng.randint(8, 32))],
+            sampling=Sampling(max_tokens=max_tokens, temperature=1.0, seed=1000 * i),
+        )
+        for i in range(count)
+    ]
+
+
+async def _direct_round(engine: Engine, prompts: list[Prompt]) -> tuple[float, list[list[int]]]:
+    def sampling(p: Prompt, k: int) -> Sampling:
+        return p.sampling.model_copy(update={"seed": p.sampling.seed + k})  # the worker's per-sample seed
+
+    started = time.perf_counter()
+    generations = await asyncio.gather(
+        *(engine.generate(f"{p.id}:{k}", p.tokens, sampling(p, k)) for p in prompts for k in range(p.n))
+    )
+    return time.perf_counter() - started, [g.tokens.tolist() for g in generations]
+
+
+def _pipeline_round(client: RolloutClient, prompts: list[Prompt]) -> tuple[float, list[list[int]]]:
+    started = time.perf_counter()
+    client.submit_prompts(prompts)
+    groups = {g.prompt_id: g for g in client.collect(len(prompts), timeout=300)}
+    elapsed = time.perf_counter() - started
+    return elapsed, [r.tokens.tolist() for p in prompts for r in groups[p.id].rollouts]
+
+
+def run_bench(
+    console: Console,
+    engine: str,
+    model: Path | None,
+    prompts: int,
+    n: int,
+    max_tokens: int,
+    rounds: int,
+    max_batch: int,
+) -> dict[str, Any]:
+    tmp = Path(tempfile.mkdtemp(prefix="rollouts-bench-"))
+    try:
+        if model is None:
+            model = build_tiny_model(tmp / "model", seed=0)
+        options = {"max_batch": max_batch}
+        direct = create_engine(engine, str(model), **options)
+        vocab = direct.vocab_size
+        samples = prompts * n
+        times: dict[str, list[float]] = {"direct": [], "pipeline": []}
+        tokens: dict[str, list[int]] = {"direct": [], "pipeline": []}
+        same_tokens = True
+        with embedded_redis() as (url, served_by):
+            worker = start_worker(url, NS, model, "bench-worker", "--engine", engine, "--max-batch", str(max_batch))
+            loop = asyncio.new_event_loop()
+            try:
+                loop.run_until_complete(direct.start())
+                client = RolloutClient(url, NS)
+                wait_for_worker(client.streams.redis, NS, "bench-worker", worker, timeout_s=180)
+                with Progress(console=console) as progress:
+                    task = progress.add_task("bench rounds", total=rounds + 1)
+                    for r in range(rounds + 1):  # round 0 warms both sides up and is not counted
+                        batch = make_prompts(prompts, n, max_tokens, vocab, tag=f"r{r}")
+                        d_time, d_tokens = loop.run_until_complete(_direct_round(direct, batch))
+                        p_time, p_tokens = _pipeline_round(client, batch)
+                        same_tokens &= d_tokens == p_tokens
+                        if r > 0:
+                            for side, took, toks in (("direct", d_time, d_tokens), ("pipeline", p_time, p_tokens)):
+                                times[side].append(took)
+                                tokens[side].append(sum(map(len, toks)))
+                        progress.advance(task)
+            finally:
+                loop.run_until_complete(direct.shutdown())
+                loop.close()
+                stop_process(worker)
+
+        def side(name: str) -> dict[str, Any]:
+            rates = [samples / t for t in times[name]]
+            token_rates = [k / t for k, t in zip(tokens[name], times[name], strict=True)]
+            return {
+                "rollouts_per_s": round(statistics.median(rates), 2),
+                "tokens_per_s": round(statistics.median(token_rates), 1),
+                "seconds": [round(t, 3) for t in times[name]],
+            }
+
+        result = {
+            "engine": engine,
+            "redis": served_by,
+            "prompts": prompts,
+            "n": n,
+            "max_tokens": max_tokens,
+            "rounds": rounds,
+            "direct": side("direct"),
+            "pipeline": side("pipeline"),
+            "same_tokens": same_tokens,
+        }
+        ratios = np.array(times["direct"]) / np.array(times["pipeline"])
+        result["ratio"] = round(float(np.median(ratios)), 4)
+        result["pipeline_overhead_pct"] = round(100 * (1 - result["ratio"]), 2)
+        return result
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

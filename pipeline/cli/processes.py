@@ -1,0 +1,50 @@
+"""Worker processes that the demo, the bench and the tests start and stop by PID."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import redis
+
+from pipeline.wire import Keys
+
+
+def start_worker(
+    redis_url: str, ns: str, model: Path, name: str, *extra: str, log_file: Path | None = None
+) -> subprocess.Popen[bytes]:
+    """`rollouts worker` in its own process, as a user would run it."""
+    args = [sys.executable, "-m", "pipeline.cli", "worker", "--redis", redis_url, "--ns", ns]
+    args += ["--model", str(model), "--name", name, *extra]
+    out = open(log_file, "ab") if log_file else subprocess.DEVNULL  # noqa: SIM115 - the child owns it
+    return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def wait_for_worker(
+    client: redis.Redis, ns: str, name: str, process: subprocess.Popen[bytes], timeout_s: float
+) -> None:
+    """Wait until the worker's heartbeat says it serves; fail early if its process died."""
+    key = Keys(ns).worker(name)
+    deadline = time.monotonic() + timeout_s
+    while client.hget(key, "status") != b"serving":
+        if process.poll() is not None:
+            raise RuntimeError(f"worker {name} exited with code {process.returncode} before serving")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"worker {name} did not start serving within {timeout_s:.0f}s")
+        time.sleep(0.1)
+
+
+def stop_process(process: subprocess.Popen[bytes], timeout_s: float = 30.0) -> int:
+    """SIGTERM (the worker drains), then SIGKILL if it does not exit in time."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    return process.returncode
