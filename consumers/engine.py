@@ -44,6 +44,7 @@ class Engine(Protocol):
     """Policy version of the weights loaded now."""
     max_model_len: int
     """Longest prompt + generation the engine accepts, in tokens."""
+    vocab_size: int
 
     async def start(self) -> None: ...
 

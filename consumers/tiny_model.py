@@ -16,6 +16,10 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 PAD, BOS, EOS = "<|endoftext|>", "<|bos|>", "<|eos|>"
 ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
@@ -63,11 +67,10 @@ def corpus(n_lines: int = 3000, seed: int = TOKENIZER_SEED) -> list[str]:
     return lines
 
 
-def build_tokenizer(vocab_size: int = VOCAB_SIZE):  # -> PreTrainedTokenizerFast
+def build_tokenizer(vocab_size: int = VOCAB_SIZE) -> PreTrainedTokenizerFast:
     """Train a byte-level BPE on `corpus()`; identical on every call (fixed text, deterministic trainer)."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
-
     from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
     # The same normalizer and pre-tokenizer as transformers' `Qwen2Tokenizer`, which `AutoTokenizer`
@@ -145,15 +148,22 @@ def build_tiny_model(out_dir: Path, seed: int = 0) -> Path:
     model.generation_config.pad_token_id = ids[0]
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
-    _add_legacy_dtype(out_dir / "config.json")
+    _add_legacy_keys(out_dir / "config.json")
     return out_dir
 
 
-def _add_legacy_dtype(config_path: Path) -> None:
-    """Write `torch_dtype` beside transformers 5's `dtype`, for readers that know only the old key."""
+def _add_legacy_keys(config_path: Path) -> None:
+    """Write transformers 4's `torch_dtype` and `rope_theta` beside 5's `dtype` and `rope_parameters`.
+
+    Readers that know only the old keys (older vLLM or transformers) then load the same model;
+    transformers 5 folds them back into the new ones.
+    """
     config = json.loads(config_path.read_text())
     config.setdefault("dtype", "float32")
     config.setdefault("torch_dtype", config["dtype"])
+    rope = config.get("rope_parameters") or {}
+    if "rope_theta" in rope:
+        config.setdefault("rope_theta", rope["rope_theta"])
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 

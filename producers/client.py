@@ -160,7 +160,7 @@ class RolloutClient:
         """The model's tokenizer (transformers), loaded on first use."""
         if self._tokenizer is None:
             if self._tokenizer_path is None:
-                raise ValueError("text prompts need a tokenizer: RolloutClient(..., tokenizer=MODEL_DIR)")
+                raise ValueError("text prompts need a tokenizer: pass tokenizer=MODEL_DIR (on the command line: --model DIR)")
             from transformers import AutoTokenizer
 
             self._tokenizer = AutoTokenizer.from_pretrained(str(self._tokenizer_path))

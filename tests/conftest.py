@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import fakeredis
 import pytest
@@ -41,3 +42,19 @@ def any_redis(request: pytest.FixtureRequest) -> Iterator[redis.Redis]:
         client.close()
     else:
         yield request.getfixturevalue("real_redis")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny local model, weights seed 0 (policy version 0 in the tests)."""
+    from consumers.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-v0"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir_v1(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Same architecture and tokenizer, other weights (seed 1): a second policy version."""
+    from consumers.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-v1"), seed=1)

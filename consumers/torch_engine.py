@@ -1,0 +1,535 @@
+"""`torch` engine: batched decode with a KV cache on plain PyTorch + transformers.
+
+It is the reference for correctness (fp32 logprobs equal a plain forward pass) and the engine
+for machines without vLLM. One scheduler thread owns the model: it admits waiting requests
+into the running batch between decode steps (continuous batching), left-pads them with an
+attention mask and per-row position ids, prefills them, and decodes all rows one token per
+step from a `DynamicCache`. The asyncio side only enqueues requests and awaits futures that
+the thread resolves with `loop.call_soon_threadsafe`, so the event loop never waits on compute.
+
+Rows of one batch never influence each other's tokens: each request samples with its own
+`torch.Generator`, so a seeded request gives the same tokens alone or in any batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import random
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from consumers.engine import EngineInputError, Generation, PauseMode, check_request
+from pipeline.wire import FinishReason, Sampling
+
+log = logging.getLogger(__name__)
+
+SMALL_MODEL_PARAMS = 100_000_000
+"""Below this size a CPU engine decodes on one thread (see `TorchEngine`'s `num_threads`)."""
+
+
+class EngineClosedError(RuntimeError):
+    """The engine was shut down; requests still pending when it stopped fail with this."""
+
+
+@dataclass(eq=False)
+class _Request:
+    """One request's state; after admission it is owned by the scheduler thread."""
+
+    id: str
+    prompt: list[int]
+    sampling: Sampling
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[Generation]
+    generator: torch.Generator
+    stop_ids: frozenset[int]
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    spans: list[list[int]] = field(default_factory=list)
+
+    @property
+    def length(self) -> int:
+        """Prompt plus generated tokens."""
+        return len(self.prompt) + len(self.tokens)
+
+    def append(self, token: int, logprob: float, version: int) -> None:
+        n = len(self.tokens)
+        if self.spans and self.spans[-1][0] == version:
+            self.spans[-1][2] = n + 1
+        else:
+            self.spans.append([version, n, n + 1])
+        self.tokens.append(token)
+        self.logprobs.append(logprob)
+
+    def result(self, finish_reason: FinishReason) -> Generation:
+        return Generation(
+            tokens=np.asarray(self.tokens, dtype=np.int32),
+            logprobs=np.asarray(self.logprobs, dtype=np.float32),
+            finish_reason=finish_reason,
+            spans=[(v, s, e) for v, s, e in self.spans],
+        )
+
+
+class TorchEngine:
+    """The `Engine` protocol on a transformers causal LM (full attention models).
+
+    Args:
+        model_dir: a directory `AutoModelForCausalLM.from_pretrained` can load offline.
+        version: policy version of the weights in `model_dir`.
+        dtype: torch dtype (or its name) to run in; float32 by default, so logprobs are exact.
+        device: where the model runs ("cpu", "cuda", "cuda:1", ...).
+        max_batch: most requests decoded together; more wait for a free row.
+        max_model_len: cap on prompt + generation; the model's `max_position_embeddings` by default.
+        seed: seeds the generators of requests without `sampling.seed` (None: fresh randomness).
+        attn_implementation: passed to transformers ("sdpa" or "eager").
+        num_threads: intra-op threads of the scheduler thread (set in that thread only). None: 1 for a
+            model under 100M parameters on CPU, where thread sync costs more than it saves and, on a
+            busy machine, spinning OpenMP threads make a step 30x slower; torch's default otherwise.
+    """
+
+    name = "torch"
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        version: int = 0,
+        dtype: str | torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        max_batch: int = 64,
+        max_model_len: int | None = None,
+        seed: int | None = None,
+        attn_implementation: str = "sdpa",
+        num_threads: int | None = None,
+    ) -> None:
+        from transformers import AutoConfig
+
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self.model_dir = Path(model_dir)
+        self.version = version
+        self.dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        self.device = torch.device(device)
+        self.max_batch = max_batch
+        self.attn_implementation = attn_implementation
+        self.num_threads = num_threads
+        # The config alone (cheap) gives the limits the worker checks before `start()` loads weights.
+        config = AutoConfig.from_pretrained(self.model_dir)
+        text_config = config.get_text_config(decoder=True)
+        layer_types = getattr(text_config, "layer_types", None) or []
+        if any(t != "full_attention" for t in layer_types):
+            raise ValueError(f"TorchEngine supports full-attention models only; {self.model_dir} has {layer_types}")
+        context = int(getattr(text_config, "max_position_embeddings", 0) or 0)
+        if max_model_len is not None and max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
+        if not context and max_model_len is None:
+            raise ValueError(f"{self.model_dir} has no max_position_embeddings; pass max_model_len")
+        self.max_model_len = min(context or max_model_len, max_model_len or context)
+        self.vocab_size = int(text_config.vocab_size)
+        self._eos_ids = frozenset(_as_ids(getattr(text_config, "eos_token_id", None)))
+        self._pad_id = int(getattr(text_config, "pad_token_id", None) or 0)
+        self._seeds = random.Random(seed)
+
+        self._model: Any = None
+        self._thread: threading.Thread | None = None
+        self._start_lock = threading.Lock()
+        # `_cv` guards the queue and flags (held for microseconds, also by the event loop);
+        # `_step_lock` guards the model and the running batch (held by a whole step, never by the loop).
+        # Lock order: `_step_lock`, then `_cv`.
+        self._cv = threading.Condition()
+        self._step_lock = threading.Lock()
+        self._waiting: collections.deque[_Request] = collections.deque()
+        self._live: dict[str, _Request] = {}
+        self._aborts: set[_Request] = set()
+        """Requests to end at the next step boundary (objects, not ids: a reused id is never hit)."""
+        self._paused = False
+        self._closing = False
+        self._closed = False
+        # Running batch, owned by the scheduler thread under `_step_lock`. Invariant: the cache holds
+        # every token of each row except its last sampled one, which the next decode step feeds.
+        self._rows: list[_Request] = []
+        self._cache: Any = None
+        self._mask: torch.Tensor | None = None
+        self._stale = False
+        """Weights changed under the running rows: their cache is recomputed before the next token."""
+        self.generated_tokens = 0
+        """Tokens sampled since start (a counter for throughput metrics)."""
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Load the model (off the event loop) and start the scheduler thread. Idempotent."""
+        await asyncio.to_thread(self._start_sync)
+
+    def _start_sync(self) -> None:
+        from transformers import AutoModelForCausalLM
+
+        with self._start_lock:
+            if self._closed or self._closing:
+                raise EngineClosedError("the engine was shut down")
+            if self._thread is not None:
+                return
+            model = AutoModelForCausalLM.from_pretrained(
+                self.model_dir, dtype=self.dtype, attn_implementation=self.attn_implementation
+            )
+            model.to(self.device).eval().requires_grad_(False)
+            if self.num_threads is None and self.device.type == "cpu":
+                self.num_threads = 1 if sum(p.numel() for p in model.parameters()) < SMALL_MODEL_PARAMS else None
+            self._eos_ids = self._eos_ids | frozenset(_as_ids(getattr(model.generation_config, "eos_token_id", None)))
+            self._model = model
+            self._thread = threading.Thread(target=self._run, name=f"torch-engine-{self.model_dir.name}", daemon=True)
+            self._thread.start()
+
+    async def shutdown(self) -> None:
+        """Stop the scheduler thread; requests still pending fail with `EngineClosedError`."""
+        with self._cv:
+            self._closing = True
+            self._cv.notify_all()
+        thread = self._thread
+        if thread is not None:
+            await asyncio.to_thread(thread.join)
+        with self._step_lock, self._cv:
+            pending = list(self._live.values())
+            self._live.clear()
+            self._waiting.clear()
+            self._rows = []
+            self._cache = self._mask = None
+            self._model = None
+            self._closed = True
+        for req in pending:
+            _settle(req, EngineClosedError(f"engine shut down before request {req.id!r} finished"))
+
+    async def __aenter__(self) -> TorchEngine:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.shutdown()
+
+    # -- requests --------------------------------------------------------------------------------
+
+    async def generate(self, request_id: str, prompt_tokens: np.ndarray, sampling: Sampling) -> Generation:
+        """Generate one sample from `prompt_tokens`; raises `EngineInputError` for a request it cannot serve."""
+        prompt = np.asarray(prompt_tokens)
+        if prompt.ndim != 1 or (prompt.size and prompt.dtype.kind not in "iu"):
+            raise EngineInputError(f"prompt must be a 1-D array of integer token ids, got {prompt.dtype}{prompt.shape}")
+        check_request(prompt, sampling, self.max_model_len, self.vocab_size)
+        if self._thread is None:
+            await self.start()
+        loop = asyncio.get_running_loop()
+        req = _Request(
+            id=request_id,
+            prompt=prompt.astype(np.int64).tolist(),
+            sampling=sampling,
+            loop=loop,
+            future=loop.create_future(),
+            generator=torch.Generator(device=self.device),
+            stop_ids=frozenset(sampling.stop_token_ids) | self._eos_ids,
+        )
+        req.generator.manual_seed(sampling.seed if sampling.seed is not None else self._seeds.getrandbits(63))
+        with self._cv:
+            if self._closing:
+                raise EngineClosedError("the engine was shut down")
+            if request_id in self._live:
+                raise EngineInputError(f"request id {request_id!r} is already in flight on this engine")
+            self._live[request_id] = req
+            self._waiting.append(req)
+            self._cv.notify_all()
+        try:
+            return await req.future
+        except asyncio.CancelledError:
+            # The caller gave up: free the row rather than generate for nobody.
+            with self._cv:
+                if self._live.get(request_id) is req:
+                    self._aborts.add(req)
+                self._cv.notify_all()
+            raise
+
+    async def abort(self, request_ids: list[str]) -> None:
+        """End these requests at the next step boundary; their `generate` returns the tokens so far."""
+        with self._cv:
+            self._aborts.update(self._live[i] for i in request_ids if i in self._live)
+            self._cv.notify_all()
+
+    async def pause(self, mode: PauseMode) -> None:
+        """Stop decoding between steps; returns once no step runs. `abort` also ends every request now."""
+        if mode not in ("abort", "keep"):
+            raise ValueError(f"pause mode must be 'abort' or 'keep', got {mode!r}")
+        with self._cv:
+            self._paused = True
+            self._cv.notify_all()
+        await asyncio.to_thread(self._wait_step, mode == "abort")
+
+    def _wait_step(self, abort_all: bool) -> None:
+        """Take the step lock once (the step in progress ends), aborting everything on the way if asked."""
+        with self._step_lock:
+            if abort_all:
+                with self._cv:
+                    self._aborts.update(self._live.values())
+                self._apply_aborts()
+
+    async def resume(self) -> None:
+        """Continue decoding (requests kept by `pause("keep")` go on where they stopped)."""
+        with self._cv:
+            self._paused = False
+            self._cv.notify_all()
+
+    async def load_weights(self, path: str, version: int) -> None:
+        """Load a safetensors checkpoint (a directory or one file) in place, then tag new tokens `version`.
+
+        Tensors are read and checked before the model is touched: a bad checkpoint raises
+        `ValueError` and leaves the old weights serving. Running requests continue under the
+        new weights with their cache recomputed, so every token is exactly of one version.
+        """
+        await asyncio.to_thread(self._load_weights_sync, Path(path), version)
+
+    def _load_weights_sync(self, path: Path, version: int) -> None:
+        from safetensors.torch import load_file
+
+        if self._model is None:
+            raise RuntimeError("start() the engine before loading weights")
+        files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+        if not files or not all(f.is_file() for f in files):
+            raise FileNotFoundError(f"no safetensors checkpoint at {path}")
+        tensors: dict[str, torch.Tensor] = {}
+        for f in files:
+            tensors.update(load_file(f))
+        targets = self._model.state_dict()
+        unknown = sorted(set(tensors) - set(targets))
+        bad_shapes = [
+            f"{k}: {tuple(v.shape)} != {tuple(targets[k].shape)}"
+            for k, v in tensors.items()
+            if k in targets and v.shape != targets[k].shape
+        ]
+        # Tied parameters share storage: loading one of the names loads them all.
+        loaded = {targets[k].data_ptr() for k in tensors if k in targets}
+        missing = sorted(k for k, t in targets.items() if k not in tensors and t.data_ptr() not in loaded)
+        problems = []
+        if unknown:
+            problems.append(f"unknown tensors {unknown[:5]}{'...' if len(unknown) > 5 else ''}")
+        if missing:
+            problems.append(f"missing tensors {missing[:5]}{'...' if len(missing) > 5 else ''}")
+        if bad_shapes:
+            problems.append(f"shape mismatches {bad_shapes[:5]}")
+        if problems:
+            raise ValueError(f"checkpoint {path} does not fit the model: " + "; ".join(problems))
+        with self._step_lock, torch.no_grad():
+            for name, tensor in tensors.items():
+                targets[name].copy_(tensor)
+            self.version = version
+            self._stale = bool(self._rows)
+        log.info("loaded weights version %d from %s", version, path)
+
+    async def reset_prefix_cache(self) -> None:
+        """No prefix cache here (every request prefills its own prompt): nothing to reset."""
+
+    def stats(self) -> dict[str, int]:
+        """Counters for heartbeats and metrics."""
+        with self._cv:
+            return {
+                "running": len(self._rows),
+                "waiting": len(self._waiting),
+                "generated_tokens": self.generated_tokens,
+                "version": self.version,
+            }
+
+    # -- scheduler thread ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        """The scheduler loop: sleep until there is work, then run one step at a time."""
+        if self.num_threads:
+            torch.set_num_threads(self.num_threads)  # affects this thread only
+        while True:
+            with self._cv:
+                while not self._closing and not self._aborts and (self._paused or not (self._waiting or self._rows)):
+                    self._cv.wait()
+                if self._closing:
+                    return
+            with self._step_lock:
+                self._apply_aborts()
+                with self._cv:
+                    if self._paused:
+                        continue
+                    room = self.max_batch - len(self._rows)
+                    admitted = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
+                if not (self._rows or admitted):
+                    continue
+                try:
+                    with torch.inference_mode():
+                        self._step(admitted)
+                except Exception as exc:  # a failed step must not kill the engine: fail its requests, go on
+                    log.exception("torch engine step failed")
+                    failed = [*self._rows, *[r for r in admitted if r not in self._rows]]
+                    self._rows, self._cache, self._mask, self._stale = [], None, None, False
+                    with self._cv:
+                        for req in failed:
+                            self._live.pop(req.id, None)
+                    for req in failed:
+                        _settle(req, RuntimeError(f"torch engine step failed: {exc!r}"))
+
+    def _apply_aborts(self) -> None:
+        """End aborted requests, waiting or running (caller holds `_step_lock`)."""
+        with self._cv:
+            aborts, self._aborts = self._aborts, set()
+            if not aborts:
+                return
+            ended = [r for r in self._waiting if r in aborts]
+            for req in ended:
+                self._waiting.remove(req)
+        keep = [i for i, r in enumerate(self._rows) if r not in aborts]
+        ended += [r for r in self._rows if r in aborts]
+        if len(keep) < len(self._rows):
+            self._select_rows(keep)
+        self._finish([(r, "abort") for r in ended])
+
+    def _step(self, admitted: list[_Request]) -> None:
+        """One token for every running row: decode the cached rows, prefill the new (or stale) ones."""
+        model = self._model
+        logits = []
+        if self._stale:
+            admitted = self._rows + admitted
+            self._rows, self._cache, self._mask, self._stale = [], None, None, False
+        if self._rows:
+            batch = len(self._rows)
+            mask = torch.cat([self._mask, self._mask.new_ones(batch, 1)], dim=1)
+            out = model(
+                input_ids=torch.tensor([[r.tokens[-1]] for r in self._rows], device=self.device),
+                position_ids=torch.tensor([[r.length - 1] for r in self._rows], device=self.device),
+                attention_mask=mask,
+                past_key_values=self._cache,
+                use_cache=True,
+            )
+            self._mask = mask
+            logits.append(out.logits[:, -1])
+        if admitted:
+            width = max(r.length for r in admitted)
+            ids = torch.full((len(admitted), width), self._pad_id, dtype=torch.long)
+            mask = torch.zeros((len(admitted), width), dtype=torch.long)
+            for i, r in enumerate(admitted):
+                ids[i, width - r.length :] = torch.tensor(r.prompt + r.tokens)
+                mask[i, width - r.length :] = 1
+            ids, mask = ids.to(self.device), mask.to(self.device)
+            out = model(
+                input_ids=ids,
+                position_ids=(mask.cumsum(1) - 1).clamp(min=0),
+                attention_mask=mask,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            logits.append(out.logits[:, -1])
+            self._merge(admitted, out.past_key_values, mask)
+        tokens, logprobs = self._sample(torch.cat(logits).float())
+        self.generated_tokens += len(tokens)
+        finished: list[tuple[_Request, FinishReason]] = []
+        keep = []
+        for i, (req, token, logprob) in enumerate(zip(self._rows, tokens, logprobs, strict=True)):
+            req.append(token, logprob, self.version)
+            if token in req.stop_ids:
+                finished.append((req, "stop"))
+            elif len(req.tokens) >= req.sampling.max_tokens or req.length >= self.max_model_len:
+                finished.append((req, "length"))
+            else:
+                keep.append(i)
+        if finished:
+            self._select_rows(keep)
+            self._finish(finished)
+
+    def _sample(self, logits: torch.Tensor) -> tuple[list[int], list[float]]:
+        """Pick each row's token (greedy, or temperature + top-p with the row's own generator).
+
+        The logprob is that of the raw model distribution (before temperature and top-p), as
+        vLLM reports by default and as the trainer recomputes.
+        """
+        rows = self._rows
+        logprobs_all = torch.log_softmax(logits, dim=-1)
+        tokens = logits.argmax(dim=-1)
+        sampled = [i for i, r in enumerate(rows) if r.sampling.temperature > 0]
+        if sampled:
+            index = torch.tensor(sampled, device=logits.device)
+            temps = torch.tensor([rows[i].sampling.temperature for i in sampled], device=logits.device)
+            probs = torch.softmax(logits[index] / temps[:, None], dim=-1)
+            top_p = torch.tensor([rows[i].sampling.top_p for i in sampled], device=logits.device)
+            if bool((top_p < 1).any()):
+                sorted_probs, order = probs.sort(dim=-1, descending=True)
+                # Drop a token when the mass ranked above it already reaches top_p (the first always stays).
+                drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p[:, None]
+                probs = probs.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), 0.0)
+            # Exponential race: argmax(p / E), E ~ Exp(1), samples from p; one draw per vocabulary entry
+            # from the row's generator, so a row's tokens do not depend on the other rows.
+            noise = torch.stack([torch.empty_like(probs[0]).exponential_(generator=rows[i].generator) for i in sampled])
+            tokens[index] = (probs / noise).argmax(dim=-1)
+        chosen = logprobs_all.gather(1, tokens[:, None]).squeeze(1)
+        return tokens.tolist(), chosen.tolist()
+
+    def _merge(self, new_rows: list[_Request], cache: Any, mask: torch.Tensor) -> None:
+        """Append freshly prefilled rows to the running batch, left-padding the shorter cache."""
+        if not self._rows:
+            self._rows, self._cache, self._mask = list(new_rows), cache, mask
+            return
+        old_len, new_len = self._mask.shape[1], mask.shape[1]
+        width = max(old_len, new_len)
+        for old_layer, new_layer in zip(self._cache.layers, cache.layers, strict=True):
+            old_layer.keys = torch.cat([_pad_left(old_layer.keys, width), _pad_left(new_layer.keys, width)])
+            old_layer.values = torch.cat([_pad_left(old_layer.values, width), _pad_left(new_layer.values, width)])
+        self._mask = torch.cat([_pad_left(self._mask, width), _pad_left(mask, width)])
+        self._rows += new_rows
+
+    def _select_rows(self, keep: list[int]) -> None:
+        """Keep only these rows of the batch, and drop cache columns no remaining row attends to."""
+        self._rows = [self._rows[i] for i in keep]
+        if not self._rows:
+            self._cache = self._mask = None
+            return
+        index = torch.tensor(keep, device=self.device)
+        mask = self._mask.index_select(0, index)
+        start = int(mask.any(dim=0).int().argmax())
+        self._mask = mask[:, start:]
+        for layer in self._cache.layers:
+            layer.keys = layer.keys.index_select(0, index)[:, :, start:]
+            layer.values = layer.values.index_select(0, index)[:, :, start:]
+
+    def _finish(self, ended: list[tuple[_Request, FinishReason]]) -> None:
+        with self._cv:
+            for req, _ in ended:
+                self._live.pop(req.id, None)
+        for req, reason in ended:
+            _settle(req, req.result(reason))
+
+
+def _settle(req: _Request, outcome: Generation | BaseException) -> None:
+    """Resolve a request's future on its own event loop, from any thread."""
+
+    def apply() -> None:
+        if req.future.done():  # cancelled by its caller
+            return
+        if isinstance(outcome, BaseException):
+            req.future.set_exception(outcome)
+        else:
+            req.future.set_result(outcome)
+
+    with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting any more
+        req.loop.call_soon_threadsafe(apply)
+
+
+def _pad_left(tensor: torch.Tensor, width: int) -> torch.Tensor:
+    """Zero-pad the sequence axis (dim 2 of a [batch, heads, seq, dim] cache, dim 1 of a mask) on the left."""
+    axis = 2 if tensor.ndim == 4 else 1
+    missing = width - tensor.shape[axis]
+    if missing == 0:
+        return tensor
+    shape = list(tensor.shape)
+    shape[axis] = missing
+    return torch.cat([tensor.new_zeros(shape), tensor], dim=axis)
+
+
+def _as_ids(value: int | list[int] | None) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]

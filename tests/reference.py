@@ -1,0 +1,25 @@
+"""An independent reference: plain transformers forward passes, nothing from the engines."""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM
+
+
+@cache
+def load_model(model_dir: Path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def forward_logprobs(model_dir: Path, prompt: list[int], tokens: list[int]) -> np.ndarray:
+    """log p(tokens[i] | prompt + tokens[:i]) under the model's raw distribution, one forward pass."""
+    ids = torch.tensor([list(prompt) + list(tokens)])
+    with torch.inference_mode():
+        logits = load_model(Path(model_dir))(ids).logits[0].float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    positions = torch.arange(len(prompt) - 1, len(prompt) + len(tokens) - 1)
+    return logprobs[positions, torch.tensor(tokens, dtype=torch.long)].numpy()

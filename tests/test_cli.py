@@ -1,0 +1,147 @@
+"""The `rollouts` command as a person runs it: real processes, real Redis, readable errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline.cli.processes import start_worker, stop_process, wait_for_worker
+from pipeline.local import RedisServer, free_port
+from pipeline.wire import Keys, Prompt
+from producers.client import RolloutClient
+
+
+def rollouts(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+def assert_clean_error(result: subprocess.CompletedProcess[str], *needles: str) -> None:
+    """A non-zero exit with a message that says what to fix, and no traceback."""
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output
+    assert "Traceback" not in output
+    for needle in needles:
+        assert needle in output, output
+
+
+def test_submit_file_then_top_json_shows_the_pipeline(
+    redis_server: RedisServer, ns: str, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    lines = [
+        {"id": "text-1", "prompt": "what is 2 + 2?", "n": 2, "max_tokens": 6, "meta": {"answer": 4}},
+        {"id": "tok-1", "tokens": [5, 6, 7], "n": 3, "max_tokens": 4, "temperature": 0.7},
+    ]
+    prompts.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    url = redis_server.url
+    submitted = rollouts("submit", "--redis", url, "--ns", ns, "--file", str(prompts), "--model", str(tiny_model_dir))
+    assert submitted.returncode == 0, submitted.stderr
+    assert "queued 2 prompts (5 samples)" in submitted.stderr
+
+    snap = json.loads(rollouts("top", "--redis", url, "--ns", ns, "--once", "--json").stdout)
+    assert snap["streams"]["prompts"]["length"] == 2
+    assert snap["streams"]["prompts"]["groups"]["generators"]["lag"] == 2
+    assert snap["workers"] == {}
+
+    worker = start_worker(url, ns, tiny_model_dir, "cli-w", log_file=tmp_path / "w.log")
+    try:
+        client = RolloutClient(url, ns, tokenizer=tiny_model_dir)
+        wait_for_worker(client.streams.redis, ns, "cli-w", worker, timeout_s=120)
+        groups = {g.prompt_id: g for g in client.collect(2, timeout=60)}
+        assert set(groups) == {"text-1", "tok-1"}
+        assert groups["text-1"].rollouts[0].meta == {"answer": 4}
+        # The text prompt went through the tokenizer's chat template.
+        text_prompt = groups["text-1"].rollouts[0].prompt_tokens.tolist()
+        assert text_prompt == client.make_prompt("what is 2 + 2?").tokens.tolist() != []
+
+        snap = json.loads(rollouts("top", "--redis", url, "--ns", ns, "--once", "--json").stdout)
+        assert snap["streams"]["rollouts"]["length"] == 5
+        assert snap["streams"]["prompts"]["groups"]["generators"] == {"lag": 0, "pending": 0, "consumers": 1}
+        assert snap["streams"]["rollouts"]["groups"]["trainer"]["pending"] == 0
+        assert snap["workers"]["cli-w"]["status"] == "serving"
+        assert snap["workers"]["cli-w"]["version"] == "0"
+        assert snap["workers"]["cli-w"]["engine"] == "torch"
+        table = rollouts("top", "--redis", url, "--ns", ns, "--once")
+        assert "cli-w" in table.stdout and "generators" in table.stdout
+    finally:
+        stop_process(worker)
+
+
+def test_a_bad_prompts_file_queues_nothing_and_names_every_bad_line(
+    redis_server: RedisServer, ns: str, tmp_path: Path
+) -> None:
+    prompts = tmp_path / "bad.jsonl"
+    prompts.write_text(
+        '{"tokens": [1, 2], "n": 2}\n'
+        "not json\n"
+        '{"tokens": [1], "n": 0}\n'
+        '{"prompt": "hi", "tokens": [1]}\n'
+        '{"tokens": [1], "temperature": -2}\n'
+        '{"tokens": [1], "colour": "red"}\n'
+    )
+    result = rollouts("submit", "--redis", redis_server.url, "--ns", ns, "--file", str(prompts))
+    assert_clean_error(
+        result,
+        "5 bad lines, nothing was queued",
+        "line 2: not JSON",
+        "line 3: n:",
+        "line 4: give exactly one of",
+        "line 5: temperature must be >= 0",
+        "line 6: colour",
+    )
+    text_only = tmp_path / "text.jsonl"
+    text_only.write_text('{"prompt": "hello"}\n')
+    result = rollouts("submit", "--redis", redis_server.url, "--ns", ns, "--file", str(text_only))
+    assert_clean_error(result, "text prompts need a tokenizer")
+    client = RolloutClient(redis_server.url, ns)
+    assert client.streams.redis.xlen(Keys(ns).prompts) == 0
+
+
+@pytest.mark.parametrize(
+    ("args", "needles"),
+    [
+        (["top", "--once", "--redis", "redis://127.0.0.1:{port}/0"], ["cannot reach Redis", "--redis URL"]),
+        (["submit", "--file", "/no/such/file.jsonl"], ["no prompts file at /no/such/file.jsonl"]),
+        (["worker", "--model", "/no/such/model"], ["no model at /no/such/model", "rollouts tiny-model"]),
+        (["worker", "--model", "/tmp", "--engine", "tensorflow"], ["unknown engine 'tensorflow'"]),
+        (["top", "--once", "--ns", "a:b", "--redis", "{url}"], ["namespace 'a:b'"]),
+    ],
+)
+def test_argument_and_connection_errors_say_what_to_fix(
+    redis_server: RedisServer, args: list[str], needles: list[str]
+) -> None:
+    args = [a.format(port=free_port(), url=redis_server.url) for a in args]
+    assert_clean_error(rollouts(*args, timeout=60), *needles)
+
+
+def test_tiny_model_seeds_give_the_same_tokenizer_and_other_weights(tmp_path: Path) -> None:
+    for seed in ("0", "1"):
+        result = rollouts("tiny-model", str(tmp_path / seed), "--seed", seed)
+        assert result.returncode == 0, result.stderr
+    assert (tmp_path / "0" / "tokenizer.json").read_bytes() == (tmp_path / "1" / "tokenizer.json").read_bytes()
+    weights = [(tmp_path / seed / "model.safetensors").read_bytes() for seed in ("0", "1")]
+    assert weights[0] != weights[1]
+
+
+def test_demo_runs_end_to_end() -> None:
+    result = rollouts("demo", "--prompts", "4", "--n", "2", "--max-tokens", "8", timeout=300)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "demo summary" in output and "4 / 8" in output
+    assert "redis-cli -p" in output and "XRANGE '{demo}:rollouts'" in output
+
+
+def test_prompt_ids_are_kept_from_the_file(redis_server: RedisServer, ns: str, tmp_path: Path) -> None:
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "mine", "tokens": [4, 5], "n": 2, "seed": 7}\n')
+    assert rollouts("submit", "--redis", redis_server.url, "--ns", ns, "--file", str(prompts)).returncode == 0
+    client = RolloutClient(redis_server.url, ns)
+    ((_, fields),) = client.streams.redis.xrange(Keys(ns).prompts)
+    prompt = Prompt.from_fields(fields)
+    assert (prompt.id, prompt.n, prompt.tokens.tolist(), prompt.sampling.seed) == ("mine", 2, [4, 5], 7)

@@ -1,0 +1,178 @@
+"""End to end: real redis-server, `rollouts worker` in its own process, the trainer client here."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis
+
+from pipeline.cli.processes import start_worker, stop_process, wait_for_worker
+from pipeline.local import RedisServer
+from pipeline.wire import GENERATORS, Keys, Prompt, Sampling
+from producers.client import RolloutClient
+from tests.reference import forward_logprobs
+
+StartWorker = Callable[..., subprocess.Popen[bytes]]
+
+
+@pytest.fixture
+def workers(redis_server: RedisServer, ns: str, tiny_model_dir: Path, tmp_path: Path) -> Iterator[StartWorker]:
+    """Start named workers on this test's namespace; all are stopped (by PID) at the end."""
+    started: list[subprocess.Popen[bytes]] = []
+    client = redis.Redis.from_url(redis_server.url)
+
+    def start(name: str, *extra: str) -> subprocess.Popen[bytes]:
+        proc = start_worker(redis_server.url, ns, tiny_model_dir, name, *extra, log_file=tmp_path / f"{name}.log")
+        started.append(proc)
+        try:
+            wait_for_worker(client, ns, name, proc, timeout_s=120)
+        except Exception:
+            print((tmp_path / f"{name}.log").read_text())
+            raise
+        return proc
+
+    yield start
+    for proc in started:
+        stop_process(proc)
+    client.close()
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(0.05)
+
+
+def test_every_sample_delivered_once_with_true_logprobs(
+    redis_server: RedisServer, ns: str, tiny_model_dir: Path, workers: StartWorker
+) -> None:
+    workers("w1")
+    client = RolloutClient(redis_server.url, ns, tokenizer=tiny_model_dir)
+    ids = [client.submit(f"what is {i} + {i}?", n=3, max_tokens=24, seed=i, meta={"i": i}) for i in range(6)]
+    ids += [client.submit(tokens=[5 + i, 17, 33, 8], n=3, max_tokens=24, temperature=0.8) for i in range(6)]
+    groups = client.collect(len(ids), timeout=120)
+
+    assert sorted(g.prompt_id for g in groups) == sorted(ids)
+    rollouts = [r for g in groups for r in g.rollouts]
+    assert sorted(r.id for r in rollouts) == sorted(f"{p}:{k}" for p in ids for k in range(3))
+    assert client.stats["duplicates"] == 0
+    for r in rollouts:
+        assert r.version == r.version_end == 0 and r.worker == "w1"
+        assert r.finish_reason in ("stop", "length") and 1 <= r.n_tokens <= 24
+        assert r.spans == [(0, 0, r.n_tokens)]
+        reference = forward_logprobs(tiny_model_dir, r.prompt_tokens.tolist(), r.tokens.tolist())
+        np.testing.assert_allclose(r.logprobs, reference, atol=1e-4)
+    assert {g.rollouts[0].meta.get("i") for g in groups} >= set(range(6))
+    # Nothing left behind: prompts acked by the worker, rollouts acked by the client.
+    keys = Keys(ns)
+    assert client.streams.redis.xpending(keys.prompts, GENERATORS)["pending"] == 0
+    assert client.streams.redis.xpending(keys.rollouts, "trainer")["pending"] == 0
+    # No further group shows up: nothing was delivered twice.
+    with pytest.raises(TimeoutError):
+        next(client.groups(timeout=1.5))
+
+
+def redis_cli_fields(port: int, key: str) -> dict[str, str]:
+    """The first entry of a stream as `redis-cli` prints it to a person."""
+    out = subprocess.run(
+        ["redis-cli", "-p", str(port), "--no-raw", "XRANGE", key, "-", "+", "COUNT", "1"],
+        check=True,
+        capture_output=True,
+        text=True,
+        errors="replace",
+    ).stdout
+    values = [m.group(1) for m in re.finditer(r'^\s*(?:\d+\)\s+)+"(.*)"$', out, re.MULTILINE)]
+    pairs = values[1:]  # values[0] is the entry id
+    return dict(zip(pairs[::2], pairs[1::2], strict=False))
+
+
+def test_rollouts_are_readable_in_redis_cli(redis_server: RedisServer, ns: str, workers: StartWorker) -> None:
+    workers("w1")
+    client = RolloutClient(redis_server.url, ns)
+    client.submit(tokens=[3, 4, 5], n=2, max_tokens=5, temperature=0, id="cli-check")
+    client.collect(1, timeout=60)
+    fields = redis_cli_fields(redis_server.port, Keys(ns).rollouts)
+    assert fields["v"] == "1"
+    assert fields["id"] == "cli-check:0" and fields["prompt_id"] == "cli-check"
+    assert fields["version"] == "0" and fields["worker"] == "w1"
+    assert fields["n_tokens"].isdigit() and fields["finish_reason"] in ("stop", "length")
+    assert fields["spans"] == f"[[0,0,{fields['n_tokens']}]]"
+
+
+def test_bad_input_is_dead_lettered_or_errored_and_the_worker_goes_on(
+    redis_server: RedisServer, ns: str, workers: StartWorker
+) -> None:
+    proc = workers("w1")
+    client = RolloutClient(redis_server.url, ns)
+    keys = client.streams.keys
+    r = client.streams.redis
+    # Entries that cannot be decoded or validated.
+    r.xadd(keys.prompts, {b"hello": b"world"})
+    r.xadd(keys.prompts, Prompt(id="bad-bytes", n=1, tokens=[1]).to_fields() | {b"tokens": b"\x01\x02\x03"})
+    r.xadd(keys.prompts, Prompt(id="bad-n", n=1, tokens=[1]).to_fields() | {b"n": b"-4"})
+    # Entries that decode but that the engine cannot serve: written directly, as another language might.
+    too_long = Prompt(id="too-long", n=2, tokens=[7] * 600)
+    hot = Prompt(id="bad-sampling", n=2, tokens=[7, 8], sampling=Sampling(temperature=-1.0))
+    outside = Prompt(id="bad-token", n=1, tokens=[7, 10**6])
+    client.submit_prompts([too_long, hot, outside])
+    good = client.submit(tokens=[9, 10, 11], n=2, max_tokens=8)
+
+    groups = {g.prompt_id: g for g in client.collect(4, timeout=60)}
+    assert set(groups) == {"too-long", "bad-sampling", "bad-token", good}
+    for pid, needle in (("too-long", "context"), ("bad-sampling", "temperature"), ("bad-token", "token ids")):
+        for rollout in groups[pid].rollouts:
+            assert rollout.finish_reason == "error" and rollout.n_tokens == 0
+            assert needle in (rollout.error or "")
+    assert all(r.finish_reason in ("stop", "length") for r in groups[good].rollouts)
+
+    wait_until(lambda: r.xlen(keys.dead) == 3, 10, "three dead letters")
+    dead = {fields.get(b"id", b"?"): fields for _, fields in r.xrange(keys.dead)}
+    assert [d[b"stage"] for d in dead.values()] == [b"decode"] * 3
+    assert dead[b"?"][b"hello"] == b"world" and b"unsupported wire version" in dead[b"?"][b"error"]
+    assert b"tokens: 3 bytes" in dead[b"bad-bytes"][b"error"]
+    assert b"n: Input should be greater than or equal to 1" in dead[b"bad-n"][b"error"]
+    assert r.xpending(keys.prompts, GENERATORS)["pending"] == 0
+    assert proc.poll() is None, "the worker must keep serving"
+
+
+def test_a_killed_workers_prompts_finish_on_another_worker(
+    redis_server: RedisServer, ns: str, workers: StartWorker
+) -> None:
+    fast = ("--claim-idle-ms", "1500", "--heartbeat-s", "0.3", "--max-inflight", "16")
+    doomed = workers("doomed", *fast)
+    client = RolloutClient(redis_server.url, ns)
+    r = client.streams.redis
+    ids = [client.submit(tokens=[4 + i, 20, 30], n=2, max_tokens=200, seed=i) for i in range(24)]
+
+    def doomed_holds_work() -> bool:
+        pending = r.xpending(client.streams.keys.prompts, GENERATORS)
+        return any(c["name"] == b"doomed" and c["pending"] > 0 for c in pending["consumers"])
+
+    wait_until(doomed_holds_work, 60, "the first worker to take prompts")
+    os.kill(doomed.pid, signal.SIGKILL)
+    doomed.wait()
+    prompts_key = client.streams.keys.prompts
+    orphaned = r.xpending_range(prompts_key, GENERATORS, "-", "+", 1000, consumername="doomed")
+    orphaned_ids = {
+        Prompt.from_fields(r.xrange(prompts_key, p["message_id"], p["message_id"])[0][1]).id for p in orphaned
+    }
+    assert orphaned_ids, "the killed worker held no prompts"
+    workers("rescuer", *fast)
+
+    groups = client.collect(len(ids), timeout=180)
+    rollouts = [x for g in groups for x in g.rollouts]
+    assert sorted(g.prompt_id for g in groups) == sorted(ids)
+    assert len({x.id for x in rollouts}) == len(rollouts) == 2 * len(ids)
+    assert client.stats["duplicates"] == 0
+    assert all(x.worker == "rescuer" for x in rollouts if x.prompt_id in orphaned_ids)
+    assert r.xpending(client.streams.keys.prompts, GENERATORS)["pending"] == 0

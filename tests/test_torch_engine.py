@@ -1,0 +1,371 @@
+"""The `torch` engine against an independent reference: plain transformers forward passes.
+
+Every logprob the engine publishes must equal log_softmax of a fresh forward pass over
+prompt + generated tokens under the weights of the token's version; batching, padding,
+continuous admission, pausing and weight loads must not change a single token or logprob.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from consumers.engine import EngineInputError, Generation
+from consumers.tiny_model import EOS
+from consumers.torch_engine import EngineClosedError, TorchEngine
+from pipeline.wire import Sampling
+from tests.reference import forward_logprobs, load_model
+
+ATOL = 1e-4
+LONG_SEED = 5
+"""With `LONG_PROMPT`, this seed samples 500 tokens without an eos under the seed-0 weights."""
+LONG_PROMPT = np.arange(10, 20, dtype=np.int32)
+
+
+def prompts(lengths: list[int], seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(6, 512, size=n, dtype=np.int32) for n in lengths]
+
+
+def stacked(arrays: list[np.ndarray]) -> torch.Tensor:
+    return torch.from_numpy(np.stack(arrays)).long()
+
+
+def run(coro_fn: Callable[[TorchEngine], object], model_dir: Path, **engine_kwargs: object) -> object:
+    """Run `coro_fn(engine)` on a fresh, started engine in its own event loop, then shut it down."""
+
+    async def main() -> object:
+        async with TorchEngine(model_dir, num_threads=1, **engine_kwargs) as engine:
+            return await coro_fn(engine)
+
+    return asyncio.run(main())
+
+
+async def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
+    """Poll a condition with a deadline (the engine's thread makes progress meanwhile)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "condition not met before the deadline"
+        await asyncio.sleep(0.002)
+
+
+def assert_matches_forward(model_dir: Path, prompt: np.ndarray, gen: Generation, start: int = 0, end=None) -> None:
+    end = len(gen.tokens) if end is None else end
+    expected = forward_logprobs(model_dir, prompt.tolist(), gen.tokens[:end].tolist())[start:end]
+    np.testing.assert_allclose(gen.logprobs[start:end], expected, rtol=0, atol=ATOL)
+
+
+def greedy_reference(model_dir: Path, prompt: np.ndarray, max_tokens: int, eos: int) -> list[int]:
+    """Token-by-token argmax over full forward passes (no cache, no batch)."""
+    model = load_model(Path(model_dir))
+    ids = prompt.tolist()
+    out: list[int] = []
+    with torch.inference_mode():
+        while len(out) < max_tokens:
+            token = int(model(torch.tensor([ids + out])).logits[0, -1].argmax())
+            out.append(token)
+            if token == eos:
+                break
+    return out
+
+
+# -- (a) logprobs, (b) greedy, (c) seeds -------------------------------------------------------
+
+
+def test_logprobs_of_a_mixed_batch_equal_a_forward_pass(tiny_model_dir: Path) -> None:
+    """Prompts of different lengths, more than `max_batch` of them: padding and admission into a running batch."""
+    batch = prompts([1, 4, 9, 23, 57, 120, 3])
+    samplings = [Sampling(max_tokens=12 + 5 * i, temperature=1.0, seed=i) for i in range(len(batch))]
+    samplings[2] = Sampling(max_tokens=30, temperature=0.7, top_p=0.8, seed=2)  # logprobs stay raw
+
+    async def go(engine: TorchEngine) -> list[Generation]:
+        requests = zip(batch, samplings, strict=True)
+        return await asyncio.gather(*[engine.generate(f"r{i}", p, s) for i, (p, s) in enumerate(requests)])
+
+    gens = run(go, tiny_model_dir, max_batch=4)
+    for prompt, sampling, gen in zip(batch, samplings, gens, strict=True):
+        assert gen.tokens.dtype == np.int32 and gen.logprobs.dtype == np.float32
+        assert len(gen.tokens) == len(gen.logprobs) > 0
+        assert gen.spans == [(0, 0, len(gen.tokens))]
+        if gen.finish_reason == "length":
+            assert len(gen.tokens) == sampling.max_tokens
+        else:
+            assert gen.finish_reason == "stop" and gen.tokens[-1] == 2
+        assert_matches_forward(tiny_model_dir, prompt, gen)
+
+
+def test_greedy_equals_token_by_token_argmax(tiny_model_dir: Path) -> None:
+    batch = prompts([2, 15, 40], seed=1)
+
+    async def go(engine: TorchEngine) -> list[Generation]:
+        greedy = Sampling(max_tokens=40, temperature=0.0)
+        return await asyncio.gather(*[engine.generate(f"g{i}", p, greedy) for i, p in enumerate(batch)])
+
+    for prompt, gen in zip(batch, run(go, tiny_model_dir), strict=True):
+        assert gen.tokens.tolist() == greedy_reference(tiny_model_dir, prompt, 40, eos=2)
+        assert_matches_forward(tiny_model_dir, prompt, gen)
+
+
+def test_seeded_request_is_the_same_alone_and_in_a_batch(tiny_model_dir: Path) -> None:
+    prompt = prompts([11], seed=2)[0]
+    sampling = Sampling(max_tokens=40, temperature=1.0, top_p=0.9, seed=1234)
+
+    async def go(engine: TorchEngine) -> tuple[Generation, Generation, Generation]:
+        alone = await engine.generate("alone", prompt, sampling)
+        others = [
+            engine.generate(f"o{i}", p, Sampling(max_tokens=10 + 7 * i, temperature=t, seed=None if i % 2 else i))
+            for i, (p, t) in enumerate(zip(prompts([3, 70, 25, 1], seed=3), [1.0, 0.0, 0.5, 1.0], strict=True))
+        ]
+        # Other rows run before and after it joins; the same seeded request must not notice.
+        results = await asyncio.gather(*others[:2], engine.generate("batched", prompt, sampling), *others[2:])
+        other_seed = await engine.generate("other-seed", prompt, sampling.model_copy(update={"seed": 99}))
+        return alone, results[2], other_seed
+
+    alone, batched, other_seed = run(go, tiny_model_dir, max_batch=3)
+    assert alone.tokens.tolist() == batched.tokens.tolist()
+    np.testing.assert_allclose(alone.logprobs, batched.logprobs, rtol=0, atol=ATOL)
+    assert other_seed.tokens.tolist() != alone.tokens.tolist()  # the seed is what fixes the tokens
+
+
+# -- (d) finish reasons ------------------------------------------------------------------------
+
+
+def test_stop_tokens_max_tokens_and_context_end_generation(tiny_model_dir: Path) -> None:
+    sampling = Sampling(max_tokens=60, temperature=1.0, seed=LONG_SEED)
+
+    async def go(engine: TorchEngine) -> dict[str, Generation]:
+        out = {"free": await engine.generate("free", LONG_PROMPT, sampling)}
+        tokens = out["free"].tokens.tolist()
+        stop_at = next(i for i in range(5, len(tokens)) if tokens[i] not in tokens[:i])
+        stop = sampling.model_copy(update={"stop_token_ids": [tokens[stop_at]]})
+        out["stop"] = await engine.generate("stop", LONG_PROMPT, stop)
+        out["short"] = await engine.generate("short", LONG_PROMPT, sampling.model_copy(update={"max_tokens": 7}))
+        out["stop_at"] = stop_at
+        return out
+
+    out = run(go, tiny_model_dir)
+    free, stop_at = out["free"], out["stop_at"]
+    assert free.finish_reason == "length" and len(free.tokens) == 60
+    assert out["stop"].finish_reason == "stop"
+    assert out["stop"].tokens.tolist() == free.tokens[: stop_at + 1].tolist()  # the stop token is included
+    assert out["short"].finish_reason == "length" and out["short"].tokens.tolist() == free.tokens[:7].tolist()
+
+    async def context(engine: TorchEngine) -> Generation:
+        return await engine.generate("ctx", LONG_PROMPT, Sampling(max_tokens=100, temperature=1.0, seed=LONG_SEED))
+
+    capped = run(context, tiny_model_dir, max_model_len=16)
+    assert capped.finish_reason == "length" and len(capped.tokens) == 16 - len(LONG_PROMPT)
+
+
+def test_the_models_eos_token_stops_generation(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A copy of the model whose eos is a token greedy decoding reaches: the engine stops there, with `stop`."""
+    expected = greedy_reference(tiny_model_dir, LONG_PROMPT, 30, eos=2)
+    eos_at = next(i for i in range(3, len(expected)) if expected[i] not in expected[:i])
+    model_dir = Path(shutil.copytree(tiny_model_dir, tmp_path / "model"))
+    for name in ("config.json", "generation_config.json"):
+        config = json.loads((model_dir / name).read_text())
+        config["eos_token_id"] = expected[eos_at]
+        (model_dir / name).write_text(json.dumps(config))
+
+    async def go(engine: TorchEngine) -> Generation:
+        return await engine.generate("eos", LONG_PROMPT, Sampling(max_tokens=30, temperature=0.0))
+
+    gen = run(go, model_dir)
+    assert gen.finish_reason == "stop" and gen.tokens.tolist() == expected[: eos_at + 1]
+
+
+# -- (e) bad input -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("tokens", "sampling", "message"),
+    [
+        (np.ones(512, dtype=np.int32), Sampling(), r"prompt has 512 tokens; the model's context is 512"),
+        (np.ones(600, dtype=np.int32), Sampling(), r"at most 511 prompt tokens"),
+        (np.array([], dtype=np.int32), Sampling(), r"prompt has no tokens"),
+        (np.array([5, 512], dtype=np.int32), Sampling(), r"token ids must be in \[0, 512\), got \[5, 512\]"),
+        (np.array([-1, 5], dtype=np.int32), Sampling(), r"token ids must be in \[0, 512\)"),
+        (np.array([5, 6]), Sampling(temperature=-0.5), r"temperature must be >= 0, got -0.5"),
+        (np.array([5, 6]), Sampling(top_p=0.0), r"top_p must be in \(0, 1\]"),
+        (np.array([5, 6]), Sampling(max_tokens=0), r"max_tokens must be >= 1"),
+        (np.array([5, 6]), Sampling(stop_token_ids=[9999]), r"stop_token_ids \[9999\] are outside"),
+        (np.array([5.0, 6.0]), Sampling(), r"integer token ids"),
+        (np.array([[5, 6]]), Sampling(), r"1-D array"),
+    ],
+)
+def test_bad_requests_raise_engine_input_error(
+    tiny_model_dir: Path, tokens: np.ndarray, sampling: Sampling, message: str
+) -> None:
+    # Checked before the engine starts: no model load is needed to refuse a request.
+    engine = TorchEngine(tiny_model_dir)
+    with pytest.raises(EngineInputError, match=message):
+        asyncio.run(engine.generate("bad", tokens, sampling))
+
+
+def test_engine_keeps_serving_after_bad_requests(tiny_model_dir: Path) -> None:
+    async def go(engine: TorchEngine) -> Generation:
+        with pytest.raises(EngineInputError, match="temperature"):
+            await engine.generate("bad", LONG_PROMPT, Sampling(temperature=-1))
+        first = asyncio.ensure_future(engine.generate("dup", LONG_PROMPT, Sampling(max_tokens=400, seed=LONG_SEED)))
+        await wait_until(lambda: engine.stats()["running"] == 1)
+        with pytest.raises(EngineInputError, match="already in flight"):
+            await engine.generate("dup", LONG_PROMPT, Sampling())
+        await engine.abort(["dup"])
+        assert (await first).finish_reason == "abort"
+        return await engine.generate("ok", LONG_PROMPT, Sampling(max_tokens=5, seed=1))
+
+    assert len(run(go, tiny_model_dir).tokens) > 0
+
+
+# -- (f) abort, (g) pause and weight loads -----------------------------------------------------
+
+
+def test_abort_returns_partial_tokens_with_true_logprobs(tiny_model_dir: Path) -> None:
+    async def go(engine: TorchEngine) -> tuple[Generation, Generation]:
+        long = asyncio.ensure_future(
+            engine.generate("long", LONG_PROMPT, Sampling(max_tokens=500, temperature=1.0, seed=LONG_SEED))
+        )
+        await wait_until(lambda: engine.generated_tokens >= 5)
+        await engine.abort(["long", "unknown-id"])
+        partial = await long
+        after = await engine.generate("after", LONG_PROMPT, Sampling(max_tokens=5, temperature=1.0, seed=1))
+        return partial, after
+
+    partial, after = run(go, tiny_model_dir)
+    assert partial.finish_reason == "abort"
+    assert 5 <= len(partial.tokens) < 500
+    assert partial.spans == [(0, 0, len(partial.tokens))]
+    assert_matches_forward(tiny_model_dir, LONG_PROMPT, partial)
+    assert after.finish_reason == "length" and len(after.tokens) == 5
+
+
+def test_pause_keep_load_weights_resume_splits_spans(tiny_model_dir: Path, tiny_model_dir_v1: Path) -> None:
+    async def go(engine: TorchEngine) -> tuple[Generation, Generation, int]:
+        request = asyncio.ensure_future(
+            engine.generate("kept", LONG_PROMPT, Sampling(max_tokens=80, temperature=1.0, seed=LONG_SEED))
+        )
+        await wait_until(lambda: engine.generated_tokens >= 5)
+        await engine.pause("keep")
+        frozen = engine.generated_tokens
+        await engine.load_weights(str(tiny_model_dir_v1), version=1)
+        await engine.reset_prefix_cache()
+        assert engine.generated_tokens == frozen and not request.done()  # nothing moved while paused
+        await engine.resume()
+        kept = await request
+        fresh = await engine.generate("fresh", LONG_PROMPT, Sampling(max_tokens=20, temperature=1.0, seed=3))
+        return kept, fresh, engine.version
+
+    kept, fresh, version = run(go, tiny_model_dir)
+    assert version == 1
+    assert len(kept.spans) == 2, kept.spans
+    (v0, s0, k), (v1, k1, n) = kept.spans
+    assert (v0, s0, v1, k1, n) == (0, 0, 1, k, len(kept.tokens)) and 5 <= k < n
+    assert kept.finish_reason in ("length", "stop")
+    assert_matches_forward(tiny_model_dir, LONG_PROMPT, kept, 0, k)  # old weights for the old span
+    assert_matches_forward(tiny_model_dir_v1, LONG_PROMPT, kept, k, n)  # new weights over the whole prefix
+    assert fresh.spans == [(1, 0, len(fresh.tokens))]
+    assert_matches_forward(tiny_model_dir_v1, LONG_PROMPT, fresh)
+
+
+def test_pause_abort_ends_running_and_queued_requests(tiny_model_dir: Path) -> None:
+    async def go(engine: TorchEngine) -> tuple[list[Generation], Generation]:
+        sampling = Sampling(max_tokens=500, temperature=1.0, seed=LONG_SEED)
+        tasks = [asyncio.ensure_future(engine.generate(f"p{i}", LONG_PROMPT, sampling)) for i in range(3)]
+        await wait_until(lambda: engine.generated_tokens >= 4)  # two rows run, the third waits (max_batch=2)
+        await engine.pause("abort")
+        ended = await asyncio.gather(*tasks)
+        waiting = asyncio.ensure_future(engine.generate("later", LONG_PROMPT, Sampling(max_tokens=3, seed=1)))
+        await asyncio.sleep(0)  # let it enqueue; it must wait for resume
+        assert not waiting.done() and engine.stats()["waiting"] == 1
+        await engine.resume()
+        return ended, await waiting
+
+    ended, later = run(go, tiny_model_dir, max_batch=2)
+    assert [g.finish_reason for g in ended] == ["abort"] * 3
+    assert len(ended[0].tokens) >= 2 and len(ended[2].tokens) == 0 and ended[2].spans == []
+    for gen in ended[:2]:
+        assert_matches_forward(tiny_model_dir, LONG_PROMPT, gen)
+    assert len(later.tokens) == 3
+
+
+def test_bad_checkpoint_is_refused_and_old_weights_keep_serving(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file({"lm_head.weight": torch.zeros(3, 3)}, str(tmp_path / "model.safetensors"))
+
+    async def go(engine: TorchEngine) -> Generation:
+        with pytest.raises(ValueError, match="does not fit the model"):
+            await engine.load_weights(str(tmp_path), version=7)
+        with pytest.raises(FileNotFoundError):
+            await engine.load_weights(str(tmp_path / "nowhere"), version=7)
+        assert engine.version == 0
+        return await engine.generate("ok", LONG_PROMPT, Sampling(max_tokens=10, seed=1))
+
+    gen = run(go, tiny_model_dir)
+    assert gen.spans == [(0, 0, len(gen.tokens))]
+    assert_matches_forward(tiny_model_dir, LONG_PROMPT, gen)
+
+
+def test_shutdown_fails_pending_requests_and_cancel_frees_the_row(tiny_model_dir: Path) -> None:
+    async def go() -> None:
+        engine = TorchEngine(tiny_model_dir, num_threads=1, max_batch=1)
+        await engine.start()
+        sampling = Sampling(max_tokens=500, temperature=1.0, seed=LONG_SEED)
+        cancelled = asyncio.ensure_future(engine.generate("cancelled", LONG_PROMPT, sampling))
+        await wait_until(lambda: engine.stats()["running"] == 1)
+        cancelled.cancel()
+        # The only row is freed for the next request.
+        assert len((await engine.generate("next", LONG_PROMPT, Sampling(max_tokens=3, seed=1))).tokens) == 3
+        pending = asyncio.ensure_future(engine.generate("pending", LONG_PROMPT, sampling))
+        await wait_until(lambda: engine.stats()["running"] == 1)
+        await engine.shutdown()
+        with pytest.raises(EngineClosedError):
+            await pending
+        with pytest.raises(EngineClosedError):
+            await engine.generate("late", LONG_PROMPT, sampling)
+
+    asyncio.run(go())
+
+
+# -- (h) the tiny model ------------------------------------------------------------------------
+
+
+def test_tiny_model_is_peaked_and_seeds_give_different_weights(tiny_model_dir: Path, tiny_model_dir_v1: Path) -> None:
+    m0 = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    m1 = AutoModelForCausalLM.from_pretrained(tiny_model_dir_v1)
+    ids = stacked(prompts([48, 48, 48, 48], seed=4))
+    with torch.inference_mode():
+        logp0 = m0(ids).logits.log_softmax(-1)
+        logp1 = m1(ids).logits.log_softmax(-1)
+    vocab = m0.config.vocab_size
+    entropy = -(logp0.exp() * logp0).sum(-1)
+    assert entropy.mean() < math.log(vocab) - 1.5, f"entropy {entropy.mean():.2f} vs log(V) {math.log(vocab):.2f}"
+    assert (logp0 - logp1).abs().mean() > 0.5
+    assert (logp0.argmax(-1) != logp1.argmax(-1)).float().mean() > 0.5
+    assert 100_000 < sum(p.numel() for p in m0.parameters()) < 1_000_000
+    assert m0.config.hidden_size // m0.config.num_attention_heads == 32  # a head size vLLM's CPU attention takes
+
+    # One tokenizer for every seed, consistent with the model, with a chat template.
+    assert (tiny_model_dir / "tokenizer.json").read_bytes() == (tiny_model_dir_v1 / "tokenizer.json").read_bytes()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert len(tokenizer) == vocab and tokenizer.eos_token == EOS
+    assert tokenizer.eos_token_id == m0.config.eos_token_id == m0.generation_config.eos_token_id
+    text = "What is 12 + 30? The answer is 42."
+    assert tokenizer.decode(tokenizer(text).input_ids) == text
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+    assert tokenizer.decode(chat["input_ids"] if isinstance(chat, dict) else chat).endswith("<|assistant|>")
+
+    # What vLLM reads from config.json.
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2ForCausalLM"]
+    assert config["dtype"] == config["torch_dtype"] == "float32"
+    assert config["tie_word_embeddings"] is False and config["eos_token_id"] == tokenizer.eos_token_id
