@@ -63,7 +63,7 @@ class Worker:
         self.status = "starting"
         self.published = 0
         self.generated_tokens = 0
-        self._inflight: dict[bytes, Entry] = {}
+        self._inflight: dict[tuple[str, bytes], Entry] = {}
         self._inflight_samples = 0
         self._mean_n = 1.0
         self._room = asyncio.Event()
@@ -131,10 +131,10 @@ class Worker:
             await asyncio.to_thread(self.streams.dead_letter, entry, str(exc), "decode")
             return
         self._mean_n = 0.9 * self._mean_n + 0.1 * prompt.n
-        self._inflight[entry.id] = entry
+        self._inflight[entry.stream, entry.id] = entry
         self._inflight_samples += prompt.n
         try:
-            rollouts = await asyncio.gather(*(self._generate_sample(prompt, k) for k in range(prompt.n)))
+            rollouts = await asyncio.gather(*(self._generate_sample(prompt, k, entry) for k in range(prompt.n)))
             published = await asyncio.to_thread(self.streams.publish_rollouts, rollouts, entry)
             if published > 0:
                 self.published += published
@@ -142,11 +142,11 @@ class Worker:
             # Not the prompt's fault (engine failure, Redis gone): leave it pending for a retry elsewhere.
             log.exception("%s: prompt %s failed; it stays pending", self.name, prompt.id)
         finally:
-            del self._inflight[entry.id]
+            del self._inflight[entry.stream, entry.id]
             self._inflight_samples -= prompt.n
             self._room.set()
 
-    async def _generate_sample(self, prompt: Prompt, sample: int) -> Rollout:
+    async def _generate_sample(self, prompt: Prompt, sample: int, entry: Entry) -> Rollout:
         sampling = prompt.sampling
         if sampling.seed is not None:
             sampling = sampling.model_copy(update={"seed": sampling.seed + sample})
@@ -154,7 +154,9 @@ class Worker:
         version = self.engine.version
         error = None
         try:
-            generation = await self.engine.generate(f"{prompt.id}:{sample}:{self.name}", prompt.tokens, sampling)
+            # Keyed by entry, not prompt id: a resubmitted prompt id may be in flight here twice.
+            request_id = f"{prompt.id}@{entry.id.decode()}:{sample}"
+            generation = await self.engine.generate(request_id, prompt.tokens, sampling)
         except EngineInputError as exc:
             error = str(exc)
             empty = np.zeros(0, dtype=np.int32)
@@ -222,6 +224,8 @@ class Worker:
         count = max(1, int(free / self._mean_n))
         claimed = await asyncio.to_thread(self.streams.claim_abandoned, self.name, self.settings.claim_idle_ms, count)
         for entry in claimed:
+            if (entry.stream, entry.id) in self._inflight:
+                continue  # ours already (we stalled past the idle limit): keep serving it once
             deliveries = await asyncio.to_thread(self.streams.delivery_count, entry)
             if deliveries > self.settings.max_deliveries:
                 reason = f"handed out {deliveries} times without finishing (limit {self.settings.max_deliveries})"

@@ -79,6 +79,7 @@ class RolloutClient:
         consumer: str = "trainer-0",
         read_count: int = 512,
         remember_ids: int = 1_000_000,
+        trim_every_s: float = 10.0,
     ) -> None:
         client = connect(redis_url) if isinstance(redis_url, str) else redis_url
         self.streams = Streams(client, ns)
@@ -92,6 +93,8 @@ class RolloutClient:
         self._remember_ids = remember_ids
         self._open: dict[str, dict[int, tuple[Rollout, bytes]]] = {}
         self._read_pending = True  # first re-read what this consumer was handed before a restart
+        self._trim_every_s = trim_every_s
+        self._last_trim = time.monotonic()
 
     # -- submitting ----------------------------------------------------------------------------
 
@@ -160,7 +163,9 @@ class RolloutClient:
         """The model's tokenizer (transformers), loaded on first use."""
         if self._tokenizer is None:
             if self._tokenizer_path is None:
-                raise ValueError("text prompts need a tokenizer: pass tokenizer=MODEL_DIR (on the command line: --model DIR)")
+                raise ValueError(
+                    "text prompts need a tokenizer: pass tokenizer=MODEL_DIR (on the command line: --model DIR)"
+                )
             from transformers import AutoTokenizer
 
             self._tokenizer = AutoTokenizer.from_pretrained(str(self._tokenizer_path))
@@ -187,7 +192,7 @@ class RolloutClient:
             try:
                 yield group
             finally:
-                self.streams.ack_rollouts(group.entry_ids)
+                self._ack(group.entry_ids)
 
     def batches(self, groups_per_batch: int, timeout: float | None = None) -> Iterator[Batch]:
         """Yield batches of whole groups; a batch is acked when the caller comes back for the next."""
@@ -200,7 +205,7 @@ class RolloutClient:
             try:
                 yield batch
             finally:
-                self.streams.ack_rollouts([e for g in batch.groups for e in g.entry_ids])
+                self._ack([e for g in batch.groups for e in g.entry_ids])
 
     def collect(self, n_groups: int, timeout: float | None = 60.0) -> list[Group]:
         """The next `n_groups` whole groups (all acked); a convenience for scripts and tests."""
@@ -212,6 +217,13 @@ class RolloutClient:
             if len(got) == n_groups:
                 break
         return got
+
+    def _ack(self, entry_ids: list[bytes]) -> None:
+        """Ack what was handed over; now and then drop what every group on `rollouts` is done with."""
+        self.streams.ack_rollouts(entry_ids)
+        if time.monotonic() - self._last_trim >= self._trim_every_s:
+            self._last_trim = time.monotonic()
+            self.streams.trim_consumed(self.streams.keys.rollouts)
 
     def _whole_groups(self, timeout: float | None, block_ms: int = 500) -> Iterator[Group]:
         last_news = time.monotonic()

@@ -57,7 +57,7 @@ def test_every_sample_delivered_once_with_true_logprobs(
     redis_server: RedisServer, ns: str, tiny_model_dir: Path, workers: StartWorker
 ) -> None:
     workers("w1")
-    client = RolloutClient(redis_server.url, ns, tokenizer=tiny_model_dir)
+    client = RolloutClient(redis_server.url, ns, tokenizer=tiny_model_dir, trim_every_s=0)
     ids = [client.submit(f"what is {i} + {i}?", n=3, max_tokens=24, seed=i, meta={"i": i}) for i in range(6)]
     ids += [client.submit(tokens=[5 + i, 17, 33, 8], n=3, max_tokens=24, temperature=0.8) for i in range(6)]
     groups = client.collect(len(ids), timeout=120)
@@ -77,6 +77,7 @@ def test_every_sample_delivered_once_with_true_logprobs(
     keys = Keys(ns)
     assert client.streams.redis.xpending(keys.prompts, GENERATORS)["pending"] == 0
     assert client.streams.redis.xpending(keys.rollouts, "trainer")["pending"] == 0
+    assert client.streams.redis.xlen(keys.rollouts) <= 3, "acked rollouts are trimmed behind the trainer"
     # No further group shows up: nothing was delivered twice.
     with pytest.raises(TimeoutError):
         next(client.groups(timeout=1.5))
@@ -176,3 +177,23 @@ def test_a_killed_workers_prompts_finish_on_another_worker(
     assert client.stats["duplicates"] == 0
     assert all(x.worker == "rescuer" for x in rollouts if x.prompt_id in orphaned_ids)
     assert r.xpending(client.streams.keys.prompts, GENERATORS)["pending"] == 0
+
+
+def test_a_prompt_submitted_twice_is_delivered_once(redis_server: RedisServer, ns: str, workers: StartWorker) -> None:
+    workers("w1")
+    client = RolloutClient(redis_server.url, ns)
+    for _ in range(2):  # a trainer retrying a submit it thought had failed
+        client.submit(tokens=[6, 7, 8], n=2, max_tokens=16, seed=3, id="retried")
+    (group,) = client.collect(1, timeout=60)
+    assert [r.finish_reason for r in group.rollouts] != ["error", "error"]
+    wait_until(
+        lambda: (
+            client.streams.redis.xpending(client.streams.keys.prompts, GENERATORS)["pending"] == 0
+            and client.streams.redis.xlen(client.streams.keys.prompts) == 2
+        ),
+        30,
+        "both submissions to be served",
+    )
+    assert client.streams.redis.xlen(client.streams.keys.rollouts) == 2
+    with pytest.raises(TimeoutError):
+        next(client.groups(timeout=1.0))

@@ -92,6 +92,7 @@ def worker(
     dtype: Annotated[str, typer.Option(help="Weights dtype: float32, bfloat16, float16.")] = "float32",
     device: Annotated[str, typer.Option(help="Torch device for the torch engine.")] = "cpu",
     max_batch: Annotated[int, typer.Option(help="Largest decode batch of the torch engine.")] = 64,
+    num_threads: Annotated[int | None, typer.Option(help="CPU threads of the torch engine (default: torch's).")] = None,
     max_inflight: Annotated[int, typer.Option(help="Samples in flight on the engine at once.")] = 256,
     claim_idle_ms: Annotated[int, typer.Option(help="Claim work untouched this long (a dead worker's).")] = 10_000,
     heartbeat_s: Annotated[float, typer.Option(help="Heartbeat period in seconds.")] = 1.0,
@@ -109,7 +110,9 @@ def worker(
     settings = WorkerSettings(max_inflight=max_inflight, claim_idle_ms=claim_idle_ms, heartbeat_s=heartbeat_s)
     settings.heartbeat_ttl_s = max(settings.heartbeat_ttl_s, 5 * heartbeat_s)
     with user_errors(redis_url):
-        gen = create_engine(engine, str(model), dtype=dtype, device=device, max_batch=max_batch)
+        gen = create_engine(
+            engine, str(model), dtype=dtype, device=device, max_batch=max_batch, num_threads=num_threads
+        )
         done = run_worker(streams, gen, name, settings)
     console.print(f"worker {done.name} stopped after publishing {done.published} rollouts")
 
@@ -189,6 +192,7 @@ def bench(
     max_tokens: Annotated[int, typer.Option(help="Tokens per sample (no early stop).")] = 64,
     rounds: Annotated[int, typer.Option(help="Rounds of each; medians are reported.")] = 3,
     max_batch: Annotated[int, typer.Option(help="Largest decode batch of the torch engine.")] = 64,
+    num_threads: Annotated[int | None, typer.Option(help="CPU threads of the torch engine (default: torch's).")] = None,
 ) -> None:
     """Rollouts/s and tokens/s of the engine called directly vs through the whole pipeline; JSON out."""
     from pipeline.cli.bench import run_bench
@@ -203,5 +207,6 @@ def bench(
             max_tokens=max_tokens,
             rounds=rounds,
             max_batch=max_batch,
+            num_threads=num_threads,
         )
     print(json.dumps(result, indent=2))

@@ -73,20 +73,23 @@ def run_bench(
     max_tokens: int,
     rounds: int,
     max_batch: int,
+    num_threads: int | None,
 ) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="rollouts-bench-"))
     try:
         if model is None:
             model = build_tiny_model(tmp / "model", seed=0)
-        options = {"max_batch": max_batch}
-        direct = create_engine(engine, str(model), **options)
+        direct = create_engine(engine, str(model), max_batch=max_batch, num_threads=num_threads)
+        worker_args = ["--engine", engine, "--max-batch", str(max_batch)]
+        if num_threads:
+            worker_args += ["--num-threads", str(num_threads)]
         vocab = direct.vocab_size
         samples = prompts * n
         times: dict[str, list[float]] = {"direct": [], "pipeline": []}
         tokens: dict[str, list[int]] = {"direct": [], "pipeline": []}
         same_tokens = True
         with embedded_redis() as (url, served_by):
-            worker = start_worker(url, NS, model, "bench-worker", "--engine", engine, "--max-batch", str(max_batch))
+            worker = start_worker(url, NS, model, "bench-worker", *worker_args)
             loop = asyncio.new_event_loop()
             try:
                 loop.run_until_complete(direct.start())
@@ -125,6 +128,8 @@ def run_bench(
             "n": n,
             "max_tokens": max_tokens,
             "rounds": rounds,
+            "max_batch": max_batch,
+            "num_threads": num_threads,
             "direct": side("direct"),
             "pipeline": side("pipeline"),
             "same_tokens": same_tokens,
