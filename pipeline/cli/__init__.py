@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +23,10 @@ from rich.logging import RichHandler
 
 from pipeline.streams import Streams, connect
 from pipeline.wire import WireError
+
+# Models are local directories: never reach for a hub, and keep load/save progress bars out of logs.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 app = typer.Typer(
     help="Rollout Streams: a Redis-streams rollout pipeline for asynchronous RL on language models.",

@@ -38,7 +38,9 @@ def run_demo(console: Console, prompts: int, n: int, max_tokens: int, keep: bool
             started = time.monotonic()
             for i in range(prompts):
                 a, b = rng.randint(1, 99), rng.randint(1, 99)
-                client.submit(f"what is {a} + {b}?", n=n, max_tokens=max_tokens, seed=i, meta={"answer": a + b})
+                client.submit(
+                    f"what is {a} + {b}?", n=n, max_tokens=max_tokens, seed=i, meta={"answer": a + b}, id=f"demo-{i}"
+                )
             groups = _receive(console, client, prompts)
             elapsed = time.monotonic() - started
             _summary(console, client, groups, elapsed, url)
