@@ -1,3 +1,5 @@
 from pipeline.cli import app
 
-app()
+# Guarded: engines spawn processes that re-import the main module.
+if __name__ == "__main__":
+    app()
