@@ -145,3 +145,17 @@ def test_prompt_ids_are_kept_from_the_file(redis_server: RedisServer, ns: str, t
     ((_, fields),) = client.streams.redis.xrange(Keys(ns).prompts)
     prompt = Prompt.from_fields(fields)
     assert (prompt.id, prompt.n, prompt.tokens.tolist(), prompt.sampling.seed) == ("mine", 2, [4, 5], 7)
+
+
+def test_bench_compares_both_sides_on_the_same_tokens(tiny_model_dir: Path, tmp_path: Path) -> None:
+    plot = tmp_path / "bench.png"
+    result = rollouts(
+        "bench", "--model", str(tiny_model_dir), "--prompts", "4", "--n", "2", "--max-tokens", "8",
+        "--rounds", "1", "--plot", str(plot), timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["same_tokens"] is True
+    assert report["direct"]["rollouts_per_s"] > 0 and report["pipeline"]["rollouts_per_s"] > 0
+    assert report["ratio"] == pytest.approx(report["direct"]["seconds"][0] / report["pipeline"]["seconds"][0], rel=0.05)
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

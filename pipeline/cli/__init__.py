@@ -97,7 +97,7 @@ def worker(
     dtype: Annotated[str, typer.Option(help="Weights dtype: float32, bfloat16, float16.")] = "float32",
     device: Annotated[str, typer.Option(help="Torch device for the torch engine.")] = "cpu",
     max_batch: Annotated[int, typer.Option(help="Largest decode batch of the torch engine.")] = 64,
-    num_threads: Annotated[int | None, typer.Option(help="CPU threads of the torch engine (default: torch's).")] = None,
+    num_threads: Annotated[int | None, typer.Option(help="CPU threads of the torch engine (default: 1 for small CPU models).")] = None,
     max_inflight: Annotated[int, typer.Option(help="Samples in flight on the engine at once.")] = 256,
     claim_idle_ms: Annotated[int, typer.Option(help="Claim work untouched this long (a dead worker's).")] = 10_000,
     heartbeat_s: Annotated[float, typer.Option(help="Heartbeat period in seconds.")] = 1.0,
@@ -197,10 +197,11 @@ def bench(
     max_tokens: Annotated[int, typer.Option(help="Tokens per sample (no early stop).")] = 64,
     rounds: Annotated[int, typer.Option(help="Rounds of each; medians are reported.")] = 3,
     max_batch: Annotated[int, typer.Option(help="Largest decode batch of the torch engine.")] = 64,
-    num_threads: Annotated[int | None, typer.Option(help="CPU threads of the torch engine (default: torch's).")] = None,
+    num_threads: Annotated[int | None, typer.Option(help="CPU threads of the torch engine (default: 1 for small CPU models).")] = None,
+    plot: Annotated[Path | None, typer.Option(help="Also draw the rounds of both sides to this PNG.")] = None,
 ) -> None:
     """Rollouts/s and tokens/s of the engine called directly vs through the whole pipeline; JSON out."""
-    from pipeline.cli.bench import run_bench
+    from pipeline.cli.bench import plot_bench, run_bench
 
     with user_errors():
         result = run_bench(
@@ -214,4 +215,7 @@ def bench(
             max_batch=max_batch,
             num_threads=num_threads,
         )
+        if plot is not None:
+            plot_bench(result, plot)
+            console.print(f"plot written to {plot}")
     print(json.dumps(result, indent=2))

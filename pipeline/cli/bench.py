@@ -64,6 +64,28 @@ def _pipeline_round(client: RolloutClient, prompts: list[Prompt]) -> tuple[float
     return elapsed, [r.tokens.tolist() for p in prompts for r in groups[p.id].rollouts]
 
 
+def plot_bench(result: dict[str, Any], path: Path) -> None:
+    """Per-round rollouts/s of both sides, with their medians: the comparison at a glance."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    samples = result["prompts"] * result["n"]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for offset, side in ((-0.2, "direct"), (0.2, "pipeline")):
+        rates = [samples / t for t in result[side]["seconds"]]
+        label = f"{side} (median {result[side]['rollouts_per_s']:.1f}/s)"
+        ax.bar([i + 1 + offset for i in range(len(rates))], rates, width=0.4, label=label)
+    ax.set_xlabel("round")
+    ax.set_ylabel("rollouts/s")
+    ax.set_title(f"{result['engine']} engine: direct vs pipeline, ratio {result['ratio']:.3f}")
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def run_bench(
     console: Console,
     engine: str,
