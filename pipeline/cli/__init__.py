@@ -21,6 +21,20 @@ from rich.console import Console
 from rich.live import Live
 from rich.logging import RichHandler
 
+from pipeline.cli.engine_spec import (
+    DeviceOpt,
+    DtypeOpt,
+    EagerOpt,
+    EngineArgsOpt,
+    EngineOpt,
+    EngineSpec,
+    KvCacheOpt,
+    MaxBatchOpt,
+    MaxLenOpt,
+    SeedOpt,
+    ThreadsOpt,
+    TpOpt,
+)
 from pipeline.streams import Streams, connect
 from pipeline.wire import WireError
 
@@ -65,9 +79,14 @@ def open_streams(redis_url: str, ns: str) -> Streams:
         return Streams(connect(redis_url), ns)
 
 
-def check_model_dir(model: Path) -> None:
-    if not (model / "config.json").is_file():
-        fail(f"no model at {model} (config.json missing). Build a tiny one with: rollouts tiny-model {model}")
+def check_engine(spec: EngineSpec) -> None:
+    """Refuse an unknown engine or a missing model before anything heavy is imported."""
+    from consumers.engine import ENGINES
+
+    if spec.kind not in ENGINES:
+        fail(f"unknown engine {spec.kind!r}; choose one of {', '.join(ENGINES)}")
+    if not (spec.model / "config.json").is_file():
+        fail(f"no model at {spec.model} (config.json missing). Build a tiny one with: rollouts tiny-model {spec.model}")
 
 
 def setup_logging(level: str) -> None:
@@ -92,33 +111,49 @@ def worker(
     model: Annotated[Path, typer.Option(help="Model directory (safetensors + tokenizer).")],
     redis_url: RedisOpt = DEFAULT_REDIS,
     ns: NsOpt = DEFAULT_NS,
-    engine: Annotated[str, typer.Option(help="Generation engine: torch.")] = "torch",
+    engine: EngineOpt = "torch",
     name: Annotated[str | None, typer.Option(help="Consumer name; default host-pid.")] = None,
-    dtype: Annotated[str, typer.Option(help="Weights dtype: float32, bfloat16, float16.")] = "float32",
-    device: Annotated[str, typer.Option(help="Torch device for the torch engine.")] = "cpu",
-    max_batch: Annotated[int, typer.Option(help="Largest decode batch of the torch engine.")] = 64,
-    num_threads: Annotated[int | None, typer.Option(help="CPU threads of the torch engine (default: 1 for small CPU models).")] = None,
+    dtype: DtypeOpt = "float32",
+    device: DeviceOpt = "cpu",
+    max_batch: MaxBatchOpt = 64,
+    num_threads: ThreadsOpt = None,
+    max_model_len: MaxLenOpt = None,
+    kv_cache_bytes: KvCacheOpt = None,
+    tensor_parallel_size: TpOpt = 1,
+    enforce_eager: EagerOpt = True,
+    seed: SeedOpt = None,
+    engine_args: EngineArgsOpt = None,
     max_inflight: Annotated[int, typer.Option(help="Samples in flight on the engine at once.")] = 256,
     claim_idle_ms: Annotated[int, typer.Option(help="Claim work untouched this long (a dead worker's).")] = 10_000,
     heartbeat_s: Annotated[float, typer.Option(help="Heartbeat period in seconds.")] = 1.0,
     log_level: Annotated[str, typer.Option(help="debug, info, warning.")] = "info",
 ) -> None:
     """Serve prompts from the namespace until interrupted (SIGINT/SIGTERM drain in-flight work)."""
-    from consumers.engine import ENGINES, create_engine
+    from consumers.engine import create_engine
     from consumers.worker import WorkerSettings, run_worker
 
     setup_logging(log_level)
-    if engine not in ENGINES:
-        fail(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
-    check_model_dir(model)
+    with user_errors():
+        spec = EngineSpec(
+            kind=engine,
+            model=model,
+            dtype=dtype,
+            device=device,
+            max_batch=max_batch,
+            num_threads=num_threads,
+            max_model_len=max_model_len,
+            kv_cache_bytes=kv_cache_bytes,
+            tensor_parallel_size=tensor_parallel_size,
+            enforce_eager=enforce_eager,
+            seed=seed,
+            engine_args=EngineSpec.parse_engine_args(engine_args),
+        )
+    check_engine(spec)
     streams = open_streams(redis_url, ns)
     settings = WorkerSettings(max_inflight=max_inflight, claim_idle_ms=claim_idle_ms, heartbeat_s=heartbeat_s)
     settings.heartbeat_ttl_s = max(settings.heartbeat_ttl_s, 5 * heartbeat_s)
     with user_errors(redis_url):
-        gen = create_engine(
-            engine, str(model), dtype=dtype, device=device, max_batch=max_batch, num_threads=num_threads
-        )
-        done = run_worker(streams, gen, name, settings)
+        done = run_worker(streams, create_engine(engine, str(model), **spec.options()), name, settings)
     console.print(f"worker {done.name} stopped after publishing {done.published} rollouts")
 
 
@@ -190,30 +225,44 @@ def demo(
 
 @app.command()
 def bench(
-    engine: Annotated[str, typer.Option(help="Engine to measure: torch.")] = "torch",
+    engine: EngineOpt = "torch",
     model: Annotated[Path | None, typer.Option(help="Model directory; default: a fresh tiny model.")] = None,
     prompts: Annotated[int, typer.Option(help="Prompts per round.")] = 64,
     n: Annotated[int, typer.Option(help="Samples per prompt.")] = 4,
     max_tokens: Annotated[int, typer.Option(help="Tokens per sample (no early stop).")] = 64,
     rounds: Annotated[int, typer.Option(help="Rounds of each; medians are reported.")] = 3,
-    max_batch: Annotated[int, typer.Option(help="Largest decode batch of the torch engine.")] = 64,
-    num_threads: Annotated[int | None, typer.Option(help="CPU threads of the torch engine (default: 1 for small CPU models).")] = None,
+    dtype: DtypeOpt = "float32",
+    device: DeviceOpt = "cpu",
+    max_batch: MaxBatchOpt = 64,
+    num_threads: ThreadsOpt = None,
+    max_model_len: MaxLenOpt = None,
+    kv_cache_bytes: KvCacheOpt = None,
+    tensor_parallel_size: TpOpt = 1,
+    enforce_eager: EagerOpt = True,
+    engine_args: EngineArgsOpt = None,
     plot: Annotated[Path | None, typer.Option(help="Also draw the rounds of both sides to this PNG.")] = None,
 ) -> None:
     """Rollouts/s and tokens/s of the engine called directly vs through the whole pipeline; JSON out."""
     from pipeline.cli.bench import plot_bench, run_bench
 
     with user_errors():
-        result = run_bench(
-            console,
-            engine=engine,
-            model=model,
-            prompts=prompts,
-            n=n,
-            max_tokens=max_tokens,
-            rounds=rounds,
+        spec = EngineSpec(
+            kind=engine,
+            model=model or Path("tiny-model"),
+            dtype=dtype,
+            device=device,
             max_batch=max_batch,
             num_threads=num_threads,
+            max_model_len=max_model_len,
+            kv_cache_bytes=kv_cache_bytes,
+            tensor_parallel_size=tensor_parallel_size,
+            enforce_eager=enforce_eager,
+            engine_args=EngineSpec.parse_engine_args(engine_args),
+        )
+        if model is not None:
+            check_engine(spec)
+        result = run_bench(
+            console, spec, build_model=model is None, prompts=prompts, n=n, max_tokens=max_tokens, rounds=rounds
         )
         if plot is not None:
             plot_bench(result, plot)

@@ -14,6 +14,7 @@ import shutil
 import statistics
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from rich.progress import Progress
 
 from consumers.engine import Engine, create_engine
 from consumers.tiny_model import build_tiny_model
+from pipeline.cli.engine_spec import EngineSpec
 from pipeline.cli.processes import start_worker, stop_process, wait_for_worker
 from pipeline.local import embedded_redis
 from pipeline.wire import Prompt, Sampling
@@ -87,40 +89,29 @@ def plot_bench(result: dict[str, Any], path: Path) -> None:
 
 
 def run_bench(
-    console: Console,
-    engine: str,
-    model: Path | None,
-    prompts: int,
-    n: int,
-    max_tokens: int,
-    rounds: int,
-    max_batch: int,
-    num_threads: int | None,
+    console: Console, spec: EngineSpec, build_model: bool, prompts: int, n: int, max_tokens: int, rounds: int
 ) -> dict[str, Any]:
+    """Alternate rounds of the engine called directly (in this process) and of the pipeline (a worker process)."""
     tmp = Path(tempfile.mkdtemp(prefix="rollouts-bench-"))
     try:
-        if model is None:
-            model = build_tiny_model(tmp / "model", seed=0)
-        direct = create_engine(engine, str(model), max_batch=max_batch, num_threads=num_threads)
-        worker_args = ["--engine", engine, "--max-batch", str(max_batch)]
-        if num_threads:
-            worker_args += ["--num-threads", str(num_threads)]
-        vocab = direct.vocab_size
+        if build_model:
+            spec = replace(spec, model=build_tiny_model(tmp / "model", seed=0))
+        direct = create_engine(spec.kind, str(spec.model), **spec.options())
         samples = prompts * n
         times: dict[str, list[float]] = {"direct": [], "pipeline": []}
         tokens: dict[str, list[int]] = {"direct": [], "pipeline": []}
         same_tokens = True
         with embedded_redis() as (url, served_by):
-            worker = start_worker(url, NS, model, "bench-worker", *worker_args)
+            worker = start_worker(url, NS, spec.model, "bench-worker", *spec.worker_args(), log_file=tmp / "worker.log")
             loop = asyncio.new_event_loop()
             try:
                 loop.run_until_complete(direct.start())
                 client = RolloutClient(url, NS)
-                wait_for_worker(client.streams.redis, NS, "bench-worker", worker, timeout_s=180)
+                wait_for_worker(client.streams.redis, NS, "bench-worker", worker, timeout_s=300)
                 with Progress(console=console) as progress:
                     task = progress.add_task("bench rounds", total=rounds + 1)
                     for r in range(rounds + 1):  # round 0 warms both sides up and is not counted
-                        batch = make_prompts(prompts, n, max_tokens, vocab, tag=f"r{r}")
+                        batch = make_prompts(prompts, n, max_tokens, direct.vocab_size, tag=f"r{r}")
                         d_time, d_tokens = loop.run_until_complete(_direct_round(direct, batch))
                         p_time, p_tokens = _pipeline_round(client, batch)
                         same_tokens &= d_tokens == p_tokens
@@ -144,14 +135,13 @@ def run_bench(
             }
 
         result = {
-            "engine": engine,
+            "engine": spec.kind,
+            "options": {k: v for k, v in spec.options().items() if v is not None},
             "redis": served_by,
             "prompts": prompts,
             "n": n,
             "max_tokens": max_tokens,
             "rounds": rounds,
-            "max_batch": max_batch,
-            "num_threads": num_threads,
             "direct": side("direct"),
             "pipeline": side("pipeline"),
             "same_tokens": same_tokens,

@@ -1,0 +1,83 @@
+"""Engine flags shared by `rollouts worker` and `rollouts bench`, and what each engine takes of them."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+EngineOpt = Annotated[str, typer.Option("--engine", help="Generation engine: torch or vllm.")]
+DtypeOpt = Annotated[str, typer.Option(help="Weights dtype: float32, bfloat16, float16.")]
+DeviceOpt = Annotated[str, typer.Option(help="torch engine: device (cpu, cuda, cuda:1).")]
+MaxBatchOpt = Annotated[int, typer.Option(help="torch engine: largest decode batch.")]
+ThreadsOpt = Annotated[int | None, typer.Option(help="torch engine: CPU threads (default 1 for small CPU models).")]
+MaxLenOpt = Annotated[int | None, typer.Option(help="Longest prompt + generation (default: the model's).")]
+KvCacheOpt = Annotated[int | None, typer.Option(help="vllm engine: KV cache size in bytes.")]
+TpOpt = Annotated[int, typer.Option(help="vllm engine: tensor-parallel size.")]
+EagerOpt = Annotated[bool, typer.Option(help="vllm engine: no CUDA graphs / compilation.")]
+SeedOpt = Annotated[int | None, typer.Option(help="Engine seed, for requests that carry none.")]
+EngineArgsOpt = Annotated[
+    str | None, typer.Option(help="vllm engine: extra AsyncEngineArgs as JSON, e.g. '{\"block_size\": 32}'.")
+]
+
+
+@dataclass
+class EngineSpec:
+    kind: str
+    model: Path
+    dtype: str = "float32"
+    device: str = "cpu"
+    max_batch: int = 64
+    num_threads: int | None = None
+    max_model_len: int | None = None
+    kv_cache_bytes: int | None = None
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = True
+    seed: int | None = None
+    engine_args: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def parse_engine_args(cls, text: str | None) -> dict[str, Any]:
+        if not text:
+            return {}
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--engine-args is not valid JSON ({exc.msg}): {text}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"--engine-args must be a JSON object, got {text}")
+        return value
+
+    def options(self) -> dict[str, Any]:
+        """Keyword arguments of `create_engine` for this engine (each engine takes only its own)."""
+        common = {"dtype": self.dtype, "max_model_len": self.max_model_len, "seed": self.seed}
+        if self.kind == "torch":
+            return common | {"device": self.device, "max_batch": self.max_batch, "num_threads": self.num_threads}
+        options = common | {
+            "tensor_parallel_size": self.tensor_parallel_size,
+            "enforce_eager": self.enforce_eager,
+            "engine_args": self.engine_args,
+        }
+        if self.kv_cache_bytes is not None:
+            options["kv_cache_bytes"] = self.kv_cache_bytes
+        return options
+
+    def worker_args(self) -> list[str]:
+        """The same choice as `rollouts worker` flags."""
+        args = ["--engine", self.kind, "--dtype", self.dtype, "--device", self.device]
+        args += ["--max-batch", str(self.max_batch), "--tensor-parallel-size", str(self.tensor_parallel_size)]
+        args.append("--enforce-eager" if self.enforce_eager else "--no-enforce-eager")
+        for flag, value in (
+            ("--num-threads", self.num_threads),
+            ("--max-model-len", self.max_model_len),
+            ("--kv-cache-bytes", self.kv_cache_bytes),
+            ("--seed", self.seed),
+        ):
+            if value is not None:
+                args += [flag, str(value)]
+        if self.engine_args:
+            args += ["--engine-args", json.dumps(self.engine_args)]
+        return args
