@@ -7,7 +7,10 @@ is narrow: token ids in, token ids + per-token logprobs + version spans out.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal, Protocol
 
 import numpy as np
@@ -23,6 +26,10 @@ class EngineInputError(ValueError):
     The worker turns it into rollouts with `finish_reason=error`, so the trainer is never
     left waiting for a prompt that will not generate.
     """
+
+
+class EngineClosedError(RuntimeError):
+    """The engine was shut down or died: it serves nothing more, and the worker must stop."""
 
 
 @dataclass
@@ -69,8 +76,74 @@ class Engine(Protocol):
     async def shutdown(self) -> None: ...
 
 
+@dataclass(frozen=True)
+class ModelLimits:
+    """What an engine must know of a model before loading it: read from its config files alone."""
+
+    max_model_len: int
+    vocab_size: int
+    eos_ids: frozenset[int]
+    """The config's and generation config's `eos_token_id`: both engines stop on exactly these."""
+    pad_id: int
+
+
+def read_model_limits(model_dir: Path, max_model_len: int | None) -> ModelLimits:
+    """Context length (the model's, or the smaller `max_model_len` asked for), vocabulary and stop tokens."""
+    from transformers import AutoConfig, GenerationConfig
+
+    config = AutoConfig.from_pretrained(model_dir).get_text_config(decoder=True)
+    context = int(getattr(config, "max_position_embeddings", 0) or 0)
+    if max_model_len is not None and max_model_len < 2:
+        raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
+    if not context and max_model_len is None:
+        raise ValueError(f"{model_dir} has no max_position_embeddings; pass max_model_len")
+    eos = _as_ids(getattr(config, "eos_token_id", None))
+    with contextlib.suppress(OSError):  # no generation_config.json
+        eos += _as_ids(GenerationConfig.from_pretrained(model_dir).eos_token_id)
+    return ModelLimits(
+        max_model_len=min(context or max_model_len, max_model_len or context),  # type: ignore[type-var]
+        vocab_size=int(config.vocab_size),
+        eos_ids=frozenset(eos),
+        pad_id=int(getattr(config, "pad_token_id", None) or 0),
+    )
+
+
+def _as_ids(value: int | list[int] | None) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+def check_checkpoint_fits(
+    shapes: Mapping[str, tuple[int, ...]],
+    expected: Mapping[str, tuple[int, ...]],
+    source: object,
+    missing: list[str] | None = None,
+) -> None:
+    """Refuse, before anything is loaded, weights whose names or shapes do not match the model's.
+
+    `missing` overrides the names counted as missing (tied parameters load through one name).
+    """
+    unknown = sorted(set(shapes) - set(expected))
+    missing = sorted(set(expected) - set(shapes)) if missing is None else missing
+    bad = [f"{k}: {shapes[k]} != {expected[k]}" for k in shapes if k in expected and shapes[k] != expected[k]]
+    problems = []
+    if unknown:
+        problems.append(f"unknown tensors {unknown[:5]}{'...' if len(unknown) > 5 else ''}")
+    if missing:
+        problems.append(f"missing tensors {missing[:5]}{'...' if len(missing) > 5 else ''}")
+    if bad:
+        problems.append(f"shape mismatches {bad[:5]}")
+    if problems:
+        raise ValueError(f"checkpoint {source} does not fit the model: " + "; ".join(problems))
+
+
 def check_request(prompt_tokens: np.ndarray, sampling: Sampling, max_model_len: int, vocab_size: int) -> None:
     """The checks every engine makes before it accepts a request, with messages that say what to fix."""
+    if prompt_tokens.ndim != 1 or (prompt_tokens.size and prompt_tokens.dtype.kind not in "iu"):
+        raise EngineInputError(
+            f"prompt must be a 1-D array of integer token ids, got {prompt_tokens.dtype}{prompt_tokens.shape}"
+        )
     problems = sampling.problems()
     if len(prompt_tokens) == 0:
         problems.append("prompt has no tokens")
@@ -88,7 +161,7 @@ def check_request(prompt_tokens: np.ndarray, sampling: Sampling, max_model_len: 
         raise EngineInputError("; ".join(problems))
 
 
-ENGINES = ("torch",)
+ENGINES = ("torch", "vllm")
 
 
 def create_engine(kind: str, model: str, **options: object) -> Engine:
@@ -97,4 +170,8 @@ def create_engine(kind: str, model: str, **options: object) -> Engine:
         from consumers.torch_engine import TorchEngine
 
         return TorchEngine(model, **options)  # type: ignore[arg-type]
+    if kind == "vllm":
+        from consumers.vllm_engine import VllmEngine
+
+        return VllmEngine(model, **options)  # type: ignore[arg-type]
     raise ValueError(f"unknown engine {kind!r}; choose one of {', '.join(ENGINES)}")

@@ -26,17 +26,21 @@ from typing import Any
 import numpy as np
 import torch
 
-from consumers.engine import EngineInputError, Generation, PauseMode, check_request
+from consumers.engine import (
+    EngineClosedError,
+    EngineInputError,
+    Generation,
+    PauseMode,
+    check_checkpoint_fits,
+    check_request,
+    read_model_limits,
+)
 from pipeline.wire import FinishReason, Sampling
 
 log = logging.getLogger(__name__)
 
 SMALL_MODEL_PARAMS = 100_000_000
 """Below this size a CPU engine decodes on one thread (see `TorchEngine`'s `num_threads`)."""
-
-
-class EngineClosedError(RuntimeError):
-    """The engine was shut down; requests still pending when it stopped fail with this."""
 
 
 @dataclass(eq=False)
@@ -121,20 +125,14 @@ class TorchEngine:
         self.attn_implementation = attn_implementation
         self.num_threads = num_threads
         # The config alone (cheap) gives the limits the worker checks before `start()` loads weights.
-        config = AutoConfig.from_pretrained(self.model_dir)
-        text_config = config.get_text_config(decoder=True)
-        layer_types = getattr(text_config, "layer_types", None) or []
+        layer_types = getattr(AutoConfig.from_pretrained(self.model_dir).get_text_config(), "layer_types", None) or []
         if any(t != "full_attention" for t in layer_types):
             raise ValueError(f"TorchEngine supports full-attention models only; {self.model_dir} has {layer_types}")
-        context = int(getattr(text_config, "max_position_embeddings", 0) or 0)
-        if max_model_len is not None and max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
-        if not context and max_model_len is None:
-            raise ValueError(f"{self.model_dir} has no max_position_embeddings; pass max_model_len")
-        self.max_model_len = min(context or max_model_len, max_model_len or context)
-        self.vocab_size = int(text_config.vocab_size)
-        self._eos_ids = frozenset(_as_ids(getattr(text_config, "eos_token_id", None)))
-        self._pad_id = int(getattr(text_config, "pad_token_id", None) or 0)
+        limits = read_model_limits(self.model_dir, max_model_len)
+        self.max_model_len = limits.max_model_len
+        self.vocab_size = limits.vocab_size
+        self._eos_ids = limits.eos_ids
+        self._pad_id = limits.pad_id
         self._seeds = random.Random(seed)
 
         self._model: Any = None
@@ -182,7 +180,6 @@ class TorchEngine:
             model.to(self.device).eval().requires_grad_(False)
             if self.num_threads is None and self.device.type == "cpu":
                 self.num_threads = 1 if sum(p.numel() for p in model.parameters()) < SMALL_MODEL_PARAMS else None
-            self._eos_ids = self._eos_ids | frozenset(_as_ids(getattr(model.generation_config, "eos_token_id", None)))
             self._model = model
             self._thread = threading.Thread(target=self._run, name=f"torch-engine-{self.model_dir.name}", daemon=True)
             self._thread.start()
@@ -218,8 +215,6 @@ class TorchEngine:
     async def generate(self, request_id: str, prompt_tokens: np.ndarray, sampling: Sampling) -> Generation:
         """Generate one sample from `prompt_tokens`; raises `EngineInputError` for a request it cannot serve."""
         prompt = np.asarray(prompt_tokens)
-        if prompt.ndim != 1 or (prompt.size and prompt.dtype.kind not in "iu"):
-            raise EngineInputError(f"prompt must be a 1-D array of integer token ids, got {prompt.dtype}{prompt.shape}")
         check_request(prompt, sampling, self.max_model_len, self.vocab_size)
         if self._thread is None:
             await self.start()
@@ -302,24 +297,11 @@ class TorchEngine:
         for f in files:
             tensors.update(load_file(f))
         targets = self._model.state_dict()
-        unknown = sorted(set(tensors) - set(targets))
-        bad_shapes = [
-            f"{k}: {tuple(v.shape)} != {tuple(targets[k].shape)}"
-            for k, v in tensors.items()
-            if k in targets and v.shape != targets[k].shape
-        ]
         # Tied parameters share storage: loading one of the names loads them all.
         loaded = {targets[k].data_ptr() for k in tensors if k in targets}
         missing = sorted(k for k, t in targets.items() if k not in tensors and t.data_ptr() not in loaded)
-        problems = []
-        if unknown:
-            problems.append(f"unknown tensors {unknown[:5]}{'...' if len(unknown) > 5 else ''}")
-        if missing:
-            problems.append(f"missing tensors {missing[:5]}{'...' if len(missing) > 5 else ''}")
-        if bad_shapes:
-            problems.append(f"shape mismatches {bad_shapes[:5]}")
-        if problems:
-            raise ValueError(f"checkpoint {path} does not fit the model: " + "; ".join(problems))
+        shapes = {k: tuple(v.shape) for k, v in tensors.items()}
+        check_checkpoint_fits(shapes, {k: tuple(v.shape) for k, v in targets.items()}, path, missing)
         with self._step_lock, torch.no_grad():
             for name, tensor in tensors.items():
                 targets[name].copy_(tensor)
@@ -527,9 +509,3 @@ def _pad_left(tensor: torch.Tensor, width: int) -> torch.Tensor:
     shape = list(tensor.shape)
     shape[axis] = missing
     return torch.cat([tensor.new_zeros(shape), tensor], dim=axis)
-
-
-def _as_ids(value: int | list[int] | None) -> list[int]:
-    if value is None:
-        return []
-    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from consumers.engine import Engine, EngineInputError, Generation
+from consumers.engine import Engine, EngineClosedError, EngineInputError, Generation
 from pipeline.streams import Entry, Streams
 from pipeline.wire import Prompt, Rollout, WireError
 
@@ -61,6 +61,8 @@ class Worker:
         self.name = name or default_worker_name()
         self.settings = settings or WorkerSettings()
         self.status = "starting"
+        self.failure: str | None = None
+        """Why the worker stopped on its own (its engine died); None after a requested stop."""
         self.published = 0
         self.generated_tokens = 0
         self._inflight: dict[tuple[str, bytes], Entry] = {}
@@ -138,8 +140,14 @@ class Worker:
             published = await asyncio.to_thread(self.streams.publish_rollouts, rollouts, entry)
             if published > 0:
                 self.published += published
+        except EngineClosedError as exc:
+            # The engine is gone: stop, so that a supervisor restarts us and the others claim our work.
+            if not self._stopping.is_set():
+                log.error("%s: %s; stopping, prompt %s stays pending", self.name, exc, prompt.id)
+                self.failure = str(exc)
+                self.stop()
         except Exception:
-            # Not the prompt's fault (engine failure, Redis gone): leave it pending for a retry elsewhere.
+            # Not the prompt's fault (a failed engine step, Redis gone): leave it pending for a retry elsewhere.
             log.exception("%s: prompt %s failed; it stays pending", self.name, prompt.id)
         finally:
             del self._inflight[entry.stream, entry.id]

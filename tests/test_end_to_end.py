@@ -21,6 +21,7 @@ from producers.client import RolloutClient
 from tests.reference import forward_logprobs
 
 StartWorker = Callable[..., subprocess.Popen[bytes]]
+ENGINES = [pytest.param("torch"), pytest.param("vllm", marks=pytest.mark.vllm)]
 
 
 @pytest.fixture
@@ -33,7 +34,7 @@ def workers(redis_server: RedisServer, ns: str, tiny_model_dir: Path, tmp_path: 
         proc = start_worker(redis_server.url, ns, tiny_model_dir, name, *extra, log_file=tmp_path / f"{name}.log")
         started.append(proc)
         try:
-            wait_for_worker(client, ns, name, proc, timeout_s=120)
+            wait_for_worker(client, ns, name, proc, timeout_s=240)
         except Exception:
             print((tmp_path / f"{name}.log").read_text())
             raise
@@ -53,10 +54,11 @@ def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> No
         time.sleep(0.05)
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 def test_every_sample_delivered_once_with_true_logprobs(
-    redis_server: RedisServer, ns: str, tiny_model_dir: Path, workers: StartWorker
+    redis_server: RedisServer, ns: str, tiny_model_dir: Path, workers: StartWorker, engine: str
 ) -> None:
-    workers("w1")
+    workers("w1", "--engine", engine)
     client = RolloutClient(redis_server.url, ns, tokenizer=tiny_model_dir, trim_every_s=0)
     ids = [client.submit(f"what is {i} + {i}?", n=3, max_tokens=24, seed=i, meta={"i": i}) for i in range(6)]
     ids += [client.submit(tokens=[5 + i, 17, 33, 8], n=3, max_tokens=24, temperature=0.8) for i in range(6)]
@@ -110,10 +112,11 @@ def test_rollouts_are_readable_in_redis_cli(redis_server: RedisServer, ns: str, 
     assert fields["spans"] == f"[[0,0,{fields['n_tokens']}]]"
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 def test_bad_input_is_dead_lettered_or_errored_and_the_worker_goes_on(
-    redis_server: RedisServer, ns: str, workers: StartWorker
+    redis_server: RedisServer, ns: str, workers: StartWorker, engine: str
 ) -> None:
-    proc = workers("w1")
+    proc = workers("w1", "--engine", engine)
     client = RolloutClient(redis_server.url, ns)
     keys = client.streams.keys
     r = client.streams.redis

@@ -19,9 +19,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from consumers.engine import EngineInputError, Generation
+from consumers.engine import EngineClosedError, EngineInputError, Generation
 from consumers.tiny_model import EOS
-from consumers.torch_engine import EngineClosedError, TorchEngine
+from consumers.torch_engine import TorchEngine
 from pipeline.wire import Sampling
 from tests.reference import forward_logprobs, load_model
 

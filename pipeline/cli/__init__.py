@@ -108,6 +108,7 @@ def tiny_model(
 
 @app.command()
 def worker(
+    ctx: typer.Context,
     model: Annotated[Path, typer.Option(help="Model directory (safetensors + tokenizer).")],
     redis_url: RedisOpt = DEFAULT_REDIS,
     ns: NsOpt = DEFAULT_NS,
@@ -129,32 +130,24 @@ def worker(
     log_level: Annotated[str, typer.Option(help="debug, info, warning.")] = "info",
 ) -> None:
     """Serve prompts from the namespace until interrupted (SIGINT/SIGTERM drain in-flight work)."""
+    # The engine flags reach the engine through `ctx.params` (EngineSpec.from_flags).
     from consumers.engine import create_engine
     from consumers.worker import WorkerSettings, run_worker
 
     setup_logging(log_level)
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", log_level.upper())
     with user_errors():
-        spec = EngineSpec(
-            kind=engine,
-            model=model,
-            dtype=dtype,
-            device=device,
-            max_batch=max_batch,
-            num_threads=num_threads,
-            max_model_len=max_model_len,
-            kv_cache_bytes=kv_cache_bytes,
-            tensor_parallel_size=tensor_parallel_size,
-            enforce_eager=enforce_eager,
-            seed=seed,
-            engine_args=EngineSpec.parse_engine_args(engine_args),
-        )
+        spec = EngineSpec.from_flags(ctx.params, model)
     check_engine(spec)
     streams = open_streams(redis_url, ns)
     settings = WorkerSettings(max_inflight=max_inflight, claim_idle_ms=claim_idle_ms, heartbeat_s=heartbeat_s)
     settings.heartbeat_ttl_s = max(settings.heartbeat_ttl_s, 5 * heartbeat_s)
     with user_errors(redis_url):
-        done = run_worker(streams, create_engine(engine, str(model), **spec.options()), name, settings)
+        done = run_worker(streams, create_engine(spec.kind, str(spec.model), **spec.options()), name, settings)
     console.print(f"worker {done.name} stopped after publishing {done.published} rollouts")
+    if done.failure:
+        console.print(f"[bold red]worker {done.name} failed:[/] {done.failure}")
+        raise typer.Exit(1)
 
 
 @app.command()
@@ -225,6 +218,7 @@ def demo(
 
 @app.command()
 def bench(
+    ctx: typer.Context,
     engine: EngineOpt = "torch",
     model: Annotated[Path | None, typer.Option(help="Model directory; default: a fresh tiny model.")] = None,
     prompts: Annotated[int, typer.Option(help="Prompts per round.")] = 64,
@@ -246,19 +240,7 @@ def bench(
     from pipeline.cli.bench import plot_bench, run_bench
 
     with user_errors():
-        spec = EngineSpec(
-            kind=engine,
-            model=model or Path("tiny-model"),
-            dtype=dtype,
-            device=device,
-            max_batch=max_batch,
-            num_threads=num_threads,
-            max_model_len=max_model_len,
-            kv_cache_bytes=kv_cache_bytes,
-            tensor_parallel_size=tensor_parallel_size,
-            enforce_eager=enforce_eager,
-            engine_args=EngineSpec.parse_engine_args(engine_args),
-        )
+        spec = EngineSpec.from_flags(ctx.params, model or Path("tiny-model"))
         if model is not None:
             check_engine(spec)
         result = run_bench(

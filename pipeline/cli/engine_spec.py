@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -40,7 +40,16 @@ class EngineSpec:
     engine_args: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def parse_engine_args(cls, text: str | None) -> dict[str, Any]:
+    def from_flags(cls, flags: dict[str, Any], model: Path) -> EngineSpec:
+        """From a command's parsed flags (`typer.Context.params`): `--engine`, `--engine-args` and the rest by name."""
+        known = {f.name for f in fields(cls)} - {"kind", "model", "engine_args"}
+        chosen = {name: value for name, value in flags.items() if name in known}
+        return cls(
+            kind=flags["engine"], model=model, engine_args=cls.parse_engine_args(flags.get("engine_args")), **chosen
+        )
+
+    @staticmethod
+    def parse_engine_args(text: str | None) -> dict[str, Any]:
         if not text:
             return {}
         try:
