@@ -59,6 +59,9 @@ log = logging.getLogger(__name__)
 DEFAULT_KV_CACHE_BYTES = 256 << 20
 """KV cache size on CPU (vLLM needs an explicit size there); plenty for small models."""
 
+CPU_BATCHED_TOKENS = 8192
+"""Prompt tokens one CPU engine step may prefill (chunked prefill is off there, see `__init__`)."""
+
 EXTENSION = "consumers.vllm_engine.RolloutsWorkerExtension"
 """Qualified name vLLM imports in its worker processes (`worker_extension_cls`)."""
 
@@ -117,8 +120,12 @@ class VllmEngine:
             "worker_extension_cls": EXTENSION,
             "disable_log_stats": True,
         }
-        if kv_cache_bytes is None and current_platform.is_cpu():
-            kv_cache_bytes = DEFAULT_KV_CACHE_BYTES
+        if current_platform.is_cpu():
+            kv_cache_bytes = DEFAULT_KV_CACHE_BYTES if kv_cache_bytes is None else kv_cache_bytes
+            # vLLM 0.32 on CPU kills its engine when a seeded request's prefill is chunked ("CPU Generator
+            # does not use offset"): prefill whole prompts instead, with a step budget that fits the longest.
+            self.args["enable_chunked_prefill"] = False
+            self.args["max_num_batched_tokens"] = max(self.max_model_len, CPU_BATCHED_TOKENS)
         if kv_cache_bytes is not None:
             self.args["kv_cache_memory_bytes"] = int(kv_cache_bytes)
         self.args.update(extra)

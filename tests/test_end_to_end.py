@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 import redis
 
@@ -200,3 +201,31 @@ def test_a_prompt_submitted_twice_is_delivered_once(redis_server: RedisServer, n
     assert client.streams.redis.xlen(client.streams.keys.rollouts) == 2
     with pytest.raises(TimeoutError):
         next(client.groups(timeout=1.0))
+
+
+@pytest.mark.vllm
+def test_a_worker_whose_engine_dies_exits_and_its_work_finishes_elsewhere(
+    redis_server: RedisServer, ns: str, workers: StartWorker
+) -> None:
+    fast = ("--claim-idle-ms", "1500", "--heartbeat-s", "0.3")
+    doomed = workers("doomed", "--engine", "vllm", *fast)
+    client = RolloutClient(redis_server.url, ns)
+    ids = [client.submit(tokens=[4 + i, 20, 30], n=2, max_tokens=400, seed=i) for i in range(4)]
+    prompts_key = client.streams.keys.prompts
+
+    def doomed_holds_work() -> bool:
+        pending = client.streams.redis.xpending(prompts_key, GENERATORS)
+        return any(c["name"] == b"doomed" and c["pending"] > 0 for c in pending["consumers"])
+
+    wait_until(doomed_holds_work, 60, "the vLLM worker to take prompts")
+    engine_cores = [p for p in psutil.Process(doomed.pid).children(recursive=True) if "EngineCore" in p.name()]
+    assert engine_cores, "no vLLM engine process found under the worker"
+    for proc in engine_cores:
+        proc.kill()
+    assert doomed.wait(timeout=60) == 1, "a worker whose engine died must exit with code 1"
+
+    workers("rescuer", "--engine", "torch", *fast)
+    groups = client.collect(len(ids), timeout=120)
+    assert sorted(g.prompt_id for g in groups) == sorted(ids)
+    assert client.stats["duplicates"] == 0
+    assert any(r.worker == "rescuer" for g in groups for r in g.rollouts)

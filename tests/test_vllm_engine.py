@@ -426,6 +426,21 @@ def test_engine_keeps_serving_after_bad_requests(served: Served, engine: VllmEng
 # -- (f) shutdown ------------------------------------------------------------------------------
 
 
+def test_many_seeded_requests_with_long_prompts_are_all_served(served: Served, engine: VllmEngine) -> None:
+    """More prompt tokens at once than one step's budget, every request seeded: vLLM 0.32's CPU engine died
+    on this with chunked prefill ("CPU Generator does not use offset"); the engine must serve them all."""
+    many = prompts([300] * 40, seed=5)
+
+    async def run() -> list[Generation]:
+        return await asyncio.gather(
+            *(engine.generate(f"many-{i}", p, Sampling(max_tokens=8, seed=i)) for i, p in enumerate(many))
+        )
+
+    generations = served.run(run())
+    assert all(1 <= len(g.tokens) <= 8 for g in generations)
+    assert all(g.finish_reason in ("stop", "length") for g in generations)
+
+
 def test_shutdown_fails_pending_requests_and_leaves_no_process(served: Served, engine: VllmEngine) -> None:
     """Last in the module: it stops the shared engine (the fixture's own shutdown is then a no-op)."""
     assert served.engine_pids, "the engine started no process of its own?"

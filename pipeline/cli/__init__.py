@@ -41,6 +41,8 @@ from pipeline.wire import WireError
 # Models are local directories: never reach for a hub, and keep load/save progress bars out of logs.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+# vLLM logs to stdout by default; stdout is for results (`bench`, `top --json`).
+os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
 
 app = typer.Typer(
     help="Rollout Streams: a Redis-streams rollout pipeline for asynchronous RL on language models.",
