@@ -8,16 +8,15 @@ is narrow: token ids in, token ids + per-token logprobs + version spans out.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
-from pipeline.wire import FinishReason, Sampling
-
-PauseMode = Literal["abort", "keep"]
+from pipeline.wire import FinishReason, Sampling, Span
+from pipeline.wire import PauseMode as PauseMode  # re-exported: the engines take it from here
 
 
 class EngineInputError(ValueError):
@@ -41,7 +40,7 @@ class Generation:
     logprobs: np.ndarray
     """Log-probability of each generated token under the raw model distribution, float32."""
     finish_reason: FinishReason
-    spans: list[tuple[int, int, int]] = field(default_factory=list)
+    spans: list[Span] = field(default_factory=list)
     """`[(version, start, end), ...]` covering `[0, len(tokens))` in order."""
 
 
@@ -69,6 +68,11 @@ class Engine(Protocol):
 
     async def load_weights(self, path: str, version: int) -> None:
         """Load a safetensors checkpoint directory in place and tag what follows with `version`."""
+        ...
+
+    async def load_tensors(self, named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]], version: int) -> None:
+        """Load weights from memory (torch tensors or numpy arrays, in checkpoint names) in place and tag
+        what follows with `version`: for transports that deliver tensors, not files (`redis://`)."""
         ...
 
     async def reset_prefix_cache(self) -> None: ...

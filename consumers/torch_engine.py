@@ -19,6 +19,7 @@ import contextlib
 import logging
 import random
 import threading
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -288,26 +289,48 @@ class TorchEngine:
     def _load_weights_sync(self, path: Path, version: int) -> None:
         from safetensors.torch import load_file
 
-        if self._model is None:
-            raise RuntimeError("start() the engine before loading weights")
+        self._require_model()
         files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
         if not files or not all(f.is_file() for f in files):
             raise FileNotFoundError(f"no safetensors checkpoint at {path}")
         tensors: dict[str, torch.Tensor] = {}
         for f in files:
             tensors.update(load_file(f))
+        self._load_tensors_sync(tensors, version, path)
+
+    async def load_tensors(
+        self, named_tensors: Mapping[str, torch.Tensor | np.ndarray] | Iterable[tuple[str, Any]], version: int
+    ) -> None:
+        """Load weights from memory (torch tensors or numpy arrays, in checkpoint names), then tag `version`.
+
+        The same path as `load_weights` (a weight transport that fetched tensors need not write a file):
+        names and shapes are checked first, running requests continue with their cache recomputed.
+        """
+        items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+        tensors = {
+            name: torch.from_numpy(np.ascontiguousarray(t)) if isinstance(t, np.ndarray) else t for name, t in items
+        }
+        await asyncio.to_thread(self._load_tensors_sync, tensors, version, "the tensors given")
+
+    def _require_model(self) -> None:
+        if self._model is None:
+            raise RuntimeError("start() the engine before loading weights")
+
+    def _load_tensors_sync(self, tensors: Mapping[str, torch.Tensor], version: int, source: object) -> None:
+        """Check names and shapes against the model, then copy in place between two steps (the one load path)."""
+        self._require_model()
         targets = self._model.state_dict()
         # Tied parameters share storage: loading one of the names loads them all.
         loaded = {targets[k].data_ptr() for k in tensors if k in targets}
         missing = sorted(k for k, t in targets.items() if k not in tensors and t.data_ptr() not in loaded)
         shapes = {k: tuple(v.shape) for k, v in tensors.items()}
-        check_checkpoint_fits(shapes, {k: tuple(v.shape) for k, v in targets.items()}, path, missing)
+        check_checkpoint_fits(shapes, {k: tuple(v.shape) for k, v in targets.items()}, source, missing)
         with self._step_lock, torch.no_grad():
             for name, tensor in tensors.items():
                 targets[name].copy_(tensor)
             self.version = version
             self._stale = bool(self._rows)
-        log.info("loaded weights version %d from %s", version, path)
+        log.info("loaded weights version %d from %s", version, source)
 
     async def reset_prefix_cache(self) -> None:
         """No prefix cache here (every request prefills its own prompt): nothing to reset."""

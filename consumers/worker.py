@@ -24,9 +24,28 @@ import numpy as np
 
 from consumers.engine import Engine, EngineClosedError, EngineInputError, Generation
 from pipeline.streams import Entry, Streams
-from pipeline.wire import Prompt, Rollout, WireError
+from pipeline.wire import Control, Partial, Prompt, Rollout, Span, WireError
+from staleness.state import read_state
+from staleness.transports import load_version
 
 log = logging.getLogger(__name__)
+
+
+_EMPTY_TOKENS = np.zeros(0, dtype=np.int32)
+_EMPTY_LOGPROBS = np.zeros(0, dtype=np.float32)
+
+
+def join_spans(first: list[Span], second: list[Span], offset: int) -> list[Span]:
+    """`first`, then `second` shifted by `offset` tokens, with a version that runs across the seam merged."""
+    spans = list(first)
+    for version, start, end in second:
+        if end <= start:
+            continue
+        if spans and spans[-1][0] == version and spans[-1][2] == start + offset:
+            spans[-1] = (version, spans[-1][1], end + offset)
+        else:
+            spans.append((version, start + offset, end + offset))
+    return spans
 
 
 def default_worker_name() -> str:
@@ -70,27 +89,43 @@ class Worker:
         self._mean_n = 1.0
         self._room = asyncio.Event()
         self._stopping = asyncio.Event()
+        self._serving = asyncio.Event()
+        """Set while the worker may take work: cleared during a weight sync (pause → load → ack → resume)."""
+        self._drain_on_stop = True
+        self._epoch = 0
+        """The last weight-sync epoch this worker acked."""
         self._tasks: set[asyncio.Task] = set()
         self._started = time.time()
         self._tokens_per_s = 0.0
 
-    def stop(self) -> None:
-        """Ask the worker to stop taking work and drain; safe to call from a signal handler in the loop."""
+    def stop(self, drain: bool = True) -> None:
+        """Ask the worker to stop taking work (and let in-flight work finish if `drain`).
+
+        Safe to call from a signal handler in the loop. Without `drain`, in-flight work is dropped
+        here and stays pending in Redis, where the other workers claim it.
+        """
+        self._drain_on_stop = self._drain_on_stop and drain
         self._stopping.set()
         self._room.set()
+        self._serving.set()  # wake a paused read loop so that it sees the stop
 
     async def run(self) -> None:
         await asyncio.to_thread(self.streams.ensure_groups)
         await self.engine.start()
-        self.status = "serving"
+        control_from = await self._catch_up()
         upkeep = asyncio.create_task(self._upkeep())
+        control = asyncio.create_task(self._follow_control(control_from))
         try:
             await self._read_loop()
             self.status = "stopping"
             await self._beat()
-            await self._drain()
+            if self._drain_on_stop:
+                await self._drain()
         finally:
             upkeep.cancel()
+            control.cancel()
+            for task in list(self._tasks):
+                task.cancel()
             await self.engine.shutdown()
             await asyncio.to_thread(self.streams.forget_worker, self.name)
 
@@ -98,6 +133,7 @@ class Worker:
 
     async def _read_loop(self) -> None:
         while not self._stopping.is_set():
+            await self._serving.wait()
             free = self.settings.max_inflight - self._inflight_samples
             if free <= 0:
                 self._room.clear()
@@ -126,18 +162,30 @@ class Worker:
     # -- serving one entry --------------------------------------------------------------------
 
     async def _serve(self, entry: Entry) -> None:
+        """Generate what one entry asks for and publish it with the entry's ack, in one atomic step.
+
+        A prompt entry asks for its `n` samples; a partial entry for the rest of one sample. Samples
+        that an abort pause interrupts go back to `{ns}:partials` in the same step.
+        """
         try:
-            prompt = Prompt.from_fields(entry.fields)
+            if entry.stream == self.streams.keys.partials:
+                partial = Partial.from_fields(entry.fields)
+                prompt, samples = partial.prompt, [(partial.sample, partial)]
+            else:
+                prompt = Prompt.from_fields(entry.fields)
+                samples = [(k, None) for k in range(prompt.n)]
         except WireError as exc:
             log.warning("%s: dead letter %s: %s", self.name, entry.id, exc)
             await asyncio.to_thread(self.streams.dead_letter, entry, str(exc), "decode")
             return
-        self._mean_n = 0.9 * self._mean_n + 0.1 * prompt.n
+        self._mean_n = 0.9 * self._mean_n + 0.1 * len(samples)
         self._inflight[entry.stream, entry.id] = entry
-        self._inflight_samples += prompt.n
+        self._inflight_samples += len(samples)
         try:
-            rollouts = await asyncio.gather(*(self._generate_sample(prompt, k, entry) for k in range(prompt.n)))
-            published = await asyncio.to_thread(self.streams.publish_rollouts, rollouts, entry)
+            results = await asyncio.gather(*(self._generate_sample(prompt, k, entry, done) for k, done in samples))
+            rollouts = [r for r in results if isinstance(r, Rollout)]
+            partials = [r for r in results if isinstance(r, Partial)]
+            published = await asyncio.to_thread(self.streams.publish_rollouts, rollouts, entry, partials)
             if published > 0:
                 self.published += published
         except EngineClosedError as exc:
@@ -145,49 +193,125 @@ class Worker:
             if not self._stopping.is_set():
                 log.error("%s: %s; stopping, prompt %s stays pending", self.name, exc, prompt.id)
                 self.failure = str(exc)
-                self.stop()
+                self.stop(drain=False)
         except Exception:
             # Not the prompt's fault (a failed engine step, Redis gone): leave it pending for a retry elsewhere.
             log.exception("%s: prompt %s failed; it stays pending", self.name, prompt.id)
         finally:
             del self._inflight[entry.stream, entry.id]
-            self._inflight_samples -= prompt.n
+            self._inflight_samples -= len(samples)
             self._room.set()
 
-    async def _generate_sample(self, prompt: Prompt, sample: int, entry: Entry) -> Rollout:
-        sampling = prompt.sampling
+    async def _generate_sample(
+        self, prompt: Prompt, sample: int, entry: Entry, done: Partial | None
+    ) -> Rollout | Partial:
+        """One sample, or the rest of one (`done`: what an earlier worker generated before a pause)."""
+        so_far = done.generated if done is not None else np.zeros(0, dtype=np.int32)
+        sampling = prompt.sampling.model_copy(update={"max_tokens": prompt.sampling.max_tokens - len(so_far)})
         if sampling.seed is not None:
-            sampling = sampling.model_copy(update={"seed": sampling.seed + sample})
+            sampling.seed += sample
         started = time.time()
         version = self.engine.version
         error = None
-        try:
-            # Keyed by entry, not prompt id: a resubmitted prompt id may be in flight here twice.
-            request_id = f"{prompt.id}@{entry.id.decode()}:{sample}"
-            generation = await self.engine.generate(request_id, prompt.tokens, sampling)
-        except EngineInputError as exc:
-            error = str(exc)
-            empty = np.zeros(0, dtype=np.int32)
-            generation = Generation(empty, empty.astype(np.float32), "error", [])
+        if done is not None and len(prompt.tokens) + len(so_far) >= self.engine.max_model_len:
+            generation = Generation(_EMPTY_TOKENS, _EMPTY_LOGPROBS, "length", [])  # the context is full already
+        else:
+            try:
+                # Keyed by entry, not prompt id: a resubmitted prompt id may be in flight here twice.
+                request_id = f"{prompt.id}@{entry.id.decode()}:{sample}"
+                generation = await self.engine.generate(request_id, np.concatenate([prompt.tokens, so_far]), sampling)
+            except EngineInputError as exc:
+                error = str(exc)
+                generation = Generation(_EMPTY_TOKENS, _EMPTY_LOGPROBS, "error", [])
         self.generated_tokens += len(generation.tokens)
+        new_spans = generation.spans or [(version, 0, len(generation.tokens))]
+        tokens = np.concatenate([so_far, generation.tokens])
+        logprobs = np.concatenate([done.logprobs, generation.logprobs]) if done is not None else generation.logprobs
+        spans = join_spans(done.spans if done is not None else [], new_spans, len(so_far))
+        if generation.finish_reason == "abort":  # only a pause aborts: the sample goes on elsewhere
+            return Partial(prompt=prompt, sample=sample, generated=tokens, logprobs=logprobs, spans=spans)
         finished = time.time()
-        spans = generation.spans or [(version, 0, len(generation.tokens))]
         return Rollout(
             prompt_id=prompt.id,
             sample=sample,
             n=prompt.n,
-            version=spans[0][0],
-            version_end=spans[-1][0],
+            version=spans[0][0] if spans else version,
+            version_end=spans[-1][0] if spans else version,
             finish_reason=generation.finish_reason,
             worker=self.name,
             prompt_tokens=prompt.tokens,
-            tokens=generation.tokens,
-            logprobs=generation.logprobs,
-            spans=spans if generation.tokens.size else [],
+            tokens=tokens,
+            logprobs=logprobs,
+            spans=spans,
             meta=prompt.meta,
             timing={"queued_s": max(0.0, started - prompt.ts), "generate_s": finished - started, "finished": finished},
             error=error,
         )
+
+    # -- weight syncs: the worker's side of the protocol in staleness.manager ----------------
+
+    async def _catch_up(self) -> bytes:
+        """Before taking work: load the state's version, or join the sync under way. Returns where to follow control."""
+        control_from = await asyncio.to_thread(self.streams.last_control_id)
+        state = await asyncio.to_thread(read_state, self.streams.redis, self.streams.keys)
+        if state.paused:  # a sync is under way: do our part of it, then wait for its resume
+            command = await asyncio.to_thread(self._current_weights_command, state.epoch)
+            if command is not None:
+                await self._sync_weights(command)
+                return control_from
+        if state.version != self.engine.version and state.weights_uri:
+            await load_version(self.engine, state.weights_uri, state.version, self.streams.redis)
+        self._epoch = state.epoch
+        self.status = "serving"
+        self._serving.set()
+        return control_from
+
+    def _current_weights_command(self, epoch: int) -> Control | None:
+        for _id, fields in self.streams.redis.xrevrange(self.streams.keys.control, count=100):
+            command = Control.from_fields(fields)
+            if command.cmd == "weights" and command.epoch == epoch:
+                return command
+        return None
+
+    async def _follow_control(self, after: bytes) -> None:
+        while not self._stopping.is_set():
+            try:
+                entries = await asyncio.to_thread(self.streams.read_control, after, self.settings.block_ms)
+            except Exception:
+                log.exception("%s: reading control failed; retrying", self.name)
+                await asyncio.sleep(self.settings.heartbeat_s)
+                continue
+            for entry in entries:
+                after = entry.id
+                try:
+                    command = Control.from_fields(entry.fields)
+                except WireError as exc:
+                    log.warning("%s: ignoring a bad control entry %s: %s", self.name, entry.id, exc)
+                    continue
+                await self._obey(command)
+
+    async def _obey(self, command: Control) -> None:
+        if command.cmd == "weights" and command.epoch > self._epoch:
+            await self._sync_weights(command)
+        elif command.cmd == "resume" and command.epoch >= self._epoch and not self._serving.is_set():
+            await self.engine.resume()
+            self.status = "serving"
+            self._serving.set()
+            await self._beat()
+        elif command.cmd == "stop" and command.worker in ("", self.name):
+            if command.worker:
+                self.failure = "evicted by the manager (no ack of a weight sync in time)"
+            self.stop(drain=not command.worker)
+
+    async def _sync_weights(self, command: Control) -> None:
+        """Pause, load `command.version`, ack with the epoch; stay paused until the manager's resume."""
+        self._serving.clear()
+        self.status = "paused"
+        await self.engine.pause(command.mode)
+        if command.version != self.engine.version:
+            await load_version(self.engine, command.uri, command.version, self.streams.redis)
+        self._epoch = command.epoch
+        await self._beat()  # the ack: `epoch` and `version` in the heartbeat
 
     # -- upkeep: heartbeat, keep own work, claim abandoned work, trim -------------------------
 
@@ -217,6 +341,7 @@ class Worker:
             "status": self.status,
             "engine": self.engine.name,
             "version": self.engine.version,
+            "epoch": self._epoch,
             "inflight": self._inflight_samples,
             "published": self.published,
             "tokens_per_s": round(self._tokens_per_s, 1),
@@ -227,7 +352,7 @@ class Worker:
 
     async def _claim_abandoned(self) -> None:
         free = self.settings.max_inflight - self._inflight_samples
-        if free <= 0:
+        if free <= 0 or not self._serving.is_set():
             return
         count = max(1, int(free / self._mean_n))
         claimed = await asyncio.to_thread(self.streams.claim_abandoned, self.name, self.settings.claim_idle_ms, count)

@@ -12,7 +12,17 @@ from typing import Any, NamedTuple
 
 import redis
 
-from pipeline.wire import GENERATORS, TRAINER, Fields, Keys, Prompt, Rollout, dead_letter_fields
+from pipeline.wire import (
+    GENERATORS,
+    TRAINER,
+    Control,
+    Fields,
+    Keys,
+    Partial,
+    Prompt,
+    Rollout,
+    dead_letter_fields,
+)
 
 
 class Entry(NamedTuple):
@@ -46,17 +56,23 @@ def entries_from_reply(reply: Any) -> list[Entry]:
     return entries
 
 
-# KEYS: rollouts stream, source stream, then one `published` marker key per rollout.
-# ARGV: group, source entry id, marker ttl, then for each rollout: field count, fields...
+# KEYS: rollouts stream, source stream, partials stream, then one `published` marker key per rollout.
+# ARGV: group, source entry id, marker ttl, partial count, then for each partial: field count, fields...,
+# then for each rollout: field count, fields...
 # The source entry is acked first: if it was no longer pending (another worker finished it),
-# nothing is published. A rollout id already published (a resubmitted prompt) is skipped.
+# nothing is written. A rollout id already published (a resubmitted prompt) is skipped.
 _PUBLISH_LUA = """
 if redis.call('XACK', KEYS[2], ARGV[1], ARGV[2]) == 0 then
   return -1
 end
+local at = 5
+for p = 1, tonumber(ARGV[4]) do
+  local count = tonumber(ARGV[at])
+  redis.call('XADD', KEYS[3], '*', unpack(ARGV, at + 1, at + count))
+  at = at + count + 1
+end
 local published = 0
-local at = 4
-for k = 3, #KEYS do
+for k = 4, #KEYS do
   local count = tonumber(ARGV[at])
   if redis.call('SET', KEYS[k], '1', 'NX', 'EX', ARGV[3]) then
     redis.call('XADD', KEYS[1], '*', unpack(ARGV, at + 1, at + count))
@@ -136,21 +152,34 @@ class Streams:
         pending = self.redis.xpending_range(entry.stream, GENERATORS, min=entry.id, max=entry.id, count=1)
         return pending[0]["times_delivered"] if pending else 0
 
-    def publish_rollouts(self, rollouts: Sequence[Rollout], source: Entry) -> int:
-        """Publish the rollouts made from `source` and ack it, atomically, in one round trip.
+    def publish_rollouts(self, rollouts: Sequence[Rollout], source: Entry, partials: Sequence[Partial] = ()) -> int:
+        """Publish what was made from `source` and ack it, atomically, in one round trip.
 
-        Returns how many were published: fewer when some ids were already published,
-        -1 when `source` had already been acked (another worker finished it first).
+        `partials` (samples an abort pause interrupted) go to `{ns}:partials` in the same step, so
+        an interrupted sample is never both lost and acked. Returns how many rollouts were
+        published: fewer when some ids were already published, -1 when `source` had already
+        been acked (another worker finished it first; then nothing is written).
         """
-        keys = [self.keys.rollouts, source.stream]
-        args: list[Any] = [GENERATORS, source.id, self.dedupe_ttl_s]
+        keys = [self.keys.rollouts, source.stream, self.keys.partials]
+        args: list[Any] = [GENERATORS, source.id, self.dedupe_ttl_s, len(partials)]
+        for partial in partials:
+            _append_fields(args, partial.to_fields())
         for rollout in rollouts:
             keys.append(self.keys.published(rollout.id))
-            fields = rollout.to_fields()
-            args.append(2 * len(fields))
-            for name, value in fields.items():
-                args.extend((name, value))
+            _append_fields(args, rollout.to_fields())
         return int(self._publish(keys=keys, args=args))
+
+    def send_control(self, command: Control) -> bytes:
+        return self.redis.xadd(self.keys.control, command.to_fields())
+
+    def last_control_id(self) -> bytes:
+        """Where a reader that starts now picks up the control stream (`0-0` when it is empty)."""
+        last = self.redis.xrevrange(self.keys.control, count=1)
+        return last[0][0] if last else b"0-0"
+
+    def read_control(self, after: bytes, block_ms: int | None) -> list[Entry]:
+        """Control commands after `after` (every worker reads all of them: no consumer group)."""
+        return entries_from_reply(self.redis.xread({self.keys.control: after}, count=100, block=block_ms))
 
     def dead_letter(self, entry: Entry, error: str, stage: str) -> None:
         """Move a bad entry to `{ns}:dead` with the reason and ack it, in one transaction."""
@@ -200,6 +229,12 @@ class Streams:
                 keep_from.append((ms, seq + 1))
         ms, seq = min(keep_from)
         return self.redis.xtrim(stream, minid=f"{ms}-{seq}", approximate=False)
+
+
+def _append_fields(args: list[Any], fields: Fields) -> None:
+    args.append(2 * len(fields))
+    for name, value in fields.items():
+        args.extend((name, value))
 
 
 def _parse_id(entry_id: bytes | str) -> tuple[int, int]:

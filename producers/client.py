@@ -19,7 +19,8 @@ import numpy as np
 import redis
 
 from pipeline.streams import Entry, Streams, connect
-from pipeline.wire import Prompt, Rollout, Sampling, WireError
+from pipeline.wire import PauseMode, Prompt, Rollout, Sampling, WireError
+from staleness.manager import Manager, SyncReport
 
 
 @dataclass
@@ -93,6 +94,8 @@ class RolloutClient:
         self._remember_ids = remember_ids
         self._open: dict[str, dict[int, tuple[Rollout, bytes]]] = {}
         self._read_pending = True  # first re-read what this consumer was handed before a restart
+        self.last_sync: SyncReport | None = None
+        """What the last `publish_weights` did: who acked, who was evicted, how long workers stood still."""
         self._trim_every_s = trim_every_s
         self._last_trim = time.monotonic()
 
@@ -179,6 +182,38 @@ class RolloutClient:
             )
             return list(ids)
         return list(tok.encode(text, add_special_tokens=False))
+
+    # -- publishing weights ----------------------------------------------------------------------
+
+    def publish_weights(
+        self,
+        source: Any,
+        *,
+        transport: str = "redis://",
+        mode: PauseMode = "abort",
+        ack_timeout_s: float = 60.0,
+    ) -> int:
+        """Make `source` (a torch module, a state dict, or a safetensors checkpoint directory) the next
+        policy version on every worker; returns that version.
+
+        The tensors go through `transport` (`redis://`: chunks in this Redis; `fs://DIR`: shared
+        storage), then the manager pauses every live worker (`mode`), waits for each to load and
+        ack, evicts one that does not within `ack_timeout_s`, and resumes them. Older versions are
+        deleted from the transport once every live worker has moved on.
+        """
+        from staleness.transports import open_transport, state_dict_of  # torch: only trainers that publish need it
+
+        manager = Manager(self.streams, ack_timeout_s=ack_timeout_s)
+        store = open_transport(transport, redis_client=self.streams.redis, ns=self.streams.keys.ns)
+        previous = manager.state()
+        version = previous.version + 1
+        uri = store.publish(state_dict_of(source), version)
+        self.last_sync = manager.sync(version, uri, mode)
+        store.release(keep=[version])
+        if previous.weights_uri:  # the version before may sit in another transport
+            old = open_transport(previous.weights_uri, redis_client=self.streams.redis, ns=self.streams.keys.ns)
+            old.remove(previous.version)
+        return version
 
     # -- receiving -----------------------------------------------------------------------------
 

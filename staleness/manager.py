@@ -1,0 +1,133 @@
+"""The weight-sync protocol: pause → load v+1 → ack → resume, across every live worker.
+
+`Manager.sync(version, uri)` drives one epoch on `{ns}:control`:
+1. begin (atomic): `{ns}:state` must be at `version - 1` and not paused; it becomes paused with
+   a new epoch, and `weights(epoch, version, uri, mode)` goes out to every worker;
+2. each live worker pauses (mode `abort`: in-flight samples go durably to `{ns}:partials`;
+   `keep`: they freeze in the engine), loads `version` and acks by writing `epoch` and `version`
+   into its heartbeat hash;
+3. a worker that has not acked by the deadline is evicted (`stop` for it; its pending work is
+   claimed by the others); a worker that died is simply no longer waited for;
+4. finish (atomic): the state moves to `version`, unpaused, and `resume(epoch)` goes out.
+A worker that joins later loads the state's version before it takes work.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from pipeline.streams import Streams
+from pipeline.wire import Control, PauseMode
+from staleness.state import PolicyState, read_state
+
+# KEYS: state, control. ARGV: expected current version, new version, then the `weights` command's fields
+# (name, value, ...) with the epoch left to this script to fill in.
+_BEGIN_LUA = """
+local state = redis.call('HMGET', KEYS[1], 'version', 'paused', 'epoch')
+local version = tonumber(state[1] or '0')
+if state[2] == '1' then return redis.error_reply('a weight sync is already under way') end
+if version ~= tonumber(ARGV[1]) then
+  return redis.error_reply('version conflict: the state is at version ' .. version .. ', not ' .. ARGV[1])
+end
+local epoch = tonumber(state[3] or '0') + 1
+redis.call('HSET', KEYS[1], 'paused', '1', 'epoch', epoch, 'pending_version', ARGV[2], 'version', version)
+local command = {}
+for i = 3, #ARGV, 2 do
+  command[#command + 1] = ARGV[i]
+  command[#command + 1] = (ARGV[i] == 'epoch') and tostring(epoch) or ARGV[i + 1]
+end
+redis.call('XADD', KEYS[2], '*', unpack(command))
+return epoch
+"""
+
+# KEYS: state, control. ARGV: version, uri, then the `resume` command's fields (name, value, ...).
+_FINISH_LUA = """
+redis.call('HSET', KEYS[1], 'version', ARGV[1], 'weights_uri', ARGV[2], 'paused', '0', 'pending_version', '')
+redis.call('XADD', KEYS[2], '*', unpack(ARGV, 3))
+return 1
+"""
+
+
+class SyncError(RuntimeError):
+    """The state refused a sync (another one is under way, or the version is not the next one)."""
+
+
+@dataclass
+class SyncReport:
+    version: int
+    epoch: int
+    acked: list[str] = field(default_factory=list)
+    evicted: list[str] = field(default_factory=list)
+    gone: list[str] = field(default_factory=list)
+    """Workers that died during the sync (their heartbeat expired): not waited for."""
+    stall_s: float = 0.0
+    """From the `weights` command to the `resume`: how long generation stood still."""
+
+
+class Manager:
+    """Keeps `{ns}:state` and drives weight syncs; safe to use from the trainer's process or its own."""
+
+    def __init__(self, streams: Streams, ack_timeout_s: float = 60.0, poll_s: float = 0.02) -> None:
+        self.streams = streams
+        self.ack_timeout_s = ack_timeout_s
+        self.poll_s = poll_s
+        self._begin = streams.redis.register_script(_BEGIN_LUA)
+        self._finish = streams.redis.register_script(_FINISH_LUA)
+
+    def state(self) -> PolicyState:
+        return read_state(self.streams.redis, self.streams.keys)
+
+    def live_workers(self) -> dict[str, dict[str, str]]:
+        """Workers whose heartbeat has not expired, with their heartbeat fields."""
+        client, prefix = self.streams.redis, self.streams.keys.worker_prefix
+        keys = list(client.scan_iter(match=prefix + "*", count=1000))
+        pipe = client.pipeline(transaction=False)
+        for key in keys:
+            pipe.hgetall(key)
+        workers = {}
+        for key, fields in zip(keys, pipe.execute(), strict=True):
+            if fields:
+                workers[key.decode()[len(prefix) :]] = {k.decode(): v.decode() for k, v in fields.items()}
+        return workers
+
+    def sync(self, version: int, uri: str, mode: PauseMode = "abort") -> SyncReport:
+        """Move every live worker to `version` (loadable from `uri`); returns who acked, who was evicted."""
+        keys = [self.streams.keys.state, self.streams.keys.control]
+        started = time.monotonic()
+        weights = Control(cmd="weights", version=version, uri=uri, mode=mode).to_fields()
+        try:
+            epoch = int(self._begin(keys=keys, args=[version - 1, version, *_flat(weights)]))
+        except Exception as exc:  # the script's error replies say why
+            raise SyncError(str(exc)) from None
+        report = SyncReport(version=version, epoch=epoch)
+        waiting = set(self.live_workers())
+        deadline = started + self.ack_timeout_s
+        while waiting:
+            live = self.live_workers()
+            for name in list(waiting):
+                if name not in live:
+                    report.gone.append(name)
+                    waiting.discard(name)
+                elif int(live[name].get("epoch", -1)) >= epoch:
+                    report.acked.append(name)
+                    waiting.discard(name)
+            if not waiting or time.monotonic() > deadline:
+                break
+            time.sleep(self.poll_s)
+        for name in sorted(waiting):
+            self.evict(name)
+            report.evicted.append(name)
+        resume = Control(cmd="resume", epoch=epoch, version=version, uri=uri).to_fields()
+        self._finish(keys=keys, args=[version, uri, *_flat(resume)])
+        report.stall_s = time.monotonic() - started
+        return report
+
+    def evict(self, name: str) -> None:
+        """Tell a worker to stop and forget it: its pending work goes to the others once it idles."""
+        self.streams.send_control(Control(cmd="stop", worker=name))
+        self.streams.forget_worker(name)
+
+
+def _flat(fields: dict[bytes, bytes]) -> list[bytes]:
+    return [item for pair in fields.items() for item in pair]

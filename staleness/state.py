@@ -1,0 +1,35 @@
+"""`{ns}:state`: the policy version everyone should serve, and whether a weight sync is under way.
+
+Fields (plain text, readable in `redis-cli`): `version` (policy version, 0 at start, +1 per
+publish), `epoch` (+1 per weight sync), `paused` (1 while a sync is under way), `weights_uri`
+(where `version` can be loaded from), `pending_version` (the version being synced while paused).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import redis
+
+from pipeline.wire import Keys
+
+
+@dataclass(frozen=True)
+class PolicyState:
+    version: int = 0
+    epoch: int = 0
+    paused: bool = False
+    weights_uri: str = ""
+    pending_version: int | None = None
+
+
+def read_state(client: redis.Redis, keys: Keys) -> PolicyState:
+    fields = {k.decode(): v.decode() for k, v in client.hgetall(keys.state).items()}
+    pending = fields.get("pending_version", "")
+    return PolicyState(
+        version=int(fields.get("version", 0)),
+        epoch=int(fields.get("epoch", 0)),
+        paused=fields.get("paused", "0") == "1",
+        weights_uri=fields.get("weights_uri", ""),
+        pending_version=int(pending) if pending else None,
+    )

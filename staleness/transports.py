@@ -1,0 +1,617 @@
+"""Weight transports: how a trainer hands a new policy version to the workers.
+
+A transport moves one version's tensors (checkpoint names, safetensors bytes: no pickle) from the
+trainer to every worker. The trainer side `publish`es a version and gets back a uri that names it;
+the staleness manager sends that uri in the `weights` command and records it as `weights_uri` in
+`{ns}:state`; each worker calls `load_version(engine, uri, version, redis_client)`. Versions are
+immutable: publishing one that exists is an error, and `release`/`remove` delete what no worker
+needs any more.
+
+- `fs:///DIR/v{n}`: `DIR/v{n}/model.safetensors` on storage that every machine mounts at the same path;
+  the worker calls `engine.load_weights(dir, n)`.
+- `redis://NS/v{n}`: one safetensors blob in chunks under `{NS}:weights:{n}:{i}` plus a JSON manifest
+  `{NS}:weights:{n}:manifest` (written last), and the hash `{NS}:weights:index` (version -> chunk count,
+  written first, so that a write that crashed can be cleaned up without SCAN); the worker reads them
+  through its own Redis connection, checks the sha256, and calls `engine.load_tensors(tensors, n)`.
+- `nccl://HOST:PORT`: recognised, not implemented yet (GPU clusters): `NotImplementedError`.
+
+The engine is duck-typed (`LoadsWeights`): this module imports no engine, as the design asks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+import time
+import uuid
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+import numpy as np
+import redis
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as load_blob
+from safetensors.torch import load_file, save, save_file
+
+from pipeline.wire import Keys
+
+Scheme = Literal["fs", "redis", "nccl"]
+TensorLike = torch.Tensor | np.ndarray
+NamedTensors = Mapping[str, TensorLike]
+
+SCHEMES: tuple[Scheme, ...] = ("fs", "redis", "nccl")
+DEFAULT_CHUNK_BYTES = 32 << 20
+"""Size of one Redis value holding weights: far below Redis's 512 MiB limit, small enough not to stall it."""
+DEFAULT_BATCH_BYTES = 256 << 20
+"""Bytes of chunks sent or read per pipeline round trip: bounds the client's buffered copies."""
+MANIFEST_V = 1
+"""Version of the manifest's layout (a reader refuses one it does not know)."""
+WEIGHTS_FILE = "model.safetensors"
+PARTIAL_PREFIX = ".partial-"
+"""A directory being written (`fs`); never a version until renamed."""
+REMOVING_PREFIX = ".removing-"
+"""A directory being deleted (`fs`): renamed first, so that no reader sees half a version."""
+NCCL_MESSAGE = (
+    "the nccl:// weight transport is not implemented yet: it needs GPUs (trainer rank 0 and every engine "
+    "worker in one NCCL group, vLLM's native weight transfer); use fs:// or redis:// meanwhile"
+)
+
+_VERSION_DIR = re.compile(r"v(\d+)")
+
+
+class LoadsWeights(Protocol):
+    """The two engine methods a transport needs (`consumers.engine.Engine` has both)."""
+
+    async def load_weights(self, path: str, version: int) -> None: ...
+
+    async def load_tensors(self, named_tensors: Mapping[str, Any], version: int) -> None: ...
+
+
+# -- uris ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WeightsUri:
+    """A parsed weights uri: `location` is a directory (fs), a namespace (redis) or HOST:PORT (nccl)."""
+
+    scheme: Scheme
+    location: str
+    version: int | None
+    """The version the uri names (`v{n}` as its last part), None for a transport's root."""
+
+    def __str__(self) -> str:
+        if self.scheme == "fs":
+            return f"fs://{self.location}"
+        suffix = "" if self.version is None else f"/v{self.version}"
+        return f"{self.scheme}://{self.location}{suffix}"
+
+
+def parse_uri(uri: str) -> WeightsUri:
+    """Split a weights uri into scheme, location and version; `ValueError` says what is wrong with a bad one.
+
+    `fs://` + a path (absolute: `fs:///shared/ckpt/v3`); `redis://NS/v3` (braces around NS are allowed,
+    the server is the worker's own connection); `nccl://HOST:PORT` (parsed, not implemented yet).
+    """
+    scheme, sep, rest = uri.partition("://")
+    if not sep or scheme not in SCHEMES:
+        raise ValueError(f"unknown weights uri {uri!r}: expected one of {', '.join(s + '://' for s in SCHEMES)}")
+    if scheme == "fs":
+        if not rest:
+            raise ValueError(f"weights uri {uri!r} names no directory (fs:///path/to/dir)")
+        path = rest.rstrip("/") or "/"
+        match = _VERSION_DIR.fullmatch(Path(path).name)
+        return WeightsUri("fs", path, int(match.group(1)) if match else None)
+    location, _, tail = rest.partition("/")
+    tail = tail.strip("/")
+    version = None
+    if tail:
+        match = _VERSION_DIR.fullmatch(tail)
+        if not match:
+            raise ValueError(f"weights uri {uri!r}: expected {scheme}://{location or '...'}/v<version>, got /{tail}")
+        version = int(match.group(1))
+    if scheme == "redis":
+        ns = location.removeprefix("{").removesuffix("}")
+        if ns:  # empty: `redis://`, the transport of the pipeline's own namespace
+            Keys(ns)  # raises ValueError for a bad namespace
+        return WeightsUri("redis", ns, version)
+    host, colon, port = location.rpartition(":")
+    if not colon or not host or not port.isdigit():
+        raise ValueError(f"weights uri {uri!r}: expected nccl://HOST:PORT")
+    return WeightsUri("nccl", location, version)
+
+
+# -- tensors -------------------------------------------------------------------------------------
+
+
+def state_dict_of(
+    source: torch.nn.Module | Mapping[str, TensorLike] | str | os.PathLike[str],
+) -> dict[str, torch.Tensor]:
+    """Name -> contiguous CPU tensor, in checkpoint names, from a module, a state dict or a safetensors checkpoint.
+
+    A module wrapped by `torch.compile` or (Distributed)DataParallel is unwrapped, so names carry no
+    `_orig_mod.`/`module.` prefix. A name whose tensor is another name's (tied weights, e.g. `lm_head.weight`
+    = `model.embed_tokens.weight`) is left out, as `save_pretrained` does: the first name in order stays, and
+    an engine loads the tied ones through it. Other tensors that overlap in memory are copied, since
+    safetensors refuses shared storage. CPU tensors are not copied otherwise: do not train while publishing.
+    """
+    if isinstance(source, torch.nn.Module):
+        module = source
+        while True:
+            inner = getattr(module, "_orig_mod", None)  # torch.compile
+            if inner is None and type(module).__name__ in ("DistributedDataParallel", "DataParallel"):
+                inner = module.module
+            if not isinstance(inner, torch.nn.Module):
+                break
+            module = inner
+        items: Iterable[tuple[str, Any]] = module.state_dict().items()
+    elif isinstance(source, Mapping):
+        items = source.items()
+    elif isinstance(source, (str, os.PathLike)):
+        items = _read_checkpoint(Path(source)).items()
+    else:
+        raise TypeError(
+            f"state_dict_of takes a torch module, a mapping of tensors or a checkpoint path, got {source!r}"
+        )
+    out: dict[str, torch.Tensor] = {}
+    kept: dict[int, list[torch.Tensor]] = {}  # storage address -> tensors kept on it
+    for name, value in items:
+        if not isinstance(name, str):
+            raise TypeError(f"tensor names must be strings, got {name!r}")
+        tensor = _as_tensor(name, value).detach().to("cpu").contiguous()
+        if tensor.numel() == 0:
+            out[name] = tensor
+            continue
+        address = tensor.untyped_storage().data_ptr()
+        others = kept.setdefault(address, [])
+        if any(_same_view(tensor, other) for other in others):
+            continue  # tied: an alias of a tensor already kept
+        if others:
+            tensor = tensor.clone()
+            kept.setdefault(tensor.untyped_storage().data_ptr(), []).append(tensor)
+        else:
+            others.append(tensor)
+        out[name] = tensor
+    return out
+
+
+def _as_tensor(name: str, value: Any) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, np.ndarray):
+        array = np.ascontiguousarray(value)
+        return torch.from_numpy(array if array.flags.writeable else array.copy())
+    raise TypeError(f"tensor {name!r} is a {type(value).__name__}, not a torch tensor or numpy array")
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+
+
+def _read_checkpoint(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors checkpoint (a directory of `*.safetensors`, or one file)."""
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+    if not files or not all(f.is_file() for f in files):
+        raise FileNotFoundError(f"no safetensors checkpoint at {path}")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        tensors.update(load_file(f))
+    return tensors
+
+
+def _check_version(version: int) -> int:
+    if isinstance(version, bool) or not isinstance(version, (int, np.integer)) or version < 0:
+        raise ValueError(f"a weights version is an integer >= 0, got {version!r}")
+    return int(version)
+
+
+# -- the trainer's side --------------------------------------------------------------------------
+
+
+class WeightTransport(Protocol):
+    """What the trainer (and the manager, to free space) sees of a transport."""
+
+    scheme: Scheme
+
+    def publish(self, tensors: NamedTensors | torch.nn.Module, version: int) -> str:
+        """Store one version completely, then return the uri that names it (`FileExistsError` if stored)."""
+        ...
+
+    def versions(self) -> list[int]:
+        """Versions stored completely, in order."""
+        ...
+
+    def remove(self, version: int) -> bool:
+        """Delete a version (and any half-written leftover of it); False if there was nothing."""
+        ...
+
+    def release(self, keep: Iterable[int]) -> list[int]:
+        """Delete every version below `max(keep)` that is not in `keep`; returns those deleted."""
+        ...
+
+
+def _release(transport: _Stored, keep: Iterable[int]) -> list[int]:
+    """Versions above every kept one are left alone: they may be published but not yet announced."""
+    wanted = {_check_version(v) for v in keep}
+    if not wanted:
+        raise ValueError("release needs the versions to keep (at least the current one)")
+    doomed = sorted(v for v in transport._stored() if v < max(wanted) and v not in wanted)
+    return [v for v in doomed if transport.remove(v)]
+
+
+class _Stored(Protocol):
+    def _stored(self) -> set[int]: ...
+
+    def remove(self, version: int) -> bool: ...
+
+
+class FsTransport:
+    """`fs://DIR`: one directory per version, `DIR/v{n}/model.safetensors`, made visible by one `rename`.
+
+    For clusters with shared storage: DIR must be mounted at the same path on the trainer and every
+    worker (the uri carries the absolute path). A reader never sees a half-written version: the file is
+    written and fsynced in `DIR/.partial-v{n}-*`, which is then renamed to `DIR/v{n}`.
+    """
+
+    scheme: Scheme = "fs"
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root).absolute()
+
+    @classmethod
+    def from_uri(cls, uri: str) -> FsTransport:
+        return cls(parse_uri(uri).location)
+
+    def path_of(self, version: int) -> Path:
+        return self.root / f"v{_check_version(version)}"
+
+    def uri_of(self, version: int) -> str:
+        return f"fs://{self.path_of(version)}"
+
+    def publish(self, tensors: NamedTensors | torch.nn.Module, version: int) -> str:
+        """Write `DIR/v{version}` atomically (temp dir, fsync, rename) and return `fs:///DIR/v{version}`."""
+        final = self.path_of(version)
+        if final.exists():
+            raise FileExistsError(
+                f"weights version {version} exists at {final}: versions are immutable, remove it first"
+            )
+        named = state_dict_of(tensors)
+        self.root.mkdir(parents=True, exist_ok=True)
+        for stale in self.root.glob(f"{PARTIAL_PREFIX}v{version}-*"):  # an earlier attempt that crashed
+            shutil.rmtree(stale, ignore_errors=True)
+        partial = self.root / f"{PARTIAL_PREFIX}v{version}-{uuid.uuid4().hex[:12]}"
+        partial.mkdir()  # mode from the umask (mkdtemp's 0700 would lock out workers running as another user)
+        try:
+            file = partial / WEIGHTS_FILE
+            save_file(named, str(file), metadata={"format": "pt", "version": str(version)})
+            _fsync(file)
+            _fsync(partial)
+            os.rename(partial, final)  # atomic: `v{n}` appears complete or not at all
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
+        _fsync(self.root)
+        return self.uri_of(version)
+
+    def fetch(self, version: int) -> Path:
+        """The directory of a complete version, for `engine.load_weights` (`FileNotFoundError` if none)."""
+        return _fs_version_dir(self.path_of(version), version)
+
+    def versions(self) -> list[int]:
+        if not self.root.is_dir():
+            return []
+        return sorted(int(m.group(1)) for p in self.root.iterdir() if (m := _VERSION_DIR.fullmatch(p.name)))
+
+    def _stored(self) -> set[int]:
+        stored = set(self.versions())
+        if self.root.is_dir():
+            pattern = re.compile(re.escape(PARTIAL_PREFIX) + r"v(\d+)-")
+            stored |= {int(m.group(1)) for p in self.root.iterdir() if (m := pattern.match(p.name))}
+        return stored
+
+    def remove(self, version: int) -> bool:
+        """Delete `v{version}` (renamed away first, so it vanishes at once) and any partial write of it."""
+        final = self.path_of(version)
+        doomed = list(self.root.glob(f"{PARTIAL_PREFIX}v{version}-*")) if self.root.is_dir() else []
+        if final.exists():
+            away = self.root / f"{REMOVING_PREFIX}v{version}-{uuid.uuid4().hex[:12]}"
+            os.rename(final, away)
+            doomed.append(away)
+        for path in doomed:
+            shutil.rmtree(path, ignore_errors=True)
+        return bool(doomed)
+
+    def release(self, keep: Iterable[int]) -> list[int]:
+        return _release(self, keep)
+
+
+def _fs_version_dir(path: Path, version: int) -> Path:
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"weights version {version} not found: no directory {path} (removed, or never published)"
+        )
+    if not any(path.glob("*.safetensors")):
+        raise FileNotFoundError(f"weights version {version}: {path} holds no *.safetensors file")
+    return path
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file's or a directory's entries to stable storage (a rename is durable only after this)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@dataclass(frozen=True)
+class WeightKeys:
+    """Redis keys of the weights of one namespace (all under the `{ns}` hash tag, one cluster slot)."""
+
+    ns: str
+
+    @property
+    def prefix(self) -> str:
+        return "{" + self.ns + "}:weights:"
+
+    @property
+    def index(self) -> str:
+        """Hash: version -> chunk count, written before any chunk, so that a crashed write can be cleaned up."""
+        return self.prefix + "index"
+
+    def manifest(self, version: int) -> str:
+        """JSON, written last: its presence means the version is complete."""
+        return f"{self.prefix}{version}:manifest"
+
+    def chunk(self, version: int, index: int) -> str:
+        return f"{self.prefix}{version}:{index}"
+
+
+class RedisTransport:
+    """`redis://`: one safetensors blob in chunks under `{ns}:weights:{v}:{i}`, then a manifest.
+
+    For one machine and small models (the embedded default): the bytes go through the Redis every worker
+    already talks to. Chunks are written with pipelines (`batch_bytes` a round trip) and the manifest last,
+    so a reader that finds the manifest finds every chunk; the manifest's sha256 catches anything else.
+    The client must be a synchronous `redis.Redis` with `decode_responses=False`.
+    """
+
+    scheme: Scheme = "redis"
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        ns: str,
+        *,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        batch_bytes: int = DEFAULT_BATCH_BYTES,
+    ) -> None:
+        if chunk_bytes < 1 or batch_bytes < 1:
+            raise ValueError(f"chunk_bytes and batch_bytes must be >= 1, got {chunk_bytes}, {batch_bytes}")
+        Keys(ns)  # raises ValueError for a bad namespace
+        self.client = client
+        self.keys = WeightKeys(ns)
+        self.chunk_bytes = chunk_bytes
+        self.batch_bytes = batch_bytes
+
+    @property
+    def ns(self) -> str:
+        return self.keys.ns
+
+    def uri_of(self, version: int) -> str:
+        return f"redis://{self.ns}/v{_check_version(version)}"
+
+    def publish(self, tensors: NamedTensors | torch.nn.Module, version: int) -> str:
+        """Store the chunks, then the manifest; return `redis://{ns}/v{version}`."""
+        version = _check_version(version)
+        keys = self.keys
+        if self.client.exists(keys.manifest(version)):
+            raise FileExistsError(
+                f"weights version {version} exists in Redis ({keys.manifest(version)}): remove it first"
+            )
+        named = state_dict_of(tensors)
+        blob = save(named, metadata={"format": "pt", "version": str(version)})
+        n_chunks = max(1, math.ceil(len(blob) / self.chunk_bytes))
+        manifest = {
+            "v": MANIFEST_V,
+            "format": "safetensors",
+            "version": version,
+            "chunks": n_chunks,
+            "chunk_bytes": self.chunk_bytes,
+            "bytes": len(blob),
+            "sha256": hashlib.sha256(blob).hexdigest(),
+            "tensors": len(named),
+            "ts": time.time(),
+        }
+        self.remove(version)  # leftovers of a write that crashed before its manifest
+        self.client.hset(keys.index, str(version), n_chunks)
+        view = memoryview(blob)
+        pipe = self.client.pipeline(transaction=False)
+        pending = 0
+        for i in range(n_chunks):
+            piece = view[i * self.chunk_bytes : (i + 1) * self.chunk_bytes]
+            pipe.set(keys.chunk(version, i), piece)
+            pending += len(piece)
+            if pending >= self.batch_bytes:
+                pipe.execute()
+                pending = 0
+        pipe.set(keys.manifest(version), json.dumps(manifest, separators=(",", ":")))
+        pipe.execute()
+        return self.uri_of(version)
+
+    def manifest(self, version: int) -> dict[str, Any]:
+        """The manifest of a complete version (`FileNotFoundError` if none, `ValueError` if malformed)."""
+        version = _check_version(version)
+        key = self.keys.manifest(version)
+        raw = self.client.get(key)
+        if raw is None:
+            raise FileNotFoundError(
+                f"weights version {version} is not in Redis: no {key} (removed, or never published)"
+            )
+        try:
+            manifest = json.loads(raw)
+        except ValueError as exc:
+            raise ValueError(f"weights manifest {key} is not JSON: {exc}") from None
+        if not isinstance(manifest, dict):
+            raise ValueError(f"weights manifest {key} is not a JSON object: {raw[:100]!r}")
+        if manifest.get("v") != MANIFEST_V or manifest.get("format") != "safetensors":
+            raise ValueError(
+                f"weights manifest {key} has v={manifest.get('v')!r}, format={manifest.get('format')!r}; "
+                f"this reader knows v={MANIFEST_V}, format='safetensors'"
+            )
+        for field in ("chunks", "bytes", "tensors"):
+            if not isinstance(manifest.get(field), int) or isinstance(manifest[field], bool) or manifest[field] < 0:
+                raise ValueError(
+                    f"weights manifest {key}: {field!r} must be an integer >= 0, got {manifest.get(field)!r}"
+                )
+        if not isinstance(manifest.get("sha256"), str):
+            raise ValueError(f"weights manifest {key} has no sha256 checksum")
+        if manifest.get("version") != version:
+            raise ValueError(f"weights manifest {key} is of version {manifest.get('version')!r}, not {version}")
+        if manifest["chunks"] == 0:
+            raise ValueError(f"weights manifest {key} lists no chunks: nothing to load")
+        return manifest
+
+    def fetch(self, version: int) -> dict[str, torch.Tensor]:
+        """Read a complete version's chunks (pipelined), check size and sha256, and return its tensors."""
+        manifest = self.manifest(version)
+        n_chunks = manifest["chunks"]
+        per_batch = max(1, self.batch_bytes // max(1, int(manifest.get("chunk_bytes") or self.chunk_bytes)))
+        chunks: list[bytes | None] = []
+        for start in range(0, n_chunks, per_batch):
+            pipe = self.client.pipeline(transaction=False)
+            for i in range(start, min(start + per_batch, n_chunks)):
+                pipe.get(self.keys.chunk(version, i))
+            chunks += pipe.execute()
+        missing = [i for i, chunk in enumerate(chunks) if chunk is None]
+        if missing:
+            shown = f"{missing[:10]}{'...' if len(missing) > 10 else ''}"
+            raise ValueError(
+                f"weights version {version}: {len(missing)} of {n_chunks} chunks are missing ({shown}, keys "
+                f"{self.keys.chunk(version, missing[0])} ...); was it removed while being read?"
+            )
+        blob = b"".join(chunks)  # type: ignore[arg-type]
+        if len(blob) != manifest["bytes"]:
+            raise ValueError(
+                f"weights version {version}: chunks hold {len(blob)} bytes, the manifest says {manifest['bytes']}"
+            )
+        digest = hashlib.sha256(blob).hexdigest()
+        if digest != manifest["sha256"]:
+            raise ValueError(
+                f"weights version {version}: checksum mismatch (sha256 {digest} != {manifest['sha256']} in the "
+                "manifest): a chunk was corrupted or overwritten"
+            )
+        try:
+            tensors = load_blob(blob)
+        except (SafetensorError, ValueError) as exc:
+            raise ValueError(f"weights version {version}: not a safetensors blob: {exc}") from None
+        if len(tensors) != manifest["tensors"]:
+            raise ValueError(
+                f"weights version {version}: {len(tensors)} tensors, the manifest says {manifest['tensors']}"
+            )
+        return tensors
+
+    def versions(self) -> list[int]:
+        stored = sorted(self._stored())
+        pipe = self.client.pipeline(transaction=False)
+        for v in stored:
+            pipe.exists(self.keys.manifest(v))
+        return [v for v, present in zip(stored, pipe.execute(), strict=True) if present]
+
+    def _stored(self) -> set[int]:
+        return {int(v) for v in self.client.hkeys(self.keys.index) if v.isdigit()}
+
+    def remove(self, version: int) -> bool:
+        """DEL the manifest first (readers stop seeing the version), then every chunk, then its index entry."""
+        version = _check_version(version)
+        keys = self.keys
+        pipe = self.client.pipeline(transaction=False)
+        pipe.hget(keys.index, str(version))
+        pipe.get(keys.manifest(version))
+        counted, raw = pipe.execute()
+        n_chunks = int(counted or 0)
+        if raw is not None:
+            with contextlib.suppress(ValueError, AttributeError, TypeError):  # a malformed manifest still goes
+                n_chunks = max(n_chunks, int(json.loads(raw).get("chunks", 0)))
+        pipe = self.client.pipeline(transaction=True)  # one slot ({ns}), so MULTI is legal on a cluster too
+        pipe.delete(keys.manifest(version))
+        for start in range(0, n_chunks, 1000):
+            pipe.delete(*(keys.chunk(version, i) for i in range(start, min(start + 1000, n_chunks))))
+        pipe.hdel(keys.index, str(version))
+        return any(pipe.execute())
+
+    def release(self, keep: Iterable[int]) -> list[int]:
+        return _release(self, keep)
+
+
+def open_transport(
+    spec: str,
+    *,
+    redis_client: redis.Redis | None = None,
+    ns: str | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> FsTransport | RedisTransport:
+    """The trainer's transport from a spec: `fs://DIR`, `redis://` (or `redis://NS`) with the pipeline's client.
+
+    `nccl://HOST:PORT` raises `NotImplementedError` (GPU work comes later).
+    """
+    parsed = parse_uri(spec)
+    if parsed.scheme == "fs":
+        return FsTransport(parsed.location)
+    if parsed.scheme == "nccl":
+        raise NotImplementedError(NCCL_MESSAGE)
+    if redis_client is None:
+        raise ValueError(f"{spec}: the redis weight transport needs a Redis client (the pipeline's own)")
+    if ns is not None and parsed.location and parsed.location != ns:
+        raise ValueError(f"{spec} names namespace {parsed.location!r}, but the pipeline's is {ns!r}")
+    name = parsed.location or ns
+    if not name:
+        raise ValueError(f"{spec}: name the namespace (redis://NS) or pass ns=")
+    return RedisTransport(redis_client, name, chunk_bytes=chunk_bytes)
+
+
+# -- the worker's side ---------------------------------------------------------------------------
+
+
+def fetch_weights(uri: str, version: int, redis_client: redis.Redis | None = None) -> Path | dict[str, torch.Tensor]:
+    """What a worker loads for `uri`: a local checkpoint directory (fs) or named CPU tensors (redis).
+
+    Blocking (disk or network): call it off the event loop, or use `load_version`. `version` must agree
+    with the version the uri names (a mismatch is a protocol bug, refused with `ValueError`).
+    """
+    version = _check_version(version)
+    parsed = parse_uri(uri)
+    if parsed.version is not None and parsed.version != version:
+        raise ValueError(f"weights uri {uri!r} names version {parsed.version}, not {version}")
+    if parsed.scheme == "nccl":
+        raise NotImplementedError(NCCL_MESSAGE)
+    if parsed.scheme == "fs":
+        return _fs_version_dir(Path(parsed.location), version)
+    if parsed.version is None:
+        raise ValueError(f"weights uri {uri!r} names no version (redis://NS/v<version>)")
+    if redis_client is None:
+        raise ValueError(f"loading {uri} needs the worker's Redis client")
+    return RedisTransport(redis_client, parsed.location).fetch(version)
+
+
+async def load_version(engine: LoadsWeights, uri: str, version: int, redis_client: redis.Redis | None = None) -> None:
+    """Fetch version `version` from wherever `uri` says (off the event loop) and load it into `engine`.
+
+    fs: `engine.load_weights(dir, version)` (vLLM reloads the files in place); redis: the chunks are read
+    and checked here, then `engine.load_tensors(tensors, version)`. Errors leave the engine's weights as
+    they were: `FileNotFoundError` (version not there), `ValueError` (bad uri, checksum, manifest),
+    `NotImplementedError` (nccl).
+    """
+    fetched = await asyncio.to_thread(fetch_weights, uri, version, redis_client)
+    if isinstance(fetched, Path):
+        await engine.load_weights(str(fetched), version)
+    else:
+        await engine.load_tensors(fetched, version)

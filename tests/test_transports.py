@@ -1,0 +1,567 @@
+"""Weight transports (`staleness.transports`): fs and redis round trips, atomic publish, chunking and
+checksums, removal, `state_dict_of`, and new weights reaching real engines through `load_version`.
+
+Redis tests run on a real `redis-server` (and on fakeredis where the commands are plain GET/SET);
+engine tests compare the logprobs after a load with an independent forward pass under the new weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Coroutine, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+import pytest
+import redis
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from consumers.engine import Generation
+from consumers.torch_engine import TorchEngine
+from pipeline.wire import Sampling
+from staleness import transports
+from staleness.transports import (
+    FsTransport,
+    RedisTransport,
+    WeightsUri,
+    fetch_weights,
+    load_version,
+    open_transport,
+    parse_uri,
+    state_dict_of,
+)
+from tests.reference import forward_logprobs
+
+T = TypeVar("T")
+ATOL = 1e-4
+PROMPT = np.array([11, 42, 7, 300, 95, 18, 260], dtype=np.int32)
+GREEDY = Sampling(max_tokens=24, temperature=0.0)
+LONG_PROMPT = np.arange(10, 20, dtype=np.int32)
+LONG_SEED = 5
+"""With `LONG_PROMPT`, this seed samples 500 tokens without an eos under the seed-0 weights (torch engine)."""
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    """Reference passes on one thread (the tiny model gains nothing from more on a busy 2-core machine)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def assert_bitwise_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        other = got[name]
+        assert other.dtype == tensor.dtype and other.shape == tensor.shape, name
+        assert other.device.type == "cpu" and other.is_contiguous(), name
+        assert torch.equal(other.contiguous().view(torch.uint8), tensor.contiguous().view(torch.uint8)), name
+
+
+def weights_keys(client: redis.Redis, ns: str) -> list[bytes]:
+    return sorted(client.scan_iter(match=f"{{{ns}}}:weights*", count=1000))
+
+
+def small_tensors(seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {"a.weight": torch.randn(8, 4, generator=gen), "b.bias": torch.arange(5, dtype=torch.int64) + seed}
+
+
+def assert_matches_forward(model_dir: Path, prompt: np.ndarray, gen: Generation, start: int = 0, end=None) -> float:
+    end = len(gen.tokens) if end is None else end
+    expected = forward_logprobs(model_dir, prompt.tolist(), gen.tokens[:end].tolist())[start:end]
+    diff = float(np.abs(gen.logprobs[start:end] - expected).max(initial=0.0))
+    assert diff <= ATOL, f"logprobs differ from a forward pass under {model_dir.name} by up to {diff:.2e}"
+    return diff
+
+
+def forward_diff(model_dir: Path, prompt: np.ndarray, gen: Generation) -> float:
+    expected = forward_logprobs(model_dir, prompt.tolist(), gen.tokens.tolist())
+    return float(np.abs(gen.logprobs - expected).max())
+
+
+async def wait_until(predicate: Callable[[], bool], timeout: float = 30.0) -> None:
+    """Poll a condition with a deadline."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met before the deadline"
+        await asyncio.sleep(0.002)
+
+
+# -- uris --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("uri", "parsed"),
+    [
+        ("fs:///shared/ckpt/v3", WeightsUri("fs", "/shared/ckpt/v3", 3)),
+        ("fs:///shared/ckpt/v3/", WeightsUri("fs", "/shared/ckpt/v3", 3)),
+        ("fs:///models/base", WeightsUri("fs", "/models/base", None)),
+        ("fs://relative/dir", WeightsUri("fs", "relative/dir", None)),
+        ("redis://exp1/v12", WeightsUri("redis", "exp1", 12)),
+        ("redis://{exp1}/v12", WeightsUri("redis", "exp1", 12)),
+        ("redis://exp1", WeightsUri("redis", "exp1", None)),
+        ("redis://", WeightsUri("redis", "", None)),
+        ("nccl://10.0.0.1:29500", WeightsUri("nccl", "10.0.0.1:29500", None)),
+    ],
+)
+def test_parse_uri(uri: str, parsed: WeightsUri) -> None:
+    assert parse_uri(uri) == parsed
+    if parsed.location:
+        assert parse_uri(str(parsed)) == parsed
+
+
+@pytest.mark.parametrize(
+    ("uri", "message"),
+    [
+        ("s3://bucket/v1", r"unknown weights uri 's3://bucket/v1': expected one of fs://, redis://, nccl://"),
+        ("/shared/ckpt/v1", r"unknown weights uri"),
+        ("fs://", r"names no directory"),
+        ("redis://exp1/version3", r"expected redis://exp1/v<version>, got /version3"),
+        ("redis://ex:p/v1", r"namespace 'ex:p' must be"),
+        ("nccl://hostonly", r"expected nccl://HOST:PORT"),
+    ],
+)
+def test_bad_uris_say_what_is_wrong(uri: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_uri(uri)
+
+
+def test_nccl_is_recognised_but_not_implemented(real_redis: redis.Redis) -> None:
+    with pytest.raises(NotImplementedError, match=r"nccl:// weight transport is not implemented yet"):
+        open_transport("nccl://trainer:29500")
+    with pytest.raises(NotImplementedError, match=r"use fs:// or redis://"):
+        asyncio.run(load_version(object(), "nccl://trainer:29500", 1, real_redis))  # type: ignore[arg-type]
+
+
+def test_open_transport(tmp_path: Path, any_redis: redis.Redis, ns: str) -> None:
+    fs = open_transport(f"fs://{tmp_path}")
+    assert isinstance(fs, FsTransport) and fs.root == tmp_path
+    rt = open_transport("redis://", redis_client=any_redis, ns=ns, chunk_bytes=1000)
+    assert isinstance(rt, RedisTransport) and (rt.ns, rt.chunk_bytes) == (ns, 1000)
+    assert open_transport(f"redis://{ns}", redis_client=any_redis).ns == ns  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match=r"needs a Redis client"):
+        open_transport("redis://", ns=ns)
+    with pytest.raises(ValueError, match=r"names namespace 'other', but the pipeline's is"):
+        open_transport("redis://other", redis_client=any_redis, ns=ns)
+    with pytest.raises(ValueError, match=r"name the namespace"):
+        open_transport("redis://", redis_client=any_redis)
+
+
+# -- state_dict_of -----------------------------------------------------------------------------
+
+
+def test_state_dict_of_a_module_a_dict_and_a_directory(tiny_model_dir: Path) -> None:
+    checkpoint = load_file(str(tiny_model_dir / "model.safetensors"))
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    sources: list[Any] = [
+        model,
+        torch.compile(model),  # unwrapped: no `_orig_mod.` prefix (nothing is compiled until it is called)
+        torch.nn.DataParallel(model),  # unwrapped: no `module.` prefix
+        model.state_dict(),
+        {name: tensor.numpy() for name, tensor in checkpoint.items()},
+        tiny_model_dir,
+        str(tiny_model_dir),
+        tiny_model_dir / "model.safetensors",
+    ]
+    for source in sources:
+        assert_bitwise_equal(state_dict_of(source), checkpoint)
+
+
+def test_state_dict_of_ties_views_and_bad_input(tmp_path: Path) -> None:
+    class Tied(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Embedding(6, 4)
+            self.head = torch.nn.Linear(4, 6, bias=False)
+            self.head.weight = self.embed.weight
+
+    tied = Tied()
+    assert list(tied.state_dict()) == ["embed.weight", "head.weight"]
+    assert list(state_dict_of(tied)) == ["embed.weight"]  # as save_pretrained: the alias is left out
+    # Two views of one buffer are different tensors: both stay, copied apart so that safetensors takes them.
+    buffer = torch.arange(12.0)
+    parts = state_dict_of({"low": buffer[:6], "high": buffer[6:], "t": buffer.view(3, 4).T})
+    assert parts["t"].is_contiguous() and torch.equal(parts["t"], buffer.view(3, 4).T)
+    uri = FsTransport(tmp_path).publish(parts, 0)
+    assert_bitwise_equal(load_file(str(fetch_weights(uri, 0) / "model.safetensors")), parts)  # type: ignore[operator]
+    with pytest.raises(TypeError, match=r"a torch module, a mapping of tensors or a checkpoint path"):
+        state_dict_of(42)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"tensor 'x' is a list"):
+        state_dict_of({"x": [1, 2]})  # type: ignore[dict-item]
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"no safetensors checkpoint at"):
+        state_dict_of(tmp_path / "empty")
+
+
+# -- fs ----------------------------------------------------------------------------------------
+
+
+def test_fs_round_trip(tmp_path: Path, tiny_model_dir_v1: Path) -> None:
+    weights = state_dict_of(tiny_model_dir_v1)
+    transport = FsTransport(tmp_path / "weights")
+    uri = transport.publish(weights, 1)
+    assert uri == f"fs://{tmp_path / 'weights' / 'v1'}" and parse_uri(uri).version == 1
+    path = fetch_weights(uri, 1)
+    assert path == tmp_path / "weights" / "v1"
+    assert [p.name for p in path.iterdir()] == ["model.safetensors"]  # type: ignore[union-attr]
+    assert_bitwise_equal(load_file(str(path / "model.safetensors")), weights)  # type: ignore[operator]
+    assert [p.name for p in transport.root.iterdir()] == ["v1"]  # no temp dir left behind
+    assert transport.versions() == [1]
+    with pytest.raises(FileExistsError, match=r"weights version 1 exists .* versions are immutable"):
+        transport.publish(weights, 1)
+    with pytest.raises(ValueError, match=r"names version 1, not 2"):
+        fetch_weights(uri, 2)
+    with pytest.raises(FileNotFoundError, match=r"weights version 5 not found: no directory .*v5"):
+        fetch_weights(transport.uri_of(5), 5)
+
+
+def test_fs_publish_appears_only_with_the_final_rename(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    transport = FsTransport(tmp_path)
+    weights = small_tensors(0)
+    final = tmp_path / "v4"
+    events: list[str] = []
+    real_rename, real_fsync = transports.os.rename, transports._fsync
+
+    def fsync(path: Path) -> None:
+        events.append(f"fsync {Path(path).name}")
+        real_fsync(path)
+
+    def rename(src: Any, dst: Any) -> None:
+        src, dst = Path(src), Path(dst)
+        assert not final.exists(), "v4 was visible before the rename"
+        assert src.parent == tmp_path and src.name.startswith(".partial-v4-")
+        assert_bitwise_equal(load_file(str(src / "model.safetensors")), weights)  # complete before it is renamed
+        events.append(f"rename {dst.name}")
+        real_rename(src, dst)
+
+    monkeypatch.setattr(transports, "_fsync", fsync)
+    monkeypatch.setattr(transports.os, "rename", rename)
+    transport.publish(weights, 4)
+    assert events[-1] == f"fsync {tmp_path.name}" and events[-2] == "rename v4"
+    assert events[0] == "fsync model.safetensors" and events[1].startswith("fsync .partial-v4-")  # file, then dir
+
+    # A write that fails half way leaves neither the version nor its temp dir.
+    def failing_save(tensors: Any, filename: str, metadata: Any = None) -> None:
+        Path(filename).write_bytes(b"half a file")
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(transports, "save_file", failing_save)
+    with pytest.raises(OSError, match="No space left"):
+        transport.publish(weights, 5)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v4"]
+
+
+def test_fs_writer_killed_before_the_rename_leaves_no_version(tmp_path: Path) -> None:
+    script = (
+        "import os, torch\n"
+        "from staleness import transports\n"
+        "transports.os.rename = lambda *args: os._exit(9)  # killed after writing, before the rename\n"
+        f"transports.FsTransport({str(tmp_path)!r}).publish({{'w': torch.ones(64, 64)}}, 2)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, timeout=120, cwd=Path(__file__).parent.parent
+    )
+    assert done.returncode == 9, done.stderr.decode()
+    leftovers = [p.name for p in tmp_path.iterdir()]
+    assert len(leftovers) == 1 and leftovers[0].startswith(".partial-v2-")  # a complete file, never renamed
+    transport = FsTransport(tmp_path)
+    assert transport.versions() == []
+    with pytest.raises(FileNotFoundError, match=r"weights version 2 not found"):
+        fetch_weights(transport.uri_of(2), 2)
+    # Publishing the same version again cleans the leftover up; so does `release`.
+    transport.publish(small_tensors(2), 2)
+    assert [p.name for p in tmp_path.iterdir()] == ["v2"]
+    assert_bitwise_equal(load_file(str(tmp_path / "v2" / "model.safetensors")), small_tensors(2))
+
+
+def test_fs_release_and_remove(tmp_path: Path) -> None:
+    transport = FsTransport(tmp_path)
+    for version in range(4):
+        transport.publish(small_tensors(version), version)
+    (tmp_path / ".partial-v1-deadbeef").mkdir()  # a crashed write of a version that goes
+    assert transport.versions() == [0, 1, 2, 3]
+    assert transport.release([2]) == [0, 1]  # v3 is above every kept version: published, maybe not announced
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v2", "v3"]
+    assert transport.release([3]) == [2]
+    with pytest.raises(ValueError, match=r"release needs the versions to keep"):
+        transport.release([])
+    assert transport.remove(3) is True and transport.remove(3) is False
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(FileNotFoundError, match=r"removed, or never published"):
+        fetch_weights(transport.uri_of(3), 3)
+
+
+# -- redis -------------------------------------------------------------------------------------
+
+
+def test_redis_round_trip(any_redis: redis.Redis, ns: str, tiny_model_dir_v1: Path) -> None:
+    weights = state_dict_of(tiny_model_dir_v1)
+    transport = RedisTransport(any_redis, ns)
+    uri = transport.publish(weights, 1)
+    assert uri == f"redis://{ns}/v1"
+    tag = "{" + ns + "}"
+    assert weights_keys(any_redis, ns) == sorted(
+        f"{tag}:weights:{k}".encode() for k in ("index", "1:0", "1:manifest")
+    )  # one 32 MiB chunk holds the tiny model
+    assert any_redis.hgetall(f"{tag}:weights:index") == {b"1": b"1"}
+    manifest = json.loads(any_redis.get(f"{tag}:weights:1:manifest"))  # type: ignore[arg-type]
+    assert {k: manifest[k] for k in ("v", "format", "version", "chunks", "chunk_bytes", "tensors")} == {
+        "v": 1,
+        "format": "safetensors",
+        "version": 1,
+        "chunks": 1,
+        "chunk_bytes": 32 << 20,
+        "tensors": len(weights),
+    }
+    assert manifest["bytes"] == any_redis.strlen(f"{tag}:weights:1:0") and len(manifest["sha256"]) == 64
+    got = fetch_weights(uri, 1, any_redis)
+    assert isinstance(got, dict)
+    assert_bitwise_equal(got, weights)
+    transport.publish({k: v.numpy() for k, v in weights.items()}, 2)  # numpy arrays publish the same tensors
+    assert_bitwise_equal(transport.fetch(2), weights)
+    assert transport.versions() == [1, 2]
+    with pytest.raises(FileExistsError, match=r"weights version 1 exists in Redis"):
+        transport.publish(weights, 1)
+    with pytest.raises(ValueError, match=r"needs the worker's Redis client"):
+        fetch_weights(uri, 1)
+    with pytest.raises(ValueError, match=r"names no version"):
+        fetch_weights(f"redis://{ns}", 1, any_redis)
+
+
+def test_redis_many_chunks_and_every_kind_of_damage(any_redis: redis.Redis, ns: str, tiny_model_dir_v1: Path) -> None:
+    weights = state_dict_of(tiny_model_dir_v1)
+    transport = RedisTransport(any_redis, ns, chunk_bytes=4096, batch_bytes=64 << 10)
+    transport.publish(weights, 3)
+    manifest = transport.manifest(3)
+    n = manifest["chunks"]
+    assert n == -(-manifest["bytes"] // 4096) and n > 100
+    tag = "{" + ns + "}"
+    sizes = [any_redis.strlen(f"{tag}:weights:3:{i}") for i in range(n)]
+    assert set(sizes[:-1]) == {4096} and 0 < sizes[-1] <= 4096
+    assert_bitwise_equal(transport.fetch(3), weights)
+
+    chunk7 = f"{tag}:weights:3:7"
+    original = any_redis.get(chunk7)
+    assert original is not None
+    any_redis.setrange(chunk7, 100, bytes([original[100] ^ 0xFF]))
+    with pytest.raises(ValueError, match=r"weights version 3: checksum mismatch \(sha256 [0-9a-f]{64} != "):
+        transport.fetch(3)
+    any_redis.set(chunk7, original[:-1])
+    with pytest.raises(ValueError, match=rf"chunks hold {manifest['bytes'] - 1} bytes, the manifest says"):
+        transport.fetch(3)
+    any_redis.set(chunk7, original)
+    any_redis.delete(f"{tag}:weights:3:9", f"{tag}:weights:3:20")
+    with pytest.raises(ValueError, match=rf"2 of {n} chunks are missing \(\[9, 20\], keys {{{ns}}}:weights:3:9"):
+        transport.fetch(3)
+
+    key = f"{tag}:weights:3:manifest"
+    for bad, message in [
+        ({**manifest, "chunks": 0}, r"lists no chunks"),
+        ({**manifest, "version": 4}, r"is of version 4, not 3"),
+        ({**manifest, "v": 2}, r"has v=2, format='safetensors'; this reader knows v=1"),
+        ({k: v for k, v in manifest.items() if k != "sha256"}, r"has no sha256 checksum"),
+        ({**manifest, "bytes": "many"}, r"'bytes' must be an integer >= 0, got 'many'"),
+    ]:
+        any_redis.set(key, json.dumps(bad))
+        with pytest.raises(ValueError, match=message):
+            transport.fetch(3)
+    any_redis.set(key, b"\x00not json")
+    with pytest.raises(ValueError, match=r"is not JSON"):
+        transport.fetch(3)
+    any_redis.delete(key)
+    with pytest.raises(FileNotFoundError, match=rf"weights version 3 is not in Redis: no {{{ns}}}:weights:3:manifest"):
+        transport.fetch(3)
+    assert transport.remove(3) is True
+    assert weights_keys(any_redis, ns) == []
+
+
+def test_redis_reader_never_sees_half_a_version(real_redis: redis.Redis, ns: str, tiny_model_dir_v1: Path) -> None:
+    weights = state_dict_of(tiny_model_dir_v1)
+    writer = RedisTransport(real_redis, ns, chunk_bytes=1024, batch_bytes=8 << 10)  # ~580 chunks, ~70 round trips
+    reader = RedisTransport(redis.Redis(connection_pool=real_redis.connection_pool), ns)
+    published = threading.Thread(target=writer.publish, args=(weights, 0), daemon=True)
+    misses, deadline = 0, time.monotonic() + 60
+    while True:
+        try:
+            got = reader.fetch(0)  # any other error fails the test: it saw half a version
+            break
+        except FileNotFoundError:
+            misses += 1
+            if misses == 1:
+                published.start()  # the writer starts only once the reader has looked
+            assert time.monotonic() < deadline, "the version never appeared"
+    published.join(timeout=30)
+    assert misses >= 1
+    assert_bitwise_equal(got, weights)
+
+
+def test_redis_publish_that_dies_before_its_manifest_is_cleaned_up(
+    real_redis: redis.Redis, ns: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    transport = RedisTransport(real_redis, ns, chunk_bytes=64, batch_bytes=256)
+    real_execute = redis.client.Pipeline.execute
+
+    def execute(self: redis.client.Pipeline, *args: Any, **kwargs: Any) -> Any:
+        if any(cmd[0] == "SET" and str(cmd[1]).endswith(":manifest") for cmd, _ in self.command_stack):
+            self.reset()
+            raise redis.ConnectionError("connection lost")
+        return real_execute(self, *args, **kwargs)
+
+    monkeypatch.setattr(redis.client.Pipeline, "execute", execute)
+    with pytest.raises(redis.ConnectionError):
+        transport.publish(small_tensors(0), 6)
+    monkeypatch.undo()
+    left = weights_keys(real_redis, ns)
+    assert len(left) > 3 and not any(k.endswith(b":manifest") for k in left)  # chunks, no manifest
+    assert transport.versions() == []
+    with pytest.raises(FileNotFoundError, match=r"weights version 6 is not in Redis"):
+        fetch_weights(transport.uri_of(6), 6, real_redis)
+    transport.publish(small_tensors(7), 7)
+    assert transport.release([7]) == [6]
+    assert [k for k in weights_keys(real_redis, ns) if b":6:" in k] == []
+    # Publishing a version again after a crash also starts from a clean slate.
+    transport.publish(small_tensors(1), 6)
+    assert_bitwise_equal(transport.fetch(6), small_tensors(1))
+
+
+def test_redis_release_and_remove_delete_every_key(any_redis: redis.Redis, ns: str) -> None:
+    transport = RedisTransport(any_redis, ns, chunk_bytes=50)
+    other = RedisTransport(any_redis, f"{ns}x")
+    other.publish(small_tensors(9), 0)
+    for version in range(4):
+        transport.publish(small_tensors(version), version)
+    assert transport.versions() == [0, 1, 2, 3] and transport.manifest(0)["chunks"] > 2
+    assert transport.release([2]) == [0, 1]
+    assert transport.versions() == [2, 3]
+    assert not [k for k in weights_keys(any_redis, ns) if k.split(b":")[2] in (b"0", b"1")]
+    assert_bitwise_equal(transport.fetch(3), small_tensors(3))
+    assert transport.remove(2) and transport.remove(3)
+    assert transport.remove(3) is False
+    assert weights_keys(any_redis, ns) == []  # index, chunks and manifests: nothing left
+    assert other.versions() == [0]  # another namespace's weights are untouched
+
+
+# -- engines -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scheme", ["fs", "redis"])
+def test_torch_engine_loads_a_published_version(
+    scheme: str, real_redis: redis.Redis, ns: str, tmp_path: Path, tiny_model_dir: Path, tiny_model_dir_v1: Path
+) -> None:
+    transport = (
+        open_transport(f"fs://{tmp_path}")
+        if scheme == "fs"
+        else open_transport("redis://", redis_client=real_redis, ns=ns)
+    )
+
+    async def go() -> tuple[Generation, Generation, str]:
+        async with TorchEngine(tiny_model_dir, num_threads=1) as engine:
+            before = await engine.generate("before", PROMPT, GREEDY)
+            uri = await asyncio.to_thread(transport.publish, state_dict_of(tiny_model_dir_v1), 1)
+            await load_version(engine, uri, 1, real_redis)
+            assert engine.version == 1
+            after = await engine.generate("after", PROMPT, GREEDY)
+            with pytest.raises(ValueError, match=r"names version 1, not 2"):
+                await load_version(engine, uri, 2, real_redis)
+            with pytest.raises(FileNotFoundError, match=r"weights version 9"):
+                await load_version(engine, transport.uri_of(9), 9, real_redis)
+            assert engine.version == 1
+            return before, after, uri
+
+    before, after, uri = asyncio.run(go())
+    assert uri.startswith(f"{scheme}://") and uri.endswith("/v1")
+    assert before.spans == [(0, 0, len(before.tokens))]
+    assert_matches_forward(tiny_model_dir, PROMPT, before)
+    assert after.spans == [(1, 0, len(after.tokens))]
+    assert_matches_forward(tiny_model_dir_v1, PROMPT, after)
+    assert forward_diff(tiny_model_dir, PROMPT, after) > 0.1  # really the new weights
+
+
+def test_torch_engine_load_tensors_mid_generation(tiny_model_dir: Path, tiny_model_dir_v1: Path) -> None:
+    v1 = {name: tensor.numpy() for name, tensor in state_dict_of(tiny_model_dir_v1).items()}
+
+    async def go() -> Generation:
+        async with TorchEngine(tiny_model_dir, num_threads=1) as engine:
+            with pytest.raises(ValueError, match=r"checkpoint the tensors given does not fit the model: shape"):
+                await engine.load_tensors({**v1, "lm_head.weight": np.zeros((3, 3), np.float32)}, 7)
+            assert engine.version == 0
+            request = asyncio.ensure_future(
+                engine.generate("long", LONG_PROMPT, Sampling(max_tokens=500, temperature=1.0, seed=LONG_SEED))
+            )
+            await wait_until(lambda: engine.generated_tokens >= 5)
+            await engine.load_tensors(v1.items(), 1)  # no pause: the running row is recomputed under v1
+            return await request
+
+    gen = asyncio.run(go())
+    assert len(gen.spans) == 2, gen.spans
+    (v0, s0, k), (v1_, k1, n) = gen.spans
+    assert (v0, s0, v1_, k1, n) == (0, 0, 1, k, len(gen.tokens)) and 5 <= k < n
+    assert_matches_forward(tiny_model_dir, LONG_PROMPT, gen, 0, k)
+    assert_matches_forward(tiny_model_dir_v1, LONG_PROMPT, gen, k, n)
+
+
+class Served:
+    """A vLLM engine on an event loop in its own thread (its output handler runs between our calls)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="vllm-transports-loop", daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 120) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+        self.loop.close()
+
+
+@pytest.mark.vllm
+def test_vllm_engine_loads_through_both_transports(
+    real_redis: redis.Redis, ns: str, tmp_path: Path, tiny_model_dir: Path, tiny_model_dir_v1: Path
+) -> None:
+    from consumers.vllm_engine import VllmEngine
+
+    fs = FsTransport(tmp_path)
+    rt = RedisTransport(real_redis, ns)
+    served = Served(VllmEngine(tiny_model_dir))
+    engine = served.engine
+
+    async def go() -> list[Generation]:
+        gens = [await engine.generate("v0", PROMPT, GREEDY)]
+        uri = await asyncio.to_thread(fs.publish, state_dict_of(tiny_model_dir_v1), 1)
+        await load_version(engine, uri, 1, real_redis)
+        gens.append(await engine.generate("v1-fs", PROMPT, GREEDY))
+        uri = await asyncio.to_thread(rt.publish, state_dict_of(tiny_model_dir), 2)  # the seed-0 weights again
+        await load_version(engine, uri, 2, real_redis)
+        gens.append(await engine.generate("v2-redis", PROMPT, GREEDY))
+        uri = await asyncio.to_thread(rt.publish, state_dict_of(tiny_model_dir_v1), 3)
+        await load_version(engine, uri, 3, real_redis)
+        gens.append(await engine.generate("v3-redis", PROMPT, GREEDY))
+        return gens
+
+    try:
+        served.run(engine.start(), timeout=240)
+        v0, v1, v2, v3 = served.run(go())
+    finally:
+        served.run(engine.shutdown(), timeout=60)
+        served.close()
+    for gen, version, model_dir in [(v0, 0, tiny_model_dir), (v1, 1, tiny_model_dir_v1), (v2, 2, tiny_model_dir)]:
+        assert gen.spans == [(version, 0, len(gen.tokens))]
+        assert_matches_forward(model_dir, PROMPT, gen)
+    assert v2.tokens.tolist() == v0.tokens.tolist()
+    assert v3.spans == [(3, 0, len(v3.tokens))] and v3.tokens.tolist() == v1.tokens.tolist()
+    assert_matches_forward(tiny_model_dir_v1, PROMPT, v3)
+    assert forward_diff(tiny_model_dir, PROMPT, v1) > 0.1

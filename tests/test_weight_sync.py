@@ -1,0 +1,145 @@
+"""Weight syncs across worker processes: pause → load → ack → resume, partial rollouts, eviction."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis
+
+from pipeline.cli.processes import start_worker, stop_process, wait_for_worker
+from pipeline.local import RedisServer
+from pipeline.wire import GENERATORS, Rollout
+from producers.client import Group, RolloutClient
+from staleness.manager import Manager, SyncError
+from tests.reference import forward_logprobs
+from tests.test_end_to_end import wait_until
+
+StartWorker = Callable[..., subprocess.Popen[bytes]]
+FAST = ("--claim-idle-ms", "1500", "--heartbeat-s", "0.3")
+
+
+@pytest.fixture
+def workers(redis_server: RedisServer, ns: str, tiny_model_dir: Path, tmp_path: Path) -> Iterator[StartWorker]:
+    started: list[subprocess.Popen[bytes]] = []
+    client = redis.Redis.from_url(redis_server.url)
+
+    def start(name: str, *extra: str) -> subprocess.Popen[bytes]:
+        proc = start_worker(
+            redis_server.url, ns, tiny_model_dir, name, *FAST, *extra, log_file=tmp_path / f"{name}.log"
+        )
+        started.append(proc)
+        wait_for_worker(client, ns, name, proc, timeout_s=240)
+        return proc
+
+    yield start
+    for proc in started:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGCONT)
+        stop_process(proc)
+    client.close()
+
+
+def generating(client: RolloutClient, at_least: int) -> Callable[[], bool]:
+    """True once the workers have `at_least` prompts in flight (pending in the generators group)."""
+    return lambda: client.streams.redis.xpending(client.streams.keys.prompts, GENERATORS)["pending"] >= at_least
+
+
+def check_spans_and_logprobs(rollout: Rollout, weights: dict[int, Path]) -> None:
+    """Spans cover every token in order, versions never go back, and each span's logprobs are its weights'."""
+    assert rollout.spans[0][1] == 0 and rollout.spans[-1][2] == rollout.n_tokens
+    for (v1, _, e1), (v2, s2, _) in zip(rollout.spans, rollout.spans[1:], strict=False):
+        assert e1 == s2 and v1 < v2
+    prompt, tokens = rollout.prompt_tokens.tolist(), rollout.tokens.tolist()
+    for version, start, end in rollout.spans:
+        expected = forward_logprobs(weights[version], prompt, tokens[:end])[start:end]
+        np.testing.assert_allclose(rollout.logprobs[start:end], expected, atol=1e-4, err_msg=f"span {version}")
+
+
+@pytest.mark.parametrize("mode", ["abort", "keep"])
+def test_weights_published_mid_generation_reach_every_sample_exactly_once(
+    redis_server: RedisServer,
+    ns: str,
+    tiny_model_dir: Path,
+    tiny_model_dir_v1: Path,
+    workers: StartWorker,
+    tmp_path: Path,
+    mode: str,
+) -> None:
+    workers("w1")
+    workers("w2")
+    client = RolloutClient(redis_server.url, ns)
+    ids = [client.submit(tokens=[5 + i, 40, 41, 42], n=2, max_tokens=300, seed=i) for i in range(16)]
+    wait_until(generating(client, 8), 60, "generation to start")
+    assert client.publish_weights(tiny_model_dir_v1, transport="redis://", mode=mode) == 1
+    assert sorted(client.last_sync.acked) == ["w1", "w2"] and client.last_sync.evicted == []
+    assert client.publish_weights(tiny_model_dir, transport=f"fs://{tmp_path / 'weights'}", mode=mode) == 2
+    weights = {0: tiny_model_dir, 1: tiny_model_dir_v1, 2: tiny_model_dir}
+
+    groups: list[Group] = client.collect(len(ids), timeout=240)
+    rollouts = [r for g in groups for r in g.rollouts]
+    assert sorted(g.prompt_id for g in groups) == sorted(ids)
+    assert sorted(r.id for r in rollouts) == sorted(f"{p}:{k}" for p in ids for k in range(2))
+    assert client.stats["duplicates"] == 0
+    for rollout in rollouts:
+        check_spans_and_logprobs(rollout, weights)
+    assert any(len(r.spans) >= 2 for r in rollouts), "some rollouts must span two or more versions"
+    assert client.streams.redis.xpending(client.streams.keys.partials, GENERATORS)["pending"] == 0
+    if mode == "abort":
+        assert client.streams.redis.xinfo_groups(client.streams.keys.partials)[0]["entries-read"] > 0
+    # Only the current version is kept in the transports.
+    assert not list(client.streams.redis.scan_iter(match=client.streams.keys.weights_prefix + "1:*"))
+    assert sorted(p.name for p in (tmp_path / "weights").iterdir() if p.name.startswith("v")) == ["v2"]
+
+
+def test_a_worker_stuck_between_pause_and_ack_is_evicted_and_its_work_finishes_elsewhere(
+    redis_server: RedisServer, ns: str, tiny_model_dir: Path, tiny_model_dir_v1: Path, workers: StartWorker
+) -> None:
+    stuck = workers("stuck")
+    client = RolloutClient(redis_server.url, ns)
+    ids = [client.submit(tokens=[6 + i, 50, 51], n=2, max_tokens=200, seed=i) for i in range(8)]
+    wait_until(generating(client, 4), 60, "generation to start")
+    healthy = workers("healthy")
+    os.kill(stuck.pid, signal.SIGSTOP)  # frozen: it will never ack
+    assert client.publish_weights(tiny_model_dir_v1, mode="abort", ack_timeout_s=3) == 1
+    assert client.last_sync.acked == ["healthy"] and client.last_sync.evicted == ["stuck"]
+    os.kill(stuck.pid, signal.SIGCONT)  # it wakes up evicted, and leaves
+    assert stuck.wait(timeout=60) == 1
+
+    groups = client.collect(len(ids), timeout=240)
+    rollouts = [r for g in groups for r in g.rollouts]
+    assert sorted(g.prompt_id for g in groups) == sorted(ids)
+    assert len({r.id for r in rollouts}) == len(rollouts) == 2 * len(ids)
+    for rollout in rollouts:
+        check_spans_and_logprobs(rollout, {0: tiny_model_dir, 1: tiny_model_dir_v1})
+    assert healthy.poll() is None
+
+
+def test_a_late_worker_loads_the_current_version_before_taking_work(
+    redis_server: RedisServer, ns: str, tiny_model_dir: Path, tiny_model_dir_v1: Path, workers: StartWorker
+) -> None:
+    client = RolloutClient(redis_server.url, ns)
+    assert client.publish_weights(tiny_model_dir_v1) == 1  # no worker yet: the state alone moves
+    assert client.last_sync.acked == []
+    workers("late")
+    assert client.streams.redis.hget(client.streams.keys.worker("late"), "version") == b"1"
+    client.submit(tokens=[7, 8, 9], n=2, max_tokens=20, id="after")
+    (group,) = client.collect(1, timeout=60)
+    for rollout in group.rollouts:
+        assert rollout.spans == [(1, 0, rollout.n_tokens)]
+        check_spans_and_logprobs(rollout, {1: tiny_model_dir_v1})
+
+
+def test_the_state_refuses_a_sync_out_of_order(redis_server: RedisServer, ns: str) -> None:
+    client = RolloutClient(redis_server.url, ns)
+    manager = Manager(client.streams, ack_timeout_s=1)
+    with pytest.raises(SyncError, match="version conflict"):
+        manager.sync(3, "redis://x/v3")
+    assert manager.sync(1, "redis://x/v1").version == 1
+    state = manager.state()
+    assert (state.version, state.epoch, state.paused, state.weights_uri) == (1, 1, False, "redis://x/v1")
