@@ -25,7 +25,7 @@ import numpy as np
 from consumers.engine import Engine, EngineClosedError, EngineInputError, Generation
 from pipeline.streams import Entry, Streams
 from pipeline.wire import Control, Partial, Prompt, Rollout, Span, WireError
-from staleness.state import read_state
+from staleness.state import read_state, weights_command
 from staleness.transports import load_version
 
 log = logging.getLogger(__name__)
@@ -255,7 +255,7 @@ class Worker:
         control_from = await asyncio.to_thread(self.streams.last_control_id)
         state = await asyncio.to_thread(read_state, self.streams.redis, self.streams.keys)
         if state.paused:  # a sync is under way: do our part of it, then wait for its resume
-            command = await asyncio.to_thread(self._current_weights_command, state.epoch)
+            command = await asyncio.to_thread(weights_command, self.streams.redis, self.streams.keys, state.epoch)
             if command is not None:
                 await self._sync_weights(command)
                 return control_from
@@ -265,13 +265,6 @@ class Worker:
         self.status = "serving"
         self._serving.set()
         return control_from
-
-    def _current_weights_command(self, epoch: int) -> Control | None:
-        for _id, fields in self.streams.redis.xrevrange(self.streams.keys.control, count=100):
-            command = Control.from_fields(fields)
-            if command.cmd == "weights" and command.epoch == epoch:
-                return command
-        return None
 
     async def _follow_control(self, after: bytes) -> None:
         while not self._stopping.is_set():

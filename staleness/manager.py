@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from pipeline.streams import Streams
 from pipeline.wire import Control, PauseMode
-from staleness.state import PolicyState, read_state
+from staleness.state import PolicyState, read_state, weights_command
 
 # KEYS: state, control. ARGV: expected current version, new version, then the `weights` command's fields
 # (name, value, ...) with the epoch left to this script to fill in.
@@ -74,6 +74,7 @@ class Manager:
         self.poll_s = poll_s
         self._begin = streams.redis.register_script(_BEGIN_LUA)
         self._finish = streams.redis.register_script(_FINISH_LUA)
+        self._keys = [streams.keys.state, streams.keys.control]
 
     def state(self) -> PolicyState:
         return read_state(self.streams.redis, self.streams.keys)
@@ -93,23 +94,45 @@ class Manager:
 
     def sync(self, version: int, uri: str, mode: PauseMode = "abort") -> SyncReport:
         """Move every live worker to `version` (loadable from `uri`); returns who acked, who was evicted."""
-        keys = [self.streams.keys.state, self.streams.keys.control]
         started = time.monotonic()
         weights = Control(cmd="weights", version=version, uri=uri, mode=mode).to_fields()
         try:
-            epoch = int(self._begin(keys=keys, args=[version - 1, version, *_flat(weights)]))
+            epoch = int(self._begin(keys=self._keys, args=[version - 1, version, *_flat(weights)]))
         except Exception as exc:  # the script's error replies say why
             raise SyncError(str(exc)) from None
         report = SyncReport(version=version, epoch=epoch)
-        waiting = set(self.live_workers())
-        deadline = started + self.ack_timeout_s
+        self._conclude(report, uri, waiting=set(self.live_workers()), deadline=started + self.ack_timeout_s)
+        report.stall_s = time.monotonic() - started
+        return report
+
+    def finish_abandoned(self, older_than_s: float | None = None) -> SyncReport | None:
+        """Finish a sync whose driver died (a trainer killed mid-sync leaves every worker paused).
+
+        A sync is abandoned once its `weights` command is older than `older_than_s` (default: the ack
+        deadline, plus 5 s): laggards are evicted and the workers resumed, as the driver would have.
+        """
+        state = self.state()
+        if not state.paused:
+            return None
+        command = weights_command(self.streams.redis, self.streams.keys, state.epoch)
+        age = time.time() - command.ts if command is not None else float("inf")
+        if age < (self.ack_timeout_s + 5.0 if older_than_s is None else older_than_s):
+            return None
+        version = state.pending_version if state.pending_version is not None else state.version + 1
+        uri = command.uri if command is not None else state.weights_uri
+        report = SyncReport(version=version, epoch=state.epoch)
+        self._conclude(report, uri, waiting=set(self.live_workers()), deadline=time.monotonic())
+        return report
+
+    def _conclude(self, report: SyncReport, uri: str, waiting: set[str], deadline: float) -> None:
+        """Wait for acks of `report.epoch` until `deadline`, evict who did not ack, then resume everyone."""
         while waiting:
             live = self.live_workers()
             for name in list(waiting):
                 if name not in live:
                     report.gone.append(name)
                     waiting.discard(name)
-                elif int(live[name].get("epoch", -1)) >= epoch:
+                elif int(live[name].get("epoch", -1)) >= report.epoch:
                     report.acked.append(name)
                     waiting.discard(name)
             if not waiting or time.monotonic() > deadline:
@@ -118,10 +141,8 @@ class Manager:
         for name in sorted(waiting):
             self.evict(name)
             report.evicted.append(name)
-        resume = Control(cmd="resume", epoch=epoch, version=version, uri=uri).to_fields()
-        self._finish(keys=keys, args=[version, uri, *_flat(resume)])
-        report.stall_s = time.monotonic() - started
-        return report
+        resume = Control(cmd="resume", epoch=report.epoch, version=report.version, uri=uri).to_fields()
+        self._finish(keys=self._keys, args=[report.version, uri, *_flat(resume)])
 
     def evict(self, name: str) -> None:
         """Tell a worker to stop and forget it: its pending work goes to the others once it idles."""

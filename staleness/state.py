@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import redis
 
-from pipeline.wire import Keys
+from pipeline.wire import Control, Keys
 
 
 @dataclass(frozen=True)
@@ -33,3 +33,12 @@ def read_state(client: redis.Redis, keys: Keys) -> PolicyState:
         weights_uri=fields.get("weights_uri", ""),
         pending_version=int(pending) if pending else None,
     )
+
+
+def weights_command(client: redis.Redis, keys: Keys, epoch: int, scan: int = 1000) -> Control | None:
+    """The `weights` command of `epoch`, searched back from the end of `{ns}:control` (a joiner's catch-up)."""
+    for _id, fields in client.xrevrange(keys.control, count=scan):
+        command = Control.from_fields(fields)
+        if command.cmd == "weights" and command.epoch == epoch:
+            return command
+    return None

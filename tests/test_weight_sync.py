@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -143,3 +145,48 @@ def test_the_state_refuses_a_sync_out_of_order(redis_server: RedisServer, ns: st
     assert manager.sync(1, "redis://x/v1").version == 1
     state = manager.state()
     assert (state.version, state.epoch, state.paused, state.weights_uri) == (1, 1, False, "redis://x/v1")
+
+
+def rollouts_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True, timeout=300, check=False
+    )
+
+
+def test_publish_weights_command_and_the_manager_finishing_a_sync_whose_driver_died(
+    redis_server: RedisServer, ns: str, tiny_model_dir: Path, tiny_model_dir_v1: Path, workers: StartWorker,
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    url = redis_server.url
+    healthy = workers("healthy")
+    done = rollouts_cli("publish-weights", "--redis", url, "--ns", ns, "--from", str(tiny_model_dir_v1),
+                        "--transport", f"fs://{tmp_path / 'w'}", "--mode", "keep")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert (report["version"], report["acked"], report["evicted"]) == (1, ["healthy"], [])
+
+    stuck = workers("stuck")
+    os.kill(stuck.pid, signal.SIGSTOP)
+    driver = subprocess.Popen(
+        [sys.executable, "-m", "pipeline.cli", "publish-weights", "--redis", url, "--ns", ns,
+         "--from", str(tiny_model_dir), "--ack-timeout-s", "600"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    client = RolloutClient(url, ns)
+    manager = Manager(client.streams)
+    wait_until(lambda: manager.state().paused and manager.state().pending_version == 2, 60, "the sync to begin")
+    wait_until(lambda: client.streams.redis.hget(client.streams.keys.worker("healthy"), "epoch") == b"2", 60, "ack")
+    driver.kill()  # the driver dies mid-sync: every worker stays paused
+    driver.wait()
+    assert manager.state().paused
+
+    finished = rollouts_cli("manager", "--redis", url, "--ns", ns, "--once", "--abandoned-after-s", "0")
+    assert finished.returncode == 0, finished.stderr
+    assert "finished an abandoned sync" in finished.stderr
+    assert json.loads(finished.stdout) == {"version": 2, "epoch": 2, "paused": False}
+    os.kill(stuck.pid, signal.SIGCONT)
+    assert stuck.wait(timeout=60) == 1  # evicted: it never acked
+    client.submit(tokens=[3, 4, 5], n=1, max_tokens=8, id="after")
+    (group,) = client.collect(1, timeout=60)
+    assert group.rollouts[0].version == 2 and group.rollouts[0].worker == "healthy"
+    assert healthy.poll() is None

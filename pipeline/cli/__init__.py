@@ -204,6 +204,73 @@ def top(
                 pass
 
 
+@app.command("publish-weights")
+def publish_weights(
+    source: Annotated[Path, typer.Option("--from", help="Checkpoint directory (safetensors) of the new policy.")],
+    redis_url: RedisOpt = DEFAULT_REDIS,
+    ns: NsOpt = DEFAULT_NS,
+    transport: Annotated[
+        str, typer.Option(help="redis (chunks in this Redis) or fs://DIR (shared storage).")
+    ] = "redis",
+    mode: Annotated[str, typer.Option(help="Pause mode: abort (partials continue anywhere) or keep.")] = "abort",
+    ack_timeout_s: Annotated[float, typer.Option(help="Evict a worker that has not loaded it by then.")] = 60.0,
+) -> None:
+    """Make a checkpoint the next policy version on every worker (pause → load → ack → resume); JSON out."""
+    from producers.client import RolloutClient
+
+    if mode not in ("abort", "keep"):
+        fail(f"--mode must be abort or keep, not {mode!r}")
+    if not any(source.glob("*.safetensors")):
+        fail(f"no safetensors checkpoint in {source}")
+    spec = "redis://" if transport in ("redis", "redis://") else transport
+    with user_errors(redis_url):
+        client = RolloutClient(redis_url, ns)
+        version = client.publish_weights(source, transport=spec, mode=mode, ack_timeout_s=ack_timeout_s)  # type: ignore[arg-type]
+    print(json.dumps({"version": version} | _report(client.last_sync)))
+
+
+@app.command()
+def manager(
+    redis_url: RedisOpt = DEFAULT_REDIS,
+    ns: NsOpt = DEFAULT_NS,
+    ack_timeout_s: Annotated[
+        float, typer.Option(help="A sync's ack deadline; a sync older than it + 5 s is finished.")
+    ] = 60.0,
+    abandoned_after_s: Annotated[
+        float | None, typer.Option(help="Finish a sync older than this (default: ack timeout + 5 s).")
+    ] = None,
+    interval: Annotated[float, typer.Option(help="Seconds between checks.")] = 1.0,
+    once: Annotated[bool, typer.Option(help="Check once and exit.")] = False,
+) -> None:
+    """Keep `{ns}:state` and finish weight syncs whose driver died (workers left paused), until interrupted."""
+    from staleness.manager import Manager
+
+    streams = open_streams(redis_url, ns)
+    keeper = Manager(streams, ack_timeout_s=ack_timeout_s)
+    with user_errors(redis_url):
+        streams.ensure_groups()
+        while True:
+            report = keeper.finish_abandoned(abandoned_after_s)
+            if report is not None:
+                console.print(f"finished an abandoned sync: {json.dumps(_report(report))}")
+            if once:
+                state = keeper.state()
+                print(json.dumps({"version": state.version, "epoch": state.epoch, "paused": state.paused}))
+                return
+            try:
+                time.sleep(interval)
+            except KeyboardInterrupt:
+                return
+
+
+def _report(report: object) -> dict[str, object]:
+    from dataclasses import asdict
+
+    fields = asdict(report)  # type: ignore[call-overload]
+    fields["stall_s"] = round(fields["stall_s"], 4)
+    return fields
+
+
 @app.command()
 def demo(
     prompts: Annotated[int, typer.Option(help="How many prompts to submit.")] = 16,
