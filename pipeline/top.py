@@ -1,5 +1,10 @@
 """What `rollouts top` shows: depth, lag and pending of every stream, live workers, state.
 
+`policy` reads `{ns}:state` as numbers: the policy version and sync epoch, and the admission
+counters (see `staleness.admission`, which owns them; the capacity formula is repeated here
+because `pipeline` imports no other package): samples `submitted`, parked as `stale`, in `used`,
+and the `capacity` (η + v + 1) * B with `free` = capacity - used when a producer set limits.
+
 One snapshot is a plain dict (the `--once --json` output, for scripts); `render` draws it.
 """
 
@@ -24,6 +29,7 @@ def snapshot(streams: Streams) -> dict[str, Any]:
     client = streams.redis
     names = {"prompts": keys.prompts, "partials": keys.partials, "rollouts": keys.rollouts, "dead": keys.dead}
     names["control"] = keys.control
+    names["stale"] = keys.stale
     pipe = client.pipeline(transaction=False)
     for key in names.values():
         pipe.exists(key)
@@ -50,7 +56,34 @@ def snapshot(streams: Streams) -> dict[str, Any]:
             name = _text(key)[len(keys.worker_prefix) :]
             result["workers"][name] = {_text(k): _text(v) for k, v in fields.items()}
     result["state"] = {_text(k): _text(v) for k, v in state.items()}
+    result["policy"] = policy(result["state"])
     return result
+
+
+def policy(state: dict[str, str]) -> dict[str, Any]:
+    """The state's version, sync and admission counters as numbers (`capacity` and `free` None without limits)."""
+
+    def number(name: str) -> int:
+        try:
+            return int(state.get(name) or 0)
+        except ValueError:
+            return 0
+
+    version, submitted, stale = number("version"), number("submitted"), number("stale")
+    limited = bool(state.get("max_staleness")) and bool(state.get("batch_size"))
+    capacity = (number("max_staleness") + version + 1) * number("batch_size") if limited else None
+    return {
+        "version": version,
+        "epoch": number("epoch"),
+        "paused": state.get("paused") == "1",
+        "submitted": submitted,
+        "stale": stale,
+        "used": submitted - stale,
+        "max_staleness": number("max_staleness") if limited else None,
+        "batch_size": number("batch_size") if limited else None,
+        "capacity": capacity,
+        "free": None if capacity is None else capacity - (submitted - stale),
+    }
 
 
 def render(snap: dict[str, Any]) -> RichGroup:
@@ -81,4 +114,22 @@ def render(snap: dict[str, Any]) -> RichGroup:
             w.get("published", "?"),
             w.get("tokens_per_s", "?"),
         )
-    return RichGroup(streams, workers)
+    p = snap.get("policy") or policy(snap.get("state", {}))
+    limits = "no admission limit"
+    if p["capacity"] is not None:
+        limits = f"max_staleness={p['max_staleness']}, batch_size={p['batch_size']}"
+    counters = Table(title=f"policy and admission ({limits})", expand=True)
+    columns = ("version", "epoch", "paused", "submitted", "stale", "in use", "capacity", "free")
+    for column in columns:
+        counters.add_column(column, justify="right")
+    counters.add_row(
+        str(p["version"]),
+        str(p["epoch"]),
+        "yes" if p["paused"] else "no",
+        str(p["submitted"]),
+        str(p["stale"]),
+        str(p["used"]),
+        "-" if p["capacity"] is None else str(p["capacity"]),
+        "-" if p["free"] is None else str(p["free"]),
+    )
+    return RichGroup(streams, counters, workers)

@@ -3,10 +3,16 @@
 `RolloutClient` deduplicates on rollout id (delivery is at-least-once; the trainer sees each
 sample once), holds rollouts until their group is whole, and acks entries only once it has
 handed them over, so that a trainer that dies re-reads what it never got to use.
+
+With `max_staleness` (η) it also bounds staleness from both ends (see `staleness.admission`):
+`submit` holds the producer back while the samples in use would exceed (η + v + 1) * `batch_size`
+at policy version v, and `groups`/`batches` never hand over a rollout more than η versions old;
+groups that are over it go whole to `{ns}:stale`, counted.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections import OrderedDict
@@ -19,8 +25,11 @@ import numpy as np
 import redis
 
 from pipeline.streams import Entry, Streams, connect
-from pipeline.wire import PauseMode, Prompt, Rollout, Sampling, WireError
+from pipeline.wire import TRAINER, PauseMode, Prompt, Rollout, Sampling, WireError
+from staleness.admission import Admission, AdmissionLimits, StaleRollouts, Usage
 from staleness.manager import Manager, SyncReport
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -30,11 +39,15 @@ class Group:
     prompt_id: str
     rollouts: list[Rollout]
     entry_ids: list[bytes] = field(default_factory=list, repr=False)
+    trainer_version: int | None = None
+    """The policy version the staleness bound was checked against when handed over (None: no bound)."""
 
 
 @dataclass
 class Batch:
     groups: list[Group]
+    trainer_version: int | None = None
+    """The policy version the staleness bound was checked against (None: no bound); staleness = this - version."""
 
     @property
     def rollouts(self) -> list[Rollout]:
@@ -81,13 +94,31 @@ class RolloutClient:
         read_count: int = 512,
         remember_ids: int = 1_000_000,
         trim_every_s: float = 10.0,
+        max_staleness: int | None = None,
+        batch_size: int | None = None,
+        submit_timeout_s: float = 300.0,
     ) -> None:
+        """`max_staleness` (η, in policy versions) with `batch_size` (B, samples per training step) turn on
+        admission control in `submit` (which then waits up to `submit_timeout_s`); `max_staleness` is also
+        the default bound of `groups`/`batches`/`collect`. Without them nothing is limited."""
+        if (max_staleness is None) != (batch_size is None):
+            raise ValueError(
+                "admission control needs both max_staleness and batch_size (samples per training step), or neither"
+            )
         client = connect(redis_url) if isinstance(redis_url, str) else redis_url
         self.streams = Streams(client, ns)
         self.streams.ensure_groups()
         self.consumer = consumer
         self.read_count = read_count
-        self.stats = {"received": 0, "duplicates": 0, "dead": 0, "groups": 0}
+        self.stats = {"received": 0, "duplicates": 0, "dead": 0, "groups": 0, "stale": 0}
+        self.max_staleness = max_staleness
+        self.submit_timeout_s = submit_timeout_s
+        limits = None
+        if max_staleness is not None and batch_size is not None:
+            limits = AdmissionLimits(max_staleness, batch_size)
+        self.admission = Admission(client, self.streams.keys, limits)
+        self.admission.publish_limits()
+        self._stale = StaleRollouts(client, self.streams.keys, TRAINER)
         self._tokenizer_path = tokenizer
         self._tokenizer: Any = None
         self._seen: OrderedDict[str, None] = OrderedDict()
@@ -115,8 +146,12 @@ class RolloutClient:
         meta: dict[str, Any] | None = None,
         id: str | None = None,
         chat: bool = True,
+        timeout: float | None = None,
     ) -> str:
-        """Queue one prompt (text through the tokenizer and its chat template, or token ids); returns its id."""
+        """Queue one prompt (text through the tokenizer and its chat template, or token ids); returns its id.
+
+        With admission control, waits while the capacity is used up (`timeout`: default `submit_timeout_s`).
+        """
         item = self.make_prompt(
             prompt,
             tokens=tokens,
@@ -132,7 +167,7 @@ class RolloutClient:
             id=id,
             chat=chat,
         )
-        self.submit_prompts([item])
+        self.submit_prompts([item], timeout=timeout)
         return item.id
 
     def make_prompt(
@@ -157,9 +192,22 @@ class RolloutClient:
             tokens = self.tokenize(prompt or "", chat=chat)
         return Prompt(id=id or uuid.uuid4().hex, n=n, tokens=tokens, sampling=sampling, meta=meta or {})
 
-    def submit_prompts(self, prompts: Sequence[Prompt]) -> None:
-        """Queue many prompts in one round trip."""
-        self.streams.add_prompts(prompts)
+    def submit_prompts(self, prompts: Sequence[Prompt], *, timeout: float | None = None) -> None:
+        """Queue many prompts in one round trip, all or none, through admission control.
+
+        Without limits they go in at once (and are counted in `{ns}:state` `submitted`). With limits,
+        waits while they do not fit; raises `SubmissionTooLarge` at once if they never can, and
+        `AdmissionTimeout` (a `TimeoutError`) when the policy version did not move on in `timeout` s.
+        """
+        if not prompts:
+            return
+        samples = sum(p.n for p in prompts)
+        wait = self.submit_timeout_s if timeout is None else timeout
+        self.admission.admit([p.to_fields() for p in prompts], samples, wait)
+
+    def admission_usage(self) -> Usage:
+        """Samples submitted, parked as stale and in use, the policy version and the capacity now."""
+        return self.admission.usage()
 
     @property
     def tokenizer(self) -> Any:
@@ -217,41 +265,91 @@ class RolloutClient:
 
     # -- receiving -----------------------------------------------------------------------------
 
-    def groups(self, timeout: float | None = None) -> Iterator[Group]:
+    def groups(self, timeout: float | None = None, max_staleness: int | None = None) -> Iterator[Group]:
         """Yield each prompt's group once all its samples arrived; each sample exactly once.
 
         A group's entries are acked when the caller comes back for the next one (or stops).
-        Raises `TimeoutError` when no new rollout arrived for `timeout` seconds.
+        Raises `TimeoutError` when no new rollout arrived for `timeout` seconds. With a bound
+        (`max_staleness`, default the client's), a group with a sample more than that many versions
+        behind the trainer is parked on `{ns}:stale` instead (the version is read once per group).
         """
+        bound = self._bound(max_staleness)
         for group in self._whole_groups(timeout):
+            if bound is not None and not self._fresh([group], bound):
+                continue
             try:
                 yield group
             finally:
                 self._ack(group.entry_ids)
 
-    def batches(self, groups_per_batch: int, timeout: float | None = None) -> Iterator[Batch]:
-        """Yield batches of whole groups; a batch is acked when the caller comes back for the next."""
+    def batches(
+        self, groups_per_batch: int, timeout: float | None = None, max_staleness: int | None = None
+    ) -> Iterator[Batch]:
+        """Yield batches of whole groups; a batch is acked when the caller comes back for the next.
+
+        With a bound (`max_staleness`, default the client's), the trainer version is read once per
+        batch, when it is full: groups with an over-stale sample are parked on `{ns}:stale` and the
+        batch is filled up with the next groups, so every rollout handed over has staleness <= bound.
+        """
+        bound = self._bound(max_staleness)
         pending: list[Group] = []
         for group in self._whole_groups(timeout):
             pending.append(group)
             if len(pending) < groups_per_batch:
                 continue
-            batch, pending = Batch(pending), []
+            if bound is not None:
+                pending = self._fresh(pending, bound)
+                if len(pending) < groups_per_batch:
+                    continue
+            batch, pending = Batch(pending, trainer_version=pending[0].trainer_version), []
             try:
                 yield batch
             finally:
                 self._ack([e for g in batch.groups for e in g.entry_ids])
 
-    def collect(self, n_groups: int, timeout: float | None = 60.0) -> list[Group]:
+    def collect(self, n_groups: int, timeout: float | None = 60.0, max_staleness: int | None = None) -> list[Group]:
         """The next `n_groups` whole groups (all acked); a convenience for scripts and tests."""
         got: list[Group] = []
         if n_groups <= 0:
             return got
-        for group in self.groups(timeout=timeout):
+        for group in self.groups(timeout=timeout, max_staleness=max_staleness):
             got.append(group)
             if len(got) == n_groups:
                 break
         return got
+
+    def _bound(self, max_staleness: int | None) -> int | None:
+        bound = self.max_staleness if max_staleness is None else max_staleness
+        if bound is not None and bound < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {bound}")
+        return bound
+
+    def _fresh(self, groups: list[Group], bound: int) -> list[Group]:
+        """Keep the groups whose every sample is within `bound` versions of the trainer; park the others whole.
+
+        One read of the trainer version for all of `groups`; it is stamped on the groups kept.
+        """
+        version = self._stale.trainer_version()
+        fresh: list[Group] = []
+        parked: list[tuple[bytes, int]] = []
+        for group in groups:
+            if any(version - r.version > bound for r in group.rollouts):
+                parked += [(e, version - r.version) for r, e in zip(group.rollouts, group.entry_ids, strict=True)]
+            else:
+                group.trainer_version = version
+                fresh.append(group)
+        if parked:
+            moved = self._stale.park(version, parked)
+            self.stats["stale"] += moved
+            log.info(
+                "parked %d rollouts of %d groups on %s: older than %d versions behind trainer version %d",
+                moved,
+                len(groups) - len(fresh),
+                self.streams.keys.stale,
+                bound,
+                version,
+            )
+        return fresh
 
     def _ack(self, entry_ids: list[bytes]) -> None:
         """Ack what was handed over; now and then drop what every group on `rollouts` is done with."""

@@ -487,7 +487,9 @@ def test_torch_engine_loads_a_published_version(
     assert forward_diff(tiny_model_dir, PROMPT, after) > 0.1  # really the new weights
 
 
-def test_torch_engine_load_tensors_mid_generation(tiny_model_dir: Path, tiny_model_dir_v1: Path) -> None:
+def test_torch_engine_load_tensors_between_steps_of_a_running_request(
+    tiny_model_dir: Path, tiny_model_dir_v1: Path
+) -> None:
     v1 = {name: tensor.numpy() for name, tensor in state_dict_of(tiny_model_dir_v1).items()}
 
     async def go() -> Generation:
@@ -499,7 +501,11 @@ def test_torch_engine_load_tensors_mid_generation(tiny_model_dir: Path, tiny_mod
                 engine.generate("long", LONG_PROMPT, Sampling(max_tokens=500, temperature=1.0, seed=LONG_SEED))
             )
             await wait_until(lambda: engine.generated_tokens >= 5)
-            await engine.load_tensors(v1.items(), 1)  # no pause: the running row is recomputed under v1
+            # As the worker does: pause (keep), load, resume. The kept row's cache is recomputed under v1.
+            # (Without the pause a load waits for the step lock, which the decode loop may hold for long.)
+            await engine.pause("keep")
+            await engine.load_tensors(v1.items(), 1)
+            await engine.resume()
             return await request
 
     gen = asyncio.run(go())

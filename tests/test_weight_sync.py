@@ -64,6 +64,7 @@ def check_spans_and_logprobs(rollout: Rollout, weights: dict[int, Path]) -> None
 
 
 @pytest.mark.parametrize("mode", ["abort", "keep"])
+@pytest.mark.parametrize("engine", [pytest.param("torch"), pytest.param("vllm", marks=pytest.mark.vllm)])
 def test_weights_published_mid_generation_reach_every_sample_exactly_once(
     redis_server: RedisServer,
     ns: str,
@@ -72,9 +73,10 @@ def test_weights_published_mid_generation_reach_every_sample_exactly_once(
     workers: StartWorker,
     tmp_path: Path,
     mode: str,
+    engine: str,
 ) -> None:
-    workers("w1")
-    workers("w2")
+    workers("w1", "--engine", engine)
+    workers("w2", "--engine", engine)
     client = RolloutClient(redis_server.url, ns)
     ids = [client.submit(tokens=[5 + i, 40, 41, 42], n=2, max_tokens=300, seed=i) for i in range(16)]
     wait_until(generating(client, 8), 60, "generation to start")
