@@ -104,12 +104,15 @@ def build_tokenizer(vocab_size: int = VOCAB_SIZE) -> PreTrainedTokenizerFast:
     return fast
 
 
-def build_tiny_model(out_dir: Path, seed: int = 0) -> Path:
+def build_tiny_model(out_dir: Path, seed: int = 0, hidden_size: int = 64, num_layers: int = 2) -> Path:
     """Write a tiny Qwen2 causal LM (weights from `seed`) and the shared tokenizer into `out_dir`.
 
     `AutoTokenizer.from_pretrained(out_dir)` and `AutoModelForCausalLM.from_pretrained(out_dir)`
-    both work offline; vLLM loads it too. Returns `out_dir`.
+    both work offline; vLLM loads it too. Returns `out_dir`. `hidden_size` (a multiple of 32: one
+    attention head per 32) and `num_layers` make larger random models, for benchmarks of size.
     """
+    if hidden_size % 32:
+        raise ValueError(f"hidden_size must be a multiple of 32 (the head size), got {hidden_size}")
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -119,11 +122,11 @@ def build_tiny_model(out_dir: Path, seed: int = 0) -> Path:
     ids = tokenizer.convert_tokens_to_ids([PAD, BOS, EOS])
     config = Qwen2Config(
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=hidden_size // 32,
+        num_key_value_heads=hidden_size // 32,
         max_position_embeddings=512,
         rms_norm_eps=1e-6,
         tie_word_embeddings=False,
