@@ -77,6 +77,18 @@ class Keys:
         """Marker set once a rollout id is on `rollouts`: the dedupe of redelivered work."""
         return self.published_prefix + rollout_id
 
+    @property
+    def weights_index(self) -> str:
+        """Hash: version -> chunk count of the `redis://` weight transport, written before any chunk."""
+        return self.weights_prefix + "index"
+
+    def weights_manifest(self, version: int) -> str:
+        """JSON, written last: its presence means the version is complete."""
+        return f"{self.weights_prefix}{version}:manifest"
+
+    def weights_chunk(self, version: int, index: int) -> str:
+        return f"{self.weights_prefix}{version}:{index}"
+
 
 class Sampling(BaseModel):
     """Sampling parameters of a prompt.

@@ -255,6 +255,7 @@ class RolloutClient:
         store = open_transport(transport, redis_client=self.streams.redis, ns=self.streams.keys.ns)
         previous = manager.state()
         version = previous.version + 1
+        store.remove(version)  # left over by a publish whose sync failed: never announced, safe to replace
         uri = store.publish(state_dict_of(source), version)
         self.last_sync = manager.sync(version, uri, mode)
         store.release(keep=[version])

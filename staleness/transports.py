@@ -352,29 +352,6 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-@dataclass(frozen=True)
-class WeightKeys:
-    """Redis keys of the weights of one namespace (all under the `{ns}` hash tag, one cluster slot)."""
-
-    ns: str
-
-    @property
-    def prefix(self) -> str:
-        return "{" + self.ns + "}:weights:"
-
-    @property
-    def index(self) -> str:
-        """Hash: version -> chunk count, written before any chunk, so that a crashed write can be cleaned up."""
-        return self.prefix + "index"
-
-    def manifest(self, version: int) -> str:
-        """JSON, written last: its presence means the version is complete."""
-        return f"{self.prefix}{version}:manifest"
-
-    def chunk(self, version: int, index: int) -> str:
-        return f"{self.prefix}{version}:{index}"
-
-
 class RedisTransport:
     """`redis://`: one safetensors blob in chunks under `{ns}:weights:{v}:{i}`, then a manifest.
 
@@ -398,7 +375,7 @@ class RedisTransport:
             raise ValueError(f"chunk_bytes and batch_bytes must be >= 1, got {chunk_bytes}, {batch_bytes}")
         Keys(ns)  # raises ValueError for a bad namespace
         self.client = client
-        self.keys = WeightKeys(ns)
+        self.keys = Keys(ns)
         self.chunk_bytes = chunk_bytes
         self.batch_bytes = batch_bytes
 
@@ -413,9 +390,9 @@ class RedisTransport:
         """Store the chunks, then the manifest; return `redis://{ns}/v{version}`."""
         version = _check_version(version)
         keys = self.keys
-        if self.client.exists(keys.manifest(version)):
+        if self.client.exists(keys.weights_manifest(version)):
             raise FileExistsError(
-                f"weights version {version} exists in Redis ({keys.manifest(version)}): remove it first"
+                f"weights version {version} exists in Redis ({keys.weights_manifest(version)}): remove it first"
             )
         named = state_dict_of(tensors)
         blob = save(named, metadata={"format": "pt", "version": str(version)})
@@ -432,25 +409,25 @@ class RedisTransport:
             "ts": time.time(),
         }
         self.remove(version)  # leftovers of a write that crashed before its manifest
-        self.client.hset(keys.index, str(version), n_chunks)
+        self.client.hset(keys.weights_index, str(version), n_chunks)
         view = memoryview(blob)
         pipe = self.client.pipeline(transaction=False)
         pending = 0
         for i in range(n_chunks):
             piece = view[i * self.chunk_bytes : (i + 1) * self.chunk_bytes]
-            pipe.set(keys.chunk(version, i), piece)
+            pipe.set(keys.weights_chunk(version, i), piece)
             pending += len(piece)
             if pending >= self.batch_bytes:
                 pipe.execute()
                 pending = 0
-        pipe.set(keys.manifest(version), json.dumps(manifest, separators=(",", ":")))
+        pipe.set(keys.weights_manifest(version), json.dumps(manifest, separators=(",", ":")))
         pipe.execute()
         return self.uri_of(version)
 
     def manifest(self, version: int) -> dict[str, Any]:
         """The manifest of a complete version (`FileNotFoundError` if none, `ValueError` if malformed)."""
         version = _check_version(version)
-        key = self.keys.manifest(version)
+        key = self.keys.weights_manifest(version)
         raw = self.client.get(key)
         if raw is None:
             raise FileNotFoundError(
@@ -489,14 +466,14 @@ class RedisTransport:
         for start in range(0, n_chunks, per_batch):
             pipe = self.client.pipeline(transaction=False)
             for i in range(start, min(start + per_batch, n_chunks)):
-                pipe.get(self.keys.chunk(version, i))
+                pipe.get(self.keys.weights_chunk(version, i))
             chunks += pipe.execute()
         missing = [i for i, chunk in enumerate(chunks) if chunk is None]
         if missing:
             shown = f"{missing[:10]}{'...' if len(missing) > 10 else ''}"
             raise ValueError(
                 f"weights version {version}: {len(missing)} of {n_chunks} chunks are missing ({shown}, keys "
-                f"{self.keys.chunk(version, missing[0])} ...); was it removed while being read?"
+                f"{self.keys.weights_chunk(version, missing[0])} ...); was it removed while being read?"
             )
         blob = b"".join(chunks)  # type: ignore[arg-type]
         if len(blob) != manifest["bytes"]:
@@ -523,29 +500,29 @@ class RedisTransport:
         stored = sorted(self._stored())
         pipe = self.client.pipeline(transaction=False)
         for v in stored:
-            pipe.exists(self.keys.manifest(v))
+            pipe.exists(self.keys.weights_manifest(v))
         return [v for v, present in zip(stored, pipe.execute(), strict=True) if present]
 
     def _stored(self) -> set[int]:
-        return {int(v) for v in self.client.hkeys(self.keys.index) if v.isdigit()}
+        return {int(v) for v in self.client.hkeys(self.keys.weights_index) if v.isdigit()}
 
     def remove(self, version: int) -> bool:
         """DEL the manifest first (readers stop seeing the version), then every chunk, then its index entry."""
         version = _check_version(version)
         keys = self.keys
         pipe = self.client.pipeline(transaction=False)
-        pipe.hget(keys.index, str(version))
-        pipe.get(keys.manifest(version))
+        pipe.hget(keys.weights_index, str(version))
+        pipe.get(keys.weights_manifest(version))
         counted, raw = pipe.execute()
         n_chunks = int(counted or 0)
         if raw is not None:
             with contextlib.suppress(ValueError, AttributeError, TypeError):  # a malformed manifest still goes
                 n_chunks = max(n_chunks, int(json.loads(raw).get("chunks", 0)))
         pipe = self.client.pipeline(transaction=True)  # one slot ({ns}), so MULTI is legal on a cluster too
-        pipe.delete(keys.manifest(version))
+        pipe.delete(keys.weights_manifest(version))
         for start in range(0, n_chunks, 1000):
-            pipe.delete(*(keys.chunk(version, i) for i in range(start, min(start + 1000, n_chunks))))
-        pipe.hdel(keys.index, str(version))
+            pipe.delete(*(keys.weights_chunk(version, i) for i in range(start, min(start + 1000, n_chunks))))
+        pipe.hdel(keys.weights_index, str(version))
         return any(pipe.execute())
 
     def release(self, keep: Iterable[int]) -> list[int]:

@@ -180,17 +180,16 @@ def test_two_producers_never_overshoot_the_capacity(redis_server: RedisServer, n
         except AdmissionTimeout:
             return admitted
 
-    total = 0
+    per_producer = [0, 0]
     for version, capacity in ((0, 16), (1, 24), (2, 32)):
         if version:
             manager.sync(version, f"redis://{ns}/v{version}")
         barrier = threading.Barrier(len(producers))
         runs = [Background(lambda c=c, n=n, b=barrier: fill(c, n, b)) for c, n in zip(producers, sizes, strict=True)]
-        admitted = [run.join(60) for run in runs]
-        assert all(admitted), f"both producers got samples in: {admitted}"
-        total += sum(admitted)
+        per_producer = [total + run.join(60) for total, run in zip(per_producer, runs, strict=True)]
         # The 1-sample producer keeps going until nothing at all is free, so the capacity is met exactly.
-        assert total == capacity == int(state(trainer)["submitted"]) == queued_samples(trainer)
+        assert sum(per_producer) == capacity == int(state(trainer)["submitted"]) == queued_samples(trainer)
+    assert all(per_producer), f"both producers got samples in: {per_producer}"
 
 
 def test_a_submission_larger_than_the_window_fails_at_once(redis_server: RedisServer, ns: str) -> None:

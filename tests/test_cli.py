@@ -51,7 +51,7 @@ def test_submit_file_then_top_json_shows_the_pipeline(
 
     worker = start_worker(url, ns, tiny_model_dir, "cli-w", log_file=tmp_path / "w.log")
     try:
-        client = RolloutClient(url, ns, tokenizer=tiny_model_dir)
+        client = RolloutClient(url, ns, tokenizer=tiny_model_dir, trim_every_s=3600)  # keep acked rollouts to count
         wait_for_worker(client.streams.redis, ns, "cli-w", worker, timeout_s=120)
         groups = {g.prompt_id: g for g in client.collect(2, timeout=60)}
         assert set(groups) == {"text-1", "tok-1"}
@@ -159,3 +159,16 @@ def test_bench_compares_both_sides_on_the_same_tokens(tiny_model_dir: Path, tmp_
     assert report["direct"]["rollouts_per_s"] > 0 and report["pipeline"]["rollouts_per_s"] > 0
     assert report["ratio"] == pytest.approx(report["direct"]["seconds"][0] / report["pipeline"]["seconds"][0], rel=0.05)
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_sync_reports_the_stall_per_transport(tmp_path: Path) -> None:
+    plot = tmp_path / "sync.png"
+    result = rollouts("bench-sync", "--sizes", "tiny", "--rounds", "1", "--plot", str(plot), timeout=300)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert [(r["size"], r["transport"]) for r in report["results"]] == [("tiny", "redis"), ("tiny", "fs")]
+    for row in report["results"]:
+        assert row["parameters"] == 148_160 and row["bytes"] == 4 * 148_160
+        assert 0 < row["sync_s"] <= row["stall_s"]
+    assert plot.read_bytes()[:4] == b"\x89PNG"
+    assert_clean_error(rollouts("bench-sync", "--sizes", "huge"), "unknown sizes ['huge']")

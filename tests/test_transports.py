@@ -538,8 +538,11 @@ class Served:
 def test_vllm_engine_loads_through_both_transports(
     real_redis: redis.Redis, ns: str, tmp_path: Path, tiny_model_dir: Path, tiny_model_dir_v1: Path
 ) -> None:
+    import psutil
+
     from consumers.vllm_engine import VllmEngine
 
+    before = {proc.pid for proc in psutil.Process().children(recursive=True)}
     fs = FsTransport(tmp_path)
     rt = RedisTransport(real_redis, ns)
     served = Served(VllmEngine(tiny_model_dir))
@@ -564,6 +567,14 @@ def test_vllm_engine_loads_through_both_transports(
     finally:
         served.run(engine.shutdown(), timeout=60)
         served.close()
+    left = []
+    for proc in psutil.Process().children(recursive=True):
+        try:  # an exited child not yet reaped (a zombie) is gone
+            if proc.pid not in before and proc.status() != psutil.STATUS_ZOMBIE:
+                left += [cmd for cmd in [" ".join(proc.cmdline())] if "resource_tracker" not in cmd]
+        except psutil.Error:
+            continue
+    assert not left, f"vLLM processes left behind: {left}"
     for gen, version, model_dir in [(v0, 0, tiny_model_dir), (v1, 1, tiny_model_dir_v1), (v2, 2, tiny_model_dir)]:
         assert gen.spans == [(version, 0, len(gen.tokens))]
         assert_matches_forward(model_dir, PROMPT, gen)
