@@ -287,16 +287,10 @@ class TorchEngine:
         await asyncio.to_thread(self._load_weights_sync, Path(path), version)
 
     def _load_weights_sync(self, path: Path, version: int) -> None:
-        from safetensors.torch import load_file
+        from staleness.transports import read_checkpoint
 
         self._require_model()
-        files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
-        if not files or not all(f.is_file() for f in files):
-            raise FileNotFoundError(f"no safetensors checkpoint at {path}")
-        tensors: dict[str, torch.Tensor] = {}
-        for f in files:
-            tensors.update(load_file(f))
-        self._load_tensors_sync(tensors, version, path)
+        self._load_tensors_sync(read_checkpoint(path), version, path)
 
     async def load_tensors(
         self, named_tensors: Mapping[str, torch.Tensor | np.ndarray] | Iterable[tuple[str, Any]], version: int

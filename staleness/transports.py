@@ -156,7 +156,7 @@ def state_dict_of(
     elif isinstance(source, Mapping):
         items = source.items()
     elif isinstance(source, (str, os.PathLike)):
-        items = _read_checkpoint(Path(source)).items()
+        items = read_checkpoint(Path(source)).items()
     else:
         raise TypeError(
             f"state_dict_of takes a torch module, a mapping of tensors or a checkpoint path, got {source!r}"
@@ -196,7 +196,7 @@ def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
 
 
-def _read_checkpoint(path: Path) -> dict[str, torch.Tensor]:
+def read_checkpoint(path: Path) -> dict[str, torch.Tensor]:
     """Every tensor of a safetensors checkpoint (a directory of `*.safetensors`, or one file)."""
     files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
     if not files or not all(f.is_file() for f in files):

@@ -2,15 +2,33 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import fakeredis
 import pytest
 import redis
 
+from pipeline.cli.processes import start_worker, stop_process, wait_for_worker
 from pipeline.local import RedisServer
+
+StartWorker = Callable[..., subprocess.Popen[bytes]]
+FAST = ("--claim-idle-ms", "1500", "--heartbeat-s", "0.3")
+"""Worker flags for tests: a dead worker's work is claimed after 1.5 s, heartbeats every 0.3 s."""
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Poll a condition with a deadline (no bare sleeps in tests)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(0.05)
 
 
 @pytest.fixture(scope="session")
@@ -58,3 +76,28 @@ def tiny_model_dir_v1(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from consumers.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-v1"), seed=1)
+
+
+@pytest.fixture
+def workers(redis_server: RedisServer, ns: str, tiny_model_dir: Path, tmp_path: Path) -> Iterator[StartWorker]:
+    """Start named `rollouts worker` processes on this test's namespace; all are stopped by PID at the end."""
+    started: list[subprocess.Popen[bytes]] = []
+    client = redis.Redis.from_url(redis_server.url)
+
+    def start(name: str, *extra: str) -> subprocess.Popen[bytes]:
+        log = tmp_path / f"{name}.log"
+        proc = start_worker(redis_server.url, ns, tiny_model_dir, name, *FAST, *extra, log_file=log)
+        started.append(proc)
+        try:
+            wait_for_worker(client, ns, name, proc, timeout_s=240)
+        except Exception:
+            print(log.read_text())
+            raise
+        return proc
+
+    yield start
+    for proc in started:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGCONT)  # a test may have frozen it
+        stop_process(proc)
+    client.close()

@@ -7,46 +7,18 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-import redis
 
-from pipeline.cli.processes import start_worker, stop_process, wait_for_worker
 from pipeline.local import RedisServer
 from pipeline.wire import GENERATORS, TRAINER, Prompt, Rollout
 from producers.client import Group, RolloutClient
 from staleness.admission import AdmissionTimeout, StaleRollouts, SubmissionTooLarge
 from staleness.manager import Manager
-from tests.test_end_to_end import wait_until
-
-StartWorker = Callable[..., subprocess.Popen[bytes]]
-FAST = ("--claim-idle-ms", "1500", "--heartbeat-s", "0.3")
-
-
-@pytest.fixture
-def workers(redis_server: RedisServer, ns: str, tiny_model_dir: Path, tmp_path: Path) -> Iterator[StartWorker]:
-    """Start named torch workers on this test's namespace; all are stopped (by PID) at the end."""
-    started: list[subprocess.Popen[bytes]] = []
-    client = redis.Redis.from_url(redis_server.url)
-
-    def start(name: str, *extra: str) -> subprocess.Popen[bytes]:
-        log = tmp_path / f"{name}.log"
-        proc = start_worker(redis_server.url, ns, tiny_model_dir, name, *FAST, *extra, log_file=log)
-        started.append(proc)
-        try:
-            wait_for_worker(client, ns, name, proc, timeout_s=240)
-        except Exception:
-            print(log.read_text())
-            raise
-        return proc
-
-    yield start
-    for proc in started:
-        stop_process(proc)
-    client.close()
+from tests.conftest import StartWorker, wait_until
 
 
 class Background:

@@ -6,53 +6,19 @@ import os
 import re
 import signal
 import subprocess
-import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 import psutil
 import pytest
-import redis
 
-from pipeline.cli.processes import start_worker, stop_process, wait_for_worker
 from pipeline.local import RedisServer
 from pipeline.wire import GENERATORS, Keys, Prompt, Sampling
 from producers.client import RolloutClient
+from tests.conftest import StartWorker, wait_until
 from tests.reference import forward_logprobs
 
-StartWorker = Callable[..., subprocess.Popen[bytes]]
 ENGINES = [pytest.param("torch"), pytest.param("vllm", marks=pytest.mark.vllm)]
-
-
-@pytest.fixture
-def workers(redis_server: RedisServer, ns: str, tiny_model_dir: Path, tmp_path: Path) -> Iterator[StartWorker]:
-    """Start named workers on this test's namespace; all are stopped (by PID) at the end."""
-    started: list[subprocess.Popen[bytes]] = []
-    client = redis.Redis.from_url(redis_server.url)
-
-    def start(name: str, *extra: str) -> subprocess.Popen[bytes]:
-        proc = start_worker(redis_server.url, ns, tiny_model_dir, name, *extra, log_file=tmp_path / f"{name}.log")
-        started.append(proc)
-        try:
-            wait_for_worker(client, ns, name, proc, timeout_s=240)
-        except Exception:
-            print((tmp_path / f"{name}.log").read_text())
-            raise
-        return proc
-
-    yield start
-    for proc in started:
-        stop_process(proc)
-    client.close()
-
-
-def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(0.05)
 
 
 @pytest.mark.parametrize("engine", ENGINES)

@@ -7,44 +7,18 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
-import redis
 
-from pipeline.cli.processes import start_worker, stop_process, wait_for_worker
 from pipeline.local import RedisServer
 from pipeline.wire import GENERATORS, Rollout
 from producers.client import Group, RolloutClient
 from staleness.manager import Manager, SyncError
+from tests.conftest import StartWorker, wait_until
 from tests.reference import forward_logprobs
-from tests.test_end_to_end import wait_until
-
-StartWorker = Callable[..., subprocess.Popen[bytes]]
-FAST = ("--claim-idle-ms", "1500", "--heartbeat-s", "0.3")
-
-
-@pytest.fixture
-def workers(redis_server: RedisServer, ns: str, tiny_model_dir: Path, tmp_path: Path) -> Iterator[StartWorker]:
-    started: list[subprocess.Popen[bytes]] = []
-    client = redis.Redis.from_url(redis_server.url)
-
-    def start(name: str, *extra: str) -> subprocess.Popen[bytes]:
-        proc = start_worker(
-            redis_server.url, ns, tiny_model_dir, name, *FAST, *extra, log_file=tmp_path / f"{name}.log"
-        )
-        started.append(proc)
-        wait_for_worker(client, ns, name, proc, timeout_s=240)
-        return proc
-
-    yield start
-    for proc in started:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGCONT)
-        stop_process(proc)
-    client.close()
 
 
 def generating(client: RolloutClient, at_least: int) -> Callable[[], bool]:
