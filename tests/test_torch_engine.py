@@ -23,6 +23,7 @@ from consumers.engine import EngineClosedError, EngineInputError, Generation
 from consumers.tiny_model import EOS
 from consumers.torch_engine import TorchEngine
 from pipeline.wire import Sampling
+from tests.engine_loop import wait_until_async
 from tests.reference import forward_logprobs, load_model
 
 ATOL = 1e-4
@@ -58,14 +59,6 @@ def run(coro_fn: Callable[[TorchEngine], object], model_dir: Path, **engine_kwar
             return await coro_fn(engine)
 
     return asyncio.run(main())
-
-
-async def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
-    """Poll a condition with a deadline (the engine's thread makes progress meanwhile)."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, "condition not met before the deadline"
-        await asyncio.sleep(0.002)
 
 
 def assert_matches_forward(model_dir: Path, prompt: np.ndarray, gen: Generation, start: int = 0, end=None) -> None:
@@ -226,7 +219,7 @@ def test_engine_keeps_serving_after_bad_requests(tiny_model_dir: Path) -> None:
         with pytest.raises(EngineInputError, match="temperature"):
             await engine.generate("bad", LONG_PROMPT, Sampling(temperature=-1))
         first = asyncio.ensure_future(engine.generate("dup", LONG_PROMPT, Sampling(max_tokens=400, seed=LONG_SEED)))
-        await wait_until(lambda: engine.stats()["running"] == 1)
+        await wait_until_async(lambda: engine.stats()["running"] == 1)
         with pytest.raises(EngineInputError, match="already in flight"):
             await engine.generate("dup", LONG_PROMPT, Sampling())
         await engine.abort(["dup"])
@@ -244,7 +237,7 @@ def test_abort_returns_partial_tokens_with_true_logprobs(tiny_model_dir: Path) -
         long = asyncio.ensure_future(
             engine.generate("long", LONG_PROMPT, Sampling(max_tokens=500, temperature=1.0, seed=LONG_SEED))
         )
-        await wait_until(lambda: engine.generated_tokens >= 5)
+        await wait_until_async(lambda: engine.generated_tokens >= 5)
         await engine.abort(["long", "unknown-id"])
         partial = await long
         after = await engine.generate("after", LONG_PROMPT, Sampling(max_tokens=5, temperature=1.0, seed=1))
@@ -263,7 +256,7 @@ def test_pause_keep_load_weights_resume_splits_spans(tiny_model_dir: Path, tiny_
         request = asyncio.ensure_future(
             engine.generate("kept", LONG_PROMPT, Sampling(max_tokens=80, temperature=1.0, seed=LONG_SEED))
         )
-        await wait_until(lambda: engine.generated_tokens >= 5)
+        await wait_until_async(lambda: engine.generated_tokens >= 5)
         await engine.pause("keep")
         frozen = engine.generated_tokens
         await engine.load_weights(str(tiny_model_dir_v1), version=1)
@@ -290,7 +283,7 @@ def test_pause_abort_ends_running_and_queued_requests(tiny_model_dir: Path) -> N
     async def go(engine: TorchEngine) -> tuple[list[Generation], Generation]:
         sampling = Sampling(max_tokens=500, temperature=1.0, seed=LONG_SEED)
         tasks = [asyncio.ensure_future(engine.generate(f"p{i}", LONG_PROMPT, sampling)) for i in range(3)]
-        await wait_until(lambda: engine.generated_tokens >= 4)  # two rows run, the third waits (max_batch=2)
+        await wait_until_async(lambda: engine.generated_tokens >= 4)  # two rows run, the third waits (max_batch=2)
         await engine.pause("abort")
         ended = await asyncio.gather(*tasks)
         waiting = asyncio.ensure_future(engine.generate("later", LONG_PROMPT, Sampling(max_tokens=3, seed=1)))
@@ -331,12 +324,12 @@ def test_shutdown_fails_pending_requests_and_cancel_frees_the_row(tiny_model_dir
         await engine.start()
         sampling = Sampling(max_tokens=500, temperature=1.0, seed=LONG_SEED)
         cancelled = asyncio.ensure_future(engine.generate("cancelled", LONG_PROMPT, sampling))
-        await wait_until(lambda: engine.stats()["running"] == 1)
+        await wait_until_async(lambda: engine.stats()["running"] == 1)
         cancelled.cancel()
         # The only row is freed for the next request.
         assert len((await engine.generate("next", LONG_PROMPT, Sampling(max_tokens=3, seed=1))).tokens) == 3
         pending = asyncio.ensure_future(engine.generate("pending", LONG_PROMPT, sampling))
-        await wait_until(lambda: engine.stats()["running"] == 1)
+        await wait_until_async(lambda: engine.stats()["running"] == 1)
         await engine.shutdown()
         with pytest.raises(EngineClosedError):
             await pending

@@ -13,9 +13,9 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import pytest
@@ -38,9 +38,9 @@ from staleness.transports import (
     parse_uri,
     state_dict_of,
 )
+from tests.engine_loop import Served, wait_until_async
 from tests.reference import forward_logprobs
 
-T = TypeVar("T")
 ATOL = 1e-4
 PROMPT = np.array([11, 42, 7, 300, 95, 18, 260], dtype=np.int32)
 GREEDY = Sampling(max_tokens=24, temperature=0.0)
@@ -87,14 +87,6 @@ def assert_matches_forward(model_dir: Path, prompt: np.ndarray, gen: Generation,
 def forward_diff(model_dir: Path, prompt: np.ndarray, gen: Generation) -> float:
     expected = forward_logprobs(model_dir, prompt.tolist(), gen.tokens.tolist())
     return float(np.abs(gen.logprobs - expected).max())
-
-
-async def wait_until(predicate: Callable[[], bool], timeout: float = 30.0) -> None:
-    """Poll a condition with a deadline."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met before the deadline"
-        await asyncio.sleep(0.002)
 
 
 # -- uris --------------------------------------------------------------------------------------
@@ -500,7 +492,7 @@ def test_torch_engine_load_tensors_between_steps_of_a_running_request(
             request = asyncio.ensure_future(
                 engine.generate("long", LONG_PROMPT, Sampling(max_tokens=500, temperature=1.0, seed=LONG_SEED))
             )
-            await wait_until(lambda: engine.generated_tokens >= 5)
+            await wait_until_async(lambda: engine.generated_tokens >= 5)
             # As the worker does: pause (keep), load, resume. The kept row's cache is recomputed under v1.
             # (Without the pause a load waits for the step lock, which the decode loop may hold for long.)
             await engine.pause("keep")
@@ -514,24 +506,6 @@ def test_torch_engine_load_tensors_between_steps_of_a_running_request(
     assert (v0, s0, v1_, k1, n) == (0, 0, 1, k, len(gen.tokens)) and 5 <= k < n
     assert_matches_forward(tiny_model_dir, LONG_PROMPT, gen, 0, k)
     assert_matches_forward(tiny_model_dir_v1, LONG_PROMPT, gen, k, n)
-
-
-class Served:
-    """A vLLM engine on an event loop in its own thread (its output handler runs between our calls)."""
-
-    def __init__(self, engine: Any) -> None:
-        self.engine = engine
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="vllm-transports-loop", daemon=True)
-        self.thread.start()
-
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 120) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=10)
-        self.loop.close()
 
 
 @pytest.mark.vllm

@@ -11,10 +11,9 @@ A missing or broken vLLM fails this module (the import below), it never skips it
 from __future__ import annotations
 
 import asyncio
-import threading
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import psutil
@@ -27,11 +26,11 @@ from consumers.tiny_model import EOS, SPECIAL_TOKENS
 from consumers.torch_engine import TorchEngine
 from consumers.vllm_engine import VllmEngine
 from pipeline.wire import Sampling
+from tests.engine_loop import Served, wait_until_async
 from tests.reference import forward_logprobs
 
 pytestmark = pytest.mark.vllm
 
-T = TypeVar("T")
 ATOL = 1e-4
 EOS_ID = SPECIAL_TOKENS.index(EOS)
 """The tiny model's eos token id (its config's `eos_token_id`)."""
@@ -45,25 +44,6 @@ EOS_PROMPT = np.array(
     dtype=np.int32,
 )  # fmt: skip
 """Greedy decoding from this prompt reaches the eos token after 5 tokens (seed-0 weights)."""
-
-
-class Served:
-    """One engine on an event loop running in its own thread; `run` waits for a coroutine with a deadline."""
-
-    def __init__(self, engine: VllmEngine) -> None:
-        self.engine = engine
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="vllm-test-loop", daemon=True)
-        self.thread.start()
-        self.engine_pids: set[int] = set()
-
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 120) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=10)
-        self.loop.close()
 
 
 def children() -> dict[int, str]:
@@ -115,14 +95,6 @@ def one_thread() -> Iterator[None]:
 def prompts(lengths: list[int], seed: int = 0) -> list[np.ndarray]:
     rng = np.random.default_rng(seed)
     return [rng.integers(6, 512, size=n, dtype=np.int32) for n in lengths]
-
-
-async def wait_until(predicate: Callable[[], bool], timeout: float = 30.0) -> None:
-    """Poll a condition with a deadline (vLLM's processes make progress meanwhile)."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, "condition not met before the deadline"
-        await asyncio.sleep(0.002)
 
 
 def max_forward_diff(model_dir: Path, prompt: np.ndarray, gen: Generation, start: int = 0, end=None) -> float:
@@ -260,7 +232,7 @@ def test_abort_returns_partial_tokens_with_true_logprobs(
     async def go() -> tuple[Generation, Generation, Generation]:
         base = engine.generated_tokens
         request = asyncio.ensure_future(engine.generate("b-long", LONG_PROMPT, sampling))
-        await wait_until(lambda: engine.generated_tokens >= base + 5)
+        await wait_until_async(lambda: engine.generated_tokens >= base + 5)
         await engine.abort(["b-long", "unknown-id"])
         partial = await request
         after = await engine.generate("b-after", LONG_PROMPT, Sampling(max_tokens=5, temperature=1.0, seed=1))
@@ -289,7 +261,7 @@ def test_pause_abort_load_resume_continues_under_new_weights(
     async def go() -> tuple[Generation, Generation, Generation]:
         base = engine.generated_tokens
         request = asyncio.ensure_future(engine.generate("c-run", LONG_PROMPT, sampling))
-        await wait_until(lambda: engine.generated_tokens >= base + 5)
+        await wait_until_async(lambda: engine.generated_tokens >= base + 5)
         await engine.pause("abort")
         partial = await request
         assert partial.finish_reason == "abort"
@@ -338,7 +310,7 @@ def test_pause_keep_load_resume_splits_spans(
         request = asyncio.ensure_future(
             engine.generate("d-kept", LONG_PROMPT, Sampling(max_tokens=200, temperature=1.0, seed=LONG_SEED))
         )
-        await wait_until(lambda: engine.generated_tokens >= base + 5)
+        await wait_until_async(lambda: engine.generated_tokens >= base + 5)
         await engine.pause("keep")
         await engine.load_weights(str(tiny_model_dir_v1), version=1)
         await engine.reset_prefix_cache()
@@ -411,7 +383,7 @@ def test_engine_keeps_serving_after_bad_requests(served: Served, engine: VllmEng
             await engine.generate("e-hot", LONG_PROMPT, Sampling(temperature=5.0))
         base = engine.generated_tokens
         first = asyncio.ensure_future(engine.generate("dup", LONG_PROMPT, Sampling(max_tokens=480, seed=LONG_SEED)))
-        await wait_until(lambda: engine.generated_tokens > base)
+        await wait_until_async(lambda: engine.generated_tokens > base)
         with pytest.raises(EngineInputError, match="already in flight"):
             await engine.generate("dup", LONG_PROMPT, Sampling())
         await engine.abort(["dup"])
@@ -451,7 +423,7 @@ def test_shutdown_fails_pending_requests_and_leaves_no_process(served: Served, e
         pending = asyncio.ensure_future(
             engine.generate("f-pending", LONG_PROMPT, Sampling(max_tokens=480, seed=LONG_SEED))
         )
-        await wait_until(lambda: engine.generated_tokens > base)
+        await wait_until_async(lambda: engine.generated_tokens > base)
         await engine.shutdown()
         with pytest.raises(EngineClosedError):
             await pending
