@@ -12,6 +12,7 @@ import redis
 from pipeline.local import RedisServer
 from pipeline.streams import Entry, Streams, entries_from_reply
 from pipeline.wire import GENERATORS, TRAINER, Prompt, Rollout
+from tests.conftest import wait_until
 
 
 def prompt(pid: str, n: int = 2) -> Prompt:
@@ -90,13 +91,14 @@ def test_abandoned_work_is_claimed_but_touched_work_is_not(any_redis: redis.Redi
     streams.ensure_groups()
     streams.add_prompts([prompt("alive"), prompt("dead")])
     alive, dead = streams.read_work("w1", 10, None)
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:  # let both entries idle past 50 ms
-        streams.touch("w1", [alive])
-        if [e.id for e in streams.claim_abandoned("w2", min_idle_ms=50, count=10)] == [dead.id]:
-            break
-    else:
-        pytest.fail("the idle entry was never claimed")
+
+    def idle_ms(entry: Entry) -> int:
+        (info,) = any_redis.xpending_range(streams.keys.prompts, GENERATORS, entry.id, entry.id, 1)
+        return info["time_since_delivered"]
+
+    wait_until(lambda: idle_ms(dead) >= 400, 10, "the entries to idle past 400 ms")
+    streams.touch("w1", [alive])  # w1 still works on `alive`: its idle time starts again
+    assert [e.id for e in streams.claim_abandoned("w2", min_idle_ms=300, count=10)] == [dead.id]
     assert streams.delivery_count(dead) == 2
     assert streams.delivery_count(alive) == 1
 
