@@ -101,3 +101,15 @@ def workers(redis_server: RedisServer, ns: str, tiny_model_dir: Path, tmp_path: 
             os.kill(proc.pid, signal.SIGCONT)  # a test may have frozen it
         stop_process(proc)
     client.close()
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """Reference passes on one thread: the tiny model gains nothing from more, and on a busy
+    2-core machine torch's spinning OpenMP threads make each pass up to 30x slower."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

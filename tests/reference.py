@@ -23,3 +23,9 @@ def forward_logprobs(model_dir: Path, prompt: list[int], tokens: list[int]) -> n
     logprobs = torch.log_softmax(logits, dim=-1)
     positions = torch.arange(len(prompt) - 1, len(prompt) + len(tokens) - 1)
     return logprobs[positions, torch.tensor(tokens, dtype=torch.long)].numpy()
+
+
+def random_prompts(lengths: list[int], seed: int = 0) -> list[np.ndarray]:
+    """Token-id prompts of the given lengths (ids 6..511: no special tokens of the tiny model)."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(6, 512, size=n, dtype=np.int32) for n in lengths]

@@ -110,6 +110,8 @@ def test_a_bad_prompts_file_queues_nothing_and_names_every_bad_line(
         (["submit", "--file", "/no/such/file.jsonl"], ["no prompts file at /no/such/file.jsonl"]),
         (["worker", "--model", "/no/such/model"], ["no model at /no/such/model", "rollouts tiny-model"]),
         (["worker", "--model", "/tmp", "--engine", "tensorflow"], ["unknown engine 'tensorflow'"]),
+        (["worker", "--model", "/tmp", "--engine-args", "[1, 2]"], ["--engine-args must be a JSON object"]),
+        (["publish-weights", "--from", "/tmp", "--mode", "pause"], ["--mode must be abort or keep"]),
         (["top", "--once", "--ns", "a:b", "--redis", "{url}"], ["namespace 'a:b'"]),
     ],
 )

@@ -11,7 +11,7 @@ import asyncio
 import json
 import math
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -24,27 +24,14 @@ from consumers.tiny_model import EOS
 from consumers.torch_engine import TorchEngine
 from pipeline.wire import Sampling
 from tests.engine_loop import wait_until_async
-from tests.reference import forward_logprobs, load_model
+from tests.reference import forward_logprobs, load_model, random_prompts
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 ATOL = 1e-4
 LONG_SEED = 5
 """With `LONG_PROMPT`, this seed samples 500 tokens without an eos under the seed-0 weights."""
 LONG_PROMPT = np.arange(10, 20, dtype=np.int32)
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    """Reference passes on one thread: the tiny model gains nothing from more, and on a busy
-    2-core machine torch's spinning OpenMP threads make each pass up to 30x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def prompts(lengths: list[int], seed: int = 0) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(6, 512, size=n, dtype=np.int32) for n in lengths]
 
 
 def stacked(arrays: list[np.ndarray]) -> torch.Tensor:
@@ -86,7 +73,7 @@ def greedy_reference(model_dir: Path, prompt: np.ndarray, max_tokens: int, eos: 
 
 def test_logprobs_of_a_mixed_batch_equal_a_forward_pass(tiny_model_dir: Path) -> None:
     """Prompts of different lengths, more than `max_batch` of them: padding and admission into a running batch."""
-    batch = prompts([1, 4, 9, 23, 57, 120, 3])
+    batch = random_prompts([1, 4, 9, 23, 57, 120, 3])
     samplings = [Sampling(max_tokens=12 + 5 * i, temperature=1.0, seed=i) for i in range(len(batch))]
     samplings[2] = Sampling(max_tokens=30, temperature=0.7, top_p=0.8, seed=2)  # logprobs stay raw
 
@@ -107,7 +94,7 @@ def test_logprobs_of_a_mixed_batch_equal_a_forward_pass(tiny_model_dir: Path) ->
 
 
 def test_greedy_equals_token_by_token_argmax(tiny_model_dir: Path) -> None:
-    batch = prompts([2, 15, 40], seed=1)
+    batch = random_prompts([2, 15, 40], seed=1)
 
     async def go(engine: TorchEngine) -> list[Generation]:
         greedy = Sampling(max_tokens=40, temperature=0.0)
@@ -119,14 +106,14 @@ def test_greedy_equals_token_by_token_argmax(tiny_model_dir: Path) -> None:
 
 
 def test_seeded_request_is_the_same_alone_and_in_a_batch(tiny_model_dir: Path) -> None:
-    prompt = prompts([11], seed=2)[0]
+    prompt = random_prompts([11], seed=2)[0]
     sampling = Sampling(max_tokens=40, temperature=1.0, top_p=0.9, seed=1234)
 
     async def go(engine: TorchEngine) -> tuple[Generation, Generation, Generation]:
         alone = await engine.generate("alone", prompt, sampling)
         others = [
             engine.generate(f"o{i}", p, Sampling(max_tokens=10 + 7 * i, temperature=t, seed=None if i % 2 else i))
-            for i, (p, t) in enumerate(zip(prompts([3, 70, 25, 1], seed=3), [1.0, 0.0, 0.5, 1.0], strict=True))
+            for i, (p, t) in enumerate(zip(random_prompts([3, 70, 25, 1], seed=3), [1.0, 0.0, 0.5, 1.0], strict=True))
         ]
         # Other rows run before and after it joins; the same seeded request must not notice.
         results = await asyncio.gather(*others[:2], engine.generate("batched", prompt, sampling), *others[2:])
@@ -345,7 +332,7 @@ def test_shutdown_fails_pending_requests_and_cancel_frees_the_row(tiny_model_dir
 def test_tiny_model_is_peaked_and_seeds_give_different_weights(tiny_model_dir: Path, tiny_model_dir_v1: Path) -> None:
     m0 = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     m1 = AutoModelForCausalLM.from_pretrained(tiny_model_dir_v1)
-    ids = stacked(prompts([48, 48, 48, 48], seed=4))
+    ids = stacked(random_prompts([48, 48, 48, 48], seed=4))
     with torch.inference_mode():
         logp0 = m0(ids).logits.log_softmax(-1)
         logp1 = m1(ids).logits.log_softmax(-1)

@@ -13,7 +13,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,21 +40,14 @@ from staleness.transports import (
 from tests.engine_loop import Served, wait_until_async
 from tests.reference import forward_logprobs
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 ATOL = 1e-4
 PROMPT = np.array([11, 42, 7, 300, 95, 18, 260], dtype=np.int32)
 GREEDY = Sampling(max_tokens=24, temperature=0.0)
 LONG_PROMPT = np.arange(10, 20, dtype=np.int32)
 LONG_SEED = 5
 """With `LONG_PROMPT`, this seed samples 500 tokens without an eos under the seed-0 weights (torch engine)."""
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    """Reference passes on one thread (the tiny model gains nothing from more on a busy 2-core machine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def assert_bitwise_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:

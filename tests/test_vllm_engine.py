@@ -27,9 +27,9 @@ from consumers.torch_engine import TorchEngine
 from consumers.vllm_engine import VllmEngine
 from pipeline.wire import Sampling
 from tests.engine_loop import Served, wait_until_async
-from tests.reference import forward_logprobs
+from tests.reference import forward_logprobs, random_prompts
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("one_thread")]
 
 ATOL = 1e-4
 EOS_ID = SPECIAL_TOKENS.index(EOS)
@@ -83,20 +83,6 @@ def engine(served: Served, tiny_model_dir: Path) -> Iterator[VllmEngine]:
         served.run(engine.resume())
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    """Reference passes on one thread (the tiny model gains nothing from more on a busy 2-core machine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def prompts(lengths: list[int], seed: int = 0) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(6, 512, size=n, dtype=np.int32) for n in lengths]
-
-
 def max_forward_diff(model_dir: Path, prompt: np.ndarray, gen: Generation, start: int = 0, end=None) -> float:
     """Largest |engine logprob - forward-pass logprob| over tokens [start, end) (whole prefix as context)."""
     end = len(gen.tokens) if end is None else end
@@ -148,7 +134,7 @@ def test_bad_requests_raise_engine_input_error_before_start(
 
 
 def test_greedy_parity_with_the_torch_engine(served: Served, engine: VllmEngine, tiny_model_dir: Path) -> None:
-    batch = [*prompts([1, 4, 9, 23, 57, 120, 3]), EOS_PROMPT]
+    batch = [*random_prompts([1, 4, 9, 23, 57, 120, 3]), EOS_PROMPT]
     greedy = Sampling(max_tokens=40, temperature=0.0)
 
     async def with_torch() -> list[Generation]:
@@ -182,7 +168,7 @@ def test_greedy_parity_with_the_torch_engine(served: Served, engine: VllmEngine,
 
 
 def test_sampling_stop_tokens_and_context_limit(served: Served, engine: VllmEngine, tiny_model_dir: Path) -> None:
-    batch = prompts([3, 30, 90], seed=5)
+    batch = random_prompts([3, 30, 90], seed=5)
     samplings = [
         Sampling(max_tokens=60, temperature=1.0, seed=1),
         Sampling(max_tokens=60, temperature=0.7, top_p=0.8, seed=2),  # logprobs stay raw
@@ -401,7 +387,7 @@ def test_engine_keeps_serving_after_bad_requests(served: Served, engine: VllmEng
 def test_many_seeded_requests_with_long_prompts_are_all_served(served: Served, engine: VllmEngine) -> None:
     """More prompt tokens at once than one step's budget, every request seeded: vLLM 0.32's CPU engine died
     on this with chunked prefill ("CPU Generator does not use offset"); the engine must serve them all."""
-    many = prompts([300] * 40, seed=5)
+    many = random_prompts([300] * 40, seed=5)
 
     async def run() -> list[Generation]:
         return await asyncio.gather(
