@@ -11,12 +11,15 @@ import contextlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from pipeline.wire import FinishReason, Sampling, Span
 from pipeline.wire import PauseMode as PauseMode  # re-exported: the engines take it from here
+
+if TYPE_CHECKING:
+    from staleness.broadcast import BroadcastLink
 
 
 class EngineInputError(ValueError):
@@ -51,6 +54,8 @@ class Engine(Protocol):
     max_model_len: int
     """Longest prompt + generation the engine accepts, in tokens."""
     vocab_size: int
+    weight_receivers: int
+    """Processes that hold the weights and each take a rank in an nccl broadcast."""
 
     async def start(self) -> None: ...
 
@@ -73,6 +78,14 @@ class Engine(Protocol):
     async def load_tensors(self, named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]], version: int) -> None:
         """Load weights from memory (torch tensors or numpy arrays, in checkpoint names) in place and tag
         what follows with `version`: for transports that deliver tensors, not files (`redis://`)."""
+        ...
+
+    async def load_broadcast(self, link: BroadcastLink) -> None:
+        """Receive a version the trainer broadcasts (`nccl://`, `staleness.broadcast`) and load it in place."""
+        ...
+
+    def check_fits(self, shapes: Mapping[str, tuple[int, ...]], source: object) -> None:
+        """Raise `ValueError` if tensors of these names and shapes cannot be loaded into the model."""
         ...
 
     async def reset_prefix_cache(self) -> None: ...

@@ -37,6 +37,7 @@ from consumers.engine import (
     read_model_limits,
 )
 from pipeline.wire import FinishReason, Sampling
+from staleness.broadcast import BroadcastLink, receive_broadcast
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +101,8 @@ class TorchEngine:
     """
 
     name = "torch"
+    weight_receivers = 1
+    """Processes that take a rank in an nccl broadcast: this one."""
 
     def __init__(
         self,
@@ -306,19 +309,32 @@ class TorchEngine:
         }
         await asyncio.to_thread(self._load_tensors_sync, tensors, version, "the tensors given")
 
+    async def load_broadcast(self, link: BroadcastLink) -> None:
+        """Receive an `nccl://` broadcast onto this engine's device (`staleness.broadcast`), then load it."""
+
+        def receive() -> dict[str, torch.Tensor]:
+            return dict(receive_broadcast(link, 0, self.device))
+
+        tensors = await asyncio.to_thread(receive)
+        await asyncio.to_thread(self._load_tensors_sync, tensors, link.version, f"the broadcast from {link.host}")
+
+    def check_fits(self, shapes: Mapping[str, tuple[int, ...]], source: object) -> None:
+        """Raise `ValueError` if tensors of these names and shapes cannot be loaded into the model."""
+        self._require_model()
+        targets = self._model.state_dict()
+        # Tied parameters share storage: loading one of the names loads them all.
+        loaded = {targets[k].data_ptr() for k in shapes if k in targets}
+        missing = sorted(k for k, t in targets.items() if k not in shapes and t.data_ptr() not in loaded)
+        check_checkpoint_fits(shapes, {k: tuple(v.shape) for k, v in targets.items()}, source, missing)
+
     def _require_model(self) -> None:
         if self._model is None:
             raise RuntimeError("start() the engine before loading weights")
 
     def _load_tensors_sync(self, tensors: Mapping[str, torch.Tensor], version: int, source: object) -> None:
         """Check names and shapes against the model, then copy in place between two steps (the one load path)."""
-        self._require_model()
+        self.check_fits({k: tuple(v.shape) for k, v in tensors.items()}, source)
         targets = self._model.state_dict()
-        # Tied parameters share storage: loading one of the names loads them all.
-        loaded = {targets[k].data_ptr() for k in tensors if k in targets}
-        missing = sorted(k for k, t in targets.items() if k not in tensors and t.data_ptr() not in loaded)
-        shapes = {k: tuple(v.shape) for k, v in tensors.items()}
-        check_checkpoint_fits(shapes, {k: tuple(v.shape) for k, v in targets.items()}, source, missing)
         with self._step_lock, torch.no_grad():
             for name, tensor in tensors.items():
                 targets[name].copy_(tensor)

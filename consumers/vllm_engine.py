@@ -53,6 +53,7 @@ from consumers.engine import (
     read_model_limits,
 )
 from pipeline.wire import FinishReason, Sampling
+from staleness.broadcast import BroadcastLink, receive_broadcast
 
 log = logging.getLogger(__name__)
 
@@ -297,7 +298,7 @@ class VllmEngine:
         """
         target = Path(path)
         shapes = _checkpoint_shapes(target)
-        self._check_fits(shapes, target)
+        self.check_fits(shapes, target)
         if target.is_dir():
             await self._load(version, "reload_weights", kwargs={"weights_path": str(target)})
         else:  # one file's bytes are a safetensors blob already
@@ -317,10 +318,22 @@ class VllmEngine:
             .contiguous()
             for name, t in items
         }
-        self._check_fits({k: tuple(v.shape) for k, v in tensors.items()}, "the tensors given")
+        self.check_fits({k: tuple(v.shape) for k, v in tensors.items()}, "the tensors given")
         blob = await asyncio.to_thread(save, tensors)
         await self._load(version, "rollouts_load_safetensors", args=(blob,))
         log.info("loaded weights version %d from %d tensors", version, len(tensors))
+
+    @property
+    def weight_receivers(self) -> int:
+        """vLLM's worker processes, each of which takes a rank in an nccl broadcast."""
+        return int(self.args.get("tensor_parallel_size", 1)) * int(self.args.get("pipeline_parallel_size", 1))
+
+    async def load_broadcast(self, link: BroadcastLink) -> None:
+        """Receive an `nccl://` broadcast in every vLLM worker process (onto its GPU) and load it in place.
+
+        The names and shapes were checked when the worker joined (`join_broadcast` calls `check_fits`).
+        """
+        await self._load(link.version, "rollouts_receive_broadcast", args=(link.to_dict(),))
 
     async def _load(self, version: int, method: str, **rpc: Any) -> None:
         """Run a reload on every worker while paused (pausing with `keep` if not paused), then relabel."""
@@ -338,7 +351,8 @@ class VllmEngine:
                 if not self._paused:  # paused here, not by the caller (who may also have paused meanwhile)
                     await llm.resume_generation()
 
-    def _check_fits(self, shapes: Mapping[str, tuple[int, ...]], source: object) -> None:
+    def check_fits(self, shapes: Mapping[str, tuple[int, ...]], source: object) -> None:
+        """Raise `ValueError` if tensors of these names and shapes do not match the model's own checkpoint."""
         if self._reference is None:
             try:
                 self._reference = _checkpoint_shapes(self.model_dir)
@@ -366,6 +380,14 @@ class RolloutsWorkerExtension:
     def rollouts_load_safetensors(self, blob: bytes) -> int:
         """Load weights (checkpoint names) from a safetensors blob in place; returns how many tensors."""
         tensors = load(blob)
+        self.reload_weights(weights_iterator=iter(tensors.items()))  # type: ignore[attr-defined]
+        return len(tensors)
+
+    def rollouts_receive_broadcast(self, link: dict[str, Any]) -> int:
+        """Take this process's rank in the trainer's broadcast (`staleness.broadcast`) and load what arrives."""
+        rank = self.rank  # type: ignore[attr-defined]
+        device = self.device  # type: ignore[attr-defined]
+        tensors = dict(receive_broadcast(BroadcastLink.from_dict(link), rank, device))
         self.reload_weights(weights_iterator=iter(tensors.items()))  # type: ignore[attr-defined]
         return len(tensors)
 

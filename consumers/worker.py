@@ -26,10 +26,13 @@ from consumers.engine import Engine, EngineClosedError, EngineInputError, Genera
 from pipeline.streams import Entry, Streams
 from pipeline.wire import Control, Partial, Prompt, Rollout, Span, WireError
 from staleness.state import read_state, weights_command
-from staleness.transports import load_version
+from staleness.transports import is_stored, load_version
 
 log = logging.getLogger(__name__)
 
+
+AWAITING_WEIGHTS = "awaiting weights"
+"""Heartbeat status of a worker that joined after a broadcast (nccl) sync: it takes no work until the next."""
 
 _EMPTY_TOKENS = np.zeros(0, dtype=np.int32)
 _EMPTY_LOGPROBS = np.zeros(0, dtype=np.float32)
@@ -251,19 +254,34 @@ class Worker:
     # -- weight syncs: the worker's side of the protocol in staleness.manager ----------------
 
     async def _catch_up(self) -> bytes:
-        """Before taking work: load the state's version, or join the sync under way. Returns where to follow control."""
+        """Before taking work: load the state's version, or join the sync under way. Returns where to follow control.
+
+        A version that was broadcast (nccl) is nowhere to fetch: the worker then waits, taking no work,
+        for the next sync.
+        """
         control_from = await asyncio.to_thread(self.streams.last_control_id)
         state = await asyncio.to_thread(read_state, self.streams.redis, self.streams.keys)
         if state.paused:  # a sync is under way: do our part of it, then wait for its resume
             command = await asyncio.to_thread(weights_command, self.streams.redis, self.streams.keys, state.epoch)
-            if command is not None:
+            if command is not None and is_stored(command.uri):
                 await self._sync_weights(command)
                 return control_from
+            if command is not None:
+                return self._await_next_sync(command.version, control_from)
         if state.version != self.engine.version and state.weights_uri:
+            if not is_stored(state.weights_uri):
+                return self._await_next_sync(state.version, control_from)
             await load_version(self.engine, state.weights_uri, state.version, self.streams.redis)
         self._epoch = state.epoch
         self.status = "serving"
         self._serving.set()
+        return control_from
+
+    def _await_next_sync(self, version: int, control_from: bytes) -> bytes:
+        self.status = AWAITING_WEIGHTS
+        log.info(
+            "%s: version %d was broadcast before this worker joined; waiting for the next sync", self.name, version
+        )
         return control_from
 
     async def _follow_control(self, after: bytes) -> None:
@@ -286,7 +304,12 @@ class Worker:
     async def _obey(self, command: Control) -> None:
         if command.cmd == "weights" and command.epoch > self._epoch:
             await self._sync_weights(command)
-        elif command.cmd == "resume" and command.epoch >= self._epoch and not self._serving.is_set():
+        elif (
+            command.cmd == "resume"
+            and command.epoch >= self._epoch
+            and not self._serving.is_set()
+            and self.status != AWAITING_WEIGHTS
+        ):
             await self.engine.resume()
             self.status = "serving"
             self._serving.set()
@@ -297,12 +320,24 @@ class Worker:
             self.stop(drain=not command.worker)
 
     async def _sync_weights(self, command: Control) -> None:
-        """Pause, load `command.version`, ack with the epoch; stay paused until the manager's resume."""
+        """Pause, load `command.version`, ack with the epoch; stay paused until the manager's resume.
+
+        A version that cannot be loaded stops the worker (exit 1, for a supervisor to restart it): it
+        must not serve the old one as the new, and its work goes to the others.
+        """
         self._serving.clear()
         self.status = "paused"
         await self.engine.pause(command.mode)
         if command.version != self.engine.version:
-            await load_version(self.engine, command.uri, command.version, self.streams.redis)
+            try:
+                await load_version(self.engine, command.uri, command.version, self.streams.redis, epoch=command.epoch)
+            except Exception as exc:
+                log.error(
+                    "%s: could not load weights version %d from %s: %s", self.name, command.version, command.uri, exc
+                )
+                self.failure = f"could not load weights version {command.version} from {command.uri}: {exc}"
+                self.stop(drain=False)
+                return
         self._epoch = command.epoch
         await self._beat()  # the ack: `epoch` and `version` in the heartbeat
 

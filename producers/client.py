@@ -19,7 +19,7 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import redis
@@ -28,6 +28,9 @@ from pipeline.streams import Entry, Streams, connect
 from pipeline.wire import TRAINER, PauseMode, Prompt, Rollout, Sampling, WireError
 from staleness.admission import Admission, AdmissionLimits, StaleRollouts, Usage
 from staleness.manager import Manager, SyncReport
+
+if TYPE_CHECKING:
+    from staleness.broadcast import BroadcastStats
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +130,8 @@ class RolloutClient:
         self._read_pending = True  # first re-read what this consumer was handed before a restart
         self.last_sync: SyncReport | None = None
         """What the last `publish_weights` did: who acked, who was evicted, how long workers stood still."""
+        self.last_broadcast: BroadcastStats | None = None
+        """What the last `nccl://` publish moved, and how fast."""
         self._trim_every_s = trim_every_s
         self._last_trim = time.monotonic()
 
@@ -245,23 +250,29 @@ class RolloutClient:
         policy version on every worker; returns that version.
 
         The tensors go through `transport` (`redis://`: chunks in this Redis; `fs://DIR`: shared
-        storage), then the manager pauses every live worker (`mode`), waits for each to load and
-        ack, evicts one that does not within `ack_timeout_s`, and resumes them. Older versions are
-        deleted from the transport once every live worker has moved on.
+        storage; `nccl://HOST:PORT`: broadcast from this process, over NCCL from GPU tensors, gloo from
+        CPU ones, during the sync), then the manager pauses every live worker (`mode`), waits for each
+        to load and ack, evicts one that does not within `ack_timeout_s`, and resumes them. Older
+        versions are deleted from the transport once every live worker has moved on.
         """
-        from staleness.transports import open_transport, state_dict_of  # torch: only trainers that publish need it
+        from staleness.broadcast import NcclTransport  # torch: only trainers that publish need it
+        from staleness.transports import open_transport, remove_published
 
         manager = Manager(self.streams, ack_timeout_s=ack_timeout_s)
         store = open_transport(transport, redis_client=self.streams.redis, ns=self.streams.keys.ns)
         previous = manager.state()
         version = previous.version + 1
         store.remove(version)  # left over by a publish whose sync failed: never announced, safe to replace
-        uri = store.publish(state_dict_of(source), version)
-        self.last_sync = manager.sync(version, uri, mode)
+        uri = store.publish(source, version)
+        if isinstance(store, NcclTransport):
+            store.timeout_s = ack_timeout_s
+            self.last_sync = manager.sync(version, uri, mode, transfer=store.broadcast)
+            self.last_broadcast = store.last
+        else:
+            self.last_sync = manager.sync(version, uri, mode)
         store.release(keep=[version])
         if previous.weights_uri:  # the version before may sit in another transport
-            old = open_transport(previous.weights_uri, redis_client=self.streams.redis, ns=self.streams.keys.ns)
-            old.remove(previous.version)
+            remove_published(previous.weights_uri, self.streams.redis, self.streams.keys.ns)
         return version
 
     # -- receiving -----------------------------------------------------------------------------

@@ -15,6 +15,7 @@ A worker that joins later loads the state's version before it takes work.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pipeline.streams import Streams
@@ -92,8 +93,19 @@ class Manager:
                 workers[key.decode()[len(prefix) :]] = {k.decode(): v.decode() for k, v in fields.items()}
         return workers
 
-    def sync(self, version: int, uri: str, mode: PauseMode = "abort") -> SyncReport:
-        """Move every live worker to `version` (loadable from `uri`); returns who acked, who was evicted."""
+    def sync(
+        self,
+        version: int,
+        uri: str,
+        mode: PauseMode = "abort",
+        transfer: Callable[[int, int], object] | None = None,
+    ) -> SyncReport:
+        """Move every live worker to `version` (loadable from `uri`); returns who acked, who was evicted.
+
+        `transfer(epoch, n_workers)` runs after the `weights` command went out and before the wait for
+        acks (an nccl broadcast); acks are then due `ack_timeout_s` after it returns. If it raises, the
+        sync is still concluded (laggards evicted, everyone resumed) before the error propagates.
+        """
         started = time.monotonic()
         weights = Control(cmd="weights", version=version, uri=uri, mode=mode).to_fields()
         try:
@@ -101,8 +113,13 @@ class Manager:
         except Exception as exc:  # the script's error replies say why
             raise SyncError(str(exc)) from None
         report = SyncReport(version=version, epoch=epoch)
-        self._conclude(report, uri, waiting=set(self.live_workers()), deadline=started + self.ack_timeout_s)
-        report.stall_s = time.monotonic() - started
+        waiting = set(self.live_workers())
+        try:
+            if transfer is not None:
+                transfer(epoch, len(waiting))
+        finally:
+            self._conclude(report, uri, waiting, deadline=time.monotonic() + self.ack_timeout_s)
+            report.stall_s = time.monotonic() - started
         return report
 
     def finish_abandoned(self, older_than_s: float | None = None) -> SyncReport | None:

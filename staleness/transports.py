@@ -13,7 +13,8 @@ needs any more.
   `{NS}:weights:{n}:manifest` (written last), and the hash `{NS}:weights:index` (version -> chunk count,
   written first, so that a write that crashed can be cleaned up without SCAN); the worker reads them
   through its own Redis connection, checks the sha256, and calls `engine.load_tensors(tensors, n)`.
-- `nccl://HOST:PORT`: recognised, not implemented yet (GPU clusters): `NotImplementedError`.
+- `nccl://HOST:PORT`: nothing stored; the trainer broadcasts to every worker during the sync
+  (`staleness.broadcast`); the worker calls `engine.load_broadcast(link, n)`.
 
 The engine is duck-typed (`LoadsWeights`): this module imports no engine, as the design asks.
 """
@@ -33,7 +34,7 @@ import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
 import redis
@@ -43,6 +44,9 @@ from safetensors.torch import load as load_blob
 from safetensors.torch import load_file, save, save_file
 
 from pipeline.wire import Keys
+
+if TYPE_CHECKING:
+    from staleness.broadcast import BroadcastLink
 
 Scheme = Literal["fs", "redis", "nccl"]
 TensorLike = torch.Tensor | np.ndarray
@@ -60,20 +64,25 @@ PARTIAL_PREFIX = ".partial-"
 """A directory being written (`fs`); never a version until renamed."""
 REMOVING_PREFIX = ".removing-"
 """A directory being deleted (`fs`): renamed first, so that no reader sees half a version."""
-NCCL_MESSAGE = (
-    "the nccl:// weight transport is not implemented yet: it needs GPUs (trainer rank 0 and every engine "
-    "worker in one NCCL group, vLLM's native weight transfer); use fs:// or redis:// meanwhile"
-)
 
 _VERSION_DIR = re.compile(r"v(\d+)")
 
 
 class LoadsWeights(Protocol):
-    """The two engine methods a transport needs (`consumers.engine.Engine` has both)."""
+    """What a transport needs of an engine (`consumers.engine.Engine` has it all)."""
+
+    weight_receivers: int
+    """Processes that hold the weights and take a rank in an nccl broadcast (vLLM: one per GPU)."""
 
     async def load_weights(self, path: str, version: int) -> None: ...
 
     async def load_tensors(self, named_tensors: Mapping[str, Any], version: int) -> None: ...
+
+    async def load_broadcast(self, link: BroadcastLink) -> None: ...
+
+    def check_fits(self, shapes: Mapping[str, tuple[int, ...]], source: object) -> None:
+        """Raise `ValueError` if tensors of these names and shapes cannot be loaded into the model."""
+        ...
 
 
 # -- uris ----------------------------------------------------------------------------------------
@@ -134,14 +143,19 @@ def parse_uri(uri: str) -> WeightsUri:
 
 def state_dict_of(
     source: torch.nn.Module | Mapping[str, TensorLike] | str | os.PathLike[str],
+    *,
+    keep_device: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """Name -> contiguous CPU tensor, in checkpoint names, from a module, a state dict or a safetensors checkpoint.
+    """Name -> contiguous tensor, in checkpoint names, from a module, a state dict or a safetensors checkpoint.
+
+    Tensors are moved to the CPU unless `keep_device` (a GPU broadcast sends them from where they are).
 
     A module wrapped by `torch.compile` or (Distributed)DataParallel is unwrapped, so names carry no
     `_orig_mod.`/`module.` prefix. A name whose tensor is another name's (tied weights, e.g. `lm_head.weight`
     = `model.embed_tokens.weight`) is left out, as `save_pretrained` does: the first name in order stays, and
     an engine loads the tied ones through it. Other tensors that overlap in memory are copied, since
-    safetensors refuses shared storage. CPU tensors are not copied otherwise: do not train while publishing.
+    safetensors refuses shared storage. Tensors already in place are not copied otherwise: do not train while
+    publishing.
     """
     if isinstance(source, torch.nn.Module):
         module = source
@@ -166,7 +180,8 @@ def state_dict_of(
     for name, value in items:
         if not isinstance(name, str):
             raise TypeError(f"tensor names must be strings, got {name!r}")
-        tensor = _as_tensor(name, value).detach().to("cpu").contiguous()
+        tensor = _as_tensor(name, value).detach()
+        tensor = (tensor if keep_device else tensor.to("cpu")).contiguous()
         if tensor.numel() == 0:
             out[name] = tensor
             continue
@@ -207,7 +222,7 @@ def read_checkpoint(path: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _check_version(version: int) -> int:
+def check_version(version: int) -> int:
     if isinstance(version, bool) or not isinstance(version, (int, np.integer)) or version < 0:
         raise ValueError(f"a weights version is an integer >= 0, got {version!r}")
     return int(version)
@@ -240,7 +255,7 @@ class WeightTransport(Protocol):
 
 def _release(transport: _Stored, keep: Iterable[int]) -> list[int]:
     """Versions above every kept one are left alone: they may be published but not yet announced."""
-    wanted = {_check_version(v) for v in keep}
+    wanted = {check_version(v) for v in keep}
     if not wanted:
         raise ValueError("release needs the versions to keep (at least the current one)")
     doomed = sorted(v for v in transport._stored() if v < max(wanted) and v not in wanted)
@@ -271,7 +286,7 @@ class FsTransport:
         return cls(parse_uri(uri).location)
 
     def path_of(self, version: int) -> Path:
-        return self.root / f"v{_check_version(version)}"
+        return self.root / f"v{check_version(version)}"
 
     def uri_of(self, version: int) -> str:
         return f"fs://{self.path_of(version)}"
@@ -384,11 +399,11 @@ class RedisTransport:
         return self.keys.ns
 
     def uri_of(self, version: int) -> str:
-        return f"redis://{self.ns}/v{_check_version(version)}"
+        return f"redis://{self.ns}/v{check_version(version)}"
 
     def publish(self, tensors: NamedTensors | torch.nn.Module, version: int) -> str:
         """Store the chunks, then the manifest; return `redis://{ns}/v{version}`."""
-        version = _check_version(version)
+        version = check_version(version)
         keys = self.keys
         if self.client.exists(keys.weights_manifest(version)):
             raise FileExistsError(
@@ -426,7 +441,7 @@ class RedisTransport:
 
     def manifest(self, version: int) -> dict[str, Any]:
         """The manifest of a complete version (`FileNotFoundError` if none, `ValueError` if malformed)."""
-        version = _check_version(version)
+        version = check_version(version)
         key = self.keys.weights_manifest(version)
         raw = self.client.get(key)
         if raw is None:
@@ -508,7 +523,7 @@ class RedisTransport:
 
     def remove(self, version: int) -> bool:
         """DEL the manifest first (readers stop seeing the version), then every chunk, then its index entry."""
-        version = _check_version(version)
+        version = check_version(version)
         keys = self.keys
         pipe = self.client.pipeline(transaction=False)
         pipe.hget(keys.weights_index, str(version))
@@ -535,16 +550,16 @@ def open_transport(
     redis_client: redis.Redis | None = None,
     ns: str | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-) -> FsTransport | RedisTransport:
-    """The trainer's transport from a spec: `fs://DIR`, `redis://` (or `redis://NS`) with the pipeline's client.
-
-    `nccl://HOST:PORT` raises `NotImplementedError` (GPU work comes later).
-    """
+) -> WeightTransport:
+    """The trainer's transport from a spec: `fs://DIR`, `redis://` (or `redis://NS`) with the pipeline's client,
+    or `nccl://HOST:PORT` (this process hosts the rendezvous on PORT and broadcasts during each sync)."""
     parsed = parse_uri(spec)
     if parsed.scheme == "fs":
         return FsTransport(parsed.location)
     if parsed.scheme == "nccl":
-        raise NotImplementedError(NCCL_MESSAGE)
+        from staleness.broadcast import NcclTransport  # it builds on this module
+
+        return NcclTransport.from_uri(spec)
     if redis_client is None:
         raise ValueError(f"{spec}: the redis weight transport needs a Redis client (the pipeline's own)")
     if ns is not None and parsed.location and parsed.location != ns:
@@ -555,21 +570,31 @@ def open_transport(
     return RedisTransport(redis_client, name, chunk_bytes=chunk_bytes)
 
 
+def remove_published(uri: str, redis_client: redis.Redis | None = None, ns: str | None = None) -> bool:
+    """Delete the stored version a published uri names (`fs:///DIR/v3`, `redis://NS/v3`); nccl stores nothing."""
+    parsed = parse_uri(uri)
+    if parsed.version is None or parsed.scheme == "nccl":
+        return False
+    if parsed.scheme == "fs":
+        return FsTransport(Path(parsed.location).parent).remove(parsed.version)
+    return open_transport(uri, redis_client=redis_client, ns=ns).remove(parsed.version)
+
+
 # -- the worker's side ---------------------------------------------------------------------------
 
 
 def fetch_weights(uri: str, version: int, redis_client: redis.Redis | None = None) -> Path | dict[str, torch.Tensor]:
-    """What a worker loads for `uri`: a local checkpoint directory (fs) or named CPU tensors (redis).
+    """What a worker loads for a stored version: a local checkpoint directory (fs) or named CPU tensors (redis).
 
     Blocking (disk or network): call it off the event loop, or use `load_version`. `version` must agree
     with the version the uri names (a mismatch is a protocol bug, refused with `ValueError`).
     """
-    version = _check_version(version)
+    version = check_version(version)
     parsed = parse_uri(uri)
     if parsed.version is not None and parsed.version != version:
         raise ValueError(f"weights uri {uri!r} names version {parsed.version}, not {version}")
     if parsed.scheme == "nccl":
-        raise NotImplementedError(NCCL_MESSAGE)
+        raise ValueError(f"weights {uri}: nccl versions are not stored; they arrive only during a sync")
     if parsed.scheme == "fs":
         return _fs_version_dir(Path(parsed.location), version)
     if parsed.version is None:
@@ -579,14 +604,37 @@ def fetch_weights(uri: str, version: int, redis_client: redis.Redis | None = Non
     return RedisTransport(redis_client, parsed.location).fetch(version)
 
 
-async def load_version(engine: LoadsWeights, uri: str, version: int, redis_client: redis.Redis | None = None) -> None:
+def is_stored(uri: str) -> bool:
+    """Whether a version under `uri` can be fetched at any time (fs, redis), not only during its sync (nccl)."""
+    return parse_uri(uri).scheme != "nccl"
+
+
+async def load_version(
+    engine: LoadsWeights,
+    uri: str,
+    version: int,
+    redis_client: redis.Redis | None = None,
+    *,
+    epoch: int | None = None,
+    timeout_s: float = 60.0,
+) -> None:
     """Fetch version `version` from wherever `uri` says (off the event loop) and load it into `engine`.
 
     fs: `engine.load_weights(dir, version)` (vLLM reloads the files in place); redis: the chunks are read
-    and checked here, then `engine.load_tensors(tensors, version)`. Errors leave the engine's weights as
-    they were: `FileNotFoundError` (version not there), `ValueError` (bad uri, checksum, manifest),
-    `NotImplementedError` (nccl).
+    and checked here, then `engine.load_tensors(tensors, version)`; nccl: join sync `epoch`'s group and
+    `engine.load_broadcast(link)`. Errors leave the engine's weights as they were: `FileNotFoundError`
+    (version not there), `ValueError` (bad uri, checksum, manifest), `TimeoutError` (no trainer).
     """
+    if parse_uri(uri).scheme == "nccl":
+        from staleness.broadcast import join_broadcast  # it builds on this module
+
+        if epoch is None:
+            raise ValueError(f"weights {uri}: an nccl version is received during its sync: give its epoch")
+        link = await asyncio.to_thread(
+            join_broadcast, uri, epoch, version, engine.weight_receivers, timeout_s, engine.check_fits
+        )
+        await engine.load_broadcast(link)
+        return
     fetched = await asyncio.to_thread(fetch_weights, uri, version, redis_client)
     if isinstance(fetched, Path):
         await engine.load_weights(str(fetched), version)

@@ -84,12 +84,12 @@ def workers(redis_server: RedisServer, ns: str, tiny_model_dir: Path, tmp_path: 
     started: list[subprocess.Popen[bytes]] = []
     client = redis.Redis.from_url(redis_server.url)
 
-    def start(name: str, *extra: str) -> subprocess.Popen[bytes]:
+    def start(name: str, *extra: str, until: str = "serving") -> subprocess.Popen[bytes]:
         log = tmp_path / f"{name}.log"
         proc = start_worker(redis_server.url, ns, tiny_model_dir, name, *FAST, *extra, log_file=log)
         started.append(proc)
         try:
-            wait_for_worker(client, ns, name, proc, timeout_s=240)
+            wait_for_worker(client, ns, name, proc, timeout_s=240, status=until)
         except Exception:
             print(log.read_text())
             raise

@@ -27,6 +27,7 @@ from consumers.engine import Generation
 from consumers.torch_engine import TorchEngine
 from pipeline.wire import Sampling
 from staleness import transports
+from staleness.broadcast import NcclTransport
 from staleness.transports import (
     FsTransport,
     RedisTransport,
@@ -120,10 +121,12 @@ def test_bad_uris_say_what_is_wrong(uri: str, message: str) -> None:
         parse_uri(uri)
 
 
-def test_nccl_is_recognised_but_not_implemented(real_redis: redis.Redis) -> None:
-    with pytest.raises(NotImplementedError, match=r"nccl:// weight transport is not implemented yet"):
-        open_transport("nccl://trainer:29500")
-    with pytest.raises(NotImplementedError, match=r"use fs:// or redis://"):
+def test_nccl_versions_are_not_stored_anywhere(real_redis: redis.Redis) -> None:
+    transport = open_transport("nccl://127.0.0.1:29500")
+    assert isinstance(transport, NcclTransport) and transport.versions() == [] and not transport.remove(1)
+    with pytest.raises(ValueError, match=r"nccl versions are not stored; they arrive only during a sync"):
+        fetch_weights("nccl://trainer:29500/v1", 1)
+    with pytest.raises(ValueError, match=r"received during its sync: give its epoch"):
         asyncio.run(load_version(object(), "nccl://trainer:29500", 1, real_redis))  # type: ignore[arg-type]
 
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline.local import RedisServer
+from consumers.worker import AWAITING_WEIGHTS
+from pipeline.local import RedisServer, free_port
 from pipeline.wire import GENERATORS, Rollout
 from producers.client import Group, RolloutClient
 from staleness.manager import Manager, SyncError
@@ -57,7 +58,10 @@ def test_weights_published_mid_generation_reach_every_sample_exactly_once(
     assert client.publish_weights(tiny_model_dir_v1, transport="redis://", mode=mode) == 1
     assert sorted(client.last_sync.acked) == ["w1", "w2"] and client.last_sync.evicted == []
     assert client.publish_weights(tiny_model_dir, transport=f"fs://{tmp_path / 'weights'}", mode=mode) == 2
-    weights = {0: tiny_model_dir, 1: tiny_model_dir_v1, 2: tiny_model_dir}
+    assert client.publish_weights(tiny_model_dir_v1, transport=f"nccl://127.0.0.1:{free_port()}", mode=mode) == 3
+    assert sorted(client.last_sync.acked) == ["w1", "w2"] and client.last_sync.evicted == []
+    assert client.last_broadcast is not None and (client.last_broadcast.workers, client.last_broadcast.ranks) == (2, 2)
+    weights = {0: tiny_model_dir, 1: tiny_model_dir_v1, 2: tiny_model_dir, 3: tiny_model_dir_v1}
 
     groups: list[Group] = client.collect(len(ids), timeout=240)
     rollouts = [r for g in groups for r in g.rollouts]
@@ -70,9 +74,9 @@ def test_weights_published_mid_generation_reach_every_sample_exactly_once(
     assert client.streams.redis.xpending(client.streams.keys.partials, GENERATORS)["pending"] == 0
     if mode == "abort":
         assert client.streams.redis.xinfo_groups(client.streams.keys.partials)[0]["entries-read"] > 0
-    # Only the current version is kept in the transports.
+    # Only the current version is kept, and it was broadcast: the stored ones are gone.
     assert not list(client.streams.redis.scan_iter(match=client.streams.keys.weights_prefix + "1:*"))
-    assert sorted(p.name for p in (tmp_path / "weights").iterdir() if p.name.startswith("v")) == ["v2"]
+    assert not [p.name for p in (tmp_path / "weights").iterdir() if p.name.startswith("v")]
 
 
 def test_a_worker_stuck_between_pause_and_ack_is_evicted_and_its_work_finishes_elsewhere(
@@ -111,6 +115,31 @@ def test_a_late_worker_loads_the_current_version_before_taking_work(
     for rollout in group.rollouts:
         assert rollout.spans == [(1, 0, rollout.n_tokens)]
         check_spans_and_logprobs(rollout, {1: tiny_model_dir_v1})
+
+
+def test_with_nccl_a_late_worker_takes_no_work_until_the_next_broadcast(
+    redis_server: RedisServer, ns: str, tiny_model_dir: Path, tiny_model_dir_v1: Path, workers: StartWorker
+) -> None:
+    workers("early")
+    client = RolloutClient(redis_server.url, ns)
+    nccl = f"nccl://127.0.0.1:{free_port()}"
+    assert client.publish_weights(tiny_model_dir_v1, transport=nccl) == 1
+    workers("late", until=AWAITING_WEIGHTS)  # version 1 is nowhere to fetch
+    client.submit(tokens=[7, 8, 9], n=4, max_tokens=20, id="meanwhile")
+    (group,) = client.collect(1, timeout=60)
+    assert {r.worker for r in group.rollouts} == {"early"}
+    assert all(r.spans == [(1, 0, r.n_tokens)] for r in group.rollouts)
+
+    assert client.publish_weights(tiny_model_dir, transport=nccl) == 2
+    assert sorted(client.last_sync.acked) == ["early", "late"]
+    late_status = client.streams.keys.worker("late")
+    wait_until(lambda: client.streams.redis.hget(late_status, "status") == b"serving", 30, "the late worker to serve")
+    ids = [client.submit(tokens=[9, 10 + i], n=2, max_tokens=20, id=f"after{i}") for i in range(6)]
+    rollouts = [r for g in client.collect(len(ids), timeout=60) for r in g.rollouts]
+    assert "late" in {r.worker for r in rollouts}
+    for rollout in rollouts:
+        assert rollout.spans == [(2, 0, rollout.n_tokens)]
+        check_spans_and_logprobs(rollout, {2: tiny_model_dir})
 
 
 def test_the_state_refuses_a_sync_out_of_order(redis_server: RedisServer, ns: str) -> None:

@@ -210,7 +210,11 @@ def publish_weights(
     redis_url: RedisOpt = DEFAULT_REDIS,
     ns: NsOpt = DEFAULT_NS,
     transport: Annotated[
-        str, typer.Option(help="redis (chunks in this Redis) or fs://DIR (shared storage).")
+        str,
+        typer.Option(
+            help="redis (chunks in this Redis), fs://DIR (shared storage) or nccl://HOST:PORT (broadcast from "
+            "this process, which the workers reach at HOST:PORT)."
+        ),
     ] = "redis",
     mode: Annotated[str, typer.Option(help="Pause mode: abort (partials continue anywhere) or keep.")] = "abort",
     ack_timeout_s: Annotated[float, typer.Option(help="Evict a worker that has not loaded it by then.")] = 60.0,

@@ -25,16 +25,21 @@ def start_worker(
 
 
 def wait_for_worker(
-    client: redis.Redis, ns: str, name: str, process: subprocess.Popen[bytes], timeout_s: float
+    client: redis.Redis,
+    ns: str,
+    name: str,
+    process: subprocess.Popen[bytes],
+    timeout_s: float,
+    status: str = "serving",
 ) -> None:
-    """Wait until the worker's heartbeat says it serves; fail early if its process died."""
+    """Wait until the worker's heartbeat shows `status`; fail early if its process died."""
     key = Keys(ns).worker(name)
     deadline = time.monotonic() + timeout_s
-    while client.hget(key, "status") != b"serving":
+    while client.hget(key, "status") != status.encode():
         if process.poll() is not None:
-            raise RuntimeError(f"worker {name} exited with code {process.returncode} before serving")
+            raise RuntimeError(f"worker {name} exited with code {process.returncode} before {status!r}")
         if time.monotonic() > deadline:
-            raise TimeoutError(f"worker {name} did not start serving within {timeout_s:.0f}s")
+            raise TimeoutError(f"worker {name} did not reach {status!r} within {timeout_s:.0f}s")
         time.sleep(0.1)
 
 

@@ -1,0 +1,145 @@
+"""The `nccl://` broadcast protocol (`staleness.broadcast`) between a trainer and receivers, here over gloo.
+
+The same code runs NCCL when the trainer's tensors are on a GPU (measured on the device machine, see
+README); here receivers are threads of this process, each with its own store client and group, so
+that bytes, layout and the join rules are checked quickly. Across processes and with both engines,
+`test_weight_sync.py` runs it inside real syncs.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from pipeline.local import free_port
+from staleness.broadcast import (
+    ALIGN,
+    BroadcastLink,
+    BroadcastStats,
+    NcclTransport,
+    TensorMeta,
+    join_broadcast,
+    plan_buckets,
+    receive_broadcast,
+)
+
+
+def sample_tensors() -> dict[str, torch.Tensor]:
+    """Every layout case: dtypes of 1, 2, 4 and 8 bytes, a scalar, an empty tensor, one bigger than a bucket."""
+    g = torch.Generator().manual_seed(7)
+    return {
+        "embed.weight": torch.randn(50, 16, generator=g),
+        "norm.weight": torch.randn(16, generator=g).to(torch.bfloat16),
+        "layer.0.bias": torch.randn(3, generator=g).to(torch.float16),
+        "mask": torch.rand(7, generator=g) > 0.5,
+        "step": torch.tensor(12345678901, dtype=torch.int64),
+        "empty": torch.zeros(0, 4),
+        "big": torch.randn(300, generator=g),  # 1200 bytes: its own bucket
+        "tail.weight": torch.randn(5, 5, generator=g).to(torch.float64),
+    }
+
+
+def run_receivers(
+    uri: str, epoch: int, count: int, check: Callable[[dict[str, tuple[int, ...]], str], None] | None = None
+) -> tuple[list[threading.Thread], list[Any]]:
+    """`count` receivers, each joining then draining the broadcast in its own thread; results in order."""
+    results: list[Any] = [None] * count
+
+    def receive(i: int) -> None:
+        try:
+            link = join_broadcast(uri, epoch, version=1, timeout_s=20, check=check)
+            results[i] = dict(receive_broadcast(link))
+        except Exception as exc:
+            results[i] = exc
+
+    threads = [threading.Thread(target=receive, args=(i,)) for i in range(count)]
+    for t in threads:
+        t.start()
+    return threads, results
+
+
+def test_plan_buckets_packs_in_order_aligned_and_gives_big_tensors_their_own() -> None:
+    metas = [
+        TensorMeta("a", "float32", (3,)),  # 12 bytes
+        TensorMeta("b", "bfloat16", (5,)),  # 10 bytes, aligned to 16
+        TensorMeta("empty", "float32", (0,)),
+        TensorMeta("big", "float32", (40,)),  # 160 bytes > bucket
+        TensorMeta("c", "int64", (2,)),
+    ]
+    buckets = plan_buckets(metas, bucket_bytes=64)
+    assert buckets == [[(0, 0), (1, 16)], [(3, 0)], [(4, 0)]]
+    assert all(offset % ALIGN == 0 for bucket in buckets for _, offset in bucket)
+
+
+@pytest.mark.parametrize("receivers", [1, 2])
+def test_every_tensor_arrives_bit_exact(receivers: int) -> None:
+    port = free_port()
+    sent = sample_tensors()
+    trainer = NcclTransport("127.0.0.1", port, bucket_bytes=256, timeout_s=20)
+    uri = trainer.publish(sent, version=1)
+    assert uri == f"nccl://127.0.0.1:{port}/v1"
+    threads, results = run_receivers(uri, epoch=5, count=receivers)
+    stats = trainer.broadcast(epoch=5, workers=receivers)
+    for t in threads:
+        t.join(30)
+    assert isinstance(stats, BroadcastStats) and stats.backend == "gloo"
+    assert (stats.workers, stats.ranks) == (receivers, receivers)
+    assert stats.bytes >= sum(t.numel() * t.element_size() for t in sent.values())
+    for got in results:
+        assert not isinstance(got, Exception), got
+        assert list(got) == [k for k in sent if k != "empty"] + ["empty"]
+        for name, tensor in sent.items():
+            assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape, name
+            assert torch.equal(got[name], tensor), name
+
+
+def test_a_receiver_whose_model_does_not_fit_declines_and_the_others_do_not_wait_for_it() -> None:
+    sent = sample_tensors()
+    trainer = NcclTransport("127.0.0.1", free_port(), timeout_s=20)
+    uri = trainer.publish(sent, version=1)
+    fits = run_receivers(uri, 1, 1)
+
+    def refuse(shapes: dict[str, tuple[int, ...]], source: str) -> None:
+        raise ValueError(f"checkpoint {source} does not fit the model: shape mismatches {list(shapes)[:1]}")
+
+    misfits = run_receivers(uri, 1, 1, check=refuse)
+    stats = trainer.broadcast(epoch=1, workers=2)
+    for t in fits[0] + misfits[0]:
+        t.join(30)
+    assert stats.join_s < 10, "the trainer waited for a receiver that declined"
+    assert (stats.workers, stats.ranks) == (1, 1)
+    assert torch.equal(fits[1][0]["embed.weight"], sent["embed.weight"])
+    assert isinstance(misfits[1][0], ValueError) and "does not fit the model" in str(misfits[1][0])
+
+
+def test_a_receiver_that_comes_after_the_trainer_gave_up_is_told_so() -> None:
+    trainer = NcclTransport("127.0.0.1", free_port(), timeout_s=2)
+    uri = trainer.publish(sample_tensors(), version=1)
+    stats = trainer.broadcast(epoch=3, workers=1)  # nobody joined: the trainer gave up waiting
+    assert (stats.workers, stats.ranks, stats.bytes) == (0, 0, 0)
+    with pytest.raises(TimeoutError, match=r"no answer from the trainer's rendezvous"):
+        join_broadcast(uri, 3, version=1, timeout_s=1)  # the epoch's keys are gone
+
+
+def test_a_receiver_expecting_another_version_declines() -> None:
+    trainer = NcclTransport("127.0.0.1", free_port(), timeout_s=20)
+    uri = trainer.publish(sample_tensors(), version=2)
+    threads, results = run_receivers(uri.removesuffix("/v2"), 9, 1)  # asks for version 1
+    stats = trainer.broadcast(epoch=9, workers=1)
+    threads[0].join(30)
+    assert stats.ranks == 0 and stats.join_s < 10
+    assert isinstance(results[0], ValueError) and "broadcasts version 2" in str(results[0])
+
+
+def test_broadcast_link_crosses_as_plain_data() -> None:
+    link = BroadcastLink("10.0.0.1", 29500, 4, 2, 3, 5, 60.0, '{"v":1}')
+    assert BroadcastLink.from_dict(link.to_dict()) == link
+
+
+def test_nothing_staged_is_an_error() -> None:
+    with pytest.raises(RuntimeError, match=r"publish\(\) a version first"):
+        NcclTransport("127.0.0.1", free_port()).broadcast(epoch=1, workers=1)
