@@ -67,8 +67,10 @@ class BroadcastStats:
     bytes: int = 0
     join_s: float = 0.0
     """Waiting for the workers to join (after the `weights` command)."""
+    setup_s: float = 0.0
+    """Building the group, up to a first one-byte broadcast (NCCL makes its communicator then)."""
     transfer_s: float = 0.0
-    """Group setup plus every bucket's broadcast, until the last completed."""
+    """Every bucket's broadcast, until the last completed: what `gb_per_s` divides by."""
 
     @property
     def gb_per_s(self) -> float:
@@ -150,6 +152,11 @@ def _close(group: dist.ProcessGroup) -> None:
 
 def _broadcast(group: dist.ProcessGroup, buffer: torch.Tensor) -> None:
     group.broadcast([buffer], dist.BroadcastOptions()).wait()
+
+
+def _warm_up(group: dist.ProcessGroup, device: torch.device) -> None:
+    """One byte from rank 0, so that setup (NCCL's communicator is built lazily) is not counted as transfer."""
+    _broadcast(group, torch.zeros(1, dtype=torch.uint8, device=device))
 
 
 # -- the trainer's side --------------------------------------------------------------------------
@@ -239,8 +246,7 @@ class NcclTransport:
         stats.join_s = time.monotonic() - started
         try:
             if stats.ranks:
-                stats.bytes = self._send(store, epoch, 1 + stats.ranks, backend, metas, named, device)
-            stats.transfer_s = time.monotonic() - started - stats.join_s
+                self._send(store, stats, metas, named, device)
         finally:
             for key in ("meta", "workers", "declined", "ranks", "world"):
                 store.delete_key(prefix + key)
@@ -250,39 +256,39 @@ class NcclTransport:
     def _send(
         self,
         store: dist.Store,
-        epoch: int,
-        world: int,
-        backend: str,
+        stats: BroadcastStats,
         metas: list[TensorMeta],
         named: dict[str, torch.Tensor],
         device: torch.device,
-    ) -> int:
+    ) -> None:
+        started = time.monotonic()
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        group = _group(store, epoch, 0, world, backend, self.timeout_s)
+        group = _group(store, stats.epoch, 0, 1 + stats.ranks, stats.backend, self.timeout_s)
         tensors = list(named.values())
-        sent = 0
         try:
+            _warm_up(group, device)
+            stats.setup_s = time.monotonic() - started
+            started = time.monotonic()
             buffer: torch.Tensor | None = None
             for bucket in plan_buckets(metas, self.bucket_bytes):
                 size = _bucket_size(metas, bucket)
                 if len(bucket) == 1:  # one tensor: send its own bytes, no copy
                     payload = tensors[bucket[0][0]].reshape(-1).view(torch.uint8)
                 else:
-                    if buffer is None or buffer.numel() < size:
+                    if buffer is None:
                         buffer = torch.empty(self.bucket_bytes, dtype=torch.uint8, device=device)
                     payload = buffer[:size]
                     for index, offset in bucket:
-                        payload[offset : offset + metas[index].nbytes].copy_(
-                            tensors[index].reshape(-1).view(torch.uint8)
-                        )
+                        raw = tensors[index].reshape(-1).view(torch.uint8)
+                        payload[offset : offset + raw.numel()].copy_(raw)
                 _broadcast(group, payload)
-                sent += size
+                stats.bytes += size
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
+            stats.transfer_s = time.monotonic() - started
         finally:
             _close(group)
-        return sent
 
     def versions(self) -> list[int]:
         return []  # nothing is stored: a version lives only while it is broadcast
@@ -367,6 +373,7 @@ def receive_broadcast(
     store = _store(link.host, link.port, link.timeout_s, server=False)
     group = _group(store, link.epoch, link.first_rank + rank_offset, link.world, backend, link.timeout_s)
     try:
+        _warm_up(group, target)
         for bucket in plan_buckets(metas, int(meta["bucket_bytes"])):
             buffer = torch.empty(_bucket_size(metas, bucket), dtype=torch.uint8, device=target)
             _broadcast(group, buffer)

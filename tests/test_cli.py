@@ -168,9 +168,15 @@ def test_bench_sync_reports_the_stall_per_transport(tmp_path: Path) -> None:
     result = rollouts("bench-sync", "--sizes", "tiny", "--rounds", "1", "--plot", str(plot), timeout=300)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
-    assert [(r["size"], r["transport"]) for r in report["results"]] == [("tiny", "redis"), ("tiny", "fs")]
+    assert [(r["size"], r["transport"]) for r in report["results"]] == [
+        ("tiny", "redis"),
+        ("tiny", "fs"),
+        ("tiny", "nccl"),
+    ]
     for row in report["results"]:
         assert row["parameters"] == 148_160 and row["bytes"] == 4 * 148_160
         assert 0 < row["sync_s"] <= row["stall_s"]
+    nccl = report["results"][2]
+    assert nccl["gb_per_s"] > 0 and 0 < nccl["broadcast_s"] < nccl["sync_s"]
     assert plot.read_bytes()[:4] == b"\x89PNG"
     assert_clean_error(rollouts("bench-sync", "--sizes", "huge"), "unknown sizes ['huge']")

@@ -330,9 +330,9 @@ def bench_sync(
     ctx: typer.Context,
     engine: EngineOpt = "torch",
     sizes: Annotated[
-        str, typer.Option(help="Model sizes, comma-separated: tiny, small, medium, large.")
+        str, typer.Option(help="Model sizes, comma-separated: tiny, small, medium, large, xl.")
     ] = "tiny,small,medium",
-    transports: Annotated[str, typer.Option(help="Transports, comma-separated: redis, fs.")] = "redis,fs",
+    transports: Annotated[str, typer.Option(help="Transports, comma-separated: redis, fs, nccl.")] = "redis,fs,nccl",
     rounds: Annotated[int, typer.Option(help="Publishes per size and transport; medians are reported.")] = 3,
     mode: Annotated[str, typer.Option(help="Pause mode: abort or keep.")] = "abort",
     dtype: DtypeOpt = "float32",
@@ -340,21 +340,24 @@ def bench_sync(
     max_batch: MaxBatchOpt = 64,
     num_threads: ThreadsOpt = None,
     kv_cache_bytes: KvCacheOpt = None,
+    trainer_device: Annotated[
+        str, typer.Option(help="Where the trainer's weights live (cpu, cuda:0): nccl broadcasts from there.")
+    ] = "cpu",
     plot: Annotated[Path | None, typer.Option(help="Also draw stall against model size to this PNG.")] = None,
 ) -> None:
     """The stall of a weight sync (publish_weights → every worker generating again), per transport and size."""
-    from pipeline.cli.bench_sync import SIZES, plot_bench_sync, run_bench_sync
+    from pipeline.cli.bench_sync import SIZES, TRANSPORTS, plot_bench_sync, run_bench_sync
 
     chosen, paths = sizes.split(","), transports.split(",")
     if unknown := [s for s in chosen if s not in SIZES]:
         fail(f"unknown sizes {unknown}; choose from {', '.join(SIZES)}")
-    if unknown := [t for t in paths if t not in ("redis", "fs")]:
-        fail(f"unknown transports {unknown}; choose from redis, fs")
+    if unknown := [t for t in paths if t not in TRANSPORTS]:
+        fail(f"unknown transports {unknown}; choose from {', '.join(TRANSPORTS)}")
     if mode not in ("abort", "keep"):
         fail(f"--mode must be abort or keep, not {mode!r}")
     spec = EngineSpec.from_flags(ctx.params, Path("per-size"))
     with user_errors():
-        result = run_bench_sync(console, spec, chosen, paths, rounds, mode)
+        result = run_bench_sync(console, spec, chosen, paths, rounds, mode, trainer_device)
         if plot is not None:
             plot_bench_sync(result, plot)
             console.print(f"plot written to {plot}")

@@ -4,7 +4,12 @@ For each model size and transport, one worker generates steadily while the train
 new version again and again. Each publish is timed in parts: `publish_s` (the tensors into the
 transport), `sync_s` (the manager's `weights` command to its `resume`: pause, load, ack) and
 `stall_s` (from the `publish_weights` call until the worker reports it serves the new version).
-Medians over rounds; JSON out.
+The trainer holds both versions in memory (on `trainer_device`), as a training loop would.
+
+`nccl` also reports the broadcast's own figures (`setup_s`, `broadcast_s`, `gb_per_s`) and, when both
+sides are on GPUs, a bare NCCL broadcast of the same bytes between the same two GPUs in this
+process (`bare_gb_per_s`): the ceiling the transport is compared with (`ratio`). Medians over rounds;
+JSON out.
 """
 
 from __future__ import annotations
@@ -13,26 +18,40 @@ import math
 import shutil
 import statistics
 import tempfile
+import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from rich.console import Console
 from rich.progress import Progress
 
 from consumers.tiny_model import build_tiny_model
 from pipeline.cli.engine_spec import EngineSpec
 from pipeline.cli.processes import start_worker, stop_process, wait_for_worker
-from pipeline.local import embedded_redis
+from pipeline.local import embedded_redis, free_port
 from producers.client import RolloutClient
+from staleness.transports import read_checkpoint
 
 NS = "bench-sync"
-SIZES = {"tiny": (64, 2), "small": (256, 4), "medium": (512, 8), "large": (1024, 8)}
+SIZES = {"tiny": (64, 2), "small": (256, 4), "medium": (512, 8), "large": (1024, 8), "xl": (2048, 16)}
 """name -> (hidden size, layers) of the random Qwen2 models compared."""
 
 
+TRANSPORTS = ("redis", "fs", "nccl")
+
+
 def run_bench_sync(
-    console: Console, spec: EngineSpec, sizes: list[str], transports: list[str], rounds: int, mode: str
+    console: Console,
+    spec: EngineSpec,
+    sizes: list[str],
+    transports: list[str],
+    rounds: int,
+    mode: str,
+    trainer_device: str = "cpu",
 ) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="rollouts-bench-sync-"))
     results: list[dict[str, Any]] = []
@@ -46,19 +65,37 @@ def run_bench_sync(
                     for s in (0, 1)
                 ]
                 params = _parameters(models[0])
+                weights = [{k: t.to(trainer_device) for k, t in read_checkpoint(m).items()} for m in models]
                 for transport in transports:
-                    spec_t = "redis://" if transport == "redis" else f"fs://{tmp / size / 'published'}"
-                    rows = _measure(spec, models, spec_t, rounds, mode, tmp / f"{size}-{transport}.log", progress, task)
+                    uri = {
+                        "redis": "redis://",
+                        "fs": f"fs://{tmp / size / 'published'}",
+                        "nccl": f"nccl://127.0.0.1:{free_port()}",
+                    }[transport]
+                    log = tmp / f"{size}-{transport}.log"
+                    rows = _measure(spec, models[0], weights, uri, rounds, mode, log, progress, task)
                     row = {"size": size, "parameters": params, "bytes": 4 * params, "transport": transport}
+                    if transport == "nccl" and trainer_device.startswith("cuda") and spec.device.startswith("cuda"):
+                        bare = bare_broadcast_gb_per_s(4 * params, trainer_device, spec.device)
+                        rows |= {"bare_gb_per_s": round(bare, 2), "ratio": round(rows["gb_per_s"] / bare, 3)}
                     results.append(row | rows)
+                del weights
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return {"engine": spec.kind, "mode": mode, "rounds": rounds, "results": results}
+    return {
+        "engine": spec.kind,
+        "device": spec.device,
+        "trainer_device": trainer_device,
+        "mode": mode,
+        "rounds": rounds,
+        "results": results,
+    }
 
 
 def _measure(
     spec: EngineSpec,
-    models: list[Path],
+    model: Path,
+    weights: list[dict[str, torch.Tensor]],
     transport: str,
     rounds: int,
     mode: str,
@@ -67,31 +104,72 @@ def _measure(
     task: Any,
 ) -> dict[str, Any]:
     timings: dict[str, list[float]] = {"publish_s": [], "sync_s": [], "stall_s": []}
+    broadcasts: dict[str, list[float]] = {"setup_s": [], "broadcast_s": [], "gb_per_s": []}
     with embedded_redis() as (url, _served_by):
-        worker = start_worker(url, NS, models[0], "bench-sync-worker", *spec.worker_args(), log_file=log)
+        worker = start_worker(url, NS, model, "bench-sync-worker", *spec.worker_args(), log_file=log)
         try:
             client = RolloutClient(url, NS)
-            wait_for_worker(client.streams.redis, NS, "bench-sync-worker", worker, timeout_s=300)
+            wait_for_worker(client.streams.redis, NS, "bench-sync-worker", worker, timeout_s=600)
             for i in range(64):  # keep the worker busy: a sync interrupts real generation
                 client.submit(tokens=[5 + i % 100, 6, 7, 8], n=2, max_tokens=400, seed=i)
             heartbeat = client.streams.keys.worker("bench-sync-worker")
             for r in range(rounds):
                 started = time.perf_counter()
-                version = client.publish_weights(models[(r + 1) % 2], transport=transport, mode=mode)  # type: ignore[arg-type]
+                version = client.publish_weights(weights[(r + 1) % 2], transport=transport, mode=mode)  # type: ignore[arg-type]
                 published = time.perf_counter()
                 while client.streams.redis.hmget(heartbeat, "status", "version") != [b"serving", str(version).encode()]:
+                    if worker.poll() is not None:
+                        raise RuntimeError(f"the worker exited with code {worker.returncode}; its log: {log}")
                     time.sleep(0.001)
                 resumed = time.perf_counter()
                 sync_s = client.last_sync.stall_s if client.last_sync else 0.0
                 timings["sync_s"].append(sync_s)
                 timings["publish_s"].append(published - started - sync_s)
                 timings["stall_s"].append(resumed - started)
+                if transport.startswith("nccl://") and client.last_broadcast is not None:
+                    stats = client.last_broadcast
+                    broadcasts["setup_s"].append(stats.setup_s)
+                    broadcasts["broadcast_s"].append(stats.transfer_s)
+                    broadcasts["gb_per_s"].append(stats.gb_per_s)
                 progress.advance(task)
         finally:
             stop_process(worker)
-    return {name: round(statistics.median(values), 4) for name, values in timings.items()} | {
-        "stall_s_rounds": [round(v, 4) for v in timings["stall_s"]]
-    }
+    medians = {name: round(statistics.median(values), 4) for name, values in (timings | broadcasts).items() if values}
+    return medians | {"stall_s_rounds": [round(v, 4) for v in timings["stall_s"]]}
+
+
+def bare_broadcast_gb_per_s(nbytes: int, source: str, target: str, repeats: int = 5) -> float:
+    """GB/s of one plain NCCL broadcast of `nbytes` from GPU `source` to GPU `target` (median of `repeats`).
+
+    Two threads of this process, one process group each: the ceiling for the nccl transport, with no
+    rendezvous, bucketing or loading.
+    """
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, None, True, timedelta(seconds=60), wait_for_workers=False)
+    seconds: list[float] = []
+
+    def rank(index: int, device: str) -> None:
+        torch.cuda.set_device(device)
+        client = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=60))
+        group = dist.ProcessGroupNCCL(dist.PrefixStore("bare/", client), index, 2)
+        buffer = torch.ones(nbytes, dtype=torch.uint8, device=device)
+        for _ in range(repeats + 1):  # the first builds the communicator
+            group.broadcast([buffer], dist.BroadcastOptions()).wait()
+            torch.cuda.synchronize(device)
+            started = time.perf_counter()
+            group.broadcast([buffer], dist.BroadcastOptions()).wait()
+            torch.cuda.synchronize(device)
+            if index == 0:
+                seconds.append(time.perf_counter() - started)
+        group.shutdown()
+
+    threads = [threading.Thread(target=rank, args=(i, d)) for i, d in enumerate((source, target))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    del store
+    return nbytes / statistics.median(seconds) / 1e9
 
 
 def _parameters(model_dir: Path) -> int:
