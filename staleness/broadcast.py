@@ -21,6 +21,7 @@ vLLM's worker processes for `vllm`), so GPU weights go from GPU to GPU.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -262,33 +263,39 @@ class NcclTransport:
         device: torch.device,
     ) -> None:
         started = time.monotonic()
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        group = _group(store, stats.epoch, 0, 1 + stats.ranks, stats.backend, self.timeout_s)
-        tensors = list(named.values())
-        try:
-            _warm_up(group, device)
-            stats.setup_s = time.monotonic() - started
-            started = time.monotonic()
-            buffer: torch.Tensor | None = None
-            for bucket in plan_buckets(metas, self.bucket_bytes):
-                size = _bucket_size(metas, bucket)
-                if len(bucket) == 1:  # one tensor: send its own bytes, no copy
-                    payload = tensors[bucket[0][0]].reshape(-1).view(torch.uint8)
-                else:
-                    if buffer is None:
-                        buffer = torch.empty(self.bucket_bytes, dtype=torch.uint8, device=device)
-                    payload = buffer[:size]
-                    for index, offset in bucket:
-                        raw = tensors[index].reshape(-1).view(torch.uint8)
-                        payload[offset : offset + raw.numel()].copy_(raw)
-                _broadcast(group, payload)
-                stats.bytes += size
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            stats.transfer_s = time.monotonic() - started
-        finally:
-            _close(group)
+        # The trainer's current device is left as it was: only this block works on the tensors' GPU.
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            group = _group(store, stats.epoch, 0, 1 + stats.ranks, stats.backend, self.timeout_s)
+            try:
+                _warm_up(group, device)
+                stats.setup_s = time.monotonic() - started
+                started = time.monotonic()
+                stats.bytes = self._send_buckets(group, metas, list(named.values()), device)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                stats.transfer_s = time.monotonic() - started
+            finally:
+                _close(group)
+
+    def _send_buckets(
+        self, group: dist.ProcessGroup, metas: list[TensorMeta], tensors: list[torch.Tensor], device: torch.device
+    ) -> int:
+        sent = 0
+        buffer: torch.Tensor | None = None
+        for bucket in plan_buckets(metas, self.bucket_bytes):
+            size = _bucket_size(metas, bucket)
+            if len(bucket) == 1:  # one tensor: send its own bytes, no copy
+                payload = tensors[bucket[0][0]].reshape(-1).view(torch.uint8)
+            else:
+                if buffer is None:
+                    buffer = torch.empty(self.bucket_bytes, dtype=torch.uint8, device=device)
+                payload = buffer[:size]
+                for index, offset in bucket:
+                    raw = tensors[index].reshape(-1).view(torch.uint8)
+                    payload[offset : offset + raw.numel()].copy_(raw)
+            _broadcast(group, payload)
+            sent += size
+        return sent
 
     def versions(self) -> list[int]:
         return []  # nothing is stored: a version lives only while it is broadcast
