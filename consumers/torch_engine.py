@@ -19,6 +19,7 @@ import contextlib
 import logging
 import random
 import threading
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -315,8 +316,16 @@ class TorchEngine:
         def receive() -> dict[str, torch.Tensor]:
             return dict(receive_broadcast(link, 0, self.device))
 
+        started = time.monotonic()
         tensors = await asyncio.to_thread(receive)
+        received = time.monotonic()
         await asyncio.to_thread(self._load_tensors_sync, tensors, link.version, f"the broadcast from {link.host}")
+        log.info(
+            "broadcast of version %d: received in %.3f s, loaded in %.3f s",
+            link.version,
+            received - started,
+            time.monotonic() - received,
+        )
 
     def check_fits(self, shapes: Mapping[str, tuple[int, ...]], source: object) -> None:
         """Raise `ValueError` if tensors of these names and shapes cannot be loaded into the model."""

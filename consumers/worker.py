@@ -327,7 +327,9 @@ class Worker:
         """
         self._serving.clear()
         self.status = "paused"
+        started = time.monotonic()
         await self.engine.pause(command.mode)
+        paused = time.monotonic()
         if command.version != self.engine.version:
             try:
                 await load_version(self.engine, command.uri, command.version, self.streams.redis, epoch=command.epoch)
@@ -340,6 +342,10 @@ class Worker:
                 return
         self._epoch = command.epoch
         await self._beat()  # the ack: `epoch` and `version` in the heartbeat
+        log.info(
+            "%s: sync %d: paused in %.3f s, version %d loaded and acked in %.3f s",
+            self.name, command.epoch, paused - started, command.version, time.monotonic() - paused,
+        )  # fmt: skip
 
     # -- upkeep: heartbeat, keep own work, claim abandoned work, trim -------------------------
 

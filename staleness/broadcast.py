@@ -72,6 +72,8 @@ class BroadcastStats:
     """Building the group, up to a first one-byte broadcast (NCCL makes its communicator then)."""
     transfer_s: float = 0.0
     """Every bucket's broadcast, until the last completed: what `gb_per_s` divides by."""
+    teardown_s: float = 0.0
+    """Freeing the group (NCCL destroys its communicator)."""
 
     @property
     def gb_per_s(self) -> float:
@@ -275,7 +277,9 @@ class NcclTransport:
                     torch.cuda.synchronize(device)
                 stats.transfer_s = time.monotonic() - started
             finally:
+                started = time.monotonic()
                 _close(group)
+                stats.teardown_s = time.monotonic() - started
 
     def _send_buckets(
         self, group: dist.ProcessGroup, metas: list[TensorMeta], tensors: list[torch.Tensor], device: torch.device

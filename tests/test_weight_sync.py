@@ -142,6 +142,31 @@ def test_with_nccl_a_late_worker_takes_no_work_until_the_next_broadcast(
         check_spans_and_logprobs(rollout, {2: tiny_model_dir})
 
 
+def test_a_worker_that_cannot_load_a_broadcast_stops_and_its_work_finishes_elsewhere(
+    redis_server: RedisServer, ns: str, tiny_model_dir: Path, tiny_model_dir_v1: Path, workers: StartWorker,
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    from consumers.tiny_model import build_tiny_model
+
+    wide_model = build_tiny_model(tmp_path / "wide", seed=2, hidden_size=128)
+    wide = workers("wide", "--model", str(wide_model))  # the last --model wins: another architecture
+    workers("fits")
+    client = RolloutClient(redis_server.url, ns)
+    ids = [client.submit(tokens=[6 + i, 50, 51], n=2, max_tokens=100, seed=i) for i in range(8)]
+    wait_until(generating(client, 4), 60, "generation to start")
+    assert client.publish_weights(tiny_model_dir_v1, transport=f"nccl://127.0.0.1:{free_port()}", ack_timeout_s=60) == 1
+    assert client.last_sync.acked == ["fits"] and client.last_sync.evicted == []
+    assert client.last_sync.stall_s < 30, "the sync waited for a worker that declined"
+    assert wide.wait(timeout=60) == 1
+    assert "could not load weights version 1" in (tmp_path / "wide.log").read_text()
+
+    rollouts = [r for g in client.collect(len(ids), timeout=240) for r in g.rollouts]
+    assert len({r.id for r in rollouts}) == len(rollouts) == 2 * len(ids)
+    for rollout in rollouts:  # the wide model's tokens (version 0) have other logprobs: spans only
+        assert rollout.spans[0][1] == 0 and rollout.spans[-1][2] == rollout.n_tokens
+        assert [v for v, _, _ in rollout.spans] == sorted({v for v, _, _ in rollout.spans})
+
+
 def test_the_state_refuses_a_sync_out_of_order(redis_server: RedisServer, ns: str) -> None:
     client = RolloutClient(redis_server.url, ns)
     manager = Manager(client.streams, ack_timeout_s=1)

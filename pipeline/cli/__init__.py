@@ -344,6 +344,7 @@ def bench_sync(
         str, typer.Option(help="Where the trainer's weights live (cpu, cuda:0): nccl broadcasts from there.")
     ] = "cpu",
     plot: Annotated[Path | None, typer.Option(help="Also draw stall against model size to this PNG.")] = None,
+    logs: Annotated[Path | None, typer.Option(help="Keep the worker's logs here (one per size and transport).")] = None,
 ) -> None:
     """The stall of a weight sync (publish_weights → every worker generating again), per transport and size."""
     from pipeline.cli.bench_sync import SIZES, TRANSPORTS, plot_bench_sync, run_bench_sync
@@ -357,7 +358,7 @@ def bench_sync(
         fail(f"--mode must be abort or keep, not {mode!r}")
     spec = EngineSpec.from_flags(ctx.params, Path("per-size"))
     with user_errors():
-        result = run_bench_sync(console, spec, chosen, paths, rounds, mode, trainer_device)
+        result = run_bench_sync(console, spec, chosen, paths, rounds, mode, trainer_device, logs)
         if plot is not None:
             plot_bench_sync(result, plot)
             console.print(f"plot written to {plot}")

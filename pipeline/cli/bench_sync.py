@@ -52,8 +52,11 @@ def run_bench_sync(
     rounds: int,
     mode: str,
     trainer_device: str = "cpu",
+    logs: Path | None = None,
 ) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="rollouts-bench-sync-"))
+    if logs is not None:
+        logs.mkdir(parents=True, exist_ok=True)
     results: list[dict[str, Any]] = []
     try:
         with Progress(console=console) as progress:
@@ -72,7 +75,7 @@ def run_bench_sync(
                         "fs": f"fs://{tmp / size / 'published'}",
                         "nccl": f"nccl://127.0.0.1:{free_port()}",
                     }[transport]
-                    log = tmp / f"{size}-{transport}.log"
+                    log = (logs or tmp) / f"{size}-{transport}.log"
                     rows = _measure(spec, models[0], weights, uri, rounds, mode, log, progress, task)
                     row = {"size": size, "parameters": params, "bytes": 4 * params, "transport": transport}
                     if transport == "nccl" and trainer_device.startswith("cuda") and spec.device.startswith("cuda"):
@@ -104,7 +107,13 @@ def _measure(
     task: Any,
 ) -> dict[str, Any]:
     timings: dict[str, list[float]] = {"publish_s": [], "sync_s": [], "stall_s": []}
-    broadcasts: dict[str, list[float]] = {"setup_s": [], "broadcast_s": [], "gb_per_s": []}
+    broadcasts: dict[str, list[float]] = {
+        "join_s": [],
+        "setup_s": [],
+        "broadcast_s": [],
+        "teardown_s": [],
+        "gb_per_s": [],
+    }
     with embedded_redis() as (url, _served_by):
         worker = start_worker(url, NS, model, "bench-sync-worker", *spec.worker_args(), log_file=log)
         try:
@@ -128,8 +137,10 @@ def _measure(
                 timings["stall_s"].append(resumed - started)
                 if transport.startswith("nccl://") and client.last_broadcast is not None:
                     stats = client.last_broadcast
+                    broadcasts["join_s"].append(stats.join_s)
                     broadcasts["setup_s"].append(stats.setup_s)
                     broadcasts["broadcast_s"].append(stats.transfer_s)
+                    broadcasts["teardown_s"].append(stats.teardown_s)
                     broadcasts["gb_per_s"].append(stats.gb_per_s)
                 progress.advance(task)
         finally:
