@@ -11,7 +11,8 @@ rendezvous, and during each sync, between the manager's `weights` command and it
 4. everyone builds one process group over `PrefixStore(e{epoch}/pg)` (NCCL when the trainer's tensors
    are on a GPU; gloo otherwise, which is how the same protocol runs, and is tested, on CPUs), and the
    tensors go from rank 0 as raw bytes in buckets of `bucket_bytes`, 16-byte aligned, in meta order;
-5. the group is torn down; the trainer deletes the epoch's keys.
+5. the trainer deletes the epoch's keys; every side frees the group on a thread of its own, off the
+   stall (NCCL takes about half a second to destroy a communicator).
 
 Only raw bytes and JSON cross the store and the group (no pickle). A worker that starts between
 syncs cannot fetch the current version from anywhere: it waits, paused, for the next sync.
@@ -24,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass
@@ -72,8 +74,6 @@ class BroadcastStats:
     """Building the group, up to a first one-byte broadcast (NCCL makes its communicator then)."""
     transfer_s: float = 0.0
     """Every bucket's broadcast, until the last completed: what `gb_per_s` divides by."""
-    teardown_s: float = 0.0
-    """Freeing the group (NCCL destroys its communicator)."""
 
     @property
     def gb_per_s(self) -> float:
@@ -147,10 +147,12 @@ def _group(store: dist.Store, epoch: int, rank: int, world: int, backend: str, t
     return dist.ProcessGroupGloo(prefixed, rank, world, timedelta(seconds=timeout_s))
 
 
-def _close(group: dist.ProcessGroup) -> None:
+def _close_later(group: dist.ProcessGroup) -> None:
+    """Free the group on a thread of its own: NCCL takes ~0.5 s to destroy a communicator, and
+    nobody need wait for it (the workers resume, the trainer goes back to training)."""
     shutdown = getattr(group, "shutdown", None)  # NCCL: free the communicator now, not at exit
     if callable(shutdown):
-        shutdown()
+        threading.Thread(target=shutdown, name="broadcast-teardown", daemon=True).start()
 
 
 def _broadcast(group: dist.ProcessGroup, buffer: torch.Tensor) -> None:
@@ -277,9 +279,7 @@ class NcclTransport:
                     torch.cuda.synchronize(device)
                 stats.transfer_s = time.monotonic() - started
             finally:
-                started = time.monotonic()
-                _close(group)
-                stats.teardown_s = time.monotonic() - started
+                _close_later(group)
 
     def _send_buckets(
         self, group: dist.ProcessGroup, metas: list[TensorMeta], tensors: list[torch.Tensor], device: torch.device
@@ -394,8 +394,10 @@ def receive_broadcast(
         for m in metas:
             if m.nbytes == 0:
                 yield m.name, torch.empty(m.shape, dtype=_dtype(m.dtype), device=target)
+        if target.type == "cuda":
+            torch.cuda.synchronize(target)  # every broadcast landed before the group goes
     finally:
-        _close(group)
+        _close_later(group)
 
 
 def _metas(meta: Mapping[str, Any]) -> list[TensorMeta]:

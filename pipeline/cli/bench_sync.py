@@ -111,7 +111,6 @@ def _measure(
         "join_s": [],
         "setup_s": [],
         "broadcast_s": [],
-        "teardown_s": [],
         "gb_per_s": [],
     }
     with embedded_redis() as (url, _served_by):
@@ -140,7 +139,6 @@ def _measure(
                     broadcasts["join_s"].append(stats.join_s)
                     broadcasts["setup_s"].append(stats.setup_s)
                     broadcasts["broadcast_s"].append(stats.transfer_s)
-                    broadcasts["teardown_s"].append(stats.teardown_s)
                     broadcasts["gb_per_s"].append(stats.gb_per_s)
                 progress.advance(task)
         finally:
