@@ -43,8 +43,12 @@ def wait_for_worker(
         time.sleep(0.1)
 
 
-def stop_process(process: subprocess.Popen[bytes], timeout_s: float = 30.0) -> int:
-    """SIGTERM (the worker drains), then SIGKILL if it does not exit in time."""
+def stop_process(process: subprocess.Popen[bytes], timeout_s: float = 45.0) -> int:
+    """SIGTERM (the worker drains), then SIGKILL if it does not exit in time.
+
+    The default outwaits a worker's own drain (30 s): a SIGKILLed vLLM worker leaves its
+    `EngineCore` process running, since vLLM 0.32 does not watch for its parent's death.
+    """
     if process.poll() is None:
         process.send_signal(signal.SIGTERM)
         try:
