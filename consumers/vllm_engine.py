@@ -52,6 +52,7 @@ from consumers.engine import (
     check_request,
     read_model_limits,
 )
+from consumers.orphans import reap_on_death
 from pipeline.wire import FinishReason, Sampling
 from staleness.broadcast import BroadcastLink, receive_broadcast
 
@@ -151,6 +152,7 @@ class VllmEngine:
                 raise EngineClosedError("the engine was shut down")
             if self._llm is not None:
                 return
+            reap_on_death()  # vLLM's processes do not watch this one: they must not outlive a SIGKILL
             llm = await asyncio.to_thread(AsyncLLM.from_engine_args, AsyncEngineArgs(**self.args))
             try:
                 await llm.update_weight_version(str(self.version))

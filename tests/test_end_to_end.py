@@ -149,6 +149,20 @@ def test_a_killed_workers_prompts_finish_on_another_worker(
     assert r.xpending(client.streams.keys.prompts, GENERATORS)["pending"] == 0
 
 
+@pytest.mark.vllm
+def test_a_killed_vllm_worker_leaves_no_engine_process_behind(ns: str, workers: StartWorker) -> None:
+    worker = workers("doomed", "--engine", "vllm")
+    engine_processes = psutil.Process(worker.pid).children(recursive=True)
+    assert any("EngineCore" in " ".join(p.cmdline()) or p.name().startswith("VLLM") for p in engine_processes)
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.wait()
+
+    def all_gone() -> bool:
+        return not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in engine_processes)
+
+    wait_until(all_gone, 30, "vLLM's processes to die with their worker")
+
+
 def test_a_prompt_submitted_twice_is_delivered_once(redis_server: RedisServer, ns: str, workers: StartWorker) -> None:
     workers("w1")
     client = RolloutClient(redis_server.url, ns)
