@@ -2,7 +2,7 @@
 
 vLLM 0.32 starts `EngineCore` (and its `Worker`s) as child processes that do not watch their parent:
 when a worker is killed with SIGKILL, they keep running, and polling, for ever. `reap_on_death()`
-starts one small watchdog process per worker. While the worker lives, the watchdog notes its
+starts one small watchdog process per engine. While the worker lives, the watchdog notes its
 descendants every half second; once the worker is gone, it kills the ones it noted.
 """
 
@@ -45,18 +45,17 @@ for pid in noted:
         pass
 """
 
-_started = False
 
+def reap_on_death() -> subprocess.Popen[bytes] | None:
+    """Start a watchdog for this process: its descendants die with it, even after a SIGKILL (Linux only).
 
-def reap_on_death() -> None:
-    """Start this process's watchdog (once): its descendants die with it, even after a SIGKILL. Linux only."""
-    global _started
-    if _started or not os.path.isdir("/proc"):
-        return
-    subprocess.Popen(
+    Stop the watchdog (`kill()`) once those descendants were shut down cleanly.
+    """
+    if not os.path.isdir("/proc"):
+        return None
+    return subprocess.Popen(
         [sys.executable, "-c", _WATCHDOG, str(os.getpid())],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    _started = True

@@ -26,6 +26,7 @@ import contextlib
 import gc
 import itertools
 import logging
+import subprocess
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -66,6 +67,9 @@ CPU_BATCHED_TOKENS = 8192
 
 EXTENSION = "consumers.vllm_engine.RolloutsWorkerExtension"
 """Qualified name vLLM imports in its worker processes (`worker_extension_cls`)."""
+
+DEATH_CHECK_S = 1.0
+"""How often a waiting request looks whether the engine died."""
 
 _FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort", "repetition": "stop"}
 
@@ -136,6 +140,7 @@ class VllmEngine:
         self._start_lock = asyncio.Lock()
         self._load_lock = asyncio.Lock()
         self._live: set[str] = set()
+        self._watchdog: subprocess.Popen[bytes] | None = None
         self._paused = False
         self._closing = False
         self._reference: dict[str, tuple[int, ...]] | None = None
@@ -152,7 +157,7 @@ class VllmEngine:
                 raise EngineClosedError("the engine was shut down")
             if self._llm is not None:
                 return
-            reap_on_death()  # vLLM's processes do not watch this one: they must not outlive a SIGKILL
+            self._watchdog = reap_on_death()  # vLLM's processes do not watch this one: they must not outlive a SIGKILL
             llm = await asyncio.to_thread(AsyncLLM.from_engine_args, AsyncEngineArgs(**self.args))
             try:
                 await llm.update_weight_version(str(self.version))
@@ -187,6 +192,10 @@ class VllmEngine:
         # `AsyncLLM.__del__` shuts down again: let it run now (a no-op), not at interpreter exit where it fails.
         del llm
         gc.collect()
+        if self._watchdog is not None:  # vLLM's processes are gone: nothing left to guard
+            self._watchdog.kill()
+            self._watchdog.wait()
+            self._watchdog = None
 
     async def __aenter__(self) -> VllmEngine:
         await self.start()
@@ -205,10 +214,41 @@ class VllmEngine:
         llm = self._llm if self._llm is not None else await self._started()
         if request_id in self._live:
             raise EngineInputError(f"request id {request_id!r} is already in flight on this engine")
+        self._live.add(request_id)
+        stream = asyncio.ensure_future(self._stream(llm, prompt, params, request_id))
+        try:
+            # A request added just as the engine died may never hear of it: look at the engine meanwhile.
+            while not (await asyncio.wait({stream}, timeout=DEATH_CHECK_S))[0]:
+                if llm.errored:
+                    raise EngineClosedError(f"the vLLM engine died while request {request_id!r} was in flight")
+            tokens, logprobs, last = stream.result()
+        finally:
+            if not stream.done():
+                stream.cancel()  # vLLM aborts the request when its generator is cancelled
+            self._live.discard(request_id)
+        if last is None or last.finish_reason is None:
+            raise RuntimeError(f"vLLM ended request {request_id!r} without a final output")
+        if last.finish_reason not in _FINISH_REASONS:  # "error": an engine-side failure, not the prompt's fault
+            raise RuntimeError(f"vLLM failed request {request_id!r}: finish_reason={last.finish_reason}")
+        if self._closing and last.finish_reason == "abort":
+            raise EngineClosedError(f"engine shut down before request {request_id!r} finished")
+        return Generation(
+            tokens=np.asarray(tokens, dtype=np.int32),
+            logprobs=np.asarray(logprobs, dtype=np.float32),
+            finish_reason=_FINISH_REASONS[last.finish_reason],
+            spans=self._spans(last.weight_versions, len(tokens)),
+        )
+
+    async def _stream(
+        self, llm: Any, prompt: np.ndarray, params: Any, request_id: str
+    ) -> tuple[list[int], list[float], Any]:
+        """Run one request through vLLM; returns its tokens, their logprobs and the last output.
+
+        vLLM's errors become ours: `EngineInputError` (the request's fault), `EngineClosedError` (no engine).
+        """
         tokens: list[int] = []
         logprobs: list[float] = []
         last = None
-        self._live.add(request_id)
         try:
             async for out in llm.generate(tokens_input(prompt.astype(np.int64).tolist()), params, request_id):
                 last = out.outputs[0]
@@ -227,20 +267,7 @@ class VllmEngine:
             if self._closing:
                 raise EngineClosedError(f"engine shut down before request {request_id!r} finished") from exc
             raise EngineClosedError(f"the vLLM engine died: {exc}") from exc
-        finally:
-            self._live.discard(request_id)
-        if last is None or last.finish_reason is None:
-            raise RuntimeError(f"vLLM ended request {request_id!r} without a final output")
-        if last.finish_reason not in _FINISH_REASONS:  # "error": an engine-side failure, not the prompt's fault
-            raise RuntimeError(f"vLLM failed request {request_id!r}: finish_reason={last.finish_reason}")
-        if self._closing and last.finish_reason == "abort":
-            raise EngineClosedError(f"engine shut down before request {request_id!r} finished")
-        return Generation(
-            tokens=np.asarray(tokens, dtype=np.int32),
-            logprobs=np.asarray(logprobs, dtype=np.float32),
-            finish_reason=_FINISH_REASONS[last.finish_reason],
-            spans=self._spans(last.weight_versions, len(tokens)),
-        )
+        return tokens, logprobs, last
 
     def _sampling_params(self, prompt_len: int, sampling: Sampling) -> Any:
         """Our `Sampling` as vLLM `SamplingParams`; values vLLM refuses raise `EngineInputError`."""
