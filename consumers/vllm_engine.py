@@ -69,7 +69,7 @@ EXTENSION = "consumers.vllm_engine.RolloutsWorkerExtension"
 """Qualified name vLLM imports in its worker processes (`worker_extension_cls`)."""
 
 DEATH_CHECK_S = 1.0
-"""How often a waiting request looks whether the engine died."""
+"""How often the engine's monitor looks whether vLLM died."""
 
 _FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort", "repetition": "stop"}
 
@@ -141,6 +141,9 @@ class VllmEngine:
         self._load_lock = asyncio.Lock()
         self._live: set[str] = set()
         self._watchdog: subprocess.Popen[bytes] | None = None
+        self._died: asyncio.Future[None] | None = None
+        """Resolved once vLLM is gone (`_watch_engine`): requests waiting on it stop waiting."""
+        self._monitor: asyncio.Task[None] | None = None
         self._paused = False
         self._closing = False
         self._reference: dict[str, tuple[int, ...]] | None = None
@@ -166,7 +169,19 @@ class VllmEngine:
                 raise
             self._llm = llm
             del llm  # only `self._llm` may hold it: `shutdown` must be able to free it
+            self._died = asyncio.get_running_loop().create_future()
+            self._monitor = asyncio.create_task(self._watch_engine(self._died))
             log.info("vLLM engine on %s started (version %d)", self.model_dir, self.version)
+
+    async def _watch_engine(self, died: asyncio.Future[None]) -> None:
+        """Resolve `died` once the engine errored or was shut down.
+
+        A request added just as `EngineCore` died may never hear of it from vLLM.
+        """
+        while self._llm is not None and not self._llm.errored:
+            await asyncio.sleep(DEATH_CHECK_S)
+        if not died.done():
+            died.set_result(None)
 
     async def _started(self) -> Any:
         await self.start()
@@ -185,6 +200,8 @@ class VllmEngine:
             with contextlib.suppress(Exception):
                 await llm.abort(list(self._live))
             await asyncio.sleep(0)  # let the aborted `generate` calls see their last output
+        if self._monitor is not None:
+            self._monitor.cancel()
         if llm.output_handler is not None:  # it would log the engine's exit as a failure
             llm.output_handler.cancel()
         # Waits for the engine processes to exit (SIGTERM, then SIGKILL after a grace period).
@@ -217,10 +234,10 @@ class VllmEngine:
         self._live.add(request_id)
         stream = asyncio.ensure_future(self._stream(llm, prompt, params, request_id))
         try:
-            # A request added just as the engine died may never hear of it: look at the engine meanwhile.
-            while not (await asyncio.wait({stream}, timeout=DEATH_CHECK_S))[0]:
-                if llm.errored:
-                    raise EngineClosedError(f"the vLLM engine died while request {request_id!r} was in flight")
+            assert self._died is not None  # set with `_llm`
+            await asyncio.wait({stream, self._died}, return_when=asyncio.FIRST_COMPLETED)
+            if not stream.done():
+                raise EngineClosedError(f"the vLLM engine died while request {request_id!r} was in flight")
             tokens, logprobs, last = stream.result()
         finally:
             if not stream.done():

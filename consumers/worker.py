@@ -267,22 +267,23 @@ class Worker:
                 await self._sync_weights(command)
                 return control_from
             if command is not None:
-                return self._await_next_sync(command.version, control_from)
+                self._await_next_sync(command.version)
+                return control_from
         if state.version != self.engine.version and state.weights_uri:
             if not is_stored(state.weights_uri):
-                return self._await_next_sync(state.version, control_from)
+                self._await_next_sync(state.version)
+                return control_from
             await load_version(self.engine, state.weights_uri, state.version, self.streams.redis)
         self._epoch = state.epoch
         self.status = "serving"
         self._serving.set()
         return control_from
 
-    def _await_next_sync(self, version: int, control_from: bytes) -> bytes:
+    def _await_next_sync(self, version: int) -> None:
         self.status = AWAITING_WEIGHTS
         log.info(
             "%s: version %d was broadcast before this worker joined; waiting for the next sync", self.name, version
         )
-        return control_from
 
     async def _follow_control(self, after: bytes) -> None:
         while not self._stopping.is_set():

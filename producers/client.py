@@ -259,17 +259,16 @@ class RolloutClient:
         from staleness.transports import open_transport, remove_published
 
         manager = Manager(self.streams, ack_timeout_s=ack_timeout_s)
-        store = open_transport(transport, redis_client=self.streams.redis, ns=self.streams.keys.ns)
+        store = open_transport(
+            transport, redis_client=self.streams.redis, ns=self.streams.keys.ns, join_timeout_s=ack_timeout_s
+        )
         previous = manager.state()
         version = previous.version + 1
         store.remove(version)  # left over by a publish whose sync failed: never announced, safe to replace
         uri = store.publish(source, version)
-        if isinstance(store, NcclTransport):
-            store.timeout_s = ack_timeout_s
-            self.last_sync = manager.sync(version, uri, mode, transfer=store.broadcast)
-            self.last_broadcast = store.last
-        else:
-            self.last_sync = manager.sync(version, uri, mode)
+        broadcast = store if isinstance(store, NcclTransport) else None  # sent during the sync, not before
+        self.last_sync = manager.sync(version, uri, mode, transfer=broadcast.broadcast if broadcast else None)
+        self.last_broadcast = broadcast.last if broadcast else None
         store.release(keep=[version])
         if previous.weights_uri:  # the version before may sit in another transport
             remove_published(previous.weights_uri, self.streams.redis, self.streams.keys.ns)

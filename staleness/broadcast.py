@@ -3,9 +3,10 @@
 Nothing is stored: the trainer (rank 0) hosts a `torch.distributed.TCPStore` at HOST:PORT for the
 rendezvous, and during each sync, between the manager's `weights` command and its wait for acks:
 1. the trainer writes `e{epoch}/meta` (JSON: version, backend, bucket size, `[name, dtype, shape]`s);
-2. each worker checks the names and shapes against its model (if they do not fit it declines:
-   `ADD e{epoch}/declined 1`), takes a block of ranks with `ADD e{epoch}/ranks k` (k = the engine's
-   receiving processes: 1 for `torch`, the tensor-parallel size for `vllm`), then `ADD e{epoch}/workers 1`;
+2. each worker checks the names and shapes against its model (if they do not fit it declines),
+   takes a block of ranks with `ADD e{epoch}/ranks k` (k = the engine's receiving processes: 1 for
+   `torch`, the tensor-parallel size for `vllm`) and counts itself in `e{epoch}/workers`; joined or
+   declined, it then counts itself in `e{epoch}/answered`, the one counter the trainer polls;
 3. once every live worker joined or declined (or the join deadline passed) the trainer sets `e{epoch}/world`;
    a worker whose ranks fall outside it failed to join in time, and says so;
 4. everyone builds one process group over `PrefixStore(e{epoch}/pg)` (NCCL when the trainer's tensors
@@ -241,9 +242,7 @@ class NcclTransport:
         store.set(prefix + "meta", json.dumps(meta, separators=(",", ":")))
         started = time.monotonic()
         deadline = started + self.timeout_s
-        while time.monotonic() < deadline:
-            if store.add(prefix + "workers", 0) + store.add(prefix + "declined", 0) >= workers:
-                break
+        while store.add(prefix + "answered", 0) < workers and time.monotonic() < deadline:
             time.sleep(0.005)
         stats.workers = store.add(prefix + "workers", 0)
         stats.ranks = store.add(prefix + "ranks", 0)
@@ -253,7 +252,7 @@ class NcclTransport:
             if stats.ranks:
                 self._send(store, stats, metas, named, device)
         finally:
-            for key in ("meta", "workers", "declined", "ranks", "world"):
+            for key in ("meta", "answered", "workers", "ranks", "world"):
                 store.delete_key(prefix + key)
         self.last = stats
         return stats
@@ -350,11 +349,12 @@ def join_broadcast(
         if check is not None:
             check({m.name: m.shape for m in _metas(meta)}, uri)
     except Exception:
-        store.add(prefix + "declined", 1)
+        store.add(prefix + "answered", 1)  # declined: the trainer need not wait for us
         raise
     try:
         last = store.add(prefix + "ranks", ranks)
         store.add(prefix + "workers", 1)
+        store.add(prefix + "answered", 1)
         store.wait([prefix + "world"])
         world = int(store.get(prefix + "world"))
     except (dist.DistStoreError, RuntimeError) as exc:

@@ -550,16 +550,18 @@ def open_transport(
     redis_client: redis.Redis | None = None,
     ns: str | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    join_timeout_s: float = 60.0,
 ) -> WeightTransport:
     """The trainer's transport from a spec: `fs://DIR`, `redis://` (or `redis://NS`) with the pipeline's client,
-    or `nccl://HOST:PORT` (this process hosts the rendezvous on PORT and broadcasts during each sync)."""
+    or `nccl://HOST:PORT` (this process hosts the rendezvous on PORT and broadcasts during each sync,
+    waiting up to `join_timeout_s` for the workers to join)."""
     parsed = parse_uri(spec)
     if parsed.scheme == "fs":
         return FsTransport(parsed.location)
     if parsed.scheme == "nccl":
         from staleness.broadcast import NcclTransport  # it builds on this module
 
-        return NcclTransport.from_uri(spec)
+        return NcclTransport.from_uri(spec, timeout_s=join_timeout_s)
     if redis_client is None:
         raise ValueError(f"{spec}: the redis weight transport needs a Redis client (the pipeline's own)")
     if ns is not None and parsed.location and parsed.location != ns:

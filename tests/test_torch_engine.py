@@ -274,8 +274,8 @@ def test_pause_abort_ends_running_and_queued_requests(tiny_model_dir: Path) -> N
         await engine.pause("abort")
         ended = await asyncio.gather(*tasks)
         waiting = asyncio.ensure_future(engine.generate("later", LONG_PROMPT, Sampling(max_tokens=3, seed=1)))
-        await asyncio.sleep(0)  # let it enqueue; it must wait for resume
-        assert not waiting.done() and engine.stats()["waiting"] == 1
+        await wait_until_async(lambda: engine.stats()["waiting"] == 1)  # queued: it must wait for resume
+        assert not waiting.done()
         await engine.resume()
         return ended, await waiting
 

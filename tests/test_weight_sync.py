@@ -130,8 +130,12 @@ def test_with_nccl_a_late_worker_takes_no_work_until_the_next_broadcast(
     assert {r.worker for r in group.rollouts} == {"early"}
     assert all(r.spans == [(1, 0, r.n_tokens)] for r in group.rollouts)
 
-    assert client.publish_weights(tiny_model_dir, transport=nccl) == 2
-    assert sorted(client.last_sync.acked) == ["early", "late"]
+    # The next one through the CLI, as an operator would (its own process hosts the rendezvous).
+    done = rollouts_cli("publish-weights", "--redis", redis_server.url, "--ns", ns, "--from", str(tiny_model_dir),
+                        "--transport", f"nccl://127.0.0.1:{free_port()}")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert (report["version"], sorted(report["acked"]), report["evicted"]) == (2, ["early", "late"], [])
     late_status = client.streams.keys.worker("late")
     wait_until(lambda: client.streams.redis.hget(late_status, "status") == b"serving", 30, "the late worker to serve")
     ids = [client.submit(tokens=[9, 10 + i], n=2, max_tokens=20, id=f"after{i}") for i in range(6)]
@@ -175,6 +179,20 @@ def test_the_state_refuses_a_sync_out_of_order(redis_server: RedisServer, ns: st
     assert manager.sync(1, "redis://x/v1").version == 1
     state = manager.state()
     assert (state.version, state.epoch, state.paused, state.weights_uri) == (1, 1, False, "redis://x/v1")
+
+
+def test_a_failed_transfer_still_concludes_the_sync(redis_server: RedisServer, ns: str) -> None:
+    client = RolloutClient(redis_server.url, ns)
+    manager = Manager(client.streams, ack_timeout_s=1)
+
+    def broken_broadcast(epoch: int, workers: int) -> None:
+        raise RuntimeError(f"broadcast of sync {epoch} to {workers} workers failed")
+
+    with pytest.raises(RuntimeError, match="broadcast of sync 1 to 0 workers failed"):
+        manager.sync(1, "nccl://127.0.0.1:1/v1", transfer=broken_broadcast)
+    state = manager.state()
+    assert (state.version, state.epoch, state.paused) == (1, 1, False), "nobody may stay paused"
+    assert manager.sync(2, "redis://x/v2").version == 2
 
 
 def rollouts_cli(*args: str) -> subprocess.CompletedProcess[str]:
