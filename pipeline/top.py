@@ -42,7 +42,7 @@ def snapshot(streams: Streams) -> dict[str, Any]:
         groups = client.xinfo_groups(key) if exists else []
         result["streams"][label] = {
             "length": length,
-            "groups": {
+            "groups": {  # `lag` is None on Redis 6.2 (7.0 added it) and where 7.x cannot tell it
                 _text(g["name"]): {"lag": g.get("lag"), "pending": g["pending"], "consumers": g["consumers"]}
                 for g in groups
             },
@@ -97,7 +97,7 @@ def render(snap: dict[str, Any]) -> RichGroup:
                 label if i == 0 else "",
                 str(info["length"]) if i == 0 else "",
                 group,
-                str(g["lag"]),
+                "-" if g["lag"] is None else str(g["lag"]),  # Redis 6.2 reports no lag
                 str(g["pending"]),
                 str(g["consumers"]),
             )

@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import redis
 
-from pipeline.streams import Entry, Streams, connect
+from pipeline.connections import connect
+from pipeline.streams import Entry, Streams
 from pipeline.wire import TRAINER, PauseMode, Prompt, Rollout, Sampling, WireError
 from staleness.admission import Admission, AdmissionLimits, StaleRollouts, Usage
 from staleness.manager import Manager, SyncReport

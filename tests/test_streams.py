@@ -103,6 +103,35 @@ def test_abandoned_work_is_claimed_but_touched_work_is_not(any_redis: redis.Redi
     assert streams.delivery_count(alive) == 1
 
 
+def test_work_deleted_while_pending_is_acked_not_claimed(any_redis: redis.Redis, ns: str) -> None:
+    """Redis 6.2 keeps a deleted entry in the PEL (7.0 drops it on XAUTOCLAIM): either way it must leave."""
+    streams = Streams(any_redis, ns)
+    streams.ensure_groups()
+    streams.add_prompts([prompt("kept"), prompt("deleted"), prompt("kept-too")])
+    held = streams.read_work("w1", count=10, block_ms=None)
+    any_redis.xdel(streams.keys.prompts, held[1].id)
+    claimed = streams.claim_abandoned("w2", min_idle_ms=0, count=10)
+    assert [Prompt.from_fields(e.fields).id for e in claimed] == ["kept", "kept-too"]
+    pending = any_redis.xpending_range(streams.keys.prompts, GENERATORS, "-", "+", 10)
+    assert [(p["message_id"], p["consumer"]) for p in pending] == [(held[0].id, b"w2"), (held[2].id, b"w2")]
+    assert [p["times_delivered"] for p in pending] == [2, 2], "a claim counts as a delivery (poison detection)"
+    for entry in claimed:
+        streams.publish_rollouts(rollouts_for(Prompt.from_fields(entry.fields)), entry)
+    assert any_redis.xpending(streams.keys.prompts, GENERATORS)["pending"] == 0
+    assert streams.trim_consumed(streams.keys.prompts) == 2, "nothing pending holds back the trim"
+
+
+def test_a_trainer_rereading_deleted_rollouts_acks_them(any_redis: redis.Redis, ns: str) -> None:
+    streams = Streams(any_redis, ns)
+    streams.ensure_groups()
+    ids = [any_redis.xadd(streams.keys.rollouts, {b"i": str(i).encode()}) for i in range(5)]
+    assert len(streams.read_rollouts("t", count=10, block_ms=None)) == 5
+    any_redis.xdel(streams.keys.rollouts, *ids[:3])  # someone trimmed behind the trainer's back
+    again = streams.read_rollouts("t", count=3, block_ms=None, pending=True)  # a first page of deleted ones only
+    assert [e.id for e in again] == ids[3:]
+    assert any_redis.xpending(streams.keys.rollouts, TRAINER)["pending"] == 2
+
+
 def test_trim_never_passes_the_slowest_group(any_redis: redis.Redis, ns: str) -> None:
     streams = Streams(any_redis, ns)
     streams.ensure_groups()

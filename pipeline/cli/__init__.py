@@ -35,7 +35,8 @@ from pipeline.cli.engine_spec import (
     ThreadsOpt,
     TpOpt,
 )
-from pipeline.streams import Streams, connect
+from pipeline.connections import UnsupportedRedisError, connect
+from pipeline.streams import Streams
 from pipeline.wire import WireError
 
 # Models are local directories: never reach for a hub, and keep load/save progress bars out of logs.
@@ -59,7 +60,7 @@ DEFAULT_NS = "rollouts"
 
 
 def fail(message: str) -> NoReturn:
-    console.print(f"[bold red]error:[/] {message}")
+    console.print(f"[bold red]error:[/] {message}", soft_wrap=True)  # one line, however long: greppable
     raise typer.Exit(2)
 
 
@@ -72,7 +73,7 @@ def user_errors(redis_url: str | None = None) -> Iterator[None]:
         fail(f"cannot reach Redis at {redis_url}: {exc}. Is redis-server running there? Pass --redis URL.")
     except redis.ResponseError as exc:
         fail(f"Redis at {redis_url} refused a command: {exc}")
-    except (FileNotFoundError, NotADirectoryError, ValueError, WireError) as exc:
+    except (FileNotFoundError, NotADirectoryError, ValueError, WireError, UnsupportedRedisError) as exc:
         fail(str(exc))
 
 

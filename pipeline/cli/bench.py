@@ -26,7 +26,7 @@ from consumers.engine import Engine, create_engine
 from consumers.tiny_model import build_tiny_model
 from pipeline.cli.engine_spec import EngineSpec
 from pipeline.cli.processes import start_worker, stop_process, wait_for_worker
-from pipeline.local import embedded_redis
+from pipeline.local import RedisServer
 from pipeline.wire import Prompt, Sampling
 from producers.client import RolloutClient
 
@@ -101,7 +101,8 @@ def run_bench(
         times: dict[str, list[float]] = {"direct": [], "pipeline": []}
         tokens: dict[str, list[int]] = {"direct": [], "pipeline": []}
         same_tokens = True
-        with embedded_redis() as (url, served_by):
+        with RedisServer() as server:
+            url, served_by = server.url, server.binary.describe()
             worker = start_worker(url, NS, spec.model, "bench-worker", *spec.worker_args(), log_file=tmp / "worker.log")
             loop = asyncio.new_event_loop()
             try:

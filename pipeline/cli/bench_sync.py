@@ -32,7 +32,7 @@ from rich.progress import Progress
 from consumers.tiny_model import build_tiny_model
 from pipeline.cli.engine_spec import EngineSpec
 from pipeline.cli.processes import start_worker, stop_process, wait_for_worker
-from pipeline.local import embedded_redis, free_port
+from pipeline.local import RedisServer, free_port
 from producers.client import RolloutClient
 from staleness.transports import read_checkpoint
 
@@ -113,7 +113,8 @@ def _measure(
         "broadcast_s": [],
         "gb_per_s": [],
     }
-    with embedded_redis() as (url, _served_by):
+    with RedisServer() as server:
+        url = server.url
         worker = start_worker(url, NS, model, "bench-sync-worker", *spec.worker_args(), log_file=log)
         try:
             client = RolloutClient(url, NS)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import shlex
 import shutil
 import tempfile
 import time
@@ -15,7 +16,7 @@ from rich.table import Table
 
 from consumers.tiny_model import build_tiny_model
 from pipeline.cli.processes import start_worker, stop_process, wait_for_worker
-from pipeline.local import embedded_redis
+from pipeline.local import RedisServer, find_redis_cli
 from producers.client import Group, RolloutClient
 
 NS = "demo"
@@ -23,8 +24,9 @@ NS = "demo"
 
 def run_demo(console: Console, prompts: int, n: int, max_tokens: int, keep: bool) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="rollouts-demo-"))
-    with embedded_redis() as (url, served_by):
-        console.print(f"[bold]Redis[/]: private {served_by} at {url}")
+    with RedisServer() as server:
+        url = server.url
+        console.print(f"[bold]Redis[/]: private {server.binary.describe()} at {url}", soft_wrap=True)
         with console.status("building the tiny model and tokenizer"):
             model = build_tiny_model(tmp / "model", seed=0)
         console.print(f"[bold]model[/]: tiny Qwen2 at {model}")
@@ -43,7 +45,7 @@ def run_demo(console: Console, prompts: int, n: int, max_tokens: int, keep: bool
                 )
             groups = _receive(console, client, prompts)
             elapsed = time.monotonic() - started
-            _summary(console, client, groups, elapsed, url)
+            _summary(console, client, groups, elapsed, server)
             if keep:
                 console.print("[bold]--keep[/]: Redis and the worker stay up; Ctrl-C to stop.")
                 with contextlib.suppress(KeyboardInterrupt):
@@ -66,7 +68,7 @@ def _receive(console: Console, client: RolloutClient, prompts: int) -> list[Grou
     return groups
 
 
-def _summary(console: Console, client: RolloutClient, groups: list[Group], elapsed: float, url: str) -> None:
+def _summary(console: Console, client: RolloutClient, groups: list[Group], elapsed: float, server: RedisServer) -> None:
     rollouts = [r for g in groups for r in g.rollouts]
     tokens = sum(r.n_tokens for r in rollouts)
     table = Table(title="demo summary", show_header=False)
@@ -80,14 +82,14 @@ def _summary(console: Console, client: RolloutClient, groups: list[Group], elaps
     table.add_row("its text", repr(client.tokenizer.decode(first.tokens.tolist()))[:100])
     table.add_row("mean logprob", f"{float(first.logprobs.mean()):.3f}")
     console.print(table)
-    port = url.rsplit(":", 1)[1].split("/")[0]
     keys = client.streams.keys
+    cli = f"{shlex.quote(find_redis_cli())} -p {server.port}"  # the bundled one's full path when none is on PATH
     console.print("[bold]Look inside[/] (while it runs: rollouts demo --keep):")
     for command in (
-        f"redis-cli -p {port} XLEN '{keys.rollouts}'",
-        f"redis-cli -p {port} XRANGE '{keys.rollouts}' - + COUNT 1",
-        f"redis-cli -p {port} XINFO GROUPS '{keys.prompts}'",
-        f"redis-cli -p {port} HGETALL '{keys.worker('demo-worker')}'",
-        f"rollouts top --redis {url} --ns {NS}",
+        f"{cli} XLEN '{keys.rollouts}'",
+        f"{cli} XRANGE '{keys.rollouts}' - + COUNT 1",
+        f"{cli} XINFO GROUPS '{keys.prompts}'",
+        f"{cli} HGETALL '{keys.worker('demo-worker')}'",
+        f"rollouts top --redis {server.url} --ns {NS}",
     ):
-        console.print(f"  {command}")
+        console.print(f"  {command}", markup=False, highlight=False, soft_wrap=True)
