@@ -8,10 +8,12 @@ the asyncio worker calls it from a thread, which keeps one code path for both si
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import redis
 
+from pipeline.lua import register_all
 from pipeline.wire import (
     GENERATORS,
     TRAINER,
@@ -23,6 +25,9 @@ from pipeline.wire import (
     Rollout,
     dead_letter_fields,
 )
+
+SCRIPTS = Path(__file__).with_name("lua")
+"""Where `publish.lua` and `claim.lua` live."""
 
 
 class Entry(NamedTuple):
@@ -50,57 +55,6 @@ def entries_from_reply(reply: Any) -> list[Entry]:
     return entries
 
 
-# KEYS: rollouts stream, source stream, partials stream, then one `published` marker key per rollout.
-# ARGV: group, source entry id, marker ttl, partial count, then for each partial: field count, fields...,
-# then for each rollout: field count, fields...
-# The source entry is acked first: if it was no longer pending (another worker finished it),
-# nothing is written. A rollout id already published (a resubmitted prompt) is skipped.
-_PUBLISH_LUA = """
-if redis.call('XACK', KEYS[2], ARGV[1], ARGV[2]) == 0 then
-  return -1
-end
-local at = 5
-for p = 1, tonumber(ARGV[4]) do
-  local count = tonumber(ARGV[at])
-  redis.call('XADD', KEYS[3], '*', unpack(ARGV, at + 1, at + count))
-  at = at + count + 1
-end
-local published = 0
-for k = 4, #KEYS do
-  local count = tonumber(ARGV[at])
-  if redis.call('SET', KEYS[k], '1', 'NX', 'EX', ARGV[3]) then
-    redis.call('XADD', KEYS[1], '*', unpack(ARGV, at + 1, at + count))
-    published = published + 1
-  end
-  at = at + count + 1
-end
-return published
-"""
-
-
-# KEYS: the streams to claim from. ARGV: group, consumer, min idle ms, count (per stream).
-# Entries idle for at least min idle ms go to the consumer (XCLAIM, which counts a delivery).
-# Entries deleted while pending are acked instead: Redis 6.2 keeps them in the PEL for ever
-# (7.0 drops them), where they would hold back trimming. Same result on both versions, which
-# XAUTOCLAIM does not give (6.2 replies with a nil in their place and keeps them pending).
-# Returns, per stream: {claimed entries, how many deleted entries were acked}.
-_CLAIM_LUA = """
-local result = {}
-for k, stream in ipairs(KEYS) do
-  local pending = redis.call('XPENDING', stream, ARGV[1], 'IDLE', ARGV[3], '-', '+', ARGV[4])
-  local live, gone = {}, {}
-  for _, p in ipairs(pending) do
-    if #redis.call('XRANGE', stream, p[1], p[1]) == 0 then gone[#gone + 1] = p[1] else live[#live + 1] = p[1] end
-  end
-  if #gone > 0 then redis.call('XACK', stream, ARGV[1], unpack(gone)) end
-  local claimed = {}
-  if #live > 0 then claimed = redis.call('XCLAIM', stream, ARGV[1], ARGV[2], ARGV[3], unpack(live)) end
-  result[k] = {claimed, #gone}
-end
-return result
-"""
-
-
 class Streams:
     """The streams of one namespace, over one Redis client."""
 
@@ -108,8 +62,8 @@ class Streams:
         self.redis = client
         self.keys = Keys(ns)
         self.dedupe_ttl_s = dedupe_ttl_s
-        self._publish = client.register_script(_PUBLISH_LUA)
-        self._claim = client.register_script(_CLAIM_LUA)
+        scripts = register_all(client, SCRIPTS)
+        self._publish, self._claim = scripts["publish"], scripts["claim"]
 
     def ensure_groups(self) -> None:
         """Create the consumer groups (and their streams) if missing; safe to call from every process."""
@@ -150,7 +104,7 @@ class Streams:
     def claim_abandoned(self, consumer: str, min_idle_ms: int, count: int) -> list[Entry]:
         """Take over work whose owner stopped touching it (a dead or hung worker), partials first.
 
-        Pending entries that were deleted meanwhile are acked (see `_CLAIM_LUA`).
+        Pending entries that were deleted meanwhile are acked (see `lua/claim.lua`).
         """
         streams = [self.keys.partials, self.keys.prompts]
         reply = self._claim(keys=streams, args=[GENERATORS, consumer, min_idle_ms, count])

@@ -24,73 +24,15 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import redis
 
+from pipeline.lua import register_all
 from pipeline.wire import Fields, Keys
 
-# KEYS: state, prompts, control.
-# ARGV: samples, max_staleness ('' = no limit), batch_size, prompt count, then per prompt: field count, fields...
-# Returns {admitted (0|1), submitted, stale, capacity (-1 = no limit), version, last control id, entry ids...}.
-# `submitted_version` in each prompt becomes the version the prompt was admitted under.
-_ADMIT_LUA = """
-local state = redis.call('HMGET', KEYS[1], 'version', 'submitted', 'stale')
-local version = tonumber(state[1] or '0')
-local submitted = tonumber(state[2] or '0')
-local stale = tonumber(state[3] or '0')
-local samples = tonumber(ARGV[1])
-local capacity = -1
-if ARGV[2] ~= '' then
-  capacity = (tonumber(ARGV[2]) + version + 1) * tonumber(ARGV[3])
-  redis.call('HSET', KEYS[1], 'max_staleness', ARGV[2], 'batch_size', ARGV[3])
-  if submitted - stale + samples > capacity then
-    local last = redis.call('XREVRANGE', KEYS[3], '+', '-', 'COUNT', 1)
-    local last_id = '0-0'
-    if last[1] then last_id = last[1][1] end
-    return {0, submitted, stale, capacity, version, last_id}
-  end
-end
-submitted = redis.call('HINCRBY', KEYS[1], 'submitted', samples)
-local reply = {1, submitted, stale, capacity, version, ''}
-local at = 5
-for p = 1, tonumber(ARGV[4]) do
-  local count = tonumber(ARGV[at])
-  local fields = {}
-  for i = at + 1, at + count, 2 do
-    fields[#fields + 1] = ARGV[i]
-    if ARGV[i] == 'submitted_version' then
-      fields[#fields + 1] = tostring(version)
-    else
-      fields[#fields + 1] = ARGV[i + 1]
-    end
-  end
-  reply[#reply + 1] = redis.call('XADD', KEYS[2], '*', unpack(fields))
-  at = at + count + 1
-end
-return reply
-"""
-
-# KEYS: rollouts, stale, state. ARGV: group, trainer version, then per rollout: entry id, staleness.
-# Each entry is acked first; only one that was still pending is copied and counted, so a second
-# attempt (another consumer, a retry) neither duplicates nor double-counts it. Returns how many were parked.
-_PARK_LUA = """
-local parked = 0
-for i = 3, #ARGV, 2 do
-  if redis.call('XACK', KEYS[1], ARGV[1], ARGV[i]) == 1 then
-    local fields = {}
-    local found = redis.call('XRANGE', KEYS[1], ARGV[i], ARGV[i])
-    if found[1] then fields = found[1][2] end
-    fields[#fields + 1] = 'staleness'
-    fields[#fields + 1] = ARGV[i + 1]
-    fields[#fields + 1] = 'trainer_version'
-    fields[#fields + 1] = ARGV[2]
-    redis.call('XADD', KEYS[2], '*', unpack(fields))
-    parked = parked + 1
-  end
-end
-if parked > 0 then redis.call('HINCRBY', KEYS[3], 'stale', parked) end
-return parked
-"""
+SCRIPTS = Path(__file__).with_name("lua")
+"""Where `admit.lua` and `park.lua` live."""
 
 
 class SubmissionTooLarge(ValueError):
@@ -158,7 +100,7 @@ class Admission:
         self.limits = limits
         self.min_wait_s = min_wait_s
         self.max_wait_s = max_wait_s
-        self._admit = client.register_script(_ADMIT_LUA)
+        self._admit = register_all(client, SCRIPTS)["admit"]
 
     def publish_limits(self) -> None:
         """Write the limits into `{ns}:state`, so that `rollouts top` shows the capacity before the first submit."""
@@ -251,7 +193,7 @@ class StaleRollouts:
         self.redis = client
         self.keys = keys
         self.group = group
-        self._park = client.register_script(_PARK_LUA)
+        self._park = register_all(client, SCRIPTS)["park"]
 
     def trainer_version(self) -> int:
         """The policy version the trainer is at: `{ns}:state` `version` (0 before the first publish)."""

@@ -17,37 +17,15 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from pipeline.lua import register_all
 from pipeline.streams import Streams
 from pipeline.wire import Control, PauseMode
 from staleness.state import PolicyState, read_state, weights_command
 
-# KEYS: state, control. ARGV: expected current version, new version, then the `weights` command's fields
-# (name, value, ...) with the epoch left to this script to fill in.
-_BEGIN_LUA = """
-local state = redis.call('HMGET', KEYS[1], 'version', 'paused', 'epoch')
-local version = tonumber(state[1] or '0')
-if state[2] == '1' then return redis.error_reply('a weight sync is already under way') end
-if version ~= tonumber(ARGV[1]) then
-  return redis.error_reply('version conflict: the state is at version ' .. version .. ', not ' .. ARGV[1])
-end
-local epoch = tonumber(state[3] or '0') + 1
-redis.call('HSET', KEYS[1], 'paused', '1', 'epoch', epoch, 'pending_version', ARGV[2], 'version', version)
-local command = {}
-for i = 3, #ARGV, 2 do
-  command[#command + 1] = ARGV[i]
-  command[#command + 1] = (ARGV[i] == 'epoch') and tostring(epoch) or ARGV[i + 1]
-end
-redis.call('XADD', KEYS[2], '*', unpack(command))
-return epoch
-"""
-
-# KEYS: state, control. ARGV: version, uri, then the `resume` command's fields (name, value, ...).
-_FINISH_LUA = """
-redis.call('HSET', KEYS[1], 'version', ARGV[1], 'weights_uri', ARGV[2], 'paused', '0', 'pending_version', '')
-redis.call('XADD', KEYS[2], '*', unpack(ARGV, 3))
-return 1
-"""
+SCRIPTS = Path(__file__).with_name("lua")
+"""Where `begin_sync.lua` and `finish_sync.lua` live."""
 
 
 class SyncError(RuntimeError):
@@ -73,8 +51,8 @@ class Manager:
         self.streams = streams
         self.ack_timeout_s = ack_timeout_s
         self.poll_s = poll_s
-        self._begin = streams.redis.register_script(_BEGIN_LUA)
-        self._finish = streams.redis.register_script(_FINISH_LUA)
+        scripts = register_all(streams.redis, SCRIPTS)
+        self._begin, self._finish = scripts["begin_sync"], scripts["finish_sync"]
         self._keys = [streams.keys.state, streams.keys.control]
 
     def state(self) -> PolicyState:

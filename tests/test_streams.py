@@ -10,9 +10,11 @@ import pytest
 import redis
 
 from pipeline.local import RedisServer
-from pipeline.streams import Entry, Streams, entries_from_reply
+from pipeline.lua import register_all, sources
+from pipeline.streams import SCRIPTS, Entry, Streams, entries_from_reply
 from pipeline.wire import GENERATORS, TRAINER, Prompt, Rollout
-from tests.conftest import wait_until
+from staleness.admission import SCRIPTS as staleness_scripts
+from tests.conftest import REDIS_VERSIONS, wait_until
 
 
 def prompt(pid: str, n: int = 2) -> Prompt:
@@ -168,3 +170,17 @@ def test_blocking_read_wakes_on_new_work(real_redis: redis.Redis, ns: str) -> No
     timer.join()
     assert [Prompt.from_fields(e.fields).id for e in entries] == ["late"]
     assert time.monotonic() - started < 4
+
+
+@pytest.mark.parametrize("redis_server", REDIS_VERSIONS, indirect=True)
+def test_every_lua_script_names_its_keys_and_compiles_on_both_versions(redis_server: RedisServer) -> None:
+    client = redis.Redis.from_url(redis_server.url)
+    folders = [SCRIPTS, staleness_scripts]
+    names = {name for folder in folders for name in sources(folder)}
+    assert names == {"publish", "claim", "admit", "park", "begin_sync", "finish_sync"}
+    for folder in folders:
+        for name, source in sources(folder).items():
+            header = [line for line in source.splitlines() if line.startswith("--")]
+            assert any("KEYS" in line for line in header) and any("ARGV" in line for line in header), name
+            assert client.script_load(source) == register_all(client, folder)[name].sha, name  # compiles
+    client.close()

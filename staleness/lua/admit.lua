@@ -1,0 +1,38 @@
+-- KEYS: state, prompts, control.
+-- ARGV: samples, max_staleness ('' = no limit), batch_size, prompt count, then per prompt: field count, fields...
+-- Returns {admitted (0|1), submitted, stale, capacity (-1 = no limit), version, last control id, entry ids...}.
+-- `submitted_version` in each prompt becomes the version the prompt was admitted under.
+local state = redis.call('HMGET', KEYS[1], 'version', 'submitted', 'stale')
+local version = tonumber(state[1] or '0')
+local submitted = tonumber(state[2] or '0')
+local stale = tonumber(state[3] or '0')
+local samples = tonumber(ARGV[1])
+local capacity = -1
+if ARGV[2] ~= '' then
+  capacity = (tonumber(ARGV[2]) + version + 1) * tonumber(ARGV[3])
+  redis.call('HSET', KEYS[1], 'max_staleness', ARGV[2], 'batch_size', ARGV[3])
+  if submitted - stale + samples > capacity then
+    local last = redis.call('XREVRANGE', KEYS[3], '+', '-', 'COUNT', 1)
+    local last_id = '0-0'
+    if last[1] then last_id = last[1][1] end
+    return {0, submitted, stale, capacity, version, last_id}
+  end
+end
+submitted = redis.call('HINCRBY', KEYS[1], 'submitted', samples)
+local reply = {1, submitted, stale, capacity, version, ''}
+local at = 5
+for p = 1, tonumber(ARGV[4]) do
+  local count = tonumber(ARGV[at])
+  local fields = {}
+  for i = at + 1, at + count, 2 do
+    fields[#fields + 1] = ARGV[i]
+    if ARGV[i] == 'submitted_version' then
+      fields[#fields + 1] = tostring(version)
+    else
+      fields[#fields + 1] = ARGV[i + 1]
+    end
+  end
+  reply[#reply + 1] = redis.call('XADD', KEYS[2], '*', unpack(fields))
+  at = at + count + 1
+end
+return reply
