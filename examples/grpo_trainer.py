@@ -1,0 +1,271 @@
+"""A reference fully-async GRPO trainer on Rollout Streams: copy it and adapt it.
+
+It uses the public API only: `RolloutClient` (submit with admission control, `batches` with the
+staleness bound, `publish_weights`), the helpers of `producers.rl` (group advantages, the trainer's
+logprobs, the PPO-clipped loss, KL), a task from `producers.tasks`, and the real CLI for the
+generation side (`rollouts worker`, `rollouts manager`, started here as processes: point `--redis`
+at a namespace whose workers you run yourself and pass `--workers 0`).
+
+    python examples/grpo_trainer.py --steps 60 --mode async --max-staleness 2 --plot curve.png
+    python examples/grpo_trainer.py --steps 60 --mode sync
+
+Modes. `sync`: submit a step's prompts, wait for all of them, train, publish; every sample is of
+the current policy. `async`: a producer thread keeps submitting (admission holds it to
+(η + v + 1) x B samples in use at version v), the trainer takes whole groups no more than η versions
+old, trains, publishes; generation never waits for training.
+
+Every step prints one JSON line (`StepLog`), and the run ends with a `summary` line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import random
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM
+
+from pipeline.wire import Keys
+from producers.client import Batch, RolloutClient
+from producers.rl import group_advantages, policy_loss, token_logprobs
+from producers.tasks import TokenSetTask, token_set_reward
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 60
+    mode: str = "async"
+    """`sync` or `async`."""
+    max_staleness: int = 2
+    """η, for `async` (sync runs at 0)."""
+    groups_per_step: int = 16
+    n: int = 4
+    """Samples per prompt (the GRPO group)."""
+    max_tokens: int = 16
+    temperature: float = 1.0
+    lr: float = 1e-3
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    pause_mode: str = "abort"
+    transport: str = "redis://"
+    seed: int = 0
+
+    @property
+    def batch_size(self) -> int:
+        return self.groups_per_step * self.n
+
+
+@dataclass
+class StepLog:
+    step: int
+    version: int
+    """The policy version published at the end of this step."""
+    reward: float
+    kl: float
+    """KL(behaviour || current) over the batch, before the update."""
+    clip_fraction: float
+    staleness_mean: float
+    """Trainer version - rollout version (that of its first token), over the batch's samples."""
+    staleness_max: int
+    multi_version: int
+    """Samples whose tokens came from more than one policy version (a weight sync mid-sample)."""
+    wait_s: float
+    """The trainer waiting for its batch (idle)."""
+    train_s: float
+    sync_stall_s: float
+    """How long the workers stood still in this step's weight sync."""
+    publish_s: float
+    """`publish_weights` as the trainer waited for it (tensors into the transport + the sync)."""
+    samples: int
+    tokens: int
+    elapsed_s: float
+    ids: list[str] = field(default_factory=list, repr=False)
+
+
+def rollouts_cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "pipeline.cli", *args]
+
+
+@contextlib.contextmanager
+def generation_side(url: str, ns: str, model: Path, engine: str, workers: int, log_dir: Path) -> Iterator[None]:
+    """`rollouts manager` and `workers` x `rollouts worker`, as a user starts them; stopped at the end."""
+    processes = [subprocess.Popen(rollouts_cli("manager", "--redis", url, "--ns", ns), stderr=subprocess.DEVNULL)]
+    names = [f"rl-worker-{i}" for i in range(workers)]
+    for name in names:
+        args = ["worker", "--redis", url, "--ns", ns, "--engine", engine, "--model", str(model), "--name", name]
+        args += ["--num-threads", "1", "--log-level", "warning"] if engine == "torch" else ["--log-level", "warning"]
+        log = open(log_dir / f"{name}.log", "wb")  # noqa: SIM115 - the worker process owns it
+        processes.append(subprocess.Popen(rollouts_cli(*args), stdout=log, stderr=subprocess.STDOUT))
+    try:
+        client = RolloutClient(url, ns)
+        deadline = time.monotonic() + 300
+        for name, process in zip(names, processes[1:], strict=True):
+            while client.streams.redis.hget(Keys(ns).worker(name), "status") != b"serving":
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"{name} did not start; its log: {log_dir / f'{name}.log'}")
+                time.sleep(0.1)
+        yield
+    finally:
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            try:
+                process.wait(timeout=45)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
+def produce(client: RolloutClient, task: TokenSetTask, config: TrainConfig, stop: threading.Event) -> None:
+    """Async mode: submit prompts for ever; admission holds this thread back when (η + v + 1) x B are in use."""
+    rng = random.Random(config.seed)
+    index = 0
+    while not stop.is_set():
+        tokens, meta = task.prompt(rng)
+        try:
+            client.submit(
+                tokens=tokens, n=config.n, max_tokens=config.max_tokens, temperature=config.temperature,
+                seed=config.seed * 1_000_000 + index, meta=meta, id=f"s{config.seed}-p{index}", timeout=5,
+            )  # fmt: skip
+            index += 1
+        except TimeoutError:
+            continue  # full: the trainer has not published yet; look at `stop` and try again
+
+
+def batches_of(client: RolloutClient, task: TokenSetTask, config: TrainConfig) -> Iterator[Batch]:
+    """The batches the trainer steps on, in either mode."""
+    if config.mode == "async":
+        yield from client.batches(groups_per_batch=config.groups_per_step, max_staleness=config.max_staleness)
+        return
+    rng = random.Random(config.seed)
+    for step in range(config.steps):
+        for g in range(config.groups_per_step):
+            tokens, meta = task.prompt(rng)
+            index = step * config.groups_per_step + g
+            client.submit(
+                tokens=tokens, n=config.n, max_tokens=config.max_tokens, temperature=config.temperature,
+                seed=config.seed * 1_000_000 + index, meta=meta, id=f"s{config.seed}-p{index}",
+            )  # fmt: skip
+        yield Batch(client.collect(config.groups_per_step, timeout=300, max_staleness=0), trainer_version=step)
+
+
+def train(config: TrainConfig, url: str, ns: str, model: Path) -> Iterator[StepLog]:
+    """The loop: a batch of whole groups → rewards → advantages → one clipped policy step → publish."""
+    torch.manual_seed(config.seed)
+    policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    policy.train()
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=config.lr)
+    task = TokenSetTask()
+    limits = {"max_staleness": config.max_staleness, "batch_size": config.batch_size} if config.mode == "async" else {}
+    client = RolloutClient(url, ns, **limits)  # type: ignore[arg-type]
+    stop = threading.Event()
+    if config.mode == "async":
+        threading.Thread(target=produce, args=(client, task, config, stop), daemon=True).start()
+    started = time.monotonic()
+    waited_from = time.monotonic()
+    try:
+        for step, batch in enumerate(batches_of(client, task, config)):
+            wait_s = time.monotonic() - waited_from
+            t0 = time.monotonic()
+            rollouts = batch.rollouts
+            rewards = [[token_set_reward(r) for r in g.rollouts] for g in batch.groups]
+            arrays = {k: torch.from_numpy(v) for k, v in batch.to_arrays().items()}
+            current = token_logprobs(policy, arrays["input_ids"], arrays["attention_mask"])
+            out = policy_loss(
+                current, arrays["logprobs"], group_advantages(rewards), arrays["loss_mask"],
+                clip_low=config.clip_low, clip_high=config.clip_high,
+            )  # fmt: skip
+            optimizer.zero_grad()
+            out.loss.backward()
+            torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+            optimizer.step()
+            t1 = time.monotonic()
+            version = client.publish_weights(policy, transport=config.transport, mode=config.pause_mode)  # type: ignore[arg-type]
+            t2 = time.monotonic()
+            trainer_version = batch.trainer_version if batch.trainer_version is not None else version - 1
+            staleness = [trainer_version - r.version for r in rollouts]
+            yield StepLog(
+                step=step, version=version, reward=float(np.mean([x for g in rewards for x in g])),
+                kl=out.kl, clip_fraction=out.clip_fraction, staleness_mean=float(np.mean(staleness)),
+                staleness_max=int(max(staleness)), multi_version=sum(len(r.spans) > 1 for r in rollouts),
+                wait_s=wait_s, train_s=t1 - t0, sync_stall_s=client.last_sync.stall_s if client.last_sync else 0.0,
+                publish_s=t2 - t1, samples=len(rollouts), tokens=sum(r.n_tokens for r in rollouts),
+                elapsed_s=t2 - started, ids=[r.id for r in rollouts],
+            )  # fmt: skip
+            waited_from = time.monotonic()
+            if step + 1 >= config.steps:
+                break
+    finally:
+        stop.set()
+
+
+def plot(logs: list[StepLog], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
+    left.plot([s.step for s in logs], [s.reward for s in logs], marker=".")
+    left.set(xlabel="step", ylabel="mean reward", title=title, ylim=(0, 1.02))
+    right.plot([s.elapsed_s for s in logs], [s.reward for s in logs], marker=".")
+    right.set(xlabel="seconds", ylabel="mean reward", title="against wall time", ylim=(0, 1.02))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    defaults = TrainConfig()
+    choices = {"mode": ["sync", "async"], "pause_mode": ["abort", "keep"]}
+    for name, value in asdict(defaults).items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value, choices=choices.get(name))
+    parser.add_argument("--redis", help="Redis URL (default: a private redis-server, started here).")
+    parser.add_argument("--ns", default="grpo")
+    parser.add_argument("--model", type=Path, help="Model directory (default: a fresh tiny model).")
+    parser.add_argument("--engine", default="torch", choices=["torch", "vllm"])
+    parser.add_argument("--workers", type=int, default=1, help="Workers to start here (0: yours are running).")
+    parser.add_argument("--plot", type=Path, help="Write the learning curve to this PNG.")
+    args = parser.parse_args(argv)
+    config = TrainConfig(**{name: getattr(args, name) for name in asdict(defaults)})
+    torch.set_num_threads(1)  # the trainer on one core, the worker on the other
+    with contextlib.ExitStack() as stack:
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="grpo-")))
+        url = args.redis
+        if url is None:
+            from pipeline.local import RedisServer
+
+            url = stack.enter_context(RedisServer()).url
+        model = args.model
+        if model is None:
+            model = tmp / "model"
+            subprocess.run(rollouts_cli("tiny-model", str(model)), check=True, capture_output=True)
+        if args.workers:
+            stack.enter_context(generation_side(url, args.ns, model, args.engine, args.workers, tmp))
+        logs, seen = [], set()
+        for log in train(config, url, args.ns, model):
+            logs.append(log)
+            seen.update(log.ids)
+            print(json.dumps({k: v for k, v in asdict(log).items() if k != "ids"}), flush=True)
+        trained = sum(log.samples for log in logs)
+        summary = {"summary": True, "mode": config.mode, "steps": len(logs), "samples": trained, "unique": len(seen)}
+        summary |= {"first_reward": logs[0].reward, "final_reward": float(np.mean([s.reward for s in logs[-5:]]))}
+        summary |= {"elapsed_s": logs[-1].elapsed_s, "max_staleness": max(s.staleness_max for s in logs)}
+        print(json.dumps(summary), flush=True)
+        if args.plot:
+            plot(logs, args.plot, f"GRPO on the token-set task ({config.mode})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""What every GRPO-style trainer on this pipeline needs, as library code: advantages, the policy loss, KL.
+
+All of it works on the tensors of `Batch.to_arrays()` (`torch.from_numpy` each): `[batch, seq]`,
+right-padded, with `loss_mask` marking the completion tokens, and `logprobs` (the behaviour policy's,
+published by the engine) aligned with `input_ids`: the logprob at position `t` is that of token `t`
+given the tokens before it. `token_logprobs` computes the trainer's own in the same alignment.
+
+Choices:
+- **Advantages** are group-normalized (GRPO): `(r - mean(group)) / (std(group) + eps)`; a group whose
+  rewards are all equal carries no signal and gets 0 (`scale="none"` keeps `r - mean` instead).
+- **Importance ratio** per token: the trainer's current logprob over the published behaviour logprob.
+  A sample generated across a weight sync carries tokens of several versions (its `spans`); each token's
+  behaviour logprob is of the version that produced it, so the ratio is right token by token.
+- **PPO clipping** on that ratio (`clip_low`, `clip_high`: DAPO's asymmetric clip when they differ). With
+  staleness > 0 an unclipped importance-weighted loss can diverge (tinker-cookbook #822); the clip keeps
+  each step inside a trust region around the policy that generated the data.
+- **Decoupled PPO with TIS** (AReaL; Yao et al. 2025 for engine/trainer mismatch), when `proximal` is
+  given: the trainer's own logprobs of the batch at the start of the step (no gradient). The clip is then
+  on `current / proximal`, and each token is weighted by `min(proximal / behaviour, tis_cap)`, detached:
+  the truncated importance weight corrects for the data being off-policy (or computed by another
+  engine) without letting one token's weight explode.
+- **KL(behaviour ‖ current)**, the k3 estimator `r - 1 - log r` with `r = current / behaviour`, over
+  samples drawn from the behaviour policy: unbiased and never negative. It tells how far the trainer has
+  moved from what generated its data: a trainer that diverges shows it here first.
+- Losses are means over completion tokens of the whole batch (token-level, as DAPO), so long samples
+  are not down-weighted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+
+def group_advantages(
+    rewards: Sequence[Sequence[float]] | torch.Tensor, scale: Literal["std", "none"] = "std", eps: float = 1e-6
+) -> torch.Tensor:
+    """One advantage per sample, flattened in group order (the row order of `Batch.to_arrays()`).
+
+    `rewards[g][k]` is the reward of sample `k` of group `g`; groups may differ in size.
+    """
+    groups = [torch.as_tensor(group, dtype=torch.float32) for group in rewards]
+    out = []
+    for group in groups:
+        centered = group - group.mean()
+        if scale == "std" and len(group) > 1:
+            std = group.std(unbiased=False)
+            centered = torch.zeros_like(group) if std < eps else centered / (std + eps)
+        out.append(centered)
+    return torch.cat(out) if out else torch.zeros(0)
+
+
+def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The model's logprob of each token given those before it, `[batch, seq]`; 0 at position 0.
+
+    Computed in float32 from the logits (as the engines report logprobs of the raw distribution,
+    before temperature and top-p), so that it compares with `to_arrays()["logprobs"]` directly.
+    """
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+    logprobs = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    taken = logprobs.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    return torch.nn.functional.pad(taken, (1, 0))
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean over the tokens where `mask` is set (0 when none is)."""
+    mask = mask.to(values.dtype)
+    return (values * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def kl_behaviour_current(current: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """KL(behaviour ‖ current) per token, k3 estimator, averaged over `mask`."""
+    log_ratio = (current - behaviour).float()
+    return masked_mean(torch.expm1(log_ratio) - log_ratio, mask)
+
+
+@dataclass
+class PolicyLoss:
+    loss: torch.Tensor
+    """Scalar to call `.backward()` on."""
+    clip_fraction: float
+    """Share of completion tokens whose ratio was clipped (and so gave no gradient)."""
+    ratio_mean: float
+    kl: float
+    """KL(behaviour ‖ current) before the step (see `kl_behaviour_current`)."""
+    tis_mean: float
+    """Mean truncated importance weight (1.0 without `proximal`)."""
+
+
+def policy_loss(
+    current: torch.Tensor,
+    behaviour: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float | None = None,
+    proximal: torch.Tensor | None = None,
+    tis_cap: float = 2.0,
+) -> PolicyLoss:
+    """The PPO-clipped policy loss over completion tokens; see the module docstring for the choices.
+
+    `current`: the trainer's logprobs with gradient (`token_logprobs`); `behaviour`: the published ones;
+    `advantages`: one a sample (`group_advantages`), `[batch]`; `mask`: `loss_mask`.
+    """
+    mask = mask.bool()
+    anchor = behaviour if proximal is None else proximal.detach()
+    ratio = torch.exp(current - anchor)
+    per_sample = advantages[:, None].to(current.dtype)
+    high = clip_low if clip_high is None else clip_high
+    clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + high)
+    surrogate = torch.minimum(ratio * per_sample, clipped * per_sample)
+    weights = torch.ones_like(current)
+    if proximal is not None:
+        weights = torch.exp(proximal.detach() - behaviour).clamp(max=tis_cap)
+    loss = -masked_mean(surrogate * weights, mask)
+    with torch.no_grad():
+        was_clipped = (ratio * per_sample) > (clipped * per_sample)
+        return PolicyLoss(
+            loss=loss,
+            clip_fraction=float(masked_mean(was_clipped.float(), mask)),
+            ratio_mean=float(masked_mean(ratio, mask)),
+            kl=float(kl_behaviour_current(current.detach(), behaviour, mask)),
+            tis_mean=float(masked_mean(weights, mask)),
+        )
+
+
+def staleness_stats(token_versions: torch.Tensor, mask: torch.Tensor, trainer_version: int) -> dict[str, float]:
+    """Staleness (trainer version - the version that produced a token) over the completion tokens."""
+    stale = (trainer_version - token_versions)[mask.bool()]
+    if stale.numel() == 0:
+        return {"staleness_mean": 0.0, "staleness_max": 0.0}
+    return {"staleness_mean": float(stale.float().mean()), "staleness_max": float(stale.max())}
