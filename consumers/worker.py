@@ -74,6 +74,27 @@ class WorkerSettings:
     """On stop, how long to let in-flight work finish; the rest stays pending for other workers."""
 
 
+class BusyClock:
+    """Seconds the worker spent generating: samples in flight and not paused for a weight sync.
+
+    Its heartbeat reports the total (`busy_s`), so that a benchmark or a person can tell how much of
+    the time the generator stood idle (nothing to do, or paused) without sampling it.
+    """
+
+    def __init__(self) -> None:
+        self._total = 0.0
+        self._since: float | None = None
+
+    def update(self, busy: bool) -> None:
+        now = time.monotonic()
+        if self._since is not None:
+            self._total += now - self._since
+        self._since = now if busy else None
+
+    def seconds(self) -> float:
+        return self._total + (time.monotonic() - self._since if self._since is not None else 0.0)
+
+
 class Worker:
     def __init__(
         self, streams: Streams, engine: Engine, name: str | None = None, settings: WorkerSettings | None = None
@@ -100,6 +121,11 @@ class Worker:
         self._tasks: set[asyncio.Task] = set()
         self._started = time.time()
         self._tokens_per_s = 0.0
+        self._busy = BusyClock()
+
+    def _account(self) -> None:
+        """Called after every change of in-flight work or of the pause state (see `BusyClock`)."""
+        self._busy.update(self._inflight_samples > 0 and self._serving.is_set())
 
     def stop(self, drain: bool = True) -> None:
         """Ask the worker to stop taking work (and let in-flight work finish if `drain`).
@@ -111,6 +137,7 @@ class Worker:
         self._stopping.set()
         self._room.set()
         self._serving.set()  # wake a paused read loop so that it sees the stop
+        self._account()
 
     async def run(self) -> None:
         await asyncio.to_thread(self.streams.ensure_groups)
@@ -184,6 +211,7 @@ class Worker:
         self._mean_n = 0.9 * self._mean_n + 0.1 * len(samples)
         self._inflight[entry.stream, entry.id] = entry
         self._inflight_samples += len(samples)
+        self._account()
         try:
             results = await asyncio.gather(*(self._generate_sample(prompt, k, entry, done) for k, done in samples))
             rollouts = [r for r in results if isinstance(r, Rollout)]
@@ -203,6 +231,7 @@ class Worker:
         finally:
             del self._inflight[entry.stream, entry.id]
             self._inflight_samples -= len(samples)
+            self._account()
             self._room.set()
 
     async def _generate_sample(
@@ -277,6 +306,7 @@ class Worker:
         self._epoch = state.epoch
         self.status = "serving"
         self._serving.set()
+        self._account()
         return control_from
 
     def _await_next_sync(self, version: int) -> None:
@@ -314,6 +344,7 @@ class Worker:
             await self.engine.resume()
             self.status = "serving"
             self._serving.set()
+            self._account()
             await self._beat()
         elif command.cmd == "stop" and command.worker in ("", self.name):
             if command.worker:
@@ -327,6 +358,7 @@ class Worker:
         must not serve the old one as the new, and its work goes to the others.
         """
         self._serving.clear()
+        self._account()
         self.status = "paused"
         started = time.monotonic()
         await self.engine.pause(command.mode)
@@ -380,6 +412,8 @@ class Worker:
             "inflight": self._inflight_samples,
             "published": self.published,
             "tokens_per_s": round(self._tokens_per_s, 1),
+            "generated_tokens": self.generated_tokens,
+            "busy_s": round(self._busy.seconds(), 3),
             "started": round(self._started, 3),
             "ts": round(time.time(), 3),
         }

@@ -53,6 +53,9 @@ class TrainConfig:
     n: int = 4
     """Samples per prompt (the GRPO group)."""
     max_tokens: int = 16
+    length_alpha: float = 0.0
+    """0: every prompt asks for `max_tokens`. > 0: `max_tokens` times a Pareto(alpha) draw, at most 16x as
+    many: heavy-tailed response lengths, as reasoning traces have (the tiny model seldom stops early)."""
     temperature: float = 1.0
     lr: float = 1e-3
     clip_low: float = 0.2
@@ -104,6 +107,7 @@ def generation_side(url: str, ns: str, model: Path, engine: str, workers: int, l
     names = [f"rl-worker-{i}" for i in range(workers)]
     for name in names:
         args = ["worker", "--redis", url, "--ns", ns, "--engine", engine, "--model", str(model), "--name", name]
+        args += ["--heartbeat-s", "0.2"]  # fresher counters (busy_s, generated_tokens) for bench_rl
         args += ["--num-threads", "1", "--log-level", "warning"] if engine == "torch" else ["--log-level", "warning"]
         log = open(log_dir / f"{name}.log", "wb")  # noqa: SIM115 - the worker process owns it
         processes.append(subprocess.Popen(rollouts_cli(*args), stdout=log, stderr=subprocess.STDOUT))
@@ -113,7 +117,8 @@ def generation_side(url: str, ns: str, model: Path, engine: str, workers: int, l
         for name, process in zip(names, processes[1:], strict=True):
             while client.streams.redis.hget(Keys(ns).worker(name), "status") != b"serving":
                 if process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"{name} did not start; its log: {log_dir / f'{name}.log'}")
+                    tail = (log_dir / f"{name}.log").read_text(errors="replace")[-2000:]
+                    raise RuntimeError(f"{name} did not start; the end of its log:\n{tail}")
                 time.sleep(0.1)
         yield
     finally:
@@ -126,20 +131,30 @@ def generation_side(url: str, ns: str, model: Path, engine: str, workers: int, l
                 process.kill()
 
 
+def submit_next(client: RolloutClient, task: TokenSetTask, config: TrainConfig, rng: random.Random, index: int,
+                timeout: float | None = None) -> None:  # fmt: skip
+    """Make prompt `index` of the run (the same sequence in both modes, for one seed) and submit it."""
+    tokens, meta = task.prompt(rng)
+    max_tokens = config.max_tokens
+    if config.length_alpha > 0:
+        max_tokens = min(16 * config.max_tokens, round(config.max_tokens * rng.paretovariate(config.length_alpha)))
+    client.submit(
+        tokens=tokens, n=config.n, max_tokens=max_tokens, temperature=config.temperature,
+        seed=config.seed * 1_000_000 + index, meta=meta, id=f"s{config.seed}-p{index}", timeout=timeout,
+    )  # fmt: skip
+
+
 def produce(client: RolloutClient, task: TokenSetTask, config: TrainConfig, stop: threading.Event) -> None:
     """Async mode: submit prompts for ever; admission holds this thread back when (η + v + 1) x B are in use."""
     rng = random.Random(config.seed)
     index = 0
     while not stop.is_set():
-        tokens, meta = task.prompt(rng)
+        state = rng.getstate()
         try:
-            client.submit(
-                tokens=tokens, n=config.n, max_tokens=config.max_tokens, temperature=config.temperature,
-                seed=config.seed * 1_000_000 + index, meta=meta, id=f"s{config.seed}-p{index}", timeout=5,
-            )  # fmt: skip
+            submit_next(client, task, config, rng, index, timeout=5)
             index += 1
         except TimeoutError:
-            continue  # full: the trainer has not published yet; look at `stop` and try again
+            rng.setstate(state)  # full: the trainer has not published yet; look at `stop`, then the same prompt again
 
 
 def batches_of(client: RolloutClient, task: TokenSetTask, config: TrainConfig) -> Iterator[Batch]:
@@ -150,12 +165,7 @@ def batches_of(client: RolloutClient, task: TokenSetTask, config: TrainConfig) -
     rng = random.Random(config.seed)
     for step in range(config.steps):
         for g in range(config.groups_per_step):
-            tokens, meta = task.prompt(rng)
-            index = step * config.groups_per_step + g
-            client.submit(
-                tokens=tokens, n=config.n, max_tokens=config.max_tokens, temperature=config.temperature,
-                seed=config.seed * 1_000_000 + index, meta=meta, id=f"s{config.seed}-p{index}",
-            )  # fmt: skip
+            submit_next(client, task, config, rng, step * config.groups_per_step + g)
         yield Batch(client.collect(config.groups_per_step, timeout=300, max_staleness=0), trainer_version=step)
 
 

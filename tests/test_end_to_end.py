@@ -6,6 +6,7 @@ import os
 import re
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import numpy as np
@@ -209,3 +210,26 @@ def test_a_worker_whose_engine_dies_exits_and_its_work_finishes_elsewhere(
     assert sorted(g.prompt_id for g in groups) == sorted(ids)
     assert client.stats["duplicates"] == 0
     assert any(r.worker == "rescuer" for g in groups for r in g.rollouts)
+
+
+def test_the_heartbeat_counts_generated_tokens_and_busy_time(
+    redis_server: RedisServer, ns: str, workers: StartWorker
+) -> None:
+    started = time.monotonic()
+    workers("w1")
+    client = RolloutClient(redis_server.url, ns)
+    key = client.streams.keys.worker("w1")
+    for i in range(8):
+        client.submit(tokens=[5 + i, 6, 7], n=2, max_tokens=40, seed=i)
+    rollouts = [r for g in client.collect(8, timeout=60) for r in g.rollouts]
+
+    def beat() -> dict[str, float]:
+        fields = client.streams.redis.hgetall(key)
+        return {k.decode(): float(fields[k]) for k in (b"generated_tokens", b"busy_s", b"inflight")}
+
+    wait_until(lambda: beat()["generated_tokens"] == sum(r.n_tokens for r in rollouts), 10, "the counted tokens")
+    wait_until(lambda: beat()["inflight"] == 0, 10, "an idle worker")
+    idle = beat()["busy_s"]
+    assert 0 < idle < time.monotonic() - started
+    time.sleep(1.0)  # an idle second: nothing in flight, so no busy time may be added
+    assert beat()["busy_s"] == pytest.approx(idle, abs=0.01)

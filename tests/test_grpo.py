@@ -18,6 +18,7 @@ import pytest
 from pipeline.local import RedisServer
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "grpo_trainer.py"
+BENCH = EXAMPLE.with_name("bench_rl.py")
 
 
 def run_trainer(redis_server: RedisServer, ns: str, *args: str, timeout: float = 600) -> list[dict[str, Any]]:
@@ -69,3 +70,22 @@ def test_bad_arguments_say_what_to_fix(bad: list[str]) -> None:
     result = subprocess.run([sys.executable, str(EXAMPLE), *bad], capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "error:" in result.stderr
+
+
+def test_bench_rl_accounts_for_every_generated_token(tmp_path: Path) -> None:
+    """A short `bench_rl` run: sync and async side by side, every token trained, left over or thrown away."""
+    args = ["--steps", "4", "--etas", "1", "--groups-per-step", "4", "--plot", str(tmp_path / "bench.png")]
+    result = subprocess.run([sys.executable, str(BENCH), *args], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    sync, async_1 = report["results"]
+    assert (sync["mode"], async_1["mode"]) == ("sync", "async η=1")
+    for row in (sync, async_1):
+        tokens = row["tokens"]
+        assert tokens["generated"] == tokens["trained"] + tokens["left_over"] + tokens["thrown_away"], row
+        assert row["steps"] == 4 and 0 <= row["trainer_idle"] <= 1 and 0 <= row["generator_idle"] <= 1
+    assert sync["speedup"] == 1.0 and sync["staleness_max"] == 0 and sync["tokens"]["trained_share"] == 1.0
+    assert sync["tokens"]["left_over"] == sync["tokens"]["thrown_away"] == 0
+    assert async_1["staleness_max"] <= 1
+    assert report["bound"]["ideal_overlap_bound"] > 0 and report["bound"]["full_batch_tokens_per_s"] > 0
+    assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
