@@ -113,7 +113,7 @@ def run_mode(url: str, config: TrainConfig, model: Path, logs_dir: Path) -> dict
     ns = f"bench-{config.mode}-{config.max_staleness}"
     with generation_side(url, ns, model, "torch", 1, logs_dir):
         watcher = RolloutClient(url, ns)
-        before = heartbeat(watcher, ns)
+        before = heartbeat(watcher, ns, newer_than=time.time())
         started = time.monotonic()
         logs: list[StepLog] = list(train(config, url, ns, model))
         wall = time.monotonic() - started
@@ -133,7 +133,8 @@ def run_mode(url: str, config: TrainConfig, model: Path, logs_dir: Path) -> dict
         "step_s_median": round(statistics.median(np.diff([0.0, *sampled])), 4),
         "trainer_step_s_median": round(statistics.median(s.train_s + s.publish_s for s in logs), 4),
         "trainer_idle": round(sum(s.wait_s for s in logs) / wall, 4),
-        "generator_idle": round(1 - (during["busy_s"] - before["busy_s"]) / wall, 4),
+        # Both from the worker's beats (busy seconds over its own clock), so never below 0.
+        "generator_idle": round(1 - (during["busy_s"] - before["busy_s"]) / (during["ts"] - before["ts"]), 4),
         "tokens": {
             "generated": generated,
             "trained": trained,

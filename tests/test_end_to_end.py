@@ -225,11 +225,11 @@ def test_the_heartbeat_counts_generated_tokens_and_busy_time(
 
     def beat() -> dict[str, float]:
         fields = client.streams.redis.hgetall(key)
-        return {k.decode(): float(fields[k]) for k in (b"generated_tokens", b"busy_s", b"inflight")}
+        return {k.decode(): float(fields[k]) for k in (b"generated_tokens", b"busy_s", b"inflight", b"ts")}
 
     wait_until(lambda: beat()["generated_tokens"] == sum(r.n_tokens for r in rollouts), 10, "the counted tokens")
     wait_until(lambda: beat()["inflight"] == 0, 10, "an idle worker")
-    idle = beat()["busy_s"]
-    assert 0 < idle < time.monotonic() - started
-    time.sleep(1.0)  # an idle second: nothing in flight, so no busy time may be added
-    assert beat()["busy_s"] == pytest.approx(idle, abs=0.01)
+    idle = beat()
+    assert 0 < idle["busy_s"] < time.monotonic() - started
+    wait_until(lambda: beat()["ts"] >= idle["ts"] + 1.0, 10, "a heartbeat an idle second later")
+    assert beat()["busy_s"] == pytest.approx(idle["busy_s"], abs=0.01), "no busy time while nothing is in flight"

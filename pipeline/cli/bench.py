@@ -132,7 +132,7 @@ def run_bench(
             return {
                 "rollouts_per_s": round(statistics.median(rates), 2),
                 "tokens_per_s": round(statistics.median(token_rates), 1),
-                "seconds": [round(t, 3) for t in times[name]],
+                "seconds": [round(t, 6) for t in times[name]],  # a small round takes milliseconds
             }
 
         result = {
