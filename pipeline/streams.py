@@ -109,7 +109,7 @@ class Streams:
         streams = [self.keys.partials, self.keys.prompts]
         reply = self._claim(keys=streams, args=[GENERATORS, consumer, min_idle_ms, count])
         claimed = []
-        for stream, (items, _gone) in zip(streams, reply, strict=True):
+        for stream, items in zip(streams, reply, strict=True):
             for entry_id, flat in items:
                 claimed.append(Entry(stream, entry_id, dict(zip(flat[::2], flat[1::2], strict=True))))
         return claimed

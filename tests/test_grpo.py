@@ -16,6 +16,9 @@ from typing import Any
 import pytest
 
 from pipeline.local import RedisServer
+from pipeline.wire import Keys
+from producers.client import RolloutClient
+from tests.conftest import StartWorker
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "grpo_trainer.py"
 BENCH = EXAMPLE.with_name("bench_rl.py")
@@ -53,6 +56,19 @@ def test_the_async_trainer_holds_the_bound_trains_each_sample_once_and_learns(
     assert any(s["staleness_max"] == 1 for s in steps), "fully async: some batches were generated a version back"
     assert any(s["multi_version"] > 0 for s in steps), "samples continued across a weight sync (partials)"
     assert summary["final_reward"] > steps[0]["reward"] + 0.15, [round(s["reward"], 2) for s in steps]
+
+
+def test_the_trainer_trains_on_workers_you_run_yourself(
+    redis_server: RedisServer, ns: str, tiny_model_dir: Path, workers: StartWorker
+) -> None:
+    """`--workers 0 --redis URL`: no processes of its own; the namespace's workers serve it and take its weights."""
+    mine = workers("mine")
+    args = ["--workers", "0", "--model", str(tiny_model_dir), "--mode", "sync", "--steps", "5"]
+    *steps, summary = run_trainer(redis_server, ns, *args)
+    assert summary["samples"] == summary["unique"] == 5 * 64
+    assert [s["version"] for s in steps] == [1, 2, 3, 4, 5]
+    heartbeat = RolloutClient(redis_server.url, ns).streams.redis.hgetall(Keys(ns).worker("mine"))
+    assert heartbeat[b"version"] == b"5" and mine.poll() is None, "our worker served every step and took each sync"
 
 
 @pytest.mark.vllm

@@ -112,7 +112,13 @@ def test_work_deleted_while_pending_is_acked_not_claimed(any_redis: redis.Redis,
     streams.add_prompts([prompt("kept"), prompt("deleted"), prompt("kept-too")])
     held = streams.read_work("w1", count=10, block_ms=None)
     any_redis.xdel(streams.keys.prompts, held[1].id)
-    claimed = streams.claim_abandoned("w2", min_idle_ms=0, count=10)
+
+    def idle_ms() -> int:
+        pending = any_redis.xpending_range(streams.keys.prompts, GENERATORS, "-", "+", 10)
+        return min(p["time_since_delivered"] for p in pending)
+
+    wait_until(lambda: idle_ms() >= 20, 10, "the held entries to idle")  # fakeredis counts idle 0 as not idle
+    claimed = streams.claim_abandoned("w2", min_idle_ms=10, count=10)
     assert [Prompt.from_fields(e.fields).id for e in claimed] == ["kept", "kept-too"]
     pending = any_redis.xpending_range(streams.keys.prompts, GENERATORS, "-", "+", 10)
     assert [(p["message_id"], p["consumer"]) for p in pending] == [(held[0].id, b"w2"), (held[2].id, b"w2")]

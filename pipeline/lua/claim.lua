@@ -3,7 +3,7 @@
 -- Entries deleted while pending are acked instead: Redis 6.2 keeps them in the PEL for ever
 -- (7.0 drops them), where they would hold back trimming. Same result on both versions, which
 -- XAUTOCLAIM does not give (6.2 replies with a nil in their place and keeps them pending).
--- Returns, per stream: {claimed entries, how many deleted entries were acked}.
+-- Returns, per stream, the claimed entries ({id, {field, value, ...}}, ...).
 local result = {}
 for k, stream in ipairs(KEYS) do
   local pending = redis.call('XPENDING', stream, ARGV[1], 'IDLE', ARGV[3], '-', '+', ARGV[4])
@@ -14,6 +14,6 @@ for k, stream in ipairs(KEYS) do
   if #gone > 0 then redis.call('XACK', stream, ARGV[1], unpack(gone)) end
   local claimed = {}
   if #live > 0 then claimed = redis.call('XCLAIM', stream, ARGV[1], ARGV[2], ARGV[3], unpack(live)) end
-  result[k] = {claimed, #gone}
+  result[k] = claimed
 end
 return result
