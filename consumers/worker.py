@@ -285,6 +285,7 @@ class Worker:
             meta=prompt.meta,
             timing={"queued_s": max(0.0, started - prompt.ts), "generate_s": finished - started, "finished": finished},
             error=error,
+            reward_fn=prompt.reward_fn,
         )
 
     # -- weight syncs: the worker's side of the protocol in staleness.manager ----------------

@@ -16,6 +16,8 @@ import redis
 from pipeline.lua import register_all
 from pipeline.wire import (
     GENERATORS,
+    SCORER,
+    SCORERS,
     TRAINER,
     Control,
     Fields,
@@ -27,7 +29,7 @@ from pipeline.wire import (
 )
 
 SCRIPTS = Path(__file__).with_name("lua")
-"""Where `publish.lua` and `claim.lua` live."""
+"""Where `publish.lua`, `claim.lua` and `forward.lua` live."""
 
 
 class Entry(NamedTuple):
@@ -63,7 +65,7 @@ class Streams:
         self.keys = Keys(ns)
         self.dedupe_ttl_s = dedupe_ttl_s
         scripts = register_all(client, SCRIPTS)
-        self._publish, self._claim = scripts["publish"], scripts["claim"]
+        self._publish, self._claim, self._forward = scripts["publish"], scripts["claim"], scripts["forward"]
 
     def ensure_groups(self) -> None:
         """Create the consumer groups (and their streams) if missing; safe to call from every process."""
@@ -133,11 +135,13 @@ class Streams:
         """Publish what was made from `source` and ack it, atomically, in one round trip.
 
         `partials` (samples an abort pause interrupted) go to `{ns}:partials` in the same step, so
-        an interrupted sample is never both lost and acked. Returns how many rollouts were
-        published: fewer when some ids were already published, -1 when `source` had already
-        been acked (another worker finished it first; then nothing is written).
+        an interrupted sample is never both lost and acked. Rollouts that name a `reward_fn` go to
+        `{ns}:scoring` instead of `{ns}:rollouts`: the scoring stage forwards them once scored.
+        Returns how many rollouts were published: fewer when some ids were already published, -1
+        when `source` had already been acked (another worker finished it first; then nothing is written).
         """
-        keys = [self.keys.rollouts, source.stream, self.keys.partials]
+        target = self.keys.scoring if any(r.reward_fn for r in rollouts) else self.keys.rollouts
+        keys = [target, source.stream, self.keys.partials]
         args: list[Any] = [GENERATORS, source.id, self.dedupe_ttl_s, len(partials)]
         for partial in partials:
             _append_fields(args, partial.to_fields())
@@ -160,7 +164,7 @@ class Streams:
 
     def dead_letter(self, entry: Entry, error: str, stage: str) -> None:
         """Move a bad entry to `{ns}:dead` with the reason and ack it, in one transaction."""
-        group = TRAINER if entry.stream == self.keys.rollouts else GENERATORS
+        group = {self.keys.rollouts: TRAINER, self.keys.scoring: SCORERS}.get(entry.stream, GENERATORS)
         pipe = self.redis.pipeline(transaction=True)
         pipe.xadd(self.keys.dead, dead_letter_fields(entry.fields, error, stage))
         pipe.xack(entry.stream, group, entry.id)
@@ -184,19 +188,53 @@ class Streams:
         Pending entries deleted meanwhile (an `XDEL`, a `MAXLEN` trim by someone else) come back
         with no fields; they are acked here, since nobody can ever deliver them.
         """
-        while True:
-            reply = self.redis.xreadgroup(
-                TRAINER, consumer, {self.keys.rollouts: "0" if pending else ">"}, count=count, block=block_ms
-            )
-            entries = entries_from_reply(reply)
-            gone = [e.id for e in entries if not e.fields]
-            self.ack_rollouts(gone)
-            if len(gone) < len(entries) or not gone:  # a page of deleted entries only: read on
-                return [e for e in entries if e.fields]
+        return self._read_group(self.keys.rollouts, TRAINER, consumer, count, block_ms, "0" if pending else ">")
 
     def ack_rollouts(self, ids: Sequence[bytes]) -> None:
         if ids:
             self.redis.xack(self.keys.rollouts, TRAINER, *ids)
+
+    def _read_group(
+        self, stream: str, group: str, consumer: str, count: int, block_ms: int | None, start: str | bytes
+    ) -> list[Entry]:
+        """`start` `>`: new entries; an id: the consumer's pending entries after it (`0`: from the first)."""
+        while True:
+            reply = self.redis.xreadgroup(group, consumer, {stream: start}, count=count, block=block_ms)
+            entries = entries_from_reply(reply)
+            gone = [e.id for e in entries if not e.fields]
+            if gone:
+                self.redis.xack(stream, group, *gone)
+            if len(gone) < len(entries) or not gone:  # a page of deleted entries only: read on
+                return [e for e in entries if e.fields]
+            if start != ">":
+                start = entries[-1].id
+
+    # -- scoring stage ---------------------------------------------------------------------------
+
+    def ensure_scoring_group(self) -> None:
+        """The scoring stage's consumer group on `{ns}:scoring`, from the stream's start (so nothing
+        workers published before the first scorer started is missed)."""
+        try:
+            self.redis.xgroup_create(self.keys.scoring, SCORERS, id="0", mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    def read_scoring(self, count: int, block_ms: int | None, pending_after: bytes | None = None) -> list[Entry]:
+        """Rollouts awaiting a reward; with `pending_after` (`b"0"` for the first page), those the scorer
+        (any holder of the lease) took and never forwarded. Deleted pending entries are acked."""
+        start = ">" if pending_after is None else pending_after
+        return self._read_group(self.keys.scoring, SCORERS, SCORER, count, block_ms, start)
+
+    def forward_scored(self, rollouts: Sequence[Rollout], read: Sequence[bytes]) -> int:
+        """Ack the `{ns}:scoring` entries `read` and add the scored `rollouts` to `{ns}:rollouts`, atomically.
+
+        Returns the rollouts added, or -1 when none of `read` was pending any more (nothing written).
+        """
+        args: list[Any] = [SCORERS, len(read), *read]
+        for rollout in rollouts:
+            _append_fields(args, rollout.to_fields())
+        return int(self._forward(keys=[self.keys.rollouts, self.keys.scoring], args=args))
 
     # -- upkeep --------------------------------------------------------------------------------
 

@@ -1,5 +1,10 @@
 """What `rollouts top` shows: depth, lag and pending of every stream, live workers, state.
 
+`scorer` is the scoring stage's status hash (`{ns}:scorer`): who holds the lease, the mode, groups
+open and running, RQ jobs queued and RQ workers, and the counters `groups`, `rollouts`,
+`reward_errors`; its `age_s` says how long ago the leader last wrote it. The scoring lag is the
+`scoring` stream's row: rollouts not yet read (`lag`) and read but not yet forwarded (`pending`).
+
 `policy` reads `{ns}:state` as numbers: the policy version and sync epoch, and the admission
 counters (see `staleness.admission`, which owns them; the capacity formula is repeated here
 because `pipeline` imports no other package): samples `submitted`, parked as `stale`, in `used`,
@@ -27,7 +32,8 @@ def snapshot(streams: Streams) -> dict[str, Any]:
     """Everything `top` shows, read in one pipelined round trip plus one per worker key scan."""
     keys = streams.keys
     client = streams.redis
-    names = {"prompts": keys.prompts, "partials": keys.partials, "rollouts": keys.rollouts, "dead": keys.dead}
+    names = {"prompts": keys.prompts, "partials": keys.partials, "scoring": keys.scoring, "rollouts": keys.rollouts}
+    names["dead"] = keys.dead
     names["control"] = keys.control
     names["stale"] = keys.stale
     pipe = client.pipeline(transaction=False)
@@ -35,10 +41,14 @@ def snapshot(streams: Streams) -> dict[str, Any]:
         pipe.exists(key)
         pipe.xlen(key)
     pipe.hgetall(keys.state)
+    pipe.hgetall(keys.scorer)
     replies = pipe.execute()
+    scorer = {_text(k): _text(v) for k, v in replies.pop().items()}
     state = replies.pop()
     result: dict[str, Any] = {"ns": keys.ns, "ts": time.time(), "streams": {}, "workers": {}}
     for (label, key), exists, length in zip(names.items(), replies[::2], replies[1::2], strict=True):
+        if label == "scoring" and not exists:
+            continue  # no prompt ever named a reward_fn here
         groups = client.xinfo_groups(key) if exists else []
         result["streams"][label] = {
             "length": length,
@@ -56,6 +66,9 @@ def snapshot(streams: Streams) -> dict[str, Any]:
             name = _text(key)[len(keys.worker_prefix) :]
             result["workers"][name] = {_text(k): _text(v) for k, v in fields.items()}
     result["state"] = {_text(k): _text(v) for k, v in state.items()}
+    if scorer:
+        scorer["age_s"] = round(result["ts"] - float(scorer.get("ts") or 0), 1)
+    result["scorer"] = scorer
     result["policy"] = policy(result["state"])
     return result
 
@@ -132,4 +145,18 @@ def render(snap: dict[str, Any]) -> RichGroup:
         "-" if p["capacity"] is None else str(p["capacity"]),
         "-" if p["free"] is None else str(p["free"]),
     )
-    return RichGroup(streams, counters, workers)
+    parts = [streams, counters, workers]
+    if snap.get("scorer"):
+        parts.append(_scorer_table(snap["scorer"]))
+    return RichGroup(*parts)
+
+
+def _scorer_table(scorer: dict[str, Any]) -> Table:
+    leader = scorer.get("leader") or "none"
+    table = Table(title=f"scoring stage (leader {leader}, {scorer.get('mode', '?')}, {scorer['age_s']} s ago)")
+    columns = ("open groups", "running", "rq queued", "rq workers", "retries", "scored groups", "reward errors")
+    names = ("open_groups", "running", "queued", "rq_workers", "retries", "groups", "reward_errors")
+    for column in columns:
+        table.add_column(column, justify="right")
+    table.add_row(*(scorer.get(name, "-") for name in names))
+    return table

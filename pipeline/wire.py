@@ -33,6 +33,13 @@ GENERATORS = "generators"
 """Consumer group of the workers on `prompts` and `partials`."""
 TRAINER = "trainer"
 """Consumer group of the trainer on `rollouts`."""
+SCORERS = "scorers"
+"""Consumer group of the scoring stage on `scoring` (one leased reader at a time, consumer `SCORER`)."""
+SCORER = "scorer"
+"""The one consumer name of `SCORERS`: whoever holds the scorer lease reads as it, so a successor
+re-reads what a dead predecessor held (its pending entries) without a claim."""
+REWARD_FN_PATTERN = r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$"
+"""A reward function by import path, `module:function` (`package.module:Class.method` too)."""
 MAX_SAMPLES = 4096
 """Largest `n` a prompt may ask for; more is rejected as bad input."""
 
@@ -61,6 +68,9 @@ class Keys:
         self.prompts = f"{tag}:prompts"
         self.partials = f"{tag}:partials"
         self.rollouts = f"{tag}:rollouts"
+        self.scoring = f"{tag}:scoring"
+        self.scorer = f"{tag}:scorer"
+        self.scorer_lease = f"{tag}:scorer:lease"
         self.control = f"{tag}:control"
         self.state = f"{tag}:state"
         self.dead = f"{tag}:dead"
@@ -129,9 +139,13 @@ class Prompt(BaseModel):
     meta: dict[str, Any] = Field(default_factory=dict)
     submitted_version: int = 0
     ts: float = Field(default_factory=time.time)
+    reward_fn: str | None = Field(default=None, pattern=REWARD_FN_PATTERN)
+    """Score this prompt's rollouts with this function (`module:function`) before the trainer gets
+    them: they go to `{ns}:scoring`, and the scoring stage (`rollouts scorer`) forwards them to
+    `{ns}:rollouts` with `reward` (or `reward_error`) set. None: straight to `{ns}:rollouts`."""
 
     def to_fields(self) -> Fields:
-        return {
+        fields = {
             b"v": WIRE_VERSION.encode(),
             b"id": self.id.encode(),
             b"n": str(self.n).encode(),
@@ -141,6 +155,9 @@ class Prompt(BaseModel):
             b"submitted_version": str(self.submitted_version).encode(),
             b"ts": repr(self.ts).encode(),
         }
+        if self.reward_fn is not None:
+            fields[b"reward_fn"] = self.reward_fn.encode()
+        return fields
 
     @classmethod
     def from_fields(cls, fields: Fields) -> Prompt:
@@ -153,6 +170,7 @@ class Prompt(BaseModel):
                 meta=get.json(b"meta", {}),
                 submitted_version=get.text(b"submitted_version", "0"),
                 ts=get.text(b"ts", "0"),
+                reward_fn=get.optional_text(b"reward_fn"),
             )
 
         return _decode(fields, parse)
@@ -179,6 +197,12 @@ class Rollout(BaseModel):
     timing: dict[str, float] = Field(default_factory=dict)
     reward: float | None = None
     error: str | None = None
+    """Why generation failed (`finish_reason=error`)."""
+    reward_fn: str | None = Field(default=None, pattern=REWARD_FN_PATTERN)
+    """The function that scores (or scored) this rollout; from its prompt."""
+    reward_error: str | None = None
+    """Why it has no `reward` although `reward_fn` is set: the function raised, hung past its timeout,
+    returned something that is not a number, or its scorer kept dying."""
 
     @property
     def id(self) -> str:
@@ -211,6 +235,10 @@ class Rollout(BaseModel):
             fields[b"reward"] = repr(self.reward).encode()
         if self.error is not None:
             fields[b"error"] = self.error.encode()
+        if self.reward_fn is not None:
+            fields[b"reward_fn"] = self.reward_fn.encode()
+        if self.reward_error is not None:
+            fields[b"reward_error"] = self.reward_error.encode()
         return fields
 
     @classmethod
@@ -232,6 +260,8 @@ class Rollout(BaseModel):
                 timing=get.json(b"timing", {}),
                 reward=get.optional_text(b"reward"),
                 error=get.optional_text(b"error"),
+                reward_fn=get.optional_text(b"reward_fn"),
+                reward_error=get.optional_text(b"reward_error"),
             )
             if len(rollout.logprobs) != len(rollout.tokens):
                 raise WireError(f"logprobs has {len(rollout.logprobs)} values for {len(rollout.tokens)} tokens")

@@ -13,6 +13,7 @@ groups that are over it go whole to `{ns}:stale`, counted.
 from __future__ import annotations
 
 import logging
+import re
 import time
 import uuid
 from collections import OrderedDict
@@ -26,7 +27,7 @@ import redis
 
 from pipeline.connections import connect
 from pipeline.streams import Entry, Streams
-from pipeline.wire import TRAINER, PauseMode, Prompt, Rollout, Sampling, WireError
+from pipeline.wire import REWARD_FN_PATTERN, TRAINER, PauseMode, Prompt, Rollout, Sampling, WireError
 from staleness.admission import Admission, AdmissionLimits, StaleRollouts, Usage
 from staleness.manager import Manager, SyncReport
 
@@ -45,6 +46,16 @@ class Group:
     entry_ids: list[bytes] = field(default_factory=list, repr=False)
     trainer_version: int | None = None
     """The policy version the staleness bound was checked against when handed over (None: no bound)."""
+
+    @property
+    def rewards(self) -> list[float | None]:
+        """Each sample's `reward` from the scoring stage (None: unscored, or see `reward_error`)."""
+        return [r.reward for r in self.rollouts]
+
+    @property
+    def reward_error(self) -> str | None:
+        """Why the scoring stage gave this group no rewards (its function raised, hung, or kept losing workers)."""
+        return next((r.reward_error for r in self.rollouts if r.reward_error), None)
 
 
 @dataclass
@@ -152,11 +163,14 @@ class RolloutClient:
         meta: dict[str, Any] | None = None,
         id: str | None = None,
         chat: bool = True,
+        reward_fn: str | None = None,
         timeout: float | None = None,
     ) -> str:
         """Queue one prompt (text through the tokenizer and its chat template, or token ids); returns its id.
 
         With admission control, waits while the capacity is used up (`timeout`: default `submit_timeout_s`).
+        With `reward_fn` (`module:function`), its rollouts reach `groups`/`batches` scored by the scoring
+        stage (`rollouts scorer`): `reward` set, or `reward_error` saying why not.
         """
         item = self.make_prompt(
             prompt,
@@ -172,6 +186,7 @@ class RolloutClient:
             meta=meta,
             id=id,
             chat=chat,
+            reward_fn=reward_fn,
         )
         self.submit_prompts([item], timeout=timeout)
         return item.id
@@ -186,17 +201,22 @@ class RolloutClient:
         meta: dict[str, Any] | None = None,
         id: str | None = None,
         chat: bool = True,
+        reward_fn: str | None = None,
     ) -> Prompt:
         """Build and check a prompt without sending it; raises `ValueError` saying what to fix."""
         if (prompt is None) == (tokens is None):
             raise ValueError("give exactly one of `prompt` (text) or `tokens` (token ids)")
+        if reward_fn is not None and not re.match(REWARD_FN_PATTERN, reward_fn):
+            raise ValueError(f"reward_fn {reward_fn!r} is not an import path like 'my_rewards:exact_match'")
         sampling = sampling or Sampling()
         problems = sampling.problems()
         if problems:
             raise ValueError("; ".join(problems))
         if tokens is None:
             tokens = self.tokenize(prompt or "", chat=chat)
-        return Prompt(id=id or uuid.uuid4().hex, n=n, tokens=tokens, sampling=sampling, meta=meta or {})
+        return Prompt(
+            id=id or uuid.uuid4().hex, n=n, tokens=tokens, sampling=sampling, meta=meta or {}, reward_fn=reward_fn
+        )
 
     def submit_prompts(self, prompts: Sequence[Prompt], *, timeout: float | None = None) -> None:
         """Queue many prompts in one round trip, all or none, through admission control.
@@ -379,9 +399,18 @@ class RolloutClient:
             elif timeout is not None and time.monotonic() - last_news > timeout:
                 raise TimeoutError(
                     f"no rollout arrived in {timeout:.0f}s; {len(self._open)} groups are incomplete. "
-                    "Is a worker running on this namespace (`rollouts top`)?"
+                    f"Is a worker running on this namespace (`rollouts top`)?{self._scoring_hint()}"
                 )
             yield from self._take(entries)
+
+    def _scoring_hint(self) -> str:
+        keys = self.streams.keys
+        waiting = self.streams.redis.xlen(keys.scoring)
+        if not waiting:
+            return ""
+        return (
+            f" {waiting} rollouts wait on {keys.scoring} for a reward: is `rollouts scorer --ns {keys.ns}` running?"
+        )
 
     def _read(self, block_ms: int) -> list[Entry]:
         if self._read_pending:

@@ -29,6 +29,7 @@ class PromptLine(BaseModel):
     seed: int | None = None
     meta: dict = Field(default_factory=dict)
     chat: bool = True
+    reward_fn: str | None = None
 
 
 def read_prompts_file(path: Path, client: RolloutClient) -> list[Prompt]:
@@ -56,6 +57,7 @@ def read_prompts_file(path: Path, client: RolloutClient) -> list[Prompt]:
                     meta=line.meta,
                     id=line.id,
                     chat=line.chat,
+                    reward_fn=line.reward_fn,
                 )
             )
         except json.JSONDecodeError as exc:

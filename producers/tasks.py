@@ -46,11 +46,16 @@ class TokenSetTask:
         return [*filler, self.first_marker_id + k], {"task": "token-set", "set": k, "ids": self.set_ids(k)}
 
 
-def token_set_reward(rollout: Rollout) -> float:
-    """The fraction of generated tokens in `meta["ids"]`; a final stop token does not count, empty gives 0."""
-    tokens = np.asarray(rollout.tokens)
-    if rollout.finish_reason == "stop" and len(tokens):
+def token_set_reward(rollout: Rollout | dict[str, Any]) -> float:
+    """The fraction of generated tokens in `meta["ids"]`; a final stop token does not count, empty gives 0.
+
+    Takes a `Rollout` (in the trainer) or the dict a scoring stage passes (`rollouts scorer`, with
+    `reward_fn="producers.tasks:token_set_reward"`), so the same reward runs in either place.
+    """
+    view = rollout if isinstance(rollout, dict) else rollout.model_dump(include={"tokens", "finish_reason", "meta"})
+    tokens = np.asarray(view["tokens"])
+    if view["finish_reason"] == "stop" and len(tokens):
         tokens = tokens[:-1]
     if not len(tokens):
         return 0.0
-    return float(np.isin(tokens, np.asarray(rollout.meta["ids"])).mean())
+    return float(np.isin(tokens, np.asarray(view["meta"]["ids"])).mean())

@@ -183,10 +183,37 @@ def test_every_lua_script_names_its_keys_and_compiles_on_both_versions(redis_ser
     client = redis.Redis.from_url(redis_server.url)
     folders = [SCRIPTS, staleness_scripts]
     names = {name for folder in folders for name in sources(folder)}
-    assert names == {"publish", "claim", "admit", "park", "begin_sync", "finish_sync"}
+    assert names == {"publish", "claim", "forward", "admit", "park", "begin_sync", "finish_sync"}
     for folder in folders:
         for name, source in sources(folder).items():
             header = [line for line in source.splitlines() if line.startswith("--")]
             assert any("KEYS" in line for line in header) and any("ARGV" in line for line in header), name
             assert client.script_load(source) == register_all(client, folder)[name].sha, name  # compiles
     client.close()
+
+
+def test_scored_rollouts_go_through_scoring_and_are_forwarded_once(any_redis: redis.Redis, ns: str) -> None:
+    """A prompt with a reward_fn publishes to `scoring`; forwarding acks and adds in one step, once."""
+    streams = Streams(any_redis, ns)
+    streams.ensure_groups()
+    streams.ensure_scoring_group()
+    scored = prompt("scored").model_copy(update={"reward_fn": "m:f"})
+    streams.add_prompts([scored, prompt("plain")])
+    work = {e.fields[b"id"]: e for e in streams.read_work("w", 10, None)}
+    made = [r.model_copy(update={"reward_fn": "m:f"}) for r in rollouts_for(scored)]
+    assert streams.publish_rollouts(made, work[b"scored"]) == 2
+    assert streams.publish_rollouts(rollouts_for(prompt("plain")), work[b"plain"]) == 2
+    assert any_redis.xlen(streams.keys.scoring) == 2 and any_redis.xlen(streams.keys.rollouts) == 2
+    read = streams.read_scoring(10, None)
+    assert [Rollout.from_fields(e.fields).id for e in read] == ["scored:0", "scored:1"]
+    # A successor re-reads what was taken and not forwarded, page by page.
+    assert [e.id for e in streams.read_scoring(1, None, pending_after=b"0")] == [read[0].id]
+    assert [e.id for e in streams.read_scoring(1, None, pending_after=read[0].id)] == [read[1].id]
+    for rollout, reward in zip(made, (0.25, 1.0), strict=True):
+        rollout.reward = reward
+    assert streams.forward_scored(made, [e.id for e in read]) == 2
+    assert streams.forward_scored(made, [e.id for e in read]) == -1  # already forwarded: nothing written
+    assert streams.read_scoring(10, None, pending_after=b"0") == []
+    forwarded = [Rollout.from_fields(fields) for _, fields in any_redis.xrange(streams.keys.rollouts)]
+    rewards = {r.id: r.reward for r in forwarded}
+    assert rewards == {"plain:0": None, "plain:1": None, "scored:0": 0.25, "scored:1": 1.0}

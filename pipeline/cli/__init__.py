@@ -364,3 +364,7 @@ def bench_sync(
             plot_bench_sync(result, plot)
             console.print(f"plot written to {plot}")
     print(json.dumps(result, indent=2))
+
+
+# Commands that live in modules beside this one register themselves on `app` when imported.
+from pipeline.cli import scoring  # noqa: E402, F401

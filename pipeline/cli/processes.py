@@ -14,14 +14,25 @@ import redis
 from pipeline.wire import Keys
 
 
+def start_command(*args: str, log_file: Path | None = None, new_session: bool = False) -> subprocess.Popen[bytes]:
+    """`rollouts ARGS...` in its own process, as a user would run it (`new_session`: its own process group,
+    so that a test can kill it with its children, as a machine that dies would)."""
+    out = open(log_file, "ab") if log_file else subprocess.DEVNULL  # noqa: SIM115 - the child owns it
+    return subprocess.Popen(
+        [sys.executable, "-m", "pipeline.cli", *args],
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        start_new_session=new_session,
+    )
+
+
 def start_worker(
     redis_url: str, ns: str, model: Path, name: str, *extra: str, log_file: Path | None = None
 ) -> subprocess.Popen[bytes]:
     """`rollouts worker` in its own process, as a user would run it."""
-    args = [sys.executable, "-m", "pipeline.cli", "worker", "--redis", redis_url, "--ns", ns]
-    args += ["--model", str(model), "--name", name, *extra]
-    out = open(log_file, "ab") if log_file else subprocess.DEVNULL  # noqa: SIM115 - the child owns it
-    return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    args = ["worker", "--redis", redis_url, "--ns", ns, "--model", str(model), "--name", name, *extra]
+    return start_command(*args, log_file=log_file)
 
 
 def wait_for_worker(

@@ -1,0 +1,106 @@
+"""What runs a reward function over one group: import it by path, call it, check what it returned.
+
+The same function runs on RQ workers (`score_group` is the job; its arguments and result are JSON,
+never pickle) and inline, so that both modes score alike. A reward function takes one rollout (a
+dict, see `rollout_view`) and returns a number, or, marked with `group_reward`, takes the whole
+group (a list of those dicts) and returns one number per sample. Either may be `async def`.
+
+Nothing the function does escapes as an exception: raising, hanging past the RQ job timeout (RQ
+raises its timeout inside the call) or returning a non-number all become `{"error": ...}`, which
+the stage turns into `reward_error` on every rollout of the group. Only a dead scorer process makes
+the job itself fail, and that the stage retries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import math
+import numbers
+import re
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from pipeline.wire import REWARD_FN_PATTERN, Rollout
+
+F = TypeVar("F", bound=Callable[..., Any])
+RolloutView = dict[str, Any]
+
+
+def group_reward(fn: F) -> F:
+    """Mark a reward function that scores a whole group (a list of rollouts) at once."""
+    fn.reward_scope = "group"  # type: ignore[attr-defined]
+    return fn
+
+
+def rollout_view(rollout: Rollout) -> RolloutView:
+    """The JSON-able view of a rollout that reward functions get (token ids as lists, no logprobs)."""
+    return {
+        "id": rollout.id,
+        "prompt_id": rollout.prompt_id,
+        "sample": rollout.sample,
+        "n": rollout.n,
+        "prompt_tokens": rollout.prompt_tokens.tolist(),
+        "tokens": rollout.tokens.tolist(),
+        "finish_reason": rollout.finish_reason,
+        "version": rollout.version,
+        "meta": rollout.meta,
+        "error": rollout.error,
+    }
+
+
+def load_reward_fn(path: str) -> Callable[..., Any]:
+    """`module:function` (or `module:Class.method`) to the callable; `ValueError` says what is wrong."""
+    if not re.match(REWARD_FN_PATTERN, path):
+        raise ValueError(f"reward function {path!r} is not an import path like 'my_rewards:exact_match'")
+    module_name, _, attribute = path.partition(":")
+    try:
+        target: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"cannot import reward module {module_name!r}: {exc}") from None
+    for name in attribute.split("."):
+        try:
+            target = getattr(target, name)
+        except AttributeError:
+            raise ValueError(f"reward module {module_name!r} has no {attribute!r}") from None
+    if not callable(target):
+        raise ValueError(f"{path} is not callable")
+    return target
+
+
+def score_group(reward_fn: str, rollouts: list[RolloutView]) -> dict[str, Any]:
+    """The job: `{"rewards": [float | None, ...]}` (None for rollouts whose generation failed) or `{"error": ...}`."""
+    try:
+        fn = load_reward_fn(reward_fn)
+        if getattr(fn, "reward_scope", "rollout") == "group":
+            values = _call(fn, rollouts)
+            if not isinstance(values, list | tuple) or len(values) != len(rollouts):
+                raise ValueError(f"a group reward must return {len(rollouts)} numbers, got {_show(values)}")
+            return {"rewards": [_number(v) for v in values]}
+        return {"rewards": [None if r["finish_reason"] == "error" else _number(_call(fn, r)) for r in rollouts]}
+    except Exception as exc:  # the function's own failure, or RQ's timeout raised inside it
+        return {"error": f"{reward_fn}: {type(exc).__name__}: {exc}"}
+
+
+def _call(fn: Callable[..., Any], argument: Any) -> Any:
+    result = fn(argument)
+    if inspect.isawaitable(result):
+        result = asyncio.run(_await(result))
+    return result
+
+
+async def _await(awaitable: Any) -> Any:
+    return await awaitable
+
+
+def _number(value: Any) -> float:
+    if isinstance(value, numbers.Real):  # bool and numpy scalars too
+        number = float(value)
+        if math.isfinite(number):
+            return number
+    raise ValueError(f"a reward must be a finite number, got {_show(value)}")
+
+
+def _show(value: Any) -> str:
+    return f"{value!r:.60} ({type(value).__name__})"

@@ -1,0 +1,95 @@
+"""`rollouts scorer` and `rollouts score-worker`: the scoring stage and the RQ workers it feeds."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from typing import Annotated
+
+import typer
+
+from pipeline.cli import (
+    DEFAULT_NS,
+    DEFAULT_REDIS,
+    NsOpt,
+    RedisOpt,
+    app,
+    console,
+    fail,
+    open_streams,
+    setup_logging,
+    user_errors,
+)
+
+DEFAULT_QUEUE = "rewards"
+
+
+@app.command()
+def scorer(
+    redis_url: RedisOpt = DEFAULT_REDIS,
+    ns: NsOpt = DEFAULT_NS,
+    rq: Annotated[
+        bool, typer.Option("--rq", help="Run reward functions as RQ jobs (on `rollouts score-worker`s), not inline.")
+    ] = False,
+    queue: Annotated[str, typer.Option(help="RQ queue of the scoring jobs.")] = DEFAULT_QUEUE,
+    timeout_s: Annotated[float, typer.Option(help="A group's reward call longer than this is a reward error.")] = 60.0,
+    attempts: Annotated[int, typer.Option(help="RQ: jobs whose worker died are retried up to this many times.")] = 3,
+    threads: Annotated[int, typer.Option(help="Inline: reward calls at once.")] = 4,
+    lease_s: Annotated[float, typer.Option(help="A scorer silent this long is replaced by a standby.")] = 5.0,
+    name: Annotated[str | None, typer.Option(help="Name in the scorer's status; default host-pid.")] = None,
+    log_level: Annotated[str, typer.Option(help="debug, info, warning.")] = "info",
+) -> None:
+    """Score the rollouts of prompts that name a `reward_fn` and forward them to the trainer, until interrupted.
+
+    Start more than one for a standby: one reads at a time (a lease), the next takes over in `--lease-s`.
+    """
+    from consumers.scoring.backend import make_backend
+    from consumers.scoring.stage import ScoringStage, StageSettings
+    from consumers.worker import default_worker_name
+
+    setup_logging(log_level)
+    streams = open_streams(redis_url, ns)
+    with user_errors(redis_url):
+        backend = make_backend(
+            "rq" if rq else "inline",
+            connection=streams.redis,
+            queue=queue,
+            timeout_s=timeout_s,
+            attempts=attempts,
+            threads=threads,
+        )
+        stage = ScoringStage(streams, backend, name or default_worker_name(), StageSettings(lease_s=lease_s))
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        console.print(f"scorer {stage.name} on {streams.keys.scoring} ({backend.mode})")
+        stage.run(stop)
+    console.print(f"scorer {stage.name} stopped")
+
+
+@app.command("score-worker")
+def score_worker(
+    redis_url: RedisOpt = DEFAULT_REDIS,
+    queue: Annotated[str, typer.Option(help="RQ queue to score from.")] = DEFAULT_QUEUE,
+    name: Annotated[str | None, typer.Option(help="RQ worker name; default host-pid.")] = None,
+    burst: Annotated[bool, typer.Option(help="Stop once the queue is empty.")] = False,
+    log_level: Annotated[str, typer.Option(help="debug, info, warning.")] = "info",
+) -> None:
+    """An RQ worker for scoring jobs, with RQ's JSON serializer (same as `rq worker --serializer json QUEUE`).
+
+    The reward functions' modules must be importable here (PYTHONPATH or installed).
+    """
+    from rq import Queue, Worker
+    from rq.serializers import JSONSerializer
+
+    from consumers.worker import default_worker_name
+    from pipeline.connections import connect
+
+    if not queue:
+        fail("--queue must name an RQ queue")
+    with user_errors(redis_url):
+        connection = connect(redis_url)
+        jobs = Queue(queue, connection=connection, serializer=JSONSerializer)
+        worker = Worker([jobs], connection=connection, serializer=JSONSerializer, name=name or default_worker_name())
+        console.print(f"score-worker {worker.name} on RQ queue {queue!r}")
+        worker.work(burst=burst, logging_level=log_level.upper(), with_scheduler=False)

@@ -1,0 +1,239 @@
+"""Rewards scored by the scoring stage (`rollouts scorer`), inline and on RQ workers, across processes.
+
+What a user notices: every group reaches the trainer scored (`reward` on every rollout, readable in
+`redis-cli`), with the value their function gives; a function that raises, hangs or returns junk
+gives the group a `reward_error` and the loop goes on; a scorer (an RQ worker, or the stage itself)
+killed mid-job loses nothing; and nothing is pickled on the way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import zlib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+import redis
+
+from consumers.scoring.job import load_reward_fn, score_group
+from pipeline.cli.processes import start_command, stop_process
+from pipeline.local import RedisServer
+from pipeline.wire import Keys, Prompt, Rollout, WireError
+from producers.client import Group, RolloutClient
+from tests import rewards
+from tests.conftest import StartWorker, wait_until
+
+StartScoring = Callable[..., subprocess.Popen[bytes]]
+"""`start(command, *args, name=...)`: `rollouts scorer` or `rollouts score-worker` in a process of its own."""
+
+
+def view(tokens: list[int], sample: int = 0, finish: str = "length") -> dict:
+    return {"id": f"p:{sample}", "prompt_id": "p", "sample": sample, "n": 2, "prompt_tokens": [1], "tokens": tokens,
+            "finish_reason": finish, "version": 0, "meta": {}, "error": None}  # fmt: skip
+
+
+# -- the job, without Redis ----------------------------------------------------------------------
+
+
+def test_the_job_scores_rollouts_groups_and_async_functions() -> None:
+    group = [view([2, 4, 5, 7]), view([2], sample=1)]
+    assert score_group("tests.rewards:even_share", group) == {"rewards": [0.5, 1.0]}
+    assert score_group("tests.rewards:async_even_share", group) == {"rewards": [0.5, 1.0]}
+    assert score_group("tests.rewards:rank_by_length", group) == {"rewards": [0.5, 0.0]}
+    failed = [view([2]), view([], sample=1, finish="error")]
+    assert score_group("tests.rewards:even_share", failed) == {"rewards": [1.0, None]}  # no reward for no generation
+
+
+@pytest.mark.parametrize(
+    ("reward_fn", "says"),
+    [
+        ("tests.rewards:raises", "ValueError: cannot parse the answer"),
+        ("tests.rewards:not_a_number", "a reward must be a finite number, got 'high' (str)"),
+        ("tests.no_such_module:f", "cannot import reward module 'tests.no_such_module'"),
+        ("tests.rewards:missing", "has no 'missing'"),
+    ],
+)
+def test_a_failing_reward_function_is_a_result_that_says_why(reward_fn: str, says: str) -> None:
+    result = score_group(reward_fn, [view([2])])
+    assert set(result) == {"error"} and says in result["error"] and reward_fn in result["error"]
+
+
+def test_reward_fn_travels_on_the_wire_and_a_bad_one_is_refused() -> None:
+    prompt = Prompt(id="p", n=2, tokens=[1, 2], reward_fn="my_rewards.math:exact_match")
+    assert Prompt.from_fields(prompt.to_fields()).reward_fn == "my_rewards.math:exact_match"
+    assert Prompt.from_fields(Prompt(id="q", n=1, tokens=[1]).to_fields()).reward_fn is None
+    fields = prompt.to_fields() | {b"reward_fn": b"not a path"}
+    with pytest.raises(WireError, match="reward_fn"):
+        Prompt.from_fields(fields)
+    rollout = Rollout(prompt_id="p", sample=0, n=1, version=0, version_end=0, finish_reason="stop", worker="w",
+                      prompt_tokens=[1], tokens=[2], logprobs=[-1.0], spans=[(0, 0, 1)], reward_fn="m:f",
+                      reward_error="m:f: ValueError: x")  # fmt: skip
+    back = Rollout.from_fields(rollout.to_fields())
+    assert (back.reward_fn, back.reward_error, back.reward) == ("m:f", "m:f: ValueError: x", None)
+    with pytest.raises(ValueError, match="import path"):
+        load_reward_fn("no-colon")
+
+
+# -- across processes ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def scoring(redis_server: RedisServer, ns: str, tmp_path: Path) -> Iterator[StartScoring]:
+    """Start `rollouts scorer` / `rollouts score-worker` processes (each in its own process group); all
+    are stopped (or killed with their children) at the end."""
+    started: list[subprocess.Popen[bytes]] = []
+    env_dir = tmp_path / "scoring"
+    env_dir.mkdir()
+    os.environ["SCORING_TEST_DIR"] = str(env_dir)
+
+    def start(command: str, *args: str, name: str) -> subprocess.Popen[bytes]:
+        extra = ["--ns", ns] if command == "scorer" else []
+        process = start_command(
+            command, "--redis", redis_server.url, *extra, *args, "--name", name,
+            log_file=tmp_path / f"{name}.log", new_session=True,
+        )  # fmt: skip
+        started.append(process)
+        return process
+
+    yield start
+    for process in started:
+        if process.poll() is None:  # killed with its children: reward jobs may hang on purpose
+            for child in psutil.Process(process.pid).children(recursive=True):
+                child.kill()
+            process.kill()
+            process.wait()
+    os.environ.pop("SCORING_TEST_DIR", None)
+
+
+def submit(client: RolloutClient, prefix: str, count: int, reward_fn: str | None, n: int = 3) -> list[str]:
+    ids = [f"{prefix}-{i}" for i in range(count)]
+    for i, pid in enumerate(ids):
+        client.submit(tokens=[5 + i, 9, 11], n=n, max_tokens=6, seed=i, id=pid, reward_fn=reward_fn)
+    return ids
+
+
+def collect(client: RolloutClient, count: int, timeout: float = 90) -> dict[str, Group]:
+    return {g.prompt_id: g for g in client.collect(count, timeout=timeout)}
+
+
+def test_inline_scoring_sets_the_reward_every_reader_sees(
+    redis_server: RedisServer, ns: str, workers: StartWorker, scoring: StartScoring
+) -> None:
+    workers("w0")
+    scoring("scorer", name="scorer-a")
+    client = RolloutClient(redis_server.url, ns)
+    scored = submit(client, "scored", 4, "tests.rewards:even_share")
+    ranked = submit(client, "ranked", 2, "tests.rewards:rank_by_length")
+    plain = submit(client, "plain", 2, None)
+    groups = collect(client, 8)
+    assert set(groups) == set(scored + ranked + plain)
+    for pid in scored:
+        for r in groups[pid].rollouts:
+            assert r.reward == pytest.approx(rewards.even_share({"tokens": r.tokens.tolist()}))
+            assert r.reward_fn == "tests.rewards:even_share" and r.reward_error is None
+    for pid in ranked:
+        views = [{"tokens": r.tokens.tolist()} for r in groups[pid].rollouts]
+        assert groups[pid].rewards == rewards.rank_by_length(views)
+    for pid in plain:  # no reward_fn: straight from the worker, unscored
+        assert groups[pid].rewards == [None] * 3
+    # What redis-cli (and a recorder) reads: the `reward` field of the entries on {ns}:rollouts.
+    raw = redis.Redis.from_url(redis_server.url).xrange(Keys(ns).rollouts)
+    with_reward = [fields for _id, fields in raw if b"reward" in fields]
+    assert len(with_reward) == 6 * 3 and all(float(f[b"reward"]) >= 0 for f in with_reward)
+    top = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "top", "--redis", redis_server.url, "--ns", ns, "--once", "--json"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    snap = json.loads(top.stdout)
+    assert snap["scorer"]["groups"] == "6" and snap["scorer"]["reward_errors"] == "0"
+    assert snap["scorer"]["mode"] == "inline" and snap["scorer"]["leader"] == "scorer-a"
+    assert snap["streams"]["scoring"]["groups"]["scorers"]["pending"] == 0
+
+
+def test_rq_scoring_with_json_jobs_and_reward_errors_that_never_stall_the_loop(
+    redis_server: RedisServer, ns: str, workers: StartWorker, scoring: StartScoring
+) -> None:
+    queue = f"rewards-{ns}"
+    workers("w0")
+    scoring("scorer", "--rq", "--queue", queue, "--timeout-s", "2", name="scorer-rq")
+    scoring("score-worker", "--queue", queue, name="rq-a")
+    scoring("score-worker", "--queue", queue, name="rq-b")
+    client = RolloutClient(redis_server.url, ns)
+    good = submit(client, "good", 3, "tests.rewards:even_share")
+    bad = submit(client, "raises", 1, "tests.rewards:raises")
+    junk = submit(client, "junk", 1, "tests.rewards:not_a_number")
+    hung = submit(client, "hangs", 1, "tests.rewards:hangs")
+    after = submit(client, "after", 2, "tests.rewards:async_even_share")
+    groups = collect(client, 8)
+    for pid in good + after:
+        for r in groups[pid].rollouts:
+            assert r.reward == pytest.approx(rewards.even_share({"tokens": r.tokens.tolist()}))
+    assert "ValueError: cannot parse the answer" in groups[bad[0]].reward_error
+    assert "finite number" in groups[junk[0]].reward_error
+    assert "timeout" in groups[hung[0]].reward_error.lower()
+    for pid in bad + junk + hung:
+        assert groups[pid].rewards == [None] * 3
+    # No pickle: each job's payload is JSON (RQ stores it zlib-compressed in the job hash).
+    connection = redis.Redis.from_url(redis_server.url)
+    job_keys = [k for k in connection.scan_iter(match="rq:job:*") if connection.type(k) == b"hash"]
+    payloads = [connection.hget(k, "data") for k in job_keys]
+    assert payloads and all(json.loads(zlib.decompress(p)) for p in payloads if p)
+    status = {k.decode(): v.decode() for k, v in connection.hgetall(Keys(ns).scorer).items()}
+    assert status["reward_errors"] == "3" and status["groups"] == "8" and status["mode"] == f"rq:{queue}"
+
+
+def test_a_score_worker_killed_mid_job_loses_no_group(
+    redis_server: RedisServer, ns: str, workers: StartWorker, scoring: StartScoring, tmp_path: Path
+) -> None:
+    queue = f"rewards-{ns}"
+    workers("w0")
+    scoring("scorer", "--rq", "--queue", queue, "--timeout-s", "6", name="scorer-rq")
+    doomed = scoring("score-worker", "--queue", queue, name="rq-doomed")
+    client = RolloutClient(redis_server.url, ns)
+    ids = submit(client, "g", 4, "tests.rewards:stalls_first_call")
+    marker = tmp_path / "scoring" / "started"
+    wait_until(marker.exists, 90, "the first scoring job to start on the doomed worker")
+    # The RQ worker and its work-horse, mid-job, as when their machine dies (the horse has a session of its own).
+    for process in [*psutil.Process(doomed.pid).children(recursive=True), psutil.Process(doomed.pid)]:
+        process.kill()
+    doomed.wait()
+    scoring("score-worker", "--queue", queue, name="rq-new")
+    groups = collect(client, 4, timeout=120)
+    assert set(groups) == set(ids)
+    for group in groups.values():
+        assert group.reward_error is None
+        for r in group.rollouts:
+            assert r.reward == pytest.approx(rewards.even_share({"tokens": r.tokens.tolist()}))
+    status = redis.Redis.from_url(redis_server.url).hgetall(Keys(ns).scorer)
+    assert int(status[b"retries"]) >= 1
+
+
+def test_a_scorer_killed_mid_run_is_replaced_and_every_group_arrives_once(
+    redis_server: RedisServer, ns: str, workers: StartWorker, scoring: StartScoring
+) -> None:
+    workers("w0")
+    first = scoring("scorer", "--lease-s", "1", "--threads", "1", name="scorer-first")
+    connection = redis.Redis.from_url(redis_server.url)
+    keys = Keys(ns)
+    wait_until(lambda: connection.hget(keys.scorer, "leader") == b"scorer-first", 30, "the first scorer to lead")
+    standby = scoring("scorer", "--lease-s", "1", "--threads", "1", name="scorer-standby")
+    client = RolloutClient(redis_server.url, ns)
+    ids = submit(client, "g", 8, "tests.rewards:slow")
+    wait_until(lambda: int(connection.hget(keys.scorer, "groups") or 0) >= 2, 90, "the first scored groups")
+    os.killpg(first.pid, signal.SIGKILL)  # with groups read and not forwarded
+    first.wait()
+    groups = collect(client, 8, timeout=120)
+    assert set(groups) == set(ids) and client.stats["received"] == 8 * 3
+    assert all(r.reward is not None for g in groups.values() for r in g.rollouts)
+    assert connection.hget(keys.scorer, "leader") == b"scorer-standby"
+    assert connection.xinfo_groups(keys.scoring)[0]["pending"] == 0
+    stop_process(standby)
+    # Forwarding is atomic (ack + add in one step): the successor re-scored only what was not forwarded.
+    forwarded = [fields[b"id"].decode() for _id, fields in connection.xrange(keys.rollouts)]
+    assert sorted(forwarded) == sorted(f"{p}:{k}" for p in ids for k in range(3))
