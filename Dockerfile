@@ -1,9 +1,9 @@
-# The `rollouts` command with vLLM's CUDA build: workers, manager, submit, top, publish-weights.
+# The `rollouts` command with vLLM's CUDA build: workers, manager, scorer, score-worker, submit, top, publish-weights.
 #   docker build -t rollout-streams .
-#   docker build -t rollout-streams:cpu --build-arg EXTRAS=torch .    # no vLLM: `--engine torch` workers, tools
+#   docker build -t rollout-streams:cpu --build-arg EXTRAS=torch,rq .    # no vLLM: `--engine torch` workers, tools
 FROM python:3.12-slim
 
-ARG EXTRAS=torch,vllm
+ARG EXTRAS=torch,vllm,rq
 # Models are local directories: nothing is fetched from a hub at run time. Logs are not held back.
 ENV PYTHONUNBUFFERED=1 \
     HF_HUB_OFFLINE=1 \
