@@ -182,13 +182,17 @@ class Streams:
 
     # -- trainer side --------------------------------------------------------------------------
 
-    def read_rollouts(self, consumer: str, count: int, block_ms: int | None, pending: bool = False) -> list[Entry]:
-        """New rollouts for `consumer`; with `pending`, those it was handed before but never acked.
+    def read_rollouts(
+        self, consumer: str, count: int, block_ms: int | None, pending: bool = False, after: bytes = b"0"
+    ) -> list[Entry]:
+        """New rollouts for `consumer`; with `pending`, those it was handed before but never acked, after
+        the id `after` (page through them by passing the last id read: they stay pending until acked).
 
         Pending entries deleted meanwhile (an `XDEL`, a `MAXLEN` trim by someone else) come back
         with no fields; they are acked here, since nobody can ever deliver them.
         """
-        return self._read_group(self.keys.rollouts, TRAINER, consumer, count, block_ms, "0" if pending else ">")
+        start = after if pending else ">"
+        return self._read_group(self.keys.rollouts, TRAINER, consumer, count, block_ms, start)
 
     def ack_rollouts(self, ids: Sequence[bytes]) -> None:
         if ids:

@@ -139,7 +139,8 @@ class RolloutClient:
         self._seen: OrderedDict[str, None] = OrderedDict()
         self._remember_ids = remember_ids
         self._open: dict[str, dict[int, tuple[Rollout, bytes]]] = {}
-        self._read_pending = True  # first re-read what this consumer was handed before a restart
+        self._pending_after: bytes | None = b"0"
+        """First re-read what this consumer was handed before a restart, from this id on (None: done)."""
         self.last_sync: SyncReport | None = None
         """What the last `publish_weights` did: who acked, who was evicted, how long workers stood still."""
         self.last_broadcast: BroadcastStats | None = None
@@ -413,11 +414,14 @@ class RolloutClient:
         )
 
     def _read(self, block_ms: int) -> list[Entry]:
-        if self._read_pending:
-            entries = self.streams.read_rollouts(self.consumer, self.read_count, None, pending=True)
+        if self._pending_after is not None:  # page through them: they stay pending until their group is used
+            entries = self.streams.read_rollouts(
+                self.consumer, self.read_count, None, pending=True, after=self._pending_after
+            )
             if entries:
+                self._pending_after = entries[-1].id
                 return entries
-            self._read_pending = False
+            self._pending_after = None
         return self.streams.read_rollouts(self.consumer, self.read_count, block_ms)
 
     def _take(self, entries: list[Entry]) -> list[Group]:

@@ -217,3 +217,24 @@ def test_scored_rollouts_go_through_scoring_and_are_forwarded_once(any_redis: re
     forwarded = [Rollout.from_fields(fields) for _, fields in any_redis.xrange(streams.keys.rollouts)]
     rewards = {r.id: r.reward for r in forwarded}
     assert rewards == {"plain:0": None, "plain:1": None, "scored:0": 0.25, "scored:1": 1.0}
+
+
+def test_a_restarted_trainer_rereads_an_open_group_once_and_acks_it_only_when_used(
+    any_redis: redis.Redis, ns: str
+) -> None:
+    """Pending rollouts are paged through, not re-read from the start: re-reading them would count them
+    as duplicates and ack them while their group is still open (lost if the trainer then died)."""
+    from producers.client import RolloutClient
+
+    streams = Streams(any_redis, ns)
+    streams.ensure_groups()
+    whole = rollouts_for(prompt("g", n=4))
+    for rollout in whole[:3]:
+        any_redis.xadd(streams.keys.rollouts, rollout.to_fields())
+    assert len(streams.read_rollouts("trainer-0", count=10, block_ms=None)) == 3  # handed over, then it died
+    restarted = RolloutClient(any_redis, ns, consumer="trainer-0", read_count=2)
+    groups = restarted._whole_groups(timeout=5, block_ms=10)
+    any_redis.xadd(streams.keys.rollouts, whole[3].to_fields())
+    group = next(groups)
+    assert [r.sample for r in group.rollouts] == [0, 1, 2, 3] and restarted.stats["duplicates"] == 0
+    assert any_redis.xpending(streams.keys.rollouts, TRAINER)["pending"] == 4, "nothing acked before it is used"
