@@ -1,6 +1,7 @@
 """Fully-async RL against synchronous RL, side by side in one run: same task, engine, seeds and steps.
 
     python examples/bench_rl.py --steps 40 --etas 1,2,4 --plot bench_rl.png
+    python examples/bench_rl.py --trainer-device cuda:0 --worker-device cuda:1 --hidden-size 256 --num-layers 4
 
 For each mode (sync, then async at each η) it starts a fresh `rollouts worker` and `rollouts manager`
 on a fresh namespace and runs the reference trainer (`grpo_trainer.train`) for `--steps` steps. Each
@@ -20,6 +21,10 @@ stdout, a PNG with `--plot`):
   trainer's step (train + publish) and the generator's time for a step's tokens at full batching (the
   worker's tokens per busy second on a calibration batch of equal-length samples); and `of_bound`, the
   speedup as a share of it.
+
+On GPUs, `--trainer-device cuda:0 --worker-device cuda:1` puts the trainer's policy on one GPU and the
+worker (`rollouts worker --engine torch --device cuda:1`) on the other; `--hidden-size` and `--num-layers`
+give a larger random policy than the CPU's tiny one, and `--transport` another path for the weights.
 """
 
 from __future__ import annotations
@@ -27,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,8 +41,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from grpo_trainer import StepLog, TrainConfig, generation_side, rollouts_cli, train
+from grpo_trainer import StepLog, TrainConfig, generation_side, train
 
+from consumers.tiny_model import build_tiny_model
 from pipeline.local import RedisServer
 from pipeline.wire import GENERATORS, TRAINER, Keys
 from producers.client import RolloutClient
@@ -75,14 +80,14 @@ def wait_idle(client: RolloutClient, ns: str, timeout_s: float = 300) -> None:
     raise TimeoutError("the worker did not finish its work")
 
 
-def calibrate(url: str, config: TrainConfig, model: Path, logs_dir: Path) -> float:
+def calibrate(url: str, config: TrainConfig, model: Path, logs_dir: Path, worker_args: list[str]) -> float:
     """The worker's tokens per busy second at full batching: equal-length samples, many more than a batch.
 
     In a namespace of its own: admission counts every accepted sample, so these would eat into the
     capacity of the runs measured after.
     """
     ns = "bench-calibration"
-    with generation_side(url, ns, model, "torch", 1, logs_dir):
+    with generation_side(url, ns, model, "torch", 1, logs_dir, worker_args):
         client = RolloutClient(url, ns)
         before = heartbeat(client, ns)
         for i in range(4 * config.groups_per_step):
@@ -109,9 +114,9 @@ def leftover_tokens(url: str, ns: str) -> tuple[int, int]:
     return left, stale
 
 
-def run_mode(url: str, config: TrainConfig, model: Path, logs_dir: Path) -> dict[str, Any]:
+def run_mode(url: str, config: TrainConfig, model: Path, logs_dir: Path, worker_args: list[str]) -> dict[str, Any]:
     ns = f"bench-{config.mode}-{config.max_staleness}"
-    with generation_side(url, ns, model, "torch", 1, logs_dir):
+    with generation_side(url, ns, model, "torch", 1, logs_dir, worker_args):
         watcher = RolloutClient(url, ns)
         before = heartbeat(watcher, ns, newer_than=time.time())
         started = time.monotonic()
@@ -189,6 +194,12 @@ def plot(results: list[dict[str, Any]], bound: dict[str, float], path: Path) -> 
     plt.close(fig)
 
 
+def environment() -> dict[str, Any]:
+    """What the numbers were measured on, for the README beside them."""
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return {"torch": torch.__version__, "python": sys.version.split()[0], "gpus": gpus}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=40)
@@ -199,29 +210,39 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--length-alpha", type=float, default=1.5, help="Pareto exponent of response lengths.")
     parser.add_argument("--pause-mode", default="abort", choices=["abort", "keep"])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lr", type=float, default=TrainConfig.lr)
+    parser.add_argument("--trainer-device", default="cpu", help="The trainer's policy and step (cuda:0).")
+    parser.add_argument("--worker-device", default="cpu", help="The torch worker's engine (cuda:1).")
+    parser.add_argument("--hidden-size", type=int, default=64, help="Of the random Qwen2 policy (multiple of 32).")
+    parser.add_argument("--num-layers", type=int, default=2, help="Of the random Qwen2 policy.")
+    parser.add_argument("--max-batch", type=int, help="The worker's largest decode batch (default: the engine's).")
+    parser.add_argument("--transport", default="redis://", help="Weights transport: redis://, fs://DIR, nccl://...")
     parser.add_argument("--plot", type=Path)
     args = parser.parse_args(argv)
     etas = [int(x) for x in args.etas.split(",") if x]
     base = TrainConfig(
         steps=args.steps, groups_per_step=args.groups_per_step, n=args.n, max_tokens=args.max_tokens,
-        length_alpha=args.length_alpha, pause_mode=args.pause_mode, seed=args.seed,
+        length_alpha=args.length_alpha, pause_mode=args.pause_mode, seed=args.seed, device=args.trainer_device,
+        transport=args.transport, lr=args.lr,
     )  # fmt: skip
+    worker_args = ["--device", args.worker_device]
+    worker_args += ["--max-batch", str(args.max_batch)] if args.max_batch else []
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="bench-rl-") as tmp, RedisServer() as server:
         model = Path(tmp) / "model"
-        subprocess.run(rollouts_cli("tiny-model", str(model)), check=True, capture_output=True)
+        build_tiny_model(model, seed=0, hidden_size=args.hidden_size, num_layers=args.num_layers)
         configs = [replace(base, mode="sync", max_staleness=0)]
         configs += [replace(base, mode="async", max_staleness=eta) for eta in etas]
         print("calibrating the worker at full batching ...", file=sys.stderr, flush=True)
-        rate = calibrate(server.url, base, model, Path(tmp))
+        rate = calibrate(server.url, base, model, Path(tmp), worker_args)
         results = []
         for config in configs:
             print(f"running {config.mode} η={config.max_staleness} ...", file=sys.stderr, flush=True)
-            results.append(run_mode(server.url, config, model, Path(tmp)))
+            results.append(run_mode(server.url, config, model, Path(tmp), worker_args))
         bound = summarize(results, rate)
     if args.plot:
         plot(results, bound, args.plot)
-    report = {"config": vars(args) | {"plot": str(args.plot)}, "bound": bound, "results": results}
+    report = {"config": vars(args) | {"plot": str(args.plot)}, "env": environment(), "bound": bound, "results": results}
     print(json.dumps(report, indent=2))
 
 

@@ -1,8 +1,9 @@
 """A reference fully-async GRPO trainer on Rollout Streams: copy it and adapt it.
 
 It uses the public API only: `RolloutClient` (submit with admission control, `batches` with the
-staleness bound, `publish_weights`), the helpers of `producers.rl` (group advantages, the trainer's
-logprobs, the PPO-clipped loss, KL), a task from `producers.tasks`, and the real CLI for the
+staleness bound, `publish_weights`), `producers.grpo.grpo_step` (one update: rewards, group
+advantages, the trainer's logprobs, the PPO-clipped loss of `producers.rl`, the optimizer step;
+`rollouts demo` steps with it too), a task from `producers.tasks`, and the real CLI for the
 generation side (`rollouts worker`, `rollouts manager`, started here as processes: point `--redis`
 at a namespace whose workers you run yourself and pass `--workers 0`).
 
@@ -28,7 +29,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -38,7 +39,7 @@ from transformers import AutoModelForCausalLM
 
 from pipeline.cli.processes import start_worker, stop_process, wait_for_worker
 from producers.client import Batch, RolloutClient
-from producers.rl import group_advantages, policy_loss, token_logprobs
+from producers.grpo import grpo_step
 from producers.tasks import TokenSetTask, token_set_reward
 
 
@@ -63,6 +64,8 @@ class TrainConfig:
     pause_mode: str = "abort"
     transport: str = "redis://"
     seed: int = 0
+    device: str = "cpu"
+    """Where the trainer's policy and its step run (`cpu`, `cuda:0`); the workers pick theirs (`--device`)."""
 
     @property
     def batch_size(self) -> int:
@@ -101,8 +104,13 @@ def rollouts_cli(*args: str) -> list[str]:
 
 
 @contextlib.contextmanager
-def generation_side(url: str, ns: str, model: Path, engine: str, workers: int, log_dir: Path) -> Iterator[None]:
-    """`rollouts manager` and `workers` x `rollouts worker`, as a user starts them; stopped by PID at the end."""
+def generation_side(
+    url: str, ns: str, model: Path, engine: str, workers: int, log_dir: Path, worker_args: Sequence[str] = ()
+) -> Iterator[None]:
+    """`rollouts manager` and `workers` x `rollouts worker`, as a user starts them; stopped by PID at the end.
+
+    `worker_args`: more `rollouts worker` flags, e.g. `--device cuda:1` for a worker on a GPU of its own.
+    """
     processes = [subprocess.Popen(rollouts_cli("manager", "--redis", url, "--ns", ns), stderr=subprocess.DEVNULL)]
     client = RolloutClient(url, ns)
     try:
@@ -110,6 +118,7 @@ def generation_side(url: str, ns: str, model: Path, engine: str, workers: int, l
             name, log = f"rl-worker-{i}", log_dir / f"rl-worker-{i}.log"
             extra = ["--engine", engine, "--log-level", "warning", "--heartbeat-s", "0.2"]  # fresh busy_s for bench_rl
             extra += ["--num-threads", "1"] if engine == "torch" else []
+            extra += list(worker_args)
             processes.append(start_worker(url, ns, model, name, *extra, log_file=log))
             try:
                 wait_for_worker(client.streams.redis, ns, name, processes[-1], timeout_s=300)
@@ -162,7 +171,8 @@ def batches_of(client: RolloutClient, task: TokenSetTask, config: TrainConfig) -
 def train(config: TrainConfig, url: str, ns: str, model: Path) -> Iterator[StepLog]:
     """The loop: a batch of whole groups → rewards → advantages → one clipped policy step → publish."""
     torch.manual_seed(config.seed)
-    policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    device = torch.device(config.device)
+    policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).to(device)
     policy.train()
     optimizer = torch.optim.AdamW(policy.parameters(), lr=config.lr)
     task = TokenSetTask()
@@ -178,24 +188,17 @@ def train(config: TrainConfig, url: str, ns: str, model: Path) -> Iterator[StepL
             wait_s = time.monotonic() - waited_from
             t0 = time.monotonic()
             rollouts = batch.rollouts
-            rewards = [[token_set_reward(r) for r in g.rollouts] for g in batch.groups]
-            arrays = {k: torch.from_numpy(v) for k, v in batch.to_arrays().items()}
-            current = token_logprobs(policy, arrays["input_ids"], arrays["attention_mask"])
-            out = policy_loss(
-                current, arrays["logprobs"], group_advantages(rewards), arrays["loss_mask"],
-                clip_low=config.clip_low, clip_high=config.clip_high,
-            )  # fmt: skip
-            optimizer.zero_grad()
-            out.loss.backward()
-            torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
-            optimizer.step()
+            clip = {"clip_low": config.clip_low, "clip_high": config.clip_high}
+            out = grpo_step(policy, optimizer, batch, token_set_reward, **clip)  # rewards → advantages → loss → step
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # else the step's kernels would be timed as part of the publish
             t1 = time.monotonic()
             version = client.publish_weights(policy, transport=config.transport, mode=config.pause_mode)  # type: ignore[arg-type]
             t2 = time.monotonic()
             trainer_version = batch.trainer_version if batch.trainer_version is not None else version - 1
             staleness = [trainer_version - r.version for r in rollouts]
             yield StepLog(
-                step=step, version=version, reward=float(np.mean([x for g in rewards for x in g])),
+                step=step, version=version, reward=out.reward,
                 kl=out.kl, clip_fraction=out.clip_fraction, staleness_mean=float(np.mean(staleness)),
                 staleness_max=int(max(staleness)), multi_version=sum(len(r.spans) > 1 for r in rollouts),
                 wait_s=wait_s, train_s=t1 - t0, sync_stall_s=client.last_sync.stall_s if client.last_sync else 0.0,
@@ -236,6 +239,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", type=Path, help="Model directory (default: a fresh tiny model).")
     parser.add_argument("--engine", default="torch", choices=["torch", "vllm"])
     parser.add_argument("--workers", type=int, default=1, help="Workers to start here (0: yours are running).")
+    parser.add_argument("--worker-device", default="cpu", help="torch engine: the workers' device (cuda:1).")
     parser.add_argument("--plot", type=Path, help="Write the learning curve to this PNG.")
     args = parser.parse_args(argv)
     config = TrainConfig(**{name: getattr(args, name) for name in asdict(defaults)})
@@ -252,7 +256,8 @@ def main(argv: list[str] | None = None) -> None:
             model = tmp / "model"
             subprocess.run(rollouts_cli("tiny-model", str(model)), check=True, capture_output=True)
         if args.workers:
-            stack.enter_context(generation_side(url, args.ns, model, args.engine, args.workers, tmp))
+            worker_args = ["--device", args.worker_device] if args.engine == "torch" else []
+            stack.enter_context(generation_side(url, args.ns, model, args.engine, args.workers, tmp, worker_args))
         logs, seen = [], set()
         for log in train(config, url, args.ns, model):
             logs.append(log)
