@@ -55,7 +55,8 @@ class _Request:
     sampling: Sampling
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future[Generation]
-    generator: torch.Generator
+    seed: int
+    """Fixes the row's sampling noise (see `sampling_noise`): its tokens do not depend on the other rows."""
     stop_ids: frozenset[int]
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -230,10 +231,9 @@ class TorchEngine:
             sampling=sampling,
             loop=loop,
             future=loop.create_future(),
-            generator=torch.Generator(device=self.device),
+            seed=sampling.seed if sampling.seed is not None else self._seeds.getrandbits(63),
             stop_ids=frozenset(sampling.stop_token_ids) | self._eos_ids,
         )
-        req.generator.manual_seed(sampling.seed if sampling.seed is not None else self._seeds.getrandbits(63))
         with self._cv:
             if self._closing:
                 raise EngineClosedError("the engine was shut down")
@@ -466,7 +466,7 @@ class TorchEngine:
             self._finish(finished)
 
     def _sample(self, logits: torch.Tensor) -> tuple[list[int], list[float]]:
-        """Pick each row's token (greedy, or temperature + top-p with the row's own generator).
+        """Pick each row's token (greedy, or temperature + top-p with noise fixed by the row's seed).
 
         The logprob is that of the raw model distribution (before temperature and top-p), as
         vLLM reports by default and as the trainer recomputes.
@@ -485,10 +485,13 @@ class TorchEngine:
                 # Drop a token when the mass ranked above it already reaches top_p (the first always stays).
                 drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p[:, None]
                 probs = probs.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), 0.0)
-            # Exponential race: argmax(p / E), E ~ Exp(1), samples from p; one draw per vocabulary entry
-            # from the row's generator, so a row's tokens do not depend on the other rows.
-            noise = torch.stack([torch.empty_like(probs[0]).exponential_(generator=rows[i].generator) for i in sampled])
-            tokens[index] = (probs / noise).argmax(dim=-1)
+            # Inverse CDF: one uniform draw per row, for all rows at once, each from its own seed and position.
+            seeds = torch.tensor([rows[i].seed for i in sampled], device=logits.device)
+            steps = torch.tensor([len(rows[i].tokens) for i in sampled], device=logits.device)
+            cdf = probs.double().cumsum(dim=-1)
+            u = sampling_uniform(seeds, steps) * cdf[:, -1]  # top-p left the rows unnormalized
+            picked = torch.searchsorted(cdf, u[:, None], right=True).squeeze(1)
+            tokens[index] = picked.clamp(max=probs.shape[1] - 1)
         chosen = logprobs_all.gather(1, tokens[:, None]).squeeze(1)
         return tokens.tolist(), chosen.tolist()
 
@@ -525,6 +528,32 @@ class TorchEngine:
                 self._live.pop(req.id, None)
         for req, reason in ended:
             _settle(req, req.result(reason))
+
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer mixer (xorshift-multiply rounds) on int64 tensors; products stay below 2**63."""
+    x = x & _MASK32
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x2C1B3C6D) & _MASK32
+    return x ^ (x >> 16)
+
+
+def sampling_uniform(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """A uniform draw in [0, 1) for each row, a pure function of (row seed, step): float64.
+
+    Counter-based, like Philox: one batched computation for every row, where a `torch.Generator` per
+    row cost one kernel per row per token (on a GPU the engine then mostly waited on Python). A row's
+    draw depends only on its own seed and position, so its tokens are the same alone or in any batch.
+    """
+    row = _hash32(_hash32(seeds) ^ _hash32((seeds >> 32) + 0x632BE5AB))
+    high = _hash32(row + _hash32(steps + 0x1B873593))
+    low = _hash32(high ^ 0x5BD1E995)
+    return (high.double() * 2**21 + (low >> 11).double()) / 2**53  # 53 random bits
 
 
 def _settle(req: _Request, outcome: Generation | BaseException) -> None:

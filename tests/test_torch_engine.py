@@ -29,7 +29,7 @@ from tests.reference import forward_logprobs, load_model, random_prompts
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 ATOL = 1e-4
-LONG_SEED = 5
+LONG_SEED = 4
 """With `LONG_PROMPT`, this seed samples 500 tokens without an eos under the seed-0 weights."""
 LONG_PROMPT = np.arange(10, 20, dtype=np.int32)
 

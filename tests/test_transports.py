@@ -47,7 +47,7 @@ ATOL = 1e-4
 PROMPT = np.array([11, 42, 7, 300, 95, 18, 260], dtype=np.int32)
 GREEDY = Sampling(max_tokens=24, temperature=0.0)
 LONG_PROMPT = np.arange(10, 20, dtype=np.int32)
-LONG_SEED = 5
+LONG_SEED = 4
 """With `LONG_PROMPT`, this seed samples 500 tokens without an eos under the seed-0 weights (torch engine)."""
 
 
