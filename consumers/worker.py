@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from consumers.engine import Engine, EngineClosedError, EngineInputError, Generation
+from consumers.metrics import WorkerMetrics
 from pipeline.streams import Entry, Streams
 from pipeline.wire import Control, Partial, Prompt, Rollout, Span, WireError
 from staleness.state import read_state, weights_command
@@ -97,12 +98,19 @@ class BusyClock:
 
 class Worker:
     def __init__(
-        self, streams: Streams, engine: Engine, name: str | None = None, settings: WorkerSettings | None = None
+        self,
+        streams: Streams,
+        engine: Engine,
+        name: str | None = None,
+        settings: WorkerSettings | None = None,
+        metrics: WorkerMetrics | None = None,
     ):
         self.streams = streams
         self.engine = engine
         self.name = name or default_worker_name()
         self.settings = settings or WorkerSettings()
+        self.metrics = metrics or WorkerMetrics(streams.keys.ns, self.name)
+        """What only this process knows, for Prometheus (served by `rollouts worker --metrics-port`)."""
         self.status = "starting"
         self.failure: str | None = None
         """Why the worker stopped on its own (its engine died); None after a requested stop."""
@@ -118,6 +126,8 @@ class Worker:
         self._drain_on_stop = True
         self._epoch = 0
         """The last weight-sync epoch this worker acked."""
+        self._sync_began = 0.0
+        """When the pause for the current weight sync began (monotonic), for the stall until its resume."""
         self._tasks: set[asyncio.Task] = set()
         self._started = time.time()
         self._tokens_per_s = 0.0
@@ -214,6 +224,7 @@ class Worker:
         except WireError as exc:
             log.warning("%s: dead letter %s: %s", self.name, entry.id, exc)
             await asyncio.to_thread(self.streams.dead_letter, entry, str(exc), "decode")
+            self.metrics.dead_letter("decode")
             return
         self._mean_n = 0.9 * self._mean_n + 0.1 * len(samples)
         self._inflight[entry.stream, entry.id] = entry
@@ -226,6 +237,7 @@ class Worker:
             published = await asyncio.to_thread(self.streams.publish_rollouts, rollouts, entry, partials)
             if published > 0:
                 self.published += published
+                self.metrics.published(published)
         except EngineClosedError as exc:
             # The engine is gone: stop, so that a supervisor restarts us and the others claim our work.
             if not self._stopping.is_set():
@@ -235,6 +247,7 @@ class Worker:
         except Exception:
             # Not the prompt's fault (a failed engine step, Redis gone): leave it pending for a retry elsewhere.
             log.exception("%s: prompt %s failed; it stays pending", self.name, prompt.id)
+            self.metrics.prompt_failed()
         finally:
             del self._inflight[entry.stream, entry.id]
             self._inflight_samples -= len(samples)
@@ -263,6 +276,7 @@ class Worker:
                 error = str(exc)
                 generation = Generation(_EMPTY_TOKENS, _EMPTY_LOGPROBS, "error", [])
         self.generated_tokens += len(generation.tokens)
+        self.metrics.generated(time.time() - started, len(generation.tokens), generation.finish_reason)
         new_spans = generation.spans or [(version, 0, len(generation.tokens))]
         tokens = np.concatenate([so_far, generation.tokens])
         logprobs = np.concatenate([done.logprobs, generation.logprobs]) if done is not None else generation.logprobs
@@ -351,6 +365,7 @@ class Worker:
             await self.engine.resume()
             self.status = "serving"
             self._set_serving(True)
+            self.metrics.resumed(time.monotonic() - self._sync_began)
             await self._beat()
         elif command.cmd == "stop" and command.worker in ("", self.name):
             if command.worker:
@@ -365,7 +380,7 @@ class Worker:
         """
         self._set_serving(False)
         self.status = "paused"
-        started = time.monotonic()
+        started = self._sync_began = time.monotonic()
         await self.engine.pause(command.mode)
         paused = time.monotonic()
         if command.version != self.engine.version:
@@ -380,6 +395,7 @@ class Worker:
                 return
         self._epoch = command.epoch
         await self._beat()  # the ack: `epoch` and `version` in the heartbeat
+        self.metrics.synced(paused - started, time.monotonic() - paused)
         log.info(
             "%s: sync %d: paused in %.3f s, version %d loaded and acked in %.3f s",
             self.name, command.epoch, paused - started, command.version, time.monotonic() - paused,
@@ -437,14 +453,17 @@ class Worker:
             if deliveries > self.settings.max_deliveries:
                 reason = f"handed out {deliveries} times without finishing (limit {self.settings.max_deliveries})"
                 await asyncio.to_thread(self.streams.dead_letter, entry, reason, "deliver")
+                self.metrics.dead_letter("deliver")
                 continue
             log.info("%s: claimed abandoned %s %s", self.name, entry.stream, entry.id)
             self._start(entry)
 
 
-def run_worker(streams: Streams, engine: Engine, name: str | None, settings: WorkerSettings) -> Worker:
+def run_worker(
+    streams: Streams, engine: Engine, name: str | None, settings: WorkerSettings, metrics: WorkerMetrics | None = None
+) -> Worker:
     """Run a worker until SIGINT/SIGTERM, then drain and stop the engine."""
-    worker = Worker(streams, engine, name, settings)
+    worker = Worker(streams, engine, name, settings, metrics)
 
     async def main() -> None:
         loop = asyncio.get_running_loop()

@@ -10,6 +10,7 @@ versions"); the tests run the main end-to-end paths on both.
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import redis
 
@@ -58,9 +59,11 @@ def server_version(client: redis.Redis) -> tuple[int, int, int] | None:
     return parse_version(str(info["redis_version"])) if "redis_version" in info else None
 
 
-def connect(url: str) -> redis.Redis:
-    """A client for binary payloads (`decode_responses=False`), checked with a PING and for the version."""
-    client = redis.Redis.from_url(url, decode_responses=False, health_check_interval=30)
+def connect(url: str, **options: Any) -> redis.Redis:
+    """A client for binary payloads (`decode_responses=False`), checked with a PING and for the version.
+
+    `options` go to redis-py (`socket_timeout=` for a reader that must not hang on a stuck server)."""
+    client = redis.Redis.from_url(url, decode_responses=False, health_check_interval=30, **options)
     try:
         client.ping()
     except redis.ResponseError as exc:

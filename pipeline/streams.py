@@ -29,7 +29,7 @@ from pipeline.wire import (
 )
 
 SCRIPTS = Path(__file__).with_name("lua")
-"""Where `publish.lua`, `claim.lua` and `forward.lua` live."""
+"""Where `publish.lua`, `claim.lua`, `forward.lua` and `replay.lua` live."""
 
 
 class Entry(NamedTuple):
@@ -66,6 +66,7 @@ class Streams:
         self.dedupe_ttl_s = dedupe_ttl_s
         scripts = register_all(client, SCRIPTS)
         self._publish, self._claim, self._forward = scripts["publish"], scripts["claim"], scripts["forward"]
+        self._replay = scripts["replay"]
 
     def ensure_groups(self) -> None:
         """Create the consumer groups (and their streams) if missing; safe to call from every process."""
@@ -197,6 +198,42 @@ class Streams:
     def ack_rollouts(self, ids: Sequence[bytes]) -> None:
         if ids:
             self.redis.xack(self.keys.rollouts, TRAINER, *ids)
+
+    # -- any other group on a stream (the recorder's on `rollouts`) and replay --------------------
+
+    def ensure_group(self, stream: str, group: str) -> None:
+        """A consumer group of its own on `stream`, from the stream's start (so it reads what is still there)."""
+        try:
+            self.redis.xgroup_create(stream, group, id="0", mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    def read_group(
+        self, stream: str, group: str, consumer: str, count: int, block_ms: int | None, pending_after: bytes | None
+    ) -> list[Entry]:
+        """New entries for `consumer` of `group`; with `pending_after` (`b"0"` for the first page), those it was
+        handed before and never acked, after that id. Deleted pending entries are acked."""
+        start = ">" if pending_after is None else pending_after
+        return self._read_group(stream, group, consumer, count, block_ms, start)
+
+    def ack(self, stream: str, group: str, ids: Sequence[bytes], chunk: int = 10_000) -> int:
+        """Ack `ids` in `group`, a chunk per command (a recording file may hold a great many); returns how many."""
+        pipe = self.redis.pipeline(transaction=False)
+        for at in range(0, len(ids), chunk):
+            pipe.xack(stream, group, *ids[at : at + chunk])
+        return sum(pipe.execute())
+
+    def replay_rollouts(self, rollouts: Sequence[Rollout]) -> int:
+        """Put `rollouts` on `{ns}:rollouts` with their ids unchanged, skipping every id already published here
+        (the publish marker, `lua/replay.lua`); returns how many were added."""
+        if not rollouts:
+            return 0
+        keys = [self.keys.rollouts, *(self.keys.published(r.id) for r in rollouts)]
+        args: list[Any] = [self.dedupe_ttl_s]
+        for rollout in rollouts:
+            _append_fields(args, rollout.to_fields())
+        return int(self._replay(keys=keys, args=args))
 
     def _read_group(
         self, stream: str, group: str, consumer: str, count: int, block_ms: int | None, start: str | bytes

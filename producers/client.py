@@ -17,7 +17,7 @@ import re
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -57,6 +57,10 @@ class Group:
         """Why the scoring stage gave this group no rewards (its function raised, hung, or kept losing workers)."""
         return next((r.reward_error for r in self.rollouts if r.reward_error), None)
 
+    def staleness(self, trainer_version: int) -> int:
+        """How many versions its oldest sample is behind `trainer_version`: the group passes a bound η when <= η."""
+        return max(trainer_version - r.version for r in self.rollouts)
+
 
 @dataclass
 class Batch:
@@ -94,6 +98,52 @@ class Batch:
             for version, start, end in r.spans:
                 arrays["token_versions"][row, p + start : p + end] = version
         return arrays
+
+
+class GroupAssembler:
+    """Dedupe on rollout id and hold samples until their group is whole; the live client and the offline
+    replay (`producers.replay`) share it, so that both hand over the same groups."""
+
+    def __init__(self, remember_ids: int = 1_000_000) -> None:
+        self._seen: OrderedDict[str, None] = OrderedDict()
+        self._remember_ids = remember_ids
+        self.open: dict[str, dict[int, tuple[Rollout, bytes]]] = {}
+        """Groups still missing samples: prompt id -> sample -> (rollout, entry id)."""
+
+    def seen(self, rollout_id: str) -> bool:
+        """Whether this id was added before (one of the last `remember_ids`): a duplicate."""
+        return rollout_id in self._seen
+
+    def add(self, rollout: Rollout, entry_id: bytes = b"") -> Group | None:
+        """File a rollout that was not `seen`; returns its group once that is whole."""
+        self._seen[rollout.id] = None
+        if len(self._seen) > self._remember_ids:
+            self._seen.popitem(last=False)
+        samples = self.open.setdefault(rollout.prompt_id, {})
+        samples[rollout.sample] = (rollout, entry_id)
+        if len(samples) < rollout.n:
+            return None
+        del self.open[rollout.prompt_id]
+        ordered = [samples[k] for k in sorted(samples)]
+        return Group(rollout.prompt_id, [r for r, _ in ordered], [e for _, e in ordered])
+
+
+def whole_batches(
+    groups: Iterable[Group], groups_per_batch: int, fresh: Callable[[list[Group]], list[Group]] | None = None
+) -> Iterator[Batch]:
+    """Batches of `groups_per_batch` groups. With `fresh` (the staleness bound), a full batch is checked once,
+    and what it drops is made up with the next groups; its groups' `trainer_version` is the batch's."""
+    pending: list[Group] = []
+    for group in groups:
+        pending.append(group)
+        if len(pending) < groups_per_batch:
+            continue
+        if fresh is not None:
+            pending = fresh(pending)
+            if len(pending) < groups_per_batch:
+                continue
+        batch, pending = Batch(pending, trainer_version=pending[0].trainer_version), []
+        yield batch
 
 
 class RolloutClient:
@@ -136,9 +186,7 @@ class RolloutClient:
         self._stale = StaleRollouts(client, self.streams.keys, TRAINER)
         self._tokenizer_path = tokenizer
         self._tokenizer: Any = None
-        self._seen: OrderedDict[str, None] = OrderedDict()
-        self._remember_ids = remember_ids
-        self._open: dict[str, dict[int, tuple[Rollout, bytes]]] = {}
+        self._groups = GroupAssembler(remember_ids)
         self._pending_after: bytes | None = b"0"
         """First re-read what this consumer was handed before a restart, from this id on (None: done)."""
         self.last_sync: SyncReport | None = None
@@ -325,16 +373,8 @@ class RolloutClient:
         batch is filled up with the next groups, so every rollout handed over has staleness <= bound.
         """
         bound = self._bound(max_staleness)
-        pending: list[Group] = []
-        for group in self._whole_groups(timeout):
-            pending.append(group)
-            if len(pending) < groups_per_batch:
-                continue
-            if bound is not None:
-                pending = self._fresh(pending, bound)
-                if len(pending) < groups_per_batch:
-                    continue
-            batch, pending = Batch(pending, trainer_version=pending[0].trainer_version), []
+        fresh = None if bound is None else lambda groups: self._fresh(groups, bound)
+        for batch in whole_batches(self._whole_groups(timeout), groups_per_batch, fresh):
             try:
                 yield batch
             finally:
@@ -366,7 +406,7 @@ class RolloutClient:
         fresh: list[Group] = []
         parked: list[tuple[bytes, int]] = []
         for group in groups:
-            if any(version - r.version > bound for r in group.rollouts):
+            if group.staleness(version) > bound:
                 parked += [(e, version - r.version) for r, e in zip(group.rollouts, group.entry_ids, strict=True)]
             else:
                 group.trainer_version = version
@@ -399,7 +439,7 @@ class RolloutClient:
                 last_news = time.monotonic()
             elif timeout is not None and time.monotonic() - last_news > timeout:
                 raise TimeoutError(
-                    f"no rollout arrived in {timeout:.0f}s; {len(self._open)} groups are incomplete. "
+                    f"no rollout arrived in {timeout:.0f}s; {len(self._groups.open)} groups are incomplete. "
                     f"Is a worker running on this namespace (`rollouts top`)?{self._scoring_hint()}"
                 )
             yield from self._take(entries)
@@ -435,23 +475,14 @@ class RolloutClient:
                 self.streams.dead_letter(entry, str(exc), "trainer-decode")
                 self.stats["dead"] += 1
                 continue
-            if rollout.id in self._seen:
+            if self._groups.seen(rollout.id):
                 duplicates.append(entry.id)
                 continue
-            self._remember(rollout.id)
             self.stats["received"] += 1
-            samples = self._open.setdefault(rollout.prompt_id, {})
-            samples[rollout.sample] = (rollout, entry.id)
-            if len(samples) == rollout.n:
-                del self._open[rollout.prompt_id]
-                ordered = [samples[k] for k in sorted(samples)]
-                whole.append(Group(rollout.prompt_id, [r for r, _ in ordered], [e for _, e in ordered]))
+            group = self._groups.add(rollout, entry.id)
+            if group is not None:
+                whole.append(group)
         self.stats["duplicates"] += len(duplicates)
         self.streams.ack_rollouts(duplicates)
         self.stats["groups"] += len(whole)
         return whole
-
-    def _remember(self, rollout_id: str) -> None:
-        self._seen[rollout_id] = None
-        if len(self._seen) > self._remember_ids:
-            self._seen.popitem(last=False)

@@ -117,6 +117,8 @@ class Manager:
         uri = command.uri if command is not None else state.weights_uri
         report = SyncReport(version=version, epoch=state.epoch)
         self._conclude(report, uri, waiting=set(self.live_workers()), deadline=time.monotonic())
+        if command is not None:  # the stall so far: from its `weights` command (the driver's clock) to now
+            report.stall_s = max(0.0, time.time() - command.ts)
         return report
 
     def _conclude(self, report: SyncReport, uri: str, waiting: set[str], deadline: float) -> None:

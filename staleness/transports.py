@@ -43,6 +43,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_blob
 from safetensors.torch import load_file, save, save_file
 
+from pipeline.files import fsync_path
 from pipeline.wire import Keys
 
 if TYPE_CHECKING:
@@ -307,13 +308,13 @@ class FsTransport:
         try:
             file = partial / WEIGHTS_FILE
             save_file(named, str(file), metadata={"format": "pt", "version": str(version)})
-            _fsync(file)
-            _fsync(partial)
+            fsync_path(file)
+            fsync_path(partial)
             os.rename(partial, final)  # atomic: `v{n}` appears complete or not at all
         except BaseException:
             shutil.rmtree(partial, ignore_errors=True)
             raise
-        _fsync(self.root)
+        fsync_path(self.root)
         return self.uri_of(version)
 
     def fetch(self, version: int) -> Path:
@@ -356,15 +357,6 @@ def _fs_version_dir(path: Path, version: int) -> Path:
     if not any(path.glob("*.safetensors")):
         raise FileNotFoundError(f"weights version {version}: {path} holds no *.safetensors file")
     return path
-
-
-def _fsync(path: Path) -> None:
-    """Flush a file's or a directory's entries to stable storage (a rename is durable only after this)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class RedisTransport:

@@ -85,7 +85,7 @@ def test_workers_reserve_a_gpu_restart_outwait_their_drain_and_wait_for_redis() 
 
 def test_every_service_runs_a_command_line_the_cli_accepts(monkeypatch: pytest.MonkeyPatch) -> None:
     services = rollouts_services()
-    assert {"manager", "worker", "scorer", "score-worker", "tiny-model", "submit", "top"} <= set(services)
+    assert {"manager", "worker", "scorer", "score-worker", "exporter", "tiny-model", "submit", "top"} <= set(services)
     for name, service in services.items():
         env = {k: interpolate(str(v), {}) for k, v in service["environment"].items()}
         assert env["ROLLOUTS_REDIS"] == "redis://redis:6379/0" and env["ROLLOUTS_NS"] == "exp1", name
@@ -98,6 +98,24 @@ def test_every_service_runs_a_command_line_the_cli_accepts(monkeypatch: pytest.M
         if "model" in ctx.params:
             assert str(ctx.params["model"]) == "/models/tiny", name
     assert parse_with_the_cli(["worker", "--model", "/m", "--engine", "vllm"], {}, monkeypatch).params["engine"]
+
+
+def test_the_exporter_is_on_loopback_and_workers_and_the_manager_serve_metrics(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Prometheus: the exporter published on 127.0.0.1 at the port it listens on; workers and the manager
+    serve `--metrics-port` on the compose network (not published: worker replicas would clash)."""
+    services = compose()["services"]
+    exporter = parse_with_the_cli(services["exporter"]["command"], {}, monkeypatch).params
+    (published,) = services["exporter"]["ports"]
+    host, port, target = interpolate(published, {}).split(":")
+    assert host == "127.0.0.1" and target == str(exporter["port"]) == port == "9650"
+    assert interpolate(published, {"ROLLOUTS_EXPORTER_PORT": "19650"}) == "127.0.0.1:19650:9650"
+    assert services["exporter"]["restart"] == "unless-stopped"
+    for name in ("worker", "manager"):
+        args = [interpolate(arg, {}) for arg in services[name]["command"]]
+        port = parse_with_the_cli(args, {}, monkeypatch).params["metrics_port"]
+        assert services[name]["expose"] == [str(port)] and "ports" not in services[name], name
 
 
 def test_a_command_the_cli_refuses_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:

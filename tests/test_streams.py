@@ -183,7 +183,7 @@ def test_every_lua_script_names_its_keys_and_compiles_on_both_versions(redis_ser
     client = redis.Redis.from_url(redis_server.url)
     folders = [SCRIPTS, staleness_scripts]
     names = {name for folder in folders for name in sources(folder)}
-    assert names == {"publish", "claim", "forward", "admit", "park", "begin_sync", "finish_sync"}
+    assert names == {"publish", "claim", "forward", "replay", "admit", "park", "begin_sync", "finish_sync"}
     for folder in folders:
         for name, source in sources(folder).items():
             header = [line for line in source.splitlines() if line.startswith("--")]

@@ -13,7 +13,7 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import TYPE_CHECKING, Annotated, NoReturn
 
 import redis
 import typer
@@ -39,6 +39,9 @@ from pipeline.connections import UnsupportedRedisError, connect
 from pipeline.streams import Streams
 from pipeline.wire import WireError
 
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
 # Models are local directories: never reach for a hub, and keep load/save progress bars out of logs.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -57,6 +60,10 @@ RedisOpt = Annotated[str, typer.Option("--redis", envvar="ROLLOUTS_REDIS", help=
 NsOpt = Annotated[str, typer.Option("--ns", envvar="ROLLOUTS_NS", help="Pipeline namespace (the key hash tag).")]
 DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
 DEFAULT_NS = "rollouts"
+MetricsPortOpt = Annotated[
+    int | None, typer.Option(help="Serve this process's Prometheus metrics on this port (default: off).")
+]
+MetricsAddrOpt = Annotated[str, typer.Option(help="Address the metrics endpoint listens on.")]
 
 
 def fail(message: str) -> NoReturn:
@@ -90,6 +97,23 @@ def check_engine(spec: EngineSpec) -> None:
         fail(f"unknown engine {spec.kind!r}; choose one of {', '.join(ENGINES)}")
     if not (spec.model / "config.json").is_file():
         fail(f"no model at {spec.model} (config.json missing). Build a tiny one with: rollouts tiny-model {spec.model}")
+
+
+def serve_metrics(registry: CollectorRegistry, port: int, addr: str) -> int:
+    """Serve `registry` on http://addr:port/metrics; returns the port (0 asks for a free one).
+
+    The `_created` series of counters and histograms are left out: in the text format they are only noise."""
+    from prometheus_client import disable_created_metrics
+
+    from pipeline.exporter import serve
+
+    disable_created_metrics()
+    try:
+        server = serve(registry, port, addr)
+    except OSError as exc:
+        fail(f"cannot serve metrics on {addr}:{port}: {exc.strerror or exc}. Pass another port.")
+    console.print(f"metrics on http://{addr}:{server.server_port}/metrics")
+    return server.server_port
 
 
 def setup_logging(level: str) -> None:
@@ -131,11 +155,15 @@ def worker(
     claim_idle_ms: Annotated[int, typer.Option(help="Claim work untouched this long (a dead worker's).")] = 10_000,
     heartbeat_s: Annotated[float, typer.Option(help="Heartbeat period in seconds.")] = 1.0,
     log_level: Annotated[str, typer.Option(help="debug, info, warning.")] = "info",
+    metrics_port: MetricsPortOpt = None,
+    metrics_addr: MetricsAddrOpt = "0.0.0.0",
 ) -> None:
     """Serve prompts from the namespace until interrupted (SIGINT/SIGTERM drain in-flight work)."""
     # The engine flags reach the engine through `ctx.params` (EngineSpec.from_flags).
     from consumers.engine import create_engine
-    from consumers.worker import WorkerSettings, run_worker
+    from consumers.metrics import WorkerMetrics
+    from consumers.worker import WorkerSettings, default_worker_name, run_worker
+    from pipeline.exporter import process_registry
 
     setup_logging(log_level)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", log_level.upper())
@@ -145,8 +173,13 @@ def worker(
     streams = open_streams(redis_url, ns)
     settings = WorkerSettings(max_inflight=max_inflight, claim_idle_ms=claim_idle_ms, heartbeat_s=heartbeat_s)
     settings.heartbeat_ttl_s = max(settings.heartbeat_ttl_s, 5 * heartbeat_s)
+    name = name or default_worker_name()
+    metrics = WorkerMetrics(ns, name, process_registry())
+    if metrics_port is not None:  # before the engine loads: a port in use fails at once
+        serve_metrics(metrics.registry, metrics_port, metrics_addr)
     with user_errors(redis_url):
-        done = run_worker(streams, create_engine(spec.kind, str(spec.model), **spec.options()), name, settings)
+        engine = create_engine(spec.kind, str(spec.model), **spec.options())
+        done = run_worker(streams, engine, name, settings, metrics)
     console.print(f"worker {done.name} stopped after publishing {done.published} rollouts")
     if done.failure:
         console.print(f"[bold red]worker {done.name} failed:[/] {done.failure}")
@@ -246,18 +279,30 @@ def manager(
     ] = None,
     interval: Annotated[float, typer.Option(help="Seconds between checks.")] = 1.0,
     once: Annotated[bool, typer.Option(help="Check once and exit.")] = False,
+    metrics_port: MetricsPortOpt = None,
+    metrics_addr: MetricsAddrOpt = "0.0.0.0",
 ) -> None:
-    """Keep `{ns}:state` and finish weight syncs whose driver died (workers left paused), until interrupted."""
+    """Keep `{ns}:state` and finish weight syncs whose driver died (workers left paused), until interrupted.
+
+    With `--metrics-port`, it also serves every sync's stall, the syncs and evictions (whoever drove them)."""
+    from pipeline.exporter import process_registry
     from staleness.manager import Manager
+    from staleness.metrics import SyncMetrics
 
     streams = open_streams(redis_url, ns)
     keeper = Manager(streams, ack_timeout_s=ack_timeout_s)
+    with user_errors(redis_url):
+        syncs = SyncMetrics(streams, process_registry())
+    if metrics_port is not None:
+        serve_metrics(syncs.registry, metrics_port, metrics_addr)
     with user_errors(redis_url):
         streams.ensure_groups()
         while True:
             report = keeper.finish_abandoned(abandoned_after_s)
             if report is not None:
+                syncs.abandoned()
                 console.print(f"finished an abandoned sync: {json.dumps(_report(report))}")
+            syncs.poll()
             if once:
                 state = keeper.state()
                 print(json.dumps({"version": state.version, "epoch": state.epoch, "paused": state.paused}))
@@ -374,4 +419,4 @@ def bench_sync(
 
 
 # Commands that live in modules beside this one register themselves on `app` when imported.
-from pipeline.cli import scoring  # noqa: E402, F401
+from pipeline.cli import exporter, recording, scoring  # noqa: E402, F401

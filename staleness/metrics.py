@@ -1,0 +1,75 @@
+"""The manager's metrics: every weight sync on `{ns}:control`, whoever drove it, served on `--metrics-port`.
+
+A sync is usually driven by the trainer's process (`publish_weights`), not by `rollouts manager`;
+but every sync leaves its `weights` and `resume` commands, each stamped with `ts`, on the control
+stream, and every eviction a `stop` that names one worker. So the manager, always running, follows
+that stream and observes each sync once: the stall is `resume.ts - weights.ts` of one epoch (from
+the command going out to generation going on). Syncs it finished itself (their driver died) are
+counted apart.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from pipeline.streams import Streams
+from pipeline.wire import Control, WireError
+from staleness.state import weights_command
+
+SYNC_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+"""Seconds: tens of ms for a small model on one host, up to an ack deadline (or an abandoned sync)."""
+
+
+class SyncMetrics:
+    """Follows `{ns}:control` from where it stands when created; call `poll()` now and then."""
+
+    def __init__(self, streams: Streams, registry: CollectorRegistry | None = None) -> None:
+        self.streams = streams
+        self.registry = registry if registry is not None else CollectorRegistry()
+        ns = streams.keys.ns
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, ["ns"], registry=self.registry).labels(ns)
+
+        self._syncs = counter("rollouts_manager_syncs", "Weight syncs concluded (a resume on the control stream).")
+        self._evictions = counter("rollouts_manager_evictions", "Workers stopped for missing an ack deadline.")
+        self._abandoned = counter("rollouts_manager_abandoned_syncs", "Syncs whose driver died, finished here.")
+        self._stall = Histogram(
+            "rollouts_manager_sync_stall_seconds", "Weight sync stall: the weights command to the resume.", ["ns"],
+            registry=self.registry, buckets=SYNC_BUCKETS,
+        ).labels(ns)  # fmt: skip
+        self._after = streams.last_control_id()
+        self._begun: dict[int, float] = {}
+        """`weights` command time by epoch, until its resume comes."""
+
+    def poll(self) -> None:
+        """Observe the control commands that came since the last poll."""
+        while True:
+            entries = self.streams.read_control(self._after, None)
+            for entry in entries:
+                self._after = entry.id
+                try:
+                    command = Control.from_fields(entry.fields)
+                except WireError:
+                    continue  # a worker ignores it too
+                self._observe(command)
+            if len(entries) < 100:  # `read_control` reads 100 at a time
+                return
+
+    def _observe(self, command: Control) -> None:
+        if command.cmd == "weights":
+            self._begun[command.epoch] = command.ts
+        elif command.cmd == "stop" and command.worker:
+            self._evictions.inc()
+        elif command.cmd == "resume":
+            begun = self._begun.pop(command.epoch, None)
+            if begun is None:  # begun before this manager started
+                weights = weights_command(self.streams.redis, self.streams.keys, command.epoch)
+                begun = weights.ts if weights is not None else None
+            self._syncs.inc()
+            if begun is not None:
+                self._stall.observe(max(0.0, command.ts - begun))
+
+    def abandoned(self) -> None:
+        """This manager finished a sync whose driver died (its evictions show up on the control stream)."""
+        self._abandoned.inc()
