@@ -217,7 +217,7 @@ def test_fs_publish_appears_only_with_the_final_rename(tmp_path: Path, monkeypat
     weights = small_tensors(0)
     final = tmp_path / "v4"
     events: list[str] = []
-    real_rename, real_fsync = transports.os.rename, transports._fsync
+    real_rename, real_fsync = transports.os.rename, transports.fsync_path
 
     def fsync(path: Path) -> None:
         events.append(f"fsync {Path(path).name}")
@@ -231,7 +231,7 @@ def test_fs_publish_appears_only_with_the_final_rename(tmp_path: Path, monkeypat
         events.append(f"rename {dst.name}")
         real_rename(src, dst)
 
-    monkeypatch.setattr(transports, "_fsync", fsync)
+    monkeypatch.setattr(transports, "fsync_path", fsync)
     monkeypatch.setattr(transports.os, "rename", rename)
     transport.publish(weights, 4)
     assert events[-1] == f"fsync {tmp_path.name}" and events[-2] == "rename v4"
