@@ -37,7 +37,8 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
-from pipeline.cli.processes import start_worker, stop_process, wait_for_worker
+from pipeline.cli.processes import start_command, start_worker, stop_process, wait_for_worker
+from pipeline.wire import Rollout
 from producers.client import Batch, RolloutClient
 from producers.grpo import grpo_step
 from producers.tasks import TokenSetTask, token_set_reward
@@ -64,6 +65,9 @@ class TrainConfig:
     pause_mode: str = "abort"
     transport: str = "redis://"
     seed: int = 0
+    scoring: str = "trainer"
+    """Where rewards are computed: `trainer` (here, inline), or by the scoring stage before the trainer
+    gets the group: `inline` (`rollouts scorer`) or `rq` (`rollouts scorer --rq` + `rollouts score-worker`s)."""
     device: str = "cpu"
     """Where the trainer's policy and its step run (`cpu`, `cuda:0`); the workers pick theirs (`--device`)."""
 
@@ -96,7 +100,18 @@ class StepLog:
     samples: int
     tokens: int
     elapsed_s: float
+    reward_errors: int = 0
+    """Samples the scoring stage gave a `reward_error` (trained on with reward 0: no gradient from their group)."""
     ids: list[str] = field(default_factory=list, repr=False)
+
+
+REWARD_FN = "producers.tasks:token_set_reward"
+"""The task's reward by import path, for the scoring stage (`--scoring inline|rq`)."""
+
+
+def stage_reward(rollout: Rollout) -> float:
+    """The reward the scoring stage set; 0 where it could not (`reward_error`)."""
+    return rollout.reward if rollout.reward is not None else 0.0
 
 
 def rollouts_cli(*args: str) -> list[str]:
@@ -105,13 +120,31 @@ def rollouts_cli(*args: str) -> list[str]:
 
 @contextlib.contextmanager
 def generation_side(
-    url: str, ns: str, model: Path, engine: str, workers: int, log_dir: Path, worker_args: Sequence[str] = ()
+    url: str,
+    ns: str,
+    model: Path,
+    engine: str,
+    workers: int,
+    log_dir: Path,
+    worker_args: Sequence[str] = (),
+    scoring: str = "trainer",
+    score_workers: int = 1,
 ) -> Iterator[None]:
     """`rollouts manager` and `workers` x `rollouts worker`, as a user starts them; stopped by PID at the end.
 
     `worker_args`: more `rollouts worker` flags, e.g. `--device cuda:1` for a worker on a GPU of its own.
+    `scoring` `inline` or `rq` also starts `rollouts scorer` (and, for `rq`, `score_workers` x
+    `rollouts score-worker` on a queue of this namespace's own).
     """
     processes = [subprocess.Popen(rollouts_cli("manager", "--redis", url, "--ns", ns), stderr=subprocess.DEVNULL)]
+    if scoring != "trainer":
+        queue = ["--queue", f"rewards-{ns}"]
+        scorer = ["scorer", "--redis", url, "--ns", ns, "--log-level", "warning"]
+        scorer += ["--rq", *queue] if scoring == "rq" else []
+        processes.append(start_command(*scorer, log_file=log_dir / "scorer.log"))
+        for i in range(score_workers if scoring == "rq" else 0):
+            args = ["score-worker", "--redis", url, *queue, "--name", f"{ns}-score-{i}", "--log-level", "warning"]
+            processes.append(start_command(*args, log_file=log_dir / f"score-worker-{i}.log"))
     client = RolloutClient(url, ns)
     try:
         for i in range(workers):
@@ -140,6 +173,7 @@ def submit_next(client: RolloutClient, task: TokenSetTask, config: TrainConfig, 
     client.submit(
         tokens=tokens, n=config.n, max_tokens=max_tokens, temperature=config.temperature,
         seed=config.seed * 1_000_000 + index, meta=meta, id=f"s{config.seed}-p{index}", timeout=timeout,
+        reward_fn=REWARD_FN if config.scoring != "trainer" else None,
     )  # fmt: skip
 
 
@@ -189,7 +223,8 @@ def train(config: TrainConfig, url: str, ns: str, model: Path) -> Iterator[StepL
             t0 = time.monotonic()
             rollouts = batch.rollouts
             clip = {"clip_low": config.clip_low, "clip_high": config.clip_high}
-            out = grpo_step(policy, optimizer, batch, token_set_reward, **clip)  # rewards → advantages → loss → step
+            reward = token_set_reward if config.scoring == "trainer" else stage_reward
+            out = grpo_step(policy, optimizer, batch, reward, **clip)  # rewards → advantages → loss → step
             if device.type == "cuda":
                 torch.cuda.synchronize(device)  # else the step's kernels would be timed as part of the publish
             t1 = time.monotonic()
@@ -203,7 +238,8 @@ def train(config: TrainConfig, url: str, ns: str, model: Path) -> Iterator[StepL
                 staleness_max=int(max(staleness)), multi_version=sum(len(r.spans) > 1 for r in rollouts),
                 wait_s=wait_s, train_s=t1 - t0, sync_stall_s=client.last_sync.stall_s if client.last_sync else 0.0,
                 publish_s=t2 - t1, samples=len(rollouts), tokens=sum(r.n_tokens for r in rollouts),
-                elapsed_s=t2 - started, ids=[r.id for r in rollouts],
+                elapsed_s=t2 - started, reward_errors=sum(r.reward_error is not None for r in rollouts),
+                ids=[r.id for r in rollouts],
             )  # fmt: skip
             waited_from = time.monotonic()
             if step + 1 >= config.steps:
@@ -231,7 +267,7 @@ def plot(logs: list[StepLog], path: Path, title: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     defaults = TrainConfig()
-    choices = {"mode": ["sync", "async"], "pause_mode": ["abort", "keep"]}
+    choices = {"mode": ["sync", "async"], "pause_mode": ["abort", "keep"], "scoring": ["trainer", "inline", "rq"]}
     for name, value in asdict(defaults).items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value, choices=choices.get(name))
     parser.add_argument("--redis", help="Redis URL (default: a private redis-server, started here).")
@@ -240,6 +276,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--engine", default="torch", choices=["torch", "vllm"])
     parser.add_argument("--workers", type=int, default=1, help="Workers to start here (0: yours are running).")
     parser.add_argument("--worker-device", default="cpu", help="torch engine: the workers' device (cuda:1).")
+    parser.add_argument("--score-workers", type=int, default=1, help="--scoring rq: RQ score-workers to start here.")
     parser.add_argument("--plot", type=Path, help="Write the learning curve to this PNG.")
     args = parser.parse_args(argv)
     config = TrainConfig(**{name: getattr(args, name) for name in asdict(defaults)})
@@ -257,7 +294,11 @@ def main(argv: list[str] | None = None) -> None:
             subprocess.run(rollouts_cli("tiny-model", str(model)), check=True, capture_output=True)
         if args.workers:
             worker_args = ["--device", args.worker_device] if args.engine == "torch" else []
-            stack.enter_context(generation_side(url, args.ns, model, args.engine, args.workers, tmp, worker_args))
+            stack.enter_context(
+                generation_side(
+                    url, args.ns, model, args.engine, args.workers, tmp, worker_args, config.scoring, args.score_workers
+                )
+            )
         logs, seen = [], set()
         for log in train(config, url, args.ns, model):
             logs.append(log)
