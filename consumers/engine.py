@@ -1,4 +1,4 @@
-"""The one protocol every generation engine implements (`torch` now, `vllm` next).
+"""The one protocol every generation engine implements: `torch`, `vllm`, and `synthetic` (no model).
 
 The worker only ever talks to an engine through `Engine`; an engine knows nothing of
 Redis, versions policy or staleness. Like vLLM's v1 engine client/core split, the seam
@@ -178,7 +178,7 @@ def check_request(prompt_tokens: np.ndarray, sampling: Sampling, max_model_len: 
         raise EngineInputError("; ".join(problems))
 
 
-ENGINES = ("torch", "vllm")
+ENGINES = ("torch", "vllm", "synthetic")
 
 
 def create_engine(kind: str, model: str, **options: object) -> Engine:
@@ -191,4 +191,8 @@ def create_engine(kind: str, model: str, **options: object) -> Engine:
         from consumers.vllm_engine import VllmEngine
 
         return VllmEngine(model, **options)  # type: ignore[arg-type]
+    if kind == "synthetic":
+        from consumers.synthetic_engine import SyntheticEngine
+
+        return SyntheticEngine(model, **options)  # type: ignore[arg-type]
     raise ValueError(f"unknown engine {kind!r}; choose one of {', '.join(ENGINES)}")

@@ -95,7 +95,7 @@ def check_engine(spec: EngineSpec) -> None:
 
     if spec.kind not in ENGINES:
         fail(f"unknown engine {spec.kind!r}; choose one of {', '.join(ENGINES)}")
-    if not (spec.model / "config.json").is_file():
+    if spec.kind != "synthetic" and not (spec.model / "config.json").is_file():  # synthetic: a model is optional
         fail(f"no model at {spec.model} (config.json missing). Build a tiny one with: rollouts tiny-model {spec.model}")
 
 

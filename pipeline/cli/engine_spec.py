@@ -9,7 +9,9 @@ from typing import Annotated, Any
 
 import typer
 
-EngineOpt = Annotated[str, typer.Option("--engine", help="Generation engine: torch or vllm.")]
+EngineOpt = Annotated[
+    str, typer.Option("--engine", help="Generation engine: torch, vllm, or synthetic (no model: tokens at a set pace).")
+]
 DtypeOpt = Annotated[str, typer.Option(help="Weights dtype: float32, bfloat16, float16.")]
 DeviceOpt = Annotated[str, typer.Option(help="torch engine: device (cpu, cuda, cuda:1).")]
 MaxBatchOpt = Annotated[int, typer.Option(help="torch engine: largest decode batch.")]
@@ -20,7 +22,11 @@ TpOpt = Annotated[int, typer.Option(help="vllm engine: tensor-parallel size.")]
 EagerOpt = Annotated[bool, typer.Option(help="vllm engine: no CUDA graphs / compilation.")]
 SeedOpt = Annotated[int | None, typer.Option(help="Engine seed, for requests that carry none.")]
 EngineArgsOpt = Annotated[
-    str | None, typer.Option(help="vllm engine: extra AsyncEngineArgs as JSON, e.g. '{\"block_size\": 32}'.")
+    str | None,
+    typer.Option(
+        help="vllm: extra AsyncEngineArgs as JSON, e.g. '{\"block_size\": 32}'; synthetic: its pace and lengths, "
+        "e.g. '{\"steps_per_s\": 100, \"lengths\": \"pareto:1.5\", \"min_tokens\": 16}'."
+    ),
 ]
 
 
@@ -65,6 +71,9 @@ class EngineSpec:
         common = {"dtype": self.dtype, "max_model_len": self.max_model_len, "seed": self.seed}
         if self.kind == "torch":
             return common | {"device": self.device, "max_batch": self.max_batch, "num_threads": self.num_threads}
+        if self.kind == "synthetic":  # its pace and lengths come as --engine-args
+            paced = {"max_model_len": self.max_model_len, "seed": self.seed, "max_batch": self.max_batch}
+            return paced | self.engine_args
         options = common | {
             "tensor_parallel_size": self.tensor_parallel_size,
             "enforce_eager": self.enforce_eager,
