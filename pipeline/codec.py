@@ -42,10 +42,15 @@ def encode_json(value: Any) -> bytes:
 
 
 def decode_json(raw: bytes, field: str) -> Any:
+    """Parse JSON; anything `json.loads` refuses is a `CodecError` naming the field.
+
+    Besides `JSONDecodeError` that is `ValueError` (a number past Python's 4300-digit limit) and
+    `RecursionError` (arrays nested ~1000 deep): both once escaped and killed the reader.
+    """
     try:
         return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CodecError(f"{field}: not valid JSON ({exc})") from None
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise CodecError(f"{field}: not valid JSON ({str(exc)[:200]})") from None
 
 
 def decode_text(raw: bytes, field: str) -> str:

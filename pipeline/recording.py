@@ -78,6 +78,11 @@ STATISTICS = ("ns", "id", "prompt_id", "sample", "n", "version", "version_end", 
 statistics only swell every row group's metadata."""
 
 
+UNREADABLE = (pa.ArrowException, OSError, UnicodeDecodeError)
+"""What pyarrow raises for a damaged file: a corrupt page is an OSError (its ArrowIOError), damaged footer
+metadata may not be UTF-8; found by fuzzing (`tests/test_hostile_input.py`)."""
+
+
 class Recorded(NamedTuple):
     """One row of a recording: the rollout, and where it was recorded from."""
 
@@ -131,10 +136,17 @@ def from_batch(batch: pa.RecordBatch, source: str) -> Iterator[Recorded]:
     missing = [name for name in SCHEMA.names if name not in batch.schema.names]
     if missing:
         raise RecordingError(f"{source}: not a recording of rollouts (no column {', '.join(missing)})")
+    types = {name: batch.schema.field(name).type for name in SCHEMA.names}
+    retyped = [f"{f.name} is {types[f.name]}" for f in SCHEMA if types[f.name] != f.type]
+    if retyped:
+        raise RecordingError(f"{source}: not a recording of rollouts ({', '.join(retyped)})")
     arrays = {name: _unlists(batch.column(name)) for name in ("prompt_tokens", "tokens", "logprobs")}
     scalars = ("ns", "entry_id", "v", "prompt_id", "sample", "n", "version", "version_end", "finish_reason", "worker")
-    text = {name: batch.column(name).to_pylist() for name in (*scalars, "id", "spans", "meta", "timing")}
-    optional = {name: batch.column(name).to_pylist() for name in ("reward", "error", "reward_fn", "reward_error")}
+    try:
+        text = {name: batch.column(name).to_pylist() for name in (*scalars, "id", "spans", "meta", "timing")}
+        optional = {name: batch.column(name).to_pylist() for name in ("reward", "error", "reward_fn", "reward_error")}
+    except UnicodeDecodeError as exc:  # a damaged file: bytes of a string column that are not UTF-8
+        raise RecordingError(f"{source}: a text column is not UTF-8 ({exc})") from None
     for i in range(batch.num_rows):
         where = f"{source}: entry {text['entry_id'][i]}"
         if text["v"][i] != WIRE_VERSION:
@@ -154,7 +166,8 @@ def from_batch(batch: pa.RecordBatch, source: str) -> Iterator[Recorded]:
                 timing=json.loads(text["timing"][i]),
                 **{name: values[i] for name, values in optional.items()},
             )
-        except (ValidationError, ValueError, TypeError) as exc:
+            rollout.check()  # what the wire's decode checks beyond types (spans, sample < n): a WireError
+        except (ValidationError, ValueError, TypeError, RecursionError) as exc:
             raise RecordingError(f"{where}: {exc}") from None
         if rollout.id != text["id"][i]:
             raise RecordingError(f"{where}: id {text['id'][i]!r} is not prompt_id:sample ({rollout.id!r})")
@@ -213,7 +226,7 @@ def read_recording(path: str | Path | Sequence[str | Path], batch_rows: int = 10
                 batch = next(batches)
             except StopIteration:
                 break
-            except pa.ArrowException as exc:
+            except UNREADABLE as exc:
                 raise RecordingError(f"{file}: not a readable Parquet file ({exc})") from None
             yield from from_batch(batch, str(file))
 
@@ -221,7 +234,7 @@ def read_recording(path: str | Path | Sequence[str | Path], batch_rows: int = 10
 def _open_parquet(file: Path) -> pq.ParquetFile:
     try:
         return pq.ParquetFile(file)
-    except pa.ArrowException as exc:
+    except UNREADABLE as exc:
         raise RecordingError(f"{file}: not a readable Parquet file ({exc})") from None
 
 

@@ -36,11 +36,11 @@ def read_prompts_file(path: Path, client: RolloutClient) -> list[Prompt]:
     """Parse and check every line; raise `ValueError` listing each bad line if any is bad."""
     prompts: list[Prompt] = []
     problems: list[str] = []
-    for number, text in enumerate(path.read_text().splitlines(), start=1):
-        if not text.strip():
+    for number, raw in enumerate(path.read_bytes().splitlines(), start=1):  # one bad byte spoils one line only
+        if not raw.strip():
             continue
         try:
-            line = PromptLine.model_validate(json.loads(text))
+            line = PromptLine.model_validate(json.loads(raw.decode()))
             sampling = Sampling(
                 max_tokens=line.max_tokens,
                 temperature=line.temperature,
@@ -60,8 +60,12 @@ def read_prompts_file(path: Path, client: RolloutClient) -> list[Prompt]:
                     reward_fn=line.reward_fn,
                 )
             )
+        except UnicodeDecodeError:
+            problems.append(f"line {number}: not UTF-8 text")
         except json.JSONDecodeError as exc:
             problems.append(f"line {number}: not JSON ({exc.msg})")
+        except RecursionError:
+            problems.append(f"line {number}: not JSON (nested too deep)")
         except ValidationError as exc:
             detail = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'line'}: {e['msg']}" for e in exc.errors())
             problems.append(f"line {number}: {detail}")

@@ -79,7 +79,7 @@ def score_group(reward_fn: str, rollouts: list[RolloutView]) -> dict[str, Any]:
                 raise ValueError(f"a group reward must return {len(rollouts)} numbers, got {_show(values)}")
             return {"rewards": [_number(v) for v in values]}
         return {"rewards": [None if r["finish_reason"] == "error" else _number(_call(fn, r)) for r in rollouts]}
-    except Exception as exc:  # the function's own failure, or RQ's timeout raised inside it
+    except (Exception, SystemExit) as exc:  # its own failure, RQ's timeout raised in it, or exit() (`sys:exit`)
         return {"error": f"{reward_fn}: {type(exc).__name__}: {exc}"}
 
 
