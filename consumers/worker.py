@@ -437,6 +437,8 @@ class Worker:
             "busy_s": round(self._busy.seconds(), 3),
             "started": round(self._started, 3),
             "ts": round(time.time(), 3),
+            "host": socket.gethostname(),  # where to look (and what to kill) when a worker is named otherwise
+            "pid": os.getpid(),
         }
         await asyncio.to_thread(self.streams.heartbeat, self.name, status, self.settings.heartbeat_ttl_s)
 

@@ -42,6 +42,8 @@ from pipeline.wire import WireError
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
+    from consumers.worker import WorkerSettings
+
 # Models are local directories: never reach for a hub, and keep load/save progress bars out of logs.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -64,6 +66,11 @@ MetricsPortOpt = Annotated[
     int | None, typer.Option(help="Serve this process's Prometheus metrics on this port (default: off).")
 ]
 MetricsAddrOpt = Annotated[str, typer.Option(help="Address the metrics endpoint listens on.")]
+# The worker loop's flags, shared by `rollouts worker` and `rollouts launch` (Ray).
+MaxInflightOpt = Annotated[int, typer.Option(help="Samples in flight on the engine at once.")]
+ClaimIdleOpt = Annotated[int, typer.Option(help="Claim work untouched this long (a dead worker's).")]
+HeartbeatOpt = Annotated[float, typer.Option(help="Heartbeat period in seconds.")]
+LogLevelOpt = Annotated[str, typer.Option(help="debug, info, warning.")]
 
 
 def fail(message: str) -> NoReturn:
@@ -97,6 +104,15 @@ def check_engine(spec: EngineSpec) -> None:
         fail(f"unknown engine {spec.kind!r}; choose one of {', '.join(ENGINES)}")
     if spec.kind != "synthetic" and not (spec.model / "config.json").is_file():  # synthetic: a model is optional
         fail(f"no model at {spec.model} (config.json missing). Build a tiny one with: rollouts tiny-model {spec.model}")
+
+
+def worker_settings(max_inflight: int, claim_idle_ms: int, heartbeat_s: float) -> WorkerSettings:
+    """The worker loop's settings from its flags; a heartbeat lives at least 5 periods."""
+    from consumers.worker import WorkerSettings
+
+    settings = WorkerSettings(max_inflight=max_inflight, claim_idle_ms=claim_idle_ms, heartbeat_s=heartbeat_s)
+    settings.heartbeat_ttl_s = max(settings.heartbeat_ttl_s, 5 * heartbeat_s)
+    return settings
 
 
 def serve_metrics(registry: CollectorRegistry, port: int, addr: str) -> int:
@@ -151,10 +167,10 @@ def worker(
     enforce_eager: EagerOpt = True,
     seed: SeedOpt = None,
     engine_args: EngineArgsOpt = None,
-    max_inflight: Annotated[int, typer.Option(help="Samples in flight on the engine at once.")] = 256,
-    claim_idle_ms: Annotated[int, typer.Option(help="Claim work untouched this long (a dead worker's).")] = 10_000,
-    heartbeat_s: Annotated[float, typer.Option(help="Heartbeat period in seconds.")] = 1.0,
-    log_level: Annotated[str, typer.Option(help="debug, info, warning.")] = "info",
+    max_inflight: MaxInflightOpt = 256,
+    claim_idle_ms: ClaimIdleOpt = 10_000,
+    heartbeat_s: HeartbeatOpt = 1.0,
+    log_level: LogLevelOpt = "info",
     metrics_port: MetricsPortOpt = None,
     metrics_addr: MetricsAddrOpt = "0.0.0.0",
 ) -> None:
@@ -162,7 +178,7 @@ def worker(
     # The engine flags reach the engine through `ctx.params` (EngineSpec.from_flags).
     from consumers.engine import create_engine
     from consumers.metrics import WorkerMetrics
-    from consumers.worker import WorkerSettings, default_worker_name, run_worker
+    from consumers.worker import default_worker_name, run_worker
     from pipeline.exporter import process_registry
 
     setup_logging(log_level)
@@ -171,8 +187,7 @@ def worker(
         spec = EngineSpec.from_flags(ctx.params, model)
     check_engine(spec)
     streams = open_streams(redis_url, ns)
-    settings = WorkerSettings(max_inflight=max_inflight, claim_idle_ms=claim_idle_ms, heartbeat_s=heartbeat_s)
-    settings.heartbeat_ttl_s = max(settings.heartbeat_ttl_s, 5 * heartbeat_s)
+    settings = worker_settings(max_inflight, claim_idle_ms, heartbeat_s)
     name = name or default_worker_name()
     metrics = WorkerMetrics(ns, name, process_registry())
     if metrics_port is not None:  # before the engine loads: a port in use fails at once
@@ -419,4 +434,4 @@ def bench_sync(
 
 
 # Commands that live in modules beside this one register themselves on `app` when imported.
-from pipeline.cli import exporter, recording, scoring  # noqa: E402, F401
+from pipeline.cli import exporter, launch, recording, scoring  # noqa: E402, F401
