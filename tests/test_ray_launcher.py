@@ -45,7 +45,8 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     log = temp / "head.log"
     port = free_port()
     ports = ("--ray-client-server-port", "--dashboard-port", "--dashboard-agent-listen-port")
-    command = [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", "--port", str(port)]
+    # Ray's CLI through this interpreter: its `ray` script need not sit beside it (a venv over system packages).
+    command = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--port", str(port)]
     command += ["--num-cpus", "2", "--temp-dir", str(temp / "t"), "--include-dashboard=false", "--disable-usage-stats"]
     command += [arg for flag in ports for arg in (flag, str(free_port()))]
     with open(log, "wb") as out:

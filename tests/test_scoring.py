@@ -210,8 +210,9 @@ def test_a_score_worker_killed_mid_job_loses_no_group(
         assert group.reward_error is None
         for r in group.rollouts:
             assert r.reward == pytest.approx(rewards.even_share({"tokens": r.tokens.tolist()}))
-    status = redis.Redis.from_url(redis_server.url).hgetall(Keys(ns).scorer)
-    assert int(status[b"retries"]) >= 1
+    # The status hash is written once a second: wait for the beat after the retry.
+    connection = redis.Redis.from_url(redis_server.url)
+    wait_until(lambda: int(connection.hget(Keys(ns).scorer, "retries") or 0) >= 1, 10, "the retry in the status")
 
 
 def test_a_scorer_killed_mid_run_is_replaced_and_every_group_arrives_once(
