@@ -55,6 +55,13 @@ class _Run:
     spans: list[list[int]] = field(default_factory=list)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     aborted: bool = False
+    since: float | None = None
+    """When the current stretch of generation began (None: frozen or waiting); `done` counts up to it."""
+
+    def made(self, steps_per_s: float) -> int:
+        """Tokens that exist now: those accounted, plus the current stretch's so far."""
+        running = 0 if self.since is None else int((time.monotonic() - self.since) * steps_per_s)
+        return min(len(self.tokens), self.done + running)
 
 
 class SyntheticEngine:
@@ -156,11 +163,12 @@ class SyntheticEngine:
             await self._serving.wait()  # a `keep` pause freezes the run here
             if run.aborted:
                 return
-            started, version = time.monotonic(), self.version
+            run.since, version = time.monotonic(), self.version
             run.wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(run.wake.wait(), (len(run.tokens) - run.done) / self.steps_per_s)
-            made = min(len(run.tokens) - run.done, int((time.monotonic() - started) * self.steps_per_s))
+            made = run.made(self.steps_per_s) - run.done
+            run.since = None
             if made > 0:
                 self._extend(run, version, made)
 
@@ -171,6 +179,11 @@ class SyntheticEngine:
         else:
             run.spans.append([version, run.done, run.done + made])
         run.done += made
+
+    def tokens_so_far(self, request_id: str) -> int:
+        """How many tokens of an in-flight request exist now (0 for one not in flight)."""
+        run = self._runs.get(request_id)
+        return run.made(self.steps_per_s) if run is not None else 0
 
     async def abort(self, request_ids: list[str]) -> None:
         for request_id in request_ids:

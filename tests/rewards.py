@@ -1,4 +1,8 @@
-"""Reward functions the scoring tests name by import path (`tests.rewards:...`), as a user names theirs."""
+"""Reward functions the scoring tests name by import path (`tests.rewards:...`), as a user names theirs.
+
+The sleeps here are the behaviour under test, not waits: a reward function that hangs (`hangs`,
+`stalls_first_call`) or is slow enough to be caught in flight (`slow`) is what the scorer must survive.
+"""
 
 from __future__ import annotations
 

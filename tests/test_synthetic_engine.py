@@ -21,6 +21,7 @@ from pipeline.local import RedisServer, free_port
 from pipeline.wire import Sampling
 from producers.client import RolloutClient
 from tests.conftest import StartWorker, wait_until
+from tests.engine_loop import wait_until_async
 
 PROMPT = np.array([5, 6, 7], dtype=np.int32)
 
@@ -63,13 +64,13 @@ def test_it_keeps_its_pace_and_both_pause_modes_keep_every_token_with_its_versio
         paced = await engine.generate("paced", PROMPT, Sampling(max_tokens=50, seed=1))
         took = time.monotonic() - started
         kept = asyncio.ensure_future(engine.generate("keep", PROMPT, Sampling(max_tokens=300, seed=2)))
-        await asyncio.sleep(0.1)  # the engine's clock: about 50 tokens exist before the pause
+        await wait_until_async(lambda: engine.tokens_so_far("keep") >= 20)  # some tokens under version 0
         await engine.pause("keep")
         await engine.load_tensors({"w": np.zeros(2)}, 1)
         await engine.resume()
         whole = await kept
         cut = asyncio.ensure_future(engine.generate("abort", PROMPT, Sampling(max_tokens=300, seed=2)))
-        await asyncio.sleep(0.1)  # the engine's clock again
+        await wait_until_async(lambda: engine.tokens_so_far("abort") >= 20)
         await engine.pause("abort")
         partial = await cut
         await engine.resume()
