@@ -11,7 +11,7 @@ import contextlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, Self
 
 import numpy as np
 
@@ -91,6 +91,23 @@ class Engine(Protocol):
     async def reset_prefix_cache(self) -> None: ...
 
     async def shutdown(self) -> None: ...
+
+
+class EngineLifecycle:
+    """`async with engine:` starts it and shuts it down: the one copy every engine inherits."""
+
+    async def start(self) -> None:
+        raise NotImplementedError
+
+    async def shutdown(self) -> None:
+        raise NotImplementedError
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.shutdown()
 
 
 @dataclass(frozen=True)

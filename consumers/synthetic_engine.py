@@ -33,6 +33,7 @@ import numpy as np
 from consumers.engine import (
     EngineClosedError,
     EngineInputError,
+    EngineLifecycle,
     Generation,
     PauseMode,
     check_request,
@@ -64,7 +65,7 @@ class _Run:
         return min(len(self.tokens), self.done + running)
 
 
-class SyntheticEngine:
+class SyntheticEngine(EngineLifecycle):
     name = "synthetic"
     weight_receivers = 1
 
@@ -110,13 +111,6 @@ class SyntheticEngine:
     async def shutdown(self) -> None:
         self._closed = True
         await self.abort(list(self._runs))
-
-    async def __aenter__(self) -> SyntheticEngine:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.shutdown()
 
     # -- requests --------------------------------------------------------------------------------
 

@@ -31,6 +31,7 @@ import torch
 from consumers.engine import (
     EngineClosedError,
     EngineInputError,
+    EngineLifecycle,
     Generation,
     PauseMode,
     check_checkpoint_fits,
@@ -85,7 +86,7 @@ class _Request:
         )
 
 
-class TorchEngine:
+class TorchEngine(EngineLifecycle):
     """The `Engine` protocol on a transformers causal LM (full attention models).
 
     Args:
@@ -208,13 +209,6 @@ class TorchEngine:
             self._closed = True
         for req in pending:
             _settle(req, EngineClosedError(f"engine shut down before request {req.id!r} finished"))
-
-    async def __aenter__(self) -> TorchEngine:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.shutdown()
 
     # -- requests --------------------------------------------------------------------------------
 

@@ -47,6 +47,7 @@ from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 from consumers.engine import (
     EngineClosedError,
     EngineInputError,
+    EngineLifecycle,
     Generation,
     PauseMode,
     check_checkpoint_fits,
@@ -74,7 +75,7 @@ DEATH_CHECK_S = 1.0
 _FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort", "repetition": "stop"}
 
 
-class VllmEngine:
+class VllmEngine(EngineLifecycle):
     """The `Engine` protocol on `vllm.v1.engine.async_llm.AsyncLLM`.
 
     Args:
@@ -213,13 +214,6 @@ class VllmEngine:
             self._watchdog.kill()
             self._watchdog.wait()
             self._watchdog = None
-
-    async def __aenter__(self) -> VllmEngine:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.shutdown()
 
     # -- requests --------------------------------------------------------------------------------
 

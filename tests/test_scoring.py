@@ -20,12 +20,18 @@ from pathlib import Path
 import psutil
 import pytest
 import redis
+from rq.job import Job
+from rq.serializers import JSONSerializer
 
+from consumers.scoring.backend import Outcome
+from consumers.scoring.inline import InlineBackend
 from consumers.scoring.job import load_reward_fn, score_group
+from consumers.scoring.rq_backend import RQBackend
 from pipeline.cli.processes import start_command, stop_process
 from pipeline.local import RedisServer
 from pipeline.wire import Keys, Prompt, Rollout, WireError
 from producers.client import Group, RolloutClient
+from producers.prompts_file import read_prompts_file
 from tests import rewards
 from tests.conftest import StartWorker, wait_until
 
@@ -78,6 +84,43 @@ def test_reward_fn_travels_on_the_wire_and_a_bad_one_is_refused() -> None:
     assert (back.reward_fn, back.reward_error, back.reward) == ("m:f", "m:f: ValueError: x", None)
     with pytest.raises(ValueError, match="import path"):
         load_reward_fn("no-colon")
+
+
+def test_an_inline_call_past_its_timeout_is_a_reward_error_at_once() -> None:
+    backend = InlineBackend(timeout_s=0.1, threads=1)
+    backend.submit("g", "tests.rewards:slow", [view([2]), view([4], sample=1)])  # 0.3 s a rollout
+    outcomes: list[Outcome] = []
+    wait_until(lambda: bool(outcomes.extend(backend.poll()) or outcomes), 5, "the inline timeout")
+    assert outcomes[0].key == "g" and outcomes[0].error == "timed out after 0.1 s (inline scoring)"
+    backend.close()
+
+
+def test_rq_jobs_lost_attempts_times_give_a_reward_error(redis_server: RedisServer, ns: str) -> None:
+    """No RQ worker: each job is deleted, as RQ does with one whose worker died and whose record expired."""
+    connection = redis.Redis.from_url(redis_server.url)
+    backend = RQBackend(connection, f"lost-{ns}", timeout_s=5, attempts=2)
+    backend.submit("g", "tests.rewards:even_share", [view([2])])
+    Job.fetch(backend._tracked["g"].job_id, connection, serializer=JSONSerializer).delete()
+    assert backend.poll() == [] and backend.stats()["retries"] == 1  # enqueued again
+    Job.fetch(backend._tracked["g"].job_id, connection, serializer=JSONSerializer).delete()
+    [outcome] = backend.poll()
+    assert outcome.error == "scoring failed 2 times, last: the job is gone from RQ (deleted or expired)"
+
+
+def test_a_trainer_waiting_on_unscored_rollouts_is_told_to_start_a_scorer(
+    redis_server: RedisServer, ns: str, tmp_path: Path
+) -> None:
+    client = RolloutClient(redis_server.url, ns)
+    lines = tmp_path / "prompts.jsonl"
+    lines.write_text('{"id": "p", "tokens": [5, 6], "n": 2, "reward_fn": "tests.rewards:even_share"}\n')
+    [prompt] = read_prompts_file(lines, client)  # `rollouts submit --file` reads reward_fn from a line
+    assert prompt.reward_fn == "tests.rewards:even_share"
+    rollout = Rollout(prompt_id="p", sample=0, n=2, version=0, version_end=0, finish_reason="length", worker="w",
+                      prompt_tokens=[5, 6], tokens=[2], logprobs=[-1.0], spans=[(0, 0, 1)],
+                      reward_fn=prompt.reward_fn)  # fmt: skip
+    client.streams.redis.xadd(client.streams.keys.scoring, rollout.to_fields())  # what a worker publishes
+    with pytest.raises(TimeoutError, match=rf"1 rollouts wait on \{{{ns}\}}:scoring for a reward: is `rollouts scorer"):
+        client.collect(1, timeout=0.5)
 
 
 # -- across processes ----------------------------------------------------------------------------

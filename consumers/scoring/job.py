@@ -78,7 +78,8 @@ def score_group(reward_fn: str, rollouts: list[RolloutView]) -> dict[str, Any]:
             if not isinstance(values, list | tuple) or len(values) != len(rollouts):
                 raise ValueError(f"a group reward must return {len(rollouts)} numbers, got {_show(values)}")
             return {"rewards": [_number(v) for v in values]}
-        return {"rewards": [None if r["finish_reason"] == "error" else _number(_call(fn, r)) for r in rollouts]}
+        values = zip(rollouts, _call_each(fn, rollouts), strict=True)
+        return {"rewards": [None if r["finish_reason"] == "error" else _number(v) for r, v in values]}
     except (Exception, SystemExit) as exc:  # its own failure, RQ's timeout raised in it, or exit() (`sys:exit`)
         return {"error": f"{reward_fn}: {type(exc).__name__}: {exc}"}
 
@@ -86,12 +87,23 @@ def score_group(reward_fn: str, rollouts: list[RolloutView]) -> dict[str, Any]:
 def _call(fn: Callable[..., Any], argument: Any) -> Any:
     result = fn(argument)
     if inspect.isawaitable(result):
-        result = asyncio.run(_await(result))
+        result = asyncio.run(_gather([result]))[0]
     return result
 
 
-async def _await(awaitable: Any) -> Any:
-    return await awaitable
+def _call_each(fn: Callable[..., Any], rollouts: list[RolloutView]) -> list[Any]:
+    """`fn` on each rollout whose generation did not fail (None for those); an async `fn` runs on all of
+    them at once, in one event loop (a judge called over the network waits once, not n times)."""
+    results = [None if r["finish_reason"] == "error" else fn(r) for r in rollouts]
+    waiting = [i for i, result in enumerate(results) if inspect.isawaitable(result)]
+    if waiting:
+        for i, value in zip(waiting, asyncio.run(_gather([results[i] for i in waiting])), strict=True):
+            results[i] = value
+    return results
+
+
+async def _gather(awaitables: list[Any]) -> list[Any]:
+    return list(await asyncio.gather(*awaitables))
 
 
 def _number(value: Any) -> float:

@@ -106,11 +106,6 @@ class ScoringStage:
 
     def _step(self) -> None:
         self._file(self.streams.read_scoring(self.settings.read_count, self.settings.block_ms))
-        for key, group in self._open.items():
-            if not group.submitted and len(group.rollouts) == next(iter(group.rollouts.values())).n:
-                ordered = [group.rollouts[k] for k in sorted(group.rollouts)]
-                self.backend.submit(key, ordered[0].reward_fn or "", [rollout_view(r) for r in ordered])
-                group.submitted = True
         for outcome in self.backend.poll():
             self._forward(outcome)
         self._beat()
@@ -134,6 +129,10 @@ class ScoringStage:
             group = self._open.setdefault(rollout.prompt_id, _OpenGroup())
             group.entry_ids.append(entry.id)  # a duplicate's entry is acked with its group
             group.rollouts.setdefault(rollout.sample, rollout)
+            if not group.submitted and len(group.rollouts) == rollout.n:  # whole: score it now, once
+                ordered = [group.rollouts[k] for k in sorted(group.rollouts)]
+                self.backend.submit(rollout.prompt_id, rollout.reward_fn, [rollout_view(r) for r in ordered])
+                group.submitted = True
 
     def _forward(self, outcome: Outcome) -> None:
         group = self._open.pop(outcome.key, None)
