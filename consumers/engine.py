@@ -45,6 +45,8 @@ class Generation:
     finish_reason: FinishReason
     spans: list[Span] = field(default_factory=list)
     """`[(version, start, end), ...]` covering `[0, len(tokens))` in order."""
+    cached_tokens: int | None = None
+    """Prompt tokens found in the engine's prefix cache (vLLM reports it; None: the engine does not say)."""
 
 
 class Engine(Protocol):

@@ -232,7 +232,7 @@ class VllmEngine(EngineLifecycle):
             await asyncio.wait({stream, self._died}, return_when=asyncio.FIRST_COMPLETED)
             if not stream.done():
                 raise EngineClosedError(f"the vLLM engine died while request {request_id!r} was in flight")
-            tokens, logprobs, last = stream.result()
+            tokens, logprobs, last, cached = stream.result()
         finally:
             if not stream.done():
                 stream.cancel()  # vLLM aborts the request when its generator is cancelled
@@ -248,20 +248,24 @@ class VllmEngine(EngineLifecycle):
             logprobs=np.asarray(logprobs, dtype=np.float32),
             finish_reason=_FINISH_REASONS[last.finish_reason],
             spans=self._spans(last.weight_versions, len(tokens)),
+            cached_tokens=cached,
         )
 
     async def _stream(
         self, llm: Any, prompt: np.ndarray, params: Any, request_id: str
-    ) -> tuple[list[int], list[float], Any]:
-        """Run one request through vLLM; returns its tokens, their logprobs and the last output.
+    ) -> tuple[list[int], list[float], Any, int | None]:
+        """Run one request through vLLM; returns its tokens, their logprobs, the last output and the prompt
+        tokens it found in its prefix cache.
 
         vLLM's errors become ours: `EngineInputError` (the request's fault), `EngineClosedError` (no engine).
         """
         tokens: list[int] = []
         logprobs: list[float] = []
         last = None
+        cached = None
         try:
             async for out in llm.generate(tokens_input(prompt.astype(np.int64).tolist()), params, request_id):
+                cached = out.num_cached_tokens if out.num_cached_tokens is not None else cached
                 last = out.outputs[0]
                 new = list(last.token_ids)
                 tokens += new
@@ -278,7 +282,7 @@ class VllmEngine(EngineLifecycle):
             if self._closing:
                 raise EngineClosedError(f"engine shut down before request {request_id!r} finished") from exc
             raise EngineClosedError(f"the vLLM engine died: {exc}") from exc
-        return tokens, logprobs, last
+        return tokens, logprobs, last, cached
 
     def _sampling_params(self, prompt_len: int, sampling: Sampling) -> Any:
         """Our `Sampling` as vLLM `SamplingParams`; values vLLM refuses raise `EngineInputError`."""

@@ -25,7 +25,7 @@ import numpy as np
 from consumers.engine import Engine, EngineClosedError, EngineInputError, Generation
 from consumers.metrics import WorkerMetrics
 from pipeline.streams import Entry, Streams
-from pipeline.wire import Control, Partial, Prompt, Rollout, Span, WireError
+from pipeline.wire import Control, Partial, Prompt, Rollout, WireError, join_spans
 from staleness.state import read_state, weights_command
 from staleness.transports import is_stored, load_version
 
@@ -37,19 +37,6 @@ AWAITING_WEIGHTS = "awaiting weights"
 
 _EMPTY_TOKENS = np.zeros(0, dtype=np.int32)
 _EMPTY_LOGPROBS = np.zeros(0, dtype=np.float32)
-
-
-def join_spans(first: list[Span], second: list[Span], offset: int) -> list[Span]:
-    """`first`, then `second` shifted by `offset` tokens, with a version that runs across the seam merged."""
-    spans = list(first)
-    for version, start, end in second:
-        if end <= start:
-            continue
-        if spans and spans[-1][0] == version and spans[-1][2] == start + offset:
-            spans[-1] = (version, spans[-1][1], end + offset)
-        else:
-            spans.append((version, start + offset, end + offset))
-    return spans
 
 
 def default_worker_name() -> str:
@@ -158,6 +145,7 @@ class Worker:
 
     async def run(self) -> None:
         await asyncio.to_thread(self.streams.ensure_groups)
+        await asyncio.to_thread(self.streams.join, self.name)
         await self.engine.start()
         control_from = await self._catch_up()
         upkeep = asyncio.create_task(self._upkeep())
@@ -234,7 +222,9 @@ class Worker:
             results = await asyncio.gather(*(self._generate_sample(prompt, k, entry, done) for k, done in samples))
             rollouts = [r for r in results if isinstance(r, Rollout)]
             partials = [r for r in results if isinstance(r, Partial)]
-            published = await asyncio.to_thread(self.streams.publish_rollouts, rollouts, entry, partials)
+            published = await asyncio.to_thread(
+                self.streams.publish_rollouts, rollouts, entry, partials, prompt.reply_to
+            )
             if published > 0:
                 self.published += published
                 self.metrics.published(published)
@@ -300,6 +290,7 @@ class Worker:
             timing={"queued_s": max(0.0, started - prompt.ts), "generate_s": finished - started, "finished": finished},
             error=error,
             reward_fn=prompt.reward_fn,
+            cached_tokens=generation.cached_tokens,
         )
 
     # -- weight syncs: the worker's side of the protocol in staleness.manager ----------------
@@ -415,10 +406,12 @@ class Worker:
                 if self._inflight:
                     await asyncio.to_thread(self.streams.touch, self.name, list(self._inflight.values()))
                 if not self._stopping.is_set():
+                    await asyncio.to_thread(self.streams.rehome_departed)
                     await self._claim_abandoned()
                 if now - last_trim > self.settings.trim_every_s:
                     last_trim = now
-                    for stream in (self.streams.keys.prompts, self.streams.keys.partials):
+                    keys = self.streams.keys
+                    for stream in (keys.prompts, keys.partials, keys.inbox(self.name)):
                         await asyncio.to_thread(self.streams.trim_consumed, stream)
             except Exception:
                 log.exception("%s: upkeep failed; retrying", self.name)
@@ -428,6 +421,7 @@ class Worker:
         status = {
             "status": self.status,
             "engine": self.engine.name,
+            "max_model_len": self.engine.max_model_len,  # what a gateway may queue for this worker
             "version": self.engine.version,
             "epoch": self._epoch,
             "inflight": self._inflight_samples,

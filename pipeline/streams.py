@@ -29,7 +29,7 @@ from pipeline.wire import (
 )
 
 SCRIPTS = Path(__file__).with_name("lua")
-"""Where `publish.lua`, `claim.lua`, `forward.lua` and `replay.lua` live."""
+"""Where `publish.lua`, `claim.lua`, `forward.lua`, `replay.lua` and `rehome.lua` live."""
 
 
 class Entry(NamedTuple):
@@ -66,7 +66,7 @@ class Streams:
         self.dedupe_ttl_s = dedupe_ttl_s
         scripts = register_all(client, SCRIPTS)
         self._publish, self._claim, self._forward = scripts["publish"], scripts["claim"], scripts["forward"]
-        self._replay = scripts["replay"]
+        self._replay, self._rehome = scripts["replay"], scripts["rehome"]
 
     def ensure_groups(self) -> None:
         """Create the consumer groups (and their streams) if missing; safe to call from every process."""
@@ -91,18 +91,29 @@ class Streams:
 
     # -- worker side ---------------------------------------------------------------------------
 
+    def join(self, consumer: str) -> None:
+        """Make `consumer`'s inbox (a stream only it reads, for the sessions pinned to it) and its group."""
+        self.ensure_group(self.keys.inbox(consumer), GENERATORS)
+
     def read_work(self, consumer: str, count: int, block_ms: int | None) -> list[Entry]:
-        """New work for `consumer`: partial rollouts first, then prompts, in one round trip."""
-        reply = self.redis.xreadgroup(
-            GENERATORS,
-            consumer,
-            {self.keys.partials: ">", self.keys.prompts: ">"},
-            count=count,
-            block=block_ms,
-        )
+        """New work for `consumer` in one round trip: partial rollouts first, then its inbox, then prompts."""
+        inbox = self.keys.inbox(consumer)
+        streams = {self.keys.partials: ">", inbox: ">", self.keys.prompts: ">"}
+        try:
+            reply = self.redis.xreadgroup(GENERATORS, consumer, streams, count=count, block=block_ms)
+        except redis.ResponseError as exc:
+            if "NOGROUP" not in str(exc) and "requires the key to exist" not in str(exc):
+                raise
+            self.ensure_groups()  # a stream deleted under us (or a reader that never joined): make it again
+            self.join(consumer)
+            reply = self.redis.xreadgroup(GENERATORS, consumer, streams, count=count, block=block_ms)
+        order = {self.keys.partials: 0, inbox: 1}
         entries = [e for e in entries_from_reply(reply) if e.fields]
-        entries.sort(key=lambda e: e.stream != self.keys.partials)
+        entries.sort(key=lambda e: order.get(e.stream, 2))
         return entries
+
+    def add_to_inbox(self, worker: str, prompt: Prompt) -> bytes:
+        return self.redis.xadd(self.keys.inbox(worker), prompt.to_fields())
 
     def claim_abandoned(self, consumer: str, min_idle_ms: int, count: int) -> list[Entry]:
         """Take over work whose owner stopped touching it (a dead or hung worker), partials first.
@@ -132,16 +143,25 @@ class Streams:
         pending = self.redis.xpending_range(entry.stream, GENERATORS, min=entry.id, max=entry.id, count=1)
         return pending[0]["times_delivered"] if pending else 0
 
-    def publish_rollouts(self, rollouts: Sequence[Rollout], source: Entry, partials: Sequence[Partial] = ()) -> int:
+    def publish_rollouts(
+        self,
+        rollouts: Sequence[Rollout],
+        source: Entry,
+        partials: Sequence[Partial] = (),
+        reply_to: str | None = None,
+    ) -> int:
         """Publish what was made from `source` and ack it, atomically, in one round trip.
 
         `partials` (samples an abort pause interrupted) go to `{ns}:partials` in the same step, so
         an interrupted sample is never both lost and acked. Rollouts that name a `reward_fn` go to
         `{ns}:scoring` instead of `{ns}:rollouts`: the scoring stage forwards them once scored.
+        Rollouts of a prompt that names a gateway in `reply_to` go to that gateway's `{ns}:replies:{name}`.
         Returns how many rollouts were published: fewer when some ids were already published, -1
         when `source` had already been acked (another worker finished it first; then nothing is written).
         """
         target = self.keys.scoring if any(r.reward_fn for r in rollouts) else self.keys.rollouts
+        if reply_to is not None:
+            target = self.keys.replies(reply_to)
         keys = [target, source.stream, self.keys.partials]
         args: list[Any] = [GENERATORS, source.id, self.dedupe_ttl_s, len(partials)]
         for partial in partials:
@@ -172,14 +192,54 @@ class Streams:
         pipe.execute()
 
     def heartbeat(self, name: str, status: dict[str, Any], ttl_s: float) -> None:
+        """Write the worker's heartbeat hash (expiring) and keep it on the registry `{ns}:workers`."""
         key = self.keys.worker(name)
         pipe = self.redis.pipeline(transaction=True)
         pipe.hset(key, mapping={k: str(v) for k, v in status.items()})
         pipe.pexpire(key, int(ttl_s * 1000))
+        pipe.sadd(self.keys.workers, name)
         pipe.execute()
 
     def forget_worker(self, name: str) -> None:
+        """A worker leaves: its heartbeat goes, and whatever is still in its inbox goes back to the shared prompts."""
         self.redis.delete(self.keys.worker(name))
+        self.rehome(name, leaving=True)
+
+    def live_workers(self) -> dict[str, dict[str, str]]:
+        """Workers on the registry whose heartbeat has not expired, with their heartbeat fields."""
+        names = sorted(_text(n) for n in self.redis.smembers(self.keys.workers))
+        pipe = self.redis.pipeline(transaction=False)
+        for name in names:
+            pipe.hgetall(self.keys.worker(name))
+        return {
+            name: {_text(k): _text(v) for k, v in fields.items()}
+            for name, fields in zip(names, pipe.execute(), strict=True)
+            if fields
+        }
+
+    def rehome(self, worker: str, leaving: bool = False) -> int:
+        """Move what waits in a departed worker's inbox to `{ns}:prompts` (`lua/rehome.lua`); -1 while it lives."""
+        keys = [self.keys.worker(worker), self.keys.inbox(worker), self.keys.prompts, self.keys.workers]
+        return int(self._rehome(keys=keys, args=[worker, GENERATORS, int(leaving)]))
+
+    def rehome_departed(self) -> int:
+        """Rehome the inbox of every registered worker whose heartbeat expired; returns the entries moved."""
+        names = [_text(n) for n in self.redis.smembers(self.keys.workers)]
+        pipe = self.redis.pipeline(transaction=False)
+        for name in names:
+            pipe.exists(self.keys.worker(name))
+        return sum(max(0, self.rehome(name)) for name, alive in zip(names, pipe.execute(), strict=True) if not alive)
+
+    # -- gateway side: replies to the prompts it queued ------------------------------------------
+
+    def read_replies(self, gateway: str, after: bytes, block_ms: int | None) -> list[Entry]:
+        """Rollouts on `gateway`'s reply stream after `after` (read without a group: one reader, it deletes them)."""
+        key = self.keys.replies(gateway)
+        return [e for e in entries_from_reply(self.redis.xread({key: after}, count=512, block=block_ms)) if e.fields]
+
+    def delete_replies(self, gateway: str, ids: Sequence[bytes]) -> None:
+        if ids:
+            self.redis.xdel(self.keys.replies(gateway), *ids)
 
     # -- trainer side --------------------------------------------------------------------------
 
@@ -224,9 +284,10 @@ class Streams:
             pipe.xack(stream, group, *ids[at : at + chunk])
         return sum(pipe.execute())
 
-    def replay_rollouts(self, rollouts: Sequence[Rollout]) -> int:
+    def add_rollouts(self, rollouts: Sequence[Rollout]) -> int:
         """Put `rollouts` on `{ns}:rollouts` with their ids unchanged, skipping every id already published here
-        (the publish marker, `lua/replay.lua`); returns how many were added."""
+        (the publish marker, `lua/replay.lua`); returns how many were added. Replay and the gateway's finished
+        sessions add rollouts this way."""
         if not rollouts:
             return 0
         keys = [self.keys.rollouts, *(self.keys.published(r.id) for r in rollouts)]
@@ -300,6 +361,10 @@ def _append_fields(args: list[Any], fields: Fields) -> None:
     args.append(2 * len(fields))
     for name, value in fields.items():
         args.extend((name, value))
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
 
 
 def _parse_id(entry_id: bytes | str) -> tuple[int, int]:

@@ -29,7 +29,7 @@ def _text(value: Any) -> Any:
 
 
 def snapshot(streams: Streams) -> dict[str, Any]:
-    """Everything `top` shows, read in one pipelined round trip plus one per worker key scan."""
+    """Everything `top` shows, read in a few pipelined round trips (workers from the registry `{ns}:workers`)."""
     keys = streams.keys
     client = streams.redis
     names = {"prompts": keys.prompts, "partials": keys.partials, "scoring": keys.scoring, "rollouts": keys.rollouts}
@@ -57,14 +57,7 @@ def snapshot(streams: Streams) -> dict[str, Any]:
                 for g in groups
             },
         }
-    worker_keys = list(client.scan_iter(match=keys.worker_prefix + "*", count=1000))
-    pipe = client.pipeline(transaction=False)
-    for key in worker_keys:
-        pipe.hgetall(key)
-    for key, fields in zip(worker_keys, pipe.execute(), strict=True):
-        if fields:
-            name = _text(key)[len(keys.worker_prefix) :]
-            result["workers"][name] = {_text(k): _text(v) for k, v in fields.items()}
+    result["workers"] = streams.live_workers()
     result["state"] = {_text(k): _text(v) for k, v in state.items()}
     if scorer:
         scorer["age_s"] = round(result["ts"] - float(scorer.get("ts") or 0), 1)

@@ -43,6 +43,8 @@ SCORER = "scorer"
 re-reads what a dead predecessor held (its pending entries) without a claim."""
 REWARD_FN_PATTERN = r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$"
 """A reward function by import path, `module:function` (`package.module:Class.method` too)."""
+NAME_PATTERN = r"^[A-Za-z0-9_.@-]{1,128}$"
+"""A gateway's or session's name as it appears inside a key (`{ns}:replies:NAME`, `{ns}:session:ID`)."""
 MAX_SAMPLES = 4096
 """Largest `n` a prompt may ask for; more is rejected as bad input."""
 
@@ -91,12 +93,37 @@ class Keys:
         self.dead = f"{tag}:dead"
         self.stale = f"{tag}:stale"
         self.worker_prefix = f"{tag}:worker:"
+        self.workers = f"{tag}:workers"
+        self.inbox_prefix = f"{tag}:inbox:"
+        self.session_prefix = f"{tag}:session:"
+        self.pins_prefix = f"{tag}:pins:"
+        self.group_prefix = f"{tag}:group:"
         self.published_prefix = f"{tag}:published:"
         self.weights_prefix = f"{tag}:weights:"
 
     def worker(self, name: str) -> str:
         """Heartbeat hash of one worker; it expires when the worker stops beating."""
         return self.worker_prefix + name
+
+    def inbox(self, worker: str) -> str:
+        """Stream of work for this worker only (group `generators`): the turns of the sessions pinned to it."""
+        return self.inbox_prefix + worker
+
+    def replies(self, gateway: str) -> str:
+        """Stream where workers put the rollouts of prompts that name this gateway in `reply_to`."""
+        return f"{{{self.ns}}}:replies:{gateway}"
+
+    def session(self, session_id: str) -> str:
+        """Hash: a gateway session's pin (`worker`) and its trajectory so far; expires when idle."""
+        return self.session_prefix + session_id
+
+    def pins(self, worker: str) -> str:
+        """Sorted set: the sessions pinned to this worker, scored by when each pin expires."""
+        return self.pins_prefix + worker
+
+    def group(self, group_id: str) -> str:
+        """Hash: `n` and the next free `sample` of a group that finished sessions join."""
+        return self.group_prefix + group_id
 
     def published(self, rollout_id: str) -> str:
         """Marker set once a rollout id is on `rollouts`: the dedupe of redelivered work."""
@@ -162,6 +189,9 @@ class Prompt(BaseModel):
     """Score this prompt's rollouts with this function (`module:function`) before the trainer gets
     them: they go to `{ns}:scoring`, and the scoring stage (`rollouts scorer`) forwards them to
     `{ns}:rollouts` with `reward` (or `reward_error`) set. None: straight to `{ns}:rollouts`."""
+    reply_to: str | None = Field(default=None, pattern=NAME_PATTERN)
+    """A gateway's name: this prompt's rollouts go to `{ns}:replies:{reply_to}` (that gateway answers an HTTP
+    call with them) instead of `{ns}:rollouts`. Takes precedence over `reward_fn`."""
 
     def to_fields(self) -> Fields:
         fields = {
@@ -176,6 +206,8 @@ class Prompt(BaseModel):
         }
         if self.reward_fn is not None:
             fields[b"reward_fn"] = self.reward_fn.encode()
+        if self.reply_to is not None:
+            fields[b"reply_to"] = self.reply_to.encode()
         return fields
 
     @classmethod
@@ -190,6 +222,7 @@ class Prompt(BaseModel):
                 submitted_version=get.text(b"submitted_version", "0"),
                 ts=get.text(b"ts", "0"),
                 reward_fn=get.optional_text(b"reward_fn"),
+                reply_to=get.optional_text(b"reply_to"),
             )
 
         return _decode(fields, parse)
@@ -222,6 +255,11 @@ class Rollout(BaseModel):
     reward_error: str | None = None
     """Why it has no `reward` although `reward_fn` is set: the function raised, hung past its timeout,
     returned something that is not a number, or its scorer kept dying."""
+    mask: list[tuple[int, int]] | None = None
+    """The ranges `[start, end)` of `tokens` that the model wrote (the loss mask); None: all of them. A gateway
+    session's trajectory sets it: the template, tool and user tokens between its turns are not the model's."""
+    cached_tokens: int | None = Field(default=None, ge=0)
+    """Prompt tokens the engine found in its prefix cache (vLLM's `num_cached_tokens`); None: not reported."""
 
     @property
     def id(self) -> str:
@@ -258,6 +296,10 @@ class Rollout(BaseModel):
             fields[b"reward_fn"] = self.reward_fn.encode()
         if self.reward_error is not None:
             fields[b"reward_error"] = self.reward_error.encode()
+        if self.mask is not None:
+            fields[b"mask"] = encode_json(self.mask)
+        if self.cached_tokens is not None:
+            fields[b"cached_tokens"] = str(self.cached_tokens).encode()
         return fields
 
     @classmethod
@@ -281,6 +323,8 @@ class Rollout(BaseModel):
                 error=get.optional_text(b"error"),
                 reward_fn=get.optional_text(b"reward_fn"),
                 reward_error=get.optional_text(b"reward_error"),
+                mask=get.json(b"mask", None),
+                cached_tokens=get.optional_text(b"cached_tokens"),
             )
             rollout.check()
             return rollout
@@ -303,6 +347,17 @@ class Rollout(BaseModel):
             if not INT64_MIN <= getattr(self, name) <= INT64_MAX:
                 raise WireError(f"{name}: {getattr(self, name)} does not fit int64")
         _check_spans(self.spans, len(self.tokens))
+        if self.mask is not None:
+            _check_mask(self.mask, len(self.tokens))
+
+    def model_token_mask(self) -> np.ndarray:
+        """A bool per token: True where the model wrote it (`mask`), False on template, tool and user tokens."""
+        if self.mask is None:
+            return np.ones(len(self.tokens), dtype=bool)
+        written = np.zeros(len(self.tokens), dtype=bool)
+        for start, end in self.mask:
+            written[start:end] = True
+        return written
 
 
 class Partial(BaseModel):
@@ -376,6 +431,19 @@ class Control(BaseModel):
         return _decode(fields, parse)
 
 
+def join_spans(first: list[Span], second: list[Span], offset: int) -> list[Span]:
+    """`first`, then `second` shifted by `offset` tokens, with a version that runs across the seam merged."""
+    spans = list(first)
+    for version, start, end in second:
+        if end <= start:
+            continue
+        if spans and spans[-1][0] == version and spans[-1][2] == start + offset:
+            spans[-1] = (version, spans[-1][1], end + offset)
+        else:
+            spans.append((version, start + offset, end + offset))
+    return spans
+
+
 def rollout_id(prompt_id: str, sample: int) -> str:
     """Deterministic, so that a redelivered prompt produces the same ids and dedupes."""
     return f"{prompt_id}:{sample}"
@@ -399,6 +467,15 @@ def _check_spans(spans: list[Span], n_tokens: int) -> None:
         if end == n_tokens:
             return
     raise WireError(f"spans: {spans[:8]} do not cover [0, {n_tokens}) in order with int64 versions")
+
+
+def _check_mask(mask: list[tuple[int, int]], n_tokens: int) -> None:
+    """`mask` ranges lie in `[0, n_tokens)`, in order, without overlap."""
+    end = 0
+    for start, stop in mask:
+        if start < end or stop < start or stop > n_tokens:
+            raise WireError(f"mask: {mask[:8]} are not ordered ranges inside [0, {n_tokens})")
+        end = stop
 
 
 def dead_letter_fields(original: Fields, error: str, stage: str) -> Fields:

@@ -75,8 +75,10 @@ class Batch:
     def to_arrays(self) -> dict[str, np.ndarray]:
         """Right-padded arrays for a trainer (`torch.from_numpy` takes them as they are).
 
-        `input_ids` is prompt + completion; `loss_mask` marks completion tokens; `logprobs` and
-        `token_versions` are aligned with `input_ids` (0 and -1 on prompt and padding).
+        `input_ids` is prompt + completion; `loss_mask` marks the completion tokens the model wrote (all of
+        them, except in a gateway session's trajectory, whose template, tool and user tokens between turns
+        are not: the rollout's `mask`); `logprobs` and `token_versions` are aligned with `input_ids` (0 and -1
+        on prompt, padding and tokens outside the mask).
         """
         rollouts = self.rollouts
         width = max(len(r.prompt_tokens) + len(r.tokens) for r in rollouts)
@@ -93,10 +95,12 @@ class Batch:
             arrays["input_ids"][row, :p] = r.prompt_tokens
             arrays["input_ids"][row, p : p + t] = r.tokens
             arrays["attention_mask"][row, : p + t] = 1
-            arrays["loss_mask"][row, p : p + t] = 1
-            arrays["logprobs"][row, p : p + t] = r.logprobs
+            written = r.model_token_mask()
+            arrays["loss_mask"][row, p : p + t] = written
+            arrays["logprobs"][row, p : p + t] = np.where(written, r.logprobs, 0.0)
             for version, start, end in r.spans:
                 arrays["token_versions"][row, p + start : p + end] = version
+            arrays["token_versions"][row, p : p + t][~written] = -1
         return arrays
 
 

@@ -110,6 +110,11 @@ class Admission:
                 mapping={"max_staleness": self.limits.max_staleness, "batch_size": self.limits.batch_size},
             )
 
+    def count(self, samples: int) -> None:
+        """Count samples that entered `{ns}:rollouts` without a prompt (a gateway session's trajectory), so that
+        parking them as stale later leaves `used` (submitted - stale) right."""
+        self.redis.hincrby(self.keys.state, "submitted", samples)
+
     def try_admit(self, prompts: Sequence[Fields], samples: int) -> Usage:
         """One attempt: admit and XADD all of `prompts` (`samples` in total), or none of them."""
         args: list[bytes | str | int] = [samples]

@@ -60,16 +60,7 @@ class Manager:
 
     def live_workers(self) -> dict[str, dict[str, str]]:
         """Workers whose heartbeat has not expired, with their heartbeat fields."""
-        client, prefix = self.streams.redis, self.streams.keys.worker_prefix
-        keys = list(client.scan_iter(match=prefix + "*", count=1000))
-        pipe = client.pipeline(transaction=False)
-        for key in keys:
-            pipe.hgetall(key)
-        workers = {}
-        for key, fields in zip(keys, pipe.execute(), strict=True):
-            if fields:
-                workers[key.decode()[len(prefix) :]] = {k.decode(): v.decode() for k, v in fields.items()}
-        return workers
+        return self.streams.live_workers()
 
     def sync(
         self,

@@ -183,7 +183,7 @@ def test_every_lua_script_names_its_keys_and_compiles_on_both_versions(redis_ser
     client = redis.Redis.from_url(redis_server.url)
     folders = [SCRIPTS, staleness_scripts]
     names = {name for folder in folders for name in sources(folder)}
-    assert names == {"publish", "claim", "forward", "replay", "admit", "park", "begin_sync", "finish_sync"}
+    assert names == {"publish", "claim", "forward", "replay", "rehome", "admit", "park", "begin_sync", "finish_sync"}
     for folder in folders:
         for name, source in sources(folder).items():
             header = [line for line in source.splitlines() if line.startswith("--")]
@@ -238,3 +238,49 @@ def test_a_restarted_trainer_rereads_an_open_group_once_and_acks_it_only_when_us
     group = next(groups)
     assert [r.sample for r in group.rollouts] == [0, 1, 2, 3] and restarted.stats["duplicates"] == 0
     assert any_redis.xpending(streams.keys.rollouts, TRAINER)["pending"] == 4, "nothing acked before it is used"
+
+
+def test_a_departed_workers_inbox_goes_back_to_the_shared_prompts(any_redis: redis.Redis, ns: str) -> None:
+    """Work pinned to a worker (its inbox) is never stranded: once its heartbeat is gone, what it held or had not
+    read yet moves to `{ns}:prompts`, and a late publish by the presumed-dead worker writes nothing."""
+    streams = Streams(any_redis, ns)
+    streams.ensure_groups()
+    streams.heartbeat("w1", {"status": "serving"}, ttl_s=60)
+    streams.heartbeat("w2", {"status": "serving"}, ttl_s=60)
+    assert set(streams.live_workers()) == {"w1", "w2"}
+    streams.add_to_inbox("w1", prompt("held"))
+    streams.add_to_inbox("w1", prompt("unread"))
+    held = streams.read_work("w1", count=1, block_ms=None)
+    assert [e.stream for e in held] == [streams.keys.inbox("w1")]
+    assert streams.read_work("w2", count=10, block_ms=None) == []  # another worker's inbox is not read
+    assert streams.rehome("w1") == -1 and streams.rehome_departed() == 0  # alive: untouched
+    any_redis.delete(streams.keys.worker("w1"))  # its heartbeat expired
+    assert set(streams.live_workers()) == {"w2"}
+    assert streams.rehome_departed() == 2
+    assert streams.rehome_departed() == 0  # once
+    moved = streams.read_work("w2", count=10, block_ms=None)
+    assert sorted(Prompt.from_fields(e.fields).id for e in moved) == ["held", "unread"]
+    assert all(e.stream == streams.keys.prompts for e in moved)
+    assert streams.publish_rollouts(rollouts_for(prompt("held")), held[0]) == -1  # the stalled w1, too late
+    by_id = {Prompt.from_fields(e.fields).id: e for e in moved}
+    assert streams.publish_rollouts(rollouts_for(prompt("held")), by_id["held"]) == 2
+    assert any_redis.smembers(streams.keys.workers) == {b"w2"}
+    streams.add_to_inbox("w2", prompt("left"))
+    streams.forget_worker("w2")  # a worker that stops hands its inbox back on the way out
+    assert [Prompt.from_fields(e.fields).id for e in streams.read_work("w3", 10, None)] == ["left"]
+    assert not any_redis.exists(streams.keys.inbox("w2"))
+
+
+def test_replies_go_to_the_gateway_that_asked(any_redis: redis.Redis, ns: str) -> None:
+    streams = Streams(any_redis, ns)
+    streams.ensure_groups()
+    asked = prompt("call", n=1).model_copy(update={"reply_to": "gw-1"})
+    streams.add_to_inbox("w1", asked)
+    [entry] = streams.read_work("w1", count=1, block_ms=None)
+    assert Prompt.from_fields(entry.fields).reply_to == "gw-1"
+    assert streams.publish_rollouts(rollouts_for(asked), entry, reply_to="gw-1") == 1
+    assert any_redis.xlen(streams.keys.rollouts) == 0
+    [reply] = streams.read_replies("gw-1", b"0", None)
+    assert Rollout.from_fields(reply.fields).id == "call:0"
+    streams.delete_replies("gw-1", [reply.id])
+    assert streams.read_replies("gw-1", b"0", None) == []

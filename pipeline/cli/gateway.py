@@ -1,0 +1,82 @@
+"""`rollouts gateway`: the OpenAI-compatible HTTP endpoint for agent code, over the queue."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from pipeline.cli import (
+    DEFAULT_NS,
+    DEFAULT_REDIS,
+    LogLevelOpt,
+    NsOpt,
+    RedisOpt,
+    app,
+    console,
+    fail,
+    open_streams,
+    setup_logging,
+    user_errors,
+)
+
+
+@app.command()
+def gateway(
+    model: Annotated[Path, typer.Option(help="Model directory: its tokenizer and chat template (the workers' model).")],
+    redis_url: RedisOpt = DEFAULT_REDIS,
+    ns: NsOpt = DEFAULT_NS,
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
+    served_model_name: Annotated[
+        str | None, typer.Option(help="The `model` callers name; default the model directory's name.")
+    ] = None,
+    placement: Annotated[
+        str, typer.Option(help="Where sessions run: sticky (least-loaded), hash or random.")
+    ] = "sticky",
+    session_ttl_s: Annotated[float, typer.Option(help="A session idle this long is released (and dropped).")] = 600.0,
+    pause_timeout_s: Annotated[
+        float, typer.Option(help="A call during a weight sync waits this long for the resume, then gets a 503.")
+    ] = 60.0,
+    request_timeout_s: Annotated[float, typer.Option(help="A queued call waits this long, then gets a 504.")] = 600.0,
+    max_model_len: Annotated[
+        int | None, typer.Option(help="Longest prompt + reply; default the smallest the live workers report.")
+    ] = None,
+    name: Annotated[str | None, typer.Option(help="This replica's name (its reply stream); default host-pid.")] = None,
+    log_level: LogLevelOpt = "info",
+) -> None:
+    """Serve /v1/chat/completions, /v1/completions and /v1/models over the queue; X-Session-ID makes a call a turn
+    of a session pinned to one worker, POST /v1/sessions/{id}/finish sends its trajectory to the trainer."""
+    from consumers.worker import default_worker_name
+    from producers.gateway.placement import PLACEMENTS
+
+    if placement not in PLACEMENTS:
+        fail(f"--placement must be one of {', '.join(PLACEMENTS)}, not {placement!r}")
+    if not (model / "config.json").is_file() and not (model / "tokenizer_config.json").is_file():
+        fail(
+            f"no model at {model} (no config.json or tokenizer_config.json). Build one: rollouts tiny-model {model}"
+        )
+    setup_logging(log_level)
+    streams = open_streams(redis_url, ns)
+    import uvicorn
+    from transformers import AutoTokenizer
+
+    from producers.gateway.app import create_app
+    from producers.gateway.chat import ChatRenderer
+    from producers.gateway.service import Gateway, GatewaySettings
+
+    with user_errors(redis_url):
+        renderer = ChatRenderer(AutoTokenizer.from_pretrained(str(model)))
+        settings = GatewaySettings(
+            served_model_name=served_model_name or model.resolve().name,
+            name=name or f"gateway-{default_worker_name()}",
+            placement=placement,  # type: ignore[arg-type]
+            session_ttl_s=session_ttl_s,
+            pause_timeout_s=pause_timeout_s,
+            request_timeout_s=request_timeout_s,
+            max_model_len=max_model_len,
+        )
+        streams.redis.ping()
+    console.print(f"gateway {settings.name}: model {settings.served_model_name!r} on http://{host}:{port}/v1 ({ns})")
+    uvicorn.run(create_app(Gateway(streams, renderer, settings)), host=host, port=port, log_level=log_level.lower())

@@ -1,0 +1,160 @@
+"""Rollouts as OpenAI answers: chat completions, completions, their logprobs, and stop strings.
+
+Extensions beyond OpenAI's fields, all optional to read: each choice's `spans` (the policy versions of its
+tokens, `[[version, start, end], ...]`) and, with `return_token_ids` (vLLM's extension), `token_ids`; the
+answer's `prompt_token_ids`, `session_id` and `policy_version` (the version of the reply's first token).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from pipeline.wire import Rollout, Span
+from producers.gateway.chat import ChatRenderer
+
+
+@dataclass
+class Reply:
+    """One sample of a call, after stop strings: what the caller reads and what the session keeps."""
+
+    rollout: Rollout
+    text: str
+    stop_token: int | None
+    """The stop token that ended the reply (kept in its tokens), None when it ran out of tokens or hit a stop string."""
+
+
+def apply_stops(rollout: Rollout, stops: list[str], renderer: ChatRenderer) -> Reply:
+    """Cut a reply at its first stop string (the text before it is returned; its tokens keep the tokens up to
+    and including the one that completed the stop string, as vLLM's token ids do)."""
+    tokens = rollout.tokens
+    if stops:
+        for k in range(1, len(tokens) + 1):
+            text = renderer.reply_text(tokens[:k])
+            at = min((text.find(s) for s in stops if s in text), default=-1)
+            if at >= 0:
+                cut = rollout.model_copy(
+                    update={
+                        "tokens": tokens[:k],
+                        "logprobs": rollout.logprobs[:k],
+                        "spans": clip_spans(rollout.spans, k),
+                        "finish_reason": "stop",
+                    }
+                )
+                return Reply(cut, text[:at], None)
+    stop_token = int(tokens[-1]) if rollout.finish_reason == "stop" and len(tokens) else None
+    return Reply(rollout, renderer.reply_text(tokens), stop_token)
+
+
+def clip_spans(spans: list[Span], end: int) -> list[Span]:
+    return [(v, s, min(e, end)) for v, s, e in spans if s < end]
+
+
+def usage(prompt_len: int, replies: list[Reply]) -> dict[str, Any]:
+    completion = sum(len(r.rollout.tokens) for r in replies)
+    cached = max((r.rollout.cached_tokens or 0 for r in replies), default=0)
+    return {
+        "prompt_tokens": prompt_len,
+        "completion_tokens": completion,
+        "total_tokens": prompt_len + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def _extensions(reply: Reply, token_ids: bool) -> dict[str, Any]:
+    extra: dict[str, Any] = {"spans": [list(s) for s in reply.rollout.spans]}
+    if token_ids:
+        extra["token_ids"] = reply.rollout.tokens.tolist()
+    return extra
+
+
+def chat_answer(
+    call_id: str,
+    model: str,
+    prompt: np.ndarray,
+    replies: list[Reply],
+    renderer: ChatRenderer,
+    logprobs: bool,
+    token_ids: bool,
+    session_id: str | None,
+) -> dict[str, Any]:
+    choices = []
+    for index, reply in enumerate(replies):
+        choice: dict[str, Any] = {
+            "index": index,
+            "message": {"role": "assistant", "content": reply.text},
+            "finish_reason": reply.rollout.finish_reason,
+            "logprobs": {"content": _token_logprobs(reply.rollout, renderer)} if logprobs else None,
+        }
+        choices.append(choice | _extensions(reply, token_ids))
+    return _answer("chat.completion", call_id, model, prompt, replies, choices, token_ids, session_id)
+
+
+def completion_answer(
+    call_id: str,
+    model: str,
+    prompt: np.ndarray,
+    replies: list[Reply],
+    renderer: ChatRenderer,
+    logprobs: bool,
+    token_ids: bool,
+    session_id: str | None,
+) -> dict[str, Any]:
+    choices = []
+    for index, reply in enumerate(replies):
+        choice: dict[str, Any] = {
+            "index": index,
+            "text": reply.text,
+            "finish_reason": reply.rollout.finish_reason,
+            "logprobs": _legacy_logprobs(reply.rollout, renderer) if logprobs else None,
+        }
+        choices.append(choice | _extensions(reply, token_ids))
+    return _answer("text_completion", call_id, model, prompt, replies, choices, token_ids, session_id)
+
+
+def _answer(
+    kind: str,
+    call_id: str,
+    model: str,
+    prompt: np.ndarray,
+    replies: list[Reply],
+    choices: list[dict[str, Any]],
+    token_ids: bool,
+    session_id: str | None,
+) -> dict[str, Any]:
+    answer: dict[str, Any] = {
+        "id": call_id,
+        "object": kind,
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": usage(len(prompt), replies),
+        "policy_version": replies[0].rollout.version if replies else None,
+    }
+    if session_id is not None:
+        answer["session_id"] = session_id
+    if token_ids:
+        answer["prompt_token_ids"] = prompt.tolist()
+    return answer
+
+
+def _token_logprobs(rollout: Rollout, renderer: ChatRenderer) -> list[dict[str, Any]]:
+    out = []
+    for token, logprob in zip(rollout.tokens, rollout.logprobs, strict=True):
+        text = renderer.token_text(int(token))
+        out.append({"token": text, "logprob": float(logprob), "bytes": list(text.encode()), "top_logprobs": []})
+    return out
+
+
+def _legacy_logprobs(rollout: Rollout, renderer: ChatRenderer) -> dict[str, Any]:
+    texts = [renderer.token_text(int(t)) for t in rollout.tokens]
+    offsets = np.cumsum([0, *(len(t) for t in texts)])[:-1]
+    return {
+        "tokens": texts,
+        "token_logprobs": [float(x) for x in rollout.logprobs],
+        "top_logprobs": None,
+        "text_offset": [int(o) for o in offsets],
+    }

@@ -1,0 +1,105 @@
+"""The HTTP face of the gateway: OpenAI's routes on FastAPI (what vLLM's own server runs on).
+
+Routes: `GET /v1/models`, `POST /v1/chat/completions`, `POST /v1/completions` (header `X-Session-ID`
+makes a call a turn of a session), `POST /v1/sessions/{id}/finish`, `GET /health`. Every error is a JSON
+body in OpenAI's shape with a 4xx/5xx status, never a traceback; `stream: true` is answered as server-sent
+events (the whole reply in one chunk: rollouts arrive whole).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Header, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from producers.gateway.openai_api import ChatRequest, CompletionRequest, FinishRequest, OpenAIError
+from producers.gateway.service import Gateway
+
+log = logging.getLogger(__name__)
+
+
+def create_app(gateway: Gateway) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        await gateway.start()
+        try:
+            yield
+        finally:
+            await gateway.stop()
+
+    app = FastAPI(title="rollout-streams gateway", lifespan=lifespan)
+
+    @app.exception_handler(OpenAIError)
+    async def openai_error(_request: Request, exc: OpenAIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = [f"{'.'.join(str(p) for p in e['loc'][1:])}: {e['msg']}" for e in exc.errors()[:5]]
+        first = exc.errors()[0]["loc"] if exc.errors() else ()
+        error = OpenAIError(400, "; ".join(problems) or "invalid request", param=".".join(map(str, first[1:2])) or None)
+        return JSONResponse(error.body(), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def unexpected(_request: Request, exc: Exception) -> JSONResponse:
+        log.exception("gateway call failed")
+        error = OpenAIError(500, f"the gateway failed: {type(exc).__name__}: {exc}", "internal_error")
+        return JSONResponse(error.body(), status_code=500)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return gateway.models()
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat(
+        request: ChatRequest, x_session_id: str | None = Header(default=None)
+    ) -> dict[str, Any] | StreamingResponse:
+        answer = await gateway.chat(request, x_session_id)
+        return _stream(answer, chat=True) if request.stream else answer
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(
+        request: CompletionRequest, x_session_id: str | None = Header(default=None)
+    ) -> dict[str, Any] | StreamingResponse:
+        answer = await gateway.complete(request, x_session_id)
+        return _stream(answer, chat=False) if request.stream else answer
+
+    @app.post("/v1/sessions/{session_id}/finish")
+    async def finish(session_id: str, request: FinishRequest | None = None) -> dict[str, Any]:
+        return await gateway.finish(session_id, request or FinishRequest())
+
+    return app
+
+
+def _stream(answer: dict[str, Any], chat: bool) -> StreamingResponse:
+    """The whole answer as server-sent events: one chunk with the text, one with the finish reason, `[DONE]`."""
+
+    def chunks() -> list[dict[str, Any]]:
+        head = {k: answer[k] for k in ("id", "created", "model")}
+        head["object"] = "chat.completion.chunk" if chat else "text_completion"
+        out = []
+        for choice in answer["choices"]:
+            text = {"delta": dict(choice["message"])} if chat else {"text": choice["text"]}
+            out.append(head | {"choices": [{"index": choice["index"], **text, "finish_reason": None}]})
+            end = {"delta": {}} if chat else {"text": ""}
+            done = {"index": choice["index"], **end, "finish_reason": choice["finish_reason"]}
+            out.append(head | {"choices": [done | {"spans": choice["spans"]}]})
+        out.append(head | {"choices": [], "usage": answer["usage"]})
+        return out
+
+    async def events() -> AsyncIterator[str]:
+        for chunk in chunks():
+            yield f"data: {json.dumps(chunk)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")

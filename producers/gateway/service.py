@@ -1,0 +1,321 @@
+"""What one gateway call does, apart from HTTP: check, place, queue, wait, answer, extend the session.
+
+A call becomes one prompt on the queue with `reply_to` naming this replica: a session's turn in its
+worker's inbox (`{ns}:inbox:{worker}`), a call without a session on `{ns}:prompts` (any worker). The
+ordinary workers serve it; the rollouts come back on this replica's reply stream. Nothing is queued
+for a call that fails its checks, and a call made while the policy is paused for a weight sync waits
+for the resume before it is queued (so it never runs on half-loaded weights). A sync that lands while
+a turn is in flight does not reach the caller: the worker continues the turn after the sync (abort →
+partial → continue, or keep), and the answer's `spans` show both versions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from pipeline.streams import Streams
+from pipeline.wire import NAME_PATTERN, Prompt, Sampling
+from producers.gateway.answers import Reply, apply_stops, chat_answer, completion_answer
+from producers.gateway.chat import ChatRenderer, TemplateError
+from producers.gateway.openai_api import ChatRequest, CompletionRequest, FinishRequest, OpenAIError, Sampled
+from producers.gateway.placement import Placement, candidates, place
+from producers.gateway.replies import Replies
+from producers.gateway.sessions import Session, SessionStore, Trajectory
+from staleness.state import read_state
+
+
+@dataclass
+class GatewaySettings:
+    served_model_name: str
+    name: str
+    """This replica's name: its reply stream is `{ns}:replies:{name}`."""
+    placement: Placement = "sticky"
+    session_ttl_s: float = 600.0
+    """A session idle this long is released: its pin and its unfinished trajectory expire."""
+    pause_timeout_s: float = 60.0
+    """How long a call made during a weight sync waits for the resume before a 503."""
+    request_timeout_s: float = 600.0
+    """How long a queued call waits for its answer before a 504."""
+    max_model_len: int | None = None
+    """Longest prompt + reply; None: the smallest that the live workers' heartbeats report."""
+    poll_s: float = 0.05
+
+
+class Gateway:
+    def __init__(self, streams: Streams, renderer: ChatRenderer, settings: GatewaySettings) -> None:
+        self.streams = streams
+        self.renderer = renderer
+        self.settings = settings
+        self.sessions = SessionStore(streams, settings.session_ttl_s, busy_timeout_s=settings.request_timeout_s + 30)
+        self.replies = Replies(streams, settings.name)
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self.streams.ensure_groups)
+        self.replies.start()
+
+    async def stop(self) -> None:
+        await self.replies.stop()
+
+    def models(self) -> dict[str, Any]:
+        model = {"id": self.settings.served_model_name, "object": "model", "created": 0, "owned_by": "rollout-streams"}
+        return {"object": "list", "data": [model]}
+
+    # -- the endpoints -------------------------------------------------------------------------------
+
+    async def chat(self, request: ChatRequest, session_id: str | None) -> dict[str, Any]:
+        self._check_call(request, session_id)
+        messages = [m.for_template() for m in request.messages]
+        if messages[-1]["role"] == "assistant":
+            raise OpenAIError(400, "the last message is the assistant's: nothing to answer", param="messages")
+        call = f"chatcmpl-{uuid.uuid4().hex}"
+        session = await self._begin(session_id, call)
+        try:
+            if session is not None and session.turns:
+                prompt, between = self._continue_chat(session, messages, request.tools)
+            else:
+                prompt, between = np.asarray(self._render(messages, request.tools), np.int32), []
+            replies = await self._generate(prompt, request, request.completion_limit(), session)
+            if session is not None:
+                session.messages = [*messages, {"role": "assistant", "content": replies[0].text}]
+                await self._extend(session, call, prompt, between, replies[0])
+        except BaseException:
+            if session is not None:
+                await asyncio.to_thread(self.sessions.release, session.id, call)
+            raise
+        return chat_answer(
+            call, request.model, prompt, replies, self.renderer, request.logprobs, request.return_token_ids, session_id
+        )
+
+    async def complete(self, request: CompletionRequest, session_id: str | None) -> dict[str, Any]:
+        self._check_call(request, session_id)
+        call = f"cmpl-{uuid.uuid4().hex}"
+        session = await self._begin(session_id, call)
+        try:
+            prompt, between = self._completion_prompt(request.prompt, session)
+            replies = await self._generate(prompt, request, request.max_tokens, session)
+            if session is not None:
+                await self._extend(session, call, prompt, between, replies[0])
+        except BaseException:
+            if session is not None:
+                await asyncio.to_thread(self.sessions.release, session.id, call)
+            raise
+        logprobs = request.logprobs is not None
+        return completion_answer(
+            call, request.model, prompt, replies, self.renderer, logprobs, request.return_token_ids, session_id
+        )
+
+    async def finish(self, session_id: str, request: FinishRequest) -> dict[str, Any]:
+        _check_session_id(session_id)
+        version = (await asyncio.to_thread(read_state, self.streams.redis, self.streams.keys)).version
+        rollout = await asyncio.to_thread(self.sessions.finish, session_id, request, version)
+        return {
+            "id": rollout.id,
+            "object": "session.finished",
+            "session_id": session_id,
+            "group": rollout.prompt_id,
+            "sample": rollout.sample,
+            "group_size": rollout.n,
+            "turns": rollout.meta.get("turns"),
+            "prompt_tokens": len(rollout.prompt_tokens),
+            "tokens": rollout.n_tokens,
+            "model_tokens": int(rollout.model_token_mask().sum()),
+            "reward": rollout.reward,
+        }
+
+    # -- checks ---------------------------------------------------------------------------------------
+
+    def _check_call(self, request: Sampled, session_id: str | None) -> None:
+        if request.model != self.settings.served_model_name:
+            raise OpenAIError(
+                404,
+                f"The model `{request.model}` does not exist; this gateway serves `{self.settings.served_model_name}`",
+                code="model_not_found",
+                param="model",
+            )
+        request.stops()
+        if session_id is not None:
+            _check_session_id(session_id)
+            if request.n != 1:
+                raise OpenAIError(400, "a session's turn has one reply: n must be 1 with X-Session-ID", param="n")
+
+    def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
+        try:
+            return self.renderer.first_prompt(messages, tools)
+        except TemplateError as exc:
+            raise OpenAIError(400, str(exc), param="messages") from None
+
+    def _continue_chat(
+        self, session: Session, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+    ) -> tuple[np.ndarray, list[int]]:
+        """The next turn's prompt: the session's exact tokens, then the template's tokens of the new messages."""
+        known = session.messages
+        if len(messages) <= len(known) or messages[: len(known)] != known:
+            raise OpenAIError(
+                400,
+                f"session {session.id!r}: the messages must repeat the session's {len(known)} messages so far "
+                "(the last one the assistant's reply, as it was given) and add new ones after them",
+                code="session_history_mismatch",
+                param="messages",
+            )
+        assert session.trajectory is not None
+        try:
+            between = self.renderer.next_turn(known, messages[len(known) :], tools, session.last_stop)
+        except TemplateError as exc:
+            raise OpenAIError(400, str(exc), param="messages") from None
+        return np.concatenate([session.trajectory.context(), np.asarray(between, np.int32)]), between
+
+    def _completion_prompt(self, prompt: str | list[int], session: Session | None) -> tuple[np.ndarray, list[int]]:
+        """Token ids (as given, or the text's); a session's turn must extend the session's tokens."""
+        if session is None or not session.turns:
+            ids = prompt if isinstance(prompt, list) else self.renderer.encode(prompt)
+            return np.asarray(ids, np.int32), []
+        assert session.trajectory is not None
+        context = session.trajectory.context()
+        if isinstance(prompt, list):
+            if len(prompt) <= len(context) or not np.array_equal(prompt[: len(context)], context):
+                raise OpenAIError(
+                    400,
+                    "a session's prompt must start with the session's tokens so far",
+                    code="session_history_mismatch",
+                )
+            between = list(prompt[len(context) :])
+        else:
+            so_far = self.renderer.decode(context)
+            if len(prompt) <= len(so_far) or not prompt.startswith(so_far):
+                raise OpenAIError(
+                    400, "a session's prompt must start with the session's text so far", code="session_history_mismatch"
+                )
+            between = self.renderer.encode(prompt[len(so_far) :])
+        return np.concatenate([context, np.asarray(between, np.int32)]), between
+
+    async def _max_model_len(self) -> int:
+        limits = [self.settings.max_model_len] if self.settings.max_model_len else []
+        workers = await asyncio.to_thread(self.streams.live_workers)
+        limits += [int(w["max_model_len"]) for w in workers.values() if w.get("max_model_len", "").isdigit()]
+        if not limits:
+            raise OpenAIError(
+                503, "no worker is serving this namespace (start `rollouts worker`)", "service_unavailable", "no_worker"
+            )
+        return min(limits)
+
+    # -- one turn through the queue ---------------------------------------------------------------------
+
+    async def _begin(self, session_id: str | None, call: str) -> Session | None:
+        if session_id is None:
+            return None
+        return await asyncio.to_thread(self.sessions.begin, session_id, call)
+
+    async def _generate(
+        self, prompt: np.ndarray, request: Sampled, max_tokens: int | None, session: Session | None
+    ) -> list[Reply]:
+        limit = await self._max_model_len()
+        room = limit - len(prompt)
+        wanted = max_tokens if max_tokens is not None else room
+        if room < 1 or wanted > room:
+            asked = f"{len(prompt) + wanted} tokens ({len(prompt)} in the messages, {wanted} in the completion)"
+            if room < 1:
+                asked = f"{len(prompt)} tokens in the messages alone"
+            raise OpenAIError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, you requested {asked}. "
+                "Please reduce the length of the messages or completion.",
+                code="context_length_exceeded",
+                param="messages",
+            )
+        sampling = Sampling(
+            max_tokens=wanted,
+            temperature=1.0 if request.temperature is None else request.temperature,
+            top_p=1.0 if request.top_p is None else request.top_p,
+            seed=request.seed,
+        )
+        item = Prompt(
+            id=f"turn-{uuid.uuid4().hex}",
+            n=request.n,
+            tokens=prompt,
+            sampling=sampling,
+            meta={"gateway": self.settings.name, "session": session.id if session else None},
+            reply_to=self.settings.name,
+        )
+        await self._wait_unpaused()
+        future = self.replies.expect(item.id, item.n)
+        try:
+            worker = await self._queue(item, session)
+            try:
+                rollouts = await asyncio.wait_for(future, self.settings.request_timeout_s)
+            except TimeoutError:
+                raise OpenAIError(
+                    504,
+                    f"no answer within {self.settings.request_timeout_s:g} s (queued for "
+                    f"{worker or 'any worker'}); are workers running (`rollouts top`)?",
+                    "timeout",
+                    "no_answer",
+                ) from None
+        finally:
+            self.replies.forget(item.id)
+        errors = [r.error for r in rollouts if r.finish_reason == "error"]
+        if errors:
+            raise OpenAIError(400, f"the engine refused this request: {errors[0]}", code="engine_refused")
+        if session is not None:
+            session.workers.append(rollouts[0].worker)
+            session.cached_tokens += rollouts[0].cached_tokens or 0
+        return [apply_stops(r, request.stops(), self.renderer) for r in rollouts]
+
+    async def _wait_unpaused(self) -> None:
+        """Queue nothing while a weight sync is under way; give up with a 503 after `pause_timeout_s`."""
+        deadline = time.monotonic() + self.settings.pause_timeout_s
+        while True:
+            state = await asyncio.to_thread(read_state, self.streams.redis, self.streams.keys)
+            if not state.paused:
+                return
+            if time.monotonic() > deadline:
+                raise OpenAIError(
+                    503,
+                    f"the policy is paused for a weight sync (version {state.version} -> {state.pending_version}) "
+                    f"and did not resume within {self.settings.pause_timeout_s:g} s; retry later",
+                    "service_unavailable",
+                    "policy_paused",
+                )
+            await asyncio.sleep(self.settings.poll_s)
+
+    async def _queue(self, item: Prompt, session: Session | None) -> str | None:
+        """A session's turn to its worker's inbox; a call without one to the shared prompts."""
+        if session is None:
+            await asyncio.to_thread(self.streams.add_prompts, [item])
+            return None
+        workers = candidates(await asyncio.to_thread(self.streams.live_workers))
+        if not workers:
+            raise OpenAIError(
+                503, "no worker is serving this namespace (start `rollouts worker`)", "service_unavailable", "no_worker"
+            )
+        worker = await asyncio.to_thread(place, self.settings.placement, self.sessions, session.id, workers)
+        session.worker = worker
+        await asyncio.to_thread(self.streams.add_to_inbox, worker, item)
+        return worker
+
+    async def _extend(self, session: Session, call: str, prompt: np.ndarray, between: list[int], reply: Reply) -> None:
+        """Add the turn to the session's trajectory and write it back (if this call still holds the session)."""
+        if session.trajectory is None:
+            session.trajectory = Trajectory(prompt_tokens=prompt)
+        session.trajectory.add_turn(between, reply.rollout)
+        session.turns += 1
+        session.last_stop = reply.stop_token
+        session.finish_reason = reply.rollout.finish_reason
+        served = reply.rollout.worker
+        if served and served != session.worker:  # its worker died: the turn ran elsewhere, and the session moves
+            await asyncio.to_thread(self.sessions.place, session.id, served)
+            session.worker = served
+        await asyncio.to_thread(self.sessions.commit, session, call)
+
+
+def _check_session_id(session_id: str) -> None:
+    if not re.match(NAME_PATTERN, session_id):
+        raise OpenAIError(
+            400, f"X-Session-ID {session_id[:64]!r} must be 1-128 of A-Z a-z 0-9 _ . @ -", param="X-Session-ID"
+        )
