@@ -54,18 +54,18 @@ def gateway(
     if placement not in PLACEMENTS:
         fail(f"--placement must be one of {', '.join(PLACEMENTS)}, not {placement!r}")
     if not (model / "config.json").is_file() and not (model / "tokenizer_config.json").is_file():
-        fail(
-            f"no model at {model} (no config.json or tokenizer_config.json). Build one: rollouts tiny-model {model}"
-        )
+        fail(f"no model at {model} (no config.json or tokenizer_config.json). Build one: rollouts tiny-model {model}")
     setup_logging(log_level)
     streams = open_streams(redis_url, ns)
     import uvicorn
+    from prometheus_client import disable_created_metrics
     from transformers import AutoTokenizer
 
     from producers.gateway.app import create_app
     from producers.gateway.chat import ChatRenderer
     from producers.gateway.service import Gateway, GatewaySettings
 
+    disable_created_metrics()  # the `_created` series are only noise in the text format
     with user_errors(redis_url):
         renderer = ChatRenderer(AutoTokenizer.from_pretrained(str(model)))
         settings = GatewaySettings(

@@ -1,22 +1,24 @@
 """The HTTP face of the gateway: OpenAI's routes on FastAPI (what vLLM's own server runs on).
 
 Routes: `GET /v1/models`, `POST /v1/chat/completions`, `POST /v1/completions` (header `X-Session-ID`
-makes a call a turn of a session), `POST /v1/sessions/{id}/finish`, `GET /health`. Every error is a JSON
-body in OpenAI's shape with a 4xx/5xx status, never a traceback; `stream: true` is answered as server-sent
-events (the whole reply in one chunk: rollouts arrive whole).
+makes a call a turn of a session), `POST /v1/sessions/{id}/finish`, `GET /health`, `GET /metrics`
+(Prometheus). Every error is a JSON body in OpenAI's shape with a 4xx/5xx status, never a traceback;
+`stream: true` is answered as server-sent events (the whole reply in one chunk: rollouts arrive whole).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from producers.gateway.openai_api import ChatRequest, CompletionRequest, FinishRequest, OpenAIError
 from producers.gateway.service import Gateway
@@ -52,9 +54,23 @@ def create_app(gateway: Gateway) -> FastAPI:
         error = OpenAIError(500, f"the gateway failed: {type(exc).__name__}: {exc}", "internal_error")
         return JSONResponse(error.body(), status_code=500)
 
+    @app.middleware("http")
+    async def count(request: Request, call_next: Any) -> Any:
+        started = time.monotonic()
+        response = await call_next(request)
+        route = request.scope.get("route")
+        path = getattr(route, "path", "other")
+        if path != "/metrics":
+            gateway.metrics.call(path, response.status_code, time.monotonic() - started)
+        return response
+
     @app.get("/health")
     async def health() -> dict[str, str]:
         return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

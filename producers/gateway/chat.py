@@ -78,17 +78,22 @@ class ChatRenderer:
                 "session cannot be one token sequence; start a new session (or keep `tools` the same every turn)"
             )
         if last_token is not None:
-            own = self.tokenizer.decode([last_token], skip_special_tokens=False)
+            own = self.token_text(last_token)
             if own and after.startswith(own):
                 after = after[len(own) :]
         return self.encode(after)
 
     def reply_text(self, tokens: np.ndarray | Sequence[int]) -> str:
         """What the caller reads: the reply without special tokens (its end-of-turn token among them)."""
-        return self.tokenizer.decode([int(t) for t in tokens], skip_special_tokens=True)
+        return self._decode(tokens, skip_special=True)
 
     def token_text(self, token: int) -> str:
-        return self.tokenizer.decode([int(token)], skip_special_tokens=False)
+        return self._decode([token], skip_special=False)
 
     def decode(self, tokens: np.ndarray | Sequence[int]) -> str:
-        return self.tokenizer.decode([int(t) for t in tokens], skip_special_tokens=False)
+        return self._decode(tokens, skip_special=False)
+
+    def _decode(self, tokens: np.ndarray | Sequence[int], skip_special: bool) -> str:
+        """The tokens' text as the model wrote it (no clean-up of spaces around punctuation)."""
+        ids = [int(t) for t in tokens]
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special, clean_up_tokenization_spaces=False)

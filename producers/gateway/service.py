@@ -24,6 +24,7 @@ from pipeline.streams import Streams
 from pipeline.wire import NAME_PATTERN, Prompt, Sampling
 from producers.gateway.answers import Reply, apply_stops, chat_answer, completion_answer
 from producers.gateway.chat import ChatRenderer, TemplateError
+from producers.gateway.metrics import GatewayMetrics
 from producers.gateway.openai_api import ChatRequest, CompletionRequest, FinishRequest, OpenAIError, Sampled
 from producers.gateway.placement import Placement, candidates, place
 from producers.gateway.replies import Replies
@@ -55,6 +56,7 @@ class Gateway:
         self.settings = settings
         self.sessions = SessionStore(streams, settings.session_ttl_s, busy_timeout_s=settings.request_timeout_s + 30)
         self.replies = Replies(streams, settings.name)
+        self.metrics = GatewayMetrics(streams.keys.ns, settings.name)
 
     async def start(self) -> None:
         await asyncio.to_thread(self.streams.ensure_groups)
@@ -115,6 +117,7 @@ class Gateway:
         _check_session_id(session_id)
         version = (await asyncio.to_thread(read_state, self.streams.redis, self.streams.keys)).version
         rollout = await asyncio.to_thread(self.sessions.finish, session_id, request, version)
+        self.metrics.finished.inc()
         return {
             "id": rollout.id,
             "object": "session.finished",
@@ -248,7 +251,8 @@ class Gateway:
         try:
             worker = await self._queue(item, session)
             try:
-                rollouts = await asyncio.wait_for(future, self.settings.request_timeout_s)
+                with self.metrics.wait("answer").track_inprogress():
+                    rollouts = await asyncio.wait_for(future, self.settings.request_timeout_s)
             except TimeoutError:
                 raise OpenAIError(
                     504,
@@ -262,6 +266,8 @@ class Gateway:
         errors = [r.error for r in rollouts if r.finish_reason == "error"]
         if errors:
             raise OpenAIError(400, f"the engine refused this request: {errors[0]}", code="engine_refused")
+        self.metrics.prompt_tokens.inc(len(prompt))
+        self.metrics.cached_tokens.inc(rollouts[0].cached_tokens or 0)
         if session is not None:
             session.workers.append(rollouts[0].worker)
             session.cached_tokens += rollouts[0].cached_tokens or 0
@@ -269,31 +275,33 @@ class Gateway:
 
     async def _wait_unpaused(self) -> None:
         """Queue nothing while a weight sync is under way; give up with a 503 after `pause_timeout_s`."""
+        state = await asyncio.to_thread(read_state, self.streams.redis, self.streams.keys)
+        if not state.paused:
+            return
         deadline = time.monotonic() + self.settings.pause_timeout_s
-        while True:
-            state = await asyncio.to_thread(read_state, self.streams.redis, self.streams.keys)
-            if not state.paused:
-                return
-            if time.monotonic() > deadline:
-                raise OpenAIError(
-                    503,
-                    f"the policy is paused for a weight sync (version {state.version} -> {state.pending_version}) "
-                    f"and did not resume within {self.settings.pause_timeout_s:g} s; retry later",
-                    "service_unavailable",
-                    "policy_paused",
-                )
-            await asyncio.sleep(self.settings.poll_s)
+        with self.metrics.wait("resume").track_inprogress():
+            while state.paused:
+                if time.monotonic() > deadline:
+                    raise OpenAIError(
+                        503,
+                        f"the policy is paused for a weight sync (version {state.version} -> {state.pending_version})"
+                        f" and did not resume within {self.settings.pause_timeout_s:g} s; retry later",
+                        "service_unavailable",
+                        "policy_paused",
+                    )
+                await asyncio.sleep(self.settings.poll_s)
+                state = await asyncio.to_thread(read_state, self.streams.redis, self.streams.keys)
 
     async def _queue(self, item: Prompt, session: Session | None) -> str | None:
-        """A session's turn to its worker's inbox; a call without one to the shared prompts."""
-        if session is None:
-            await asyncio.to_thread(self.streams.add_prompts, [item])
-            return None
+        """A session's turn to its worker's inbox; a call without one to the shared prompts (any worker)."""
         workers = candidates(await asyncio.to_thread(self.streams.live_workers))
         if not workers:
             raise OpenAIError(
                 503, "no worker is serving this namespace (start `rollouts worker`)", "service_unavailable", "no_worker"
             )
+        if session is None:
+            await asyncio.to_thread(self.streams.add_prompts, [item])
+            return None
         worker = await asyncio.to_thread(place, self.settings.placement, self.sessions, session.id, workers)
         session.worker = worker
         await asyncio.to_thread(self.streams.add_to_inbox, worker, item)
