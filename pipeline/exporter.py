@@ -37,6 +37,7 @@ WORKER_FIELDS: tuple[tuple[str, str, str, str], ...] = (
     ("version", "rollouts_worker_policy_version", "gauge", "Policy version the worker's engine has loaded."),
     ("epoch", "rollouts_worker_sync_epoch", "gauge", "Last weight-sync epoch the worker acked."),
     ("inflight", "rollouts_worker_inflight_samples", "gauge", "Samples in flight on the worker's engine."),
+    ("sessions", "rollouts_worker_pinned_sessions", "gauge", "Gateway sessions pinned to the worker now."),
     ("published", "rollouts_worker_published_rollouts", "counter", "Rollouts the worker published since it started."),
     (
         "generated_tokens",

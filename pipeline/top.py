@@ -58,6 +58,11 @@ def snapshot(streams: Streams) -> dict[str, Any]:
             },
         }
     result["workers"] = streams.live_workers()
+    pipe = client.pipeline(transaction=False)
+    for name in result["workers"]:
+        pipe.zcount(keys.pins(name), result["ts"], "+inf")
+    for w, sessions in zip(result["workers"].values(), pipe.execute(), strict=True):
+        w["sessions"] = str(sessions)  # gateway sessions pinned to it now (see producers.gateway)
     result["state"] = {_text(k): _text(v) for k, v in state.items()}
     if scorer:
         scorer["age_s"] = round(result["ts"] - float(scorer.get("ts") or 0), 1)
@@ -108,7 +113,7 @@ def render(snap: dict[str, Any]) -> RichGroup:
                 str(g["consumers"]),
             )
     workers = Table(title=f"workers ({len(snap['workers'])} live)", expand=True)
-    for column in ("worker", "status", "engine", "version", "inflight", "published", "tokens/s"):
+    for column in ("worker", "status", "engine", "version", "inflight", "sessions", "published", "tokens/s"):
         workers.add_column(column, justify="left" if column in ("worker", "status", "engine") else "right")
     for name, w in sorted(snap["workers"].items()):
         workers.add_row(
@@ -117,6 +122,7 @@ def render(snap: dict[str, Any]) -> RichGroup:
             w.get("engine", "?"),
             w.get("version", "?"),
             w.get("inflight", "?"),
+            w.get("sessions", "0"),
             w.get("published", "?"),
             w.get("tokens_per_s", "?"),
         )

@@ -191,6 +191,12 @@ def test_a_three_turn_conversation_with_a_tool_gives_a_token_exact_trajectory(
     assert streamed == plain.choices[0].message.content
     completion = client.completions.create(model="tiny", prompt=first, max_tokens=5, n=2, seed=3)
     assert len(completion.choices) == 2 and completion.usage.completion_tokens <= 10
+    # A stop string cuts the text before it, as OpenAI does (same seed: the same sample, now cut).
+    text = client.completions.create(model="tiny", prompt="The cat", max_tokens=24, seed=11).choices[0].text
+    assert len(text) >= 6, text
+    stop = text[3:5]
+    cut = client.completions.create(model="tiny", prompt="The cat", max_tokens=24, seed=11, stop=[stop]).choices[0]
+    assert cut.text == text[: text.find(stop)] and cut.finish_reason == "stop"
 
 
 def test_sessions_stick_to_the_least_loaded_worker_and_replicas_share_the_pins(

@@ -13,6 +13,7 @@ from pipeline.local import RedisServer
 from pipeline.lua import register_all, sources
 from pipeline.streams import SCRIPTS, Entry, Streams, entries_from_reply
 from pipeline.wire import GENERATORS, TRAINER, Prompt, Rollout
+from producers.gateway.sessions import SCRIPTS as gateway_scripts
 from staleness.admission import SCRIPTS as staleness_scripts
 from tests.conftest import REDIS_VERSIONS, wait_until
 
@@ -181,9 +182,12 @@ def test_blocking_read_wakes_on_new_work(real_redis: redis.Redis, ns: str) -> No
 @pytest.mark.parametrize("redis_server", REDIS_VERSIONS, indirect=True)
 def test_every_lua_script_names_its_keys_and_compiles_on_both_versions(redis_server: RedisServer) -> None:
     client = redis.Redis.from_url(redis_server.url)
-    folders = [SCRIPTS, staleness_scripts]
+    folders = [SCRIPTS, staleness_scripts, gateway_scripts]
     names = {name for folder in folders for name in sources(folder)}
-    assert names == {"publish", "claim", "forward", "replay", "rehome", "admit", "park", "begin_sync", "finish_sync"}
+    assert names == {
+        *("publish", "claim", "forward", "replay", "rehome", "admit", "park", "begin_sync", "finish_sync"),
+        *("pin", "join_group"),
+    }
     for folder in folders:
         for name, source in sources(folder).items():
             header = [line for line in source.splitlines() if line.startswith("--")]

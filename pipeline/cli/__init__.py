@@ -434,4 +434,4 @@ def bench_sync(
 
 
 # Commands that live in modules beside this one register themselves on `app` when imported.
-from pipeline.cli import exporter, gateway, launch, recording, scoring  # noqa: E402, F401
+from pipeline.cli import bench_gateway, exporter, gateway, launch, recording, scoring  # noqa: E402, F401
