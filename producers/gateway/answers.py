@@ -64,81 +64,48 @@ def usage(prompt_len: int, replies: list[Reply]) -> dict[str, Any]:
     }
 
 
-def _extensions(reply: Reply, token_ids: bool) -> dict[str, Any]:
-    extra: dict[str, Any] = {"spans": [list(s) for s in reply.rollout.spans]}
-    if token_ids:
-        extra["token_ids"] = reply.rollout.tokens.tolist()
-    return extra
+@dataclass
+class Call:
+    """What an answer says about its call, besides the replies."""
+
+    id: str
+    model: str
+    prompt: np.ndarray
+    logprobs: bool
+    token_ids: bool
+    """vLLM's `return_token_ids`: `prompt_token_ids` on the answer, `token_ids` on each choice."""
+    session_id: str | None
 
 
-def chat_answer(
-    call_id: str,
-    model: str,
-    prompt: np.ndarray,
-    replies: list[Reply],
-    renderer: ChatRenderer,
-    logprobs: bool,
-    token_ids: bool,
-    session_id: str | None,
-) -> dict[str, Any]:
+def answer(call: Call, replies: list[Reply], renderer: ChatRenderer, chat: bool) -> dict[str, Any]:
+    """A `chat.completion` (`chat`) or a `text_completion`, one choice per reply."""
     choices = []
     for index, reply in enumerate(replies):
-        choice: dict[str, Any] = {
-            "index": index,
-            "message": {"role": "assistant", "content": reply.text},
-            "finish_reason": reply.rollout.finish_reason,
-            "logprobs": {"content": _token_logprobs(reply.rollout, renderer)} if logprobs else None,
-        }
-        choices.append(choice | _extensions(reply, token_ids))
-    return _answer("chat.completion", call_id, model, prompt, replies, choices, token_ids, session_id)
-
-
-def completion_answer(
-    call_id: str,
-    model: str,
-    prompt: np.ndarray,
-    replies: list[Reply],
-    renderer: ChatRenderer,
-    logprobs: bool,
-    token_ids: bool,
-    session_id: str | None,
-) -> dict[str, Any]:
-    choices = []
-    for index, reply in enumerate(replies):
-        choice: dict[str, Any] = {
-            "index": index,
-            "text": reply.text,
-            "finish_reason": reply.rollout.finish_reason,
-            "logprobs": _legacy_logprobs(reply.rollout, renderer) if logprobs else None,
-        }
-        choices.append(choice | _extensions(reply, token_ids))
-    return _answer("text_completion", call_id, model, prompt, replies, choices, token_ids, session_id)
-
-
-def _answer(
-    kind: str,
-    call_id: str,
-    model: str,
-    prompt: np.ndarray,
-    replies: list[Reply],
-    choices: list[dict[str, Any]],
-    token_ids: bool,
-    session_id: str | None,
-) -> dict[str, Any]:
-    answer: dict[str, Any] = {
-        "id": call_id,
-        "object": kind,
+        choice: dict[str, Any] = {"index": index, "finish_reason": reply.rollout.finish_reason}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": reply.text}
+            choice["logprobs"] = {"content": _token_logprobs(reply.rollout, renderer)} if call.logprobs else None
+        else:
+            choice["text"] = reply.text
+            choice["logprobs"] = _legacy_logprobs(reply.rollout, renderer) if call.logprobs else None
+        choice["spans"] = [list(s) for s in reply.rollout.spans]
+        if call.token_ids:
+            choice["token_ids"] = reply.rollout.tokens.tolist()
+        choices.append(choice)
+    body: dict[str, Any] = {
+        "id": call.id,
+        "object": "chat.completion" if chat else "text_completion",
         "created": int(time.time()),
-        "model": model,
+        "model": call.model,
         "choices": choices,
-        "usage": usage(len(prompt), replies),
+        "usage": usage(len(call.prompt), replies),
         "policy_version": replies[0].rollout.version if replies else None,
     }
-    if session_id is not None:
-        answer["session_id"] = session_id
-    if token_ids:
-        answer["prompt_token_ids"] = prompt.tolist()
-    return answer
+    if call.session_id is not None:
+        body["session_id"] = call.session_id
+    if call.token_ids:
+        body["prompt_token_ids"] = call.prompt.tolist()
+    return body
 
 
 def _token_logprobs(rollout: Rollout, renderer: ChatRenderer) -> list[dict[str, Any]]:

@@ -22,7 +22,7 @@ import numpy as np
 
 from pipeline.streams import Streams
 from pipeline.wire import NAME_PATTERN, Prompt, Sampling
-from producers.gateway.answers import Reply, apply_stops, chat_answer, completion_answer
+from producers.gateway.answers import Call, Reply, answer, apply_stops
 from producers.gateway.chat import ChatRenderer, TemplateError
 from producers.gateway.metrics import GatewayMetrics
 from producers.gateway.openai_api import ChatRequest, CompletionRequest, FinishRequest, OpenAIError, Sampled
@@ -91,9 +91,8 @@ class Gateway:
             if session is not None:
                 await asyncio.to_thread(self.sessions.release, session.id, call)
             raise
-        return chat_answer(
-            call, request.model, prompt, replies, self.renderer, request.logprobs, request.return_token_ids, session_id
-        )
+        asked = Call(call, request.model, prompt, request.logprobs, request.return_token_ids, session_id)
+        return answer(asked, replies, self.renderer, chat=True)
 
     async def complete(self, request: CompletionRequest, session_id: str | None) -> dict[str, Any]:
         self._check_call(request, session_id)
@@ -109,9 +108,8 @@ class Gateway:
                 await asyncio.to_thread(self.sessions.release, session.id, call)
             raise
         logprobs = request.logprobs is not None
-        return completion_answer(
-            call, request.model, prompt, replies, self.renderer, logprobs, request.return_token_ids, session_id
-        )
+        asked = Call(call, request.model, prompt, logprobs, request.return_token_ids, session_id)
+        return answer(asked, replies, self.renderer, chat=False)
 
     async def finish(self, session_id: str, request: FinishRequest) -> dict[str, Any]:
         _check_session_id(session_id)
