@@ -3,13 +3,15 @@
 Workers publish the rollouts of a prompt with `reply_to=NAME` to `{ns}:replies:NAME` (in the same atomic
 step that acks the prompt, like any rollout). One reader per replica follows that stream, resolves the
 call waiting on each prompt once all its `n` samples are in, and deletes what it read. A reply nobody
-waits for any more (its call timed out) is deleted too.
+waits for any more (its call timed out) is deleted too. The stream expires an hour after the replica last
+read it, so a replica that was killed leaves nothing behind for long (one that stops deletes it at once).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from pipeline.streams import Streams
 from pipeline.wire import Rollout, WireError
@@ -25,10 +27,11 @@ class _Waiting:
 
 
 class Replies:
-    def __init__(self, streams: Streams, gateway: str, block_ms: int = 1000) -> None:
+    def __init__(self, streams: Streams, gateway: str, block_ms: int = 1000, ttl_s: int = 3600) -> None:
         self.streams = streams
         self.gateway = gateway
         self.block_ms = block_ms
+        self.ttl_s = ttl_s
         self._waiting: dict[str, _Waiting] = {}
         self._task: asyncio.Task[None] | None = None
 
@@ -52,8 +55,12 @@ class Replies:
 
     async def _follow(self) -> None:
         after = b"0"  # the stream is this replica's own: whatever is on it is for us
+        key, renewed = self.streams.keys.replies(self.gateway), 0.0
         while True:
             try:
+                due = time.monotonic() - renewed > self.ttl_s / 10
+                if due and await asyncio.to_thread(self.streams.redis.expire, key, self.ttl_s):
+                    renewed = time.monotonic()  # (the stream exists once a worker replied)
                 entries = await asyncio.to_thread(self.streams.read_replies, self.gateway, after, self.block_ms)
             except Exception:
                 log.exception("reading replies failed; retrying")
