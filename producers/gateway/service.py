@@ -15,6 +15,7 @@ import asyncio
 import re
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +48,8 @@ class GatewaySettings:
     max_model_len: int | None = None
     """Longest prompt + reply; None: the smallest that the live workers' heartbeats report."""
     poll_s: float = 0.05
+    threads: int = 64
+    """Redis calls in flight at once (each on a thread)."""
 
 
 class Gateway:
@@ -59,6 +62,9 @@ class Gateway:
         self.metrics = GatewayMetrics(streams.keys.ns, settings.name)
 
     async def start(self) -> None:
+        # Every Redis call runs on a thread (the stream layer is synchronous), one of them always blocked on the
+        # reply stream: asyncio's default pool (cores + 4) would queue concurrent calls behind each other.
+        asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(self.settings.threads, "gateway"))
         await asyncio.to_thread(self.streams.ensure_groups)
         self.replies.start()
 
