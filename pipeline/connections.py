@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import redis
 
@@ -59,6 +60,18 @@ def server_version(client: redis.Redis) -> tuple[int, int, int] | None:
     return parse_version(str(info["redis_version"])) if "redis_version" in info else None
 
 
+def redact(url: str) -> str:
+    """The URL with its password replaced by `***`: what logs, errors and `top` may show."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    if parts.port is not None:
+        host = f"{host}:{parts.port}"
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+
+
 def connect(url: str, **options: Any) -> redis.Redis:
     """A client for binary payloads (`decode_responses=False`), checked with a PING and for the version.
 
@@ -70,8 +83,8 @@ def connect(url: str, **options: Any) -> redis.Redis:
         if "hello" not in str(exc).lower():
             raise
         # redis-py opens with HELLO (RESP3), which Redis 6.0 added: an older server refuses it before INFO.
-        raise too_old(f"the server at {url} does not know HELLO, so it is older than Redis 6.0") from None
+        raise too_old(f"the server at {redact(url)} does not know HELLO, so it is older than Redis 6.0") from None
     version = server_version(client)
     if version is not None:
-        check_version(version, f"the server at {url}")
+        check_version(version, f"the server at {redact(url)}")
     return client

@@ -140,6 +140,15 @@ def find_redis_cli() -> str:
     return str(bundled.with_name("redis-cli"))
 
 
+@dataclass(frozen=True)
+class TlsFiles:
+    """A server's certificate and key (PEM), and the CA that signed it."""
+
+    cert: Path
+    key: Path
+    ca: Path
+
+
 class RedisServer:
     """A `redis-server` process of our own, with its data in a temporary directory."""
 
@@ -149,8 +158,11 @@ class RedisServer:
         appendonly: bool = False,
         data_dir: Path | None = None,
         binary: RedisBinary | None = None,
+        tls: TlsFiles | None = None,
     ) -> None:
         self.binary = binary or find_redis_server()
+        self.tls = tls
+        """Serve TLS only (on `port`), with this certificate, key and CA; clients need `url`'s `ssl_ca_certs`."""
         check_version(self.binary.version, f"{self.binary.path} (from {self.binary.source})")
         self.port = port or free_port()
         self.appendonly = appendonly
@@ -159,6 +171,8 @@ class RedisServer:
 
     @property
     def url(self) -> str:
+        if self.tls is not None:
+            return f"rediss://127.0.0.1:{self.port}/0?ssl_ca_certs={self.tls.ca}"
         return f"redis://127.0.0.1:{self.port}/0"
 
     @property
@@ -168,9 +182,13 @@ class RedisServer:
     def start(self, timeout_s: float = 10.0) -> RedisServer:
         args = [self.binary.path, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.data_dir)]
         args += ["--save", "", "--appendonly", "yes" if self.appendonly else "no", "--protected-mode", "no"]
+        if self.tls is not None:
+            args[1:3] = ["--port", "0", "--tls-port", str(self.port)]
+            args += ["--tls-cert-file", str(self.tls.cert), "--tls-key-file", str(self.tls.key)]
+            args += ["--tls-ca-cert-file", str(self.tls.ca), "--tls-auth-clients", "no"]
         self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout_s
-        client = redis.Redis(port=self.port, socket_connect_timeout=0.5)
+        client = redis.Redis.from_url(self.url, socket_connect_timeout=0.5)
         while True:
             try:
                 client.ping()

@@ -35,7 +35,7 @@ from pipeline.cli.engine_spec import (
     ThreadsOpt,
     TpOpt,
 )
-from pipeline.connections import UnsupportedRedisError, connect
+from pipeline.connections import UnsupportedRedisError, connect, redact
 from pipeline.streams import Streams
 from pipeline.wire import WireError
 
@@ -83,10 +83,12 @@ def user_errors(redis_url: str | None = None) -> Iterator[None]:
     """Report the errors a user can fix in one line each."""
     try:
         yield
+    except redis.AuthenticationError as exc:  # a ConnectionError too: first
+        fail(f"Redis at {redact(redis_url)} refused the credentials: {exc}. Check the user and password in --redis.")
     except (redis.ConnectionError, redis.TimeoutError) as exc:
-        fail(f"cannot reach Redis at {redis_url}: {exc}. Is redis-server running there? Pass --redis URL.")
+        fail(f"cannot reach Redis at {redact(redis_url)}: {exc}. Is redis-server running there? Pass --redis URL.")
     except redis.ResponseError as exc:
-        fail(f"Redis at {redis_url} refused a command: {exc}")
+        fail(f"Redis at {redact(redis_url)} refused a command: {exc}")
     except (FileNotFoundError, NotADirectoryError, ValueError, WireError, UnsupportedRedisError) as exc:
         fail(str(exc))
 
@@ -434,4 +436,4 @@ def bench_sync(
 
 
 # Commands that live in modules beside this one register themselves on `app` when imported.
-from pipeline.cli import bench_gateway, exporter, gateway, launch, recording, scoring  # noqa: E402, F401
+from pipeline.cli import acl, bench_gateway, exporter, gateway, launch, recording, scoring  # noqa: E402, F401

@@ -19,6 +19,7 @@ from pipeline.cli import (
     setup_logging,
     user_errors,
 )
+from pipeline.connections import redact
 
 DEFAULT_PORT = 9650
 SCRAPE_TIMEOUT_S = 5.0
@@ -53,5 +54,5 @@ def exporter(
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    console.print(f"exporter for namespace {ns} on {redis_url}")
+    console.print(f"exporter for namespace {ns} on {redact(redis_url)}")
     stop.wait()

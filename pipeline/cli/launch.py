@@ -43,6 +43,7 @@ from pipeline.cli.engine_spec import (
     ThreadsOpt,
     TpOpt,
 )
+from pipeline.connections import redact
 from pipeline.streams import Streams
 
 ACTOR_ENV = ("HF_HUB_OFFLINE", "HF_HUB_DISABLE_PROGRESS_BARS", "VLLM_LOGGING_STREAM")
@@ -196,7 +197,7 @@ def _warn_loopback(redis_url: str) -> None:
     nodes = [node for node in ray.nodes() if node.get("Alive")]
     if host in ("127.0.0.1", "localhost", "::1") and len(nodes) > 1:
         console.print(
-            f"[yellow]warning:[/] --redis {redis_url} is loopback, but the cluster has {len(nodes)} nodes: "
+            f"[yellow]warning:[/] --redis {redact(redis_url)} is loopback, but the cluster has {len(nodes)} nodes: "
             "workers on the others will not reach it; pass an address they can reach"
         )
 
