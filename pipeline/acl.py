@@ -64,5 +64,5 @@ def acl_rules(ns: str, role: str, password: str, redis_7: bool = True) -> list[s
         return rules + [f"%R~{pattern(ns, key)}" for key in WORKER_READS]
     rules.append(f"~{pattern(ns, '*')}")
     if role == "scorer":
-        rules.append("~rq:*")
+        rules += ["~rq:*", "&rq:*", "+@pubsub"]  # RQ's queues, jobs and workers; its workers listen on rq:pubsub:*
     return rules

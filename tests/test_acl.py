@@ -20,7 +20,7 @@ from cryptography.x509.oid import NameOID
 
 from pipeline.cli.processes import start_worker, stop_process, wait_for_worker
 from pipeline.local import RedisServer, TlsFiles
-from pipeline.wire import Keys
+from pipeline.wire import Keys, Rollout
 from producers.client import RolloutClient
 from tests.conftest import FAST
 
@@ -182,3 +182,34 @@ def test_tls_with_rediss_urls_and_a_test_ca(
         unverified = f"rediss://127.0.0.1:{server.port}/0?ssl_ca_certs={other_ca.ca}"
         refused = rollouts("top", "--once", "--redis", unverified, "--ns", ns)
         assert refused.returncode == 2 and "certificate verify failed" in refused.stderr.lower(), refused.stderr
+
+
+def test_the_scorer_role_runs_the_scoring_stage_and_rq_workers(installed_redis: RedisServer, ns: str) -> None:
+    """RQ keeps its queues, jobs and workers under `rq:*` and tells workers what to do on `rq:pubsub:*`."""
+    made = rollouts(
+        "acl", "--role", "scorer", "--user", f"scorer-{ns}", "--ns", ns, "--apply", "--redis", installed_redis.url,
+        env={"ROLLOUTS_ACL_PASSWORD": "sc-pw"},
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    url = with_user(installed_redis.url, f"scorer-{ns}", "sc-pw")
+    trainer = RolloutClient(installed_redis.url, ns)
+    trainer.streams.ensure_scoring_group()
+    scored = Rollout(
+        prompt_id="p", sample=0, n=1, version=0, version_end=0, finish_reason="stop", worker="w", prompt_tokens=[1],
+        tokens=[2, 3], logprobs=[-1.0, -1.0], spans=[(0, 0, 2)], reward_fn="tests.rewards:even_share",
+    )  # fmt: skip
+    trainer.streams.redis.xadd(trainer.streams.keys.scoring, scored.to_fields())
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    stage = [
+        subprocess.Popen([sys.executable, "-m", "pipeline.cli", *args], env=env, stdout=subprocess.DEVNULL)
+        for args in (["score-worker", "--redis", url], ["scorer", "--rq", "--redis", url, "--ns", ns])
+    ]
+    try:
+        [group] = trainer.collect(1, timeout=60)
+        assert group.reward_error is None and group.rewards == [0.5]
+    finally:
+        for proc in stage:
+            stop_process(proc)
+    admin = redis.Redis.from_url(installed_redis.url)
+    admin.execute_command("ACL", "DELUSER", f"scorer-{ns}")
+    admin.close()
