@@ -436,4 +436,4 @@ def bench_sync(
 
 
 # Commands that live in modules beside this one register themselves on `app` when imported.
-from pipeline.cli import acl, bench_gateway, exporter, gateway, launch, recording, scoring  # noqa: E402, F401
+from pipeline.cli import acl, bench_gateway, exporter, gateway, launch, recording, scoring, soak  # noqa: E402, F401
