@@ -71,6 +71,14 @@ MaxInflightOpt = Annotated[int, typer.Option(help="Samples in flight on the engi
 ClaimIdleOpt = Annotated[int, typer.Option(help="Claim work untouched this long (a dead worker's).")]
 HeartbeatOpt = Annotated[float, typer.Option(help="Heartbeat period in seconds.")]
 LogLevelOpt = Annotated[str, typer.Option(help="debug, info, warning.")]
+DedupeTtlOpt = Annotated[
+    int,
+    typer.Option(
+        min=1,
+        help="How long a published rollout id is remembered, so that the same id from another entry (a prompt "
+        "submitted twice, a replay) is not published again; Redis holds ~117 B per rollout for this long.",
+    ),
+]
 
 
 def fail(message: str) -> NoReturn:
@@ -175,6 +183,7 @@ def worker(
     log_level: LogLevelOpt = "info",
     metrics_port: MetricsPortOpt = None,
     metrics_addr: MetricsAddrOpt = "0.0.0.0",
+    dedupe_ttl_s: DedupeTtlOpt = 86_400,
 ) -> None:
     """Serve prompts from the namespace until interrupted (SIGINT/SIGTERM drain in-flight work)."""
     # The engine flags reach the engine through `ctx.params` (EngineSpec.from_flags).
@@ -189,6 +198,7 @@ def worker(
         spec = EngineSpec.from_flags(ctx.params, model)
     check_engine(spec)
     streams = open_streams(redis_url, ns)
+    streams.dedupe_ttl_s = dedupe_ttl_s
     settings = worker_settings(max_inflight, claim_idle_ms, heartbeat_s)
     name = name or default_worker_name()
     metrics = WorkerMetrics(ns, name, process_registry())

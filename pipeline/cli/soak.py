@@ -47,7 +47,7 @@ import numpy as np
 import redis
 import typer
 
-from pipeline.cli import app, console, fail, user_errors
+from pipeline.cli import DedupeTtlOpt, app, console, fail, user_errors
 from pipeline.cli.engine_spec import EngineSpec
 from pipeline.cli.processes import start_worker, stop_process, wait_for_worker
 from pipeline.streams import Streams
@@ -222,6 +222,7 @@ def run_soak(
     sample_s: float,
     timeout_s: float,
     remember_ids: int | None,
+    dedupe_ttl_s: int = 86_400,
 ) -> tuple[dict[str, Any], list[Reading]]:
     """Start Redis and the workers, produce and train until `rollouts` arrived, stop everything by PID."""
     from pipeline.local import RedisServer
@@ -246,6 +247,7 @@ def run_soak(
             try:  # the workers stop before their Redis does
                 for name in names:
                     extra = ["--max-inflight", str(max_inflight), "--log-level", "warning"]
+                    extra += ["--dedupe-ttl-s", str(dedupe_ttl_s)]
                     log_file = tmp / f"{name}.log"
                     worker = start_worker(
                         server.url, NS, spec.model, name, *spec.worker_args(), *extra, log_file=log_file
@@ -305,6 +307,7 @@ def run_soak(
         "window": window,
         "batch_groups": batch_groups,
         "remember_ids": remember_ids,
+        "dedupe_ttl_s": dedupe_ttl_s,
         "redis": served_by,
         "wall_s": round(wall_s, 1),
         "rollouts_per_s": round(expected / wall_s, 1),
@@ -559,6 +562,7 @@ def soak(
     plot: Annotated[
         Path | None, typer.Option(help="Draw memory, stream lengths, throughput and RSS to this PNG.")
     ] = None,
+    dedupe_ttl_s: DedupeTtlOpt = 86_400,
 ) -> None:
     """A long run on synthetic workers: Redis memory, stream lengths, throughput and every process's RSS over time;
     checks that every rollout arrived exactly once; JSON out."""
@@ -580,6 +584,7 @@ def soak(
                 sample_s=sample_s,
                 timeout_s=timeout_s,
                 remember_ids=remember_ids,
+                dedupe_ttl_s=dedupe_ttl_s,
             )
         except (RuntimeError, TimeoutError) as exc:
             fail(str(exc))
