@@ -60,6 +60,9 @@ class WorkerSettings:
     trim_every_s: float = 10.0
     drain_timeout_s: float = 30.0
     """On stop, how long to let in-flight work finish; the rest stays pending for other workers."""
+    dedupe_ttl_s: int = 86_400
+    """How long a published rollout id's marker lives (`{ns}:published:{id}`): the same id from another entry (a
+    prompt submitted twice, a replay) within it is not published again. Redis holds ~117 B per rollout for it."""
 
 
 class BusyClock:
@@ -96,6 +99,7 @@ class Worker:
         self.engine = engine
         self.name = name or default_worker_name()
         self.settings = settings or WorkerSettings()
+        streams.dedupe_ttl_s = self.settings.dedupe_ttl_s
         self.metrics = metrics or WorkerMetrics(streams.keys.ns, self.name)
         """What only this process knows, for Prometheus (served by `rollouts worker --metrics-port`)."""
         self.status = "starting"

@@ -116,11 +116,15 @@ def check_engine(spec: EngineSpec) -> None:
         fail(f"no model at {spec.model} (config.json missing). Build a tiny one with: rollouts tiny-model {spec.model}")
 
 
-def worker_settings(max_inflight: int, claim_idle_ms: int, heartbeat_s: float) -> WorkerSettings:
+def worker_settings(
+    max_inflight: int, claim_idle_ms: int, heartbeat_s: float, dedupe_ttl_s: int = 86_400
+) -> WorkerSettings:
     """The worker loop's settings from its flags; a heartbeat lives at least 5 periods."""
     from consumers.worker import WorkerSettings
 
-    settings = WorkerSettings(max_inflight=max_inflight, claim_idle_ms=claim_idle_ms, heartbeat_s=heartbeat_s)
+    settings = WorkerSettings(
+        max_inflight=max_inflight, claim_idle_ms=claim_idle_ms, heartbeat_s=heartbeat_s, dedupe_ttl_s=dedupe_ttl_s
+    )
     settings.heartbeat_ttl_s = max(settings.heartbeat_ttl_s, 5 * heartbeat_s)
     return settings
 
@@ -198,8 +202,7 @@ def worker(
         spec = EngineSpec.from_flags(ctx.params, model)
     check_engine(spec)
     streams = open_streams(redis_url, ns)
-    streams.dedupe_ttl_s = dedupe_ttl_s
-    settings = worker_settings(max_inflight, claim_idle_ms, heartbeat_s)
+    settings = worker_settings(max_inflight, claim_idle_ms, heartbeat_s, dedupe_ttl_s)
     name = name or default_worker_name()
     metrics = WorkerMetrics(ns, name, process_registry())
     if metrics_port is not None:  # before the engine loads: a port in use fails at once

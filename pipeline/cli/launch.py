@@ -16,6 +16,7 @@ from pipeline.cli import (
     DEFAULT_NS,
     DEFAULT_REDIS,
     ClaimIdleOpt,
+    DedupeTtlOpt,
     HeartbeatOpt,
     LogLevelOpt,
     MaxInflightOpt,
@@ -94,6 +95,7 @@ def launch(
     max_inflight: MaxInflightOpt = 256,
     claim_idle_ms: ClaimIdleOpt = 10_000,
     heartbeat_s: HeartbeatOpt = 1.0,
+    dedupe_ttl_s: DedupeTtlOpt = 86_400,
     log_level: LogLevelOpt = "info",
 ) -> None:
     """Run N workers as Ray actors, one placement group each, restarted by Ray when they die (their
@@ -127,7 +129,7 @@ def launch(
                 engine=spec.kind,
                 model=str(spec.model),
                 engine_options=spec.options(),
-                settings=worker_settings(max_inflight, claim_idle_ms, heartbeat_s),
+                settings=worker_settings(max_inflight, claim_idle_ms, heartbeat_s, dedupe_ttl_s),
                 gpus=gpus_per_worker,
                 cpus=cpus_per_worker,
                 max_restarts=max_restarts,
