@@ -283,7 +283,8 @@ def test_a_weight_sync_mid_turn_returns_one_complete_answer_spanning_both_versio
     call.start()
     trainer = RolloutClient(redis_server.url, ns)
     beat = trainer.streams.redis
-    wait_until(lambda: int(beat.hget(Keys(ns).worker("s1"), "inflight") or 0) > 0, 30, "the turn to be generating")
+    # Half a second in flight (its heartbeat's busy_s) at 20 tokens/s: the turn has tokens of version 0 to keep.
+    wait_until(lambda: float(beat.hget(Keys(ns).worker("s1"), "busy_s") or 0) >= 0.5, 30, "the turn to generate")
     assert trainer.publish_weights(tiny_model_dir_v1, transport="redis://", mode=mode) == 1  # type: ignore[arg-type]
     call.join(timeout=60)
     answer = result["answer"]
