@@ -32,7 +32,7 @@ def rank_by_length(group: list[dict[str, Any]]) -> list[float]:
 
 
 async def async_even_share(rollout: dict[str, Any]) -> float:
-    await asyncio.sleep(0)
+    await asyncio.sleep(0)  # behaviour under test: a coroutine reward function that yields to the loop
     return even_share(rollout)
 
 
@@ -45,13 +45,13 @@ def not_a_number(rollout: dict[str, Any]) -> Any:
 
 
 def hangs(rollout: dict[str, Any]) -> float:
-    time.sleep(3600)
+    time.sleep(3600)  # behaviour under test: a reward function that never returns (the timeout must catch it)
     return 0.0
 
 
 def slow(rollout: dict[str, Any]) -> float:
     """Slow enough that groups are in flight when a test kills a scorer."""
-    time.sleep(0.3)
+    time.sleep(0.3)  # behaviour under test: a slow reward function, so groups are in flight at the kill
     return even_share(rollout)
 
 
@@ -62,5 +62,5 @@ def stalls_first_call(rollout: dict[str, Any]) -> float:
         marker.touch(exist_ok=False)
     except FileExistsError:
         return even_share(rollout)
-    time.sleep(600)
+    time.sleep(600)  # behaviour under test: a reward call that stalls until its scorer is killed
     return 0.0
