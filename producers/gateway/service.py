@@ -202,9 +202,9 @@ class Gateway:
             between = self.renderer.encode(prompt[len(so_far) :])
         return np.concatenate([context, np.asarray(between, np.int32)]), between
 
-    async def _max_model_len(self) -> int:
+    def _max_model_len(self, workers: dict[str, dict[str, str]]) -> int:
+        """The context a call may use: `--max-model-len`, or the smallest that the live workers report."""
         limits = [self.settings.max_model_len] if self.settings.max_model_len else []
-        workers = await asyncio.to_thread(self.streams.live_workers)
         limits += [int(w["max_model_len"]) for w in workers.values() if w.get("max_model_len", "").isdigit()]
         if not limits:
             raise OpenAIError(
@@ -222,7 +222,8 @@ class Gateway:
     async def _generate(
         self, prompt: np.ndarray, request: Sampled, max_tokens: int | None, session: Session | None
     ) -> list[Reply]:
-        limit = await self._max_model_len()
+        live = await asyncio.to_thread(self.streams.live_workers)  # one read for the limit and the placement
+        limit = self._max_model_len(live)
         room = limit - len(prompt)
         wanted = max_tokens if max_tokens is not None else room
         if room < 1 or wanted > room:
@@ -253,7 +254,7 @@ class Gateway:
         await self._wait_unpaused()
         future = self.replies.expect(item.id, item.n)
         try:
-            worker = await self._queue(item, session)
+            worker = await self._queue(item, session, live)
             try:
                 with self.metrics.wait("answer").track_inprogress():
                     rollouts = await asyncio.wait_for(future, self.settings.request_timeout_s)
@@ -296,9 +297,9 @@ class Gateway:
                 await asyncio.sleep(self.settings.poll_s)
                 state = await asyncio.to_thread(read_state, self.streams.redis, self.streams.keys)
 
-    async def _queue(self, item: Prompt, session: Session | None) -> str | None:
+    async def _queue(self, item: Prompt, session: Session | None, live: dict[str, dict[str, str]]) -> str | None:
         """A session's turn to its worker's inbox; a call without one to the shared prompts (any worker)."""
-        workers = candidates(await asyncio.to_thread(self.streams.live_workers))
+        workers = candidates(live)
         if not workers:
             raise OpenAIError(
                 503, "no worker is serving this namespace (start `rollouts worker`)", "service_unavailable", "no_worker"
