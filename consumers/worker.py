@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+import redis
 
 from consumers.engine import Engine, EngineClosedError, EngineInputError, Generation
 from consumers.metrics import WorkerMetrics
@@ -109,7 +110,9 @@ class Worker:
         self.generated_tokens = 0
         self._inflight: dict[tuple[str, bytes], Entry] = {}
         self._inflight_samples = 0
-        self._mean_n = 1.0
+        self._mean_n: float | None = None
+        """Samples per entry (an average): how many entries fit the room. None until the first entry: until
+        then the worker reads one at a time, since a fresh worker that guessed 1 would take n times too many."""
         self._room = asyncio.Event()
         self._stopping = asyncio.Event()
         self._serving = asyncio.Event()
@@ -171,6 +174,11 @@ class Worker:
     # -- reading ------------------------------------------------------------------------------
 
     async def _read_loop(self) -> None:
+        """Take work while there is room: abandoned work first (claimed at most every half heartbeat), then new.
+
+        Abandoned work goes first because it is the oldest: behind a queue that admission keeps full, it
+        would otherwise wait until it is too stale to train on."""
+        next_claim = 0.0
         while not self._stopping.is_set():
             await self._serving.wait()
             free = self.settings.max_inflight - self._inflight_samples
@@ -178,11 +186,27 @@ class Worker:
                 self._room.clear()
                 await self._room.wait()
                 continue
-            count = max(1, int(free / self._mean_n))
-            entries = await asyncio.to_thread(self.streams.read_work, self.name, count, self.settings.block_ms)
+            if time.monotonic() >= next_claim:
+                next_claim = time.monotonic() + self.settings.heartbeat_s / 2
+                try:
+                    if await self._claim_abandoned():
+                        continue  # the room left is less now
+                except redis.ConnectionError as exc:
+                    log.warning("%s: claiming abandoned work failed (%s); retrying", self.name, exc)
+            count = self._entries_for(free)
+            try:
+                entries = await asyncio.to_thread(self.streams.read_work, self.name, count, self.settings.block_ms)
+            except redis.ConnectionError as exc:  # Redis gone for longer than the client's reconnects: keep trying
+                log.warning("%s: reading work failed (%s); retrying", self.name, exc)
+                await asyncio.sleep(self.settings.heartbeat_s)
+                continue
             # fakeredis (and a BLOCK that timed out) answer an empty read: just read again.
             for entry in entries:
                 self._start(entry)
+
+    def _entries_for(self, free: int) -> int:
+        """How many entries to take for `free` samples of room."""
+        return 1 if self._mean_n is None else max(1, int(free / self._mean_n))
 
     def _start(self, entry: Entry) -> None:
         task = asyncio.create_task(self._serve(entry))
@@ -218,7 +242,7 @@ class Worker:
             await asyncio.to_thread(self.streams.dead_letter, entry, str(exc), "decode")
             self.metrics.dead_letter("decode")
             return
-        self._mean_n = 0.9 * self._mean_n + 0.1 * len(samples)
+        self._mean_n = len(samples) if self._mean_n is None else 0.9 * self._mean_n + 0.1 * len(samples)
         self._inflight[entry.stream, entry.id] = entry
         self._inflight_samples += len(samples)
         self._account()
@@ -396,7 +420,7 @@ class Worker:
             self.name, command.epoch, paused - started, command.version, time.monotonic() - paused,
         )  # fmt: skip
 
-    # -- upkeep: heartbeat, keep own work, claim abandoned work, trim -------------------------
+    # -- upkeep: heartbeat, keep own work, rehome departed inboxes, trim -------------------------
 
     async def _upkeep(self) -> None:
         last_trim = 0.0
@@ -411,7 +435,6 @@ class Worker:
                     await asyncio.to_thread(self.streams.touch, self.name, list(self._inflight.values()))
                 if not self._stopping.is_set():
                     await asyncio.to_thread(self.streams.rehome_departed)
-                    await self._claim_abandoned()
                 if now - last_trim > self.settings.trim_every_s:
                     last_trim = now
                     keys = self.streams.keys
@@ -440,11 +463,12 @@ class Worker:
         }
         await asyncio.to_thread(self.streams.heartbeat, self.name, status, self.settings.heartbeat_ttl_s)
 
-    async def _claim_abandoned(self) -> None:
+    async def _claim_abandoned(self) -> int:
+        """Claim work idle past `claim_idle_ms` (its worker died or hangs) while there is room; returns how many."""
         free = self.settings.max_inflight - self._inflight_samples
         if free <= 0 or not self._serving.is_set():
-            return
-        count = max(1, int(free / self._mean_n))
+            return 0
+        count = self._entries_for(free)
         claimed = await asyncio.to_thread(self.streams.claim_abandoned, self.name, self.settings.claim_idle_ms, count)
         for entry in claimed:
             if (entry.stream, entry.id) in self._inflight:
@@ -457,6 +481,7 @@ class Worker:
                 continue
             log.info("%s: claimed abandoned %s %s", self.name, entry.stream, entry.id)
             self._start(entry)
+        return len(claimed)
 
 
 def run_worker(

@@ -5,6 +5,12 @@ client settings and the version check live in one place. The minimum is Redis 6.
 first with `XAUTOCLAIM`, `XPENDING ... IDLE` and `XTRIM MINID`, which the stream layer needs.
 Differences between 6.2 and 7.x that the code handles are listed in the README ("Redis
 versions"); the tests run the main end-to-end paths on both.
+
+Reconnects are set here once, as arq sets them once in `RedisSettings`: a connection that drops (Redis
+restarting, a proxy cutting it) is retried with backoff for about `RECONNECT_S` seconds before the error
+reaches the caller, so that workers, the manager, the scorer and the trainer client ride out a Redis
+restart. A command that redis-py retries may have run once already (the reply was lost, not the
+command): every write the pipeline makes is safe to run twice (see "Semantics we chose" in the README).
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
+from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
+from redis.retry import Retry
 
 MIN_REDIS_VERSION = (6, 2, 0)
 """The oldest Redis we support."""
@@ -72,11 +80,45 @@ def redact(url: str) -> str:
     return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
 
 
+RECONNECT_S = 30.0
+"""About how long a client keeps retrying a dropped connection before a command fails (a Redis restart
+that loads its AOF takes a few seconds)."""
+
+
+class Reconnecting(Retry):
+    """The retry policy of every long-lived client: backoff from 50 ms doubling to 2 s, for ~`RECONNECT_S`.
+
+    It retries `ConnectionError` (which covers `BusyLoadingError`: a restarted Redis still loading its
+    AOF) and `TimeoutError`, and counts what it retried (`failures`): a reader that moves entries into
+    its pending list (`XREADGROUP`) compares the count before and after a read to know that a reply may
+    have been lost with entries in it."""
+
+    def __init__(self) -> None:
+        super().__init__(ExponentialWithJitterBackoff(base=0.05, cap=2.0), retries=int(RECONNECT_S / 2.0) + 5)
+        self.failures = 0
+
+    def call_with_retry(self, do: Any, fail: Any, is_retryable: Any = None, with_failure_count: bool = False) -> Any:
+        def counted(error: Exception, *count: int) -> Any:
+            self.failures += 1
+            return fail(error, *count)
+
+        return super().call_with_retry(do, counted, is_retryable, with_failure_count)
+
+
+def retried_failures(client: redis.Redis) -> int:
+    """How many failed attempts `client` has retried so far (0 for a client that `connect` did not make)."""
+    return getattr(client.get_retry(), "failures", 0)
+
+
 def connect(url: str, **options: Any) -> redis.Redis:
     """A client for binary payloads (`decode_responses=False`), checked with a PING and for the version.
 
-    `options` go to redis-py (`socket_timeout=` for a reader that must not hang on a stuck server)."""
-    client = redis.Redis.from_url(url, decode_responses=False, health_check_interval=30, **options)
+    The first PING is not retried, so that a wrong URL fails at once; from then on the client reconnects
+    (`Reconnecting`). `options` go to redis-py (`socket_timeout=` for a reader that must not hang on a
+    stuck server)."""
+    client = redis.Redis.from_url(
+        url, decode_responses=False, health_check_interval=30, retry=Retry(NoBackoff(), 0), **options
+    )
     try:
         client.ping()
     except redis.ResponseError as exc:
@@ -87,4 +129,5 @@ def connect(url: str, **options: Any) -> redis.Redis:
     version = server_version(client)
     if version is not None:
         check_version(version, f"the server at {redact(url)}")
+    client.set_retry(Reconnecting())
     return client

@@ -99,6 +99,7 @@ class Keys:
         self.pins_prefix = f"{tag}:pins:"
         self.group_prefix = f"{tag}:group:"
         self.published_prefix = f"{tag}:published:"
+        self.admitted_prefix = f"{tag}:admitted:"
         self.weights_prefix = f"{tag}:weights:"
 
     def worker(self, name: str) -> str:
@@ -124,6 +125,10 @@ class Keys:
     def group(self, group_id: str) -> str:
         """Hash: `n` and the next free `sample` of a group that finished sessions join."""
         return self.group_prefix + group_id
+
+    def admitted(self, submission: str) -> str:
+        """Marker of one admitted submission (its reply, kept an hour): the same submission is not queued twice."""
+        return self.admitted_prefix + submission
 
     def published(self, rollout_id: str) -> str:
         """Marker set once a rollout id is on `rollouts`: the dedupe of redelivered work."""

@@ -12,6 +12,7 @@ groups that are over it go whole to `{ns}:stale`, counted.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import re
 import time
@@ -25,11 +26,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import redis
 
-from pipeline.connections import connect
+from pipeline.connections import connect, retried_failures
 from pipeline.streams import Entry, Streams
 from pipeline.wire import REWARD_FN_PATTERN, TRAINER, PauseMode, Prompt, Rollout, Sampling, WireError
 from staleness.admission import Admission, AdmissionLimits, StaleRollouts, Usage
-from staleness.manager import Manager, SyncReport
+from staleness.manager import Manager, SyncError, SyncReport
 
 if TYPE_CHECKING:
     from staleness.broadcast import BroadcastStats
@@ -118,11 +119,15 @@ class GroupAssembler:
         """Whether this id was added before (one of the last `remember_ids`): a duplicate."""
         return rollout_id in self._seen
 
-    def add(self, rollout: Rollout, entry_id: bytes = b"") -> Group | None:
-        """File a rollout that was not `seen`; returns its group once that is whole."""
-        self._seen[rollout.id] = None
+    def remember(self, rollout_id: str) -> None:
+        """Count this id as seen from now on (one of the last `remember_ids`)."""
+        self._seen[rollout_id] = None
         if len(self._seen) > self._remember_ids:
             self._seen.popitem(last=False)
+
+    def add(self, rollout: Rollout, entry_id: bytes = b"") -> Group | None:
+        """File a rollout that was not `seen`; returns its group once that is whole."""
+        self.remember(rollout.id)
         samples = self.open.setdefault(rollout.prompt_id, {})
         samples[rollout.sample] = (rollout, entry_id)
         if len(samples) < rollout.n:
@@ -193,6 +198,8 @@ class RolloutClient:
         self._groups = GroupAssembler(remember_ids)
         self._pending_after: bytes | None = b"0"
         """First re-read what this consumer was handed before a restart, from this id on (None: done)."""
+        self._rereading = False
+        """Re-reading what is pending on us mid-run (after a retried read): seen ids are skipped, not acked."""
         self.last_sync: SyncReport | None = None
         """What the last `publish_weights` did: who acked, who was evicted, how long workers stood still."""
         self.last_broadcast: BroadcastStats | None = None
@@ -277,12 +284,16 @@ class RolloutClient:
         Without limits they go in at once (and are counted in `{ns}:state` `submitted`). With limits,
         waits while they do not fit; raises `SubmissionTooLarge` at once if they never can, and
         `AdmissionTimeout` (a `TimeoutError`) when the policy version did not move on in `timeout` s.
+
+        Safe to repeat: the same prompt ids submitted again within an hour (a call retried after a lost
+        reply, a producer restarted from its checkpoint) are not queued or counted twice.
         """
         if not prompts:
             return
         samples = sum(p.n for p in prompts)
         wait = self.submit_timeout_s if timeout is None else timeout
-        self.admission.admit([p.to_fields() for p in prompts], samples, wait)
+        submission = hashlib.sha1("\n".join(p.id for p in prompts).encode()).hexdigest()
+        self.admission.admit([p.to_fields() for p in prompts], samples, wait, submission)
 
     def admission_usage(self) -> Usage:
         """Samples submitted, parked as stale and in use, the policy version and the capacity now."""
@@ -333,10 +344,15 @@ class RolloutClient:
         from staleness.transports import open_transport, remove_published
 
         manager = Manager(self.streams, ack_timeout_s=ack_timeout_s)
+        previous = manager.state()
+        if previous.paused:  # before touching the transport: the sync under way may be loading its next version
+            raise SyncError(
+                f"a weight sync is under way (epoch {previous.epoch}, version {previous.pending_version}): publish "
+                "when it is over; if its driver died, `rollouts manager` finishes it"
+            )
         store = open_transport(
             transport, redis_client=self.streams.redis, ns=self.streams.keys.ns, join_timeout_s=ack_timeout_s
         )
-        previous = manager.state()
         version = previous.version + 1
         store.remove(version)  # left over by a publish whose sync failed: never announced, safe to replace
         uri = store.publish(source, version)
@@ -349,6 +365,15 @@ class RolloutClient:
         return version
 
     # -- receiving -----------------------------------------------------------------------------
+
+    def mark_seen(self, rollout_ids: Iterable[str]) -> None:
+        """Rollouts that a trainer restored from its checkpoint already trained on.
+
+        Acks are sent when the trainer comes back for more, so a trainer that dies after its step and
+        before that re-reads the step's rollouts on restart; met again, they are acked and skipped as
+        duplicates. Keep the ids of each step in the checkpoint and pass them here before reading."""
+        for rollout_id in rollout_ids:
+            self._groups.remember(rollout_id)
 
     def groups(self, timeout: float | None = None, max_staleness: int | None = None) -> Iterator[Group]:
         """Yield each prompt's group once all its samples arrived; each sample exactly once.
@@ -466,7 +491,14 @@ class RolloutClient:
                 self._pending_after = entries[-1].id
                 return entries
             self._pending_after = None
-        return self.streams.read_rollouts(self.consumer, self.read_count, block_ms)
+            self._rereading = False
+        retried = retried_failures(self.streams.redis)
+        entries = self.streams.read_rollouts(self.consumer, self.read_count, block_ms)
+        if retried_failures(self.streams.redis) != retried:
+            # A dropped connection was retried: if the read had run, its reply (entries now pending on this
+            # consumer, never handed to us) was lost. Re-read what is pending on us; what we hold is skipped.
+            self._pending_after, self._rereading = b"0", True
+        return entries
 
     def _take(self, entries: list[Entry]) -> list[Group]:
         """Decode, dedupe and file entries by group; return the groups that became whole."""
@@ -480,7 +512,8 @@ class RolloutClient:
                 self.stats["dead"] += 1
                 continue
             if self._groups.seen(rollout.id):
-                duplicates.append(entry.id)
+                if not self._rereading:  # re-read mid-run, a seen id may be one we hold (acked when handed over)
+                    duplicates.append(entry.id)
                 continue
             self.stats["received"] += 1
             group = self._groups.add(rollout, entry.id)

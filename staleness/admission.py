@@ -22,6 +22,7 @@ fields through as opaque bytes; the only field written into a prompt is `submitt
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,10 @@ from pipeline.wire import Fields, Keys
 
 SCRIPTS = Path(__file__).with_name("lua")
 """Where `admit.lua` and `park.lua` live."""
+
+
+SUBMISSION_TTL_S = 3600
+"""How long an admitted submission is remembered (`{ns}:admitted:{id}`): a retry within it is a no-op."""
 
 
 class SubmissionTooLarge(ValueError):
@@ -115,8 +120,11 @@ class Admission:
         parking them as stale later leaves `used` (submitted - stale) right."""
         self.redis.hincrby(self.keys.state, "submitted", samples)
 
-    def try_admit(self, prompts: Sequence[Fields], samples: int) -> Usage:
-        """One attempt: admit and XADD all of `prompts` (`samples` in total), or none of them."""
+    def try_admit(self, prompts: Sequence[Fields], samples: int, submission: str | None = None) -> Usage:
+        """One attempt: admit and XADD all of `prompts` (`samples` in total), or none of them.
+
+        `submission` names this submission (default: a fresh one); one already admitted within
+        `SUBMISSION_TTL_S` is not queued again and its first reply comes back."""
         args: list[bytes | str | int] = [samples]
         args += [self.limits.max_staleness, self.limits.batch_size] if self.limits else ["", ""]
         args.append(len(prompts))
@@ -124,7 +132,9 @@ class Admission:
             args.append(2 * len(fields))
             for name, value in fields.items():
                 args.extend((name, value))
-        reply = self._admit(keys=[self.keys.state, self.keys.prompts, self.keys.control], args=args)
+        args.append(SUBMISSION_TTL_S)
+        marker = self.keys.admitted(submission or uuid.uuid4().hex)
+        reply = self._admit(keys=[self.keys.state, self.keys.prompts, self.keys.control, marker], args=args)
         admitted, submitted, stale, capacity, version, control_id, *entry_ids = reply
         return Usage(
             admitted=bool(admitted),
@@ -136,8 +146,11 @@ class Admission:
             entry_ids=tuple(entry_ids),
         )
 
-    def admit(self, prompts: Sequence[Fields], samples: int, timeout: float) -> Usage:
+    def admit(self, prompts: Sequence[Fields], samples: int, timeout: float, submission: str | None = None) -> Usage:
         """Admit `prompts`, waiting while the capacity is used up; raises `AdmissionTimeout` after `timeout` s.
+
+        `submission` (see `try_admit`) is the same for every attempt, so that an attempt that ran but whose
+        reply was lost (redis-py retries it) is not counted twice.
 
         A refusal returns the last id on `{ns}:control`; waiting is an XREAD BLOCK after that id, so
         a version change (its `resume` command) wakes us at once, and parked rollouts (which free
@@ -147,8 +160,9 @@ class Admission:
             raise SubmissionTooLarge(self._too_large(samples))
         deadline = time.monotonic() + timeout
         wait_s = self.min_wait_s
+        submission = submission or uuid.uuid4().hex
         while True:
-            usage = self.try_admit(prompts, samples)
+            usage = self.try_admit(prompts, samples, submission)
             if usage.admitted:
                 return usage
             left = deadline - time.monotonic()

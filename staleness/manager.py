@@ -15,6 +15,7 @@ A worker that joins later loads the state's version before it takes work.
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -78,7 +79,8 @@ class Manager:
         started = time.monotonic()
         weights = Control(cmd="weights", version=version, uri=uri, mode=mode).to_fields()
         try:
-            epoch = int(self._begin(keys=self._keys, args=[version - 1, version, *_flat(weights)]))
+            token = uuid.uuid4().hex  # the same call retried by redis-py begins no second sync
+            epoch = int(self._begin(keys=self._keys, args=[version - 1, version, token, *_flat(weights)]))
         except Exception as exc:  # the script's error replies say why
             raise SyncError(str(exc)) from None
         report = SyncReport(version=version, epoch=epoch)

@@ -167,8 +167,12 @@ def test_a_killed_vllm_worker_leaves_no_engine_process_behind(ns: str, workers: 
 def test_a_prompt_submitted_twice_is_delivered_once(redis_server: RedisServer, ns: str, workers: StartWorker) -> None:
     workers("w1")
     client = RolloutClient(redis_server.url, ns)
-    for _ in range(2):  # a trainer retrying a submit it thought had failed
+    for _ in range(2):  # a trainer retrying a submit it thought had failed: the same submission, queued once
         client.submit(tokens=[6, 7, 8], n=2, max_tokens=16, seed=3, id="retried")
+    assert client.admission_usage().submitted == 2
+    # Another producer queues the same prompt id past admission (a replay): its rollouts are not published again.
+    again = client.make_prompt(tokens=[6, 7, 8], n=2, sampling=Sampling(max_tokens=16, seed=3), id="retried")
+    client.streams.redis.xadd(client.streams.keys.prompts, again.to_fields())
     (group,) = client.collect(1, timeout=60)
     assert [r.finish_reason for r in group.rollouts] != ["error", "error"]
     wait_until(
@@ -177,7 +181,7 @@ def test_a_prompt_submitted_twice_is_delivered_once(redis_server: RedisServer, n
             and client.streams.redis.xlen(client.streams.keys.prompts) == 2
         ),
         30,
-        "both submissions to be served",
+        "both entries to be served",
     )
     assert client.streams.redis.xlen(client.streams.keys.rollouts) == 2
     with pytest.raises(TimeoutError):

@@ -328,11 +328,16 @@ def manager(
     with user_errors(redis_url):
         streams.ensure_groups()
         while True:
-            report = keeper.finish_abandoned(abandoned_after_s)
-            if report is not None:
-                syncs.abandoned()
-                console.print(f"finished an abandoned sync: {json.dumps(_report(report))}")
-            syncs.poll()
+            try:
+                report = keeper.finish_abandoned(abandoned_after_s)
+                if report is not None:
+                    syncs.abandoned()
+                    console.print(f"finished an abandoned sync: {json.dumps(_report(report))}")
+                syncs.poll()
+            except redis.ConnectionError as exc:  # gone for longer than the client's reconnects: keep checking
+                if once:
+                    raise
+                console.print(f"[yellow]Redis unreachable ({exc}); checking again in {interval:g} s[/]")
             if once:
                 state = keeper.state()
                 print(json.dumps({"version": state.version, "epoch": state.epoch, "paused": state.paused}))
@@ -449,4 +454,4 @@ def bench_sync(
 
 
 # Commands that live in modules beside this one register themselves on `app` when imported.
-from pipeline.cli import acl, bench_gateway, exporter, gateway, launch, recording, scoring, soak  # noqa: E402, F401
+from pipeline.cli import acl, bench_gateway, chaos, chaos_trainer, exporter, gateway, launch, recording, scoring, soak  # noqa: E402, F401

@@ -1,7 +1,12 @@
--- KEYS: state, prompts, control.
--- ARGV: samples, max_staleness ('' = no limit), batch_size, prompt count, then per prompt: field count, fields...
+-- KEYS: state, prompts, control, admitted (the submission's marker).
+-- ARGV: samples, max_staleness ('' = no limit), batch_size, prompt count, then per prompt: field count, fields...,
+-- then the marker's ttl in seconds.
 -- Returns {admitted (0|1), submitted, stale, capacity (-1 = no limit), version, last control id, entry ids...}.
 -- `submitted_version` in each prompt becomes the version the prompt was admitted under.
+-- A submission already admitted (its marker exists: the same call retried after a lost reply, or the same
+-- prompts submitted again by a restarted producer) returns its first reply and writes nothing.
+local done = redis.call('GET', KEYS[4])
+if done then return cjson.decode(done) end
 local state = redis.call('HMGET', KEYS[1], 'version', 'submitted', 'stale')
 local version = tonumber(state[1] or '0')
 local submitted = tonumber(state[2] or '0')
@@ -35,4 +40,5 @@ for p = 1, tonumber(ARGV[4]) do
   reply[#reply + 1] = redis.call('XADD', KEYS[2], '*', unpack(fields))
   at = at + count + 1
 end
+redis.call('SET', KEYS[4], cjson.encode(reply), 'EX', ARGV[at])
 return reply

@@ -1,15 +1,18 @@
--- KEYS: state, control. ARGV: expected current version, new version, then the `weights` command's fields
--- (name, value, ...) with the epoch left to this script to fill in.
-local state = redis.call('HMGET', KEYS[1], 'version', 'paused', 'epoch')
+-- KEYS: state, control. ARGV: expected current version, new version, the sync's token (unique per call),
+-- then the `weights` command's fields (name, value, ...) with the epoch left to this script to fill in.
+-- Run again with the same token (redis-py retrying after a lost reply), it returns the epoch it began.
+local state = redis.call('HMGET', KEYS[1], 'version', 'paused', 'epoch', 'sync_token')
 local version = tonumber(state[1] or '0')
+if state[2] == '1' and state[4] == ARGV[3] then return tonumber(state[3]) end
 if state[2] == '1' then return redis.error_reply('a weight sync is already under way') end
 if version ~= tonumber(ARGV[1]) then
   return redis.error_reply('version conflict: the state is at version ' .. version .. ', not ' .. ARGV[1])
 end
 local epoch = tonumber(state[3] or '0') + 1
-redis.call('HSET', KEYS[1], 'paused', '1', 'epoch', epoch, 'pending_version', ARGV[2], 'version', version)
+redis.call('HSET', KEYS[1], 'paused', '1', 'epoch', epoch, 'pending_version', ARGV[2], 'version', version,
+  'sync_token', ARGV[3])
 local command = {}
-for i = 3, #ARGV, 2 do
+for i = 4, #ARGV, 2 do
   command[#command + 1] = ARGV[i]
   command[#command + 1] = (ARGV[i] == 'epoch') and tostring(epoch) or ARGV[i + 1]
 end
