@@ -203,6 +203,7 @@ class Worker:
             # fakeredis (and a BLOCK that timed out) answer an empty read: just read again.
             for entry in entries:
                 self._start(entry)
+            await asyncio.sleep(0)  # let them decode and count their samples before the room is measured again
 
     def _entries_for(self, free: int) -> int:
         """How many entries to take for `free` samples of room."""
@@ -481,6 +482,8 @@ class Worker:
                 continue
             log.info("%s: claimed abandoned %s %s", self.name, entry.stream, entry.id)
             self._start(entry)
+        if claimed:
+            await asyncio.sleep(0)  # as after a read: they count their samples before the room is measured
         return len(claimed)
 
 

@@ -1,10 +1,10 @@
 """Faults: the short chaos run as a person runs it, and each fix it led to, on its own.
 
-`rollouts chaos` (its own Redis with appendonly everysec, synthetic workers, the manager and a trainer,
-each a process) injects every kind of fault at least once: kill -9 of workers, Redis, the trainer and the
-manager mid-sync, SIGSTOP of a worker, connections cut by a proxy. The full run (hundreds of faults) is in
-the README; this one checks in about a minute that nothing was lost or handed over twice, that the
-staleness bound held and that every fault was recovered from.
+`rollouts chaos` (its own Redis with appendonly everysec, synthetic workers, the manager, the scorer and a
+trainer, each a process) injects every kind of fault at least once: kill -9 of workers, Redis, the scorer,
+the trainer and the manager mid-sync, SIGSTOP of a worker, connections cut by a proxy. The full run
+(hundreds of faults) is in the README; this one checks in about a minute that nothing was lost or handed
+over twice, that the staleness bound held and that every fault was recovered from.
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ from pipeline.cli.processes import start_worker, stop_process, wait_for_worker
 from pipeline.connections import connect
 from pipeline.local import RedisServer
 from pipeline.streams import Streams
-from pipeline.wire import Keys, Rollout
+from pipeline.wire import GENERATORS, Keys, Rollout
 from producers.client import RolloutClient
 from staleness.admission import Admission
 from staleness.manager import Manager
-from tests.conftest import wait_until
+from tests.conftest import StartWorker, wait_until
 
 SYNTHETIC = ("--engine", "synthetic", "--engine-args", '{"steps_per_s": 200}')
 
@@ -49,6 +49,7 @@ def test_a_short_chaos_run_loses_nothing_and_hands_nothing_over_twice(tmp_path: 
     assert report["lost_samples"] == 0 and report["lost_prompts"] == []
     assert report["duplicates"] == 0
     assert report["groups_not_whole"] == report["spans_not_covering"] == report["over_staleness_bound"] == 0
+    assert report["groups_unscored"] == 0  # every prompt names a reward: each trained group was scored
     assert report["max_staleness_seen"] <= 4
     assert (
         report["trained_samples"] + report["stale_samples"] + sum(report["dead_letters"].values()) * 4
@@ -56,8 +57,8 @@ def test_a_short_chaos_run_loses_nothing_and_hands_nothing_over_twice(tmp_path: 
     )
     assert report["trained_samples"] > 0 and report["syncs"]["done"] >= 3
     # Restarted as a supervisor would: the trainer and the manager after their kills, workers after theirs.
-    assert report["starts"]["trainer"] >= 2 and report["starts"]["manager"] >= 2
-    for kind in ("redis-kill", "trainer-kill", "manager-kill", "proxy-cut"):
+    assert report["starts"]["trainer"] >= 2 and report["starts"]["manager"] >= 2 and report["starts"]["scorer"] >= 2
+    for kind in ("redis-kill", "trainer-kill", "manager-kill", "scorer-kill", "proxy-cut"):
         assert report["recovery_s"][kind]["n"] >= 1, kind
     assert report["recovery_s"]["all"]["max"] < 60
     assert plot.stat().st_size > 10_000
@@ -150,3 +151,30 @@ def test_a_trainer_read_whose_reply_is_lost_is_read_again(redis_server: RedisSer
         assert client.stats["duplicates"] == 0
     finally:
         proxy.close()
+
+
+def test_abandoned_work_is_claimed_before_new_work(redis_server: RedisServer, ns: str, workers: StartWorker) -> None:
+    """Behind a queue kept full, a dead worker's prompt must not wait for the queue to drain (it would come out
+    too stale to train on): the worker claims it as soon as it is idle past --claim-idle-ms, before new work."""
+    client = RolloutClient(redis_server.url, ns)
+    client.submit(tokens=[5, 6, 7], n=1, max_tokens=40, seed=0, id="abandoned")
+    client.streams.read_work("ghost", 1, None)  # a worker took it and died: pending on `ghost`, idle from now
+    for i in range(60):  # 60 s of work for one worker that runs 4 at a time
+        client.submit(tokens=[5, 6, 8 + i], n=1, max_tokens=200, seed=i, id=f"fresh{i}")
+    workers("w1", "--engine", "synthetic", "--engine-args", '{"steps_per_s": 50}', "--max-inflight", "4")
+    order = [g.prompt_id for g in client.collect(12, timeout=60)]
+    assert "abandoned" in order, order
+
+
+def test_a_fresh_worker_takes_one_entry_before_it_knows_how_many_samples_one_holds(
+    redis_server: RedisServer, ns: str, workers: StartWorker
+) -> None:
+    """A restarted worker that guessed one sample per entry took n times more than it had room for, and a kill
+    left all of it behind for --claim-idle-ms."""
+    client = RolloutClient(redis_server.url, ns)
+    for i in range(10):
+        client.submit(tokens=[5, 6, 8 + i], n=4, max_tokens=400, seed=i, id=f"p{i}")
+    workers("w1", "--engine", "synthetic", "--engine-args", '{"steps_per_s": 20}', "--max-inflight", "4")
+    wait_until(lambda: client.streams.live_workers()["w1"].get("inflight") == "4", 30, "w1 to generate")
+    pending = client.streams.redis.xpending(client.streams.keys.prompts, GENERATORS)
+    assert pending["pending"] == 1, pending  # one entry of 4 samples fills its room; the other 9 wait in Redis

@@ -1,18 +1,19 @@
 """`rollouts chaos`: the whole pipeline under faults on a schedule, and what it lost.
 
 It starts a private `redis-server` with `appendonly yes, appendfsync everysec`, a TCP proxy
-(`chaos_proxy`) in front of it for every other worker, K synthetic workers, `rollouts manager` and the
-chaos trainer (`chaos_trainer`: a producer under admission with a staleness bound, a trainer that writes
-each group it takes to an fsynced ledger, weights published every few seconds), each a process of its own
-as a user runs them. For `duration_s` it injects one fault every `every_s` seconds, each kind at least
-once, then by weight:
+(`chaos_proxy`) in front of it for every other worker, K synthetic workers, `rollouts manager`,
+`rollouts scorer` and the chaos trainer (`chaos_trainer`: a producer under admission with a staleness
+bound, a trainer that writes each group it takes to an fsynced ledger, weights published every few
+seconds), each a process of its own as a user runs them. For `duration_s` it injects one fault every
+`every_s` seconds, each kind at least once, then by weight:
 
 - `worker-kill`: `kill -9` of a random worker, restarted (same name) after `restart_s`;
 - `worker-stop`: SIGSTOP of a worker for 1-8 s (past its heartbeat: it is evicted from a sync, its work
   claimed), then SIGCONT;
 - `proxy-cut`: every connection through the proxy reset at once;
 - `redis-kill`: `kill -9` of redis-server, restarted on the same port and data after `redis_down_s`;
-- `trainer-kill` and `manager-kill`: `kill -9` while a weight sync is under way, restarted.
+- `trainer-kill` and `manager-kill`: `kill -9` while a weight sync is under way, restarted;
+- `scorer-kill`: `kill -9` of the scoring stage (every prompt names a reward function), restarted.
 
 A process that exits on its own (an evicted worker) is restarted too, as a supervisor would. Then the
 producer stops and the run waits until every prompt is accounted for. From the ledger and Redis it
@@ -55,8 +56,10 @@ if TYPE_CHECKING:
     from pipeline.local import RedisServer
 
 NS = "chaos"
-KINDS = ("worker-kill", "worker-stop", "proxy-cut", "redis-kill", "trainer-kill", "manager-kill")
-WEIGHTS = (0.6, 0.15, 0.1, 0.05, 0.05, 0.05)
+KINDS = ("worker-kill", "worker-stop", "proxy-cut", "redis-kill", "trainer-kill", "manager-kill", "scorer-kill")
+WEIGHTS = (0.6, 0.15, 0.1, 0.04, 0.04, 0.04, 0.03)
+REWARD = "producers.tasks:token_set_reward"
+"""Every prompt names it: the scoring stage (`rollouts scorer`) is part of the run."""
 """How often each kind comes after the first round (one of each)."""
 
 
@@ -156,11 +159,13 @@ class Chaos:
         manager = ["manager", "--redis", url, "--ns", NS, "--ack-timeout-s", str(o["ack_timeout_s"])]
         manager += ["--abandoned-after-s", str(o["ack_timeout_s"] + 3), "--interval", "0.5"]
         members["manager"] = Member("manager", manager, self.tmp / "manager.log")
+        scorer = ["scorer", "--redis", url, "--ns", NS, "--lease-s", "2", "--log-level", "warning"]
+        members["scorer"] = Member("scorer", scorer, self.tmp / "scorer.log")
         trainer = ["chaos-trainer", "--redis", url, "--ns", NS, "--ledger", str(self.ledger.path)]
         trainer += ["--chunk", str(o["chunk"]), "--n", str(o["n"]), "--tokens", str(o["tokens"])]
         trainer += ["--max-staleness", str(o["max_staleness"]), "--batch-groups", str(o["batch_groups"])]
         trainer += ["--sync-every-s", str(o["sync_every_s"]), "--ack-timeout-s", str(o["ack_timeout_s"])]
-        trainer += ["--stop-file", str(self.tmp / "stop")]
+        trainer += ["--stop-file", str(self.tmp / "stop"), "--reward-fn", REWARD]
         members["trainer"] = Member("trainer", trainer, self.tmp / "trainer.log")
         return members
 
@@ -262,6 +267,8 @@ class Chaos:
         elif kind == "redis-kill":
             self.server.kill()
             self.redis_down_until = time.monotonic() + self.o["redis_down_s"]
+        elif kind == "scorer-kill":
+            self.members["scorer"].kill(self.o["restart_s"])
         else:  # trainer-kill, manager-kill: mid-sync
             if not self._wait_for_sync():
                 fault.target = "no sync came; killed anyway"
@@ -400,6 +407,7 @@ def report(chaos: Chaos, wall_s: float) -> dict[str, Any]:
         "duplicates": sum(count - 1 for count in handed.values()),
         "groups_not_whole": sum(g["samples"] != list(range(o["n"])) for g in groups),
         "spans_not_covering": sum(not g["spans_ok"] for g in groups),
+        "groups_unscored": sum(not g["scored"] or g["reward_error"] is not None for g in groups),
         "over_staleness_bound": len(over),
         "max_staleness_seen": max((g["trainer_version"] - min(g["versions"]) for g in groups), default=0),
         "syncs": {
@@ -422,6 +430,7 @@ def report(chaos: Chaos, wall_s: float) -> dict[str, Any]:
         and result["duplicates"] == 0
         and result["groups_not_whole"] == 0
         and result["spans_not_covering"] == 0
+        and result["groups_unscored"] == 0
         and result["over_staleness_bound"] == 0
     )
     client.close()
@@ -437,8 +446,8 @@ def plot_chaos(result: dict[str, Any], chaos: Chaos, path: Path) -> None:
     times = sorted(t - chaos.began_wall for t in chaos.ledger.trained_at.values())
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 7), gridspec_kw={"height_ratios": [2, 1]})
     top.plot(times, range(1, len(times) + 1), color="black", lw=1.2, label="groups trained")
-    colors = dict(zip(KINDS, ("tab:red", "tab:orange", "tab:purple", "tab:blue", "tab:green", "tab:brown"),
-                      strict=True))  # fmt: skip
+    palette = ("tab:red", "tab:orange", "tab:purple", "tab:blue", "tab:green", "tab:brown", "tab:pink")
+    colors = dict(zip(KINDS, palette, strict=True))
     for kind in KINDS:
         marks = [f.t for f in chaos.faults if f.kind == kind]
         for k, t in enumerate(marks):

@@ -147,7 +147,12 @@ class Run:
         size, n, tokens = self.s["chunk"], self.s["n"], self.s["tokens"]
         return [
             client.make_prompt(
-                tokens=[3 + (chunk * size + i) % 1000, 7, 11], n=n, sampling=Sampling(max_tokens=tokens, seed=i), id=pid
+                tokens=[3 + (chunk * size + i) % 1000, 7, 11],
+                n=n,
+                sampling=Sampling(max_tokens=tokens, seed=i),
+                id=pid,
+                meta={"ids": list(range(3, 3 + 1000))},  # what `token_set_reward` counts
+                reward_fn=self.s["reward_fn"],
             )
             for i, pid in enumerate(prompt_ids(chunk, size))
         ]
@@ -190,6 +195,8 @@ class Run:
             "versions": [r.version for r in group.rollouts],
             "trainer_version": group.trainer_version,
             "spans_ok": all(spans_cover(r) for r in group.rollouts),
+            "scored": self.s["reward_fn"] is None or all(r.reward is not None for r in group.rollouts),
+            "reward_error": group.reward_error,
             "samples": sorted(r.sample for r in group.rollouts),
         })  # fmt: skip
         self.ledger.trained.update(r.id for r in group.rollouts)
@@ -232,11 +239,15 @@ def chaos_trainer(
     sync_every_s: Annotated[float, typer.Option()] = 3.0,
     ack_timeout_s: Annotated[float, typer.Option()] = 5.0,
     mode: Annotated[str, typer.Option()] = "abort",
+    reward_fn: Annotated[
+        str | None, typer.Option(help="Prompts name this reward (scored by `rollouts scorer`).")
+    ] = None,
 ) -> None:
     """Train through a chaos run until every prompt is accounted for (see `rollouts chaos`)."""
     settings = dict(
         chunks=chunks, stop_file=stop_file, chunk=chunk, n=n, tokens=tokens, max_staleness=max_staleness,
         batch_groups=batch_groups, sync_every_s=sync_every_s, ack_timeout_s=ack_timeout_s, mode=mode,
+        reward_fn=reward_fn,
     )  # fmt: skip
     with user_errors(redis_url):
         run = Run(redis_url, ns, Ledger.open(ledger), settings)
