@@ -62,8 +62,9 @@ class WorkerSettings:
     drain_timeout_s: float = 30.0
     """On stop, how long to let in-flight work finish; the rest stays pending for other workers."""
     dedupe_ttl_s: int = 86_400
-    """How long a published rollout id's marker lives (`{ns}:published:{id}`): the same id from another entry (a
-    prompt submitted twice, a replay) within it is not published again. Redis holds ~117 B per rollout for it."""
+    """How long a published rollout id is remembered (a bit in `{ns}:published:{size}:{bucket}`): the same id from
+    another entry (a prompt submitted twice, a replay) within it is not published again. Redis holds ~22 B per
+    rollout for it; every worker of a namespace should use the same value."""
 
 
 class BusyClock:

@@ -3,7 +3,7 @@
 Every role gets its namespace's keys only (`{ns}:*`, never another namespace's), no dangerous or admin
 command (`FLUSHALL`, `CONFIG`, `KEYS`, `DEBUG`, ...), and no pub/sub channel. Beyond that:
 
-- `worker`: reads and writes its work (prompts, partials, its inbox, scoring, rollouts, replies, publish markers,
+- `worker`: reads and writes its work (prompts, partials, its inbox, scoring, rollouts, replies, publish dedupe,
   dead letters, heartbeats, the registry); reads **only** `state`, `control` and `weights:*`: a worker must never
   move the policy version, pause a sync or replace weights.
 - `trainer`, `manager`, `gateway`: the whole namespace (admission writes `state`, syncs write `control`,

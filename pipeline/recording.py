@@ -479,7 +479,7 @@ def replay(
 ) -> ReplayStats:
     """Put a recording back on `streams`' `{ns}:rollouts`, ids unchanged, at most `rate` rollouts/s.
 
-    Ids already published there are skipped (the publish marker), so replaying twice adds nothing.
+    Ids already published there are skipped (the publish dedupe), so replaying twice adds nothing.
     `progress` is told how many rows each step handled.
     """
     if rate is not None and not rate > 0:

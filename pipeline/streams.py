@@ -7,7 +7,9 @@ the asyncio worker calls it from a thread, which keeps one code path for both si
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import math
+import time
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -29,7 +31,9 @@ from pipeline.wire import (
 )
 
 SCRIPTS = Path(__file__).with_name("lua")
-"""Where `publish.lua`, `claim.lua`, `forward.lua`, `replay.lua` and `rehome.lua` live."""
+"""Where `publish.lua`, `claim.lua`, `forward.lua` and `rehome.lua` live."""
+DEDUPE_BUCKETS = 8
+"""The dedupe TTL is cut into this many time buckets (one hash each): a publish checks ~9 `HGET`s per rollout."""
 
 
 class Entry(NamedTuple):
@@ -64,9 +68,11 @@ class Streams:
         self.redis = client
         self.keys = Keys(ns)
         self.dedupe_ttl_s = dedupe_ttl_s
+        self.clock: Callable[[], float] = time.time
+        """The dedupe buckets' clock (a test moves it)."""
         scripts = register_all(client, SCRIPTS)
         self._publish, self._claim, self._forward = scripts["publish"], scripts["claim"], scripts["forward"]
-        self._replay, self._rehome = scripts["replay"], scripts["rehome"]
+        self._rehome = scripts["rehome"]
 
     def ensure_groups(self) -> None:
         """Create the consumer groups (and their streams) if missing; safe to call from every process."""
@@ -162,14 +168,26 @@ class Streams:
         target = self.keys.scoring if any(r.reward_fn for r in rollouts) else self.keys.rollouts
         if reply_to is not None:
             target = self.keys.replies(reply_to)
-        keys = [target, source.stream, self.keys.partials]
-        args: list[Any] = [GENERATORS, source.id, self.dedupe_ttl_s, len(partials)]
+        buckets, expiry_s = self.dedupe_buckets()
+        keys = [target, source.stream, self.keys.partials, *buckets]
+        args: list[Any] = [GENERATORS, source.id, expiry_s, len(partials)]
         for partial in partials:
             _append_fields(args, partial.to_fields())
         for rollout in rollouts:
-            keys.append(self.keys.published(rollout.id))
+            args += [rollout.prompt_id, rollout.sample]
             _append_fields(args, rollout.to_fields())
         return int(self._publish(keys=keys, args=args))
+
+    def dedupe_buckets(self, now: float | None = None) -> tuple[list[str], int]:
+        """The dedupe hashes a publish checks (oldest first, the current one last), and the current one's expiry.
+
+        The TTL is cut into `DEDUPE_BUCKETS` buckets of `size` seconds: an id published within the TTL is in one of
+        the last `ceil(ttl / size) + 1` buckets, and a bucket lives `size` seconds past the last it can be needed.
+        Redis holds a few bytes per rollout (a bit in its prompt's bitmap) and a few dozen keys, not a key per id."""
+        size = max(1, math.ceil(self.dedupe_ttl_s / DEDUPE_BUCKETS))
+        current = int((self.clock() if now is None else now) // size)
+        span = math.ceil(self.dedupe_ttl_s / size)
+        return [self.keys.published(size, b) for b in range(current - span, current + 1)], (span + 2) * size
 
     def send_control(self, command: Control) -> bytes:
         return self.redis.xadd(self.keys.control, command.to_fields())
@@ -286,15 +304,17 @@ class Streams:
 
     def add_rollouts(self, rollouts: Sequence[Rollout]) -> int:
         """Put `rollouts` on `{ns}:rollouts` with their ids unchanged, skipping every id already published here
-        (the publish marker, `lua/replay.lua`); returns how many were added. Replay and the gateway's finished
-        sessions add rollouts this way."""
+        (the publish dedupe: `lua/publish.lua` with no source entry); returns how many were added. Replay and the
+        gateway's finished sessions add rollouts this way."""
         if not rollouts:
             return 0
-        keys = [self.keys.rollouts, *(self.keys.published(r.id) for r in rollouts)]
-        args: list[Any] = [self.dedupe_ttl_s]
+        buckets, expiry_s = self.dedupe_buckets()
+        keys = [self.keys.rollouts, self.keys.rollouts, self.keys.partials, *buckets]
+        args: list[Any] = [GENERATORS, "", expiry_s, 0]  # no source entry to ack, no partials
         for rollout in rollouts:
+            args += [rollout.prompt_id, rollout.sample]
             _append_fields(args, rollout.to_fields())
-        return int(self._replay(keys=keys, args=args))
+        return int(self._publish(keys=keys, args=args))
 
     def _read_group(
         self, stream: str, group: str, consumer: str, count: int, block_ms: int | None, start: str | bytes

@@ -130,9 +130,10 @@ class Keys:
         """Marker of one admitted submission (its reply, kept an hour): the same submission is not queued twice."""
         return self.admitted_prefix + submission
 
-    def published(self, rollout_id: str) -> str:
-        """Marker set once a rollout id is on `rollouts`: the dedupe of redelivered work."""
-        return self.published_prefix + rollout_id
+    def published(self, size_s: int, bucket: int) -> str:
+        """Hash of the rollouts published in one time bucket (`size_s` seconds, number `bucket` since the epoch):
+        prompt id -> bitmap of its samples. The dedupe of an id that comes back from another entry."""
+        return f"{self.published_prefix}{size_s}:{bucket}"
 
     @property
     def weights_index(self) -> str:

@@ -40,8 +40,9 @@ def test_a_short_soak_receives_everything_once_with_bounded_memory(tmp_path: Pat
     # What the memory is made of at the end, by key kind (`{ns}:KIND...`): every key is counted once.
     assert {"prompts", "rollouts"} <= set(memory["keys_by_kind"])
     assert sum(memory["keys_by_kind"].values()) <= memory["keys_last"]  # markers may expire between the two reads
-    # The workers' publish markers live --dedupe-ttl-s (5 s here): those of the first rollouts are gone.
-    assert 0 < memory["keys_by_kind"].get("published", 0) < ROLLOUTS
+    # The workers' dedupe lives --dedupe-ttl-s (5 s here), in time buckets of 1 s: a handful of hashes, not a key
+    # per rollout, and those of the first seconds are gone.
+    assert 0 < memory["keys_by_kind"].get("published", 0) <= 10
 
     streams = report["streams"]
     assert streams["partials"]["max"] == 0  # no weight sync: nothing is interrupted

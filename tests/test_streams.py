@@ -78,6 +78,38 @@ def test_publish_is_atomic_idempotent_and_acks(any_redis: redis.Redis, ns: str) 
     assert any_redis.xpending(streams.keys.prompts, GENERATORS)["pending"] == 0
 
 
+def test_the_dedupe_remembers_each_id_for_its_ttl_in_a_few_hashes(any_redis: redis.Redis, ns: str) -> None:
+    """No key per rollout: a bit per sample under its prompt id, in time buckets; an id comes out once within the
+    TTL (published whole, sample by sample, or added without a source entry) and again only after it (and at most one
+    bucket, TTL / 8, later)."""
+    streams = Streams(any_redis, ns, dedupe_ttl_s=240)  # 8 buckets of 30 s
+    streams.ensure_groups()
+    now = 1_000_000.0
+    streams.clock = lambda: now
+    p = prompt("p1", n=4096)
+    (first, *_) = rollouts_for(p)
+    made = [first.model_copy(update={"sample": k}) for k in (0, 9, 4095)]
+
+    def publish(rollouts: list[Rollout]) -> int:
+        streams.add_prompts([p])
+        (entry,) = streams.read_work("w1", 1, None)
+        return streams.publish_rollouts(rollouts, entry)
+
+    assert publish(made[:1]) == 1
+    now += 100  # another bucket: samples 9 and 4095 are new, sample 0 is not
+    assert publish(made) == 2
+    now += 130  # 230 s after the first: still within the TTL
+    assert publish(made) == 0 and streams.add_rollouts(made) == 0
+    keys = [k for k in any_redis.scan_iter(match=f"{{{ns}}}:published:*")]
+    assert len(keys) == 2  # two buckets, whatever the number of rollouts
+    now += 41  # 271 s after the first (past the TTL and the bucket it fell in), 171 s after the others
+    assert publish(made) == 1  # only sample 0 is new again
+    ids = [fields[b"id"] for _, fields in any_redis.xrange(streams.keys.rollouts)]
+    assert ids == [b"p1:0", b"p1:9", b"p1:4095", b"p1:0"]
+    ttl = any_redis.ttl(streams.dedupe_buckets()[0][-1])
+    assert 0 < ttl <= 300  # a bucket lives as long as a publish may look at it, then goes
+
+
 def test_dead_letter_keeps_the_original_and_acks(any_redis: redis.Redis, ns: str) -> None:
     streams = Streams(any_redis, ns)
     streams.ensure_groups()
@@ -185,7 +217,7 @@ def test_every_lua_script_names_its_keys_and_compiles_on_both_versions(redis_ser
     folders = [SCRIPTS, staleness_scripts, gateway_scripts]
     names = {name for folder in folders for name in sources(folder)}
     assert names == {
-        *("publish", "claim", "forward", "replay", "rehome", "admit", "park", "begin_sync", "finish_sync"),
+        *("publish", "claim", "forward", "rehome", "admit", "park", "begin_sync", "finish_sync"),
         *("pin", "join_group"),
     }
     for folder in folders:

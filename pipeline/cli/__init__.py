@@ -76,7 +76,7 @@ DedupeTtlOpt = Annotated[
     typer.Option(
         min=1,
         help="How long a published rollout id is remembered, so that the same id from another entry (a prompt "
-        "submitted twice, a replay) is not published again; Redis holds ~117 B per rollout for this long.",
+        "submitted twice, a replay) is not published again; Redis holds ~22 B per rollout for this long.",
     ),
 ]
 

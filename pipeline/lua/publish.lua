@@ -1,9 +1,14 @@
--- KEYS: rollouts stream, source stream, partials stream, then one `published` marker key per rollout.
--- ARGV: group, source entry id, marker ttl, partial count, then for each partial: field count, fields...,
--- then for each rollout: field count, fields...
--- The source entry is acked first: if it was no longer pending (another worker finished it),
--- nothing is written. A rollout id already published (a resubmitted prompt) is skipped.
-if redis.call('XACK', KEYS[2], ARGV[1], ARGV[2]) == 0 then
+-- KEYS: the target stream (rollouts, scoring, or a gateway's replies), the source stream, the partials stream,
+-- then the dedupe buckets `{ns}:published:{size}:{bucket}`, oldest first; the last is the current one.
+-- ARGV: group, source entry id ('' for none: a replay, a gateway's finished session), bucket expiry (s),
+-- partial count, then for each partial: field count, fields...; then for each rollout: prompt id, sample,
+-- field count, fields...
+-- The source entry is acked first: if it was no longer pending (another worker finished it first), nothing is
+-- written and -1 comes back. A rollout is skipped when its sample's bit is set under its prompt id in any
+-- bucket (the same id published within the dedupe TTL: a prompt submitted twice, a replay); otherwise it is
+-- added and its bit set in the current bucket, a hash of prompt id -> bitmap of samples.
+-- Returns how many rollouts were added.
+if ARGV[2] ~= '' and redis.call('XACK', KEYS[2], ARGV[1], ARGV[2]) == 0 then
   return -1
 end
 local at = 5
@@ -12,13 +17,39 @@ for p = 1, tonumber(ARGV[4]) do
   redis.call('XADD', KEYS[3], '*', unpack(ARGV, at + 1, at + count))
   at = at + count + 1
 end
-local published = 0
-for k = 4, #KEYS do
-  local count = tonumber(ARGV[at])
-  if redis.call('SET', KEYS[k], '1', 'NX', 'EX', ARGV[3]) then
-    redis.call('XADD', KEYS[1], '*', unpack(ARGV, at + 1, at + count))
-    published = published + 1
-  end
-  at = at + count + 1
+
+-- Bits with arithmetic, not the `bit` library: the same script runs on fakeredis.
+local function has(bits, sample)
+  local byte = string.byte(bits, math.floor(sample / 8) + 1)
+  return byte ~= nil and math.floor(byte / 2 ^ (sample % 8)) % 2 == 1
 end
-return published
+
+local function with(bits, sample)
+  if has(bits, sample) then return bits end
+  local i = math.floor(sample / 8) + 1
+  if #bits < i then bits = bits .. string.rep('\0', i - #bits) end
+  local byte = string.byte(bits, i) + 2 ^ (sample % 8)
+  return string.sub(bits, 1, i - 1) .. string.char(byte) .. string.sub(bits, i + 1)
+end
+
+local current = KEYS[#KEYS]
+local added = 0
+while at <= #ARGV do
+  local prompt, sample, count = ARGV[at], tonumber(ARGV[at + 1]), tonumber(ARGV[at + 2])
+  local seen = false
+  for k = 4, #KEYS do
+    local bits = redis.call('HGET', KEYS[k], prompt)
+    if bits and has(bits, sample) then
+      seen = true
+      break
+    end
+  end
+  if not seen then
+    redis.call('HSET', current, prompt, with(redis.call('HGET', current, prompt) or '', sample))
+    redis.call('XADD', KEYS[1], '*', unpack(ARGV, at + 3, at + 2 + count))
+    added = added + 1
+  end
+  at = at + 3 + count
+end
+if added > 0 then redis.call('EXPIRE', current, ARGV[3]) end
+return added

@@ -199,7 +199,7 @@ class SessionStore:
     def finish(self, session_id: str, request: FinishRequest, version: int) -> Rollout:
         """Publish the session's trajectory to `{ns}:rollouts` as one group member and release its pin.
 
-        Idempotent: a retried finish returns the same rollout and publishes nothing more (the publish marker).
+        Idempotent: a retried finish returns the same rollout and publishes nothing more (the publish dedupe).
         """
         key = self.keys.session(session_id)
         fields = self.redis.hgetall(key)
