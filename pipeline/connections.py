@@ -110,12 +110,13 @@ def retried_failures(client: redis.Redis) -> int:
     return getattr(client.get_retry(), "failures", 0)
 
 
-def connect(url: str, **options: Any) -> redis.Redis:
+def connect(url: str, *, reconnect: bool = True, **options: Any) -> redis.Redis:
     """A client for binary payloads (`decode_responses=False`), checked with a PING and for the version.
 
     The first PING is not retried, so that a wrong URL fails at once; from then on the client reconnects
-    (`Reconnecting`). `options` go to redis-py (`socket_timeout=` for a reader that must not hang on a
-    stuck server)."""
+    (`Reconnecting`), unless `reconnect` is off (the exporter: a scrape must answer within its timeout, and
+    the next scrape connects again). `options` go to redis-py (`socket_timeout=` for a reader that must not
+    hang on a stuck server)."""
     client = redis.Redis.from_url(
         url, decode_responses=False, health_check_interval=30, retry=Retry(NoBackoff(), 0), **options
     )
@@ -129,5 +130,6 @@ def connect(url: str, **options: Any) -> redis.Redis:
     version = server_version(client)
     if version is not None:
         check_version(version, f"the server at {redact(url)}")
-    client.set_retry(Reconnecting())
+    if reconnect:
+        client.set_retry(Reconnecting())
     return client
