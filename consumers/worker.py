@@ -211,6 +211,9 @@ class Worker:
         return 1 if self._mean_n is None else max(1, int(free / self._mean_n))
 
     def _start(self, entry: Entry) -> None:
+        # Held from the moment it is taken, before it decodes: touched every heartbeat and never claimed back, even
+        # while its dead letter or its publish waits for a thread (a claim of it would serve it twice).
+        self._inflight[entry.stream, entry.id] = entry
         task = asyncio.create_task(self._serve(entry))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -230,24 +233,37 @@ class Worker:
         """Generate what one entry asks for and publish it with the entry's ack, in one atomic step.
 
         A prompt entry asks for its `n` samples; a partial entry for the rest of one sample. Samples
-        that an abort pause interrupts go back to `{ns}:partials` in the same step.
+        that an abort pause interrupts go back to `{ns}:partials` in the same step. However it ends,
+        the entry stops being held here (`_start` took it); if it was not acked, it stays pending.
         """
+        counted = 0
         try:
-            if entry.stream == self.streams.keys.partials:
-                partial = Partial.from_fields(entry.fields)
-                prompt, samples = partial.prompt, [(partial.sample, partial)]
-            else:
-                prompt = Prompt.from_fields(entry.fields)
-                samples = [(k, None) for k in range(prompt.n)]
-        except WireError as exc:
-            log.warning("%s: dead letter %s: %s", self.name, entry.id, exc)
-            await asyncio.to_thread(self.streams.dead_letter, entry, str(exc), "decode")
-            self.metrics.dead_letter("decode")
-            return
-        self._mean_n = len(samples) if self._mean_n is None else 0.9 * self._mean_n + 0.1 * len(samples)
-        self._inflight[entry.stream, entry.id] = entry
-        self._inflight_samples += len(samples)
-        self._account()
+            try:
+                if entry.stream == self.streams.keys.partials:
+                    partial = Partial.from_fields(entry.fields)
+                    prompt, samples = partial.prompt, [(partial.sample, partial)]
+                else:
+                    prompt = Prompt.from_fields(entry.fields)
+                    samples = [(k, None) for k in range(prompt.n)]
+            except WireError as exc:
+                log.warning("%s: dead letter %s: %s", self.name, entry.id, exc)
+                await asyncio.to_thread(self.streams.dead_letter, entry, str(exc), "decode")
+                self.metrics.dead_letter("decode")
+                return
+            self._mean_n = len(samples) if self._mean_n is None else 0.9 * self._mean_n + 0.1 * len(samples)
+            counted = len(samples)
+            self._inflight_samples += counted
+            self._account()
+            await self._generate_and_publish(entry, prompt, samples)
+        finally:
+            del self._inflight[entry.stream, entry.id]
+            self._inflight_samples -= counted
+            self._account()
+            self._room.set()
+
+    async def _generate_and_publish(
+        self, entry: Entry, prompt: Prompt, samples: list[tuple[int, Partial | None]]
+    ) -> None:
         try:
             results = await asyncio.gather(*(self._generate_sample(prompt, k, entry, done) for k, done in samples))
             rollouts = [r for r in results if isinstance(r, Rollout)]
@@ -268,11 +284,6 @@ class Worker:
             # Not the prompt's fault (a failed engine step, Redis gone): leave it pending for a retry elsewhere.
             log.exception("%s: prompt %s failed; it stays pending", self.name, prompt.id)
             self.metrics.prompt_failed()
-        finally:
-            del self._inflight[entry.stream, entry.id]
-            self._inflight_samples -= len(samples)
-            self._account()
-            self._room.set()
 
     async def _generate_sample(
         self, prompt: Prompt, sample: int, entry: Entry, done: Partial | None

@@ -31,7 +31,7 @@ from pipeline.wire import (
 )
 
 SCRIPTS = Path(__file__).with_name("lua")
-"""Where `publish.lua`, `claim.lua`, `forward.lua` and `rehome.lua` live."""
+"""Where `publish.lua`, `claim.lua`, `forward.lua`, `rehome.lua` and `dead_letter.lua` live."""
 DEDUPE_BUCKETS = 8
 """The dedupe TTL is cut into this many time buckets (one hash each): a publish checks ~9 `HGET`s per rollout."""
 
@@ -72,7 +72,7 @@ class Streams:
         """The dedupe buckets' clock (a test moves it)."""
         scripts = register_all(client, SCRIPTS)
         self._publish, self._claim, self._forward = scripts["publish"], scripts["claim"], scripts["forward"]
-        self._rehome = scripts["rehome"]
+        self._rehome, self._dead_letter = scripts["rehome"], scripts["dead_letter"]
 
     def ensure_groups(self) -> None:
         """Create the consumer groups (and their streams) if missing; safe to call from every process."""
@@ -201,13 +201,14 @@ class Streams:
         """Control commands after `after` (every worker reads all of them: no consumer group)."""
         return entries_from_reply(self.redis.xread({self.keys.control: after}, count=100, block=block_ms))
 
-    def dead_letter(self, entry: Entry, error: str, stage: str) -> None:
-        """Move a bad entry to `{ns}:dead` with the reason and ack it, in one transaction."""
+    def dead_letter(self, entry: Entry, error: str, stage: str) -> bool:
+        """Move a bad entry to `{ns}:dead` with the reason and ack it, in one step (`lua/dead_letter.lua`), if it
+        is still pending; returns whether it was (an entry dead-lettered already is not dead-lettered twice)."""
         group = {self.keys.rollouts: TRAINER, self.keys.scoring: SCORERS}.get(entry.stream, GENERATORS)
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.xadd(self.keys.dead, dead_letter_fields(entry.fields, error, stage))
-        pipe.xack(entry.stream, group, entry.id)
-        pipe.execute()
+        args: list[Any] = [group, entry.id]
+        for name, value in dead_letter_fields(entry.fields, error, stage).items():
+            args += [name, value]
+        return bool(self._dead_letter(keys=[entry.stream, self.keys.dead], args=args))
 
     def heartbeat(self, name: str, status: dict[str, Any], ttl_s: float) -> None:
         """Write the worker's heartbeat hash (expiring) and keep it on the registry `{ns}:workers`."""

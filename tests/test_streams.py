@@ -115,7 +115,9 @@ def test_dead_letter_keeps_the_original_and_acks(any_redis: redis.Redis, ns: str
     streams.ensure_groups()
     any_redis.xadd(streams.keys.prompts, {b"garbage": b"\xff"})
     (entry,) = streams.read_work("w1", 10, None)
-    streams.dead_letter(entry, "missing field 'v'", "decode")
+    assert streams.dead_letter(entry, "missing field 'v'", "decode")
+    # Again (a claim that raced with it, a call retried after its reply was lost): no second dead letter.
+    assert not streams.dead_letter(entry, "missing field 'v'", "decode")
     ((_, dead),) = any_redis.xrange(streams.keys.dead)
     assert dead == {b"garbage": b"\xff", b"error": b"missing field 'v'", b"stage": b"decode"}
     assert any_redis.xpending(streams.keys.prompts, GENERATORS)["pending"] == 0
@@ -217,7 +219,7 @@ def test_every_lua_script_names_its_keys_and_compiles_on_both_versions(redis_ser
     folders = [SCRIPTS, staleness_scripts, gateway_scripts]
     names = {name for folder in folders for name in sources(folder)}
     assert names == {
-        *("publish", "claim", "forward", "rehome", "admit", "park", "begin_sync", "finish_sync"),
+        *("publish", "claim", "forward", "rehome", "dead_letter", "admit", "park", "begin_sync", "finish_sync"),
         *("pin", "join_group"),
     }
     for folder in folders:
