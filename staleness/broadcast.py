@@ -2,23 +2,31 @@
 
 Nothing is stored: the trainer (rank 0) hosts a `torch.distributed.TCPStore` at HOST:PORT for the
 rendezvous, and during each sync, between the manager's `weights` command and its wait for acks:
-1. the trainer writes `e{epoch}/meta` (JSON: version, backend, bucket size, `[name, dtype, shape]`s);
+1. the trainer writes `e{epoch}/meta` (JSON: version, backend, bucket size, `[name, dtype, shape]`s,
+   and `group`: the generation of the group it holds, or null);
 2. each worker checks the names and shapes against its model (if they do not fit it declines),
-   takes a block of ranks with `ADD e{epoch}/ranks k` (k = the engine's receiving processes: 1 for
-   `torch`, the tensor-parallel size for `vllm`) and counts itself in `e{epoch}/workers`; joined or
-   declined, it then counts itself in `e{epoch}/answered`, the one counter the trainer polls;
-3. once every live worker joined or declined (or the join deadline passed) the trainer sets `e{epoch}/world`;
-   a worker whose ranks fall outside it failed to join in time, and says so;
-4. everyone builds one process group over `PrefixStore(e{epoch}/pg)` (NCCL when the trainer's tensors
-   are on a GPU; gloo otherwise, which is how the same protocol runs, and is tested, on CPUs), and the
-   tensors go from rank 0 as raw bytes in buckets of `bucket_bytes`, 16-byte aligned, in meta order;
-5. the trainer deletes the epoch's keys; every side frees the group on a thread of its own, off the
-   stall (NCCL takes about half a second to destroy a communicator).
+   counts itself in `e{epoch}/workers` (its index i) and writes `e{epoch}/w{i}` (JSON: its name, the
+   ranks it needs, 1 for `torch`, the tensor-parallel size for `vllm`, and the generation it holds);
+   joined or declined, it then counts itself in `e{epoch}/answered`, the one counter the trainer polls;
+3. once every live worker (the manager's count, from the Redis heartbeats) joined or declined, or the
+   join deadline passed, the trainer agrees the membership and sets `e{epoch}/world` (JSON:
+   generation, world size, each member's first rank, in the order they joined). The group is
+   **kept** when the workers that joined are exactly its members (same names, same rank counts) and
+   each still holds it; otherwise
+   (someone joined, left, died, failed a load, or the trainer restarted) a new one is built, its
+   generation the sync's epoch. A worker not in the world failed to join in time, and says so;
+4. a new group is built over `PrefixStore(g{generation}/pg)` (NCCL when the trainer's tensors are on a
+   GPU; gloo otherwise, which is how the same protocol runs, and is tested, on CPUs) and warmed up
+   with a one-byte broadcast; the tensors go from rank 0 as raw bytes in buckets of `bucket_bytes`,
+   16-byte aligned, in meta order, double buffered: bucket k+1 is packed while bucket k is on the wire;
+5. the trainer deletes the epoch's keys. A replaced group is freed on a thread of its own, off the
+   stall (NCCL takes about half a second to destroy a communicator); a failed broadcast drops it.
 
 Only raw bytes and JSON cross the store and the group (no pickle). A worker that starts between
 syncs cannot fetch the current version from anywhere: it waits, paused, for the next sync.
 The receiving side runs in whatever process holds the engine's weights (the worker for `torch`,
-vLLM's worker processes for `vllm`), so GPU weights go from GPU to GPU.
+vLLM's worker processes for `vllm`), so GPU weights go from GPU to GPU; each such process keeps its
+group between syncs, as the trainer does.
 """
 
 from __future__ import annotations
@@ -26,10 +34,12 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -38,11 +48,13 @@ import torch.distributed as dist
 
 from staleness.transports import NamedTensors, Scheme, check_version, parse_uri, state_dict_of
 
-META_V = 1
+META_V = 2
 DEFAULT_BUCKET_BYTES = 256 << 20
-"""Bytes per broadcast: big enough to run near link speed, small enough for a second buffer on the GPU."""
+"""Bytes per broadcast: big enough to run near link speed, small enough for two buffers on the GPU."""
 ALIGN = 16
 """Every tensor starts at a multiple of this in its bucket, so that a byte slice views as any dtype."""
+NO_GROUP = -1
+"""The generation a worker that holds no group reports."""
 
 _SERVERS: dict[int, dist.TCPStore] = {}
 """The trainer's rendezvous stores, by port: one per process, kept across syncs."""
@@ -72,9 +84,13 @@ class BroadcastStats:
     join_s: float = 0.0
     """Waiting for the workers to join (after the `weights` command)."""
     setup_s: float = 0.0
-    """Building the group, up to a first one-byte broadcast (NCCL makes its communicator then)."""
+    """Building a new group, up to a first one-byte broadcast (NCCL makes its communicator then); 0 when kept."""
     transfer_s: float = 0.0
     """Every bucket's broadcast, until the last completed: what `gb_per_s` divides by."""
+    generation: int = NO_GROUP
+    """The group's generation (the epoch of the sync that built it)."""
+    reused: bool = False
+    """Whether the group of an earlier sync carried this one (no setup)."""
 
     @property
     def gb_per_s(self) -> float:
@@ -83,7 +99,7 @@ class BroadcastStats:
 
 @dataclass(frozen=True)
 class BroadcastLink:
-    """What a receiving process needs to join one epoch's group: plain data, so that it crosses to vLLM's workers."""
+    """What a receiving process needs to take its rank in one sync: plain data, so that it crosses to vLLM's workers."""
 
     host: str
     port: int
@@ -94,6 +110,10 @@ class BroadcastLink:
     timeout_s: float
     meta: str
     """The trainer's JSON meta: version, backend, bucket size, tensors."""
+    member: str = ""
+    """The worker's name in the group."""
+    generation: int = NO_GROUP
+    """The group to receive in: kept from an earlier sync when it equals the one the receiver holds."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -101,6 +121,32 @@ class BroadcastLink:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> BroadcastLink:
         return cls(**data)
+
+
+@dataclass
+class _Group:
+    """A process group kept across syncs, and who is in it (the trainer's members; a receiver's own rank)."""
+
+    generation: int
+    world: int
+    group: dist.ProcessGroup | None = None
+    """None until built (the trainer agrees a membership first, then builds it)."""
+    members: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """The trainer's view: worker name -> (first rank, ranks)."""
+    rank: int = 0
+    backend: str = "gloo"
+    device: str = "cpu"
+
+
+_TRAINER_GROUPS: dict[int, _Group] = {}
+"""The trainer's group, by rendezvous port: a fresh `NcclTransport` per publish finds it here."""
+_RECEIVER_GROUPS: dict[tuple[str, int, str, int], _Group] = {}
+"""A receiving process's groups, by (host, port, member, rank offset)."""
+_HELD: dict[tuple[str, int, str], int] = {}
+"""The generation a worker's receivers hold, by (host, port, member): what it reports when it joins."""
+_LOCK = threading.Lock()
+GROUPS_BUILT = {"trainer": 0, "receiver": 0}
+"""Process groups built in this process, per side: a kept group builds none."""
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -139,8 +185,10 @@ def _store(host: str, port: int, timeout_s: float, server: bool) -> dist.TCPStor
     return dist.TCPStore(host, port, None, server, timedelta(seconds=timeout_s), wait_for_workers=False, use_libuv=True)
 
 
-def _group(store: dist.Store, epoch: int, rank: int, world: int, backend: str, timeout_s: float) -> dist.ProcessGroup:
-    prefixed = dist.PrefixStore(f"e{epoch}/pg/", store)
+def _group(
+    store: dist.Store, generation: int, rank: int, world: int, backend: str, timeout_s: float
+) -> dist.ProcessGroup:
+    prefixed = dist.PrefixStore(f"g{generation}/pg/", store)
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timedelta(seconds=timeout_s)
@@ -148,7 +196,7 @@ def _group(store: dist.Store, epoch: int, rank: int, world: int, backend: str, t
     return dist.ProcessGroupGloo(prefixed, rank, world, timedelta(seconds=timeout_s))
 
 
-def _close_later(group: dist.ProcessGroup) -> None:
+def _close_later(group: dist.ProcessGroup | None) -> None:
     """Free the group on a thread of its own: NCCL takes ~0.5 s to destroy a communicator, and
     nobody need wait for it (the workers resume, the trainer goes back to training)."""
     shutdown = getattr(group, "shutdown", None)  # NCCL: free the communicator now, not at exit
@@ -156,13 +204,36 @@ def _close_later(group: dist.ProcessGroup) -> None:
         threading.Thread(target=shutdown, name="broadcast-teardown", daemon=True).start()
 
 
-def _broadcast(group: dist.ProcessGroup, buffer: torch.Tensor) -> None:
-    group.broadcast([buffer], dist.BroadcastOptions()).wait()
+def _broadcast_async(group: dist.ProcessGroup, buffer: torch.Tensor) -> dist.Work:
+    """Start a broadcast from rank 0; `wait()` on the result blocks (gloo) or orders the current CUDA stream (NCCL)."""
+    return group.broadcast([buffer], dist.BroadcastOptions())
 
 
 def _warm_up(group: dist.ProcessGroup, device: torch.device) -> None:
-    """One byte from rank 0, so that setup (NCCL's communicator is built lazily) is not counted as transfer."""
-    _broadcast(group, torch.zeros(1, dtype=torch.uint8, device=device))
+    """One byte from rank 0, so that setup (NCCL's communicator is built lazily) is done before any real bucket."""
+    _broadcast_async(group, torch.zeros(1, dtype=torch.uint8, device=device)).wait()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def default_member() -> str:
+    """This process's name in a group when the worker gives none (its default worker name)."""
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def groups_built() -> dict[str, int]:
+    """How many process groups this process built so far, per side (a kept group builds none)."""
+    return dict(GROUPS_BUILT)
+
+
+def drop_groups() -> None:
+    """Free every group this process keeps (the trainer's and the receivers'): the next sync builds afresh."""
+    with _LOCK:
+        for kept in [*_TRAINER_GROUPS.values(), *_RECEIVER_GROUPS.values()]:
+            _close_later(kept.group)
+        _TRAINER_GROUPS.clear()
+        _RECEIVER_GROUPS.clear()
+        _HELD.clear()
 
 
 # -- the trainer's side --------------------------------------------------------------------------
@@ -173,7 +244,8 @@ class NcclTransport:
 
     HOST:PORT is where the workers reach this process (the rendezvous store listens on PORT). Tensors
     on a GPU go over NCCL; CPU tensors over gloo. Keep the module unchanged until the sync returns:
-    tensors on a GPU are not copied.
+    tensors on a GPU are not copied. The group of one sync is kept for the next while its members
+    stay the same (per PORT, in this process: `publish_weights` opens a transport per call).
     """
 
     scheme: Scheme = "nccl"
@@ -229,6 +301,10 @@ class NcclTransport:
         metas = [TensorMeta(k, _dtype_name(t.dtype), tuple(t.shape)) for k, t in named.items()]
         device = next((t.device for t in named.values()), torch.device("cpu"))
         backend = "nccl" if device.type == "cuda" else "gloo"
+        kept = _TRAINER_GROUPS.get(self.port)
+        if kept is not None and (kept.backend, kept.device) != (backend, str(device)):
+            self._drop()  # the tensors moved: a group on the old device cannot send them
+            kept = None
         stats = BroadcastStats(version, epoch, 0, 0, backend)
         store = self._server()
         prefix = f"e{epoch}/"
@@ -237,30 +313,61 @@ class NcclTransport:
             "version": version,
             "backend": backend,
             "bucket_bytes": self.bucket_bytes,
+            "group": kept.generation if kept else None,
             "tensors": [[m.name, m.dtype, list(m.shape)] for m in metas],
         }
         store.set(prefix + "meta", json.dumps(meta, separators=(",", ":")))
         started = time.monotonic()
         deadline = started + self.timeout_s
         while store.add(prefix + "answered", 0) < workers and time.monotonic() < deadline:
-            time.sleep(0.005)
+            time.sleep(0.002)
         stats.workers = store.add(prefix + "workers", 0)
-        stats.ranks = store.add(prefix + "ranks", 0)
-        store.set(prefix + "world", str(1 + stats.ranks))
+        joined = [json.loads(store.get(f"{prefix}w{i}")) for i in range(1, stats.workers + 1)]
+        plan = self._agree(kept, joined, epoch)
+        stats.generation, stats.reused = plan.generation, plan is kept
+        stats.ranks = plan.world - 1
+        ranks = {m: first for m, (first, _) in plan.members.items()}
+        world = {"generation": plan.generation, "world": plan.world, "ranks": ranks}
+        store.set(prefix + "world", json.dumps(world, separators=(",", ":")))
         stats.join_s = time.monotonic() - started
         try:
             if stats.ranks:
-                self._send(store, stats, metas, named, device)
+                self._send(store, stats, plan, metas, named, device)
+        except BaseException:
+            self._drop()  # a member may be gone mid-broadcast: the next sync builds a new group
+            raise
         finally:
-            for key in ("meta", "answered", "workers", "ranks", "world"):
+            keys = ["meta", "answered", "workers", "world"] + [f"w{i}" for i in range(1, stats.workers + 1)]
+            for key in keys:
                 store.delete_key(prefix + key)
         self.last = stats
         return stats
+
+    def _agree(self, kept: _Group | None, joined: list[dict[str, Any]], epoch: int) -> _Group:
+        """The group of this sync: `kept` when the workers that joined are its members and still hold it, else a
+        new membership (not yet built: `_send` builds it), its generation this epoch."""
+        asked = {str(j["member"]): int(j["ranks"]) for j in joined}
+        if (
+            kept is not None
+            and asked == {m: count for m, (_, count) in kept.members.items()}
+            and all(int(j["holds"]) == kept.generation for j in joined)
+        ):
+            return kept
+        members: dict[str, tuple[int, int]] = {}
+        for name, count in asked.items():  # in the order they joined, rank 0 being the trainer
+            members[name] = (1 + sum(c for _, c in members.values()), count)
+        return _Group(epoch, 1 + sum(asked.values()), members=members)
+
+    def _drop(self) -> None:
+        kept = _TRAINER_GROUPS.pop(self.port, None)
+        if kept is not None:
+            _close_later(kept.group)
 
     def _send(
         self,
         store: dist.Store,
         stats: BroadcastStats,
+        plan: _Group,
         metas: list[TensorMeta],
         named: dict[str, torch.Tensor],
         device: torch.device,
@@ -268,36 +375,50 @@ class NcclTransport:
         started = time.monotonic()
         # The trainer's current device is left as it was: only this block works on the tensors' GPU.
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-            group = _group(store, stats.epoch, 0, 1 + stats.ranks, stats.backend, self.timeout_s)
-            try:
-                _warm_up(group, device)
+            if plan.group is None:
+                self._drop()
+                plan.group = _group(store, plan.generation, 0, plan.world, stats.backend, self.timeout_s)
+                plan.backend, plan.device = stats.backend, str(device)
+                GROUPS_BUILT["trainer"] += 1
+                _TRAINER_GROUPS[self.port] = plan
+                _warm_up(plan.group, device)
                 stats.setup_s = time.monotonic() - started
-                started = time.monotonic()
-                stats.bytes = self._send_buckets(group, metas, list(named.values()), device)
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                stats.transfer_s = time.monotonic() - started
-            finally:
-                _close_later(group)
+            started = time.monotonic()
+            stats.bytes = self._send_buckets(plan.group, metas, list(named.values()), device)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            stats.transfer_s = time.monotonic() - started
 
     def _send_buckets(
         self, group: dist.ProcessGroup, metas: list[TensorMeta], tensors: list[torch.Tensor], device: torch.device
     ) -> int:
+        """Broadcast every bucket, double buffered: bucket k+1 is packed into one buffer while bucket k goes from
+        the other. A buffer is packed again only after its last broadcast completed (`wait`: on the CPU for gloo,
+        on the current CUDA stream for NCCL, so the GPU copies overlap the transfer without blocking the host)."""
         sent = 0
-        buffer: torch.Tensor | None = None
-        for bucket in plan_buckets(metas, self.bucket_bytes):
+        buffers: list[torch.Tensor | None] = [None, None]
+        in_flight: list[dist.Work | None] = [None, None]
+        for k, bucket in enumerate(plan_buckets(metas, self.bucket_bytes)):
+            slot = k % 2
+            previous = in_flight[slot]
+            if previous is not None:
+                previous.wait()  # the buffer (or tensor) of bucket k-2 is free again
             size = _bucket_size(metas, bucket)
             if len(bucket) == 1:  # one tensor: send its own bytes, no copy
                 payload = tensors[bucket[0][0]].reshape(-1).view(torch.uint8)
             else:
+                buffer = buffers[slot]
                 if buffer is None:
-                    buffer = torch.empty(self.bucket_bytes, dtype=torch.uint8, device=device)
+                    buffer = buffers[slot] = torch.empty(self.bucket_bytes, dtype=torch.uint8, device=device)
                 payload = buffer[:size]
                 for index, offset in bucket:
                     raw = tensors[index].reshape(-1).view(torch.uint8)
                     payload[offset : offset + raw.numel()].copy_(raw)
-            _broadcast(group, payload)
+            in_flight[slot] = _broadcast_async(group, payload)
             sent += size
+        for work in in_flight:
+            if work is not None:
+                work.wait()
         return sent
 
     def versions(self) -> list[int]:
@@ -320,14 +441,17 @@ def join_broadcast(
     ranks: int = 1,
     timeout_s: float = 60.0,
     check: Callable[[dict[str, tuple[int, ...]], str], None] | None = None,
+    member: str | None = None,
 ) -> BroadcastLink:
-    """Take `ranks` ranks in sync `epoch`'s group and wait until the trainer fixed its size.
+    """Take `ranks` ranks in sync `epoch`'s group as `member` (the worker's name) and wait until the trainer fixed it.
 
     Run in the worker process (blocking); the engine then receives with `receive_broadcast`. `check`
     sees the names and shapes first: if it raises, this worker declines (the others go on without
     waiting for it) and the error propagates. Raises `TimeoutError` when the trainer does not answer
-    and `RuntimeError` when this worker joined too late.
+    and `RuntimeError` when this worker joined too late. If the load that follows fails, call
+    `forget_group` so that the next sync does not count on this worker's group.
     """
+    member = member or default_member()
     parsed = parse_uri(uri)
     if parsed.version is not None and parsed.version != version:
         raise ValueError(f"weights uri {uri!r} names version {parsed.version}, not {version}")
@@ -351,29 +475,50 @@ def join_broadcast(
     except Exception:
         store.add(prefix + "answered", 1)  # declined: the trainer need not wait for us
         raise
+    key = (host, int(port), member)
     try:
-        last = store.add(prefix + "ranks", ranks)
-        store.add(prefix + "workers", 1)
+        joined = {"member": member, "ranks": ranks, "holds": _HELD.get(key, NO_GROUP)}
+        index = store.add(prefix + "workers", 1)
+        store.set(f"{prefix}w{index}", json.dumps(joined, separators=(",", ":")))
         store.add(prefix + "answered", 1)
         store.wait([prefix + "world"])
-        world = int(store.get(prefix + "world"))
+        world = json.loads(store.get(prefix + "world"))
     except (dist.DistStoreError, RuntimeError) as exc:
         raise TimeoutError(f"weights {uri}: the trainer at {host}:{port} did not start its broadcast: {exc}") from None
-    if last >= world:
+    if member not in world["ranks"]:
+        forget_group(uri, member)
         raise RuntimeError(
-            f"weights {uri}: joined sync {epoch} after the trainer started its broadcast "
-            f"(rank {last} >= world size {world})"
+            f"weights {uri}: joined sync {epoch} after the trainer started its broadcast (world size {world['world']})"
         )
-    return BroadcastLink(host, int(port), epoch, version, last - ranks + 1, world, timeout_s, raw_meta)
+    _HELD[key] = int(world["generation"])
+    return BroadcastLink(
+        host,
+        int(port),
+        epoch,
+        version,
+        int(world["ranks"][member]),
+        int(world["world"]),
+        timeout_s,
+        raw_meta,
+        member,
+        int(world["generation"]),
+    )
+
+
+def forget_group(uri: str, member: str | None = None) -> None:
+    """After a failed load: report no group at the next sync, so that the trainer builds a new one with everyone."""
+    host, _, port = parse_uri(uri).location.rpartition(":")
+    _HELD.pop((host, int(port), member or default_member()), None)
 
 
 def receive_broadcast(
     link: BroadcastLink, rank_offset: int = 0, device: str | torch.device = "cpu"
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Join the group as rank `link.first_rank + rank_offset` and yield the trainer's tensors as they arrive.
+    """Take rank `link.first_rank + rank_offset` in the link's group and yield the trainer's tensors as they arrive.
 
     NCCL receives on `device` (a GPU); gloo on the CPU. Every rank must drain the iterator: the
-    broadcasts are collective. The tensors are views of the receive buffers (no copy).
+    broadcasts are collective. The tensors are views of the receive buffers (no copy); bucket k+1 is
+    already being received while the caller handles bucket k. The group is kept for the next sync.
     """
     meta = json.loads(link.meta)
     metas = _metas(meta)
@@ -381,13 +526,21 @@ def receive_broadcast(
     target = torch.device(device) if backend == "nccl" else torch.device("cpu")
     if target.type == "cuda":
         torch.cuda.set_device(target)
-    store = _store(link.host, link.port, link.timeout_s, server=False)
-    group = _group(store, link.epoch, link.first_rank + rank_offset, link.world, backend, link.timeout_s)
+    group = _receiver_group(link, rank_offset, backend, target)
     try:
-        _warm_up(group, target)
-        for bucket in plan_buckets(metas, int(meta["bucket_bytes"])):
-            buffer = torch.empty(_bucket_size(metas, bucket), dtype=torch.uint8, device=target)
-            _broadcast(group, buffer)
+        buckets = plan_buckets(metas, int(meta["bucket_bytes"]))
+        posted: list[tuple[torch.Tensor, dist.Work]] = []
+
+        def post(k: int) -> None:
+            if k < len(buckets):
+                buffer = torch.empty(_bucket_size(metas, buckets[k]), dtype=torch.uint8, device=target)
+                posted.append((buffer, _broadcast_async(group, buffer)))
+
+        post(0)
+        for k, bucket in enumerate(buckets):
+            post(k + 1)
+            buffer, work = posted[k]
+            work.wait()
             for index, offset in bucket:
                 m = metas[index]
                 yield m.name, buffer[offset : offset + m.nbytes].view(_dtype(m.dtype)).view(m.shape)
@@ -395,9 +548,39 @@ def receive_broadcast(
             if m.nbytes == 0:
                 yield m.name, torch.empty(m.shape, dtype=_dtype(m.dtype), device=target)
         if target.type == "cuda":
-            torch.cuda.synchronize(target)  # every broadcast landed before the group goes
-    finally:
-        _close_later(group)
+            torch.cuda.synchronize(target)  # every broadcast landed before the tensors are used elsewhere
+    except BaseException:
+        _drop_receiver_group(link, rank_offset)
+        raise
+
+
+def _receiver_group(link: BroadcastLink, rank_offset: int, backend: str, target: torch.device) -> dist.ProcessGroup:
+    """This rank's group of `link.generation`: the one kept from an earlier sync, or a new one (warmed up)."""
+    key = (link.host, link.port, link.member, rank_offset)
+    rank = link.first_rank + rank_offset
+    with _LOCK:
+        kept = _RECEIVER_GROUPS.get(key)
+        if kept is not None and kept.group is not None and (kept.generation, kept.rank) == (link.generation, rank):
+            return kept.group
+        if kept is not None:
+            _close_later(kept.group)
+            del _RECEIVER_GROUPS[key]
+    store = _store(link.host, link.port, link.timeout_s, server=False)
+    group = _group(store, link.generation, rank, link.world, backend, link.timeout_s)
+    _warm_up(group, target)
+    with _LOCK:
+        GROUPS_BUILT["receiver"] += 1
+        _RECEIVER_GROUPS[key] = _Group(
+            link.generation, link.world, group, rank=rank, backend=backend, device=str(target)
+        )
+    return group
+
+
+def _drop_receiver_group(link: BroadcastLink, rank_offset: int) -> None:
+    with _LOCK:
+        kept = _RECEIVER_GROUPS.pop((link.host, link.port, link.member, rank_offset), None)
+    if kept is not None:
+        _close_later(kept.group)
 
 
 def _metas(meta: Mapping[str, Any]) -> list[TensorMeta]:

@@ -611,23 +611,29 @@ async def load_version(
     *,
     epoch: int | None = None,
     timeout_s: float = 60.0,
+    member: str | None = None,
 ) -> None:
     """Fetch version `version` from wherever `uri` says (off the event loop) and load it into `engine`.
 
     fs: `engine.load_weights(dir, version)` (vLLM reloads the files in place); redis: the chunks are read
-    and checked here, then `engine.load_tensors(tensors, version)`; nccl: join sync `epoch`'s group and
+    and checked here, then `engine.load_tensors(tensors, version)`; nccl: join sync `epoch`'s group as
+    `member` (the worker's name; the group is kept across syncs while its members stay) and
     `engine.load_broadcast(link)`. Errors leave the engine's weights as they were: `FileNotFoundError`
     (version not there), `ValueError` (bad uri, checksum, manifest), `TimeoutError` (no trainer).
     """
     if parse_uri(uri).scheme == "nccl":
-        from staleness.broadcast import join_broadcast  # it builds on this module
+        from staleness.broadcast import forget_group, join_broadcast  # they build on this module
 
         if epoch is None:
             raise ValueError(f"weights {uri}: an nccl version is received during its sync: give its epoch")
         link = await asyncio.to_thread(
-            join_broadcast, uri, epoch, version, engine.weight_receivers, timeout_s, engine.check_fits
+            join_broadcast, uri, epoch, version, engine.weight_receivers, timeout_s, engine.check_fits, member
         )
-        await engine.load_broadcast(link)
+        try:
+            await engine.load_broadcast(link)
+        except BaseException:
+            forget_group(uri, link.member)  # the receivers may have lost the group: the next sync builds anew
+            raise
         return
     fetched = await asyncio.to_thread(fetch_weights, uri, version, redis_client)
     if isinstance(fetched, Path):

@@ -22,6 +22,8 @@ from staleness.broadcast import (
     BroadcastStats,
     NcclTransport,
     TensorMeta,
+    drop_groups,
+    groups_built,
     join_broadcast,
     plan_buckets,
     receive_broadcast,
@@ -44,14 +46,20 @@ def sample_tensors() -> dict[str, torch.Tensor]:
 
 
 def run_receivers(
-    uri: str, epoch: int, count: int, check: Callable[[dict[str, tuple[int, ...]], str], None] | None = None
+    uri: str,
+    epoch: int,
+    count: int,
+    check: Callable[[dict[str, tuple[int, ...]], str], None] | None = None,
+    version: int = 1,
+    names: str = "r",
 ) -> tuple[list[threading.Thread], list[Any]]:
-    """`count` receivers, each joining then draining the broadcast in its own thread; results in order."""
+    """`count` receivers (workers `{names}0`, `{names}1`, ...), each joining then draining the broadcast in its own
+    thread; results in order."""
     results: list[Any] = [None] * count
 
     def receive(i: int) -> None:
         try:
-            link = join_broadcast(uri, epoch, version=1, timeout_s=20, check=check)
+            link = join_broadcast(uri, epoch, version=version, timeout_s=20, check=check, member=f"{names}{i}")
             results[i] = dict(receive_broadcast(link))
         except Exception as exc:
             results[i] = exc
@@ -106,7 +114,7 @@ def test_a_receiver_whose_model_does_not_fit_declines_and_the_others_do_not_wait
     def refuse(shapes: dict[str, tuple[int, ...]], source: str) -> None:
         raise ValueError(f"checkpoint {source} does not fit the model: shape mismatches {list(shapes)[:1]}")
 
-    misfits = run_receivers(uri, 1, 1, check=refuse)
+    misfits = run_receivers(uri, 1, 1, check=refuse, names="misfit")
     stats = trainer.broadcast(epoch=1, workers=2)
     for t in fits[0] + misfits[0]:
         t.join(30)
@@ -143,3 +151,61 @@ def test_broadcast_link_crosses_as_plain_data() -> None:
 def test_nothing_staged_is_an_error() -> None:
     with pytest.raises(RuntimeError, match=r"publish\(\) a version first"):
         NcclTransport("127.0.0.1", free_port()).broadcast(epoch=1, workers=1)
+
+
+@pytest.fixture(autouse=True)
+def fresh_groups() -> None:
+    """Each test starts with no kept group (they are per process, by port: ports are fresh anyway)."""
+    drop_groups()
+
+
+def many_tensors(version: int) -> dict[str, torch.Tensor]:
+    """40 small tensors whose values name their version: with 256-byte buckets, about 20 packed buckets."""
+    return {f"layer.{i}.weight": torch.arange(24, dtype=torch.float32) + 1000 * version + i for i in range(40)}
+
+
+def sync_once(
+    trainer: NcclTransport, epoch: int, version: int, count: int, names: str = "r"
+) -> tuple[BroadcastStats, list[Any]]:
+    """One broadcast of `many_tensors(version)` to `count` receivers; every receiver got it bit-exact."""
+    sent = many_tensors(version)
+    uri = trainer.publish(sent, version=version)
+    threads, results = run_receivers(uri, epoch, count, version=version, names=names)
+    stats = trainer.broadcast(epoch=epoch, workers=count)
+    for t in threads:
+        t.join(30)
+    for got in results:
+        assert not isinstance(got, Exception), got
+        assert all(torch.equal(got[name], tensor) for name, tensor in sent.items()), f"version {version} garbled"
+    return stats, results
+
+
+def test_the_group_is_kept_across_syncs_while_the_workers_stay_and_rebuilt_when_they_change() -> None:
+    trainer = NcclTransport("127.0.0.1", free_port(), bucket_bytes=256, timeout_s=20)
+    built = groups_built()
+    first, _ = sync_once(trainer, epoch=1, version=1, count=2)
+    assert (first.reused, first.generation, first.ranks) == (False, 1, 2)
+    for epoch in (2, 3):  # double buffered over ~20 buckets, the same group each time
+        kept, _ = sync_once(trainer, epoch=epoch, version=epoch, count=2)
+        assert (kept.reused, kept.generation, kept.setup_s) == (True, 1, 0.0)
+    assert groups_built()["trainer"] - built["trainer"] == 1
+    assert groups_built()["receiver"] - built["receiver"] == 2, "a receiver built a second group for the same members"
+    joined, _ = sync_once(trainer, epoch=4, version=4, count=3)  # r2 joins
+    assert (joined.reused, joined.generation, joined.ranks) == (False, 4, 3) and joined.setup_s > 0
+    left, _ = sync_once(trainer, epoch=5, version=5, count=1)  # r1 and r2 left (or died: no heartbeat, not counted)
+    assert (left.reused, left.generation, left.ranks) == (False, 5, 1)
+    again, _ = sync_once(trainer, epoch=6, version=6, count=1)
+    assert (again.reused, again.generation) == (True, 5)
+    assert groups_built()["trainer"] - built["trainer"] == 3
+
+
+def test_a_worker_that_lost_its_group_or_is_new_under_an_old_name_makes_the_trainer_rebuild() -> None:
+    from staleness.broadcast import forget_group
+
+    trainer = NcclTransport("127.0.0.1", free_port(), bucket_bytes=256, timeout_s=20)
+    sync_once(trainer, epoch=1, version=1, count=2)
+    forget_group(trainer.uri_of(1), "r1")  # its load failed: it reports no group at the next sync
+    rebuilt, _ = sync_once(trainer, epoch=2, version=2, count=2)
+    assert (rebuilt.reused, rebuilt.generation) == (False, 2)
+    kept, _ = sync_once(trainer, epoch=3, version=3, count=2)
+    assert kept.reused

@@ -8,8 +8,8 @@ The trainer holds both versions in memory (on `trainer_device`), as a training l
 
 `nccl` also reports the broadcast's own figures (`setup_s`, `broadcast_s`, `gb_per_s`) and, when both
 sides are on GPUs, a bare NCCL broadcast of the same bytes between the same two GPUs in this
-process (`bare_gb_per_s`): the ceiling the transport is compared with (`ratio`). Medians over rounds;
-JSON out.
+process (`bare_gb_per_s`): the ceiling the transport is compared with (`ratio`). The first publish is
+reported on its own (`first_stall_s`, `first_setup_s`, ...), the others as medians; JSON out.
 """
 
 from __future__ import annotations
@@ -144,8 +144,19 @@ def _measure(
                 progress.advance(task)
         finally:
             stop_process(worker)
-    medians = {name: round(statistics.median(values), 4) for name, values in (timings | broadcasts).items() if values}
-    return medians | {"stall_s_rounds": [round(v, 4) for v in timings["stall_s"]]}
+    return summarize(timings | broadcasts)
+
+
+def summarize(rounds: dict[str, list[float]]) -> dict[str, Any]:
+    """The first sync on its own (`first_*`: it may build what later ones keep), medians of the later ones, and
+    every round's stall and setup."""
+    later = {name: values[1:] or values for name, values in rounds.items() if values}
+    summary = {name: round(statistics.median(values), 4) for name, values in later.items()}
+    summary |= {f"first_{name}": round(values[0], 4) for name, values in rounds.items() if values}
+    for name in ("stall_s", "setup_s"):
+        if rounds.get(name):
+            summary[f"{name}_rounds"] = [round(v, 4) for v in rounds[name]]
+    return summary
 
 
 def bare_broadcast_gb_per_s(nbytes: int, source: str, target: str, repeats: int = 5) -> float:
