@@ -8,8 +8,14 @@ and generation config's `eos_token_id`, plus each request's `stop_token_ids`), i
 tokens with `finish_reason="stop"`.
 
 - Logprobs are vLLM's default `raw_logprobs`: the log-probability of each sampled token under
-  the raw model distribution (before temperature and top-p), read from the per-position dict by
-  the sampled token id. In fp32 they equal a plain transformers forward pass.
+  the raw model distribution (before temperature and top-p), read from vLLM's flat per-position
+  lists by the sampled token id. In fp32 they equal a plain transformers forward pass.
+- Each request asks for its final output only (`RequestOutputKind.FINAL_ONLY`, `flat_logprobs`):
+  the whole sample arrives once, when it ends (aborted or paused-and-aborted ones included). A
+  streamed delta per token cost a `RequestOutput`, a `Logprob` per token and a wake-up of the
+  request's coroutine at every engine step, in the process that also feeds the engine: on a
+  2-core machine that was CPU taken from the engine itself. Progress stays visible through
+  `generated_tokens`, which reads vLLM's own per-request token counts.
 - Policy versions are vLLM's own weight-version labels (`update_weight_version`), reported per
   token as `CompletionOutput.weight_versions` spans, which become `Generation.spans`.
 - `load_weights` reloads a safetensors checkpoint in place (`collective_rpc("reload_weights")`),
@@ -39,6 +45,7 @@ from vllm import SamplingParams
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.exceptions import VLLMClientError
 from vllm.inputs import tokens_input
+from vllm.logprobs import FlatLogprobs
 from vllm.platforms import current_platform
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
@@ -71,6 +78,8 @@ EXTENSION = "consumers.vllm_engine.RolloutsWorkerExtension"
 
 DEATH_CHECK_S = 1.0
 """How often the engine's monitor looks whether vLLM died."""
+
+_EMPTY_LOGPROBS = np.zeros(0, dtype=np.float32)
 
 _FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort", "repetition": "stop"}
 
@@ -149,8 +158,8 @@ class VllmEngine(EngineLifecycle):
         self._closing = False
         self._reference: dict[str, tuple[int, ...]] | None = None
         """Tensor names and shapes of the model's own checkpoint: what a new one must match."""
-        self.generated_tokens = 0
-        """Tokens received since start (a counter for throughput metrics)."""
+        self._finished_tokens = 0
+        """Tokens of the requests that ended since start (see `generated_tokens`)."""
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -245,7 +254,7 @@ class VllmEngine(EngineLifecycle):
             raise EngineClosedError(f"engine shut down before request {request_id!r} finished")
         return Generation(
             tokens=np.asarray(tokens, dtype=np.int32),
-            logprobs=np.asarray(logprobs, dtype=np.float32),
+            logprobs=logprobs,
             finish_reason=_FINISH_REASONS[last.finish_reason],
             spans=self._spans(last.weight_versions, len(tokens)),
             cached_tokens=cached,
@@ -253,25 +262,24 @@ class VllmEngine(EngineLifecycle):
 
     async def _stream(
         self, llm: Any, prompt: np.ndarray, params: Any, request_id: str
-    ) -> tuple[list[int], list[float], Any, int | None]:
+    ) -> tuple[list[int], np.ndarray, Any, int | None]:
         """Run one request through vLLM; returns its tokens, their logprobs, the last output and the prompt
         tokens it found in its prefix cache.
 
         vLLM's errors become ours: `EngineInputError` (the request's fault), `EngineClosedError` (no engine).
         """
         tokens: list[int] = []
-        logprobs: list[float] = []
+        logprobs = _EMPTY_LOGPROBS
         last = None
         cached = None
         try:
             async for out in llm.generate(tokens_input(prompt.astype(np.int64).tolist()), params, request_id):
                 cached = out.num_cached_tokens if out.num_cached_tokens is not None else cached
                 last = out.outputs[0]
-                new = list(last.token_ids)
-                tokens += new
-                # logprobs=0: each position's dict holds the sampled token (and nothing else unless it was top-1).
-                logprobs += [position[token].logprob for token, position in zip(new, last.logprobs or [], strict=True)]
-                self.generated_tokens += len(new)
+            if last is not None:  # FINAL_ONLY: one output, the whole sample
+                tokens = list(last.token_ids)
+                logprobs = _sampled_logprobs(tokens, last.logprobs)
+                self._finished_tokens += len(tokens)
         except VLLMClientError as exc:
             raise EngineInputError(str(exc)) from exc
         except EngineGenerateError as exc:
@@ -294,8 +302,9 @@ class VllmEngine(EngineLifecycle):
                 seed=sampling.seed,
                 stop_token_ids=sorted(set(sampling.stop_token_ids) | set(self._eos_ids)),
                 logprobs=0,  # the sampled token's logprob only
+                flat_logprobs=True,  # plain lists, not a dict of `Logprob` objects per token
                 detokenize=False,
-                output_kind=RequestOutputKind.DELTA,  # new tokens only, as they come
+                output_kind=RequestOutputKind.FINAL_ONLY,  # one output per request (see the module docstring)
             )
         except (ValueError, VLLMClientError) as exc:  # vLLM's own range checks (e.g. temperature <= 2)
             raise EngineInputError(str(exc)) from exc
@@ -410,6 +419,20 @@ class VllmEngine(EngineLifecycle):
         if self._llm is not None:
             await self._llm.reset_prefix_cache(reset_running_requests=True)
 
+    @property
+    def generated_tokens(self) -> int:
+        """Tokens generated since start, those of requests still running included (for metrics and tests).
+
+        Requests report only when they end (FINAL_ONLY), so the running ones are counted from vLLM's
+        output processor, which holds every request's tokens so far. A request that just ended may be
+        missing from both for a moment, until its `generate` call has taken its final output.
+        """
+        running = 0
+        if self._llm is not None:
+            states = getattr(self._llm.output_processor, "request_states", {})
+            running = sum(s.detokenizer.num_output_tokens() for s in list(states.values()) if s.detokenizer)
+        return self._finished_tokens + running
+
     def stats(self) -> dict[str, int]:
         """Counters for heartbeats and metrics (`running`: requests in flight, queued ones included)."""
         return {"running": len(self._live), "generated_tokens": self.generated_tokens, "version": self.version}
@@ -434,6 +457,22 @@ class RolloutsWorkerExtension:
         tensors = dict(receive_broadcast(BroadcastLink.from_dict(link), rank, device))
         self.reload_weights(weights_iterator=iter(tensors.items()))  # type: ignore[attr-defined]
         return len(tensors)
+
+
+def _sampled_logprobs(tokens: list[int], flat: FlatLogprobs | None) -> np.ndarray:
+    """The logprob of each sampled token, as float32, from vLLM's flat logprobs (`logprobs=0`, `flat_logprobs`).
+
+    Each position's entries begin with the sampled token (vLLM's sampler puts it first; a top-0 request
+    adds no others), so its logprob is the one at the position's start index.
+    """
+    if not tokens:
+        return _EMPTY_LOGPROBS
+    if flat is None or len(flat.start_indices) != len(tokens):
+        raise RuntimeError(f"vLLM returned logprobs for {0 if flat is None else len(flat)} of {len(tokens)} tokens")
+    starts = np.asarray(flat.start_indices, dtype=np.int64)
+    if not np.array_equal(np.asarray(flat.token_ids, dtype=np.int64)[starts], np.asarray(tokens, dtype=np.int64)):
+        raise RuntimeError("vLLM's logprobs are not those of the sampled tokens")
+    return np.asarray(flat.logprobs, dtype=np.float32)[starts]
 
 
 def _checkpoint_shapes(path: Path) -> dict[str, tuple[int, ...]]:

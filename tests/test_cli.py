@@ -192,7 +192,7 @@ def test_bench_sync_reports_the_stall_per_transport(tmp_path: Path) -> None:
     plot = tmp_path / "sync.png"
     logs = tmp_path / "logs"
     result = rollouts(
-        "bench-sync", "--sizes", "tiny", "--rounds", "1", "--plot", str(plot), "--logs", str(logs), timeout=300
+        "bench-sync", "--sizes", "tiny", "--rounds", "2", "--plot", str(plot), "--logs", str(logs), timeout=300
     )
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
@@ -206,6 +206,7 @@ def test_bench_sync_reports_the_stall_per_transport(tmp_path: Path) -> None:
         assert 0 < row["sync_s"] <= row["stall_s"]
     nccl = report["results"][2]
     assert nccl["gb_per_s"] > 0 and 0 < nccl["broadcast_s"] < nccl["sync_s"]
+    assert nccl["first_setup_s"] > 0 and nccl["setup_s_rounds"][1:] == [0.0], "the second sync built a new group"
     assert sorted(p.name for p in logs.iterdir()) == ["tiny-fs.log", "tiny-nccl.log", "tiny-redis.log"]
     assert "broadcast" in (logs / "tiny-nccl.log").read_text()  # the worker's own log, kept
     assert plot.read_bytes()[:4] == b"\x89PNG"

@@ -2,8 +2,13 @@
 
 Both sides get the same prompts with the same per-sample seeds, so they generate the
 same tokens: the difference is what Redis, the worker loop and the client cost. Rounds
-alternate (direct, pipeline, direct, ...) so that noise on a shared machine hits both;
-medians are reported.
+alternate, and so does which side goes first in a round (direct-pipeline, pipeline-direct,
+...), so that noise on a shared machine, and whatever one side leaves behind for the next,
+hits both; medians are reported.
+
+Each side is timed only after the other has settled (`SETTLE_S`): an idle vLLM engine is not
+idle for a while after its last step (its processes poll their shared-memory queue, see
+`SETTLE_S`), and two engines share this machine here, one per side.
 """
 
 from __future__ import annotations
@@ -31,6 +36,11 @@ from pipeline.wire import Prompt, Sampling
 from producers.client import RolloutClient
 
 NS = "bench"
+
+SETTLE_S = 1.5
+"""Pause before each timed side when the engine is vLLM. vLLM's engine processes keep polling their
+shared-memory queue (`sched_yield` in a loop) for 1 s after their last step (`shm_broadcast`, `busy_loop_s`):
+without a pause, the side just measured takes 0.15-0.25 CPU-seconds from the next one, on 2 cores."""
 
 
 def make_prompts(count: int, n: int, max_tokens: int, vocab: int, tag: str) -> list[Prompt]:
@@ -88,6 +98,11 @@ def plot_bench(result: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def settle_s(engine: str) -> float:
+    """How long the idle side needs before the other is timed (see `SETTLE_S`): only vLLM's processes poll."""
+    return SETTLE_S if engine == "vllm" else 0.0
+
+
 def run_bench(
     console: Console, spec: EngineSpec, build_model: bool, prompts: int, n: int, max_tokens: int, rounds: int
 ) -> dict[str, Any]:
@@ -101,6 +116,7 @@ def run_bench(
         times: dict[str, list[float]] = {"direct": [], "pipeline": []}
         tokens: dict[str, list[int]] = {"direct": [], "pipeline": []}
         same_tokens = True
+        settle = settle_s(spec.kind)
         with RedisServer() as server:
             url, served_by = server.url, server.binary.describe()
             worker = start_worker(url, NS, spec.model, "bench-worker", *spec.worker_args(), log_file=tmp / "worker.log")
@@ -113,13 +129,18 @@ def run_bench(
                     task = progress.add_task("bench rounds", total=rounds + 1)
                     for r in range(rounds + 1):  # round 0 warms both sides up and is not counted
                         batch = make_prompts(prompts, n, max_tokens, direct.vocab_size, tag=f"r{r}")
-                        d_time, d_tokens = loop.run_until_complete(_direct_round(direct, batch))
-                        p_time, p_tokens = _pipeline_round(client, batch)
-                        same_tokens &= d_tokens == p_tokens
+                        measured: dict[str, tuple[float, list[list[int]]]] = {}
+                        for name in ("direct", "pipeline") if r % 2 == 0 else ("pipeline", "direct"):
+                            time.sleep(settle)
+                            if name == "direct":
+                                measured[name] = loop.run_until_complete(_direct_round(direct, batch))
+                            else:
+                                measured[name] = _pipeline_round(client, batch)
+                        same_tokens &= measured["direct"][1] == measured["pipeline"][1]
                         if r > 0:
-                            for side, took, toks in (("direct", d_time, d_tokens), ("pipeline", p_time, p_tokens)):
-                                times[side].append(took)
-                                tokens[side].append(sum(map(len, toks)))
+                            for name, (took, toks) in measured.items():
+                                times[name].append(took)
+                                tokens[name].append(sum(map(len, toks)))
                         progress.advance(task)
             finally:
                 loop.run_until_complete(direct.shutdown())
@@ -143,12 +164,14 @@ def run_bench(
             "n": n,
             "max_tokens": max_tokens,
             "rounds": rounds,
+            "settle_s": settle,
             "direct": side("direct"),
             "pipeline": side("pipeline"),
             "same_tokens": same_tokens,
         }
         ratios = np.array(times["direct"]) / np.array(times["pipeline"])
         result["ratio"] = round(float(np.median(ratios)), 4)
+        result["ratios"] = [round(float(x), 4) for x in ratios]
         result["pipeline_overhead_pct"] = round(100 * (1 - result["ratio"]), 2)
         return result
     finally:
