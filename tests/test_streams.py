@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -11,7 +12,8 @@ import redis
 
 from pipeline.local import RedisServer
 from pipeline.lua import register_all, sources
-from pipeline.streams import SCRIPTS, Entry, Streams, entries_from_reply
+from pipeline.publisher import Publisher
+from pipeline.streams import SCRIPTS, Entry, Publish, Streams, entries_from_reply, sweep_chance
 from pipeline.wire import GENERATORS, TRAINER, Prompt, Rollout
 from producers.gateway.sessions import SCRIPTS as gateway_scripts
 from staleness.admission import SCRIPTS as staleness_scripts
@@ -108,6 +110,80 @@ def test_the_dedupe_remembers_each_id_for_its_ttl_in_a_few_hashes(any_redis: red
     assert ids == [b"p1:0", b"p1:9", b"p1:4095", b"p1:0"]
     ttl = any_redis.ttl(streams.dedupe_buckets()[0][-1])
     assert 0 < ttl <= 300  # a bucket lives as long as a publish may look at it, then goes
+
+
+def test_publishes_sent_together_are_each_atomic_and_deduped(any_redis: redis.Redis, ns: str) -> None:
+    """Several entries' publishes in one pipeline (what a worker finished at the same moment): each is still its own
+    script, so an entry finished already elsewhere writes nothing while its neighbours publish; a sample twice in one
+    call, or a prompt's id in two entries of one pipeline, comes out once."""
+    streams = Streams(any_redis, ns)
+    streams.ensure_groups()
+    a, b, c = prompt("a", n=3), prompt("b"), prompt("c")
+    streams.add_prompts([a, b, c, a])
+    e_a, e_b, e_c, e_a2 = streams.read_work("w1", 10, None)
+    assert streams.publish_rollouts(rollouts_for(b), e_b) == 2  # b finished first (a claim raced)
+    twice = rollouts_for(a)[:2] + rollouts_for(a)  # samples 0 and 1 twice in one call
+    done = streams.publish_many([Publish(twice, e_a), Publish(rollouts_for(b), e_b), Publish(rollouts_for(c), e_c)])
+    assert done == [3, -1, 2]
+    assert streams.publish_many([Publish(rollouts_for(a), e_a2)]) == [0]  # a's ids again, from another entry
+    ids = [fields[b"id"] for _, fields in any_redis.xrange(streams.keys.rollouts)]
+    assert ids == [b"b:0", b"b:1", b"a:0", b"a:1", b"a:2", b"c:0", b"c:1"]
+    assert any_redis.xpending(streams.keys.prompts, GENERATORS)["pending"] == 0
+
+
+def test_a_publisher_coalesces_concurrent_publishes_and_answers_each(real_redis: redis.Redis, ns: str) -> None:
+    """What finishes while a publish is on the wire goes out in one round trip with others, and each caller gets its
+    own answer: its count, -1 for an entry finished elsewhere, or its own error (its neighbours still publish)."""
+    streams = Streams(real_redis, ns)
+    streams.ensure_groups()
+    prompts = [prompt(f"p{i}") for i in range(40)]
+    streams.add_prompts(prompts)
+    entries = streams.read_work("w1", 100, None)
+    streams.publish_rollouts(rollouts_for(prompts[7]), entries[7])  # p7 was finished by another worker
+    real_redis.set(streams.keys.replies("broken"), "not a stream")  # p9's publish fails in Redis
+    publisher = Publisher(streams, max_batch=8)
+
+    async def publish_all() -> list[int | BaseException]:
+        calls = [
+            publisher.publish(rollouts_for(p), entry, reply_to="broken" if p.id == "p9" else None)
+            for p, entry in zip(prompts, entries, strict=True)
+        ]
+        return await asyncio.gather(*calls, return_exceptions=True)
+
+    results = asyncio.run(publish_all())
+    assert isinstance(results[9], redis.ResponseError) and "WRONGTYPE" in str(results[9])
+    assert results[7] == -1
+    assert [r for i, r in enumerate(results) if i not in (7, 9)] == [2] * 38
+    assert 5 <= publisher.batches < 40  # at most 8 a pipeline, and more than one a pipeline
+    published = [fields[b"prompt_id"] for _, fields in real_redis.xrange(streams.keys.rollouts)]
+    assert sorted(set(published)) == sorted(p.id.encode() for p in prompts if p.id != "p9")
+    assert len(published) == 2 * 39
+
+
+@pytest.mark.parametrize("senders", [1, 2])
+def test_a_publisher_never_strands_a_publish_made_as_its_senders_finish(
+    any_redis: redis.Redis, ns: str, senders: int
+) -> None:
+    """A caller woken by its publish's answer runs before the sender that answered it has ended: its next publish,
+    made at once, must still be sent (CI's sync-mode GRPO run hung on a publish left waiting with no sender)."""
+    streams = Streams(any_redis, ns)
+    streams.ensure_groups()
+    prompts = [prompt(f"p{i}") for i in range(12)]
+    streams.add_prompts(prompts)
+    entries = streams.read_work("w1", 100, None)
+    publisher = Publisher(streams, senders=senders)
+
+    async def chain(items: list[tuple[Prompt, Entry]]) -> list[int]:
+        return [await publisher.publish(rollouts_for(p), entry) for p, entry in items]
+
+    async def publish_all() -> list[list[int]]:
+        pairs = list(zip(prompts, entries, strict=True))
+        chains = [chain(pairs[k::senders]) for k in range(senders)]  # as many callers as senders, each in a chain
+        return await asyncio.wait_for(asyncio.gather(*chains), timeout=10)
+
+    results = asyncio.run(publish_all())
+    assert sorted(r for chain_results in results for r in chain_results) == [2] * 12
+    assert any_redis.xlen(streams.keys.rollouts) == 24
 
 
 def test_dead_letter_keeps_the_original_and_acks(any_redis: redis.Redis, ns: str) -> None:
@@ -278,14 +354,23 @@ def test_a_restarted_trainer_rereads_an_open_group_once_and_acks_it_only_when_us
     assert any_redis.xpending(streams.keys.rollouts, TRAINER)["pending"] == 4, "nothing acked before it is used"
 
 
+def test_a_fleet_sweeps_departed_inboxes_about_twice_a_heartbeat_whatever_its_size() -> None:
+    """Every worker sweeping every heartbeat made Redis check N² heartbeats a second (a million at 1,000 workers);
+    a small fleet still sweeps every heartbeat, a large one a couple of times a period in all."""
+    assert sweep_chance(0) == sweep_chance(1) == sweep_chance(2) == 1.0
+    for fleet in (3, 100, 1000):
+        assert fleet * sweep_chance(fleet) == pytest.approx(2.0)
+
+
 def test_a_departed_workers_inbox_goes_back_to_the_shared_prompts(any_redis: redis.Redis, ns: str) -> None:
     """Work pinned to a worker (its inbox) is never stranded: once its heartbeat is gone, what it held or had not
     read yet moves to `{ns}:prompts`, and a late publish by the presumed-dead worker writes nothing."""
     streams = Streams(any_redis, ns)
     streams.ensure_groups()
-    streams.heartbeat("w1", {"status": "serving"}, ttl_s=60)
-    streams.heartbeat("w2", {"status": "serving"}, ttl_s=60)
+    assert streams.heartbeat("w1", {"status": "serving"}, ttl_s=60) == 1  # the fleet's size, for `sweep_chance`
+    assert streams.heartbeat("w2", {"status": "serving", "epoch": 3}, ttl_s=60) == 2
     assert set(streams.live_workers()) == {"w1", "w2"}
+    assert streams.heartbeat_field(["w1", "w2", "w9"], "epoch") == {"w1": "", "w2": "3", "w9": None}
     streams.add_to_inbox("w1", prompt("held"))
     streams.add_to_inbox("w1", prompt("unread"))
     held = streams.read_work("w1", count=1, block_ms=None)
