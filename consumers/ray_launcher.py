@@ -135,7 +135,7 @@ class RayWorker:
         self._done = threading.Event()
         if engine != "synthetic" and not (Path(model) / "config.json").is_file():
             raise FileNotFoundError(f"no model at {model} on {socket.gethostname()} (config.json missing)")
-        streams = Streams(connect(redis_url), ns)  # raises here, once, if Redis is not reachable from this node
+        streams = Streams(connect(redis_url, ns=ns), ns)  # raises here, once, if Redis is not reachable from this node
         options = json.loads(engine_options)
         worker_settings = WorkerSettings(**json.loads(settings))
         self._thread = threading.Thread(

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import random
 import signal
 import socket
 import time
@@ -25,7 +26,8 @@ import redis
 
 from consumers.engine import Engine, EngineClosedError, EngineInputError, Generation
 from consumers.metrics import WorkerMetrics
-from pipeline.streams import Entry, Streams
+from pipeline.publisher import Publisher
+from pipeline.streams import Entry, Streams, sweep_chance
 from pipeline.wire import Control, Partial, Prompt, Rollout, WireError, join_spans
 from staleness.state import read_state, weights_command
 from staleness.transports import is_stored, load_version
@@ -108,6 +110,8 @@ class Worker:
         self.failure: str | None = None
         """Why the worker stopped on its own (its engine died); None after a requested stop."""
         self.published = 0
+        self._publisher = Publisher(streams)
+        """Publishes what finishes while another publish is on the wire in one round trip with it."""
         self.generated_tokens = 0
         self._inflight: dict[tuple[str, bytes], Entry] = {}
         self._inflight_samples = 0
@@ -127,6 +131,8 @@ class Worker:
         self._started = time.time()
         self._tokens_per_s = 0.0
         self._busy = BusyClock()
+        self._fleet = 1
+        """Workers on the registry at the last heartbeat: how often this one claims and sweeps (`sweep_chance`)."""
 
     def _account(self) -> None:
         """Called after every change of in-flight work, and by `_set_serving` (see `BusyClock`)."""
@@ -175,7 +181,8 @@ class Worker:
     # -- reading ------------------------------------------------------------------------------
 
     async def _read_loop(self) -> None:
-        """Take work while there is room: abandoned work first (claimed at most every half heartbeat), then new.
+        """Take work while there is room: abandoned work first (claimed at most every half heartbeat, by a fleet of N
+        with chance 2/N each time, as sweeps are: `sweep_chance`), then new.
 
         Abandoned work goes first because it is the oldest: behind a queue that admission keeps full, it
         would otherwise wait until it is too stale to train on."""
@@ -189,8 +196,8 @@ class Worker:
                 continue
             if time.monotonic() >= next_claim:
                 next_claim = time.monotonic() + self.settings.heartbeat_s / 2
-                try:
-                    if await self._claim_abandoned():
+                try:  # the claim scans the group's pending list, so a large fleet shares it out as it does sweeps
+                    if random.random() < sweep_chance(self._fleet) and await self._claim_abandoned():
                         continue  # the room left is less now
                 except redis.ConnectionError as exc:
                     log.warning("%s: claiming abandoned work failed (%s); retrying", self.name, exc)
@@ -268,9 +275,7 @@ class Worker:
             results = await asyncio.gather(*(self._generate_sample(prompt, k, entry, done) for k, done in samples))
             rollouts = [r for r in results if isinstance(r, Rollout)]
             partials = [r for r in results if isinstance(r, Partial)]
-            published = await asyncio.to_thread(
-                self.streams.publish_rollouts, rollouts, entry, partials, prompt.reply_to
-            )
+            published = await self._publisher.publish(rollouts, entry, partials, prompt.reply_to)
             if published > 0:
                 self.published += published
                 self.metrics.published(published)
@@ -417,7 +422,9 @@ class Worker:
         paused = time.monotonic()
         if command.version != self.engine.version:
             try:
-                await load_version(self.engine, command.uri, command.version, self.streams.redis, epoch=command.epoch)
+                await load_version(
+                    self.engine, command.uri, command.version, self.streams.redis, epoch=command.epoch, member=self.name
+                )
             except Exception as exc:
                 log.error(
                     "%s: could not load weights version %d from %s: %s", self.name, command.version, command.uri, exc
@@ -443,21 +450,25 @@ class Worker:
             self._tokens_per_s = (self.generated_tokens - last_tokens) / max(now - last_time, 1e-6)
             last_tokens, last_time = self.generated_tokens, now
             try:
-                await self._beat()
+                self._fleet = await self._beat()
                 if self._inflight:
                     await asyncio.to_thread(self.streams.touch, self.name, list(self._inflight.values()))
-                if not self._stopping.is_set():
+                if not self._stopping.is_set() and random.random() < sweep_chance(self._fleet):
                     await asyncio.to_thread(self.streams.rehome_departed)
                 if now - last_trim > self.settings.trim_every_s:
                     last_trim = now
                     keys = self.streams.keys
-                    for stream in (keys.prompts, keys.partials, keys.inbox(self.name)):
+                    # The shared streams' trim asks XPENDING for a summary that lists every consumer (120 us a
+                    # call with 1,000 workers), so a fleet shares it out as it does sweeps; its own inbox, each.
+                    shared = [keys.prompts, keys.partials] if random.random() < sweep_chance(self._fleet) else []
+                    for stream in (*shared, keys.inbox(self.name)):
                         await asyncio.to_thread(self.streams.trim_consumed, stream)
             except Exception:
                 log.exception("%s: upkeep failed; retrying", self.name)
             await asyncio.sleep(self.settings.heartbeat_s)
 
-    async def _beat(self) -> None:
+    async def _beat(self) -> int:
+        """Write the heartbeat; returns the size of the fleet on the registry."""
         status = {
             "status": self.status,
             "engine": self.engine.name,
@@ -474,7 +485,7 @@ class Worker:
             "host": socket.gethostname(),  # where to look (and what to kill) when a worker is named otherwise
             "pid": os.getpid(),
         }
-        await asyncio.to_thread(self.streams.heartbeat, self.name, status, self.settings.heartbeat_ttl_s)
+        return await asyncio.to_thread(self.streams.heartbeat, self.name, status, self.settings.heartbeat_ttl_s)
 
     async def _claim_abandoned(self) -> int:
         """Claim work idle past `claim_idle_ms` (its worker died or hangs) while there is room; returns how many."""

@@ -28,8 +28,10 @@ ROLES = ("worker", "trainer", "manager", "gateway", "scorer", "inspector")
 BASE = ["resetkeys", "resetchannels", "-@all"]
 WRITER_COMMANDS = ["+@read", "+@write", "+@stream", "+@hash", "+@set", "+@sortedset", "+@string", "+@keyspace"]
 WRITER_COMMANDS += ["+@scripting", "+@connection", "+@transaction", "-@dangerous", "-@admin", "+info", "+ping"]
-READER_COMMANDS = ["+@read", "+@connection", "-@dangerous", "-@admin", "+info", "+ping"]
-"""Later rules win: `INFO` (the version check) is in `@dangerous`, so it is allowed again after."""
+WRITER_COMMANDS += ["+cluster|slots"]
+READER_COMMANDS = ["+@read", "+@connection", "-@dangerous", "-@admin", "+info", "+ping", "+cluster|slots"]
+"""Later rules win: `INFO` (the version check) is in `@dangerous`, so it is allowed again after; `CLUSTER SLOTS`
+finds the node of a namespace on a Redis Cluster (`connections.connect`)."""
 WORKER_WRITES = ("prompts", "partials", "inbox:*", "scoring", "rollouts", "replies:*", "published:*", "dead")
 WORKER_WRITES += ("worker:*", "workers")
 WORKER_READS = ("state", "control", "weights:*")

@@ -16,6 +16,10 @@ import numpy as np
 
 INT32 = np.dtype("<i4")
 FLOAT32 = np.dtype("<f4")
+_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
+"""One encoder for every field: `json.dumps` with these options builds a new one per call (a third of a rollout's
+encoding time, measured by `rollouts bench-broker`)."""
+_DECODER = json.JSONDecoder()
 
 
 class CodecError(ValueError):
@@ -38,7 +42,15 @@ def decode_array(raw: bytes, dtype: np.dtype, field: str) -> np.ndarray:
 
 
 def encode_json(value: Any) -> bytes:
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
+    return _ENCODER.encode(value).encode()
+
+
+def encode_int_triples(rows: Sequence[Sequence[int]]) -> bytes:
+    """`encode_json` of a list of `[int, int, int]` (a rollout's spans), byte for byte, 1.6x faster: every
+    rollout carries one. Anything else goes through `encode_json`."""
+    if all(len(row) == 3 and type(row[0]) is type(row[1]) is type(row[2]) is int for row in rows):
+        return ("[" + ",".join([f"[{row[0]},{row[1]},{row[2]}]" for row in rows]) + "]").encode()
+    return encode_json(rows)
 
 
 def decode_json(raw: bytes, field: str) -> Any:
@@ -48,6 +60,10 @@ def decode_json(raw: bytes, field: str) -> Any:
     `RecursionError` (arrays nested ~1000 deep): both once escaped and killed the reader.
     """
     try:
+        if raw[:1] in b"[{" and raw[1:2] not in b"\x00":  # what `json.loads` would detect as UTF-8, without detecting
+            text = raw.decode("utf-8", "surrogatepass")
+            value, end = _DECODER.raw_decode(text)  # a third of `json.loads`'s time: no whitespace to skip before
+            return value if end == len(text) else json.loads(text)  # after it, `json.loads` decides (and words why)
         return json.loads(raw)
     except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise CodecError(f"{field}: not valid JSON ({str(exc)[:200]})") from None

@@ -11,6 +11,11 @@ restarting, a proxy cutting it) is retried with backoff for about `RECONNECT_S` 
 reaches the caller, so that workers, the manager, the scorer and the trainer client ride out a Redis
 restart. A command that redis-py retries may have run once already (the reply was lost, not the
 command): every write the pipeline makes is safe to run twice (see "Semantics we chose" in the README).
+
+Redis Cluster: every key of a namespace carries the hash tag `{ns}`, so a namespace lives in one slot, on one
+node. A process that names its namespace (`connect(url, ns=...)`) and is given any node of a cluster gets a plain
+client to the node that owns the namespace's slot (`CLUSTER SLOTS`), so scripts, transactions and blocking reads
+work as on a single Redis, and a fleet shards by namespace.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis
 from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
+from redis.crc import key_slot
 from redis.retry import Retry
 
 MIN_REDIS_VERSION = (6, 2, 0)
@@ -110,13 +116,58 @@ def retried_failures(client: redis.Redis) -> int:
     return getattr(client.get_retry(), "failures", 0)
 
 
-def connect(url: str, *, reconnect: bool = True, **options: Any) -> redis.Redis:
+def namespace_slot(ns: str) -> int:
+    """The Redis Cluster slot of every key of namespace `ns` (they share the hash tag `{ns}`)."""
+    return key_slot(("{" + ns + "}").encode())
+
+
+def slot_owner(client: redis.Redis, slot: int) -> tuple[str, int] | None:
+    """The (host, port) of the cluster node serving `slot`, or None when `client`'s server is no cluster node.
+
+    `CLUSTER SLOTS` (Redis 3 to 7, unlike 7.0's `CLUSTER SHARDS`) lists ranges with their primary first; a node
+    that announces no address (an empty host) is reached at the address we already use. A server that refuses
+    the command (cluster support disabled, or a proxy or user without it) is taken for a single Redis: were it a
+    cluster node after all, a command on a key it does not own fails with `MOVED`, which names the slot."""
+    try:
+        ranges = client.execute_command("CLUSTER", "SLOTS")
+    except redis.ResponseError:
+        return None
+    for start, end, primary, *_replicas in ranges:
+        if int(start) <= slot <= int(end):
+            host = primary[0].decode() if isinstance(primary[0], bytes) else str(primary[0])
+            return host or client.connection_pool.connection_kwargs.get("host", "localhost"), int(primary[1])
+    raise redis.ClusterDownError(f"no node of the cluster serves slot {slot} (not every slot is assigned yet?)")
+
+
+def _at(url: str, host: str, port: int) -> str:
+    """`url` with its host and port replaced (user, password, database and options kept)."""
+    parts = urlsplit(url)
+    auth = parts.netloc.rpartition("@")[0]
+    where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return urlunsplit(parts._replace(netloc=f"{auth}@{where}" if auth else where))
+
+
+def connect(url: str, *, reconnect: bool = True, ns: str | None = None, **options: Any) -> redis.Redis:
     """A client for binary payloads (`decode_responses=False`), checked with a PING and for the version.
 
     The first PING is not retried, so that a wrong URL fails at once; from then on the client reconnects
     (`Reconnecting`), unless `reconnect` is off (the exporter: a scrape must answer within its timeout, and
     the next scrape connects again). `options` go to redis-py (`socket_timeout=` for a reader that must not
-    hang on a stuck server)."""
+    hang on a stuck server). With `ns`, a `url` that names any node of a Redis Cluster gives a client of the
+    node that owns the namespace (see the module's docstring)."""
+    client = _connect_one(url, reconnect=reconnect, **options)
+    if ns is None:
+        return client
+    owner = slot_owner(client, namespace_slot(ns))
+    here = client.connection_pool.connection_kwargs
+    if owner is None or owner == (here.get("host"), here.get("port")):
+        return client
+    client.close()
+    return _connect_one(_at(url, *owner), reconnect=reconnect, **options)
+
+
+def _connect_one(url: str, *, reconnect: bool, **options: Any) -> redis.Redis:
+    """`connect` to exactly the server that `url` names."""
     client = redis.Redis.from_url(
         url, decode_responses=False, health_check_interval=30, retry=Retry(NoBackoff(), 0), **options
     )

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import os
+import random
 import re
 import shutil
 import socket
@@ -37,6 +38,25 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+CLUSTER_BUS_OFFSET = 10_000
+"""A cluster node also listens on its port + 10000 (the cluster bus), which must be a valid, free port too."""
+
+
+def free_cluster_port() -> int:
+    """A free port whose cluster bus port is free as well. `free_port` hands out the kernel's ephemeral ports,
+    often above 55535, whose bus port would be past 65535: such a node does not start."""
+    for _ in range(100):
+        port = random.randint(20_000, 65_535 - CLUSTER_BUS_OFFSET)
+        try:
+            with socket.socket() as node, socket.socket() as bus:
+                node.bind(("127.0.0.1", port))
+                bus.bind(("127.0.0.1", port + CLUSTER_BUS_OFFSET))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("found no free port for a cluster node whose bus port (+10000) is free too")
 
 
 @dataclass(frozen=True)
@@ -159,12 +179,15 @@ class RedisServer:
         data_dir: Path | None = None,
         binary: RedisBinary | None = None,
         tls: TlsFiles | None = None,
+        cluster: bool = False,
     ) -> None:
         self.binary = binary or find_redis_server()
         self.tls = tls
         """Serve TLS only (on `port`), with this certificate, key and CA; clients need `url`'s `ssl_ca_certs`."""
+        self.cluster = cluster
+        """Start as a Redis Cluster node (`--cluster-enabled yes`, `nodes.conf` in `data_dir`), not yet in a cluster."""
         check_version(self.binary.version, f"{self.binary.path} (from {self.binary.source})")
-        self.port = port or free_port()
+        self.port = port or (free_cluster_port() if cluster else free_port())
         self.appendonly = appendonly
         self.data_dir = data_dir or Path(tempfile.mkdtemp(prefix="rollouts-redis-"))
         self.process: subprocess.Popen[bytes] | None = None
@@ -186,6 +209,8 @@ class RedisServer:
             args[1:3] = ["--port", "0", "--tls-port", str(self.port)]
             args += ["--tls-cert-file", str(self.tls.cert), "--tls-key-file", str(self.tls.key)]
             args += ["--tls-ca-cert-file", str(self.tls.ca), "--tls-auth-clients", "no"]
+        if self.cluster:
+            args += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
         self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout_s
         client = redis.Redis.from_url(self.url, socket_connect_timeout=0.5)

@@ -33,13 +33,23 @@ from pipeline.wire import (
 SCRIPTS = Path(__file__).with_name("lua")
 """Where `publish.lua`, `claim.lua`, `forward.lua`, `rehome.lua` and `dead_letter.lua` live."""
 DEDUPE_BUCKETS = 8
-"""The dedupe TTL is cut into this many time buckets (one hash each): a publish checks ~9 `HGET`s per rollout."""
+"""The dedupe TTL is cut into this many time buckets (one hash each): a publish checks ~9 `HGET`s per prompt."""
+SWEEPS_PER_HEARTBEAT = 2
+"""How many workers of a fleet sweep departed workers' inboxes per heartbeat period, on average (`sweep_chance`)."""
 
 
 class Entry(NamedTuple):
     stream: str
     id: bytes
     fields: Fields
+
+
+def sweep_chance(fleet: int) -> float:
+    """The chance that one worker of a fleet of `fleet` sweeps this heartbeat: `SWEEPS_PER_HEARTBEAT` sweeps a period
+    in all, whatever the size (always, for a fleet of that many or fewer). A departed worker's inbox is rehomed
+    within a few heartbeats (the chance that none of the fleet swept in k periods is about e^-2k), and Redis checks
+    ~2N heartbeats a period rather than N²."""
+    return min(1.0, SWEEPS_PER_HEARTBEAT / max(fleet, 1))
 
 
 def entries_from_reply(reply: Any) -> list[Entry]:
@@ -165,18 +175,42 @@ class Streams:
         Returns how many rollouts were published: fewer when some ids were already published, -1
         when `source` had already been acked (another worker finished it first; then nothing is written).
         """
-        target = self.keys.scoring if any(r.reward_fn for r in rollouts) else self.keys.rollouts
-        if reply_to is not None:
-            target = self.keys.replies(reply_to)
+        result = self.publish_many([Publish(rollouts, source, partials, reply_to)])[0]
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    def publish_many(self, publishes: Sequence[Publish]) -> list[int | Exception]:
+        """`publish_rollouts` for several source entries in one pipelined round trip: each is still its own atomic
+        script (its rollouts published and its entry acked together, or nothing), so one that fails (its result is
+        the exception) leaves the others done. What a worker finishes at the same moment goes out together."""
         buckets, expiry_s = self.dedupe_buckets()
-        keys = [target, source.stream, self.keys.partials, *buckets]
-        args: list[Any] = [GENERATORS, source.id, expiry_s, len(partials)]
-        for partial in partials:
-            _append_fields(args, partial.to_fields())
-        for rollout in rollouts:
-            args += [rollout.prompt_id, rollout.sample]
-            _append_fields(args, rollout.to_fields())
-        return int(self._publish(keys=keys, args=args))
+        calls = []
+        for publish in publishes:
+            target = self.keys.scoring if any(r.reward_fn for r in publish.rollouts) else self.keys.rollouts
+            if publish.reply_to is not None:
+                target = self.keys.replies(publish.reply_to)
+            keys = [target, publish.source.stream, self.keys.partials, *buckets]
+            args: list[Any] = [GENERATORS, publish.source.id, expiry_s, len(publish.partials)]
+            for partial in publish.partials:
+                _append_fields(args, partial.to_fields())
+            _append_rollouts(args, publish.rollouts)
+            calls.append((keys, args))
+        results = self._run_publish(calls)
+        unknown = [i for i, result in enumerate(results) if isinstance(result, redis.exceptions.NoScriptError)]
+        if unknown:  # Redis restarted or its scripts were flushed: those ran nothing, so they can run again
+            self._publish.sha = self.redis.script_load(self._publish.script)
+            for i, result in zip(unknown, self._run_publish([calls[i] for i in unknown]), strict=True):
+                results[i] = result
+        return [r if isinstance(r, Exception) else int(r) for r in results]
+
+    def _run_publish(self, calls: list[tuple[list[str], list[Any]]]) -> list[Any]:
+        """The publish script by its SHA, once per call, in one pipeline (not redis-py's pipelined `Script`, which
+        asks `SCRIPT EXISTS` in a round trip of its own before every pipeline)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for keys, args in calls:
+            pipe.evalsha(self._publish.sha, len(keys), *keys, *args)
+        return pipe.execute(raise_on_error=False)
 
     def dedupe_buckets(self, now: float | None = None) -> tuple[list[str], int]:
         """The dedupe hashes a publish checks (oldest first, the current one last), and the current one's expiry.
@@ -210,14 +244,30 @@ class Streams:
             args += [name, value]
         return bool(self._dead_letter(keys=[entry.stream, self.keys.dead], args=args))
 
-    def heartbeat(self, name: str, status: dict[str, Any], ttl_s: float) -> None:
-        """Write the worker's heartbeat hash (expiring) and keep it on the registry `{ns}:workers`."""
+    def heartbeat(self, name: str, status: dict[str, Any], ttl_s: float) -> int:
+        """Write the worker's heartbeat hash (expiring) and keep it on the registry `{ns}:workers`; returns how many
+        workers the registry holds (departed ones not yet rehomed included), for the sweep's share (`sweep_chance`)."""
         key = self.keys.worker(name)
         pipe = self.redis.pipeline(transaction=True)
         pipe.hset(key, mapping={k: str(v) for k, v in status.items()})
         pipe.pexpire(key, int(ttl_s * 1000))
         pipe.sadd(self.keys.workers, name)
-        pipe.execute()
+        pipe.scard(self.keys.workers)
+        return int(pipe.execute()[-1])
+
+    def heartbeat_field(self, names: Iterable[str], field: str) -> dict[str, str | None]:
+        """One field of each named worker's heartbeat (None for a worker whose heartbeat expired), in one round trip:
+        what a weight sync polls for its acks, a field per worker rather than every heartbeat whole."""
+        names = list(names)
+        pipe = self.redis.pipeline(transaction=False)
+        for name in names:
+            pipe.hget(self.keys.worker(name), field)
+            pipe.exists(self.keys.worker(name))
+        replies = pipe.execute()
+        return {
+            name: (_text(value) if value is not None else "") if alive else None
+            for name, value, alive in zip(names, replies[::2], replies[1::2], strict=True)
+        }
 
     def forget_worker(self, name: str) -> None:
         """A worker leaves: its heartbeat goes, and whatever is still in its inbox goes back to the shared prompts."""
@@ -242,7 +292,10 @@ class Streams:
         return int(self._rehome(keys=keys, args=[worker, GENERATORS, int(leaving)]))
 
     def rehome_departed(self) -> int:
-        """Rehome the inbox of every registered worker whose heartbeat expired; returns the entries moved."""
+        """Rehome the inbox of every registered worker whose heartbeat expired; returns the entries moved.
+
+        It reads the whole registry (a check per worker), so a fleet shares the sweep out (`sweep_chance`)
+        rather than have every worker run it every heartbeat: N workers sweeping N each is N² checks a second."""
         names = [_text(n) for n in self.redis.smembers(self.keys.workers)]
         pipe = self.redis.pipeline(transaction=False)
         for name in names:
@@ -312,9 +365,7 @@ class Streams:
         buckets, expiry_s = self.dedupe_buckets()
         keys = [self.keys.rollouts, self.keys.rollouts, self.keys.partials, *buckets]
         args: list[Any] = [GENERATORS, "", expiry_s, 0]  # no source entry to ack, no partials
-        for rollout in rollouts:
-            args += [rollout.prompt_id, rollout.sample]
-            _append_fields(args, rollout.to_fields())
+        _append_rollouts(args, rollouts)
         return int(self._publish(keys=keys, args=args))
 
     def _read_group(
@@ -378,10 +429,29 @@ class Streams:
         return self.redis.xtrim(stream, minid=f"{ms}-{seq}", approximate=False)
 
 
+class Publish(NamedTuple):
+    """What a worker made of one source entry: its rollouts, the samples a pause interrupted, where the rollouts
+    go (`reply_to`: a gateway's replies), and the entry to ack with them."""
+
+    rollouts: Sequence[Rollout]
+    source: Entry
+    partials: Sequence[Partial] = ()
+    reply_to: str | None = None
+
+
 def _append_fields(args: list[Any], fields: Fields) -> None:
     args.append(2 * len(fields))
-    for name, value in fields.items():
-        args.extend((name, value))
+    for pair in fields.items():
+        args.extend(pair)
+
+
+def _append_rollouts(args: list[Any], rollouts: Sequence[Rollout]) -> None:
+    """The publish script's rollout arguments: prompt id, sample, field count, fields... for each (what the rollouts
+    of a group share, encoded once)."""
+    shared: dict[int, bytes] = {}
+    for rollout in rollouts:
+        args += [rollout.prompt_id, rollout.sample]
+        _append_fields(args, rollout.to_fields(shared))
 
 
 def _text(value: bytes | str) -> str:

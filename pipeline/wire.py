@@ -25,6 +25,7 @@ from pipeline.codec import (
     decode_text,
     encode_float32,
     encode_int32,
+    encode_int_triples,
     encode_json,
 )
 
@@ -275,7 +276,17 @@ class Rollout(BaseModel):
     def n_tokens(self) -> int:
         return len(self.tokens)
 
-    def to_fields(self) -> Fields:
+    def to_fields(self, shared: dict[int, bytes] | None = None) -> Fields:
+        """The entry's fields. `shared`: encodings of the values this rollout may share with the others of its
+        group (its prompt's tokens and meta), by the value's `id()`, filled as they are met: a group encodes them
+        once. Pass one dict per group, and only while the rollouts live (an `id()` is reused after)."""
+        shared = {} if shared is None else shared
+        prompt_tokens = shared.get(id(self.prompt_tokens))
+        if prompt_tokens is None:
+            prompt_tokens = shared[id(self.prompt_tokens)] = encode_int32(self.prompt_tokens)
+        meta = shared.get(id(self.meta))
+        if meta is None:
+            meta = shared[id(self.meta)] = encode_json(self.meta)
         fields = {
             b"v": WIRE_VERSION.encode(),
             b"id": self.id.encode(),
@@ -287,11 +298,11 @@ class Rollout(BaseModel):
             b"n_tokens": str(self.n_tokens).encode(),
             b"finish_reason": self.finish_reason.encode(),
             b"worker": self.worker.encode(),
-            b"prompt_tokens": encode_int32(self.prompt_tokens),
+            b"prompt_tokens": prompt_tokens,
             b"tokens": encode_int32(self.tokens),
             b"logprobs": encode_float32(self.logprobs),
-            b"spans": encode_json(self.spans),
-            b"meta": encode_json(self.meta),
+            b"spans": encode_int_triples(self.spans),
+            b"meta": meta,
             b"timing": encode_json(self.timing),
         }
         if self.reward is not None:
@@ -386,7 +397,7 @@ class Partial(BaseModel):
             b"sample": str(self.sample).encode(),
             b"generated": encode_int32(self.generated),
             b"logprobs": encode_float32(self.logprobs),
-            b"spans": encode_json(self.spans),
+            b"spans": encode_int_triples(self.spans),
         }
 
     @classmethod
@@ -500,12 +511,18 @@ class _FieldReader:
             raise WireError(f"missing field {name.decode()!r}") from None
 
     def text(self, name: bytes, default: str | None = None) -> str:
-        if default is not None and name not in self.fields:
-            return default
-        return decode_text(self.raw(name), name.decode())
+        """The field as text (`default` when absent, if given); the trainer decodes a dozen a rollout, so the
+        common case is a lookup and a decode, and `decode_text` words what is wrong."""
+        raw = self.fields.get(name)
+        if raw is None:
+            return default if default is not None else self.raw(name).decode()  # raw() raises: missing
+        try:
+            return raw.decode()
+        except UnicodeDecodeError:
+            return decode_text(raw, name.decode())
 
     def optional_text(self, name: bytes) -> str | None:
-        return self.text(name) if name in self.fields else None
+        return None if name not in self.fields else self.text(name)
 
     def array(self, name: bytes, dtype: np.dtype) -> np.ndarray:
         return decode_array(self.raw(name), dtype, name.decode())

@@ -179,7 +179,7 @@ class RolloutClient:
             raise ValueError(
                 "admission control needs both max_staleness and batch_size (samples per training step), or neither"
             )
-        client = connect(redis_url) if isinstance(redis_url, str) else redis_url
+        client = connect(redis_url, ns=ns) if isinstance(redis_url, str) else redis_url
         self.streams = Streams(client, ns)
         self.streams.ensure_groups()
         self.consumer = consumer

@@ -117,12 +117,12 @@ class Manager:
     def _conclude(self, report: SyncReport, uri: str, waiting: set[str], deadline: float) -> None:
         """Wait for acks of `report.epoch` until `deadline`, evict who did not ack, then resume everyone."""
         while waiting:
-            live = self.live_workers()
-            for name in list(waiting):
-                if name not in live:
+            epochs = self.streams.heartbeat_field(waiting, "epoch")  # only the field, only of those not acked yet
+            for name, epoch in epochs.items():
+                if epoch is None:
                     report.gone.append(name)
                     waiting.discard(name)
-                elif int(live[name].get("epoch", -1)) >= report.epoch:
+                elif int(epoch or -1) >= report.epoch:
                     report.acked.append(name)
                     waiting.discard(name)
             if not waiting or time.monotonic() > deadline:

@@ -7,7 +7,16 @@ import json
 import numpy as np
 import pytest
 
-from pipeline.codec import INT32, CodecError, decode_array, encode_float32, encode_int32
+from pipeline.codec import (
+    INT32,
+    CodecError,
+    decode_array,
+    decode_json,
+    encode_float32,
+    encode_int32,
+    encode_int_triples,
+    encode_json,
+)
 from pipeline.wire import Keys, Prompt, Rollout, Sampling, WireError, rollout_id
 
 
@@ -37,6 +46,26 @@ def test_arrays_are_raw_little_endian() -> None:
     assert decode_array(encode_int32([5, 6]), INT32, "tokens").tolist() == [5, 6]
     with pytest.raises(CodecError, match="tokens: 5 bytes"):
         decode_array(b"\x00" * 5, INT32, "tokens")
+
+
+@pytest.mark.parametrize(
+    "rows",
+    [[], [(0, 0, 1024)], [[3, 0, 5], (4, 5, 9)], [(-(2**63), 0, 2**70)], [(True, 0, 1)], [(1.5, 0, 1)], [(1, 2)]],
+)
+def test_spans_encode_as_json_writes_them_and_decode_back(rows: list) -> None:
+    """The fast paths (spans written without the json module, JSON read by `raw_decode`) are byte for byte and value
+    for value what `json` gives, including the rows they leave to it (bools, floats, pairs)."""
+    written = json.dumps(rows, separators=(",", ":")).encode()
+    assert encode_int_triples(rows) == encode_json(rows) == written
+    assert decode_json(written, "spans") == json.loads(written)
+    for junk in (written + b" x", written + b"\n", b"[1]]", b"\xff[]"):
+        try:
+            expected = json.loads(junk)
+        except ValueError:
+            with pytest.raises(CodecError, match="spans: not valid JSON"):
+                decode_json(junk, "spans")
+        else:
+            assert decode_json(junk, "spans") == expected
 
 
 def test_keys_share_one_hash_tag() -> None:

@@ -103,7 +103,7 @@ def user_errors(redis_url: str | None = None) -> Iterator[None]:
 
 def open_streams(redis_url: str, ns: str) -> Streams:
     with user_errors(redis_url):
-        return Streams(connect(redis_url), ns)
+        return Streams(connect(redis_url, ns=ns), ns)
 
 
 def check_engine(spec: EngineSpec) -> None:
@@ -454,4 +454,18 @@ def bench_sync(
 
 
 # Commands that live in modules beside this one register themselves on `app` when imported.
-from pipeline.cli import acl, bench_gateway, chaos, chaos_trainer, exporter, gateway, launch, recording, scoring, soak  # noqa: E402, F401
+from pipeline.cli import (  # noqa: E402, F401
+    acl,
+    bench_broker,
+    bench_gateway,
+    chaos,
+    chaos_trainer,
+    exporter,
+    gateway,
+    launch,
+    recording,
+    scale,
+    scale_fleet,
+    scoring,
+    soak,
+)

@@ -47,7 +47,7 @@ def exporter(
     setup_logging(log_level)
     with user_errors(redis_url):  # a wrong URL at start is a mistake to report, not a metric
         client = connect(
-            redis_url, reconnect=False, socket_timeout=SCRAPE_TIMEOUT_S, socket_connect_timeout=SCRAPE_TIMEOUT_S
+            redis_url, ns=ns, reconnect=False, socket_timeout=SCRAPE_TIMEOUT_S, socket_connect_timeout=SCRAPE_TIMEOUT_S
         )
         streams = Streams(client, ns)
     registry = CollectorRegistry()

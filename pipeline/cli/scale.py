@@ -1,0 +1,503 @@
+"""`rollouts scale`: how many workers one Redis carries, at realistic per-worker rates.
+
+For each fleet size in `--workers` (side by side, one run, one Redis, the namespace emptied between sizes) it
+starts the fleet as `--procs` processes of `rollouts scale-fleet` (real `Worker`s on the synthetic engine, each
+with its own connections, heartbeat, registry entry and consumer name), and in this process the producer and
+the trainer of `rollouts soak` (prompts kept `window` samples ahead of what was received; whole batches taken
+and acked) and a thread that publishes weights every `--sync-every-s` (the `fs://` transport with a one-number
+state dict: the synthetic engine reads nothing, so the stall is the protocol's: pause, ack, resume).
+
+Per size, over the `--measure-s` after a `--warmup-s` (Redis's statistics are reset when it begins):
+- publish latency: the client's p50/p99 of the publish script call (`scale_fleet.TimedStreams`) over every worker
+  (it includes queueing in the crowded fleet processes), of the probe (one worker alone in its process, as
+  deployed: Redis's queueing and the loopback) and, on Redis >= 7, the server's (`INFO latencystats`, EVALSHA);
+- sync stall p50/max (`SyncReport.stall_s`: from the `weights` command to the `resume`), and evictions;
+- Redis CPU in cores (`INFO cpu` user+sys deltas over wall time: median and max of the readings), its
+  connected clients and `used_memory`; the fleet's and this process's CPU, since they share the machine;
+- rollouts/s received against the rate asked for (`workers x --rate`).
+
+A size whose fleet did not come up (every worker heartbeating within 60 s + 0.1 s a worker) is reported with
+`failed` and the reason, and the run goes on. `saturated` marks such a size, or one where Redis used >= 0.9 of
+a core or the probe's p99 passed 5 ms (`P99_GOAL_MS`).
+One JSON object on stdout, `--plot` a PNG; progress on stderr.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import numpy as np
+import redis
+import typer
+
+from pipeline.cli import app, console, fail, user_errors
+from pipeline.cli.processes import start_command, stop_process
+from pipeline.cli.soak import Producer, Tally, rss_bytes
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from producers.client import RolloutClient
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+PING_EVERY_S = 0.02
+"""How often the pinger publishes (`Pinger`): 50 groups a second, ~1,000 timed publishes in a 20 s window."""
+P99_GOAL_MS = 5.0
+"""The issue's goal for the publish p99 at 1,000 workers; a size above it counts as saturated."""
+
+
+@dataclass
+class Load:
+    """What one fleet size asks for."""
+
+    workers: int
+    rate: float
+    """Rollouts per second per worker."""
+    tokens: int
+    n: int
+    max_inflight: int
+    procs: int
+    warmup_s: float
+    measure_s: float
+    sync_every_s: float
+    sample_s: float = 1.0
+    batch_groups: int = 16
+
+    @property
+    def engine_args(self) -> dict[str, Any]:
+        """A synthetic engine that finishes `rate` rollouts/s: `max_inflight` samples, `tokens` each, at once."""
+        return {"steps_per_s": self.rate * self.tokens / self.max_inflight, "lengths": "max",
+                "max_batch": self.max_inflight}  # fmt: skip
+
+
+@dataclass
+class Readings:
+    """Redis and process CPU, sampled beside the run."""
+
+    t: list[float] = field(default_factory=list)
+    redis_cpu_s: list[float] = field(default_factory=list)
+    fleet_cpu_s: list[float] = field(default_factory=list)
+    used_memory: list[int] = field(default_factory=list)
+    clients: list[int] = field(default_factory=list)
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (Linux `/proc/PID/stat`), 0 once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
+            fields = stat.read().rpartition(")")[2].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+class Sampler(threading.Thread):
+    """Every `every_s`: Redis's CPU, memory and clients (`INFO`), and the fleet processes' CPU."""
+
+    def __init__(self, url: str, fleet: list[int], every_s: float) -> None:
+        super().__init__(name="scale-sampler", daemon=True)
+        self.client = redis.Redis.from_url(url)
+        self.fleet, self.every_s = fleet, every_s
+        self.readings = Readings()
+        self._halt = threading.Event()
+
+    def read(self) -> None:
+        info = self.client.info()
+        r = self.readings
+        r.t.append(time.monotonic())
+        r.redis_cpu_s.append(float(info["used_cpu_user"]) + float(info["used_cpu_sys"]))
+        r.fleet_cpu_s.append(sum(cpu_seconds(pid) for pid in self.fleet))
+        r.used_memory.append(int(info["used_memory"]))
+        r.clients.append(int(info["connected_clients"]))
+
+    def run(self) -> None:
+        while not self._halt.wait(self.every_s):
+            with contextlib.suppress(redis.RedisError):
+                self.read()
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(timeout=10)
+        self.client.close()
+
+
+class Syncer(threading.Thread):
+    """Publishes weights every `every_s` through its own client, as a trainer's step would, and keeps the reports."""
+
+    def __init__(self, url: str, ns: str, every_s: float, weights_dir: Path) -> None:
+        super().__init__(name="scale-syncer", daemon=True)
+        self.url, self.ns, self.every_s, self.weights_dir = url, ns, every_s, weights_dir
+        self.reports: list[tuple[float, float, int, int]] = []
+        """(monotonic time it began, stall seconds, workers acked, workers evicted)."""
+        self.failure: str | None = None
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        import torch
+
+        from producers.client import RolloutClient
+
+        client = RolloutClient(self.url, self.ns)
+        weights = {"w": torch.zeros(1)}
+        try:
+            while not self._halt.wait(self.every_s):
+                began = time.monotonic()
+                client.publish_weights(weights, transport=f"fs://{self.weights_dir}", mode="abort")
+                sync = client.last_sync
+                if sync is not None:
+                    self.reports.append((began, sync.stall_s, len(sync.acked), len(sync.evicted)))
+        except Exception as exc:  # reported in the result
+            self.failure = f"{type(exc).__name__}: {exc}"
+        finally:
+            client.streams.redis.close()
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(timeout=120)
+
+
+class Pinger(threading.Thread):
+    """A publish every `every_s` on a namespace of its own beside the fleet's (`{ns}ping`): a group of `n` rollouts
+    of `tokens` through the publish script with its prompt's ack, timed, from a thread with nothing else to do. What
+    Redis makes a publish wait under the fleet's load, over hundreds of publishes a window (the probe worker makes
+    15-20). Its rollouts are trimmed away as it goes, so it adds little to Redis's memory."""
+
+    def __init__(self, url: str, ns: str, n: int, tokens: int, every_s: float = PING_EVERY_S) -> None:
+        super().__init__(name="scale-pinger", daemon=True)
+        self.url, self.ns, self.n, self.tokens, self.every_s = url, f"{ns}ping", n, tokens, every_s
+        self.publishes: list[tuple[float, float]] = []
+        """(wall time, milliseconds) of every publish."""
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        from pipeline.cli.bench_broker import Shape, build_rollout, make_samples, take_prompts
+        from producers.client import RolloutClient
+
+        streams = RolloutClient(self.url, self.ns).streams
+        shape = Shape(rollouts=self.n * 256, n=self.n, tokens=self.tokens, batch_groups=1)
+        samples = make_samples(shape)
+        work: list[Any] = []
+        try:
+            while not self._halt.wait(self.every_s):
+                if not work:  # 256 prompts queued and read as a worker reads them, untimed
+                    work = take_prompts(streams, shape, samples, f"ping{len(self.publishes)}")
+                    streams.redis.xtrim(streams.keys.rollouts, maxlen=0)
+                entry, prompt = work.pop()
+                rollouts = [build_rollout(prompt, i, samples[i], "pinger") for i in range(self.n)]
+                started = time.perf_counter()
+                streams.publish_rollouts(rollouts, entry)
+                self.publishes.append((time.time(), (time.perf_counter() - started) * 1000))
+        finally:
+            streams.redis.close()
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(timeout=30)
+
+
+def start_fleet(url: str, ns: str, load: Load, tmp: Path) -> list[tuple[subprocess.Popen[bytes], Path]]:
+    """`load.procs` processes of `rollouts scale-fleet` for all workers but one, split evenly, and the probe: the last
+    worker alone in a process, as workers are deployed, so that its publish latency is Redis's and the loopback's,
+    not the crowded fleet processes' own queueing. Each process comes with its result file."""
+    fleet = []
+    crowd = np.array_split(np.arange(load.workers - 1), load.procs)
+    for k, share in enumerate([*(s for s in crowd if len(s)), np.array([load.workers - 1])]):
+        out = tmp / f"fleet{k}.json"
+        args = ["scale-fleet", "--redis", url, "--ns", ns, "--first", str(int(share[0])), "--count", str(len(share))]
+        args += ["--engine-args", json.dumps(load.engine_args), "--max-inflight", str(load.max_inflight)]
+        fleet.append((start_command(*args, "--out", str(out), log_file=tmp / f"fleet{k}.log"), out))
+    return fleet
+
+
+def wait_for_fleet(client: RolloutClient, load: Load, fleet: list[tuple[subprocess.Popen[bytes], Path]]) -> None:
+    """Until every worker heartbeats `serving` (a fleet process that dies fails the run with its log)."""
+    budget_s = 60 + load.workers * 0.1
+    deadline = time.monotonic() + budget_s
+    while True:
+        live = client.streams.live_workers()
+        if sum(1 for beat in live.values() if beat.get("status") == "serving") >= load.workers:
+            return
+        for process, out in fleet:
+            if process.poll() is not None:
+                log = out.with_suffix(".log")
+                raise RuntimeError(f"a fleet process exited ({process.returncode}):\n{log.read_text()[-2000:]}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{len(live)} of {load.workers} workers came up within {budget_s:.0f} s")
+        time.sleep(0.2)
+
+
+def stop_fleet(fleet: list[tuple[subprocess.Popen[bytes], Path]]) -> list[list[tuple[float, float]]]:
+    """SIGTERM every fleet process, wait, and gather each process's publishes (the probe's last)."""
+    for process, _ in fleet:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+    publishes = []
+    for process, out in fleet:
+        stop_process(process, timeout_s=60)
+        found = json.loads(out.read_text())["publishes"] if out.exists() else []
+        publishes.append([(float(t), float(ms)) for t, ms in found])
+    return publishes
+
+
+def server_latency(client: redis.Redis) -> dict[str, float] | None:
+    """The server's EVALSHA (publish script) latency percentiles in ms (Redis >= 7: `INFO latencystats`)."""
+    stats = client.info("latencystats")
+    found = stats.get("latency_percentiles_usec_evalsha")
+    if not found:
+        return None
+    if isinstance(found, str):
+        found = dict(part.split("=") for part in found.split(","))
+    return {key: round(float(value) / 1000, 3) for key, value in found.items()}
+
+
+def server_commands(client: redis.Redis, wall_s: float, top: int = 8) -> list[dict[str, Any]]:
+    """Where Redis spent its time over the window (`INFO commandstats`, reset when measuring began): the `top`
+    commands by CPU, with calls per second and microseconds a call. Says what a fleet costs Redis, per kind."""
+    stats = client.info("commandstats")
+    rows = [
+        {"command": name.removeprefix("cmdstat_"), "calls_per_s": round(int(v["calls"]) / wall_s, 1),
+         "usec_per_call": round(float(v["usec_per_call"]), 1), "cores": round(int(v["usec"]) / 1e6 / wall_s, 4)}
+        for name, v in stats.items()
+    ]  # fmt: skip
+    return sorted(rows, key=lambda r: -r["cores"])[:top]
+
+
+def run_size(console: Console, url: str, load: Load, tmp: Path) -> dict[str, Any]:
+    """One fleet size: start it, feed and train through warmup and measure, stop it by PID, summarise."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from producers.client import RolloutClient
+
+    ns = f"scale{load.workers}"
+    window = load.workers * load.max_inflight * 2
+    budget = load.workers * load.rate * (load.warmup_s + load.measure_s + 60)
+    prompts = int(budget / load.n) + window
+    fleet = start_fleet(url, ns, load, tmp)
+    sampler: Sampler | None = None
+    syncer: Syncer | None = None
+    pinger: Pinger | None = None
+    try:
+        client = RolloutClient(url, ns)
+        wait_for_fleet(client, load, fleet)
+        producer = Producer(client, prompts, load.n, load.tokens, window)
+        tally = Tally(prompts, load.n, load.tokens)
+        syncer = Syncer(url, ns, load.sync_every_s, tmp / f"weights{load.workers}")
+        sampler = Sampler(url, [p.pid for p, _ in fleet], load.sample_s)
+        syncer.start()
+        pinger = Pinger(url, ns, load.n, load.tokens)
+        pinger.start()
+        began = time.monotonic()
+        measuring = began + load.warmup_s
+        end = float("inf")
+        marks: dict[str, Any] = {}
+        own_cpu = 0.0
+        producer.top_up(0)
+        progress = Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=console)
+        task = progress.add_task(f"{load.workers} workers: warming up", total=load.warmup_s + load.measure_s)
+        with progress, contextlib.closing(client.batches(load.batch_groups, timeout=60)) as batches:
+            for batch in batches:
+                for group in batch.groups:
+                    tally.add(group)
+                producer.top_up(client.stats["received"])
+                now = time.monotonic()
+                if "start" not in marks and now >= measuring:
+                    client.streams.redis.config_resetstat()
+                    sampler.read()
+                    sampler.start()
+                    own_cpu = sum(os.times()[:2])
+                    marks |= {"start": now, "wall": time.time(), "received": client.stats["received"]}
+                    end = now + load.measure_s
+                if now >= end:
+                    break
+                phase = "measuring" if "start" in marks else "warming up"
+                progress.update(task, completed=now - began, description=f"{load.workers} workers: {phase}, "
+                                f"{client.stats['received']} rollouts, {len(syncer.reports)} syncs")  # fmt: skip
+        sampler.read()
+        marks |= {"end": time.monotonic(), "end_wall": time.time(), "end_received": client.stats["received"]}
+        own_cpu = sum(os.times()[:2]) - own_cpu
+        latency = server_latency(client.streams.redis)
+        commands = server_commands(client.streams.redis, marks["end"] - marks["start"])
+        stats = dict(client.stats)
+        client.streams.redis.close()
+    finally:
+        if syncer is not None:
+            syncer.stop()
+        if pinger is not None:
+            pinger.stop()
+        if sampler is not None and sampler.is_alive():
+            sampler.stop()
+        publishes = stop_fleet(fleet)
+    return summarise(load, marks, sampler.readings, syncer, publishes, latency, stats, tally, own_cpu) | {
+        "redis_top_commands": commands,
+        "publish_ms_ping": _percentiles([ms for t, ms in pinger.publishes if marks["wall"] <= t <= marks["end_wall"]]),
+    }
+
+
+def _percentiles(values: list[float], digits: int = 3) -> dict[str, float | None]:
+    if not values:
+        return {"p50": None, "p99": None, "max": None, "count": 0}
+    a = np.array(values)
+    return {"p50": round(float(np.percentile(a, 50)), digits), "p99": round(float(np.percentile(a, 99)), digits),
+            "max": round(float(a.max()), digits), "count": len(values)}  # fmt: skip
+
+
+def _cores(samples: list[float]) -> dict[str, float] | None:
+    return {"median": round(statistics.median(samples), 3), "max": round(max(samples), 3)} if samples else None
+
+
+def summarise(
+    load: Load,
+    marks: dict[str, Any],
+    readings: Readings,
+    syncer: Syncer,
+    publishes: list[list[tuple[float, float]]],
+    server: dict[str, float] | None,
+    stats: dict[str, int],
+    tally: Tally,
+    own_cpu_s: float,
+) -> dict[str, Any]:
+    """The numbers of one size, over the measured window only."""
+    wall = marks["end"] - marks["start"]
+
+    def in_window(found: list[tuple[float, float]]) -> list[float]:
+        return [ms for t, ms in found if marks["wall"] <= t <= marks["end_wall"]]
+
+    stalls = [stall for t, stall, _, _ in syncer.reports if marks["start"] <= t <= marks["end"]]
+    cpu, t = readings.redis_cpu_s, readings.t
+    cores = [(b - a) / (t1 - t0) for a, b, t0, t1 in zip(cpu, cpu[1:], t, t[1:], strict=False) if t1 > t0]
+    span = readings.t[-1] - readings.t[0]
+    received = marks["end_received"] - marks["received"]
+    return {
+        "workers": load.workers,
+        "asked_rollouts_per_s": round(load.workers * load.rate, 1),
+        "rollouts_per_s": round(received / wall, 1),
+        "publish_ms_client": _percentiles([ms for found in publishes for ms in in_window(found)]),
+        "publish_ms_probe": _percentiles(in_window(publishes[-1])),
+        "publish_ms_server": server,
+        "sync_stall_s": _percentiles(stalls),
+        "syncs_evicted": sum(e for t, _, _, e in syncer.reports if marks["start"] <= t <= marks["end"]),
+        "sync_failure": syncer.failure,
+        "redis_cpu_cores": _cores(cores),
+        "redis_used_memory_mb": round(max(readings.used_memory) / 2**20, 1),
+        "redis_clients": max(readings.clients),
+        "fleet_cpu_cores": round((readings.fleet_cpu_s[-1] - readings.fleet_cpu_s[0]) / span, 3) if span else None,
+        "trainer_cpu_cores": round(own_cpu_s / wall, 3),
+        "delivery": {
+            "duplicates": stats["duplicates"] + tally.repeated,
+            "dead": stats["dead"],
+            "malformed_groups": tally.malformed,
+        },
+        "measured_s": round(wall, 1),
+    }
+
+
+def run_scale(console: Console, sizes: list[int], base: Load) -> dict[str, Any]:
+    """Every size on one private Redis, one after the other; everything started is stopped by PID."""
+    from dataclasses import replace
+
+    from pipeline.local import RedisServer
+
+    tmp = Path(tempfile.mkdtemp(prefix="rollouts-scale-"))
+    rows = []
+    try:
+        with RedisServer() as server:
+            for size in sizes:
+                console.print(f"scale: {size} workers in {min(base.procs, size)} processes")
+                try:
+                    row = run_size(console, server.url, replace(base, workers=size), tmp)
+                except (RuntimeError, TimeoutError) as exc:  # a fleet that never came up is a result too
+                    row = {"workers": size, "failed": str(exc)[-1000:]}
+                row["saturated"] = "failed" in row or bool(
+                    (row["redis_cpu_cores"] and row["redis_cpu_cores"]["median"] >= 0.9)
+                    or (row["publish_ms_probe"]["p99"] or 0) > P99_GOAL_MS
+                )
+                rows.append(row)
+                with contextlib.closing(redis.Redis.from_url(server.url)) as flush:
+                    flush.flushall()
+            served_by = server.binary.describe()
+            peak_rss = rss_bytes(server.process.pid) if server.process else None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return {
+        "redis": served_by,
+        "redis_rss_mb_at_end": round(peak_rss / 2**20, 1) if peak_rss else None,
+        "cpus": os.cpu_count(),
+        "load": {k: v for k, v in vars(base).items() if k != "workers"} | {"engine_args": base.engine_args},
+        "sizes": rows,
+    }
+
+
+def plot_scale(result: dict[str, Any], path: Path) -> None:
+    """Publish latency, sync stall and Redis CPU against fleet size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result["sizes"] if "failed" not in r]
+    x = [r["workers"] for r in rows]
+    fig, (lat, stall, cpu) = plt.subplots(1, 3, figsize=(13, 4))
+    lat.plot(x, [r["publish_ms_client"]["p50"] for r in rows], "o-", label="client p50")
+    lat.plot(x, [r["publish_ms_client"]["p99"] for r in rows], "o-", label="client p99")
+    lat.plot(x, [r["publish_ms_probe"]["p99"] for r in rows], "o-", label="probe p99 (a worker alone)")
+    if all(r["publish_ms_server"] for r in rows):
+        lat.plot(x, [r["publish_ms_server"]["p99"] for r in rows], "s--", label="server p99 (EVALSHA)")
+    lat.axhline(P99_GOAL_MS, color="grey", ls=":", label="goal p99")
+    lat.set(xlabel="workers", ylabel="publish ms (log)", title="publish latency", yscale="log")
+    lat.legend(fontsize=8)
+    stall.plot(x, [r["sync_stall_s"]["p50"] for r in rows], "o-", label="p50")
+    stall.plot(x, [r["sync_stall_s"]["max"] for r in rows], "o-", label="max")
+    stall.set(xlabel="workers", ylabel="seconds", title="weight-sync stall")
+    stall.legend(fontsize=8)
+    cpu.plot(x, [r["redis_cpu_cores"]["median"] for r in rows], "o-", label="Redis (median)")
+    cpu.plot(x, [r["fleet_cpu_cores"] for r in rows], "o-", label="worker fleet")
+    cpu.axhline(1.0, color="grey", ls=":", label="one core")
+    cpu.set(xlabel="workers", ylabel="CPU cores", title=f"CPU ({result['cpus']} cores in all)")
+    cpu.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+@app.command("scale")
+def scale(
+    workers: Annotated[str, typer.Option(help="Fleet sizes to run, side by side: comma-separated.")] = "100,300,1000",
+    rate: Annotated[float, typer.Option(min=0.01, help="Rollouts per second per worker.")] = 2.0,
+    tokens: Annotated[int, typer.Option(min=1, help="Tokens per rollout.")] = 1024,
+    n: Annotated[int, typer.Option(min=1, help="Samples per prompt.")] = 4,
+    max_inflight: Annotated[int, typer.Option(min=1, help="Samples in flight per worker.")] = 4,
+    procs: Annotated[int, typer.Option(min=1, help="Processes the workers are spread over.")] = 4,
+    warmup_s: Annotated[float, typer.Option(min=0, help="Seconds before measuring, per size.")] = 10.0,
+    measure_s: Annotated[float, typer.Option(min=1, help="Seconds measured, per size.")] = 30.0,
+    sync_every_s: Annotated[float, typer.Option(min=0.5, help="Seconds between weight syncs.")] = 5.0,
+    plot: Annotated[Path | None, typer.Option(help="Draw latency, stall and CPU against fleet size here.")] = None,
+) -> None:
+    """Many workers on one Redis at realistic rates: publish latency, sync stall, Redis CPU and memory; JSON out."""
+    try:
+        sizes = [int(s) for s in workers.split(",")]
+    except ValueError:
+        fail(f"--workers must be comma-separated integers, not {workers!r}")
+    if any(s < 1 for s in sizes):
+        fail("every fleet size must be at least 1")
+    base = Load(0, rate, tokens, n, max_inflight, procs, warmup_s, measure_s, sync_every_s)
+    with user_errors():
+        try:
+            result = run_scale(console, sizes, base)
+        except (RuntimeError, TimeoutError) as exc:
+            fail(str(exc))
+        if plot is not None:
+            plot_scale(result, plot)
+            console.print(f"plot written to {plot}")
+    print(json.dumps(result, indent=2))

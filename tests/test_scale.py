@@ -1,0 +1,48 @@
+"""`rollouts scale`, short, as a person runs it: 50 real workers in two processes on its own Redis, one JSON report.
+
+The long run (100, 300 and 1,000 workers) is for the README; this one checks, in well under a minute, that the
+fleet really comes up and works at the rate asked, that weight syncs go through all of it, and that the report
+carries every number the README quotes (latencies, stall, Redis CPU, memory, clients) and the PNG.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+WORKERS = 50
+
+
+def test_fifty_workers_publish_at_the_rate_asked_and_take_every_sync(tmp_path: Path) -> None:
+    plot = tmp_path / "scale.png"
+    args = ["--workers", str(WORKERS), "--rate", "2", "--procs", "1", "--warmup-s", "2", "--measure-s", "5"]
+    args += ["--sync-every-s", "1.5", "--plot", str(plot)]
+    result = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "scale", *args], capture_output=True, text=True, timeout=180
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    (row,) = report["sizes"]
+
+    assert row["workers"] == WORKERS and row["asked_rollouts_per_s"] == 100
+    assert row["redis_clients"] > WORKERS, "each worker has connections of its own"
+    assert 0.5 * row["asked_rollouts_per_s"] < row["rollouts_per_s"] < 1.5 * row["asked_rollouts_per_s"]
+    assert row["delivery"] == {"duplicates": 0, "dead": 0, "malformed_groups": 0}
+    # One publish per sample, from every process, the probe's among them.
+    assert row["publish_ms_client"]["count"] > 0.5 * row["rollouts_per_s"] * row["measured_s"]
+    assert row["publish_ms_probe"]["count"] >= 1
+    # The pinger publishes beside the fleet every 20 ms: enough publishes for a p99 that is not one publish.
+    assert row["publish_ms_ping"]["count"] > 100 and 0 < row["publish_ms_ping"]["p50"] <= row["publish_ms_ping"]["p99"]
+    assert 0 < row["publish_ms_client"]["p50"] <= row["publish_ms_client"]["p99"]
+    assert report["redis"].startswith("redis-server 7") and row["publish_ms_server"]["p99"] > 0
+    # Every sync reached all 50 workers: none evicted, none failed.
+    assert row["sync_stall_s"]["count"] >= 2 and row["syncs_evicted"] == 0 and row["sync_failure"] is None
+    assert 0 < row["sync_stall_s"]["p50"] < 5
+    assert 0 < row["redis_cpu_cores"]["median"] < 1 and row["redis_used_memory_mb"] > 0
+    assert row["fleet_cpu_cores"] > 0
+    # Where Redis's time went: the publish script (by its SHA) among the costliest commands, each with its rate.
+    top = {c["command"]: c for c in row["redis_top_commands"]}
+    assert "evalsha" in top and top["evalsha"]["calls_per_s"] > 0 and top["evalsha"]["usec_per_call"] > 0
+    assert plot.stat().st_size > 10_000
