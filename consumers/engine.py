@@ -82,6 +82,11 @@ class Engine(Protocol):
         what follows with `version`: for transports that deliver tensors, not files (`redis://`)."""
         ...
 
+    async def prepare_broadcast(self, link: BroadcastLink) -> None:
+        """Find or build the group of `link` in every receiving process while generation goes on (the worker calls
+        it before it pauses: `staleness.broadcast.prepare_receiver`)."""
+        ...
+
     async def load_broadcast(self, link: BroadcastLink) -> None:
         """Receive a version the trainer broadcasts (`nccl://`, `staleness.broadcast`) and load it in place."""
         ...

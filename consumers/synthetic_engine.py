@@ -209,6 +209,11 @@ class SyntheticEngine(EngineLifecycle):
             pass
         self.version = version
 
+    async def prepare_broadcast(self, link: BroadcastLink) -> None:
+        from staleness.broadcast import prepare_receiver
+
+        await asyncio.to_thread(prepare_receiver, link, 0, "cpu")
+
     async def load_broadcast(self, link: BroadcastLink) -> None:
         from staleness.broadcast import receive_broadcast
 

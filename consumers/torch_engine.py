@@ -39,7 +39,7 @@ from consumers.engine import (
     read_model_limits,
 )
 from pipeline.wire import FinishReason, Sampling
-from staleness.broadcast import BroadcastLink, receive_broadcast
+from staleness.broadcast import BroadcastLink, prepare_receiver, receive_broadcast
 
 log = logging.getLogger(__name__)
 
@@ -303,6 +303,10 @@ class TorchEngine(EngineLifecycle):
             name: torch.from_numpy(np.ascontiguousarray(t)) if isinstance(t, np.ndarray) else t for name, t in items
         }
         await asyncio.to_thread(self._load_tensors_sync, tensors, version, "the tensors given")
+
+    async def prepare_broadcast(self, link: BroadcastLink) -> None:
+        """Build (or find) this engine's group of the broadcast on a thread, while the batch loop goes on."""
+        await asyncio.to_thread(prepare_receiver, link, 0, self.device)
 
     async def load_broadcast(self, link: BroadcastLink) -> None:
         """Receive an `nccl://` broadcast onto this engine's device (`staleness.broadcast`), then load it."""

@@ -34,6 +34,7 @@ import itertools
 import logging
 import subprocess
 from collections.abc import Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +64,7 @@ from consumers.engine import (
 )
 from consumers.orphans import reap_on_death
 from pipeline.wire import FinishReason, Sampling
-from staleness.broadcast import BroadcastLink, receive_broadcast
+from staleness.broadcast import BroadcastLink, prepare_receiver, receive_broadcast
 
 log = logging.getLogger(__name__)
 
@@ -381,6 +382,12 @@ class VllmEngine(EngineLifecycle):
         """vLLM's worker processes, each of which takes a rank in an nccl broadcast."""
         return int(self.args.get("tensor_parallel_size", 1)) * int(self.args.get("pipeline_parallel_size", 1))
 
+    async def prepare_broadcast(self, link: BroadcastLink) -> None:
+        """Have every vLLM worker process build (or find) its group of the broadcast on a thread of its own, so that
+        vLLM's steps go on meanwhile; `load_broadcast` waits for it."""
+        llm = await self._started()
+        await llm.collective_rpc("rollouts_prepare_broadcast", args=(link.to_dict(),))
+
     async def load_broadcast(self, link: BroadcastLink) -> None:
         """Receive an `nccl://` broadcast in every vLLM worker process (onto its GPU) and load it in place.
 
@@ -450,8 +457,20 @@ class RolloutsWorkerExtension:
         self.reload_weights(weights_iterator=iter(tensors.items()))  # type: ignore[attr-defined]
         return len(tensors)
 
+    def rollouts_prepare_broadcast(self, link: dict[str, Any]) -> int:
+        """Build this process's group of the broadcast on a thread, and return at once (vLLM's steps go on)."""
+        pool = ThreadPoolExecutor(1, thread_name_prefix="rollouts-broadcast")
+        rank, device = self.rank, self.device  # type: ignore[attr-defined]
+        self._rollouts_prepared = pool.submit(prepare_receiver, BroadcastLink.from_dict(link), rank, device)
+        pool.shutdown(wait=False)
+        return 0
+
     def rollouts_receive_broadcast(self, link: dict[str, Any]) -> int:
         """Take this process's rank in the trainer's broadcast (`staleness.broadcast`) and load what arrives."""
+        prepared: Future[Any] | None = getattr(self, "_rollouts_prepared", None)
+        self._rollouts_prepared = None
+        if prepared is not None:
+            prepared.result()  # the group is built (or its error raised here)
         rank = self.rank  # type: ignore[attr-defined]
         device = self.device  # type: ignore[attr-defined]
         tensors = dict(receive_broadcast(BroadcastLink.from_dict(link), rank, device))

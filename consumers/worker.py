@@ -20,6 +20,7 @@ import signal
 import socket
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import redis
@@ -30,7 +31,10 @@ from pipeline.publisher import Publisher
 from pipeline.streams import Entry, Streams, sweep_chance
 from pipeline.wire import Control, Partial, Prompt, Rollout, WireError, join_spans
 from staleness.state import read_state, weights_command
-from staleness.transports import is_stored, load_version
+from staleness.transports import is_stored, join_version, load_joined, load_version
+
+if TYPE_CHECKING:
+    from staleness.broadcast import BroadcastLink
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +130,8 @@ class Worker:
         self._epoch = 0
         """The last weight-sync epoch this worker acked."""
         self._sync_began = 0.0
+        self._last_stall_s = 0.0
+        """The last sync as this worker stood still in it: from its pause to its resume (heartbeat `stall_s`)."""
         """When the pause for the current weight sync began (monotonic), for the stall until its resume."""
         self._tasks: set[asyncio.Task] = set()
         self._started = time.time()
@@ -402,7 +408,8 @@ class Worker:
             await self.engine.resume()
             self.status = "serving"
             self._set_serving(True)
-            self.metrics.resumed(time.monotonic() - self._sync_began)
+            self._last_stall_s = time.monotonic() - self._sync_began
+            self.metrics.resumed(self._last_stall_s)
             await self._beat()
         elif command.cmd == "stop" and command.worker in ("", self.name):
             if command.worker:
@@ -412,9 +419,18 @@ class Worker:
     async def _sync_weights(self, command: Control) -> None:
         """Pause, load `command.version`, ack with the epoch; stay paused until the manager's resume.
 
-        A version that cannot be loaded stops the worker (exit 1, for a supervisor to restart it): it
+        An nccl version is joined first, while the engine still generates (`join_version`): the wait for the
+        other workers to join and a new group's setup are not time this worker stands still; it pauses only to
+        receive. A version that cannot be loaded stops the worker (exit 1, for a supervisor to restart it): it
         must not serve the old one as the new, and its work goes to the others.
         """
+        link: BroadcastLink | None = None
+        if command.version != self.engine.version and not is_stored(command.uri):
+            try:
+                link = await join_version(self.engine, command.uri, command.version, command.epoch, member=self.name)
+            except Exception as exc:
+                self._cannot_load(command, exc)
+                return
         self._set_serving(False)
         self.status = "paused"
         started = self._sync_began = time.monotonic()
@@ -422,15 +438,12 @@ class Worker:
         paused = time.monotonic()
         if command.version != self.engine.version:
             try:
-                await load_version(
-                    self.engine, command.uri, command.version, self.streams.redis, epoch=command.epoch, member=self.name
-                )
+                if link is not None:
+                    await load_joined(self.engine, link)
+                else:
+                    await load_version(self.engine, command.uri, command.version, self.streams.redis)
             except Exception as exc:
-                log.error(
-                    "%s: could not load weights version %d from %s: %s", self.name, command.version, command.uri, exc
-                )
-                self.failure = f"could not load weights version {command.version} from {command.uri}: {exc}"
-                self.stop(drain=False)
+                self._cannot_load(command, exc)
                 return
         self._epoch = command.epoch
         await self._beat()  # the ack: `epoch` and `version` in the heartbeat
@@ -439,6 +452,11 @@ class Worker:
             "%s: sync %d: paused in %.3f s, version %d loaded and acked in %.3f s",
             self.name, command.epoch, paused - started, command.version, time.monotonic() - paused,
         )  # fmt: skip
+
+    def _cannot_load(self, command: Control, exc: Exception) -> None:
+        log.error("%s: could not load weights version %d from %s: %s", self.name, command.version, command.uri, exc)
+        self.failure = f"could not load weights version {command.version} from {command.uri}: {exc}"
+        self.stop(drain=False)
 
     # -- upkeep: heartbeat, keep own work, rehome departed inboxes, trim -------------------------
 
@@ -475,6 +493,7 @@ class Worker:
             "max_model_len": self.engine.max_model_len,  # what a gateway may queue for this worker
             "version": self.engine.version,
             "epoch": self._epoch,
+            "stall_s": round(self._last_stall_s, 6),
             "inflight": self._inflight_samples,
             "published": self.published,
             "tokens_per_s": round(self._tokens_per_s, 1),

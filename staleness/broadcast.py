@@ -122,6 +122,10 @@ class BroadcastLink:
     def from_dict(cls, data: Mapping[str, Any]) -> BroadcastLink:
         return cls(**data)
 
+    def forget(self) -> None:
+        """After a failed load: report no group at the next sync (`forget_group`), in the worker process."""
+        _HELD.pop((self.host, self.port, self.member), None)
+
 
 @dataclass
 class _Group:
@@ -522,11 +526,8 @@ def receive_broadcast(
     """
     meta = json.loads(link.meta)
     metas = _metas(meta)
-    backend = meta["backend"]
-    target = torch.device(device) if backend == "nccl" else torch.device("cpu")
-    if target.type == "cuda":
-        torch.cuda.set_device(target)
-    group = _receiver_group(link, rank_offset, backend, target)
+    group = prepare_receiver(link, rank_offset, device)
+    target = _target(meta["backend"], device)
     try:
         buckets = plan_buckets(metas, int(meta["bucket_bytes"]))
         posted: list[tuple[torch.Tensor, dist.Work]] = []
@@ -552,6 +553,27 @@ def receive_broadcast(
     except BaseException:
         _drop_receiver_group(link, rank_offset)
         raise
+
+
+def prepare_receiver(
+    link: BroadcastLink, rank_offset: int = 0, device: str | torch.device = "cpu"
+) -> dist.ProcessGroup:
+    """Find or build rank `link.first_rank + rank_offset`'s group of the link (collective: every rank, the trainer
+    included, builds it at once), without receiving anything yet.
+
+    A worker runs this before it pauses its engine (`load_version` does it in `join_version`), so that neither
+    the wait for the other workers to join nor a new communicator's setup is time it stands still;
+    `receive_broadcast` then finds the group built."""
+    backend = json.loads(link.meta)["backend"]
+    target = _target(backend, device)
+    if target.type == "cuda":
+        torch.cuda.set_device(target)
+    return _receiver_group(link, rank_offset, backend, target)
+
+
+def _target(backend: str, device: str | torch.device) -> torch.device:
+    """Where a rank receives: its GPU over NCCL, the CPU over gloo."""
+    return torch.device(device) if backend == "nccl" else torch.device("cpu")
 
 
 def _receiver_group(link: BroadcastLink, rank_offset: int, backend: str, target: torch.device) -> dist.ProcessGroup:

@@ -79,6 +79,8 @@ class LoadsWeights(Protocol):
 
     async def load_tensors(self, named_tensors: Mapping[str, Any], version: int) -> None: ...
 
+    async def prepare_broadcast(self, link: BroadcastLink) -> None: ...
+
     async def load_broadcast(self, link: BroadcastLink) -> None: ...
 
     def check_fits(self, shapes: Mapping[str, tuple[int, ...]], source: object) -> None:
@@ -603,6 +605,35 @@ def is_stored(uri: str) -> bool:
     return parse_uri(uri).scheme != "nccl"
 
 
+async def join_version(
+    engine: LoadsWeights, uri: str, version: int, epoch: int, *, timeout_s: float = 60.0, member: str | None = None
+) -> BroadcastLink:
+    """The part of an nccl load that need not stop generation: join sync `epoch`'s broadcast as `member` and have
+    the engine's receivers find or build their group (`engine.prepare_broadcast`). A worker does this before it
+    pauses, so the wait for the other workers and a new group's setup are not time it stands still; then it
+    pauses and calls `load_joined`. Raises as `load_version` does; a failure forgets the group."""
+    from staleness.broadcast import join_broadcast  # it builds on this module
+
+    link = await asyncio.to_thread(
+        join_broadcast, uri, epoch, version, engine.weight_receivers, timeout_s, engine.check_fits, member
+    )
+    try:
+        await engine.prepare_broadcast(link)
+    except BaseException:
+        link.forget()  # the trainer's next sync must not count on a group we may not hold
+        raise
+    return link
+
+
+async def load_joined(engine: LoadsWeights, link: BroadcastLink) -> None:
+    """Receive and load the broadcast `join_version` joined (the engine paused meanwhile, or not: its choice)."""
+    try:
+        await engine.load_broadcast(link)
+    except BaseException:
+        link.forget()  # the receivers may have lost the group: the next sync builds anew
+        raise
+
+
 async def load_version(
     engine: LoadsWeights,
     uri: str,
@@ -617,23 +648,15 @@ async def load_version(
 
     fs: `engine.load_weights(dir, version)` (vLLM reloads the files in place); redis: the chunks are read
     and checked here, then `engine.load_tensors(tensors, version)`; nccl: join sync `epoch`'s group as
-    `member` (the worker's name; the group is kept across syncs while its members stay) and
-    `engine.load_broadcast(link)`. Errors leave the engine's weights as they were: `FileNotFoundError`
+    `member` (the worker's name; the group is kept across syncs while its members stay) and receive it
+    (`join_version`, then `load_joined`). Errors leave the engine's weights as they were: `FileNotFoundError`
     (version not there), `ValueError` (bad uri, checksum, manifest), `TimeoutError` (no trainer).
     """
     if parse_uri(uri).scheme == "nccl":
-        from staleness.broadcast import forget_group, join_broadcast  # they build on this module
-
         if epoch is None:
             raise ValueError(f"weights {uri}: an nccl version is received during its sync: give its epoch")
-        link = await asyncio.to_thread(
-            join_broadcast, uri, epoch, version, engine.weight_receivers, timeout_s, engine.check_fits, member
-        )
-        try:
-            await engine.load_broadcast(link)
-        except BaseException:
-            forget_group(uri, link.member)  # the receivers may have lost the group: the next sync builds anew
-            raise
+        link = await join_version(engine, uri, version, epoch, timeout_s=timeout_s, member=member)
+        await load_joined(engine, link)
         return
     fetched = await asyncio.to_thread(fetch_weights, uri, version, redis_client)
     if isinstance(fetched, Path):

@@ -7,7 +7,9 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +20,7 @@ from pipeline.local import RedisServer, free_port
 from pipeline.wire import GENERATORS, Rollout
 from producers.client import Group, RolloutClient
 from staleness.manager import Manager, SyncError
+from staleness.state import read_state
 from tests.conftest import ENGINES_ON_BOTH_REDIS, StartWorker, wait_until
 from tests.reference import forward_logprobs
 
@@ -144,6 +147,44 @@ def test_with_nccl_a_late_worker_takes_no_work_until_the_next_broadcast(
     for rollout in rollouts:
         assert rollout.spans == [(2, 0, rollout.n_tokens)]
         check_spans_and_logprobs(rollout, {2: tiny_model_dir})
+
+
+def test_with_nccl_a_worker_generates_while_the_sync_waits_for_the_others_to_join(
+    redis_server: RedisServer, ns: str, tiny_model_dir: Path, tiny_model_dir_v1: Path, workers: StartWorker
+) -> None:
+    """A worker joins the broadcast (and builds its group) before it pauses: the wait for a late worker, and a new
+    group's setup, are not time it stands still. Its heartbeat's `stall_s` (pause to resume) says so."""
+    healthy = workers("healthy")
+    slow = workers("slow")
+    client = RolloutClient(redis_server.url, ns)
+    ids = [client.submit(tokens=[6 + i, 50, 51], n=2, max_tokens=400, seed=i) for i in range(40)]
+    wait_until(generating(client, 8), 60, "generation to start")
+    os.kill(slow.pid, signal.SIGSTOP)  # it answers the sync late
+    r, keys = client.streams.redis, client.streams.keys
+    with ThreadPoolExecutor(1) as pool:
+        sync = pool.submit(client.publish_weights, tiny_model_dir_v1, transport=f"nccl://127.0.0.1:{free_port()}")
+        wait_until(lambda: read_state(r, keys).paused, 30, "the sync to begin")
+        began = time.time()  # a heartbeat written after this one counts what came after the weights command
+        wait_until(lambda: float(r.hget(keys.worker("healthy"), "ts") or 0) > began + 0.35, 30, "a fresh heartbeat")
+        before = int(r.hget(keys.worker("healthy"), "generated_tokens") or 0)
+        wait_until(
+            lambda: int(r.hget(keys.worker("healthy"), "generated_tokens") or 0) > before + 50,
+            30,
+            "the healthy worker to generate while the sync waits for the stopped one",
+        )
+        assert r.hget(keys.worker("healthy"), "status") == b"serving" and read_state(r, keys).paused
+        os.kill(slow.pid, signal.SIGCONT)
+        assert sync.result(timeout=120) == 1
+    assert sorted(client.last_sync.acked) == ["healthy", "slow"] and client.last_broadcast is not None
+    wait_until(lambda: r.hget(keys.worker("healthy"), "status") == b"serving", 30, "the resume")
+    stall_s = float(r.hget(keys.worker("healthy"), "stall_s") or 0)
+    assert 0 < stall_s < client.last_sync.stall_s - client.last_broadcast.join_s, "it stood still while others joined"
+
+    rollouts = [r for g in client.collect(len(ids), timeout=240) for r in g.rollouts]
+    assert len({r.id for r in rollouts}) == len(rollouts) == 2 * len(ids)
+    for rollout in rollouts:
+        check_spans_and_logprobs(rollout, {0: tiny_model_dir, 1: tiny_model_dir_v1})
+    assert healthy.poll() is None and slow.poll() is None
 
 
 def test_a_worker_that_cannot_load_a_broadcast_stops_and_its_work_finishes_elsewhere(

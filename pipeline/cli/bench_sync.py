@@ -2,8 +2,11 @@
 
 For each model size and transport, one worker generates steadily while the trainer publishes a
 new version again and again. Each publish is timed in parts: `publish_s` (the tensors into the
-transport), `sync_s` (the manager's `weights` command to its `resume`: pause, load, ack) and
-`stall_s` (from the `publish_weights` call until the worker reports it serves the new version).
+transport), `sync_s` (the manager's `weights` command to its `resume`: join, pause, load, ack),
+`publish_to_serving_s` (from the `publish_weights` call until the worker reports it serves the new
+version) and `stall_s`, the time the worker stood still: from its pause to its resume, as its heartbeat
+reports it. With nccl a worker joins the broadcast, and builds its group, before it pauses, so the
+join and a new group's setup count in `sync_s` but not in `stall_s`.
 The trainer holds both versions in memory (on `trainer_device`), as a training loop would.
 
 `nccl` also reports the broadcast's own figures (`setup_s`, `broadcast_s`, `gb_per_s`) and, when both
@@ -106,7 +109,7 @@ def _measure(
     progress: Progress,
     task: Any,
 ) -> dict[str, Any]:
-    timings: dict[str, list[float]] = {"publish_s": [], "sync_s": [], "stall_s": []}
+    timings: dict[str, list[float]] = {"publish_s": [], "sync_s": [], "publish_to_serving_s": [], "stall_s": []}
     broadcasts: dict[str, list[float]] = {
         "join_s": [],
         "setup_s": [],
@@ -126,7 +129,10 @@ def _measure(
                 started = time.perf_counter()
                 version = client.publish_weights(weights[(r + 1) % 2], transport=transport, mode=mode)  # type: ignore[arg-type]
                 published = time.perf_counter()
-                while client.streams.redis.hmget(heartbeat, "status", "version") != [b"serving", str(version).encode()]:
+                while True:
+                    status, served, stall = client.streams.redis.hmget(heartbeat, "status", "version", "stall_s")
+                    if (status, served) == (b"serving", str(version).encode()):
+                        break
                     if worker.poll() is not None:
                         raise RuntimeError(f"the worker exited with code {worker.returncode}; its log: {log}")
                     time.sleep(0.001)
@@ -134,7 +140,8 @@ def _measure(
                 sync_s = client.last_sync.stall_s if client.last_sync else 0.0
                 timings["sync_s"].append(sync_s)
                 timings["publish_s"].append(published - started - sync_s)
-                timings["stall_s"].append(resumed - started)
+                timings["publish_to_serving_s"].append(resumed - started)
+                timings["stall_s"].append(float(stall or 0.0))
                 if transport.startswith("nccl://") and client.last_broadcast is not None:
                     stats = client.last_broadcast
                     broadcasts["join_s"].append(stats.join_s)
@@ -153,7 +160,7 @@ def summarize(rounds: dict[str, list[float]]) -> dict[str, Any]:
     later = {name: values[1:] or values for name, values in rounds.items() if values}
     summary = {name: round(statistics.median(values), 4) for name, values in later.items()}
     summary |= {f"first_{name}": round(values[0], 4) for name, values in rounds.items() if values}
-    for name in ("stall_s", "setup_s"):
+    for name in ("stall_s", "publish_to_serving_s", "setup_s"):
         if rounds.get(name):
             summary[f"{name}_rounds"] = [round(v, 4) for v in rounds[name]]
     return summary
@@ -214,7 +221,7 @@ def plot_bench_sync(result: dict[str, Any], path: Path) -> None:
     ax.set_xscale("log")
     ax.set_xlabel("weights (MiB, fp32)")
     ax.set_ylabel("stall (s, median)")
-    ax.set_title(f"{result['engine']} worker: publish_weights → generating again ({result['mode']})")
+    ax.set_title(f"{result['engine']} worker: how long it stood still in a sync ({result['mode']})")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
