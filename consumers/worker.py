@@ -461,8 +461,15 @@ class Worker:
     # -- upkeep: heartbeat, keep own work, rehome departed inboxes, trim -------------------------
 
     async def _upkeep(self) -> None:
+        """Every heartbeat period: heartbeat, keep own work, rehome departed inboxes, trim.
+
+        The first period is a random fraction of one and every later one is jittered by ±10 %: workers started
+        together (a fleet, a restart after a Redis outage) would otherwise beat in phase, and 1,000 of them send
+        Redis a burst of ~3,000 commands at the same instant every period, which every publish then queues behind.
+        """
         last_trim = 0.0
         last_tokens, last_time = 0, time.monotonic()
+        first = True
         while True:
             now = time.monotonic()
             self._tokens_per_s = (self.generated_tokens - last_tokens) / max(now - last_time, 1e-6)
@@ -483,7 +490,9 @@ class Worker:
                         await asyncio.to_thread(self.streams.trim_consumed, stream)
             except Exception:
                 log.exception("%s: upkeep failed; retrying", self.name)
-            await asyncio.sleep(self.settings.heartbeat_s)
+            period = self.settings.heartbeat_s
+            await asyncio.sleep(period * (random.random() if first else random.uniform(0.9, 1.1)))
+            first = False
 
     async def _beat(self) -> int:
         """Write the heartbeat; returns the size of the fleet on the registry."""

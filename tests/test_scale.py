@@ -35,6 +35,10 @@ def test_fifty_workers_publish_at_the_rate_asked_and_take_every_sync(tmp_path: P
     assert row["publish_ms_probe"]["count"] >= 1
     # The pinger publishes beside the fleet every 20 ms: enough publishes for a p99 that is not one publish.
     assert row["publish_ms_ping"]["count"] > 100 and 0 < row["publish_ms_ping"]["p50"] <= row["publish_ms_ping"]["p99"]
+    # ... in a process of its own, its publishes told apart by whether a weight sync was under way.
+    during, between = row["publish_ms_ping_during_syncs"], row["publish_ms_ping_between_syncs"]
+    assert during["count"] > 0 and between["count"] > 0
+    assert during["count"] + between["count"] == row["publish_ms_ping"]["count"]
     assert 0 < row["publish_ms_client"]["p50"] <= row["publish_ms_client"]["p99"]
     assert report["redis"].startswith("redis-server 7") and row["publish_ms_server"]["p99"] > 0
     # Every sync reached all 50 workers: none evicted, none failed.

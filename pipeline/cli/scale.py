@@ -141,6 +141,8 @@ class Syncer(threading.Thread):
         self.url, self.ns, self.every_s, self.weights_dir = url, ns, every_s, weights_dir
         self.reports: list[tuple[float, float, int, int]] = []
         """(monotonic time it began, stall seconds, workers acked, workers evicted)."""
+        self.windows: list[tuple[float, float]] = []
+        """(wall time it began, wall time it ended) of every sync: to tell publishes made during one apart."""
         self.failure: str | None = None
         self._halt = threading.Event()
 
@@ -153,11 +155,12 @@ class Syncer(threading.Thread):
         weights = {"w": torch.zeros(1)}
         try:
             while not self._halt.wait(self.every_s):
-                began = time.monotonic()
+                began, began_wall = time.monotonic(), time.time()
                 client.publish_weights(weights, transport=f"fs://{self.weights_dir}", mode="abort")
                 sync = client.last_sync
                 if sync is not None:
                     self.reports.append((began, sync.stall_s, len(sync.acked), len(sync.evicted)))
+                    self.windows.append((began_wall, time.time()))
         except Exception as exc:  # reported in the result
             self.failure = f"{type(exc).__name__}: {exc}"
         finally:
@@ -170,9 +173,10 @@ class Syncer(threading.Thread):
 
 class Pinger(threading.Thread):
     """A publish every `every_s` on a namespace of its own beside the fleet's (`{ns}ping`): a group of `n` rollouts
-    of `tokens` through the publish script with its prompt's ack, timed, from a thread with nothing else to do. What
-    Redis makes a publish wait under the fleet's load, over hundreds of publishes a window (the probe worker makes
-    15-20). Its rollouts are trimmed away as it goes, so it adds little to Redis's memory."""
+    of `tokens` through the publish script with its prompt's ack, timed. What Redis makes a publish wait under the
+    fleet's load, over hundreds of publishes a window (the probe worker makes 15-20). Its rollouts are trimmed away
+    as it goes, so it adds little to Redis's memory. `rollouts scale` runs it in a process of its own
+    (`rollouts scale-ping`), so that no GIL of the trainer's decoding or the fleet's workers is in its figures."""
 
     def __init__(self, url: str, ns: str, n: int, tokens: int, every_s: float = PING_EVERY_S) -> None:
         super().__init__(name="scale-pinger", daemon=True)
@@ -202,9 +206,43 @@ class Pinger(threading.Thread):
         finally:
             streams.redis.close()
 
-    def stop(self) -> None:
+    def halt(self) -> None:
+        """Make `run` return after the publish under way (safe from a signal handler)."""
         self._halt.set()
+
+    def stop(self) -> None:
+        self.halt()
         self.join(timeout=30)
+
+
+@app.command("scale-ping", hidden=True)
+def scale_ping(
+    redis_url: Annotated[str, typer.Option("--redis")],
+    ns: Annotated[str, typer.Option()],
+    out: Annotated[Path, typer.Option()],
+    n: Annotated[int, typer.Option()] = 4,
+    tokens: Annotated[int, typer.Option()] = 1024,
+    every_s: Annotated[float, typer.Option()] = PING_EVERY_S,
+) -> None:
+    """Run a `Pinger` until SIGTERM, then write its publishes to `--out` as JSON (see `rollouts scale`)."""
+    pinger = Pinger(redis_url, ns, n, tokens, every_s)
+    signal.signal(signal.SIGTERM, lambda *_: pinger.halt())
+    pinger.run()  # in this thread: returns once SIGTERM sets the halt
+    out.write_text(json.dumps({"publishes": pinger.publishes}))
+
+
+def start_pinger(url: str, ns: str, load: Load, tmp: Path) -> tuple[subprocess.Popen[bytes], Path]:
+    out = tmp / f"ping{load.workers}.json"
+    args = ["scale-ping", "--redis", url, "--ns", ns, "--out", str(out), "--n", str(load.n)]
+    return start_command(*args, "--tokens", str(load.tokens), log_file=tmp / f"ping{load.workers}.log"), out
+
+
+def stop_pinger(pinger: tuple[subprocess.Popen[bytes], Path]) -> list[tuple[float, float]]:
+    process, out = pinger
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+    stop_process(process, timeout_s=30)
+    return [(float(t), float(ms)) for t, ms in json.loads(out.read_text())["publishes"]] if out.exists() else []
 
 
 def start_fleet(url: str, ns: str, load: Load, tmp: Path) -> list[tuple[subprocess.Popen[bytes], Path]]:
@@ -287,7 +325,8 @@ def run_size(console: Console, url: str, load: Load, tmp: Path) -> dict[str, Any
     fleet = start_fleet(url, ns, load, tmp)
     sampler: Sampler | None = None
     syncer: Syncer | None = None
-    pinger: Pinger | None = None
+    pinger: tuple[subprocess.Popen[bytes], Path] | None = None
+    pings: list[tuple[float, float]] = []
     try:
         client = RolloutClient(url, ns)
         wait_for_fleet(client, load, fleet)
@@ -296,8 +335,7 @@ def run_size(console: Console, url: str, load: Load, tmp: Path) -> dict[str, Any
         syncer = Syncer(url, ns, load.sync_every_s, tmp / f"weights{load.workers}")
         sampler = Sampler(url, [p.pid for p, _ in fleet], load.sample_s)
         syncer.start()
-        pinger = Pinger(url, ns, load.n, load.tokens)
-        pinger.start()
+        pinger = start_pinger(url, ns, load, tmp)
         began = time.monotonic()
         measuring = began + load.warmup_s
         end = float("inf")
@@ -335,13 +373,28 @@ def run_size(console: Console, url: str, load: Load, tmp: Path) -> dict[str, Any
         if syncer is not None:
             syncer.stop()
         if pinger is not None:
-            pinger.stop()
+            pings = stop_pinger(pinger)
         if sampler is not None and sampler.is_alive():
             sampler.stop()
         publishes = stop_fleet(fleet)
     return summarise(load, marks, sampler.readings, syncer, publishes, latency, stats, tally, own_cpu) | {
         "redis_top_commands": commands,
-        "publish_ms_ping": _percentiles([ms for t, ms in pinger.publishes if marks["wall"] <= t <= marks["end_wall"]]),
+        **ping_latency(pings, syncer.windows, marks["wall"], marks["end_wall"]),
+    }
+
+
+def ping_latency(
+    pings: list[tuple[float, float]], syncs: list[tuple[float, float]], start: float, end: float
+) -> dict[str, Any]:
+    """The pinger's publishes in the window: all of them, and those made while a weight sync was under way (from its
+    `publish_weights` call to its return) apart from the rest, which says how much of the tail the syncs make."""
+    timed = [(t, ms) for t, ms in pings if start <= t <= end]
+    during = [ms for t, ms in timed if any(a <= t <= b for a, b in syncs)]
+    outside = [ms for t, ms in timed if not any(a <= t <= b for a, b in syncs)]
+    return {
+        "publish_ms_ping": _percentiles([ms for _, ms in timed]),
+        "publish_ms_ping_during_syncs": _percentiles(during),
+        "publish_ms_ping_between_syncs": _percentiles(outside),
     }
 
 
