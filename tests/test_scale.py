@@ -50,3 +50,12 @@ def test_fifty_workers_publish_at_the_rate_asked_and_take_every_sync(tmp_path: P
     top = {c["command"]: c for c in row["redis_top_commands"]}
     assert "evalsha" in top and top["evalsha"]["calls_per_s"] > 0 and top["evalsha"]["usec_per_call"] > 0
     assert plot.stat().st_size > 10_000
+
+
+def test_bad_lengths_say_what_to_fix() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "scale", "--lengths", "uniform:9-3"], capture_output=True, text=True
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 2 and "Traceback" not in output, output
+    assert "--lengths" in output and "uniform:LOW-HIGH (1 <= LOW <= HIGH)" in output, output

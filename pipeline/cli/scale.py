@@ -74,11 +74,14 @@ class Load:
     sync_every_s: float
     sample_s: float = 1.0
     batch_groups: int = 16
+    lengths: str = "max"
+    """The synthetic engine's lengths (`max`: every sample `tokens` long, so a fleet finishes in lockstep;
+    `uniform:LOW-HIGH`, `pareto:ALPHA`: varied, capped at `tokens`)."""
 
     @property
     def engine_args(self) -> dict[str, Any]:
         """A synthetic engine that finishes `rate` rollouts/s: `max_inflight` samples, `tokens` each, at once."""
-        return {"steps_per_s": self.rate * self.tokens / self.max_inflight, "lengths": "max",
+        return {"steps_per_s": self.rate * self.tokens / self.max_inflight, "lengths": self.lengths,
                 "max_batch": self.max_inflight}  # fmt: skip
 
 
@@ -535,6 +538,9 @@ def scale(
     warmup_s: Annotated[float, typer.Option(min=0, help="Seconds before measuring, per size.")] = 10.0,
     measure_s: Annotated[float, typer.Option(min=1, help="Seconds measured, per size.")] = 30.0,
     sync_every_s: Annotated[float, typer.Option(min=0.5, help="Seconds between weight syncs.")] = 5.0,
+    lengths: Annotated[
+        str, typer.Option(help="Sample lengths: max (all --tokens long), uniform:LOW-HIGH or pareto:ALPHA (capped).")
+    ] = "max",
     plot: Annotated[Path | None, typer.Option(help="Draw latency, stall and CPU against fleet size here.")] = None,
 ) -> None:
     """Many workers on one Redis at realistic rates: publish latency, sync stall, Redis CPU and memory; JSON out."""
@@ -544,7 +550,13 @@ def scale(
         fail(f"--workers must be comma-separated integers, not {workers!r}")
     if any(s < 1 for s in sizes):
         fail("every fleet size must be at least 1")
-    base = Load(0, rate, tokens, n, max_inflight, procs, warmup_s, measure_s, sync_every_s)
+    from consumers.synthetic_engine import parse_lengths
+
+    try:
+        parse_lengths(lengths, 1)
+    except ValueError as exc:
+        fail(f"--lengths: {exc}")
+    base = Load(0, rate, tokens, n, max_inflight, procs, warmup_s, measure_s, sync_every_s, lengths=lengths)
     with user_errors():
         try:
             result = run_scale(console, sizes, base)
