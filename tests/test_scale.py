@@ -52,10 +52,14 @@ def test_fifty_workers_publish_at_the_rate_asked_and_take_every_sync(tmp_path: P
     assert plot.stat().st_size > 10_000
 
 
-def test_bad_lengths_say_what_to_fix() -> None:
+def test_bad_lengths_and_pause_modes_say_what_to_fix() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "pipeline.cli", "scale", "--lengths", "uniform:9-3"], capture_output=True, text=True
     )
     output = result.stdout + result.stderr
     assert result.returncode == 2 and "Traceback" not in output, output
     assert "--lengths" in output and "uniform:LOW-HIGH (1 <= LOW <= HIGH)" in output, output
+    result = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "scale", "--pause-mode", "hold"], capture_output=True, text=True
+    )
+    assert result.returncode == 2 and "--pause-mode must be abort or keep, not 'hold'" in result.stderr, result.stderr

@@ -74,6 +74,8 @@ class Load:
     sync_every_s: float
     sample_s: float = 1.0
     batch_groups: int = 16
+    pause_mode: str = "abort"
+    """How workers pause for a sync: `abort` (in-flight samples go back as partials) or `keep`."""
     lengths: str = "max"
     """The synthetic engine's lengths (`max`: every sample `tokens` long, so a fleet finishes in lockstep;
     `uniform:LOW-HIGH`, `pareto:ALPHA`: varied, capped at `tokens`)."""
@@ -139,9 +141,9 @@ class Sampler(threading.Thread):
 class Syncer(threading.Thread):
     """Publishes weights every `every_s` through its own client, as a trainer's step would, and keeps the reports."""
 
-    def __init__(self, url: str, ns: str, every_s: float, weights_dir: Path) -> None:
+    def __init__(self, url: str, ns: str, every_s: float, weights_dir: Path, mode: str = "abort") -> None:
         super().__init__(name="scale-syncer", daemon=True)
-        self.url, self.ns, self.every_s, self.weights_dir = url, ns, every_s, weights_dir
+        self.url, self.ns, self.every_s, self.weights_dir, self.mode = url, ns, every_s, weights_dir, mode
         self.reports: list[tuple[float, float, int, int]] = []
         """(monotonic time it began, stall seconds, workers acked, workers evicted)."""
         self.windows: list[tuple[float, float]] = []
@@ -159,7 +161,7 @@ class Syncer(threading.Thread):
         try:
             while not self._halt.wait(self.every_s):
                 began, began_wall = time.monotonic(), time.time()
-                client.publish_weights(weights, transport=f"fs://{self.weights_dir}", mode="abort")
+                client.publish_weights(weights, transport=f"fs://{self.weights_dir}", mode=self.mode)  # type: ignore[arg-type]
                 sync = client.last_sync
                 if sync is not None:
                     self.reports.append((began, sync.stall_s, len(sync.acked), len(sync.evicted)))
@@ -335,7 +337,7 @@ def run_size(console: Console, url: str, load: Load, tmp: Path) -> dict[str, Any
         wait_for_fleet(client, load, fleet)
         producer = Producer(client, prompts, load.n, load.tokens, window)
         tally = Tally(prompts, load.n, load.tokens)
-        syncer = Syncer(url, ns, load.sync_every_s, tmp / f"weights{load.workers}")
+        syncer = Syncer(url, ns, load.sync_every_s, tmp / f"weights{load.workers}", load.pause_mode)
         sampler = Sampler(url, [p.pid for p, _ in fleet], load.sample_s)
         syncer.start()
         pinger = start_pinger(url, ns, load, tmp)
@@ -541,6 +543,7 @@ def scale(
     lengths: Annotated[
         str, typer.Option(help="Sample lengths: max (all --tokens long), uniform:LOW-HIGH or pareto:ALPHA (capped).")
     ] = "max",
+    pause_mode: Annotated[str, typer.Option(help="How workers pause for a sync: abort or keep.")] = "abort",
     plot: Annotated[Path | None, typer.Option(help="Draw latency, stall and CPU against fleet size here.")] = None,
 ) -> None:
     """Many workers on one Redis at realistic rates: publish latency, sync stall, Redis CPU and memory; JSON out."""
@@ -552,11 +555,26 @@ def scale(
         fail("every fleet size must be at least 1")
     from consumers.synthetic_engine import parse_lengths
 
+    if pause_mode not in ("abort", "keep"):
+        fail(f"--pause-mode must be abort or keep, not {pause_mode!r}")
+
     try:
         parse_lengths(lengths, 1)
     except ValueError as exc:
         fail(f"--lengths: {exc}")
-    base = Load(0, rate, tokens, n, max_inflight, procs, warmup_s, measure_s, sync_every_s, lengths=lengths)
+    base = Load(
+        0,
+        rate,
+        tokens,
+        n,
+        max_inflight,
+        procs,
+        warmup_s,
+        measure_s,
+        sync_every_s,
+        pause_mode=pause_mode,
+        lengths=lengths,
+    )
     with user_errors():
         try:
             result = run_scale(console, sizes, base)
