@@ -28,27 +28,20 @@ from consumers.tiny_model import build_tiny_model
 from consumers.torch_engine import TorchEngine
 from consumers.worker import Worker, WorkerSettings
 from pipeline.cli.bench import _direct_round, _pipeline_round, make_prompts
+from pipeline.cli.scale import cpu_seconds
 from pipeline.connections import connect
 from pipeline.local import RedisServer
 from pipeline.streams import Streams
 from producers.client import RolloutClient
 
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_of(stat_path: str) -> float:
-    """utime + stime of a process or thread, in seconds, from its /proc stat file."""
-    with open(stat_path) as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
-
 
 def threads_cpu() -> dict[str, float]:
+    """CPU seconds of every thread of this process, by name and thread id."""
     out = {}
     for tid in os.listdir("/proc/self/task"):
         try:
             with open(f"/proc/self/task/{tid}/comm") as f:
-                out[f"{f.read().strip()}-{tid}"] = cpu_of(f"/proc/self/task/{tid}/stat")
+                out[f"{f.read().strip()}-{tid}"] = cpu_seconds("self", int(tid))
         except OSError:
             continue  # a thread that ended meanwhile
     return out
@@ -115,14 +108,14 @@ def main() -> None:
             for side in ("direct", "pipeline") if r % 2 == 0 else ("pipeline", "direct"):
                 probe = probes[side]
                 before, probe.first_start = probe.snapshot(), None
-                cpu0, redis0 = threads_cpu(), cpu_of(f"/proc/{server.process.pid}/stat")
+                cpu0, redis0 = threads_cpu(), cpu_seconds(server.process.pid)
                 submitted = time.perf_counter()
                 if side == "direct":
                     took, _ = loop.run_until_complete(_direct_round(direct, batch))
                 else:
                     took, _ = _pipeline_round(client, batch)
                 done = time.perf_counter()
-                cpu1, redis1 = threads_cpu(), cpu_of(f"/proc/{server.process.pid}/stat")
+                cpu1, redis1 = threads_cpu(), cpu_seconds(server.process.pid)
                 steps, prefills, step_s = (a - b for a, b in zip(probe.snapshot(), before, strict=True))
                 row: dict[str, Any] = {"round": r, "side": side, "seconds": round(took, 4), "steps": steps}
                 row |= {"prefills": prefills, "in_steps_s": round(step_s, 4)}

@@ -196,21 +196,26 @@ class Streams:
                 _append_fields(args, partial.to_fields())
             _append_rollouts(args, publish.rollouts)
             calls.append((keys, args))
-        results = self._run_publish(calls)
-        unknown = [i for i, result in enumerate(results) if isinstance(result, redis.exceptions.NoScriptError)]
-        if unknown:  # Redis restarted or its scripts were flushed: those ran nothing, so they can run again
-            self._publish.sha = self.redis.script_load(self._publish.script)
-            for i, result in zip(unknown, self._run_publish([calls[i] for i in unknown]), strict=True):
-                results[i] = result
-        return [r if isinstance(r, Exception) else int(r) for r in results]
+        return [r if isinstance(r, Exception) else int(r) for r in self._run_publish(calls)]
 
     def _run_publish(self, calls: list[tuple[list[str], list[Any]]]) -> list[Any]:
         """The publish script by its SHA, once per call, in one pipeline (not redis-py's pipelined `Script`, which
-        asks `SCRIPT EXISTS` in a round trip of its own before every pipeline)."""
-        pipe = self.redis.pipeline(transaction=False)
-        for keys, args in calls:
-            pipe.evalsha(self._publish.sha, len(keys), *keys, *args)
-        return pipe.execute(raise_on_error=False)
+        asks `SCRIPT EXISTS` in a round trip of its own before every pipeline); each call's reply or its error.
+        Every publish goes through here: worker batches, replay and the gateway's finished sessions."""
+
+        def send(batch: list[tuple[list[str], list[Any]]]) -> list[Any]:
+            pipe = self.redis.pipeline(transaction=False)
+            for keys, args in batch:
+                pipe.evalsha(self._publish.sha, len(keys), *keys, *args)
+            return pipe.execute(raise_on_error=False)
+
+        results = send(calls)
+        unknown = [i for i, result in enumerate(results) if isinstance(result, redis.exceptions.NoScriptError)]
+        if unknown:  # Redis restarted or its scripts were flushed: those ran nothing, so they can run again
+            self._publish.sha = self.redis.script_load(self._publish.script)
+            for i, result in zip(unknown, send([calls[i] for i in unknown]), strict=True):
+                results[i] = result
+        return results
 
     def dedupe_buckets(self, now: float | None = None) -> tuple[list[str], int]:
         """The dedupe hashes a publish checks (oldest first, the current one last), and the current one's expiry.
@@ -366,7 +371,10 @@ class Streams:
         keys = [self.keys.rollouts, self.keys.rollouts, self.keys.partials, *buckets]
         args: list[Any] = [GENERATORS, "", expiry_s, 0]  # no source entry to ack, no partials
         _append_rollouts(args, rollouts)
-        return int(self._publish(keys=keys, args=args))
+        (result,) = self._run_publish([(keys, args)])
+        if isinstance(result, Exception):
+            raise result
+        return int(result)
 
     def _read_group(
         self, stream: str, group: str, consumer: str, count: int, block_ms: int | None, start: str | bytes

@@ -37,4 +37,4 @@ async def wait_until_async(predicate: Callable[[], bool], timeout: float = 30.0)
     deadline = asyncio.get_running_loop().time() + timeout
     while not predicate():
         assert asyncio.get_running_loop().time() < deadline, "condition not met before the deadline"
-        await asyncio.sleep(0.002)
+        await asyncio.sleep(0.002)  # the poll interval of this deadline wait, not a wait on its own

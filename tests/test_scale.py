@@ -18,7 +18,7 @@ WORKERS = 50
 def test_fifty_workers_publish_at_the_rate_asked_and_take_every_sync(tmp_path: Path) -> None:
     plot = tmp_path / "scale.png"
     args = ["--workers", str(WORKERS), "--rate", "2", "--procs", "1", "--warmup-s", "2", "--measure-s", "5"]
-    args += ["--sync-every-s", "1.5", "--plot", str(plot)]
+    args += ["--sync-every-s", "1.5", "--lengths", "uniform:900-1024", "--plot", str(plot)]
     result = subprocess.run(
         [sys.executable, "-m", "pipeline.cli", "scale", *args], capture_output=True, text=True, timeout=180
     )
@@ -27,6 +27,7 @@ def test_fifty_workers_publish_at_the_rate_asked_and_take_every_sync(tmp_path: P
     (row,) = report["sizes"]
 
     assert row["workers"] == WORKERS and row["asked_rollouts_per_s"] == 100
+    assert report["load"]["pause_mode"] == "abort" and report["load"]["engine_args"]["lengths"] == "uniform:900-1024"
     assert row["redis_clients"] > WORKERS, "each worker has connections of its own"
     assert 0.5 * row["asked_rollouts_per_s"] < row["rollouts_per_s"] < 1.5 * row["asked_rollouts_per_s"]
     assert row["delivery"] == {"duplicates": 0, "dead": 0, "malformed_groups": 0}

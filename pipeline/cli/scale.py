@@ -98,10 +98,12 @@ class Readings:
     clients: list[int] = field(default_factory=list)
 
 
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process (Linux `/proc/PID/stat`), 0 once it is gone."""
+def cpu_seconds(pid: int | str, tid: int | None = None) -> float:
+    """utime + stime of a process (Linux `/proc/PID/stat`), or of one of its threads (`/proc/PID/task/TID/stat`),
+    0 once it is gone. `pid` may be `"self"`."""
+    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
     try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
+        with open(path, encoding="ascii") as stat:
             fields = stat.read().rpartition(")")[2].split()
     except (FileNotFoundError, ProcessLookupError):
         return 0.0
@@ -336,7 +338,7 @@ def run_size(console: Console, url: str, load: Load, tmp: Path) -> dict[str, Any
         client = RolloutClient(url, ns)
         wait_for_fleet(client, load, fleet)
         producer = Producer(client, prompts, load.n, load.tokens, window)
-        tally = Tally(prompts, load.n, load.tokens)
+        tally = Tally(prompts, load.n, load.tokens, exact=load.lengths == "max")
         syncer = Syncer(url, ns, load.sync_every_s, tmp / f"weights{load.workers}", load.pause_mode)
         sampler = Sampler(url, [p.pid for p, _ in fleet], load.sample_s)
         syncer.start()

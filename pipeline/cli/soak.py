@@ -56,6 +56,7 @@ from pipeline.top import snapshot
 if TYPE_CHECKING:
     from rich.console import Console
 
+    from pipeline.wire import Rollout
     from producers.client import Group, RolloutClient
 
 NS = "soak"
@@ -179,11 +180,13 @@ class Producer:
 
 @dataclass
 class Tally:
-    """What the trainer was handed: each prompt's group once, whole, with the tokens asked for."""
+    """What the trainer was handed: each prompt's group once, whole, with the tokens asked for (`exact`: every
+    sample `tokens` long; otherwise at most that, ended by its length or by an eos)."""
 
     prompts: int
     n: int
     tokens: int
+    exact: bool = True
     seen: bytearray = field(init=False)
     """One byte per prompt (no growing set: this process's RSS is one of the things measured)."""
     groups: int = 0
@@ -200,8 +203,14 @@ class Tally:
         self.seen[index] = 1
         self.groups += 1
         whole = [r.sample for r in group.rollouts] == list(range(self.n))
-        if not whole or any(r.n_tokens != self.tokens or r.finish_reason != "length" for r in group.rollouts):
+        if not whole or not all(self._as_asked(r) for r in group.rollouts):
             self.malformed += 1
+
+    def _as_asked(self, rollout: Rollout) -> bool:
+        if self.exact:
+            return rollout.n_tokens == self.tokens and rollout.finish_reason == "length"
+        full = rollout.finish_reason == "length" and rollout.n_tokens == self.tokens
+        return 0 < rollout.n_tokens <= self.tokens and (full or rollout.finish_reason == "stop")
 
 
 # -- the run ---------------------------------------------------------------------------------------
