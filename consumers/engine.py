@@ -58,12 +58,42 @@ class Engine(Protocol):
     vocab_size: int
     weight_receivers: int
     """Processes that hold the weights and each take a rank in an nccl broadcast."""
+    max_loras: int
+    """LoRA adapters it holds at once (0: it serves the base model only)."""
 
     async def start(self) -> None: ...
 
-    async def generate(self, request_id: str, prompt_tokens: np.ndarray, sampling: Sampling) -> Generation:
-        """Generate one sample. Raises `EngineInputError` for a request it cannot serve."""
+    async def generate(
+        self, request_id: str, prompt_tokens: np.ndarray, sampling: Sampling, adapter: str | None = None
+    ) -> Generation:
+        """Generate one sample, under LoRA `adapter` if given (it must be loaded: `load_adapter`); its spans are
+        then in that adapter's versions. A request of a paused adapter waits until `resume_adapter`. Raises
+        `EngineInputError` for a request it cannot serve (an adapter that is not loaded among them)."""
         ...
+
+    def adapters(self) -> dict[str, int]:
+        """The adapters loaded now, name -> version."""
+        ...
+
+    async def load_adapter(
+        self, name: str, tensors: Mapping[str, Any], config: Mapping[str, Any], version: int
+    ) -> None:
+        """Load LoRA adapter `name` at `version` (PEFT tensor names and `adapter_config.json` fields: `r`,
+        `lora_alpha`, `target_modules`), or replace the one of that name in place. Raises `ValueError` saying
+        what is wrong (tensors that do not fit the model, every one of `max_loras` slots taken), loading nothing."""
+        ...
+
+    async def remove_adapter(self, name: str) -> None:
+        """Free adapter `name`'s slot; `ValueError` while requests of it are in flight."""
+        ...
+
+    async def pause_adapter(self, name: str, mode: PauseMode) -> None:
+        """Stop generating for adapter `name` only; returns once no step runs with it. `abort`: its requests end
+        now with the tokens so far (`finish_reason="abort"`); `keep`: they stay, frozen, and go on after
+        `resume_adapter`. Either way new requests of it wait. Other adapters and the base model go on."""
+        ...
+
+    async def resume_adapter(self, name: str) -> None: ...
 
     async def abort(self, request_ids: list[str]) -> None:
         """End these requests now; their `generate` calls return the tokens so far with `abort`."""
@@ -115,6 +145,39 @@ class EngineLifecycle:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.shutdown()
+
+
+class ServesNoAdapters:
+    """The adapter half of `Engine` for an engine without LoRA support (`max_loras = 0`): the one copy.
+
+    Such an engine's `generate` refuses a request that names an adapter (`refuse_adapter`), so the worker turns it
+    into an error rollout that says so."""
+
+    name: str
+    max_loras = 0
+
+    def adapters(self) -> dict[str, int]:
+        return {}
+
+    async def load_adapter(
+        self, name: str, tensors: Mapping[str, Any], config: Mapping[str, Any], version: int
+    ) -> None:
+        raise ValueError(f"the {self.name} engine serves no LoRA adapters")
+
+    async def remove_adapter(self, name: str) -> None:
+        return None
+
+    async def pause_adapter(self, name: str, mode: PauseMode) -> None:
+        return None  # it runs no request of any adapter
+
+    async def resume_adapter(self, name: str) -> None:
+        return None
+
+
+def refuse_adapter(engine: str, adapter: str | None) -> None:
+    """`EngineInputError` for a request under an adapter on an engine that serves none."""
+    if adapter is not None:
+        raise EngineInputError(f"the {engine} engine serves no LoRA adapters (asked for adapter {adapter!r})")
 
 
 @dataclass(frozen=True)

@@ -36,8 +36,10 @@ from consumers.engine import (
     EngineLifecycle,
     Generation,
     PauseMode,
+    ServesNoAdapters,
     check_request,
     read_model_limits,
+    refuse_adapter,
 )
 from pipeline.wire import FinishReason, Sampling, Span
 
@@ -65,7 +67,7 @@ class _Run:
         return min(len(self.tokens), self.done + running)
 
 
-class SyntheticEngine(EngineLifecycle):
+class SyntheticEngine(ServesNoAdapters, EngineLifecycle):
     name = "synthetic"
     weight_receivers = 1
 
@@ -114,7 +116,10 @@ class SyntheticEngine(EngineLifecycle):
 
     # -- requests --------------------------------------------------------------------------------
 
-    async def generate(self, request_id: str, prompt_tokens: np.ndarray, sampling: Sampling) -> Generation:
+    async def generate(
+        self, request_id: str, prompt_tokens: np.ndarray, sampling: Sampling, adapter: str | None = None
+    ) -> Generation:
+        refuse_adapter(self.name, adapter)
         prompt = np.asarray(prompt_tokens)
         check_request(prompt, sampling, self.max_model_len, self.vocab_size)
         if self._closed:

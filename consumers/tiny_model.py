@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import torch
     from transformers import PreTrainedTokenizerFast
 
 PAD, BOS, EOS = "<|endoftext|>", "<|bos|>", "<|eos|>"
@@ -168,6 +170,108 @@ def _add_legacy_keys(config_path: Path) -> None:
     if "rope_theta" in rope:
         config.setdefault("rope_theta", rope["rope_theta"])
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def make_adapter(
+    model_dir: Path,
+    favoured: Sequence[int],
+    *,
+    rank: int = 4,
+    alpha: float = 8.0,
+    target_modules: Sequence[str] = ("o_proj", "down_proj"),
+    steps: int = 60,
+    seed: int = 0,
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Train a LoRA adapter of the model in `model_dir` that strongly prefers the `favoured` token ids.
+
+    Tests need adapters whose effect anyone can see: two adapters made with disjoint `favoured` sets
+    generate clearly different tokens, each mostly from its own set (the tests tell them apart by that),
+    and neither looks like the base model. Only the LoRA parameters train (plain torch, no peft: forward
+    hooks add `scale * B(A x)` to the target layers), with Adam for `steps` steps on random token
+    sequences, maximising the probability mass on `favoured` at every position; about a second on a CPU.
+    Returns PEFT-named float32 tensors and an `adapter_config.json`-style dict (`save_adapter` writes both).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from consumers.lora import is_target
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval().requires_grad_(False)
+    generator = torch.Generator().manual_seed(seed)
+    scale = alpha / rank
+    params: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    hooks = []
+    for path, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and is_target(path, tuple(target_modules)):
+            bound = 1.0 / module.in_features**0.5  # PEFT's init: A uniform (kaiming), B zero
+            a = ((torch.rand(rank, module.in_features, generator=generator) * 2 - 1) * bound).requires_grad_()
+            b = torch.zeros(module.out_features, rank, requires_grad=True)
+            params[path] = (a, b)
+            hooks.append(module.register_forward_hook(_lora_training_hook(a, b, scale)))
+    if not params:
+        raise ValueError(f"no nn.Linear of {model_dir} matches target_modules {list(target_modules)}")
+    try:
+        _train_towards(model, params, torch.tensor(sorted(set(favoured))), steps, generator)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    tensors = {}
+    for path, (a, b) in params.items():
+        tensors[f"base_model.model.{path}.lora_A.weight"] = a.detach().clone()
+        tensors[f"base_model.model.{path}.lora_B.weight"] = b.detach().clone()
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": rank,
+        "lora_alpha": alpha,
+        "target_modules": list(target_modules),
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "base_model_name_or_path": str(model_dir),
+    }
+    return tensors, config
+
+
+def _lora_training_hook(a: torch.Tensor, b: torch.Tensor, scale: float) -> Any:
+    """A forward hook adding the LoRA term out of place (autograd sees it)."""
+
+    def hook(module: torch.nn.Module, args: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
+        return output + scale * (args[0] @ a.T) @ b.T
+
+    return hook
+
+
+def _train_towards(
+    model: torch.nn.Module,
+    params: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    favoured: torch.Tensor,
+    steps: int,
+    generator: torch.Generator,
+) -> None:
+    """Adam on the LoRA params: loss = -log P(next token in `favoured`), averaged over every position."""
+    import torch
+
+    optimizer = torch.optim.Adam([t for pair in params.values() for t in pair], lr=0.02)
+    first = len(SPECIAL_TOKENS)  # ordinary tokens only: special ones never appear inside a text
+    for _ in range(steps):
+        ids = torch.randint(first, model.config.vocab_size, (16, 24), generator=generator)
+        logprobs = model(input_ids=ids).logits.log_softmax(-1)
+        loss = -logprobs[..., favoured].logsumexp(-1).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+
+def save_adapter(tensors: dict[str, torch.Tensor], config: dict[str, Any], out_dir: Path) -> Path:
+    """Write an adapter as PEFT (and vLLM's LoRA loader) read it: `adapter_model.safetensors` and
+    `adapter_config.json` in `out_dir`. Returns `out_dir`."""
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(out_dir / "adapter_model.safetensors"))
+    (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return out_dir
 
 
 if __name__ == "__main__":

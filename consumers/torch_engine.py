@@ -9,6 +9,11 @@ the thread resolves with `loop.call_soon_threadsafe`, so the event loop never wa
 
 Rows of one batch never influence each other's tokens: each request samples with its own
 `torch.Generator`, so a seeded request gives the same tokens alone or in any batch.
+
+LoRA adapters (up to `max_loras`, PEFT format, `consumers.lora`) are served side by side in one batch,
+as vLLM's multi-LoRA does: the base weights stay as they are, and during a model call that has rows of
+some adapter, forward hooks on the adapted `nn.Linear` layers add each row's own `scale * B(A x)`.
+Base rows get nothing added, and a step without adapter rows runs with no hook at all.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +43,7 @@ from consumers.engine import (
     check_request,
     read_model_limits,
 )
+from consumers.lora import LoraModule, ParsedAdapter, linear_shapes, module_types, parse_adapter
 from pipeline.wire import FinishReason, Sampling
 from staleness.broadcast import BroadcastLink, prepare_receiver, receive_broadcast
 
@@ -59,6 +65,8 @@ class _Request:
     seed: int
     """Fixes the row's sampling noise (see `sampling_noise`): its tokens do not depend on the other rows."""
     stop_ids: frozenset[int]
+    adapter: str | None = None
+    """The LoRA adapter it generates under (None: the base model)."""
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     spans: list[list[int]] = field(default_factory=list)
@@ -86,6 +94,14 @@ class _Request:
         )
 
 
+@dataclass(frozen=True, eq=False)
+class _Adapter:
+    """A loaded adapter: its version (what its rows' spans say) and its tensors on the engine's device."""
+
+    version: int
+    weights: ParsedAdapter
+
+
 class TorchEngine(EngineLifecycle):
     """The `Engine` protocol on a transformers causal LM (full attention models).
 
@@ -101,6 +117,7 @@ class TorchEngine(EngineLifecycle):
         num_threads: intra-op threads of the scheduler thread (set in that thread only). None: 1 for a
             model under 100M parameters on CPU, where thread sync costs more than it saves and, on a
             busy machine, spinning OpenMP threads make a step 30x slower; torch's default otherwise.
+        max_loras: LoRA adapters held at once (`load_adapter`); 0 serves the base model only.
     """
 
     name = "torch"
@@ -119,11 +136,15 @@ class TorchEngine(EngineLifecycle):
         seed: int | None = None,
         attn_implementation: str = "sdpa",
         num_threads: int | None = None,
+        max_loras: int = 4,
     ) -> None:
         from transformers import AutoConfig
 
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        if max_loras < 0:
+            raise ValueError(f"max_loras must be >= 0, got {max_loras}")
+        self.max_loras = max_loras
         self.model_dir = Path(model_dir)
         self.version = version
         self.dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
@@ -147,9 +168,11 @@ class TorchEngine(EngineLifecycle):
         self._start_lock = threading.Lock()
         # `_cv` guards the queue and flags (held for microseconds, also by the event loop);
         # `_step_lock` guards the model and the running batch (held by a whole step, never by the loop).
-        # Lock order: `_step_lock`, then `_cv`.
+        # Lock order: `_step_lock`, then `_cv`. Other threads take `_step_lock` through `_between_steps`.
         self._cv = threading.Condition()
         self._step_lock = threading.Lock()
+        self._step_lock_waiters = 0
+        """Threads waiting for `_step_lock` (under `_cv`): the scheduler lets them in before its next step."""
         self._waiting: collections.deque[_Request] = collections.deque()
         self._live: dict[str, _Request] = {}
         self._aborts: set[_Request] = set()
@@ -164,6 +187,13 @@ class TorchEngine(EngineLifecycle):
         self._mask: torch.Tensor | None = None
         self._stale = False
         """Weights changed under the running rows: their cache is recomputed before the next token."""
+        # Adapters: `_adapters` changes under both locks (read under either); `_paused_adapters` and `_held`
+        # (rows of adapters paused with "keep", out of the batch with their tokens) under `_cv`.
+        self._adapters: dict[str, _Adapter] = {}
+        self._paused_adapters: set[str] = set()
+        self._held: list[_Request] = []
+        self._linears: dict[str, torch.nn.Module] = {}
+        self._module_types: dict[str, str] = {}
         self.generated_tokens = 0
         """Tokens sampled since start (a counter for throughput metrics)."""
 
@@ -185,6 +215,8 @@ class TorchEngine(EngineLifecycle):
                 self.model_dir, dtype=self.dtype, attn_implementation=self.attn_implementation
             )
             model.to(self.device).eval().requires_grad_(False)
+            self._linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+            self._module_types = module_types(model)
             if self.num_threads is None and self.device.type == "cpu":
                 self.num_threads = 1 if sum(p.numel() for p in model.parameters()) < SMALL_MODEL_PARAMS else None
             self._model = model
@@ -203,6 +235,8 @@ class TorchEngine(EngineLifecycle):
             pending = list(self._live.values())
             self._live.clear()
             self._waiting.clear()
+            self._held = []
+            self._adapters.clear()
             self._rows = []
             self._cache = self._mask = None
             self._model = None
@@ -212,10 +246,16 @@ class TorchEngine(EngineLifecycle):
 
     # -- requests --------------------------------------------------------------------------------
 
-    async def generate(self, request_id: str, prompt_tokens: np.ndarray, sampling: Sampling) -> Generation:
-        """Generate one sample from `prompt_tokens`; raises `EngineInputError` for a request it cannot serve."""
+    async def generate(
+        self, request_id: str, prompt_tokens: np.ndarray, sampling: Sampling, adapter: str | None = None
+    ) -> Generation:
+        """Generate one sample from `prompt_tokens`, under LoRA `adapter` if given (its spans then carry the
+        adapter's versions); raises `EngineInputError` for a request it cannot serve. A request of a paused
+        adapter waits for `resume_adapter`."""
         prompt = np.asarray(prompt_tokens)
         check_request(prompt, sampling, self.max_model_len, self.vocab_size)
+        if adapter is not None and self.max_loras == 0:
+            raise EngineInputError(f"adapter {adapter!r} asked of an engine that serves no adapters (max_loras=0)")
         if self._thread is None:
             await self.start()
         loop = asyncio.get_running_loop()
@@ -227,12 +267,15 @@ class TorchEngine(EngineLifecycle):
             future=loop.create_future(),
             seed=sampling.seed if sampling.seed is not None else self._seeds.getrandbits(63),
             stop_ids=frozenset(sampling.stop_token_ids) | self._eos_ids,
+            adapter=adapter,
         )
         with self._cv:
             if self._closing:
                 raise EngineClosedError("the engine was shut down")
             if request_id in self._live:
                 raise EngineInputError(f"request id {request_id!r} is already in flight on this engine")
+            if adapter is not None and adapter not in self._adapters:
+                raise EngineInputError(f"adapter {adapter!r} is not loaded; loaded: {sorted(self._adapters)}")
             self._live[request_id] = req
             self._waiting.append(req)
             self._cv.notify_all()
@@ -263,7 +306,7 @@ class TorchEngine(EngineLifecycle):
 
     def _wait_step(self, abort_all: bool) -> None:
         """Take the step lock once (the step in progress ends), aborting everything on the way if asked."""
-        with self._step_lock:
+        with self._between_steps():
             if abort_all:
                 with self._cv:
                     self._aborts.update(self._live.values())
@@ -273,6 +316,106 @@ class TorchEngine(EngineLifecycle):
         """Continue decoding (requests kept by `pause("keep")` go on where they stopped)."""
         with self._cv:
             self._paused = False
+            self._cv.notify_all()
+
+    # -- LoRA adapters ---------------------------------------------------------------------------
+
+    def adapters(self) -> dict[str, int]:
+        """The adapters loaded now, name -> version."""
+        with self._cv:
+            return {name: a.version for name, a in self._adapters.items()}
+
+    async def load_adapter(
+        self, name: str, tensors: Mapping[str, Any], config: Mapping[str, Any], version: int
+    ) -> None:
+        """Load LoRA adapter `name` (PEFT tensors and config) at `version`, or replace the one of that name.
+
+        Checked against the model's Linear layers off the event loop before anything changes: a bad or
+        surplus adapter raises `ValueError` and loads nothing. Running rows of a replaced adapter go back
+        to the queue's front and are prefilled again under the new weights, so each token is of one version.
+        """
+        if self.max_loras == 0:
+            raise ValueError(f"this engine serves no adapters (max_loras=0); cannot load {name!r}")
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"an adapter's name must be a non-empty string, got {name!r}")
+        self._require_model()
+        with self._cv:
+            self._check_slot(name)
+        parsed = await asyncio.to_thread(self._parse_adapter, tensors, config)
+        await asyncio.to_thread(self._install_adapter, name, _Adapter(version, parsed))
+
+    def _parse_adapter(self, tensors: Mapping[str, Any], config: Mapping[str, Any]) -> ParsedAdapter:
+        parsed = parse_adapter(tensors, config, linear_shapes(self._model), modules=self._module_types)
+        return parsed.to(self.device, self.dtype)
+
+    def _check_slot(self, name: str) -> None:
+        """`ValueError` if `name` would need a slot and all are taken (caller holds `_cv`)."""
+        if name not in self._adapters and len(self._adapters) >= self.max_loras:
+            raise ValueError(
+                f"cannot load adapter {name!r}: all max_loras={self.max_loras} slots hold adapters "
+                f"{sorted(self._adapters)}; remove_adapter one first"
+            )
+
+    def _install_adapter(self, name: str, adapter: _Adapter) -> None:
+        """Put the adapter in its slot between two steps; a replaced adapter's running rows are prefilled again."""
+        with self._between_steps():
+            with self._cv:
+                self._check_slot(name)
+                replaced = name in self._adapters
+                self._adapters[name] = adapter
+            if replaced:
+                self._requeue([i for i, r in enumerate(self._rows) if r.adapter == name])
+        log.info("loaded adapter %r version %d (%d modules)", name, adapter.version, len(adapter.weights.modules))
+
+    async def remove_adapter(self, name: str) -> None:
+        """Free adapter `name`'s slot; `ValueError` while any request of it is waiting, running or held."""
+        await asyncio.to_thread(self._remove_adapter_sync, name)
+
+    def _remove_adapter_sync(self, name: str) -> None:
+        with self._between_steps(), self._cv:
+            if name not in self._adapters:
+                return
+            live = sorted(r.id for r in self._live.values() if r.adapter == name)
+            if live:
+                raise ValueError(
+                    f"adapter {name!r} has {len(live)} requests in flight ({live[:5]}); "
+                    "abort them (or pause_adapter(name, 'abort')) before removing it"
+                )
+            del self._adapters[name]
+
+    async def pause_adapter(self, name: str, mode: PauseMode) -> None:
+        """Stop generating for adapter `name` only (loaded or not); returns once no step runs with it.
+
+        `abort` ends its requests now (waiting, running or held) with their tokens so far; `keep` takes
+        its running rows out of the batch, tokens and spans kept, until `resume_adapter`. Either way its
+        new requests wait, without holding up the requests queued behind them.
+        """
+        if mode not in ("abort", "keep"):
+            raise ValueError(f"pause mode must be 'abort' or 'keep', got {mode!r}")
+        with self._cv:
+            self._paused_adapters.add(name)
+            self._cv.notify_all()
+        await asyncio.to_thread(self._pause_adapter_sync, name, mode == "abort")
+
+    def _pause_adapter_sync(self, name: str, abort: bool) -> None:
+        """Take the step lock once (no step of the adapter runs after it), ending or holding its rows."""
+        with self._between_steps():
+            if abort:
+                with self._cv:
+                    self._aborts.update(r for r in self._live.values() if r.adapter == name)
+                self._apply_aborts()
+                return
+            held = self._take_rows([i for i, r in enumerate(self._rows) if r.adapter == name])
+            with self._cv:
+                self._held.extend(held)
+
+    async def resume_adapter(self, name: str) -> None:
+        """Let adapter `name` generate again: its held rows go first, prefilled again under its weights of now."""
+        with self._cv:
+            self._paused_adapters.discard(name)
+            back = [r for r in self._held if r.adapter == name]
+            self._held = [r for r in self._held if r.adapter != name]
+            self._waiting.extendleft(reversed(back))
             self._cv.notify_all()
 
     async def load_weights(self, path: str, version: int) -> None:
@@ -342,7 +485,7 @@ class TorchEngine(EngineLifecycle):
         """Check names and shapes against the model, then copy in place between two steps (the one load path)."""
         self.check_fits({k: tuple(v.shape) for k, v in tensors.items()}, source)
         targets = self._model.state_dict()
-        with self._step_lock, torch.no_grad():
+        with self._between_steps(), torch.no_grad():
             for name, tensor in tensors.items():
                 targets[name].copy_(tensor)
             self.version = version
@@ -360,6 +503,8 @@ class TorchEngine(EngineLifecycle):
                 "waiting": len(self._waiting),
                 "generated_tokens": self.generated_tokens,
                 "version": self.version,
+                "adapters": len(self._adapters),
+                "held": len(self._held),
             }
 
     # -- scheduler thread ------------------------------------------------------------------------
@@ -370,7 +515,7 @@ class TorchEngine(EngineLifecycle):
             torch.set_num_threads(self.num_threads)  # affects this thread only
         while True:
             with self._cv:
-                while not self._closing and not self._aborts and (self._paused or not (self._waiting or self._rows)):
+                while not self._closing and (self._step_lock_waiters or not self._has_step()):
                     self._cv.wait()
                 if self._closing:
                     return
@@ -379,8 +524,7 @@ class TorchEngine(EngineLifecycle):
                 with self._cv:
                     if self._paused:
                         continue
-                    room = self.max_batch - len(self._rows)
-                    admitted = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
+                    admitted = self._admit(self.max_batch - len(self._rows))
                 if not (self._rows or admitted):
                     continue
                 try:
@@ -396,8 +540,46 @@ class TorchEngine(EngineLifecycle):
                     for req in failed:
                         _settle(req, RuntimeError(f"torch engine step failed: {exc!r}"))
 
+    def _has_step(self) -> bool:
+        """Aborts to apply, or (unpaused) rows to decode or a waiting request that may start (caller holds `_cv`)."""
+        if self._aborts:
+            return True
+        if self._paused:
+            return False
+        return bool(self._rows) or any(r.adapter not in self._paused_adapters for r in self._waiting)
+
+    @contextlib.contextmanager
+    def _between_steps(self) -> Iterator[None]:
+        """Hold the step lock between two steps, for a thread other than the scheduler.
+
+        A plain lock is not fair: the scheduler thread takes it back right after each step, and a
+        caller could wait hundreds of steps. So the scheduler waits while someone is queued here.
+        """
+        with self._cv:
+            self._step_lock_waiters += 1
+        try:
+            with self._step_lock:
+                yield
+        finally:
+            with self._cv:
+                self._step_lock_waiters -= 1
+                self._cv.notify_all()
+
+    def _admit(self, room: int) -> list[_Request]:
+        """Take up to `room` requests from the queue in order, passing over those of paused adapters
+        (caller holds `_cv`): a paused adapter must not hold up the base model or other adapters."""
+        if not self._paused_adapters:
+            return [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
+        admitted: list[_Request] = []
+        passed: list[_Request] = []
+        while self._waiting and len(admitted) < room:
+            req = self._waiting.popleft()
+            (passed if req.adapter in self._paused_adapters else admitted).append(req)
+        self._waiting.extendleft(reversed(passed))
+        return admitted
+
     def _apply_aborts(self) -> None:
-        """End aborted requests, waiting or running (caller holds `_step_lock`)."""
+        """End aborted requests, waiting, held or running (caller holds `_step_lock`)."""
         with self._cv:
             aborts, self._aborts = self._aborts, set()
             if not aborts:
@@ -405,6 +587,8 @@ class TorchEngine(EngineLifecycle):
             ended = [r for r in self._waiting if r in aborts]
             for req in ended:
                 self._waiting.remove(req)
+            ended += [r for r in self._held if r in aborts]
+            self._held = [r for r in self._held if r not in aborts]
         keep = [i for i, r in enumerate(self._rows) if r not in aborts]
         ended += [r for r in self._rows if r in aborts]
         if len(keep) < len(self._rows):
@@ -421,13 +605,14 @@ class TorchEngine(EngineLifecycle):
         if self._rows:
             batch = len(self._rows)
             mask = torch.cat([self._mask, self._mask.new_ones(batch, 1)], dim=1)
-            out = model(
-                input_ids=torch.tensor([[r.tokens[-1]] for r in self._rows], device=self.device),
-                position_ids=torch.tensor([[r.length - 1] for r in self._rows], device=self.device),
-                attention_mask=mask,
-                past_key_values=self._cache,
-                use_cache=True,
-            )
+            with self._lora_hooks(self._rows):
+                out = model(
+                    input_ids=torch.tensor([[r.tokens[-1]] for r in self._rows], device=self.device),
+                    position_ids=torch.tensor([[r.length - 1] for r in self._rows], device=self.device),
+                    attention_mask=mask,
+                    past_key_values=self._cache,
+                    use_cache=True,
+                )
             self._mask = mask
             logits.append(out.logits[:, -1])
         if admitted:
@@ -438,13 +623,14 @@ class TorchEngine(EngineLifecycle):
                 ids[i, width - r.length :] = torch.tensor(r.prompt + r.tokens)
                 mask[i, width - r.length :] = 1
             ids, mask = ids.to(self.device), mask.to(self.device)
-            out = model(
-                input_ids=ids,
-                position_ids=(mask.cumsum(1) - 1).clamp(min=0),
-                attention_mask=mask,
-                use_cache=True,
-                logits_to_keep=1,
-            )
+            with self._lora_hooks(admitted):
+                out = model(
+                    input_ids=ids,
+                    position_ids=(mask.cumsum(1) - 1).clamp(min=0),
+                    attention_mask=mask,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
             logits.append(out.logits[:, -1])
             self._merge(admitted, out.past_key_values, mask)
         tokens, logprobs = self._sample(torch.cat(logits).float())
@@ -452,7 +638,7 @@ class TorchEngine(EngineLifecycle):
         finished: list[tuple[_Request, FinishReason]] = []
         keep = []
         for i, (req, token, logprob) in enumerate(zip(self._rows, tokens, logprobs, strict=True)):
-            req.append(token, logprob, self.version)
+            req.append(token, logprob, self._version_of(req))
             if token in req.stop_ids:
                 finished.append((req, "stop"))
             elif len(req.tokens) >= req.sampling.max_tokens or req.length >= self.max_model_len:
@@ -462,6 +648,48 @@ class TorchEngine(EngineLifecycle):
         if finished:
             self._select_rows(keep)
             self._finish(finished)
+
+    def _version_of(self, req: _Request) -> int:
+        """The version a row's token is of: its adapter's (per-adapter versions), or the base model's."""
+        return self.version if req.adapter is None else self._adapters[req.adapter].version
+
+    @contextlib.contextmanager
+    def _lora_hooks(self, rows: Sequence[_Request]) -> Iterator[None]:
+        """For one model call over `rows`: hooks adding each adapter row's LoRA term, none if no row has one."""
+        groups: dict[str, list[int]] = {}
+        for i, req in enumerate(rows):
+            if req.adapter is not None:
+                groups.setdefault(req.adapter, []).append(i)
+        if not groups:
+            yield
+            return
+        per_module: dict[str, list[tuple[slice | torch.Tensor, LoraModule]]] = {}
+        for name, indices in groups.items():
+            index = _row_index(indices, len(rows), self.device)
+            for path, module in self._adapters[name].weights.modules.items():
+                per_module.setdefault(path, []).append((index, module))
+        handles = [self._linears[path].register_forward_hook(_lora_hook(terms)) for path, terms in per_module.items()]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _take_rows(self, indices: list[int]) -> list[_Request]:
+        """Take these rows out of the running batch (their tokens and spans stay with the requests)."""
+        if not indices:
+            return []
+        taken = set(indices)
+        rows = [self._rows[i] for i in indices]
+        self._select_rows([i for i in range(len(self._rows)) if i not in taken])
+        return rows
+
+    def _requeue(self, indices: list[int]) -> None:
+        """Send these rows to the queue's front: prefilled again (prompt + tokens so far) under current weights."""
+        rows = self._take_rows(indices)
+        with self._cv:
+            self._waiting.extendleft(reversed(rows))
+            self._cv.notify_all()
 
     def _sample(self, logits: torch.Tensor) -> tuple[list[int], list[float]]:
         """Pick each row's token (greedy, or temperature + top-p with noise fixed by the row's seed).
@@ -552,6 +780,25 @@ def sampling_uniform(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
     high = _hash32(row + _hash32(steps + 0x1B873593))
     low = _hash32(high ^ 0x5BD1E995)
     return (high.double() * 2**21 + (low >> 11).double()) / 2**53  # 53 random bits
+
+
+def _row_index(indices: list[int], batch: int, device: torch.device) -> slice | torch.Tensor:
+    """Rows of one adapter as a slice when they are contiguous (a view, no gather), else an index tensor."""
+    if indices[-1] - indices[0] + 1 == len(indices):
+        return slice(indices[0], indices[-1] + 1)
+    return torch.tensor(indices, device=device)
+
+
+def _lora_hook(terms: list[tuple[slice | torch.Tensor, LoraModule]]) -> Callable[..., torch.Tensor]:
+    """A forward hook on one `nn.Linear`: each adapter's rows of the output gain `scale * (x A^T) B^T`."""
+
+    def hook(module: torch.nn.Module, args: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
+        x = args[0]
+        for rows, lora in terms:
+            output[rows] += lora.scale * ((x[rows] @ lora.a.T) @ lora.b.T)
+        return output
+
+    return hook
 
 
 def _settle(req: _Request, outcome: Generation | BaseException) -> None:

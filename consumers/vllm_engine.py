@@ -58,9 +58,11 @@ from consumers.engine import (
     EngineLifecycle,
     Generation,
     PauseMode,
+    ServesNoAdapters,
     check_checkpoint_fits,
     check_request,
     read_model_limits,
+    refuse_adapter,
 )
 from consumers.orphans import reap_on_death
 from pipeline.wire import FinishReason, Sampling
@@ -85,7 +87,7 @@ _EMPTY_LOGPROBS = np.zeros(0, dtype=np.float32)
 _FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort", "repetition": "stop"}
 
 
-class VllmEngine(EngineLifecycle):
+class VllmEngine(ServesNoAdapters, EngineLifecycle):
     """The `Engine` protocol on `vllm.v1.engine.async_llm.AsyncLLM`.
 
     Args:
@@ -227,8 +229,11 @@ class VllmEngine(EngineLifecycle):
 
     # -- requests --------------------------------------------------------------------------------
 
-    async def generate(self, request_id: str, prompt_tokens: np.ndarray, sampling: Sampling) -> Generation:
+    async def generate(
+        self, request_id: str, prompt_tokens: np.ndarray, sampling: Sampling, adapter: str | None = None
+    ) -> Generation:
         """Generate one sample from `prompt_tokens`; raises `EngineInputError` for a request it cannot serve."""
+        refuse_adapter(self.name, adapter)
         prompt = np.asarray(prompt_tokens)
         check_request(prompt, sampling, self.max_model_len, self.vocab_size)
         params = self._sampling_params(len(prompt), sampling)

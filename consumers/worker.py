@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import redis
 
+from consumers.adapters import WorkerAdapters
 from consumers.engine import Engine, EngineClosedError, EngineInputError, Generation
 from consumers.metrics import WorkerMetrics
 from pipeline.publisher import Publisher
@@ -139,6 +140,8 @@ class Worker:
         self._busy = BusyClock()
         self._fleet = 1
         """Workers on the registry at the last heartbeat: how often this one claims and sweeps (`sweep_chance`)."""
+        self._adapters = WorkerAdapters(streams, engine, self.name, self._beat)
+        """LoRA adapters: loaded on demand, evicted when idle, each paused alone for its own syncs."""
 
     def _account(self) -> None:
         """Called after every change of in-flight work, and by `_set_serving` (see `BusyClock`)."""
@@ -313,7 +316,12 @@ class Worker:
             try:
                 # Keyed by entry, not prompt id: a resubmitted prompt id may be in flight here twice.
                 request_id = f"{prompt.id}@{entry.id.decode()}:{sample}"
-                generation = await self.engine.generate(request_id, np.concatenate([prompt.tokens, so_far]), sampling)
+                tokens = np.concatenate([prompt.tokens, so_far])
+                if prompt.adapter is None:
+                    generation = await self.engine.generate(request_id, tokens, sampling)
+                else:
+                    async with self._adapters.using(prompt.adapter) as version:
+                        generation = await self.engine.generate(request_id, tokens, sampling, prompt.adapter)
             except EngineInputError as exc:
                 error = str(exc)
                 generation = Generation(_EMPTY_TOKENS, _EMPTY_LOGPROBS, "error", [])
@@ -343,6 +351,7 @@ class Worker:
             error=error,
             reward_fn=prompt.reward_fn,
             cached_tokens=generation.cached_tokens,
+            adapter=prompt.adapter,
         )
 
     # -- weight syncs: the worker's side of the protocol in staleness.manager ----------------
@@ -354,6 +363,7 @@ class Worker:
         for the next sync.
         """
         control_from = await asyncio.to_thread(self.streams.last_control_id)
+        await self._adapters.catch_up()  # adapters sync on their own: ack any sync of one under way
         state = await asyncio.to_thread(read_state, self.streams.redis, self.streams.keys)
         if state.paused:  # a sync is under way: do our part of it, then wait for its resume
             command = await asyncio.to_thread(weights_command, self.streams.redis, self.streams.keys, state.epoch)
@@ -397,7 +407,9 @@ class Worker:
                 await self._obey(command)
 
     async def _obey(self, command: Control) -> None:
-        if command.cmd == "weights" and command.epoch > self._epoch:
+        if command.adapter and command.cmd in ("weights", "resume"):
+            await self._adapters.obey(command)  # one adapter's sync: nothing else pauses
+        elif command.cmd == "weights" and command.epoch > self._epoch:
             await self._sync_weights(command)
         elif (
             command.cmd == "resume"
@@ -512,6 +524,7 @@ class Worker:
             "ts": round(time.time(), 3),
             "host": socket.gethostname(),  # where to look (and what to kill) when a worker is named otherwise
             "pid": os.getpid(),
+            **self._adapters.heartbeat_fields(),
         }
         return await asyncio.to_thread(self.streams.heartbeat, self.name, status, self.settings.heartbeat_ttl_s)
 

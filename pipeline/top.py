@@ -9,6 +9,8 @@ open and running, RQ jobs queued and RQ workers, and the counters `groups`, `rol
 counters (see `staleness.admission`, which owns them; the capacity formula is repeated here
 because `pipeline` imports no other package): samples `submitted`, parked as `stale`, in `used`,
 and the `capacity` (η + v + 1) * B with `free` = capacity - used when a producer set limits.
+`adapters` holds the same numbers for each LoRA adapter ever published (`{ns}:adapters`), from its own state
+hash; each worker's `adapters` field lists the adapters it holds, `name=version`.
 
 One snapshot is a plain dict (the `--once --json` output, for scripts); `render` draws it.
 """
@@ -42,7 +44,9 @@ def snapshot(streams: Streams) -> dict[str, Any]:
         pipe.xlen(key)
     pipe.hgetall(keys.state)
     pipe.hgetall(keys.scorer)
+    pipe.smembers(keys.adapters)
     replies = pipe.execute()
+    adapters = sorted(_text(name) for name in replies.pop())
     scorer = {_text(k): _text(v) for k, v in replies.pop().items()}
     state = replies.pop()
     result: dict[str, Any] = {"ns": keys.ns, "ts": time.time(), "streams": {}, "workers": {}}
@@ -68,6 +72,13 @@ def snapshot(streams: Streams) -> dict[str, Any]:
         scorer["age_s"] = round(result["ts"] - float(scorer.get("ts") or 0), 1)
     result["scorer"] = scorer
     result["policy"] = policy(result["state"])
+    pipe = client.pipeline(transaction=False)
+    for name in adapters:
+        pipe.hgetall(keys.state_of(name))
+    result["adapters"] = {
+        name: policy({_text(k): _text(v) for k, v in fields.items()})
+        for name, fields in zip(adapters, pipe.execute(), strict=True)
+    }
     return result
 
 
@@ -113,14 +124,16 @@ def render(snap: dict[str, Any]) -> RichGroup:
                 str(g["consumers"]),
             )
     workers = Table(title=f"workers ({len(snap['workers'])} live)", expand=True)
-    for column in ("worker", "status", "engine", "version", "inflight", "sessions", "published", "tokens/s"):
-        workers.add_column(column, justify="left" if column in ("worker", "status", "engine") else "right")
+    columns = ("worker", "status", "engine", "version", "adapters", "inflight", "sessions", "published", "tokens/s")
+    for column in columns:
+        workers.add_column(column, justify="left" if column in ("worker", "status", "engine", "adapters") else "right")
     for name, w in sorted(snap["workers"].items()):
         workers.add_row(
             name,
             w.get("status", "?"),
             w.get("engine", "?"),
             w.get("version", "?"),
+            w.get("adapters") or "-",
             w.get("inflight", "?"),
             w.get("sessions", "0"),
             w.get("published", "?"),
@@ -131,19 +144,22 @@ def render(snap: dict[str, Any]) -> RichGroup:
     if p["capacity"] is not None:
         limits = f"max_staleness={p['max_staleness']}, batch_size={p['batch_size']}"
     counters = Table(title=f"policy and admission ({limits})", expand=True)
-    columns = ("version", "epoch", "paused", "submitted", "stale", "in use", "capacity", "free")
+    columns = ("model", "version", "epoch", "paused", "submitted", "stale", "in use", "capacity", "free")
     for column in columns:
-        counters.add_column(column, justify="right")
-    counters.add_row(
-        str(p["version"]),
-        str(p["epoch"]),
-        "yes" if p["paused"] else "no",
-        str(p["submitted"]),
-        str(p["stale"]),
-        str(p["used"]),
-        "-" if p["capacity"] is None else str(p["capacity"]),
-        "-" if p["free"] is None else str(p["free"]),
-    )
+        counters.add_column(column, justify="left" if column == "model" else "right")
+    rows = {"base": p} | {f"adapter {name}": a for name, a in (snap.get("adapters") or {}).items()}
+    for label, q in rows.items():
+        counters.add_row(
+            label,
+            str(q["version"]),
+            str(q["epoch"]),
+            "yes" if q["paused"] else "no",
+            str(q["submitted"]),
+            str(q["stale"]),
+            str(q["used"]),
+            "-" if q["capacity"] is None else str(q["capacity"]),
+            "-" if q["free"] is None else str(q["free"]),
+        )
     parts = [streams, counters, workers]
     if snap.get("scorer"):
         parts.append(_scorer_table(snap["scorer"]))

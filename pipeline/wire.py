@@ -46,6 +46,9 @@ REWARD_FN_PATTERN = r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$"
 """A reward function by import path, `module:function` (`package.module:Class.method` too)."""
 NAME_PATTERN = r"^[A-Za-z0-9_.@-]{1,128}$"
 """A gateway's or session's name as it appears inside a key (`{ns}:replies:NAME`, `{ns}:session:ID`)."""
+ADAPTER_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
+"""A LoRA adapter's name, as prompts and rollouts carry it and as it appears in keys (`{ns}:adapter:NAME:state`)
+and heartbeat fields (`epoch@NAME`)."""
 MAX_SAMPLES = 4096
 """Largest `n` a prompt may ask for; more is rejected as bad input."""
 
@@ -102,6 +105,9 @@ class Keys:
         self.published_prefix = f"{tag}:published:"
         self.admitted_prefix = f"{tag}:admitted:"
         self.weights_prefix = f"{tag}:weights:"
+        self.adapters = f"{tag}:adapters"
+        """Set: every adapter that was ever published (its state hash exists), for `top` and the manager."""
+        self.adapter_prefix = f"{tag}:adapter:"
 
     def worker(self, name: str) -> str:
         """Heartbeat hash of one worker; it expires when the worker stops beating."""
@@ -147,6 +153,26 @@ class Keys:
 
     def weights_chunk(self, version: int, index: int) -> str:
         return f"{self.weights_prefix}{version}:{index}"
+
+    def state_of(self, adapter: str | None) -> str:
+        """The state hash of the base model (`{ns}:state`, adapter None) or of one LoRA adapter
+        (`{ns}:adapter:NAME:state`): the same fields, each adapter with its own version, epoch and pause."""
+        return self.state if adapter is None else f"{self.adapter_prefix}{adapter}:state"
+
+    def weights_of(self, adapter: str | None) -> Keys:
+        """Where the `redis://` transport keeps a version of the base model or of one adapter: a `Keys` whose
+        `weights_*` names are `{ns}:weights:...` or `{ns}:adapter:NAME:weights:...`."""
+        if adapter is None:
+            return self
+        keys = Keys(self.ns)
+        keys.weights_prefix = f"{self.adapter_prefix}{adapter}:weights:"
+        return keys
+
+
+def ack_field(adapter: str | None) -> str:
+    """The heartbeat field in which a worker acks a weight sync's epoch: `epoch` for the base model, `epoch@NAME`
+    for adapter NAME (each adapter's syncs count their own epochs)."""
+    return "epoch" if adapter is None else f"epoch@{adapter}"
 
 
 class Sampling(BaseModel):
@@ -199,6 +225,8 @@ class Prompt(BaseModel):
     reply_to: str | None = Field(default=None, pattern=NAME_PATTERN)
     """A gateway's name: this prompt's rollouts go to `{ns}:replies:{reply_to}` (that gateway answers an HTTP
     call with them) instead of `{ns}:rollouts`. Takes precedence over `reward_fn`."""
+    adapter: str | None = Field(default=None, pattern=ADAPTER_PATTERN)
+    """Generate under this LoRA adapter (its current version); None: the base model."""
 
     def to_fields(self) -> Fields:
         fields = {
@@ -215,6 +243,8 @@ class Prompt(BaseModel):
             fields[b"reward_fn"] = self.reward_fn.encode()
         if self.reply_to is not None:
             fields[b"reply_to"] = self.reply_to.encode()
+        if self.adapter is not None:
+            fields[b"adapter"] = self.adapter.encode()
         return fields
 
     @classmethod
@@ -230,6 +260,7 @@ class Prompt(BaseModel):
                 ts=get.text(b"ts", "0"),
                 reward_fn=get.optional_text(b"reward_fn"),
                 reply_to=get.optional_text(b"reply_to"),
+                adapter=get.optional_text(b"adapter"),
             )
 
         return _decode(fields, parse)
@@ -267,6 +298,9 @@ class Rollout(BaseModel):
     session's trajectory sets it: the template, tool and user tokens between its turns are not the model's."""
     cached_tokens: int | None = Field(default=None, ge=0)
     """Prompt tokens the engine found in its prefix cache (vLLM's `num_cached_tokens`); None: not reported."""
+    adapter: str | None = Field(default=None, pattern=ADAPTER_PATTERN)
+    """The LoRA adapter it was generated under (its prompt's); `version`, `version_end` and `spans` are then that
+    adapter's versions. None: the base model."""
 
     @property
     def id(self) -> str:
@@ -317,6 +351,8 @@ class Rollout(BaseModel):
             fields[b"mask"] = encode_json(self.mask)
         if self.cached_tokens is not None:
             fields[b"cached_tokens"] = str(self.cached_tokens).encode()
+        if self.adapter is not None:
+            fields[b"adapter"] = self.adapter.encode()
         return fields
 
     @classmethod
@@ -342,6 +378,7 @@ class Rollout(BaseModel):
                 reward_error=get.optional_text(b"reward_error"),
                 mask=get.json(b"mask", None),
                 cached_tokens=get.optional_text(b"cached_tokens"),
+                adapter=get.optional_text(b"adapter"),
             )
             rollout.check()
             return rollout
@@ -423,7 +460,8 @@ class Control(BaseModel):
     """A command on `{ns}:control`, read by every worker (a broadcast, not a consumer group).
 
     `weights`: pause (`mode`), load `version` from `uri`, ack with the epoch; `resume`: go on after
-    epoch `epoch`; `stop`: the worker named in `worker` (or every worker when empty) stops.
+    epoch `epoch`; `stop`: the worker named in `worker` (or every worker when empty) stops. With `adapter` set,
+    `weights` and `resume` concern that LoRA adapter only (its own epochs): only its requests pause.
     """
 
     cmd: Command
@@ -432,11 +470,15 @@ class Control(BaseModel):
     uri: str = ""
     mode: PauseMode = "abort"
     worker: str = ""
+    adapter: str = Field(default="", pattern=r"^$|" + ADAPTER_PATTERN)
+    """The LoRA adapter a `weights`/`resume` concerns; empty: the base model."""
     ts: float = Field(default_factory=time.time)
 
     def to_fields(self) -> Fields:
         fields = {b"v": WIRE_VERSION.encode()}
         for name, value in self.model_dump().items():
+            if name == "adapter" and not value:
+                continue  # the base model's commands read as before
             fields[name.encode()] = (repr(value) if isinstance(value, float) else str(value)).encode()
         return fields
 

@@ -8,6 +8,11 @@ With `max_staleness` (η) it also bounds staleness from both ends (see `stalenes
 `submit` holds the producer back while the samples in use would exceed (η + v + 1) * `batch_size`
 at policy version v, and `groups`/`batches` never hand over a rollout more than η versions old;
 groups that are over it go whole to `{ns}:stale`, counted.
+
+Prompts may name a LoRA adapter (`submit(..., adapter="a")`): each adapter has its own policy version
+(`publish_weights(tensors, adapter="a", adapter_config=...)` moves only it), its own admission count and its own
+staleness (a group of adapter a is as stale as a's version minus its oldest sample's). Rollouts of every adapter
+arrive on the one `{ns}:rollouts`; a group says its `adapter`.
 """
 
 from __future__ import annotations
@@ -28,7 +33,16 @@ import redis
 
 from pipeline.connections import connect, retried_failures
 from pipeline.streams import Entry, Streams
-from pipeline.wire import REWARD_FN_PATTERN, TRAINER, PauseMode, Prompt, Rollout, Sampling, WireError
+from pipeline.wire import (
+    ADAPTER_PATTERN,
+    REWARD_FN_PATTERN,
+    TRAINER,
+    PauseMode,
+    Prompt,
+    Rollout,
+    Sampling,
+    WireError,
+)
 from staleness.admission import Admission, AdmissionLimits, StaleRollouts, Usage
 from staleness.manager import Manager, SyncError, SyncReport
 
@@ -58,8 +72,14 @@ class Group:
         """Why the scoring stage gave this group no rewards (its function raised, hung, or kept losing workers)."""
         return next((r.reward_error for r in self.rollouts if r.reward_error), None)
 
+    @property
+    def adapter(self) -> str | None:
+        """The LoRA adapter its prompt named (None: the base model): its versions are that adapter's."""
+        return self.rollouts[0].adapter
+
     def staleness(self, trainer_version: int) -> int:
-        """How many versions its oldest sample is behind `trainer_version`: the group passes a bound η when <= η."""
+        """How many versions its oldest sample is behind `trainer_version` (the base model's, or the group's
+        adapter's): the group passes a bound η when <= η."""
         return max(trainer_version - r.version for r in self.rollouts)
 
 
@@ -192,6 +212,8 @@ class RolloutClient:
             limits = AdmissionLimits(max_staleness, batch_size)
         self.admission = Admission(client, self.streams.keys, limits)
         self.admission.publish_limits()
+        self._adapter_admissions: dict[str, Admission] = {}
+        """Each adapter's own admission count (same limits), made when a prompt first names it."""
         self._stale = StaleRollouts(client, self.streams.keys, TRAINER)
         self._tokenizer_path = tokenizer
         self._tokenizer: Any = None
@@ -225,12 +247,14 @@ class RolloutClient:
         chat: bool = True,
         reward_fn: str | None = None,
         timeout: float | None = None,
+        adapter: str | None = None,
     ) -> str:
         """Queue one prompt (text through the tokenizer and its chat template, or token ids); returns its id.
 
         With admission control, waits while the capacity is used up (`timeout`: default `submit_timeout_s`).
         With `reward_fn` (`module:function`), its rollouts reach `groups`/`batches` scored by the scoring
-        stage (`rollouts scorer`): `reward` set, or `reward_error` saying why not.
+        stage (`rollouts scorer`): `reward` set, or `reward_error` saying why not. With `adapter`, it is
+        generated under that LoRA adapter (published with `publish_weights(..., adapter=...)`).
         """
         item = self.make_prompt(
             prompt,
@@ -247,6 +271,7 @@ class RolloutClient:
             id=id,
             chat=chat,
             reward_fn=reward_fn,
+            adapter=adapter,
         )
         self.submit_prompts([item], timeout=timeout)
         return item.id
@@ -262,12 +287,15 @@ class RolloutClient:
         id: str | None = None,
         chat: bool = True,
         reward_fn: str | None = None,
+        adapter: str | None = None,
     ) -> Prompt:
         """Build and check a prompt without sending it; raises `ValueError` saying what to fix."""
         if (prompt is None) == (tokens is None):
             raise ValueError("give exactly one of `prompt` (text) or `tokens` (token ids)")
         if reward_fn is not None and not re.match(REWARD_FN_PATTERN, reward_fn):
             raise ValueError(f"reward_fn {reward_fn!r} is not an import path like 'my_rewards:exact_match'")
+        if adapter is not None and not re.match(ADAPTER_PATTERN, adapter):
+            raise ValueError(f"adapter {adapter!r}: a name of 1-64 letters, digits, '_', '.' or '-'")
         sampling = sampling or Sampling()
         problems = sampling.problems()
         if problems:
@@ -275,7 +303,13 @@ class RolloutClient:
         if tokens is None:
             tokens = self.tokenize(prompt or "", chat=chat)
         return Prompt(
-            id=id or uuid.uuid4().hex, n=n, tokens=tokens, sampling=sampling, meta=meta or {}, reward_fn=reward_fn
+            id=id or uuid.uuid4().hex,
+            n=n,
+            tokens=tokens,
+            sampling=sampling,
+            meta=meta or {},
+            reward_fn=reward_fn,
+            adapter=adapter,
         )
 
     def submit_prompts(self, prompts: Sequence[Prompt], *, timeout: float | None = None) -> None:
@@ -287,17 +321,32 @@ class RolloutClient:
 
         Safe to repeat: the same prompt ids submitted again within an hour (a call retried after a lost
         reply, a producer restarted from its checkpoint) are not queued or counted twice.
-        """
-        if not prompts:
-            return
-        samples = sum(p.n for p in prompts)
-        wait = self.submit_timeout_s if timeout is None else timeout
-        submission = hashlib.sha1("\n".join(p.id for p in prompts).encode()).hexdigest()
-        self.admission.admit([p.to_fields() for p in prompts], samples, wait, submission)
 
-    def admission_usage(self) -> Usage:
-        """Samples submitted, parked as stale and in use, the policy version and the capacity now."""
-        return self.admission.usage()
+        Prompts of different adapters are admitted each against their own adapter's count, one adapter after
+        the other (all or none per adapter, not across adapters).
+        """
+        by_adapter: dict[str | None, list[Prompt]] = {}
+        for prompt in prompts:
+            by_adapter.setdefault(prompt.adapter, []).append(prompt)
+        wait = self.submit_timeout_s if timeout is None else timeout
+        for adapter, some in by_adapter.items():
+            samples = sum(p.n for p in some)
+            submission = hashlib.sha1("\n".join(p.id for p in some).encode()).hexdigest()
+            self._admission(adapter).admit([p.to_fields() for p in some], samples, wait, submission)
+
+    def _admission(self, adapter: str | None) -> Admission:
+        if adapter is None:
+            return self.admission
+        if adapter not in self._adapter_admissions:
+            admission = Admission(self.streams.redis, self.streams.keys, self.admission.limits, adapter=adapter)
+            admission.publish_limits()
+            self._adapter_admissions[adapter] = admission
+        return self._adapter_admissions[adapter]
+
+    def admission_usage(self, adapter: str | None = None) -> Usage:
+        """Samples submitted, parked as stale and in use, the policy version and the capacity now (of the base
+        model, or of `adapter`)."""
+        return self._admission(adapter).usage()
 
     @property
     def tokenizer(self) -> Any:
@@ -330,9 +379,16 @@ class RolloutClient:
         transport: str = "redis://",
         mode: PauseMode = "abort",
         ack_timeout_s: float = 60.0,
+        adapter: str | None = None,
+        adapter_config: dict[str, Any] | None = None,
     ) -> int:
         """Make `source` (a torch module, a state dict, or a safetensors checkpoint directory) the next
         policy version on every worker; returns that version.
+
+        With `adapter`, `source` is LoRA adapter `adapter`'s tensors (PEFT names: `...lora_A.weight`,
+        `...lora_B.weight`) with `adapter_config` (`r`, `lora_alpha`, `target_modules`), or a PEFT directory
+        (`adapter_model.safetensors` + `adapter_config.json`); it becomes that adapter's next version, and only
+        its requests pause (the others and the base model go on). Adapters travel by `redis://` or `fs://`.
 
         The tensors go through `transport` (`redis://`: chunks in this Redis; `fs://DIR`: shared
         storage; `nccl://HOST:PORT`: broadcast from this process, over NCCL from GPU tensors, gloo from
@@ -341,9 +397,11 @@ class RolloutClient:
         versions are deleted from the transport once every live worker has moved on.
         """
         from staleness.broadcast import NcclTransport  # torch: only trainers that publish need it
-        from staleness.transports import open_transport, remove_published
+        from staleness.transports import open_transport, read_adapter, remove_published
 
-        manager = Manager(self.streams, ack_timeout_s=ack_timeout_s)
+        if adapter is not None:
+            source, adapter_config = read_adapter(source, adapter_config)
+        manager = Manager(self.streams, ack_timeout_s=ack_timeout_s, adapter=adapter)
         previous = manager.state()
         if previous.paused:  # before touching the transport: the sync under way may be loading its next version
             raise SyncError(
@@ -351,11 +409,18 @@ class RolloutClient:
                 "when it is over; if its driver died, `rollouts manager` finishes it"
             )
         store = open_transport(
-            transport, redis_client=self.streams.redis, ns=self.streams.keys.ns, join_timeout_s=ack_timeout_s
+            transport,
+            redis_client=self.streams.redis,
+            ns=self.streams.keys.ns,
+            join_timeout_s=ack_timeout_s,
+            adapter=adapter,
         )
         version = previous.version + 1
         store.remove(version)  # left over by a publish whose sync failed: never announced, safe to replace
-        uri = store.publish(source, version)
+        if adapter is not None:
+            uri = store.publish(source, version, adapter_config=adapter_config)  # type: ignore[call-arg]
+        else:
+            uri = store.publish(source, version)
         broadcast = store if isinstance(store, NcclTransport) else None  # sent during the sync, not before
         self.last_sync = manager.sync(version, uri, mode, transfer=broadcast.broadcast if broadcast else None)
         self.last_broadcast = broadcast.last if broadcast else None
@@ -429,27 +494,33 @@ class RolloutClient:
     def _fresh(self, groups: list[Group], bound: int) -> list[Group]:
         """Keep the groups whose every sample is within `bound` versions of the trainer; park the others whole.
 
-        One read of the trainer version for all of `groups`; it is stamped on the groups kept.
+        One read of the trainer version (of the base model, and of each adapter the groups name) for all of
+        `groups`; it is stamped on the groups kept.
         """
-        version = self._stale.trainer_version()
+        versions: dict[str | None, int] = {}
         fresh: list[Group] = []
-        parked: list[tuple[bytes, int]] = []
+        parked: dict[str | None, list[tuple[bytes, int]]] = {}
         for group in groups:
+            if group.adapter not in versions:
+                versions[group.adapter] = self._stale.trainer_version(group.adapter)
+            version = versions[group.adapter]
             if group.staleness(version) > bound:
-                parked += [(e, version - r.version) for r, e in zip(group.rollouts, group.entry_ids, strict=True)]
+                parked.setdefault(group.adapter, []).extend(
+                    (e, version - r.version) for r, e in zip(group.rollouts, group.entry_ids, strict=True)
+                )
             else:
                 group.trainer_version = version
                 fresh.append(group)
-        if parked:
-            moved = self._stale.park(version, parked)
+        for adapter, rollouts in parked.items():
+            moved = self._stale.park(versions[adapter], rollouts, adapter)
             self.stats["stale"] += moved
             log.info(
-                "parked %d rollouts of %d groups on %s: older than %d versions behind trainer version %d",
+                "parked %d rollouts%s on %s: older than %d versions behind trainer version %d",
                 moved,
-                len(groups) - len(fresh),
+                f" of adapter {adapter}" if adapter else "",
                 self.streams.keys.stale,
                 bound,
-                version,
+                versions[adapter],
             )
         return fresh
 

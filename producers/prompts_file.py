@@ -30,6 +30,7 @@ class PromptLine(BaseModel):
     meta: dict = Field(default_factory=dict)
     chat: bool = True
     reward_fn: str | None = None
+    adapter: str | None = None
 
 
 def read_prompts_file(path: Path, client: RolloutClient) -> list[Prompt]:
@@ -58,6 +59,7 @@ def read_prompts_file(path: Path, client: RolloutClient) -> list[Prompt]:
                     id=line.id,
                     chat=line.chat,
                     reward_fn=line.reward_fn,
+                    adapter=line.adapter,
                 )
             )
         except UnicodeDecodeError:

@@ -17,6 +17,10 @@ parks rollouts would wait for samples the producer is no longer allowed to submi
 admitted), `stale` (samples ever parked), `max_staleness` and `batch_size` (the limits that the
 last limited producer enforced; shown by `rollouts top`). Both gates move prompt and rollout
 fields through as opaque bytes; the only field written into a prompt is `submitted_version`.
+
+A LoRA adapter has its own accounting: prompts that name it are admitted against its own state hash
+(`{ns}:adapter:NAME:state`: its version, its `submitted` and `stale`), and its rollouts are parked by its own
+version, so one tenant's slow trainer holds back only that tenant's producer.
 """
 
 from __future__ import annotations
@@ -99,9 +103,12 @@ class Admission:
         limits: AdmissionLimits | None = None,
         min_wait_s: float = 0.05,
         max_wait_s: float = 0.5,
+        adapter: str | None = None,
     ) -> None:
         self.redis = client
         self.keys = keys
+        self.state = keys.state_of(adapter)
+        """Where the counters live: `{ns}:state`, or the adapter's own state hash."""
         self.limits = limits
         self.min_wait_s = min_wait_s
         self.max_wait_s = max_wait_s
@@ -111,14 +118,14 @@ class Admission:
         """Write the limits into `{ns}:state`, so that `rollouts top` shows the capacity before the first submit."""
         if self.limits is not None:
             self.redis.hset(
-                self.keys.state,
+                self.state,
                 mapping={"max_staleness": self.limits.max_staleness, "batch_size": self.limits.batch_size},
             )
 
     def count(self, samples: int) -> None:
         """Count samples that entered `{ns}:rollouts` without a prompt (a gateway session's trajectory), so that
         parking them as stale later leaves `used` (submitted - stale) right."""
-        self.redis.hincrby(self.keys.state, "submitted", samples)
+        self.redis.hincrby(self.state, "submitted", samples)
 
     def try_admit(self, prompts: Sequence[Fields], samples: int, submission: str | None = None) -> Usage:
         """One attempt: admit and XADD all of `prompts` (`samples` in total), or none of them.
@@ -134,7 +141,7 @@ class Admission:
                 args.extend((name, value))
         args.append(SUBMISSION_TTL_S)
         marker = self.keys.admitted(submission or uuid.uuid4().hex)
-        reply = self._admit(keys=[self.keys.state, self.keys.prompts, self.keys.control, marker], args=args)
+        reply = self._admit(keys=[self.state, self.keys.prompts, self.keys.control, marker], args=args)
         admitted, submitted, stale, capacity, version, control_id, *entry_ids = reply
         return Usage(
             admitted=bool(admitted),
@@ -174,7 +181,7 @@ class Admission:
 
     def usage(self) -> Usage:
         """The counters as they are now (read-only)."""
-        version, submitted, stale = self.redis.hmget(self.keys.state, ["version", "submitted", "stale"])
+        version, submitted, stale = self.redis.hmget(self.state, ["version", "submitted", "stale"])
         v = int(version or 0)
         return Usage(
             admitted=True,
@@ -214,15 +221,18 @@ class StaleRollouts:
         self.group = group
         self._park = register_all(client, SCRIPTS)["park"]
 
-    def trainer_version(self) -> int:
-        """The policy version the trainer is at: `{ns}:state` `version` (0 before the first publish)."""
-        return int(self.redis.hget(self.keys.state, "version") or 0)
+    def trainer_version(self, adapter: str | None = None) -> int:
+        """The policy version the trainer is at: `{ns}:state` `version` (0 before the first publish), or the
+        adapter's own."""
+        return int(self.redis.hget(self.keys.state_of(adapter), "version") or 0)
 
-    def park(self, trainer_version: int, rollouts: Sequence[tuple[bytes, int]]) -> int:
-        """Move `(entry id, staleness)` rollouts off `{ns}:rollouts`; returns how many were still pending and moved."""
+    def park(self, trainer_version: int, rollouts: Sequence[tuple[bytes, int]], adapter: str | None = None) -> int:
+        """Move `(entry id, staleness)` rollouts off `{ns}:rollouts`; returns how many were still pending and moved.
+        They are counted as `stale` in the state they were admitted against (the adapter's, for an adapter's)."""
         if not rollouts:
             return 0
         args: list[bytes | str | int] = [self.group, trainer_version]
         for entry_id, staleness in rollouts:
             args.extend((entry_id, staleness))
-        return int(self._park(keys=[self.keys.rollouts, self.keys.stale, self.keys.state], args=args))
+        keys = [self.keys.rollouts, self.keys.stale, self.keys.state_of(adapter)]
+        return int(self._park(keys=keys, args=args))

@@ -10,10 +10,15 @@
    claimed by the others); a worker that died is simply no longer waited for;
 4. finish (atomic): the state moves to `version`, unpaused, and `resume(epoch)` goes out.
 A worker that joins later loads the state's version before it takes work.
+
+A manager for one LoRA adapter (`Manager(streams, adapter="a")`) runs the same protocol on that adapter's own
+state (`{ns}:adapter:a:state`), epochs and acks (heartbeat field `epoch@a`): only the adapter's requests pause,
+every other adapter and the base model go on generating.
 """
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from collections.abc import Callable
@@ -22,7 +27,7 @@ from pathlib import Path
 
 from pipeline.lua import register_all
 from pipeline.streams import Streams
-from pipeline.wire import Control, PauseMode
+from pipeline.wire import ADAPTER_PATTERN, Control, PauseMode, ack_field
 from staleness.state import PolicyState, read_state, weights_command
 
 SCRIPTS = Path(__file__).with_name("lua")
@@ -48,16 +53,23 @@ class SyncReport:
 class Manager:
     """Keeps `{ns}:state` and drives weight syncs; safe to use from the trainer's process or its own."""
 
-    def __init__(self, streams: Streams, ack_timeout_s: float = 60.0, poll_s: float = 0.02) -> None:
+    def __init__(
+        self, streams: Streams, ack_timeout_s: float = 60.0, poll_s: float = 0.02, adapter: str | None = None
+    ) -> None:
+        if adapter is not None and not re.match(ADAPTER_PATTERN, adapter):
+            raise ValueError(f"adapter name {adapter!r} must match {ADAPTER_PATTERN}")
         self.streams = streams
         self.ack_timeout_s = ack_timeout_s
         self.poll_s = poll_s
+        self.adapter = adapter
+        """The LoRA adapter whose syncs this manager drives; None: the base model."""
         scripts = register_all(streams.redis, SCRIPTS)
         self._begin, self._finish = scripts["begin_sync"], scripts["finish_sync"]
-        self._keys = [streams.keys.state, streams.keys.control]
+        self._keys = [streams.keys.state_of(adapter), streams.keys.control]
+        self._ack_field = ack_field(adapter)
 
     def state(self) -> PolicyState:
-        return read_state(self.streams.redis, self.streams.keys)
+        return read_state(self.streams.redis, self.streams.keys, self.adapter)
 
     def live_workers(self) -> dict[str, dict[str, str]]:
         """Workers whose heartbeat has not expired, with their heartbeat fields."""
@@ -77,7 +89,9 @@ class Manager:
         sync is still concluded (laggards evicted, everyone resumed) before the error propagates.
         """
         started = time.monotonic()
-        weights = Control(cmd="weights", version=version, uri=uri, mode=mode).to_fields()
+        weights = Control(cmd="weights", version=version, uri=uri, mode=mode, adapter=self.adapter or "").to_fields()
+        if self.adapter is not None:
+            self.streams.redis.sadd(self.streams.keys.adapters, self.adapter)  # `top` and joiners find it
         try:
             token = uuid.uuid4().hex  # the same call retried by redis-py begins no second sync
             epoch = int(self._begin(keys=self._keys, args=[version - 1, version, token, *_flat(weights)]))
@@ -102,7 +116,7 @@ class Manager:
         state = self.state()
         if not state.paused:
             return None
-        command = weights_command(self.streams.redis, self.streams.keys, state.epoch)
+        command = weights_command(self.streams.redis, self.streams.keys, state.epoch, adapter=self.adapter)
         age = time.time() - command.ts if command is not None else float("inf")
         if age < (self.ack_timeout_s + 5.0 if older_than_s is None else older_than_s):
             return None
@@ -117,7 +131,7 @@ class Manager:
     def _conclude(self, report: SyncReport, uri: str, waiting: set[str], deadline: float) -> None:
         """Wait for acks of `report.epoch` until `deadline`, evict who did not ack, then resume everyone."""
         while waiting:
-            epochs = self.streams.heartbeat_field(waiting, "epoch")  # only the field, only of those not acked yet
+            epochs = self.streams.heartbeat_field(waiting, self._ack_field)  # only the field, of those not acked yet
             for name, epoch in epochs.items():
                 if epoch is None:
                     report.gone.append(name)
@@ -131,7 +145,9 @@ class Manager:
         for name in sorted(waiting):
             self.evict(name)
             report.evicted.append(name)
-        resume = Control(cmd="resume", epoch=report.epoch, version=report.version, uri=uri).to_fields()
+        resume = Control(
+            cmd="resume", epoch=report.epoch, version=report.version, uri=uri, adapter=self.adapter or ""
+        ).to_fields()
         self._finish(keys=self._keys, args=[report.version, uri, *_flat(resume)])
 
     def evict(self, name: str) -> None:

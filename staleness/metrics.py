@@ -39,8 +39,8 @@ class SyncMetrics:
             registry=self.registry, buckets=SYNC_BUCKETS,
         ).labels(ns)  # fmt: skip
         self._after = streams.last_control_id()
-        self._begun: dict[int, float] = {}
-        """`weights` command time by epoch, until its resume comes."""
+        self._begun: dict[tuple[str, int], float] = {}
+        """`weights` command time by (adapter, epoch) (each adapter counts its own epochs), until its resume comes."""
 
     def poll(self) -> None:
         """Observe the control commands that came since the last poll."""
@@ -58,13 +58,14 @@ class SyncMetrics:
 
     def _observe(self, command: Control) -> None:
         if command.cmd == "weights":
-            self._begun[command.epoch] = command.ts
+            self._begun[command.adapter, command.epoch] = command.ts
         elif command.cmd == "stop" and command.worker:
             self._evictions.inc()
         elif command.cmd == "resume":
-            begun = self._begun.pop(command.epoch, None)
+            begun = self._begun.pop((command.adapter, command.epoch), None)
             if begun is None:  # begun before this manager started
-                weights = weights_command(self.streams.redis, self.streams.keys, command.epoch)
+                adapter = command.adapter or None
+                weights = weights_command(self.streams.redis, self.streams.keys, command.epoch, adapter=adapter)
                 begun = weights.ts if weights is not None else None
             self._syncs.inc()
             if begun is not None:

@@ -3,6 +3,8 @@
 Fields (plain text, readable in `redis-cli`): `version` (policy version, 0 at start, +1 per
 publish), `epoch` (+1 per weight sync), `paused` (1 while a sync is under way), `weights_uri`
 (where `version` can be loaded from), `pending_version` (the version being synced while paused).
+Each LoRA adapter has a hash of its own with the same fields, `{ns}:adapter:NAME:state` (`Keys.state_of`),
+and its name in the set `{ns}:adapters`: its versions, epochs and pauses are its own.
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ class PolicyState:
     pending_version: int | None = None
 
 
-def read_state(client: redis.Redis, keys: Keys) -> PolicyState:
-    fields = {k.decode(): v.decode() for k, v in client.hgetall(keys.state).items()}
+def read_state(client: redis.Redis, keys: Keys, adapter: str | None = None) -> PolicyState:
+    """The base model's state, or adapter `adapter`'s (all zeros for one never published)."""
+    fields = {k.decode(): v.decode() for k, v in client.hgetall(keys.state_of(adapter)).items()}
     pending = fields.get("pending_version", "")
     return PolicyState(
         version=int(fields.get("version", 0)),
@@ -35,10 +38,18 @@ def read_state(client: redis.Redis, keys: Keys) -> PolicyState:
     )
 
 
-def weights_command(client: redis.Redis, keys: Keys, epoch: int, scan: int = 1000) -> Control | None:
-    """The `weights` command of `epoch`, searched back from the end of `{ns}:control` (a joiner's catch-up)."""
+def weights_command(
+    client: redis.Redis, keys: Keys, epoch: int, scan: int = 1000, adapter: str | None = None
+) -> Control | None:
+    """The `weights` command of `epoch` (of the base model, or of `adapter`), searched back from the end of
+    `{ns}:control` (a joiner's catch-up)."""
     for _id, fields in client.xrevrange(keys.control, count=scan):
         command = Control.from_fields(fields)
-        if command.cmd == "weights" and command.epoch == epoch:
+        if command.cmd == "weights" and command.epoch == epoch and command.adapter == (adapter or ""):
             return command
     return None
+
+
+def adapter_names(client: redis.Redis, keys: Keys) -> list[str]:
+    """Every adapter ever published in this namespace (`{ns}:adapters`), sorted."""
+    return sorted(name.decode() for name in client.smembers(keys.adapters))

@@ -16,6 +16,11 @@ needs any more.
 - `nccl://HOST:PORT`: nothing stored; the trainer broadcasts to every worker during the sync
   (`staleness.broadcast`); the worker calls `engine.load_broadcast(link, n)`.
 
+LoRA adapters travel by the stored transports, each adapter in a place of its own, in PEFT's layout (what vLLM
+loads): `fs:///DIR/adapters/NAME/v{n}/` holds `adapter_model.safetensors` and `adapter_config.json`;
+`redis://NS/adapters/NAME/v{n}` keeps the blob under `{NS}:adapter:NAME:weights:{n}:{i}` with the config in its
+manifest. The worker calls `fetch_adapter(uri, n)` and `engine.load_adapter(name, tensors, config, n)`.
+
 The engine is duck-typed (`LoadsWeights`): this module imports no engine, as the design asks.
 """
 
@@ -44,7 +49,7 @@ from safetensors.torch import load as load_blob
 from safetensors.torch import load_file, save, save_file
 
 from pipeline.files import fsync_path
-from pipeline.wire import Keys
+from pipeline.wire import ADAPTER_PATTERN, Keys
 
 if TYPE_CHECKING:
     from staleness.broadcast import BroadcastLink
@@ -61,6 +66,11 @@ DEFAULT_BATCH_BYTES = 256 << 20
 MANIFEST_V = 1
 """Version of the manifest's layout (a reader refuses one it does not know)."""
 WEIGHTS_FILE = "model.safetensors"
+ADAPTER_FILE = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+"""An adapter's files, as PEFT's `save_pretrained` writes them (and vLLM's LoRA loader reads them)."""
+ADAPTERS_DIR = "adapters"
+"""Under a transport's root (fs) or namespace (redis): one place per adapter name."""
 PARTIAL_PREFIX = ".partial-"
 """A directory being written (`fs`); never a version until renamed."""
 REMOVING_PREFIX = ".removing-"
@@ -99,12 +109,15 @@ class WeightsUri:
     location: str
     version: int | None
     """The version the uri names (`v{n}` as its last part), None for a transport's root."""
+    adapter: str | None = None
+    """The LoRA adapter a `redis://NS/adapters/NAME/v{n}` uri names (fs paths need no such field)."""
 
     def __str__(self) -> str:
         if self.scheme == "fs":
             return f"fs://{self.location}"
+        adapter = "" if self.adapter is None else f"/{ADAPTERS_DIR}/{self.adapter}"
         suffix = "" if self.version is None else f"/v{self.version}"
-        return f"{self.scheme}://{self.location}{suffix}"
+        return f"{self.scheme}://{self.location}{adapter}{suffix}"
 
 
 def parse_uri(uri: str) -> WeightsUri:
@@ -125,6 +138,11 @@ def parse_uri(uri: str) -> WeightsUri:
     location, _, tail = rest.partition("/")
     tail = tail.strip("/")
     version = None
+    adapter = None
+    if scheme == "redis" and tail.startswith(ADAPTERS_DIR + "/"):  # redis://NS/adapters/NAME[/v{n}]
+        adapter, _, tail = tail.removeprefix(ADAPTERS_DIR + "/").partition("/")
+        if not re.match(ADAPTER_PATTERN, adapter):
+            raise ValueError(f"weights uri {uri!r}: adapter name {adapter!r} must match {ADAPTER_PATTERN}")
     if tail:
         match = _VERSION_DIR.fullmatch(tail)
         if not match:
@@ -134,7 +152,7 @@ def parse_uri(uri: str) -> WeightsUri:
         ns = location.removeprefix("{").removesuffix("}")
         if ns:  # empty: `redis://`, the transport of the pipeline's own namespace
             Keys(ns)  # raises ValueError for a bad namespace
-        return WeightsUri("redis", ns, version)
+        return WeightsUri("redis", ns, version, adapter)
     host, colon, port = location.rpartition(":")
     if not colon or not host or not port.isdigit():
         raise ValueError(f"weights uri {uri!r}: expected nccl://HOST:PORT")
@@ -294,8 +312,16 @@ class FsTransport:
     def uri_of(self, version: int) -> str:
         return f"fs://{self.path_of(version)}"
 
-    def publish(self, tensors: NamedTensors | torch.nn.Module, version: int) -> str:
-        """Write `DIR/v{version}` atomically (temp dir, fsync, rename) and return `fs:///DIR/v{version}`."""
+    def publish(
+        self,
+        tensors: NamedTensors | torch.nn.Module,
+        version: int,
+        *,
+        adapter_config: Mapping[str, Any] | None = None,
+    ) -> str:
+        """Write `DIR/v{version}` atomically (temp dir, fsync, rename) and return `fs:///DIR/v{version}`.
+
+        With `adapter_config`, the tensors are a LoRA adapter's: PEFT's two files are written instead."""
         final = self.path_of(version)
         if final.exists():
             raise FileExistsError(
@@ -308,9 +334,13 @@ class FsTransport:
         partial = self.root / f"{PARTIAL_PREFIX}v{version}-{uuid.uuid4().hex[:12]}"
         partial.mkdir()  # mode from the umask (mkdtemp's 0700 would lock out workers running as another user)
         try:
-            file = partial / WEIGHTS_FILE
+            file = partial / (WEIGHTS_FILE if adapter_config is None else ADAPTER_FILE)
             save_file(named, str(file), metadata={"format": "pt", "version": str(version)})
             fsync_path(file)
+            if adapter_config is not None:
+                config = partial / ADAPTER_CONFIG
+                config.write_text(json.dumps(dict(adapter_config), indent=2))
+                fsync_path(config)
             fsync_path(partial)
             os.rename(partial, final)  # atomic: `v{n}` appears complete or not at all
         except BaseException:
@@ -379,12 +409,16 @@ class RedisTransport:
         *,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         batch_bytes: int = DEFAULT_BATCH_BYTES,
+        adapter: str | None = None,
     ) -> None:
         if chunk_bytes < 1 or batch_bytes < 1:
             raise ValueError(f"chunk_bytes and batch_bytes must be >= 1, got {chunk_bytes}, {batch_bytes}")
-        Keys(ns)  # raises ValueError for a bad namespace
+        if adapter is not None and not re.match(ADAPTER_PATTERN, adapter):
+            raise ValueError(f"adapter name {adapter!r} must match {ADAPTER_PATTERN}")
         self.client = client
-        self.keys = Keys(ns)
+        self.keys = Keys(ns).weights_of(adapter)  # raises ValueError for a bad namespace
+        self.adapter = adapter
+        """The LoRA adapter whose versions this transport keeps (`{ns}:adapter:NAME:weights:...`); None: the base."""
         self.chunk_bytes = chunk_bytes
         self.batch_bytes = batch_bytes
 
@@ -393,10 +427,17 @@ class RedisTransport:
         return self.keys.ns
 
     def uri_of(self, version: int) -> str:
-        return f"redis://{self.ns}/v{check_version(version)}"
+        return str(WeightsUri("redis", self.ns, check_version(version), self.adapter))
 
-    def publish(self, tensors: NamedTensors | torch.nn.Module, version: int) -> str:
-        """Store the chunks, then the manifest; return `redis://{ns}/v{version}`."""
+    def publish(
+        self,
+        tensors: NamedTensors | torch.nn.Module,
+        version: int,
+        *,
+        adapter_config: Mapping[str, Any] | None = None,
+    ) -> str:
+        """Store the chunks, then the manifest; return `redis://{ns}/v{version}` (an adapter's:
+        `redis://{ns}/adapters/NAME/v{version}`, its `adapter_config` in the manifest)."""
         version = check_version(version)
         keys = self.keys
         if self.client.exists(keys.weights_manifest(version)):
@@ -417,6 +458,8 @@ class RedisTransport:
             "tensors": len(named),
             "ts": time.time(),
         }
+        if adapter_config is not None:
+            manifest["config"] = dict(adapter_config)
         self.remove(version)  # leftovers of a write that crashed before its manifest
         self.client.hset(keys.weights_index, str(version), n_chunks)
         view = memoryview(blob)
@@ -545,13 +588,20 @@ def open_transport(
     ns: str | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     join_timeout_s: float = 60.0,
+    adapter: str | None = None,
 ) -> WeightTransport:
     """The trainer's transport from a spec: `fs://DIR`, `redis://` (or `redis://NS`) with the pipeline's client,
     or `nccl://HOST:PORT` (this process hosts the rendezvous on PORT and broadcasts during each sync,
-    waiting up to `join_timeout_s` for the workers to join)."""
+    waiting up to `join_timeout_s` for the workers to join). With `adapter`, the place of that LoRA adapter's
+    versions (`DIR/adapters/NAME`, `{ns}:adapter:NAME:weights:...`); adapters travel by fs and redis only."""
     parsed = parse_uri(spec)
+    if adapter is not None and not re.match(ADAPTER_PATTERN, adapter):
+        raise ValueError(f"adapter name {adapter!r} must match {ADAPTER_PATTERN}")
+    if adapter is not None and parsed.scheme == "nccl":
+        raise ValueError(f"{spec}: LoRA adapters travel by redis:// or fs:// (a few MB: no broadcast needed)")
     if parsed.scheme == "fs":
-        return FsTransport(parsed.location)
+        root = Path(parsed.location)
+        return FsTransport(root if adapter is None else root / ADAPTERS_DIR / adapter)
     if parsed.scheme == "nccl":
         from staleness.broadcast import NcclTransport  # it builds on this module
 
@@ -563,7 +613,7 @@ def open_transport(
     name = parsed.location or ns
     if not name:
         raise ValueError(f"{spec}: name the namespace (redis://NS) or pass ns=")
-    return RedisTransport(redis_client, name, chunk_bytes=chunk_bytes)
+    return RedisTransport(redis_client, name, chunk_bytes=chunk_bytes, adapter=adapter or parsed.adapter)
 
 
 def remove_published(uri: str, redis_client: redis.Redis | None = None, ns: str | None = None) -> bool:
@@ -573,7 +623,7 @@ def remove_published(uri: str, redis_client: redis.Redis | None = None, ns: str 
         return False
     if parsed.scheme == "fs":
         return FsTransport(Path(parsed.location).parent).remove(parsed.version)
-    return open_transport(uri, redis_client=redis_client, ns=ns).remove(parsed.version)
+    return open_transport(uri, redis_client=redis_client, ns=ns, adapter=parsed.adapter).remove(parsed.version)
 
 
 # -- the worker's side ---------------------------------------------------------------------------
@@ -597,7 +647,43 @@ def fetch_weights(uri: str, version: int, redis_client: redis.Redis | None = Non
         raise ValueError(f"weights uri {uri!r} names no version (redis://NS/v<version>)")
     if redis_client is None:
         raise ValueError(f"loading {uri} needs the worker's Redis client")
-    return RedisTransport(redis_client, parsed.location).fetch(version)
+    return RedisTransport(redis_client, parsed.location, adapter=parsed.adapter).fetch(version)
+
+
+def fetch_adapter(
+    uri: str, version: int, redis_client: redis.Redis | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """A LoRA adapter's tensors and config (`adapter_config.json`'s fields) from a stored version. Blocking."""
+    fetched = fetch_weights(uri, version, redis_client)
+    if isinstance(fetched, Path):
+        return read_adapter(fetched)
+    parsed = parse_uri(uri)
+    assert redis_client is not None  # fetch_weights needed it
+    config = RedisTransport(redis_client, parsed.location, adapter=parsed.adapter).manifest(version).get("config")
+    if not isinstance(config, dict):
+        raise ValueError(f"adapter {uri}: no adapter config (r, lora_alpha, target_modules) stored with it")
+    return fetched, config
+
+
+def read_adapter(
+    source: NamedTensors | torch.nn.Module | str | os.PathLike[str], config: Mapping[str, Any] | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """An adapter's tensors and config: from a PEFT directory (`adapter_model.safetensors` + `adapter_config.json`;
+    `config`, if given, overrides the file's), or from tensors and `config`. `ValueError` says what is missing."""
+    if isinstance(source, (str, os.PathLike)) and Path(source).is_dir():
+        directory = Path(source)
+        if config is None:
+            config_file = directory / ADAPTER_CONFIG
+            if not config_file.is_file():
+                raise FileNotFoundError(f"adapter {directory}: no {ADAPTER_CONFIG} (PEFT's save_pretrained writes it)")
+            try:
+                config = json.loads(config_file.read_text())
+            except ValueError as exc:
+                raise ValueError(f"adapter {directory}: {config_file.name} is not JSON: {exc}") from None
+        source = read_checkpoint(directory)
+    if not isinstance(config, Mapping):
+        raise ValueError("an adapter needs its config (adapter_config: r, lora_alpha, target_modules)")
+    return state_dict_of(source), dict(config)
 
 
 def is_stored(uri: str) -> bool:

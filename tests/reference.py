@@ -29,3 +29,21 @@ def random_prompts(lengths: list[int], seed: int = 0) -> list[np.ndarray]:
     """Token-id prompts of the given lengths (ids 6..511: no special tokens of the tiny model)."""
     rng = np.random.default_rng(seed)
     return [rng.integers(6, 512, size=n, dtype=np.int32) for n in lengths]
+
+
+def merged_model_dir(base_dir: Path, tensors: dict[str, torch.Tensor], config: dict, out_dir: Path) -> Path:
+    """A plain transformers checkpoint of `base_dir` with a PEFT LoRA adapter merged in (W + alpha/r * B @ A), for
+    `forward_logprobs`: the math written out here, independent of the engines' LoRA code."""
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    weights = model.state_dict()
+    scale = float(config["lora_alpha"]) / int(config["r"])
+    with torch.no_grad():
+        for name, a in tensors.items():
+            if not name.endswith(".lora_A.weight"):
+                continue
+            module = name.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+            b = tensors[name.replace(".lora_A.", ".lora_B.")]
+            weights[f"{module}.weight"] += scale * (b.float() @ a.float())
+    model.load_state_dict(weights)
+    model.save_pretrained(out_dir)
+    return out_dir

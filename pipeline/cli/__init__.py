@@ -31,6 +31,7 @@ from pipeline.cli.engine_spec import (
     KvCacheOpt,
     MaxBatchOpt,
     MaxLenOpt,
+    MaxLorasOpt,
     SeedOpt,
     ThreadsOpt,
     TpOpt,
@@ -174,6 +175,7 @@ def worker(
     dtype: DtypeOpt = "float32",
     device: DeviceOpt = "cpu",
     max_batch: MaxBatchOpt = 64,
+    max_loras: MaxLorasOpt = 4,
     num_threads: ThreadsOpt = None,
     max_model_len: MaxLenOpt = None,
     kv_cache_bytes: KvCacheOpt = None,
@@ -224,7 +226,8 @@ def submit(
     model: Annotated[Path | None, typer.Option(help="Model directory whose tokenizer reads text prompts.")] = None,
 ) -> None:
     """Queue prompts from a JSONL file: `id`, `prompt` (text) or `tokens`, `n`, `max_tokens`,
-    `temperature`, `top_p`, `stop_token_ids`, `seed`, `meta`. Nothing is queued unless every line is valid."""
+    `temperature`, `top_p`, `stop_token_ids`, `seed`, `meta`, `reward_fn`, `adapter` (a LoRA adapter's name). Nothing
+    is queued unless every line is valid."""
     from producers.prompts_file import read_prompts_file
 
     if not file.is_file():
@@ -282,6 +285,13 @@ def publish_weights(
     ] = "redis",
     mode: Annotated[str, typer.Option(help="Pause mode: abort (partials continue anywhere) or keep.")] = "abort",
     ack_timeout_s: Annotated[float, typer.Option(help="Evict a worker that has not loaded it by then.")] = 60.0,
+    adapter: Annotated[
+        str | None,
+        typer.Option(
+            help="A LoRA adapter's name: --from is a PEFT directory (adapter_model.safetensors + "
+            "adapter_config.json), and only this adapter moves to its next version (only its requests pause)."
+        ),
+    ] = None,
 ) -> None:
     """Make a checkpoint the next policy version on every worker (pause → load → ack → resume); JSON out."""
     from producers.client import RolloutClient
@@ -290,11 +300,20 @@ def publish_weights(
         fail(f"--mode must be abort or keep, not {mode!r}")
     if not any(source.glob("*.safetensors")):
         fail(f"no safetensors checkpoint in {source}")
+    if adapter is not None and not (source / "adapter_config.json").is_file():
+        fail(f"--adapter {adapter}: {source} has no adapter_config.json (a PEFT adapter directory has)")
     spec = "redis://" if transport in ("redis", "redis://") else transport
     with user_errors(redis_url):
         client = RolloutClient(redis_url, ns)
-        version = client.publish_weights(source, transport=spec, mode=mode, ack_timeout_s=ack_timeout_s)  # type: ignore[arg-type]
-    print(json.dumps({"version": version} | _report(client.last_sync)))
+        version = client.publish_weights(
+            source,
+            transport=spec,
+            mode=mode,  # type: ignore[arg-type]
+            ack_timeout_s=ack_timeout_s,
+            adapter=adapter,
+        )
+    of = {} if adapter is None else {"adapter": adapter}
+    print(json.dumps({"version": version} | of | _report(client.last_sync)))
 
 
 @app.command()
@@ -318,9 +337,11 @@ def manager(
     from pipeline.exporter import process_registry
     from staleness.manager import Manager
     from staleness.metrics import SyncMetrics
+    from staleness.state import adapter_names
 
     streams = open_streams(redis_url, ns)
     keeper = Manager(streams, ack_timeout_s=ack_timeout_s)
+    keepers: dict[str | None, Manager] = {None: keeper}
     with user_errors(redis_url):
         syncs = SyncMetrics(streams, process_registry())
     if metrics_port is not None:
@@ -329,10 +350,14 @@ def manager(
         streams.ensure_groups()
         while True:
             try:
-                report = keeper.finish_abandoned(abandoned_after_s)
-                if report is not None:
-                    syncs.abandoned()
-                    console.print(f"finished an abandoned sync: {json.dumps(_report(report))}")
+                for adapter in [None, *adapter_names(streams.redis, streams.keys)]:  # each adapter syncs alone
+                    if adapter not in keepers:
+                        keepers[adapter] = Manager(streams, ack_timeout_s=ack_timeout_s, adapter=adapter)
+                    report = keepers[adapter].finish_abandoned(abandoned_after_s)
+                    if report is not None:
+                        syncs.abandoned()
+                        of = f" of adapter {adapter}" if adapter else ""
+                        console.print(f"finished an abandoned sync{of}: {json.dumps(_report(report))}")
                 syncs.poll()
             except redis.ConnectionError as exc:  # gone for longer than the client's reconnects: keep checking
                 if once:

@@ -20,6 +20,9 @@ MaxLenOpt = Annotated[int | None, typer.Option(help="Longest prompt + generation
 KvCacheOpt = Annotated[int | None, typer.Option(help="vllm engine: KV cache size in bytes.")]
 TpOpt = Annotated[int, typer.Option(help="vllm engine: tensor-parallel size.")]
 EagerOpt = Annotated[bool, typer.Option(help="vllm engine: no CUDA graphs / compilation.")]
+MaxLorasOpt = Annotated[
+    int, typer.Option(help="torch engine: LoRA adapters held at once (more are loaded on demand, idle ones evicted).")
+]
 SeedOpt = Annotated[int | None, typer.Option(help="Engine seed, for requests that carry none.")]
 EngineArgsOpt = Annotated[
     str | None,
@@ -37,6 +40,7 @@ class EngineSpec:
     dtype: str = "float32"
     device: str = "cpu"
     max_batch: int = 64
+    max_loras: int = 4
     num_threads: int | None = None
     max_model_len: int | None = None
     kv_cache_bytes: int | None = None
@@ -70,7 +74,8 @@ class EngineSpec:
         """Keyword arguments of `create_engine` for this engine (each engine takes only its own)."""
         common = {"dtype": self.dtype, "max_model_len": self.max_model_len, "seed": self.seed}
         if self.kind == "torch":
-            return common | {"device": self.device, "max_batch": self.max_batch, "num_threads": self.num_threads}
+            torch_only = {"device": self.device, "max_batch": self.max_batch, "num_threads": self.num_threads}
+            return common | torch_only | {"max_loras": self.max_loras}
         if self.kind == "synthetic":  # its pace and lengths come as --engine-args
             paced = {"max_model_len": self.max_model_len, "seed": self.seed, "max_batch": self.max_batch}
             return paced | self.engine_args
@@ -87,6 +92,7 @@ class EngineSpec:
         """The same choice as `rollouts worker` flags."""
         args = ["--engine", self.kind, "--dtype", self.dtype, "--device", self.device]
         args += ["--max-batch", str(self.max_batch), "--tensor-parallel-size", str(self.tensor_parallel_size)]
+        args += ["--max-loras", str(self.max_loras)]
         args.append("--enforce-eager" if self.enforce_eager else "--no-enforce-eager")
         for flag, value in (
             ("--num-threads", self.num_threads),

@@ -1,0 +1,176 @@
+"""A worker's LoRA adapters: loaded on demand, evicted when idle, paused one at a time for their own syncs.
+
+A prompt that names an adapter is served under that adapter's current version. The worker does not know its
+adapters in advance: the first request for one reads its state (`{ns}:adapter:NAME:state`), fetches that version
+from the transport and loads it into the engine; with every one of the engine's `max_loras` slots taken, the
+least recently used adapter that no request is using makes room (a request waits for a slot rather than fail).
+A request never runs under an adapter that is not loaded, or under another one: it holds its adapter from before
+the load until its generation ends, so the adapter cannot be evicted under it.
+
+Each adapter syncs on its own (`staleness.manager.Manager(adapter=...)`): its `weights` command closes its gate
+(fresh requests for it wait), pauses only its requests in the engine (abort: they end with their tokens so far and
+go on later as partials; keep: they freeze), loads the new version if the adapter is loaded here (one that is not
+is loaded at the new version when next needed) and acks with `epoch@NAME` in the heartbeat; its `resume` opens the
+gate. Every other adapter and the base model go on generating meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+from consumers.engine import Engine, EngineInputError
+from pipeline.streams import Streams
+from pipeline.wire import Control, ack_field
+from staleness.state import adapter_names, read_state, weights_command
+from staleness.transports import fetch_adapter
+
+log = logging.getLogger(__name__)
+
+SYNC_POLL_S = 0.05
+"""How often a request for an adapter whose sync is under way (found in its state) looks again."""
+
+
+class WorkerAdapters:
+    """The adapters of one worker's engine: gates, per-adapter epochs, on-demand loads and evictions."""
+
+    def __init__(self, streams: Streams, engine: Engine, worker: str, ack: Callable[[], Awaitable[object]]) -> None:
+        self.streams = streams
+        self.engine = engine
+        self.worker = worker
+        self._ack = ack
+        """Writes the heartbeat (which carries `epoch@NAME`): the ack of an adapter's sync."""
+        self._epochs: dict[str, int] = {}
+        """The last sync epoch acked, per adapter."""
+        self._gates: dict[str, asyncio.Event] = {}
+        """Set while an adapter may generate; cleared from its `weights` command to its `resume`."""
+        self._users: Counter[str] = Counter()
+        """Requests holding each adapter (waiting for it, or generating under it): never evicted while held."""
+        self._last_used: dict[str, float] = {}
+        self._lock = asyncio.Lock()
+        """One load, eviction or sync at a time: a sync never races a load of the same adapter."""
+        self._freed = asyncio.Event()
+        """Set when an adapter's last user lets go: a request waiting for a slot looks again."""
+
+    def _gate(self, adapter: str) -> asyncio.Event:
+        gate = self._gates.get(adapter)
+        if gate is None:
+            gate = self._gates[adapter] = asyncio.Event()
+            gate.set()
+        return gate
+
+    @asynccontextmanager
+    async def using(self, adapter: str) -> AsyncIterator[int]:
+        """Hold `adapter` loaded and unpaused for one request; yields the version it is loaded at."""
+        self._users[adapter] += 1
+        try:
+            yield await self._ready(adapter)
+        finally:
+            self._users[adapter] -= 1
+            self._last_used[adapter] = time.monotonic()
+            if self._users[adapter] <= 0:
+                del self._users[adapter]
+                self._freed.set()
+
+    async def _ready(self, adapter: str) -> int:
+        """Wait until `adapter` may generate here, loading it (and making room for it) when it is not loaded."""
+        while True:
+            await self._gate(adapter).wait()
+            loaded = self.engine.adapters()
+            if adapter in loaded:
+                return loaded[adapter]
+            async with self._lock:
+                if adapter in self.engine.adapters() or not self._gate(adapter).is_set():
+                    continue  # loaded, or its sync began, while this request waited for the lock
+                state = await asyncio.to_thread(read_state, self.streams.redis, self.streams.keys, adapter)
+                if state.paused:  # a sync of it is under way, begun before this worker followed control
+                    await asyncio.sleep(SYNC_POLL_S)
+                    continue
+                if not state.weights_uri:
+                    raise EngineInputError(
+                        f"adapter {adapter!r} was never published in namespace {self.streams.keys.ns!r} "
+                        f"(publish_weights(tensors, adapter={adapter!r}, adapter_config=...) first)"
+                    )
+                if self.engine.max_loras < 1:
+                    raise EngineInputError(f"the {self.engine.name} engine of this worker serves no LoRA adapters")
+                if await self._make_room():
+                    await self._load(adapter, state.weights_uri, state.version)
+                    return state.version
+                self._freed.clear()
+            await self._freed.wait()  # every slot is in use: wait for a request to let one go
+
+    async def _make_room(self) -> bool:
+        """Evict the least recently used idle adapter if every slot is taken; False if none is idle."""
+        loaded = self.engine.adapters()
+        if len(loaded) < self.engine.max_loras:
+            return True
+        idle = [name for name in loaded if self._users[name] == 0]
+        if not idle:
+            return False
+        victim = min(idle, key=lambda name: self._last_used.get(name, 0.0))
+        await self.engine.remove_adapter(victim)
+        log.info("%s: evicted adapter %s to make room", self.worker, victim)
+        return True
+
+    async def _load(self, adapter: str, uri: str, version: int) -> None:
+        """Fetch and load; any failure is the request's error (a rollout with `finish_reason=error`)."""
+        try:
+            tensors, config = await asyncio.to_thread(fetch_adapter, uri, version, self.streams.redis)
+            await self.engine.load_adapter(adapter, tensors, config, version)
+        except Exception as exc:
+            raise EngineInputError(f"could not load adapter {adapter!r} version {version} from {uri}: {exc}") from None
+        log.info("%s: loaded adapter %s version %d", self.worker, adapter, version)
+
+    # -- the worker's side of one adapter's sync ---------------------------------------------------
+
+    async def obey(self, command: Control) -> None:
+        """A `weights` or `resume` command of one adapter (`command.adapter`)."""
+        adapter = command.adapter
+        if command.cmd == "weights" and command.epoch > self._epochs.get(adapter, 0):
+            await self._sync(command)
+        elif command.cmd == "resume" and command.epoch >= self._epochs.get(adapter, 0):
+            await self.engine.resume_adapter(adapter)
+            self._gate(adapter).set()
+
+    async def _sync(self, command: Control) -> None:
+        """Close the gate, pause the adapter's requests, load the new version if it is loaded here, ack.
+
+        A version that cannot be loaded leaves the adapter unloaded (its requests aborted: they go on as partials):
+        the next request for it loads the state's version again, or becomes an error rollout that says why. The
+        worker acks either way; one tenant's bad adapter stops no worker."""
+        adapter = command.adapter
+        self._gate(adapter).clear()
+        async with self._lock:
+            await self.engine.pause_adapter(adapter, command.mode)
+            loaded = self.engine.adapters()
+            if adapter in loaded and loaded[adapter] != command.version:
+                try:
+                    await self._load(adapter, command.uri, command.version)
+                except EngineInputError as exc:
+                    log.error("%s: %s; unloading it", self.worker, exc)
+                    await self.engine.pause_adapter(adapter, "abort")  # kept requests end, and go on elsewhere
+                    await self.engine.remove_adapter(adapter)
+            self._epochs[adapter] = command.epoch
+        await self._ack()
+
+    async def catch_up(self) -> None:
+        """At start: take part in every adapter sync under way (ack it; the gate stays closed until its resume)."""
+        for adapter in await asyncio.to_thread(adapter_names, self.streams.redis, self.streams.keys):
+            state = await asyncio.to_thread(read_state, self.streams.redis, self.streams.keys, adapter)
+            if not state.paused:
+                continue
+            command = await asyncio.to_thread(
+                weights_command, self.streams.redis, self.streams.keys, state.epoch, adapter=adapter
+            )
+            if command is not None:
+                await self._sync(command)
+
+    def heartbeat_fields(self) -> dict[str, object]:
+        """`epoch@NAME` per adapter synced (the acks) and `adapters`: the loaded ones, `name=version,...`."""
+        fields: dict[str, object] = {ack_field(name): epoch for name, epoch in self._epochs.items()}
+        fields["adapters"] = ",".join(f"{name}={version}" for name, version in sorted(self.engine.adapters().items()))
+        return fields

@@ -1,0 +1,179 @@
+"""Multi-LoRA through the whole pipeline: worker processes on a real Redis, adapters published by the trainer.
+
+Seed 003's four scenarios (SkyRL's per-adapter pause), with adapters trained to prefer their own tokens so that
+whose tokens a sample holds is plain to see: pausing adapter A does not stop adapter B; A's in-flight samples
+recover after the resume with tokens from A's new version; a sample that spans the update shows both versions
+in order, each span's logprobs a forward pass under base + that version; a fresh A request made during the
+pause waits at the gate and runs entirely under the new version. Plus: many adapters on few slots (evictions),
+an adapter nobody published (an error rollout), and an adapter sync while the base model syncs too.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from consumers.tiny_model import make_adapter
+from pipeline.local import RedisServer
+from pipeline.wire import GENERATORS, Rollout
+from producers.client import Group, RolloutClient
+from staleness.manager import Manager
+from staleness.state import read_state
+from staleness.transports import open_transport
+from tests.conftest import StartWorker, wait_until
+from tests.reference import forward_logprobs, merged_model_dir, random_prompts
+
+Adapter = tuple[dict[str, torch.Tensor], dict]
+FAVOURED = {"a1": range(100, 140), "a2": range(200, 240), "b1": range(300, 340), "c1": range(400, 440)}
+"""The tokens each adapter (name + version) was trained to prefer: disjoint, so a token tells whose it is."""
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model_dir: Path) -> dict[str, Adapter]:
+    return {key: make_adapter(tiny_model_dir, list(tokens), seed=i) for i, (key, tokens) in enumerate(FAVOURED.items())}
+
+
+def share(tokens: np.ndarray, key: str) -> float:
+    """The fraction of `tokens` in adapter version `key`'s favoured set."""
+    favoured = FAVOURED[key]
+    return float(np.mean([favoured.start <= t < favoured.stop for t in tokens])) if len(tokens) else 0.0
+
+
+def submit(client: RolloutClient, ids: list[str], adapter: str | None, max_tokens: int, n: int = 2) -> None:
+    for prompt_id, tokens in zip(ids, random_prompts([8] * len(ids), seed=len(ids)), strict=True):
+        client.submit(tokens=tokens, n=n, max_tokens=max_tokens, temperature=0.0, id=prompt_id, adapter=adapter)
+
+
+def check_spans(rollout: Rollout, references: dict[int, Path]) -> None:
+    """Spans cover the tokens in order, versions only go up, and each span's logprobs are its version's."""
+    assert rollout.spans[0][1] == 0 and rollout.spans[-1][2] == rollout.n_tokens
+    for (v1, _, e1), (v2, s2, _) in zip(rollout.spans, rollout.spans[1:], strict=False):
+        assert e1 == s2 and v1 < v2
+    prompt, tokens = rollout.prompt_tokens.tolist(), rollout.tokens.tolist()
+    for version, start, end in rollout.spans:
+        expected = forward_logprobs(references[version], prompt, tokens[:end])[start:end]
+        np.testing.assert_allclose(rollout.logprobs[start:end], expected, atol=1e-4, err_msg=f"span {version}")
+
+
+@pytest.mark.parametrize("mode", ["keep", "abort"])
+def test_an_adapter_sync_pauses_that_adapter_alone_and_its_samples_go_on_under_the_new_version(
+    redis_server: RedisServer,
+    ns: str,
+    tiny_model_dir: Path,
+    workers: StartWorker,
+    adapters: dict[str, Adapter],
+    tmp_path: Path,
+    mode: str,
+    one_thread: None,
+) -> None:
+    client = RolloutClient(redis_server.url, ns)
+    client.publish_weights(adapters["a1"][0], adapter="a", adapter_config=adapters["a1"][1])
+    client.publish_weights(adapters["b1"][0], adapter="b", adapter_config=adapters["b1"][1])
+    workers("w1", "--max-batch", "16")
+    a_ids = [f"a{i}" for i in range(6)]
+    submit(client, a_ids, "a", max_tokens=400)
+    wait_until(lambda: client.streams.redis.xpending(client.streams.keys.prompts, GENERATORS)["pending"] >= 6, 60, "A")
+
+    # Adapter a's next version, synced by hand so that the sync can be held open: the workers pause a, load,
+    # ack; the manager resumes only once `released` is set.
+    store = open_transport("redis://", redis_client=client.streams.redis, ns=ns, adapter="a")
+    uri = store.publish(adapters["a2"][0], 2, adapter_config=adapters["a2"][1])  # type: ignore[call-arg]
+    released = threading.Event()
+    manager = Manager(client.streams, adapter="a")
+    with ThreadPoolExecutor(1) as pool:
+        sync = pool.submit(manager.sync, 2, uri, mode, lambda epoch, workers: released.wait(120))
+        wait_until(lambda: read_state(client.streams.redis, client.streams.keys, "a").paused, 30, "a's pause")
+        submit(client, ["fresh-a"], "a", max_tokens=24)  # made during the pause: waits at the gate
+        b_ids = [f"b{i}" for i in range(4)]
+        submit(client, b_ids, "b", max_tokens=24)
+        during = client.collect(len(b_ids), timeout=60)  # b goes on while a is paused
+        assert sorted(g.prompt_id for g in during) == b_ids, "only b's groups finish while a is paused"
+        assert not read_state(client.streams.redis, client.streams.keys, "b").paused
+        released.set()
+        report = sync.result(timeout=120)
+    assert report.acked == ["w1"] and not report.evicted
+    after = {g.prompt_id: g for g in client.collect(len(a_ids) + 1, timeout=120)}
+    assert sorted(after) == sorted([*a_ids, "fresh-a"])
+
+    for group in during:  # b: its own version 1 throughout, its own tokens
+        for rollout in group.rollouts:
+            assert rollout.adapter == "b" and rollout.spans == [(1, 0, rollout.n_tokens)]
+            assert share(rollout.tokens, "b1") > 0.7
+    fresh = after.pop("fresh-a")  # entirely under a's new version
+    for rollout in fresh.rollouts:
+        assert rollout.spans == [(2, 0, rollout.n_tokens)] and share(rollout.tokens, "a2") > 0.7
+    references = {
+        1: merged_model_dir(tiny_model_dir, *adapters["a1"], tmp_path / "a1"),
+        2: merged_model_dir(tiny_model_dir, *adapters["a2"], tmp_path / "a2"),
+    }
+    spanning = [r for g in after.values() for r in g.rollouts if len(r.spans) == 2]
+    assert spanning, "some of a's samples were in flight when its sync began"
+    for group in after.values():
+        for rollout in group.rollouts:
+            assert rollout.adapter == "a" and {v for v, _, _ in rollout.spans} <= {1, 2}
+            check_spans(rollout, references)
+            for version, start, end in rollout.spans:  # each version's tokens are that version's own
+                assert share(rollout.tokens[start:end], f"a{version}") > 0.6 or end - start < 5
+    assert read_state(client.streams.redis, client.streams.keys, "a").version == 2
+    assert read_state(client.streams.redis, client.streams.keys).version == 0  # the base model never moved
+
+
+def test_many_adapters_share_few_slots_and_an_unpublished_one_is_an_error_rollout(
+    redis_server: RedisServer,
+    ns: str,
+    workers: StartWorker,
+    adapters: dict[str, Adapter],
+) -> None:
+    client = RolloutClient(redis_server.url, ns)
+    for name, key in (("a", "a1"), ("b", "b1"), ("c", "c1"), ("d", "a2")):
+        client.publish_weights(adapters[key][0], adapter=name, adapter_config=adapters[key][1])
+    workers("w1", "--max-loras", "2")
+    keys = {"a": "a1", "b": "b1", "c": "c1", "d": "a2"}
+    for round_ in range(3):  # every round needs all four: two slots force evictions
+        for name in keys:
+            submit(client, [f"{name}{round_}-{i}" for i in range(2)], name, max_tokens=16)
+    submit(client, ["nobody"], "never-published", max_tokens=16, n=1)
+    groups: list[Group] = client.collect(3 * 4 * 2 + 1, timeout=180)
+    by_id = {g.prompt_id: g for g in groups}
+    error = by_id.pop("nobody").rollouts[0]
+    assert error.finish_reason == "error" and "never-published" in (error.error or "")
+    assert "never published" in (error.error or "")
+    for group in by_id.values():
+        for rollout in group.rollouts:
+            assert rollout.finish_reason != "error", rollout.error
+            assert share(rollout.tokens, keys[rollout.adapter or ""]) > 0.7, (rollout.adapter, rollout.tokens)
+    held = client.streams.live_workers()["w1"].get("adapters", "")
+    assert 1 <= len(held.split(",")) <= 2, held
+
+
+def test_an_adapter_syncs_while_the_base_model_syncs(
+    redis_server: RedisServer,
+    ns: str,
+    tiny_model_dir_v1: Path,
+    workers: StartWorker,
+    adapters: dict[str, Adapter],
+) -> None:
+    client = RolloutClient(redis_server.url, ns)
+    client.publish_weights(adapters["a1"][0], adapter="a", adapter_config=adapters["a1"][1])
+    workers("w1")
+    submit(client, [f"base{i}" for i in range(4)], None, max_tokens=200)
+    submit(client, [f"a{i}" for i in range(4)], "a", max_tokens=200)
+    wait_until(lambda: client.streams.redis.xpending(client.streams.keys.prompts, GENERATORS)["pending"] >= 8, 60, "")
+    other = RolloutClient(redis_server.url, ns, consumer="publisher")
+    with ThreadPoolExecutor(2) as pool:
+        base = pool.submit(client.publish_weights, tiny_model_dir_v1)
+        adapter = pool.submit(other.publish_weights, adapters["a2"][0], adapter="a", adapter_config=adapters["a2"][1])
+        assert base.result(timeout=120) == 1 and adapter.result(timeout=120) == 2
+    groups = client.collect(8, timeout=120)
+    for group in groups:
+        allowed = {1, 2} if group.adapter == "a" else {0, 1}
+        for rollout in group.rollouts:
+            assert {v for v, _, _ in rollout.spans} <= allowed and rollout.finish_reason != "error"
+    assert read_state(client.streams.redis, client.streams.keys).version == 1
+    assert read_state(client.streams.redis, client.streams.keys, "a").version == 2
+    assert not client.last_sync.evicted and not other.last_sync.evicted  # type: ignore[union-attr]

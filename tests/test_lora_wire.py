@@ -1,0 +1,85 @@
+"""Adapters on the wire and in the transports: prompts and rollouts name their LoRA adapter, each adapter's
+versions live in a place of their own (fs and redis), and bad names are refused with a clear error."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import redis
+import torch
+
+from pipeline.wire import Control, Keys, Prompt, Rollout, WireError, ack_field
+from staleness.transports import fetch_adapter, open_transport, parse_uri, read_adapter
+
+CONFIG = {"r": 2, "lora_alpha": 4.0, "target_modules": ["o_proj"], "peft_type": "LORA"}
+
+
+def adapter_tensors(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    prefix = "base_model.model.model.layers.0.self_attn.o_proj"
+    return {
+        f"{prefix}.lora_A.weight": torch.randn(2, 64, generator=g),
+        f"{prefix}.lora_B.weight": torch.randn(64, 2, generator=g),
+    }
+
+
+def test_prompts_and_rollouts_carry_their_adapter_and_the_base_model_reads_as_before() -> None:
+    prompt = Prompt(id="p", n=1, tokens=[5, 6], adapter="tenant-a.v2")
+    assert Prompt.from_fields(prompt.to_fields()).adapter == "tenant-a.v2"
+    base = Prompt(id="p", n=1, tokens=[5, 6])
+    assert b"adapter" not in base.to_fields() and Prompt.from_fields(base.to_fields()).adapter is None
+    rollout = Rollout(
+        prompt_id="p", sample=0, n=1, version=3, version_end=4, finish_reason="stop", worker="w",
+        prompt_tokens=[5], tokens=[7, 8], logprobs=[-0.1, -0.2], spans=[(3, 0, 1), (4, 1, 2)], adapter="a",
+    )  # fmt: skip
+    assert Rollout.from_fields(rollout.to_fields()).adapter == "a"
+    command = Control(cmd="weights", epoch=2, version=3, uri="redis://x/adapters/a/v3", adapter="a")
+    assert Control.from_fields(command.to_fields()).adapter == "a"
+    assert b"adapter" not in Control(cmd="resume", epoch=1).to_fields()
+    assert ack_field(None) == "epoch" and ack_field("a") == "epoch@a"
+    assert Keys("ns").state_of("a") == "{ns}:adapter:a:state" and Keys("ns").state_of(None) == "{ns}:state"
+
+
+@pytest.mark.parametrize("name", ["", "a:b", "a b", "{x}", "x" * 65, "a@b"])
+def test_a_bad_adapter_name_is_a_wire_error_that_names_the_field(name: str) -> None:
+    fields = Prompt(id="p", n=1, tokens=[5]).to_fields() | {b"adapter": name.encode()}
+    with pytest.raises(WireError, match="adapter"):
+        Prompt.from_fields(fields)
+
+
+def test_adapter_versions_round_trip_through_fs_and_redis_in_peft_layout(
+    real_redis: redis.Redis, tmp_path: Path, ns: str
+) -> None:
+    tensors = adapter_tensors(0)
+    fs = open_transport(f"fs://{tmp_path}", adapter="a")
+    uri = fs.publish(tensors, 1, adapter_config=CONFIG)  # type: ignore[call-arg]
+    assert uri == f"fs://{tmp_path}/adapters/a/v1"
+    assert sorted(p.name for p in (tmp_path / "adapters/a/v1").iterdir()) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    ]
+    store = open_transport("redis://", redis_client=real_redis, ns=ns, adapter="a")
+    redis_uri = store.publish(tensors, 1, adapter_config=CONFIG)  # type: ignore[call-arg]
+    assert redis_uri == f"redis://{ns}/adapters/a/v1" and parse_uri(redis_uri).adapter == "a"
+    assert real_redis.exists(f"{{{ns}}}:adapter:a:weights:1:manifest")
+    assert not real_redis.exists(f"{{{ns}}}:weights:1:manifest")  # the base model's versions are elsewhere
+    for where in (uri, redis_uri):
+        got, config = fetch_adapter(where, 1, real_redis)
+        assert config == CONFIG
+        assert set(got) == set(tensors) and all(torch.equal(got[k], tensors[k]) for k in tensors)
+    got, config = read_adapter(str(tmp_path / "adapters/a/v1"))  # a PEFT directory as a trainer passes it
+    assert config == CONFIG and set(got) == set(tensors)
+
+
+def test_adapters_are_refused_where_they_cannot_go(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="redis:// or fs://"):
+        open_transport("nccl://127.0.0.1:29999", adapter="a")
+    with pytest.raises(ValueError, match="adapter name"):
+        open_transport(f"fs://{tmp_path}", adapter="a/../b")
+    with pytest.raises(ValueError, match="adapter name"):
+        parse_uri("redis://ns/adapters/a:b/v1")
+    with pytest.raises(ValueError, match="config"):
+        read_adapter(adapter_tensors(0))
+    with pytest.raises(FileNotFoundError, match=r"adapter_config\.json"):
+        read_adapter(str(tmp_path))
