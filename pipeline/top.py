@@ -144,13 +144,14 @@ def render(snap: dict[str, Any]) -> RichGroup:
     if p["capacity"] is not None:
         limits = f"max_staleness={p['max_staleness']}, batch_size={p['batch_size']}"
     counters = Table(title=f"policy and admission ({limits})", expand=True)
+    adapters = snap.get("adapters") or {}
     columns = ("model", "version", "epoch", "paused", "submitted", "stale", "in use", "capacity", "free")
-    for column in columns:
+    for column in columns if adapters else columns[1:]:  # a row per adapter, when there are any
         counters.add_column(column, justify="left" if column == "model" else "right")
-    rows = {"base": p} | {f"adapter {name}": a for name, a in (snap.get("adapters") or {}).items()}
+    rows = {"base": p} | {f"adapter {name}": a for name, a in adapters.items()}
     for label, q in rows.items():
         counters.add_row(
-            label,
+            *([label] if adapters else []),
             str(q["version"]),
             str(q["epoch"]),
             "yes" if q["paused"] else "no",
