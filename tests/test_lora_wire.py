@@ -1,5 +1,6 @@
 """Adapters on the wire and in the transports: prompts and rollouts name their LoRA adapter, each adapter's
-versions live in a place of their own (fs and redis), and bad names are refused with a clear error."""
+versions live in a place of their own (fs and redis), bad names are refused with a clear error, and each
+adapter's samples are admitted and bounded by its own version."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ import pytest
 import redis
 import torch
 
+from pipeline.local import RedisServer
 from pipeline.wire import Control, Keys, Prompt, Rollout, WireError, ack_field
+from producers.client import RolloutClient
+from staleness.admission import AdmissionTimeout
 from staleness.transports import fetch_adapter, open_transport, parse_uri, read_adapter
 
 CONFIG = {"r": 2, "lora_alpha": 4.0, "target_modules": ["o_proj"], "peft_type": "LORA"}
@@ -83,3 +87,33 @@ def test_adapters_are_refused_where_they_cannot_go(tmp_path: Path) -> None:
         read_adapter(adapter_tensors(0))
     with pytest.raises(FileNotFoundError, match=r"adapter_config\.json"):
         read_adapter(str(tmp_path))
+
+
+def rollout_of(prompt_id: str, version: int, adapter: str | None) -> Rollout:
+    return Rollout(
+        prompt_id=prompt_id, sample=0, n=1, version=version, version_end=version, finish_reason="stop", worker="w",
+        prompt_tokens=[5], tokens=[7], logprobs=[-0.1], spans=[(version, 0, 1)], adapter=adapter,
+    )  # fmt: skip
+
+
+def test_each_adapter_has_its_own_admission_count_and_staleness_bound(redis_server: RedisServer, ns: str) -> None:
+    client = RolloutClient(redis_server.url, ns, max_staleness=0, batch_size=2)
+    client.submit(tokens=[5, 6], n=2, adapter="a")  # a's capacity at version 0: (0 + 0 + 1) * 2 = 2, now used up
+    with pytest.raises(AdmissionTimeout, match="admission full"):
+        client.submit(tokens=[5, 6], n=1, adapter="a", timeout=0.3)
+    client.submit(tokens=[5, 6], n=2, adapter="b", timeout=0.3)  # b counts its own samples
+    client.submit(tokens=[5, 6], n=2, timeout=0.3)  # and so does the base model
+    assert client.admission_usage("a").used == 2 and client.admission_usage("b").used == 2
+    assert client.admission_usage().used == 2
+
+    # Staleness against each adapter's own version: a is at version 3, b and the base model at 0.
+    client.streams.redis.hset(client.streams.keys.state_of("a"), "version", 3)
+    client.streams.add_rollouts([rollout_of("old-a", 2, "a"), rollout_of("new-b", 0, "b"), rollout_of("base", 0, None)])
+    groups = client.collect(2, timeout=10, max_staleness=0)
+    assert sorted((g.prompt_id, g.adapter, g.trainer_version) for g in groups) == [
+        ("base", None, 0),
+        ("new-b", "b", 0),
+    ]
+    parked = client.streams.redis.xrange(client.streams.keys.stale)
+    assert [(f[b"prompt_id"], f[b"staleness"], f[b"trainer_version"]) for _, f in parked] == [(b"old-a", b"1", b"3")]
+    assert client.admission_usage("a").stale == 1 and client.admission_usage().stale == 0
