@@ -379,3 +379,49 @@ def test_bad_requests_get_openai_errors_and_queue_nothing(
     probe = redis.Redis.from_url(redis_server.url)
     assert probe.xlen(keys.prompts) == 0 and not list(probe.scan_iter(match=keys.inbox_prefix + "*"))
     probe.close()
+
+
+def test_the_model_names_a_lora_adapter_and_a_session_stays_on_it(
+    redis_server: RedisServer,
+    ns: str,
+    tiny_model_dir: Path,
+    workers: StartWorker,
+    gateways: StartGateway,
+) -> None:
+    """As on vLLM's server with LoRA modules: `model` is the base model's served name or an adapter's name; a
+    session's turns and its finished trajectory are that adapter's (its tokens, its version)."""
+    from consumers.tiny_model import make_adapter
+
+    favoured = range(100, 140)
+    tensors, config = make_adapter(tiny_model_dir, list(favoured))
+    trainer = RolloutClient(redis_server.url, ns)
+    trainer.publish_weights(tensors, adapter="tenant-a", adapter_config=config)
+    workers("w1")
+    base = gateways("gw")
+    client = openai_client(base)
+    assert [m.id for m in client.models.list().data] == ["tiny", "tenant-a"]
+
+    def ask(model: str, messages: list[dict[str, Any]]) -> Any:
+        return client.chat.completions.create(
+            model=model,
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=12,
+            temperature=0.0,
+            extra_headers={"X-Session-ID": "lora-1"},
+            extra_body={"return_token_ids": True},
+        )
+
+    messages = [{"role": "user", "content": "Hello?"}]
+    first = ask("tenant-a", messages)
+    ids = first.choices[0].model_extra["token_ids"]
+    assert np.mean([t in favoured for t in ids]) > 0.7, ids  # the adapter's tokens, not the base model's
+    messages += [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "?"}]
+    with pytest.raises(openai.BadRequestError, match="every turn must name it"):
+        ask("tiny", messages)
+    second = ask("tenant-a", messages)
+    assert all(s[0] == 1 for s in second.choices[0].model_extra["spans"])  # tenant-a's version 1
+    with pytest.raises(openai.NotFoundError, match="`tenant-a`"):
+        client.chat.completions.create(model="tenant-b", messages=messages, max_tokens=4)  # type: ignore[arg-type]
+    assert finish(base, "lora-1", reward=1.0).status_code == 200
+    [group] = trainer.collect(1, timeout=30)
+    assert group.adapter == "tenant-a" and group.rollouts[0].version == 1 and group.rollouts[0].reward == 1.0

@@ -74,7 +74,7 @@ def create_app(gateway: Gateway) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return gateway.models()
+        return await gateway.models()
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(

@@ -7,6 +7,10 @@ for a call that fails its checks, and a call made while the policy is paused for
 for the resume before it is queued (so it never runs on half-loaded weights). A sync that lands while
 a turn is in flight does not reach the caller: the worker continues the turn after the sync (abort →
 partial → continue, or keep), and the answer's `spans` show both versions.
+
+`model` picks the policy, as on vLLM's own server with LoRA modules: the served model name is the base model, and
+the name of a LoRA adapter published in the namespace (`{ns}:adapters`) is that adapter; `/v1/models` lists both.
+A session stays on the model of its first turn, and its finished trajectory is a rollout of that adapter.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from producers.gateway.openai_api import ChatRequest, CompletionRequest, FinishR
 from producers.gateway.placement import Placement, candidates, place
 from producers.gateway.replies import Replies
 from producers.gateway.sessions import Session, SessionStore, Trajectory
-from staleness.state import read_state
+from staleness.state import adapter_names, read_state
 
 
 @dataclass
@@ -71,25 +75,29 @@ class Gateway:
     async def stop(self) -> None:
         await self.replies.stop()
 
-    def models(self) -> dict[str, Any]:
-        model = {"id": self.settings.served_model_name, "object": "model", "created": 0, "owned_by": "rollout-streams"}
-        return {"object": "list", "data": [model]}
+    async def models(self) -> dict[str, Any]:
+        """The base model and every LoRA adapter published in the namespace (its `parent` the base model)."""
+        base = self.settings.served_model_name
+        adapters = await asyncio.to_thread(adapter_names, self.streams.redis, self.streams.keys)
+        model = {"object": "model", "created": 0, "owned_by": "rollout-streams"}
+        data = [{"id": base, **model}] + [{"id": a, **model, "parent": base} for a in adapters]
+        return {"object": "list", "data": data}
 
     # -- the endpoints -------------------------------------------------------------------------------
 
     async def chat(self, request: ChatRequest, session_id: str | None) -> dict[str, Any]:
-        self._check_call(request, session_id)
+        adapter = await self._check_call(request, session_id)
         messages = [m.for_template() for m in request.messages]
         if messages[-1]["role"] == "assistant":
             raise OpenAIError(400, "the last message is the assistant's: nothing to answer", param="messages")
         call = f"chatcmpl-{uuid.uuid4().hex}"
-        session = await self._begin(session_id, call)
+        session = await self._begin(session_id, call, adapter)
         try:
             if session is not None and session.turns:
                 prompt, between = self._continue_chat(session, messages, request.tools)
             else:
                 prompt, between = np.asarray(self._render(messages, request.tools), np.int32), []
-            replies = await self._generate(prompt, request, request.completion_limit(), session)
+            replies = await self._generate(prompt, request, request.completion_limit(), session, adapter)
             if session is not None:
                 session.messages = [*messages, {"role": "assistant", "content": replies[0].text}]
                 await self._extend(session, call, prompt, between, replies[0])
@@ -101,12 +109,12 @@ class Gateway:
         return answer(asked, replies, self.renderer, chat=True)
 
     async def complete(self, request: CompletionRequest, session_id: str | None) -> dict[str, Any]:
-        self._check_call(request, session_id)
+        adapter = await self._check_call(request, session_id)
         call = f"cmpl-{uuid.uuid4().hex}"
-        session = await self._begin(session_id, call)
+        session = await self._begin(session_id, call, adapter)
         try:
             prompt, between = self._completion_prompt(request.prompt, session)
-            replies = await self._generate(prompt, request, request.max_tokens, session)
+            replies = await self._generate(prompt, request, request.max_tokens, session, adapter)
             if session is not None:
                 await self._extend(session, call, prompt, between, replies[0])
         except BaseException:
@@ -119,8 +127,7 @@ class Gateway:
 
     async def finish(self, session_id: str, request: FinishRequest) -> dict[str, Any]:
         _check_session_id(session_id)
-        version = (await asyncio.to_thread(read_state, self.streams.redis, self.streams.keys)).version
-        rollout = await asyncio.to_thread(self.sessions.finish, session_id, request, version)
+        rollout = await asyncio.to_thread(self.sessions.finish, session_id, request)
         self.metrics.finished.inc()
         return {
             "id": rollout.id,
@@ -138,19 +145,26 @@ class Gateway:
 
     # -- checks ---------------------------------------------------------------------------------------
 
-    def _check_call(self, request: Sampled, session_id: str | None) -> None:
+    async def _check_call(self, request: Sampled, session_id: str | None) -> str | None:
+        """Check the call; returns the LoRA adapter its `model` names (None: the base model)."""
+        adapter = None
         if request.model != self.settings.served_model_name:
-            raise OpenAIError(
-                404,
-                f"The model `{request.model}` does not exist; this gateway serves `{self.settings.served_model_name}`",
-                code="model_not_found",
-                param="model",
-            )
+            adapters = await asyncio.to_thread(adapter_names, self.streams.redis, self.streams.keys)
+            if request.model not in adapters:
+                served = ", ".join(f"`{m}`" for m in [self.settings.served_model_name, *adapters])
+                raise OpenAIError(
+                    404,
+                    f"The model `{request.model}` does not exist; this gateway serves {served}",
+                    code="model_not_found",
+                    param="model",
+                )
+            adapter = request.model
         request.stops()
         if session_id is not None:
             _check_session_id(session_id)
             if request.n != 1:
                 raise OpenAIError(400, "a session's turn has one reply: n must be 1 with X-Session-ID", param="n")
+        return adapter
 
     def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
         try:
@@ -214,13 +228,18 @@ class Gateway:
 
     # -- one turn through the queue ---------------------------------------------------------------------
 
-    async def _begin(self, session_id: str | None, call: str) -> Session | None:
+    async def _begin(self, session_id: str | None, call: str, adapter: str | None) -> Session | None:
         if session_id is None:
             return None
-        return await asyncio.to_thread(self.sessions.begin, session_id, call)
+        return await asyncio.to_thread(self.sessions.begin, session_id, call, adapter)
 
     async def _generate(
-        self, prompt: np.ndarray, request: Sampled, max_tokens: int | None, session: Session | None
+        self,
+        prompt: np.ndarray,
+        request: Sampled,
+        max_tokens: int | None,
+        session: Session | None,
+        adapter: str | None = None,
     ) -> list[Reply]:
         live = await asyncio.to_thread(self.streams.live_workers)  # one read for the limit and the placement
         limit = self._max_model_len(live)
@@ -250,8 +269,11 @@ class Gateway:
             sampling=sampling,
             meta={"gateway": self.settings.name, "session": session.id if session else None},
             reply_to=self.settings.name,
+            adapter=adapter,
         )
-        await self._wait_unpaused()
+        await self._wait_unpaused(None)
+        if adapter is not None:
+            await self._wait_unpaused(adapter)
         future = self.replies.expect(item.id, item.n)
         try:
             worker = await self._queue(item, session, live)
@@ -278,9 +300,10 @@ class Gateway:
             session.cached_tokens += rollouts[0].cached_tokens or 0
         return [apply_stops(r, request.stops(), self.renderer) for r in rollouts]
 
-    async def _wait_unpaused(self) -> None:
-        """Queue nothing while a weight sync is under way; give up with a 503 after `pause_timeout_s`."""
-        state = await asyncio.to_thread(read_state, self.streams.redis, self.streams.keys)
+    async def _wait_unpaused(self, adapter: str | None) -> None:
+        """Queue nothing while a weight sync (of the base model, or of the call's adapter) is under way; give up
+        with a 503 after `pause_timeout_s`."""
+        state = await asyncio.to_thread(read_state, self.streams.redis, self.streams.keys, adapter)
         if not state.paused:
             return
         deadline = time.monotonic() + self.settings.pause_timeout_s
@@ -295,7 +318,7 @@ class Gateway:
                         "policy_paused",
                     )
                 await asyncio.sleep(self.settings.poll_s)
-                state = await asyncio.to_thread(read_state, self.streams.redis, self.streams.keys)
+                state = await asyncio.to_thread(read_state, self.streams.redis, self.streams.keys, adapter)
 
     async def _queue(self, item: Prompt, session: Session | None, live: dict[str, dict[str, str]]) -> str | None:
         """A session's turn to its worker's inbox; a call without one to the shared prompts (any worker)."""

@@ -30,6 +30,7 @@ from pipeline.streams import Streams
 from pipeline.wire import Rollout, Span, join_spans
 from producers.gateway.openai_api import FinishRequest, OpenAIError
 from staleness.admission import Admission
+from staleness.state import read_state
 
 SCRIPTS = Path(__file__).with_name("lua")
 """`pin.lua` (sticky least-loaded placement) and `join_group.lua` (a finished session's sample index)."""
@@ -84,6 +85,8 @@ class Session:
     created: float = field(default_factory=time.time)
     sample: int | None = None
     finished: bool = False
+    adapter: str | None = None
+    """The LoRA adapter of its first turn (the call's `model`): every turn and its trajectory stay on it."""
 
 
 class SessionStore:
@@ -101,8 +104,9 @@ class SessionStore:
 
     # -- a turn ------------------------------------------------------------------------------------
 
-    def begin(self, session_id: str, call: str) -> Session:
-        """Mark a turn of the session in flight (one at a time) and return the session (new or not)."""
+    def begin(self, session_id: str, call: str, adapter: str | None = None) -> Session:
+        """Mark a turn of the session in flight (one at a time) and return the session (new or not). A session stays
+        on the model (`adapter`) of its first turn: a turn that names another is refused."""
         key = self.keys.session(session_id)
         with self.redis.pipeline(transaction=True) as pipe:
             try:
@@ -111,6 +115,12 @@ class SessionStore:
                 session = _decode(session_id, fields)
                 if session.finished:
                     raise OpenAIError(409, f"session {session_id!r} is finished; start a new one", code="session_done")
+                if session.turns and session.adapter != adapter:
+                    was = session.adapter or "the base model"
+                    raise OpenAIError(
+                        400, f"session {session_id!r} runs on {was}: every turn must name it", param="model"
+                    )
+                session.adapter = adapter
                 busy_since = float(fields.get(b"busy_ts") or 0)
                 if fields.get(b"busy") and time.time() - busy_since < self.busy_timeout_s:
                     raise OpenAIError(
@@ -181,6 +191,7 @@ class SessionStore:
                         "finish_reason": session.finish_reason,
                         "workers": json.dumps(session.workers),
                         "cached_tokens": session.cached_tokens,
+                        "adapter": session.adapter or "",
                         "ts": repr(time.time()),
                     },
                 )
@@ -196,10 +207,11 @@ class SessionStore:
 
     # -- the end -----------------------------------------------------------------------------------
 
-    def finish(self, session_id: str, request: FinishRequest, version: int) -> Rollout:
+    def finish(self, session_id: str, request: FinishRequest, version: int | None = None) -> Rollout:
         """Publish the session's trajectory to `{ns}:rollouts` as one group member and release its pin.
 
         Idempotent: a retried finish returns the same rollout and publishes nothing more (the publish dedupe).
+        `version` (default: its model's, from the state) labels a trajectory that has no spans.
         """
         key = self.keys.session(session_id)
         fields = self.redis.hgetall(key)
@@ -219,9 +231,11 @@ class SessionStore:
             )
         except redis.ResponseError as exc:
             raise OpenAIError(409, f"group {group!r}: {str(exc).split(' ', 1)[-1]}", code="group_conflict") from None
+        if version is None:  # the version of its model, for a trajectory without spans
+            version = read_state(self.redis, self.keys, session.adapter).version
         rollout = trajectory_rollout(session, group, sample, request, version)
         if self.streams.add_rollouts([rollout]):
-            Admission(self.redis, self.keys).count(1)
+            Admission(self.redis, self.keys, adapter=session.adapter).count(1)
         pipe = self.redis.pipeline(transaction=True)
         pipe.hset(key, "finished", "1")
         pipe.expire(key, FINISHED_TTL_S)
@@ -253,6 +267,7 @@ def trajectory_rollout(session: Session, group: str, sample: int, request: Finis
         timing={"started": session.created, "finished": time.time()},
         reward=request.reward,
         cached_tokens=session.cached_tokens,
+        adapter=session.adapter,
     )
 
 
@@ -280,6 +295,7 @@ def _decode(session_id: str, fields: dict[bytes, bytes]) -> Session:
     session.finish_reason = _text(get.get("finish_reason", b"stop"))
     session.workers = json.loads(get.get("workers", b"[]"))
     session.cached_tokens = int(get.get("cached_tokens", 0))
+    session.adapter = _text(get["adapter"]) or None if get.get("adapter") else None
     return session
 
 
