@@ -9,8 +9,12 @@ from pathlib import Path
 import pytest
 import redis
 import torch
+from rich.console import Console
 
 from pipeline.local import RedisServer
+from pipeline.recording import from_batch, to_table
+from pipeline.streams import Streams
+from pipeline.top import render, snapshot
 from pipeline.wire import Control, Keys, Prompt, Rollout, WireError, ack_field
 from producers.client import RolloutClient
 from staleness.admission import AdmissionTimeout
@@ -117,3 +121,22 @@ def test_each_adapter_has_its_own_admission_count_and_staleness_bound(redis_serv
     parked = client.streams.redis.xrange(client.streams.keys.stale)
     assert [(f[b"prompt_id"], f[b"staleness"], f[b"trainer_version"]) for _, f in parked] == [(b"old-a", b"1", b"3")]
     assert client.admission_usage("a").stale == 1 and client.admission_usage().stale == 0
+
+
+def test_a_recording_keeps_each_rollouts_adapter_and_top_shows_each_adapters_policy(
+    real_redis: redis.Redis, ns: str
+) -> None:
+    rollouts = [rollout_of("a-1", 2, "a"), rollout_of("base-1", 0, None)]
+    table = to_table(rollouts, ns, ["1-0", "1-1"])
+    back = [r.rollout for r in from_batch(table.to_batches()[0], "memory")]
+    assert [r.adapter for r in back] == ["a", None] and back[0].to_fields() == rollouts[0].to_fields()
+
+    streams = Streams(real_redis, ns)
+    real_redis.sadd(streams.keys.adapters, "a")
+    real_redis.hset(streams.keys.state_of("a"), mapping={"version": 4, "epoch": 3, "submitted": 6, "stale": 1})
+    snap = snapshot(streams)
+    assert snap["adapters"]["a"]["version"] == 4 and snap["adapters"]["a"]["epoch"] == 3
+    assert snap["adapters"]["a"]["used"] == 5 and snap["policy"]["version"] == 0
+    console = Console(width=160, record=True)
+    console.print(render(snap))
+    assert "adapter a" in console.export_text()
