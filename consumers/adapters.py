@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 from consumers.engine import Engine, EngineInputError
+from consumers.metrics import WorkerMetrics
 from pipeline.streams import Streams
 from pipeline.wire import Control, ack_field
 from staleness.state import adapter_names, read_state, weights_command
@@ -38,10 +39,18 @@ SYNC_POLL_S = 0.05
 class WorkerAdapters:
     """The adapters of one worker's engine: gates, per-adapter epochs, on-demand loads and evictions."""
 
-    def __init__(self, streams: Streams, engine: Engine, worker: str, ack: Callable[[], Awaitable[object]]) -> None:
+    def __init__(
+        self,
+        streams: Streams,
+        engine: Engine,
+        worker: str,
+        ack: Callable[[], Awaitable[object]],
+        metrics: WorkerMetrics,
+    ) -> None:
         self.streams = streams
         self.engine = engine
         self.worker = worker
+        self.metrics = metrics
         self._ack = ack
         """Writes the heartbeat (which carries `epoch@NAME`): the ack of an adapter's sync."""
         self._epochs: dict[str, int] = {}
@@ -55,6 +64,8 @@ class WorkerAdapters:
         """One load, eviction or sync at a time: a sync never races a load of the same adapter."""
         self._freed = asyncio.Event()
         """Set when an adapter's last user lets go: a request waiting for a slot looks again."""
+        self._paused_at: dict[str, float] = {}
+        """When each adapter's current sync paused it here (monotonic), for its stall."""
 
     def _gate(self, adapter: str) -> asyncio.Event:
         gate = self._gates.get(adapter)
@@ -99,6 +110,7 @@ class WorkerAdapters:
                     raise EngineInputError(f"the {self.engine.name} engine of this worker serves no LoRA adapters")
                 if await self._make_room():
                     await self._load(adapter, state.weights_uri, state.version)
+                    self.metrics.adapter_loaded("demand")
                     return state.version
                 self._freed.clear()
             await self._freed.wait()  # every slot is in use: wait for a request to let one go
@@ -113,6 +125,7 @@ class WorkerAdapters:
             return False
         victim = min(idle, key=lambda name: self._last_used.get(name, 0.0))
         await self.engine.remove_adapter(victim)
+        self.metrics.adapter_evicted()
         log.info("%s: evicted adapter %s to make room", self.worker, victim)
         return True
 
@@ -135,6 +148,9 @@ class WorkerAdapters:
         elif command.cmd == "resume" and command.epoch >= self._epochs.get(adapter, 0):
             await self.engine.resume_adapter(adapter)
             self._gate(adapter).set()
+            paused = self._paused_at.pop(adapter, None)
+            if paused is not None:
+                self.metrics.adapter_resumed(time.monotonic() - paused)
 
     async def _sync(self, command: Control) -> None:
         """Close the gate, pause the adapter's requests, load the new version if it is loaded here, ack.
@@ -144,12 +160,14 @@ class WorkerAdapters:
         worker acks either way; one tenant's bad adapter stops no worker."""
         adapter = command.adapter
         self._gate(adapter).clear()
+        self._paused_at[adapter] = time.monotonic()
         async with self._lock:
             await self.engine.pause_adapter(adapter, command.mode)
             loaded = self.engine.adapters()
             if adapter in loaded and loaded[adapter] != command.version:
                 try:
                     await self._load(adapter, command.uri, command.version)
+                    self.metrics.adapter_loaded("sync")
                 except EngineInputError as exc:
                     log.error("%s: %s; unloading it", self.worker, exc)
                     await self.engine.pause_adapter(adapter, "abort")  # kept requests end, and go on elsewhere

@@ -67,6 +67,18 @@ class WorkerMetrics:
         self._load = histogram(
             "rollouts_weight_load_seconds", "Seconds to load a new policy version and ack it.", SYNC_BUCKETS
         ).labels(*values)
+        self._adapter_loads = counter(
+            "rollouts_adapter_loads", "LoRA adapters loaded into the engine: on demand (a request) or by a sync.",
+            ("why",),
+        )  # fmt: skip
+        self._adapter_evictions = counter(
+            "rollouts_adapter_evictions", "Idle LoRA adapters evicted to make room for another (--max-loras)."
+        ).labels(*values)
+        self._adapter_stall = histogram(
+            "rollouts_adapter_sync_stall_seconds",
+            "One adapter's weight sync as this worker saw it: its pause to its resume (other adapters go on).",
+            SYNC_BUCKETS,
+        ).labels(*values)
 
     def generated(self, seconds: float, tokens: int, finish_reason: str) -> None:
         """One engine call for one sample ended (a sample continued from a partial counts again)."""
@@ -94,3 +106,13 @@ class WorkerMetrics:
     def resumed(self, stall_s: float) -> None:
         """Generation goes on `stall_s` after the pause for the sync began."""
         self._stall.observe(stall_s)
+
+    def adapter_loaded(self, why: str) -> None:
+        """An adapter was loaded: `demand` (a request needed it) or `sync` (its new version, where it was held)."""
+        self._adapter_loads.labels(*self._values, why).inc()
+
+    def adapter_evicted(self) -> None:
+        self._adapter_evictions.inc()
+
+    def adapter_resumed(self, stall_s: float) -> None:
+        self._adapter_stall.observe(stall_s)

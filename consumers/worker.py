@@ -140,7 +140,7 @@ class Worker:
         self._busy = BusyClock()
         self._fleet = 1
         """Workers on the registry at the last heartbeat: how often this one claims and sweeps (`sweep_chance`)."""
-        self._adapters = WorkerAdapters(streams, engine, self.name, self._beat)
+        self._adapters = WorkerAdapters(streams, engine, self.name, self._beat, self.metrics)
         """LoRA adapters: loaded on demand, evicted when idle, each paused alone for its own syncs."""
 
     def _account(self) -> None:

@@ -14,12 +14,13 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 import torch
 
 from consumers.tiny_model import make_adapter
-from pipeline.local import RedisServer
+from pipeline.local import RedisServer, free_port
 from pipeline.wire import GENERATORS, Rollout
 from producers.client import Group, RolloutClient
 from staleness.manager import Manager
@@ -132,7 +133,8 @@ def test_many_adapters_share_few_slots_and_an_unpublished_one_is_an_error_rollou
     client = RolloutClient(redis_server.url, ns)
     for name, key in (("a", "a1"), ("b", "b1"), ("c", "c1"), ("d", "a2")):
         client.publish_weights(adapters[key][0], adapter=name, adapter_config=adapters[key][1])
-    workers("w1", "--max-loras", "2")
+    port = free_port()
+    workers("w1", "--max-loras", "2", "--metrics-port", str(port))
     keys = {"a": "a1", "b": "b1", "c": "c1", "d": "a2"}
     for round_ in range(3):  # every round needs all four: two slots force evictions
         for name in keys:
@@ -149,6 +151,11 @@ def test_many_adapters_share_few_slots_and_an_unpublished_one_is_an_error_rollou
             assert share(rollout.tokens, keys[rollout.adapter or ""]) > 0.7, (rollout.adapter, rollout.tokens)
     held = client.streams.live_workers()["w1"].get("adapters", "")
     assert 1 <= len(held.split(",")) <= 2, held
+    scraped = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text  # what Prometheus sees
+    lines = scraped.splitlines()
+    loads = sum(float(line.split()[-1]) for line in lines if line.startswith("rollouts_adapter_loads_total"))
+    evictions = next(float(line.split()[-1]) for line in lines if line.startswith("rollouts_adapter_evictions_total"))
+    assert loads >= 4 and evictions >= 2  # four adapters through two slots
 
 
 def test_an_adapter_syncs_while_the_base_model_syncs(
