@@ -483,6 +483,7 @@ from pipeline.cli import (  # noqa: E402, F401
     acl,
     bench_broker,
     bench_gateway,
+    bench_lora,
     chaos,
     chaos_trainer,
     exporter,
