@@ -9,6 +9,8 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
+from pipeline.wire import Rollout
+
 
 @cache
 def load_model(model_dir: Path) -> torch.nn.Module:
@@ -47,3 +49,14 @@ def merged_model_dir(base_dir: Path, tensors: dict[str, torch.Tensor], config: d
     model.load_state_dict(weights)
     model.save_pretrained(out_dir)
     return out_dir
+
+
+def check_spans_and_logprobs(rollout: Rollout, weights: dict[int, Path]) -> None:
+    """Spans cover every token in order, versions never go back, and each span's logprobs are its weights'."""
+    assert rollout.spans[0][1] == 0 and rollout.spans[-1][2] == rollout.n_tokens
+    for (v1, _, e1), (v2, s2, _) in zip(rollout.spans, rollout.spans[1:], strict=False):
+        assert e1 == s2 and v1 < v2
+    prompt, tokens = rollout.prompt_tokens.tolist(), rollout.tokens.tolist()
+    for version, start, end in rollout.spans:
+        expected = forward_logprobs(weights[version], prompt, tokens[:end])[start:end]
+        np.testing.assert_allclose(rollout.logprobs[start:end], expected, atol=1e-4, err_msg=f"span {version}")

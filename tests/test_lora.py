@@ -21,13 +21,13 @@ import torch
 
 from consumers.tiny_model import make_adapter
 from pipeline.local import RedisServer, free_port
-from pipeline.wire import GENERATORS, Rollout
+from pipeline.wire import GENERATORS
 from producers.client import Group, RolloutClient
 from staleness.manager import Manager
 from staleness.state import read_state
 from staleness.transports import open_transport
 from tests.conftest import StartWorker, wait_until
-from tests.reference import forward_logprobs, merged_model_dir, random_prompts
+from tests.reference import check_spans_and_logprobs, merged_model_dir, random_prompts
 
 Adapter = tuple[dict[str, torch.Tensor], dict]
 FAVOURED = {"a1": range(100, 140), "a2": range(200, 240), "b1": range(300, 340), "c1": range(400, 440)}
@@ -48,17 +48,6 @@ def share(tokens: np.ndarray, key: str) -> float:
 def submit(client: RolloutClient, ids: list[str], adapter: str | None, max_tokens: int, n: int = 2) -> None:
     for prompt_id, tokens in zip(ids, random_prompts([8] * len(ids), seed=len(ids)), strict=True):
         client.submit(tokens=tokens, n=n, max_tokens=max_tokens, temperature=0.0, id=prompt_id, adapter=adapter)
-
-
-def check_spans(rollout: Rollout, references: dict[int, Path]) -> None:
-    """Spans cover the tokens in order, versions only go up, and each span's logprobs are its version's."""
-    assert rollout.spans[0][1] == 0 and rollout.spans[-1][2] == rollout.n_tokens
-    for (v1, _, e1), (v2, s2, _) in zip(rollout.spans, rollout.spans[1:], strict=False):
-        assert e1 == s2 and v1 < v2
-    prompt, tokens = rollout.prompt_tokens.tolist(), rollout.tokens.tolist()
-    for version, start, end in rollout.spans:
-        expected = forward_logprobs(references[version], prompt, tokens[:end])[start:end]
-        np.testing.assert_allclose(rollout.logprobs[start:end], expected, atol=1e-4, err_msg=f"span {version}")
 
 
 @pytest.mark.parametrize("mode", ["keep", "abort"])
@@ -117,7 +106,7 @@ def test_an_adapter_sync_pauses_that_adapter_alone_and_its_samples_go_on_under_t
     for group in after.values():
         for rollout in group.rollouts:
             assert rollout.adapter == "a" and {v for v, _, _ in rollout.spans} <= {1, 2}
-            check_spans(rollout, references)
+            check_spans_and_logprobs(rollout, references)
             for version, start, end in rollout.spans:  # each version's tokens are that version's own
                 assert share(rollout.tokens[start:end], f"a{version}") > 0.6 or end - start < 5
     assert read_state(client.streams.redis, client.streams.keys, "a").version == 2

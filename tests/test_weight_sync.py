@@ -12,33 +12,21 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from consumers.worker import AWAITING_WEIGHTS
 from pipeline.local import RedisServer, free_port
-from pipeline.wire import GENERATORS, Rollout
+from pipeline.wire import GENERATORS
 from producers.client import Group, RolloutClient
 from staleness.manager import Manager, SyncError
 from staleness.state import read_state
 from tests.conftest import ENGINES_ON_BOTH_REDIS, StartWorker, wait_until
-from tests.reference import forward_logprobs
+from tests.reference import check_spans_and_logprobs
 
 
 def generating(client: RolloutClient, at_least: int) -> Callable[[], bool]:
     """True once the workers have `at_least` prompts in flight (pending in the generators group)."""
     return lambda: client.streams.redis.xpending(client.streams.keys.prompts, GENERATORS)["pending"] >= at_least
-
-
-def check_spans_and_logprobs(rollout: Rollout, weights: dict[int, Path]) -> None:
-    """Spans cover every token in order, versions never go back, and each span's logprobs are its weights'."""
-    assert rollout.spans[0][1] == 0 and rollout.spans[-1][2] == rollout.n_tokens
-    for (v1, _, e1), (v2, s2, _) in zip(rollout.spans, rollout.spans[1:], strict=False):
-        assert e1 == s2 and v1 < v2
-    prompt, tokens = rollout.prompt_tokens.tolist(), rollout.tokens.tolist()
-    for version, start, end in rollout.spans:
-        expected = forward_logprobs(weights[version], prompt, tokens[:end])[start:end]
-        np.testing.assert_allclose(rollout.logprobs[start:end], expected, atol=1e-4, err_msg=f"span {version}")
 
 
 @pytest.mark.parametrize("mode", ["abort", "keep"])
