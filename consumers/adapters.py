@@ -12,6 +12,11 @@ Each adapter syncs on its own (`staleness.manager.Manager(adapter=...)`): its `w
 go on later as partials; keep: they freeze), loads the new version if the adapter is loaded here (one that is not
 is loaded at the new version when next needed) and acks with `epoch@NAME` in the heartbeat; its `resume` opens the
 gate. Every other adapter and the base model go on generating meanwhile.
+
+An adapter published over `nccl://` is nowhere to fetch later: every live worker joins its broadcast (before it
+pauses the adapter, as for the base model) and keeps a CPU copy of the version it received, from which it loads the
+adapter on demand. A worker that started after that broadcast has no copy: its requests for the adapter wait for
+the adapter's next sync.
 """
 
 from __future__ import annotations
@@ -22,18 +27,23 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from typing import Any
 
 from consumers.engine import Engine, EngineInputError
 from consumers.metrics import WorkerMetrics
 from pipeline.streams import Streams
 from pipeline.wire import Control, ack_field
 from staleness.state import adapter_names, read_state, weights_command
-from staleness.transports import fetch_adapter
+from staleness.transports import fetch_adapter, is_stored, join_adapter, receive_adapter
 
 log = logging.getLogger(__name__)
 
 SYNC_POLL_S = 0.05
 """How often a request for an adapter whose sync is under way (found in its state) looks again."""
+
+
+class NotHere(LookupError):
+    """The adapter's version was broadcast (nccl) before this worker could receive it: wait for its next sync."""
 
 
 class WorkerAdapters:
@@ -66,6 +76,10 @@ class WorkerAdapters:
         """Set when an adapter's last user lets go: a request waiting for a slot looks again."""
         self._paused_at: dict[str, float] = {}
         """When each adapter's current sync paused it here (monotonic), for its stall."""
+        self._received: dict[str, tuple[int, dict[str, Any], dict[str, Any]]] = {}
+        """Per adapter, the last version received by broadcast (nccl): version, CPU tensors, config."""
+        self._arrived: dict[str, asyncio.Event] = {}
+        """Set when a broadcast version of an adapter arrives: requests that had nothing to load look again."""
 
     def _gate(self, adapter: str) -> asyncio.Event:
         gate = self._gates.get(adapter)
@@ -109,11 +123,18 @@ class WorkerAdapters:
                 if self.engine.max_loras < 1:
                     raise EngineInputError(f"the {self.engine.name} engine of this worker serves no LoRA adapters")
                 if await self._make_room():
-                    await self._load(adapter, state.weights_uri, state.version)
-                    self.metrics.adapter_loaded("demand")
-                    return state.version
-                self._freed.clear()
-            await self._freed.wait()  # every slot is in use: wait for a request to let one go
+                    try:
+                        await self._load(adapter, state.weights_uri, state.version)
+                    except NotHere:
+                        arrived = self._arrived.setdefault(adapter, asyncio.Event())
+                        arrived.clear()
+                    else:
+                        self.metrics.adapter_loaded("demand")
+                        return state.version
+                else:
+                    self._freed.clear()
+                    arrived = self._freed
+            await arrived.wait()  # a free slot (every one was in use), or a version to load (one was broadcast)
 
     async def _make_room(self) -> bool:
         """Evict the least recently used idle adapter if every slot is taken; False if none is idle."""
@@ -130,10 +151,19 @@ class WorkerAdapters:
         return True
 
     async def _load(self, adapter: str, uri: str, version: int) -> None:
-        """Fetch and load; any failure is the request's error (a rollout with `finish_reason=error`)."""
+        """Fetch (or take the broadcast copy) and load; any failure is the request's error (a rollout with
+        `finish_reason=error`), but `NotHere`: a broadcast version this worker never received."""
         try:
-            tensors, config = await asyncio.to_thread(fetch_adapter, uri, version, self.streams.redis)
+            if is_stored(uri):
+                tensors, config = await asyncio.to_thread(fetch_adapter, uri, version, self.streams.redis)
+            else:
+                received = self._received.get(adapter)
+                if received is None or received[0] != version:
+                    raise NotHere(adapter)
+                _, tensors, config = received
             await self.engine.load_adapter(adapter, tensors, config, version)
+        except NotHere:
+            raise
         except Exception as exc:
             raise EngineInputError(f"could not load adapter {adapter!r} version {version} from {uri}: {exc}") from None
         log.info("%s: loaded adapter %s version %d", self.worker, adapter, version)
@@ -152,23 +182,37 @@ class WorkerAdapters:
             if paused is not None:
                 self.metrics.adapter_resumed(time.monotonic() - paused)
 
-    async def _sync(self, command: Control) -> None:
-        """Close the gate, pause the adapter's requests, load the new version if it is loaded here, ack.
+    async def _sync(self, command: Control, join: bool = True) -> None:
+        """Join its broadcast (nccl), close the gate, pause the adapter's requests, receive (nccl), load the new
+        version if the adapter is loaded here, ack.
 
         A version that cannot be loaded leaves the adapter unloaded (its requests aborted: they go on as partials):
         the next request for it loads the state's version again, or becomes an error rollout that says why. The
-        worker acks either way; one tenant's bad adapter stops no worker."""
+        worker acks either way; one tenant's bad adapter stops no worker. `join=False`: a sync found under way at
+        start, whose broadcast this worker is too late to join."""
         adapter = command.adapter
+        link = None
+        if join and not is_stored(command.uri):
+            try:  # while the adapter still generates: the wait for the other workers is not its stall
+                link = await join_adapter(command.uri, command.version, command.epoch, member=self.worker)
+            except Exception as exc:
+                log.error("%s: could not join the broadcast of adapter %s: %s", self.worker, adapter, exc)
         self._gate(adapter).clear()
         self._paused_at[adapter] = time.monotonic()
         async with self._lock:
             await self.engine.pause_adapter(adapter, command.mode)
+            if link is not None:
+                try:
+                    self._received[adapter] = (command.version, *await receive_adapter(link))
+                    self._arrived.setdefault(adapter, asyncio.Event()).set()
+                except Exception as exc:
+                    log.error("%s: could not receive adapter %s: %s", self.worker, adapter, exc)
             loaded = self.engine.adapters()
             if adapter in loaded and loaded[adapter] != command.version:
                 try:
                     await self._load(adapter, command.uri, command.version)
                     self.metrics.adapter_loaded("sync")
-                except EngineInputError as exc:
+                except (EngineInputError, NotHere) as exc:
                     log.error("%s: %s; unloading it", self.worker, exc)
                     await self.engine.pause_adapter(adapter, "abort")  # kept requests end, and go on elsewhere
                     await self.engine.remove_adapter(adapter)
@@ -185,7 +229,7 @@ class WorkerAdapters:
                 weights_command, self.streams.redis, self.streams.keys, state.epoch, adapter=adapter
             )
             if command is not None:
-                await self._sync(command)
+                await self._sync(command, join=False)
 
     def heartbeat_fields(self) -> dict[str, object]:
         """`epoch@NAME` per adapter synced (the acks) and `adapters`: the loaded ones, `name=version,...`."""

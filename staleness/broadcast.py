@@ -27,6 +27,11 @@ syncs cannot fetch the current version from anywhere: it waits, paused, for the 
 The receiving side runs in whatever process holds the engine's weights (the worker for `torch`,
 vLLM's worker processes for `vllm`), so GPU weights go from GPU to GPU; each such process keeps its
 group between syncs, as the trainer does.
+
+A LoRA adapter's version goes the same way (its config in the meta, `adapter_config`), received by the worker
+process itself (one rank a worker, whatever the engine: an adapter is a few MB), which keeps a CPU copy so that it
+can load the adapter later on demand. Give adapters a port of their own: a group is kept while its membership
+(ranks per worker) stays the same, and a vLLM worker with tensor parallelism takes more ranks for the base model.
 """
 
 from __future__ import annotations
@@ -263,6 +268,8 @@ class NcclTransport:
         self.bucket_bytes = bucket_bytes
         self.timeout_s = timeout_s
         self._staged: tuple[int, dict[str, torch.Tensor]] | None = None
+        self._adapter_config: dict[str, Any] | None = None
+        """The staged version's LoRA config when it is an adapter's (it travels in the meta)."""
         self.last: BroadcastStats | None = None
         """What the last broadcast moved, and how fast."""
 
@@ -274,8 +281,15 @@ class NcclTransport:
     def uri_of(self, version: int) -> str:
         return f"nccl://{self.host}:{self.port}/v{check_version(version)}"
 
-    def publish(self, tensors: NamedTensors | torch.nn.Module, version: int) -> str:
-        """Stage `version` for the next `broadcast` (on the tensors' GPU, if any); returns its uri."""
+    def publish(
+        self,
+        tensors: NamedTensors | torch.nn.Module,
+        version: int,
+        *,
+        adapter_config: Mapping[str, Any] | None = None,
+    ) -> str:
+        """Stage `version` for the next `broadcast` (on the tensors' GPU, if any); returns its uri. With
+        `adapter_config`, the tensors are a LoRA adapter's (PEFT names) and the config travels in the meta."""
         named = state_dict_of(tensors, keep_device=True)
         devices = {t.device for t in named.values() if t.device.type != "cpu"}
         if len(devices) > 1:
@@ -284,6 +298,7 @@ class NcclTransport:
             device = devices.pop()
             named = {k: t.to(device) for k, t in named.items()}
         self._staged = (check_version(version), named)
+        self._adapter_config = None if adapter_config is None else dict(adapter_config)
         self._server()  # listening before the workers hear of the version
         return self.uri_of(version)
 
@@ -320,6 +335,8 @@ class NcclTransport:
             "group": kept.generation if kept else None,
             "tensors": [[m.name, m.dtype, list(m.shape)] for m in metas],
         }
+        if self._adapter_config is not None:
+            meta["adapter_config"] = self._adapter_config
         store.set(prefix + "meta", json.dumps(meta, separators=(",", ":")))
         started = time.monotonic()
         deadline = started + self.timeout_s

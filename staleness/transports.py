@@ -593,12 +593,10 @@ def open_transport(
     """The trainer's transport from a spec: `fs://DIR`, `redis://` (or `redis://NS`) with the pipeline's client,
     or `nccl://HOST:PORT` (this process hosts the rendezvous on PORT and broadcasts during each sync,
     waiting up to `join_timeout_s` for the workers to join). With `adapter`, the place of that LoRA adapter's
-    versions (`DIR/adapters/NAME`, `{ns}:adapter:NAME:weights:...`); adapters travel by fs and redis only."""
+    versions (`DIR/adapters/NAME`, `{ns}:adapter:NAME:weights:...`; nccl: the broadcast carries its config)."""
     parsed = parse_uri(spec)
     if adapter is not None and not re.match(ADAPTER_PATTERN, adapter):
         raise ValueError(f"adapter name {adapter!r} must match {ADAPTER_PATTERN}")
-    if adapter is not None and parsed.scheme == "nccl":
-        raise ValueError(f"{spec}: LoRA adapters travel by redis:// or fs:// (a few MB: no broadcast needed)")
     if parsed.scheme == "fs":
         root = Path(parsed.location)
         return FsTransport(root if adapter is None else root / ADAPTERS_DIR / adapter)
@@ -684,6 +682,40 @@ def read_adapter(
     if not isinstance(config, Mapping):
         raise ValueError("an adapter needs its config (adapter_config: r, lora_alpha, target_modules)")
     return state_dict_of(source), dict(config)
+
+
+async def join_adapter(uri: str, version: int, epoch: int, *, member: str, timeout_s: float = 60.0) -> BroadcastLink:
+    """Join sync `epoch`'s broadcast of a LoRA adapter (`nccl://`) as one rank of this process, and build or find
+    its group, while generation goes on (a worker does this before it pauses the adapter). Raises as
+    `join_version` does."""
+    from staleness.broadcast import join_broadcast, prepare_receiver  # it builds on this module
+
+    link = await asyncio.to_thread(join_broadcast, uri, epoch, version, 1, timeout_s, None, member)
+    try:
+        await asyncio.to_thread(prepare_receiver, link, 0, "cuda")  # gloo receives on the CPU whatever is asked
+    except BaseException:
+        link.forget()
+        raise
+    return link
+
+
+async def receive_adapter(link: BroadcastLink) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Receive the adapter `join_adapter` joined: CPU copies of its tensors (kept to load it later on demand) and
+    its config, from the broadcast's meta."""
+    from staleness.broadcast import receive_broadcast
+
+    def receive() -> dict[str, torch.Tensor]:
+        return {name: tensor.to("cpu", copy=True) for name, tensor in receive_broadcast(link, 0, "cuda")}
+
+    try:
+        tensors = await asyncio.to_thread(receive)
+    except BaseException:
+        link.forget()
+        raise
+    config = json.loads(link.meta).get("adapter_config")
+    if not isinstance(config, dict):
+        raise ValueError(f"the broadcast of version {link.version} carries no adapter config (not an adapter's?)")
+    return tensors, config
 
 
 def is_stored(uri: str) -> bool:

@@ -173,3 +173,40 @@ def test_an_adapter_syncs_while_the_base_model_syncs(
     assert read_state(client.streams.redis, client.streams.keys).version == 1
     assert read_state(client.streams.redis, client.streams.keys, "a").version == 2
     assert not client.last_sync.evicted and not other.last_sync.evicted  # type: ignore[union-attr]
+
+
+def test_an_adapter_broadcast_over_nccl_reaches_every_worker_and_a_late_one_waits_for_the_next(
+    redis_server: RedisServer,
+    ns: str,
+    workers: StartWorker,
+    adapters: dict[str, Adapter],
+) -> None:
+    """Over `nccl://` (gloo here, on CPUs) an adapter is stored nowhere: every live worker receives it during the
+    sync and keeps a copy to load from; a worker started later has none, so its request for the adapter waits for
+    the adapter's next broadcast, and then runs entirely under that version."""
+    client = RolloutClient(redis_server.url, ns)
+    workers("w1")
+    workers("w2")
+    nccl = f"nccl://127.0.0.1:{free_port()}"
+    client.publish_weights(adapters["a1"][0], adapter="a", adapter_config=adapters["a1"][1], transport=nccl)
+    assert sorted(client.last_sync.acked) == ["w1", "w2"]  # type: ignore[union-attr]
+    submit(client, [f"a{i}" for i in range(4)], "a", max_tokens=16)
+    for group in client.collect(4, timeout=60):
+        for rollout in group.rollouts:
+            assert rollout.spans == [(1, 0, rollout.n_tokens)] and share(rollout.tokens, "a1") > 0.7
+
+    workers("w3")  # after the broadcast: no copy of a's version 1
+    for prompt_id, adapter in (("late-a", "a"), ("late-base", None)):
+        greedy = Sampling(max_tokens=16, temperature=0.0)
+        prompt = client.make_prompt(tokens=[7, 8, 9], n=1, id=prompt_id, adapter=adapter, sampling=greedy)
+        client.streams.add_to_inbox("w3", prompt)  # work for w3 only
+    [base] = client.collect(1, timeout=60)  # w3 serves the base model meanwhile...
+    assert base.prompt_id == "late-base" and base.rollouts[0].worker == "w3"
+    with pytest.raises(TimeoutError):  # ...while its request for a waits for a version it can load
+        client.collect(1, timeout=3)
+    client.publish_weights(adapters["a2"][0], adapter="a", adapter_config=adapters["a2"][1], transport=nccl)
+    assert sorted(client.last_sync.acked) == ["w1", "w2", "w3"]  # type: ignore[union-attr]
+    [late] = client.collect(1, timeout=60)
+    rollout = late.rollouts[0]
+    assert late.prompt_id == "late-a" and rollout.worker == "w3"
+    assert rollout.spans == [(2, 0, rollout.n_tokens)] and share(rollout.tokens, "a2") > 0.7
