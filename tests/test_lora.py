@@ -21,7 +21,7 @@ import torch
 
 from consumers.tiny_model import make_adapter
 from pipeline.local import RedisServer, free_port
-from pipeline.wire import GENERATORS
+from pipeline.wire import GENERATORS, Sampling
 from producers.client import Group, RolloutClient
 from staleness.manager import Manager
 from staleness.state import read_state
