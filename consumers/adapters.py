@@ -113,16 +113,15 @@ class WorkerAdapters:
                     continue  # loaded, or its sync began, while this request waited for the lock
                 state = await asyncio.to_thread(read_state, self.streams.redis, self.streams.keys, adapter)
                 if state.paused:  # a sync of it is under way, begun before this worker followed control
-                    await asyncio.sleep(SYNC_POLL_S)
-                    continue
-                if not state.weights_uri:
+                    arrived = None
+                elif not state.weights_uri:
                     raise EngineInputError(
                         f"adapter {adapter!r} was never published in namespace {self.streams.keys.ns!r} "
                         f"(publish_weights(tensors, adapter={adapter!r}, adapter_config=...) first)"
                     )
-                if self.engine.max_loras < 1:
+                elif self.engine.max_loras < 1:
                     raise EngineInputError(f"the {self.engine.name} engine of this worker serves no LoRA adapters")
-                if await self._make_room():
+                elif await self._make_room():
                     try:
                         await self._load(adapter, state.weights_uri, state.version)
                     except NotHere:
@@ -134,7 +133,10 @@ class WorkerAdapters:
                 else:
                     self._freed.clear()
                     arrived = self._freed
-            await arrived.wait()  # a free slot (every one was in use), or a version to load (one was broadcast)
+            if arrived is None:  # outside the lock: the sync under way may need it to ack
+                await asyncio.sleep(SYNC_POLL_S)
+            else:  # a free slot (every one was in use), or a version to load (one was broadcast)
+                await arrived.wait()
 
     async def _make_room(self) -> bool:
         """Evict the least recently used idle adapter if every slot is taken; False if none is idle."""
