@@ -120,7 +120,10 @@ class WorkerAdapters:
                         f"(publish_weights(tensors, adapter={adapter!r}, adapter_config=...) first)"
                     )
                 elif self.engine.max_loras < 1:
-                    raise EngineInputError(f"the {self.engine.name} engine of this worker serves no LoRA adapters")
+                    raise EngineInputError(
+                        f"the {self.engine.name} engine of worker {self.worker} serves no LoRA adapters "
+                        "(start it with --max-loras N)"
+                    )
                 elif await self._make_room():
                     try:
                         await self._load(adapter, state.weights_uri, state.version)

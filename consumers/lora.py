@@ -12,10 +12,12 @@ fault: an adapter that fits half way would otherwise serve tokens of a model nob
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
@@ -211,3 +213,15 @@ def _as_tensor(name: str, value: Any) -> torch.Tensor:
 def _check_shape(name: str, tensor: torch.Tensor, expected: tuple[int, int], described: str) -> None:
     if tuple(tensor.shape) != expected:
         raise ValueError(f"tensor {name!r} has shape {list(tensor.shape)}, expected {described}")
+
+
+def save_adapter(tensors: dict[str, torch.Tensor], config: dict[str, Any], out_dir: Path) -> Path:
+    """Write an adapter as PEFT (and vLLM's LoRA loader) read it: `adapter_model.safetensors` and
+    `adapter_config.json` in `out_dir`. Returns `out_dir`."""
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(out_dir / "adapter_model.safetensors"))
+    (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return out_dir

@@ -262,18 +262,6 @@ def _train_towards(
         optimizer.step()
 
 
-def save_adapter(tensors: dict[str, torch.Tensor], config: dict[str, Any], out_dir: Path) -> Path:
-    """Write an adapter as PEFT (and vLLM's LoRA loader) read it: `adapter_model.safetensors` and
-    `adapter_config.json` in `out_dir`. Returns `out_dir`."""
-    from safetensors.torch import save_file
-
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(out_dir / "adapter_model.safetensors"))
-    (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    return out_dir
-
-
 if __name__ == "__main__":
     import sys
 

@@ -18,6 +18,18 @@ tokens with `finish_reason="stop"`.
   `generated_tokens`, which reads vLLM's own per-request token counts.
 - Policy versions are vLLM's own weight-version labels (`update_weight_version`), reported per
   token as `CompletionOutput.weight_versions` spans, which become `Generation.spans`.
+- LoRA adapters (`max_loras > 0`) are vLLM's own (`enable_lora`, `add_lora`, `lora_request=` per request). Each
+  (adapter, version) is written to a private PEFT directory and gets a `LoRARequest` of its own: a fresh int id
+  and a fresh `lora_name` (`name@version#id`), never reused. vLLM keys its per-step set of active adapters and its
+  prefix-cache hashes by `lora_name` (and path), so two versions of one adapter under one name could be served each
+  other's weights or KV blocks while both run (cf. vLLM #47724, another tenant's adapter served after a runtime
+  `add_lora`). Replacing an adapter switches new requests to the new id; the old one is removed once no request of
+  it runs. vLLM has no per-adapter pause: `pause_adapter` holds new requests of the adapter in `generate` and
+  aborts its running ones; under `keep`, `generate` waits for `resume_adapter` and continues the sample as a new
+  vLLM request (prompt + tokens so far, the remaining `max_tokens`) under the adapter's version of then.
+  On CPU, vLLM 0.32's torch LoRA ops index the adapter slots with a row's slot (-1: no adapter) unmasked, so a
+  base-model row batched with adapter rows got the adapter of the last slot; `start` has every worker mask those
+  rows (`RolloutsWorkerExtension.rollouts_mask_base_lora_rows`).
 - `load_weights` reloads a safetensors checkpoint in place (`collective_rpc("reload_weights")`),
   `load_tensors` sends tensors through `RolloutsWorkerExtension` (vLLM's `worker_extension_cls`).
   Both check names and shapes against the model's own checkpoint first, since a reload that fails
@@ -32,9 +44,13 @@ import contextlib
 import gc
 import itertools
 import logging
+import shutil
 import subprocess
+import tempfile
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +63,7 @@ from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.exceptions import VLLMClientError
 from vllm.inputs import tokens_input
 from vllm.logprobs import FlatLogprobs
+from vllm.lora.request import LoRARequest
 from vllm.platforms import current_platform
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
@@ -58,12 +75,12 @@ from consumers.engine import (
     EngineLifecycle,
     Generation,
     PauseMode,
-    ServesNoAdapters,
     check_checkpoint_fits,
     check_request,
     read_model_limits,
     refuse_adapter,
 )
+from consumers.lora import parse_adapter, save_adapter
 from consumers.orphans import reap_on_death
 from pipeline.wire import FinishReason, Sampling
 from staleness.broadcast import BroadcastLink, prepare_receiver, receive_broadcast
@@ -86,8 +103,37 @@ _EMPTY_LOGPROBS = np.zeros(0, dtype=np.float32)
 
 _FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort", "repetition": "stop"}
 
+PAUSE_ABORT_RETRY_S = 0.05
+"""How often `pause_adapter` aborts again a request of the adapter that is still in vLLM: an abort that reaches
+vLLM before the request itself (just submitted) is a no-op there."""
 
-class VllmEngine(ServesNoAdapters, EngineLifecycle):
+SEED_MIX = 0x9E3779B97F4A7C15
+"""Mixes a kept request's seed with its token count into the seed of its continuation (`_continuation_seed`)."""
+
+
+@dataclass(eq=False)
+class _Adapter:
+    """One loaded adapter version: its vLLM `LoRARequest` (own id and name) and its private PEFT directory."""
+
+    version: int
+    request: LoRARequest
+    path: Path
+
+
+@dataclass(eq=False)
+class _AdapterRequest:
+    """A `generate` call under an adapter, followed by `pause_adapter`, `abort` and `shutdown`."""
+
+    adapter: str
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set to end it with the tokens so far (abort, abort-pauses, shutdown), even while it waits for a resume."""
+    segment: asyncio.Future[Any] | None = None
+    """Its vLLM request now (one per stretch between pauses)."""
+    kept: bool = False
+    """Its segment was aborted by `pause_adapter(keep)`: go on after `resume_adapter`."""
+
+
+class VllmEngine(EngineLifecycle):
     """The `Engine` protocol on `vllm.v1.engine.async_llm.AsyncLLM`.
 
     Args:
@@ -100,6 +146,11 @@ class VllmEngine(ServesNoAdapters, EngineLifecycle):
         tensor_parallel_size: GPUs per engine.
         enforce_eager: no CUDA graphs / torch.compile (the right choice on CPU; False on GPU for speed).
         seed: vLLM's global seed (None: 0; requests with `sampling.seed` use their own generator).
+        max_loras: LoRA adapters held at once; 0 (the default): none, and vLLM is built without LoRA, exactly as
+            before (LoRA's kernels and a patch of vLLM's CPU LoRA ops come only with adapters asked for).
+            vLLM keeps twice as many on CPU (`max_cpu_loras`), so a replaced version stays loaded while its
+            requests finish.
+        max_lora_rank: the largest adapter rank accepted (vLLM's `max_lora_rank`: 1, 8, 16, 32, 64, ...).
         engine_args: more `AsyncEngineArgs` fields (e.g. from JSON on the command line); they win
             over the arguments above (`max_model_len` there also sets this object's).
     """
@@ -117,8 +168,12 @@ class VllmEngine(ServesNoAdapters, EngineLifecycle):
         tensor_parallel_size: int = 1,
         enforce_eager: bool = True,
         seed: int | None = 0,
+        max_loras: int = 0,
+        max_lora_rank: int = 16,
         engine_args: Mapping[str, Any] | None = None,
     ) -> None:
+        if max_loras < 0:
+            raise ValueError(f"max_loras must be >= 0, got {max_loras}")
         extra = dict(engine_args or {})
         max_model_len = extra.pop("max_model_len", max_model_len)
         self.model_dir = Path(model_dir)
@@ -147,7 +202,13 @@ class VllmEngine(ServesNoAdapters, EngineLifecycle):
             self.args["max_num_batched_tokens"] = max(self.max_model_len, CPU_BATCHED_TOKENS)
         if kv_cache_bytes is not None:
             self.args["kv_cache_memory_bytes"] = int(kv_cache_bytes)
+        if max_loras:
+            self.args.update(
+                enable_lora=True, max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=2 * max_loras
+            )
         self.args.update(extra)
+        self.max_loras = int(self.args.get("max_loras", max_loras)) if self.args.get("enable_lora") else 0
+        self.max_lora_rank = int(self.args.get("max_lora_rank", max_lora_rank))
 
         self._llm: Any = None
         self._start_lock = asyncio.Lock()
@@ -163,6 +224,18 @@ class VllmEngine(ServesNoAdapters, EngineLifecycle):
         """Tensor names and shapes of the model's own checkpoint: what a new one must match."""
         self._finished_tokens = 0
         """Tokens of the requests that ended since start (see `generated_tokens`)."""
+        self._adapters: dict[str, _Adapter] = {}
+        self._adapter_lock = asyncio.Lock()
+        self._adapter_requests: dict[str, _AdapterRequest] = {}
+        self._adapter_pauses: dict[str, asyncio.Event] = {}
+        """Paused adapters, each with the event `resume_adapter` sets."""
+        self._lora_ids = itertools.count(1)
+        self._lora_users: Counter[int] = Counter()
+        """vLLM requests running now per LoRA id."""
+        self._retired: dict[int, Path] = {}
+        """LoRA ids of replaced or removed versions, removed from vLLM once no request of them runs."""
+        self._lora_dir: Path | None = None
+        self._linears: dict[str, tuple[int, int]] | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -177,6 +250,8 @@ class VllmEngine(ServesNoAdapters, EngineLifecycle):
             llm = await asyncio.to_thread(AsyncLLM.from_engine_args, AsyncEngineArgs(**self.args))
             try:
                 await llm.update_weight_version(str(self.version))
+                if self.max_loras and current_platform.is_cpu():
+                    await llm.collective_rpc("rollouts_mask_base_lora_rows")
             except BaseException:
                 await asyncio.to_thread(llm.shutdown)
                 raise
@@ -207,7 +282,10 @@ class VllmEngine(ServesNoAdapters, EngineLifecycle):
         async with self._start_lock:
             self._closing = True
             llm, self._llm = self._llm, None
+        for request in self._adapter_requests.values():
+            request.ended.set()  # those waiting for `resume_adapter` end too (`EngineClosedError`)
         if llm is None:
+            self._drop_lora_dir()
             return
         if self._live:
             with contextlib.suppress(Exception):
@@ -226,36 +304,35 @@ class VllmEngine(ServesNoAdapters, EngineLifecycle):
             self._watchdog.kill()
             self._watchdog.wait()
             self._watchdog = None
+        self._drop_lora_dir()
+
+    def _drop_lora_dir(self) -> None:
+        if self._lora_dir is not None:
+            shutil.rmtree(self._lora_dir, ignore_errors=True)
+            self._lora_dir = None
 
     # -- requests --------------------------------------------------------------------------------
 
     async def generate(
         self, request_id: str, prompt_tokens: np.ndarray, sampling: Sampling, adapter: str | None = None
     ) -> Generation:
-        """Generate one sample from `prompt_tokens`; raises `EngineInputError` for a request it cannot serve."""
-        refuse_adapter(self.name, adapter)
+        """Generate one sample from `prompt_tokens`, under LoRA `adapter` if given; raises `EngineInputError` for a
+        request it cannot serve (an adapter that is not loaded among them)."""
+        if not self.max_loras:
+            refuse_adapter(self.name, adapter)
         prompt = np.asarray(prompt_tokens)
         check_request(prompt, sampling, self.max_model_len, self.vocab_size)
+        if adapter is not None:
+            return await self._generate_adapter(request_id, prompt, sampling, adapter)
         params = self._sampling_params(len(prompt), sampling)
         llm = self._llm if self._llm is not None else await self._started()
         if request_id in self._live:
             raise EngineInputError(f"request id {request_id!r} is already in flight on this engine")
         self._live.add(request_id)
-        stream = asyncio.ensure_future(self._stream(llm, prompt, params, request_id))
         try:
-            assert self._died is not None  # set with `_llm`
-            await asyncio.wait({stream, self._died}, return_when=asyncio.FIRST_COMPLETED)
-            if not stream.done():
-                raise EngineClosedError(f"the vLLM engine died while request {request_id!r} was in flight")
-            tokens, logprobs, last, cached = stream.result()
+            tokens, logprobs, last, cached = await self._run(llm, prompt, params, request_id)
         finally:
-            if not stream.done():
-                stream.cancel()  # vLLM aborts the request when its generator is cancelled
             self._live.discard(request_id)
-        if last is None or last.finish_reason is None:
-            raise RuntimeError(f"vLLM ended request {request_id!r} without a final output")
-        if last.finish_reason not in _FINISH_REASONS:  # "error": an engine-side failure, not the prompt's fault
-            raise RuntimeError(f"vLLM failed request {request_id!r}: finish_reason={last.finish_reason}")
         if self._closing and last.finish_reason == "abort":
             raise EngineClosedError(f"engine shut down before request {request_id!r} finished")
         return Generation(
@@ -266,8 +343,127 @@ class VllmEngine(ServesNoAdapters, EngineLifecycle):
             cached_tokens=cached,
         )
 
+    async def _run(
+        self,
+        llm: Any,
+        prompt: np.ndarray,
+        params: Any,
+        request_id: str,
+        lora: LoRARequest | None = None,
+        tracked: _AdapterRequest | None = None,
+    ) -> tuple[list[int], np.ndarray, Any, int | None]:
+        """One vLLM request to its end (`_stream`), or `EngineClosedError` once vLLM died; its final output checked.
+
+        `tracked.segment` is set before any await, so `pause_adapter` sees every request of its adapter in vLLM.
+        """
+        stream = asyncio.ensure_future(self._stream(llm, prompt, params, request_id, lora))
+        if tracked is not None:
+            tracked.segment = stream
+        try:
+            assert self._died is not None  # set with `_llm`
+            await asyncio.wait({stream, self._died}, return_when=asyncio.FIRST_COMPLETED)
+            if not stream.done():
+                raise EngineClosedError(f"the vLLM engine died while request {request_id!r} was in flight")
+            tokens, logprobs, last, cached = stream.result()
+        finally:
+            if not stream.done():
+                stream.cancel()  # vLLM aborts the request when its generator is cancelled
+        if last is None or last.finish_reason is None:
+            raise RuntimeError(f"vLLM ended request {request_id!r} without a final output")
+        if last.finish_reason not in _FINISH_REASONS:  # "error": an engine-side failure, not the prompt's fault
+            raise RuntimeError(f"vLLM failed request {request_id!r}: finish_reason={last.finish_reason}")
+        return tokens, logprobs, last, cached
+
+    async def _generate_adapter(self, request_id: str, prompt: np.ndarray, sampling: Sampling, name: str) -> Generation:
+        """A request under adapter `name`: one vLLM request, or several when `pause_adapter(keep)` cut it.
+
+        Each stretch runs under the adapter's version current when it starts; its tokens get that version's span.
+        A continuation is prompt + tokens so far with the remaining `max_tokens` and, for a seeded request, a seed
+        derived from the seed and the tokens so far (`_continuation_seed`), so it stays reproducible.
+        """
+        if name not in self._adapters:
+            raise EngineInputError(f"adapter {name!r} is not loaded; loaded: {sorted(self._adapters)}")
+        llm = self._llm if self._llm is not None else await self._started()
+        if request_id in self._live:
+            raise EngineInputError(f"request id {request_id!r} is already in flight on this engine")
+        self._live.add(request_id)
+        tracked = self._adapter_requests[request_id] = _AdapterRequest(name)
+        tokens: list[int] = []
+        logprobs: list[np.ndarray] = []
+        spans: list[tuple[int, int, int]] = []
+        cached: int | None = None
+        finish: FinishReason = "abort"
+        try:
+            while await self._adapter_ready(tracked):
+                adapter = self._adapters[name]  # `remove_adapter` refuses while this request is in flight
+                done = len(tokens)
+                left = min(sampling.max_tokens, self.max_model_len - len(prompt)) - done
+                if left <= 0:
+                    finish = "length"
+                    break
+                seg_prompt = np.concatenate([prompt.astype(np.int64), np.asarray(tokens, dtype=np.int64)])
+                seg_sampling = (
+                    sampling
+                    if not done
+                    else sampling.model_copy(
+                        update={"max_tokens": left, "seed": _continuation_seed(sampling.seed, done)}
+                    )
+                )
+                params = self._sampling_params(len(seg_prompt), seg_sampling)
+                lora_id = adapter.request.lora_int_id
+                self._lora_users[lora_id] += 1
+                tracked.kept = False
+                try:
+                    seg_tokens, seg_logprobs, last, seg_cached = await self._run(
+                        llm, seg_prompt, params, request_id, adapter.request, tracked
+                    )
+                finally:
+                    tracked.segment = None
+                    await self._release_lora(lora_id)
+                if not done:
+                    cached = seg_cached
+                if seg_tokens:
+                    tokens += seg_tokens
+                    logprobs.append(seg_logprobs)
+                    _add_span(spans, adapter.version, done, len(tokens))
+                finish = _FINISH_REASONS[last.finish_reason]
+                if finish != "abort" or not tracked.kept or tracked.ended.is_set() or self._closing:
+                    break
+        finally:
+            self._live.discard(request_id)
+            self._adapter_requests.pop(request_id, None)
+        if self._closing and finish == "abort":
+            raise EngineClosedError(f"engine shut down before request {request_id!r} finished")
+        return Generation(
+            tokens=np.asarray(tokens, dtype=np.int32),
+            logprobs=np.concatenate(logprobs) if logprobs else _EMPTY_LOGPROBS,
+            finish_reason=finish,
+            spans=spans,
+            cached_tokens=cached,
+        )
+
+    async def _adapter_ready(self, tracked: _AdapterRequest) -> bool:
+        """Wait while the request's adapter is paused; False once the request was ended (or vLLM died) instead.
+
+        Returns True with no await after its last check, so the caller's submission sees the pause state of now.
+        """
+        while not tracked.ended.is_set():
+            resumed = self._adapter_pauses.get(tracked.adapter)
+            if resumed is None:
+                return True
+            assert self._died is not None
+            waits = {asyncio.ensure_future(resumed.wait()), asyncio.ensure_future(tracked.ended.wait())}
+            try:
+                await asyncio.wait({*waits, self._died}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for wait in waits:
+                    wait.cancel()
+            if self._died.done():
+                raise EngineClosedError(f"the vLLM engine died while adapter {tracked.adapter!r} was paused")
+        return False
+
     async def _stream(
-        self, llm: Any, prompt: np.ndarray, params: Any, request_id: str
+        self, llm: Any, prompt: np.ndarray, params: Any, request_id: str, lora: LoRARequest | None = None
     ) -> tuple[list[int], np.ndarray, Any, int | None]:
         """Run one request through vLLM; returns its tokens, their logprobs, the last output and the prompt
         tokens it found in its prefix cache.
@@ -279,7 +475,8 @@ class VllmEngine(ServesNoAdapters, EngineLifecycle):
         last = None
         cached = None
         try:
-            async for out in llm.generate(tokens_input(prompt.astype(np.int64).tolist()), params, request_id):
+            inputs = tokens_input(prompt.astype(np.int64).tolist())
+            async for out in llm.generate(inputs, params, request_id, lora_request=lora):
                 cached = out.num_cached_tokens if out.num_cached_tokens is not None else cached
                 last = out.outputs[0]
             if last is not None:  # FINAL_ONLY: one output, the whole sample
@@ -329,6 +526,9 @@ class VllmEngine(ServesNoAdapters, EngineLifecycle):
     async def abort(self, request_ids: list[str]) -> None:
         """End these requests now; their `generate` returns the tokens so far with `abort`. Unknown ids are ignored."""
         ids = [i for i in request_ids if i in self._live]
+        for i in ids:
+            if i in self._adapter_requests:  # also ends one waiting for `resume_adapter`
+                self._adapter_requests[i].ended.set()
         if ids and self._llm is not None:
             await self._llm.abort(ids)
 
@@ -340,7 +540,138 @@ class VllmEngine(ServesNoAdapters, EngineLifecycle):
             raise ValueError(f"pause mode must be 'abort' or 'keep', got {mode!r}")
         llm = await self._started()
         self._paused = True
+        if mode == "abort":  # adapter requests waiting for `resume_adapter` end as well
+            for request in self._adapter_requests.values():
+                request.ended.set()
         await llm.pause_generation(mode=mode, clear_cache=True)
+
+    # -- LoRA adapters ---------------------------------------------------------------------------
+
+    def adapters(self) -> dict[str, int]:
+        """The adapters loaded now, name -> version."""
+        return {name: a.version for name, a in self._adapters.items()}
+
+    async def load_adapter(
+        self, name: str, tensors: Mapping[str, Any], config: Mapping[str, Any], version: int
+    ) -> None:
+        """Load LoRA adapter `name` (PEFT tensors and config) at `version`, or replace the one of that name.
+
+        Checked against the model's Linear shapes (from its checkpoint) before vLLM sees it; a bad or surplus
+        adapter raises `ValueError` and loads nothing. A replaced version keeps serving the requests that run
+        under it now (vLLM cannot swap an adapter under a running request); new requests get the new one.
+        """
+        if not self.max_loras:
+            raise ValueError(f"this engine serves no adapters (max_loras=0); cannot load {name!r}")
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"an adapter's name must be a non-empty string, got {name!r}")
+        self._check_slot(name)
+        parsed = await asyncio.to_thread(parse_adapter, tensors, config, self._linear_shapes())
+        if parsed.rank > self.max_lora_rank:
+            raise ValueError(
+                f"adapter {name!r} has rank {parsed.rank}; this engine's max_lora_rank is {self.max_lora_rank}"
+            )
+        llm = await self._started()
+        async with self._adapter_lock:
+            self._check_slot(name)  # another load may have taken the last slot meanwhile
+            lora_id = next(self._lora_ids)
+            if self._lora_dir is None:
+                self._lora_dir = Path(tempfile.mkdtemp(prefix="rollouts-lora-"))
+            path = self._lora_dir / str(lora_id)
+            torch_tensors = {
+                k: (torch.from_numpy(np.ascontiguousarray(v)) if isinstance(v, np.ndarray) else v.detach().cpu())
+                for k, v in tensors.items()
+            }
+            await asyncio.to_thread(save_adapter, torch_tensors, dict(config), path)
+            request = LoRARequest(f"{name}@{version}#{lora_id}", lora_id, str(path))
+            try:
+                added = await llm.add_lora(request)
+            except Exception as exc:  # vLLM's loader refused it (e.g. a module it cannot adapt)
+                shutil.rmtree(path, ignore_errors=True)
+                raise ValueError(f"vLLM refused adapter {name!r}: {exc}") from exc
+            if not added:
+                shutil.rmtree(path, ignore_errors=True)
+                raise ValueError(f"vLLM did not load adapter {name!r}")
+            old = self._adapters.get(name)
+            self._adapters[name] = _Adapter(version, request, path)
+            if old is not None:
+                await self._retire(old)
+        log.info("loaded adapter %r version %d (vLLM LoRA id %d)", name, version, lora_id)
+
+    def _check_slot(self, name: str) -> None:
+        if name not in self._adapters and len(self._adapters) >= self.max_loras:
+            raise ValueError(
+                f"all max_loras={self.max_loras} slots hold adapters {sorted(self._adapters)}; remove one first"
+            )
+
+    def _linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """The model's 2-D weights (Linear layers) by module path, `(out_features, in_features)`, from the checkpoint
+        headers: what `parse_adapter` checks an adapter against without loading a model here."""
+        if self._linears is None:
+            self._linears = {
+                key.removesuffix(".weight"): (shape[0], shape[1])
+                for key, shape in _checkpoint_shapes(self.model_dir).items()
+                if key.endswith(".weight") and len(shape) == 2 and "embed" not in key
+            }
+        return self._linears
+
+    async def remove_adapter(self, name: str) -> None:
+        """Free adapter `name`'s slot; `ValueError` while any request of it is in flight (waiting ones included)."""
+        async with self._adapter_lock:
+            if name not in self._adapters:
+                return
+            live = sorted(rid for rid, r in self._adapter_requests.items() if r.adapter == name)
+            if live:
+                raise ValueError(
+                    f"adapter {name!r} has {len(live)} requests in flight ({live[:5]}); "
+                    "abort them (or pause_adapter(name, 'abort')) before removing it"
+                )
+            await self._retire(self._adapters.pop(name))
+
+    async def _retire(self, adapter: _Adapter) -> None:
+        """Remove a version from vLLM now, or once its last running request ends (`_release_lora`)."""
+        self._retired[adapter.request.lora_int_id] = adapter.path
+        if not self._lora_users[adapter.request.lora_int_id]:
+            await self._release_lora(adapter.request.lora_int_id, use=0)
+
+    async def _release_lora(self, lora_id: int, use: int = 1) -> None:
+        """One vLLM request of `lora_id` ended; a retired id with none left leaves vLLM and its files go."""
+        self._lora_users[lora_id] -= use
+        if self._lora_users[lora_id] > 0 or lora_id not in self._retired:
+            return
+        del self._lora_users[lora_id]
+        path = self._retired.pop(lora_id)
+        if self._llm is not None and not self._closing:
+            with contextlib.suppress(Exception):  # an engine going down frees it anyway
+                await self._llm.remove_lora(lora_id)
+        shutil.rmtree(path, ignore_errors=True)
+
+    async def pause_adapter(self, name: str, mode: PauseMode) -> None:
+        """Stop generating for adapter `name` only (loaded or not); returns once no request of it is in vLLM.
+
+        vLLM has no per-adapter pause, so its running requests are aborted in vLLM. `abort`: their `generate`
+        calls return the tokens so far; `keep`: they wait for `resume_adapter` and then go on as new vLLM requests
+        (see `_generate_adapter`). Either way its new requests wait in `generate`.
+        """
+        if mode not in ("abort", "keep"):
+            raise ValueError(f"pause mode must be 'abort' or 'keep', got {mode!r}")
+        self._adapter_pauses.setdefault(name, asyncio.Event())
+        mine = [(rid, r) for rid, r in self._adapter_requests.items() if r.adapter == name]
+        for _, request in mine:
+            if mode == "abort":
+                request.ended.set()
+            else:
+                request.kept = True
+        running = {rid: r.segment for rid, r in mine if r.segment is not None and not r.segment.done()}
+        while running and self._llm is not None:
+            await self._llm.abort(list(running))
+            await asyncio.wait(running.values(), timeout=PAUSE_ABORT_RETRY_S)
+            running = {rid: seg for rid, seg in running.items() if not seg.done()}
+
+    async def resume_adapter(self, name: str) -> None:
+        """Let adapter `name` generate again: its kept requests go on under its version of now."""
+        resumed = self._adapter_pauses.pop(name, None)
+        if resumed is not None:
+            resumed.set()
 
     async def resume(self) -> None:
         """Continue scheduling (requests kept by `pause("keep")` go on where they stopped)."""
@@ -462,6 +793,24 @@ class RolloutsWorkerExtension:
         self.reload_weights(weights_iterator=iter(tensors.items()))  # type: ignore[attr-defined]
         return len(tensors)
 
+    def rollouts_mask_base_lora_rows(self) -> int:
+        """Make vLLM's CPU LoRA ops leave base-model rows alone in a batch with adapter rows (vLLM 0.32).
+
+        `vllm.lora.ops.torch_ops` selects each row's adapter weights as `stacked[index]`, and a row without an
+        adapter has index -1: Python indexing gives it the last slot's adapter, silently (a base request batched
+        with requests of `max_loras` adapters was served under one of them). Zeroing those rows' shrink output
+        (`x @ A.T`) zeroes their whole LoRA term, since every CPU LoRA path (linear, logits) expands that
+        output next. Idempotent; returns 1 once patched.
+        """
+        from vllm.lora.ops.torch_ops import lora_ops
+        from vllm.lora.punica_wrapper import punica_cpu
+
+        if not getattr(lora_ops.bgmv_shrink, "_rollouts_masked", False):
+            masked = _mask_base_rows(lora_ops.bgmv_shrink)
+            lora_ops.bgmv_shrink = masked  # `sgmv_shrink` calls it through the module
+            punica_cpu.bgmv_shrink = masked  # imported by name there
+        return 1
+
     def rollouts_prepare_broadcast(self, link: dict[str, Any]) -> int:
         """Build this process's group of the broadcast on a thread, and return at once (vLLM's steps go on)."""
         pool = ThreadPoolExecutor(1, thread_name_prefix="rollouts-broadcast")
@@ -481,6 +830,41 @@ class RolloutsWorkerExtension:
         tensors = dict(receive_broadcast(BroadcastLink.from_dict(link), rank, device))
         self.reload_weights(weights_iterator=iter(tensors.items()))  # type: ignore[attr-defined]
         return len(tensors)
+
+
+def _mask_base_rows(shrink: Any) -> Any:
+    """`shrink` (vLLM's `bgmv_shrink`), with the output of rows without an adapter (index < 0) set to zero."""
+
+    def run(
+        inputs: torch.Tensor,
+        lora_a_weights: torch.Tensor,
+        output_tensor: torch.Tensor,
+        lora_indices_tensor: torch.Tensor,
+        scaling: float = 1.0,
+    ) -> None:
+        shrink(inputs, lora_a_weights, output_tensor, lora_indices_tensor, scaling)
+        base_rows = lora_indices_tensor < 0
+        n = min(base_rows.shape[0], output_tensor.shape[0])
+        output_tensor[:n][base_rows[:n]] = 0
+
+    run._rollouts_masked = True  # type: ignore[attr-defined]
+    return run
+
+
+def _continuation_seed(seed: int | None, done: int) -> int | None:
+    """The seed of a kept request's continuation after `done` tokens: a pure function of both, so a seeded request
+    cut at the same point continues the same way (vLLM would restart the seed's random stream from its start)."""
+    if seed is None:
+        return None
+    return (seed * SEED_MIX + done + 1) % (1 << 63)
+
+
+def _add_span(spans: list[tuple[int, int, int]], version: int, start: int, end: int) -> None:
+    """Append `(version, start, end)`, merged into the last span when that one is of the same version."""
+    if spans and spans[-1][0] == version and spans[-1][2] == start:
+        spans[-1] = (version, spans[-1][1], end)
+    else:
+        spans.append((version, start, end))
 
 
 def _sampled_logprobs(tokens: list[int], flat: FlatLogprobs | None) -> np.ndarray:

@@ -50,7 +50,10 @@ def submit(client: RolloutClient, ids: list[str], adapter: str | None, max_token
         client.submit(tokens=tokens, n=n, max_tokens=max_tokens, temperature=0.0, id=prompt_id, adapter=adapter)
 
 
-@pytest.mark.parametrize("mode", ["keep", "abort"])
+@pytest.mark.parametrize(
+    ("engine", "mode"),
+    [("torch", "keep"), ("torch", "abort"), pytest.param("vllm", "keep", marks=pytest.mark.vllm)],
+)
 def test_an_adapter_sync_pauses_that_adapter_alone_and_its_samples_go_on_under_the_new_version(
     redis_server: RedisServer,
     ns: str,
@@ -58,16 +61,24 @@ def test_an_adapter_sync_pauses_that_adapter_alone_and_its_samples_go_on_under_t
     workers: StartWorker,
     adapters: dict[str, Adapter],
     tmp_path: Path,
+    engine: str,
     mode: str,
     one_thread: None,
 ) -> None:
+    """vLLM has no per-adapter pause: its engine aborts the adapter's requests and, in keep mode, continues each
+    from prompt + tokens so far after the resume (seed 003's way); the worker sees the same behaviour."""
     client = RolloutClient(redis_server.url, ns)
     client.publish_weights(adapters["a1"][0], adapter="a", adapter_config=adapters["a1"][1])
     client.publish_weights(adapters["b1"][0], adapter="b", adapter_config=adapters["b1"][1])
-    workers("w1", "--max-batch", "16")
-    a_ids = [f"a{i}" for i in range(6)]
+    workers("w1", "--engine", engine, "--max-loras", "2", "--max-batch", "16")
+    submit(client, ["warm-a"], "a", max_tokens=4)  # a and b loaded (on demand) before the long ones come
+    submit(client, ["warm-b"], "b", max_tokens=4)
+    assert len(client.collect(2, timeout=120)) == 2
+    a_ids = [f"a{i}" for i in range(6 if engine == "torch" else 24)]  # vLLM is faster: more, to be mid-way
     submit(client, a_ids, "a", max_tokens=400)
-    wait_until(lambda: client.streams.redis.xpending(client.streams.keys.prompts, GENERATORS)["pending"] >= 6, 60, "A")
+    submit(client, ["a-probe"], "a", max_tokens=8, n=1)
+    [probe] = client.collect(1, timeout=60)  # when it is done, the long ones beside it are generating too
+    assert probe.prompt_id == "a-probe"
 
     # Adapter a's next version, synced by hand so that the sync can be held open: the workers pause a, load,
     # ack; the manager resumes only once `released` is set.
@@ -107,8 +118,9 @@ def test_an_adapter_sync_pauses_that_adapter_alone_and_its_samples_go_on_under_t
         for rollout in group.rollouts:
             assert rollout.adapter == "a" and {v for v, _, _ in rollout.spans} <= {1, 2}
             check_spans_and_logprobs(rollout, references)
-            for version, start, end in rollout.spans:  # each version's tokens are that version's own
-                assert share(rollout.tokens[start:end], f"a{version}") > 0.6 or end - start < 5
+            for version, start, end in rollout.spans:  # each version's tokens are that version's own (a span's
+                if end - start >= 20:  # first few tokens may still be the base model's favourites)
+                    assert share(rollout.tokens[start:end], f"a{version}") > 0.6, (version, rollout.tokens[start:end])
     assert read_state(client.streams.redis, client.streams.keys, "a").version == 2
     assert read_state(client.streams.redis, client.streams.keys).version == 0  # the base model never moved
 

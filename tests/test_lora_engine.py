@@ -23,8 +23,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from consumers.engine import EngineClosedError, EngineInputError, Generation
-from consumers.lora import linear_shapes, merged_state_dict, parse_adapter
-from consumers.tiny_model import make_adapter, save_adapter
+from consumers.lora import linear_shapes, merged_state_dict, parse_adapter, save_adapter
+from consumers.tiny_model import make_adapter
 from consumers.torch_engine import TorchEngine
 from pipeline.wire import Sampling
 from tests.engine_loop import wait_until_async

@@ -175,7 +175,7 @@ def worker(
     dtype: DtypeOpt = "float32",
     device: DeviceOpt = "cpu",
     max_batch: MaxBatchOpt = 64,
-    max_loras: MaxLorasOpt = 4,
+    max_loras: MaxLorasOpt = None,
     num_threads: ThreadsOpt = None,
     max_model_len: MaxLenOpt = None,
     kv_cache_bytes: KvCacheOpt = None,

@@ -21,7 +21,11 @@ KvCacheOpt = Annotated[int | None, typer.Option(help="vllm engine: KV cache size
 TpOpt = Annotated[int, typer.Option(help="vllm engine: tensor-parallel size.")]
 EagerOpt = Annotated[bool, typer.Option(help="vllm engine: no CUDA graphs / compilation.")]
 MaxLorasOpt = Annotated[
-    int, typer.Option(help="torch engine: LoRA adapters held at once (more are loaded on demand, idle ones evicted).")
+    int | None,
+    typer.Option(
+        help="LoRA adapters held at once (more are loaded on demand, idle ones evicted); default 4 on torch, "
+        "0 on vllm (no LoRA: pass it to serve adapters)."
+    ),
 ]
 SeedOpt = Annotated[int | None, typer.Option(help="Engine seed, for requests that carry none.")]
 EngineArgsOpt = Annotated[
@@ -40,7 +44,8 @@ class EngineSpec:
     dtype: str = "float32"
     device: str = "cpu"
     max_batch: int = 64
-    max_loras: int = 4
+    max_loras: int | None = None
+    """None: the engine's default (torch 4, vllm 0)."""
     num_threads: int | None = None
     max_model_len: int | None = None
     kv_cache_bytes: int | None = None
@@ -75,7 +80,7 @@ class EngineSpec:
         common = {"dtype": self.dtype, "max_model_len": self.max_model_len, "seed": self.seed}
         if self.kind == "torch":
             torch_only = {"device": self.device, "max_batch": self.max_batch, "num_threads": self.num_threads}
-            return common | torch_only | {"max_loras": self.max_loras}
+            return common | torch_only | self._loras()
         if self.kind == "synthetic":  # its pace and lengths come as --engine-args
             paced = {"max_model_len": self.max_model_len, "seed": self.seed, "max_batch": self.max_batch}
             return paced | self.engine_args
@@ -86,19 +91,22 @@ class EngineSpec:
         }
         if self.kv_cache_bytes is not None:
             options["kv_cache_bytes"] = self.kv_cache_bytes
-        return options
+        return options | self._loras()
+
+    def _loras(self) -> dict[str, Any]:
+        return {} if self.max_loras is None else {"max_loras": self.max_loras}
 
     def worker_args(self) -> list[str]:
         """The same choice as `rollouts worker` flags."""
         args = ["--engine", self.kind, "--dtype", self.dtype, "--device", self.device]
         args += ["--max-batch", str(self.max_batch), "--tensor-parallel-size", str(self.tensor_parallel_size)]
-        args += ["--max-loras", str(self.max_loras)]
         args.append("--enforce-eager" if self.enforce_eager else "--no-enforce-eager")
         for flag, value in (
             ("--num-threads", self.num_threads),
             ("--max-model-len", self.max_model_len),
             ("--kv-cache-bytes", self.kv_cache_bytes),
             ("--seed", self.seed),
+            ("--max-loras", self.max_loras),
         ):
             if value is not None:
                 args += [flag, str(value)]
