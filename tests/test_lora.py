@@ -10,6 +10,10 @@ an adapter nobody published (an error rollout), and an adapter sync while the ba
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -19,7 +23,9 @@ import numpy as np
 import pytest
 import torch
 
+from consumers.lora import save_adapter
 from consumers.tiny_model import make_adapter
+from pipeline.cli.processes import start_command
 from pipeline.local import RedisServer, free_port
 from pipeline.wire import GENERATORS, Sampling
 from producers.client import Group, RolloutClient
@@ -222,3 +228,47 @@ def test_an_adapter_broadcast_over_nccl_reaches_every_worker_and_a_late_one_wait
     rollout = late.rollouts[0]
     assert late.prompt_id == "late-a" and rollout.worker == "w3"
     assert rollout.spans == [(2, 0, rollout.n_tokens)] and share(rollout.tokens, "a2") > 0.7
+
+
+def test_an_adapter_sync_whose_driver_died_is_finished_by_the_manager_and_a_silent_worker_evicted(
+    redis_server: RedisServer,
+    ns: str,
+    workers: StartWorker,
+    adapters: dict[str, Adapter],
+    tmp_path: Path,
+) -> None:
+    """The manager's protocol per adapter, through the CLI: `publish-weights --adapter` from a PEFT directory, its
+    driver killed mid-sync (every worker's adapter left paused), `rollouts manager` finishing it, and the worker
+    that never acked evicted."""
+    url = redis_server.url
+    healthy = workers("healthy")
+    stuck = workers("stuck")
+    os.kill(stuck.pid, signal.SIGSTOP)  # frozen: it will never ack
+    peft = save_adapter(*adapters["a1"], tmp_path / "a1")
+    driver = start_command(
+        "publish-weights", "--redis", url, "--ns", ns, "--from", str(peft), "--adapter", "a", "--ack-timeout-s", "600"
+    )
+    client = RolloutClient(url, ns)
+    keys = client.streams.keys
+    wait_until(lambda: read_state(client.streams.redis, keys, "a").paused, 60, "a's sync to begin")
+    wait_until(lambda: client.streams.redis.hget(keys.worker("healthy"), "epoch@a") == b"1", 60, "healthy's ack")
+    driver.kill()  # the driver dies mid-sync
+    driver.wait()
+    assert read_state(client.streams.redis, keys, "a").paused
+
+    manager = [sys.executable, "-m", "pipeline.cli", "manager", "--redis", url, "--ns", ns, "--once"]
+    finished = subprocess.run(
+        [*manager, "--abandoned-after-s", "0"], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert finished.returncode == 0, finished.stderr
+    assert "finished an abandoned sync of adapter a" in finished.stderr.replace("\n", " ")
+    state = read_state(client.streams.redis, keys, "a")
+    assert (state.version, state.paused, read_state(client.streams.redis, keys).version) == (1, False, 0)
+    os.kill(stuck.pid, signal.SIGCONT)
+    assert stuck.wait(timeout=60) == 1  # evicted: it never acked a's sync
+    submit(client, ["after"], "a", max_tokens=16, n=1)
+    [group] = client.collect(1, timeout=60)
+    rollout = group.rollouts[0]
+    assert rollout.worker == "healthy" and rollout.spans == [(1, 0, rollout.n_tokens)]
+    assert share(rollout.tokens, "a1") > 0.7
+    assert healthy.poll() is None
