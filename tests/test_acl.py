@@ -61,9 +61,12 @@ def users(installed_redis: RedisServer, ns: str) -> Iterator[dict[str, str]]:
 def test_each_role_gets_its_namespace_and_what_it_needs_there_only(users: dict[str, str], ns: str) -> None:
     keys, other = Keys(ns), Keys(f"other-{ns}")
     worker = redis.Redis.from_url(users["worker"])
-    worker.hget(keys.state, "version")  # reads the policy state...
+    worker.hget(keys.state, "version")  # reads the policy state (the adapters' too)...
+    worker.hget(keys.state_of("a"), "version")
+    worker.smembers(keys.adapters)
     for forbidden in (
         lambda: worker.hset(keys.state, "version", 99),  # ...but cannot move it,
+        lambda: worker.hset(keys.state_of("a"), "version", 99),  # nor an adapter's,
         lambda: worker.xadd(keys.control, {"cmd": "resume"}),  # nor command the workers,
         lambda: worker.set(keys.weights_manifest(1), b"{}"),  # nor replace weights,
         lambda: worker.xrange(other.prompts),  # nor see another namespace,
