@@ -401,6 +401,8 @@ class RolloutClient:
 
         if adapter is not None:
             source, adapter_config = read_adapter(source, adapter_config)
+        elif adapter_config is not None:
+            raise ValueError("adapter_config is for an adapter's tensors: name the adapter (adapter='...')")
         manager = Manager(self.streams, ack_timeout_s=ack_timeout_s, adapter=adapter)
         previous = manager.state()
         if previous.paused:  # before touching the transport: the sync under way may be loading its next version
@@ -417,10 +419,7 @@ class RolloutClient:
         )
         version = previous.version + 1
         store.remove(version)  # left over by a publish whose sync failed: never announced, safe to replace
-        if adapter is not None:
-            uri = store.publish(source, version, adapter_config=adapter_config)  # type: ignore[call-arg]
-        else:
-            uri = store.publish(source, version)
+        uri = store.publish(source, version, adapter_config=adapter_config)
         broadcast = store if isinstance(store, NcclTransport) else None  # sent during the sync, not before
         self.last_sync = manager.sync(version, uri, mode, transfer=broadcast.broadcast if broadcast else None)
         self.last_broadcast = broadcast.last if broadcast else None

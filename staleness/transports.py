@@ -257,8 +257,15 @@ class WeightTransport(Protocol):
 
     scheme: Scheme
 
-    def publish(self, tensors: NamedTensors | torch.nn.Module, version: int) -> str:
-        """Store one version completely, then return the uri that names it (`FileExistsError` if stored)."""
+    def publish(
+        self,
+        tensors: NamedTensors | torch.nn.Module,
+        version: int,
+        *,
+        adapter_config: Mapping[str, Any] | None = None,
+    ) -> str:
+        """Store one version completely, then return the uri that names it (`FileExistsError` if stored). With
+        `adapter_config`, the tensors are a LoRA adapter's (PEFT names) and the config goes with them."""
         ...
 
     def versions(self) -> list[int]:

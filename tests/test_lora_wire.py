@@ -102,6 +102,8 @@ def rollout_of(prompt_id: str, version: int, adapter: str | None) -> Rollout:
 
 def test_each_adapter_has_its_own_admission_count_and_staleness_bound(redis_server: RedisServer, ns: str) -> None:
     client = RolloutClient(redis_server.url, ns, max_staleness=0, batch_size=2)
+    with pytest.raises(ValueError, match="name the adapter"):  # an adapter's config without its name
+        client.publish_weights(adapter_tensors(0), adapter_config=CONFIG)
     client.submit(tokens=[5, 6], n=2, adapter="a")  # a's capacity at version 0: (0 + 0 + 1) * 2 = 2, now used up
     with pytest.raises(AdmissionTimeout, match="admission full"):
         client.submit(tokens=[5, 6], n=1, adapter="a", timeout=0.3)
