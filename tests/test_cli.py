@@ -126,6 +126,12 @@ def test_argument_and_connection_errors_say_what_to_fix(
     assert_clean_error(rollouts(*args, timeout=60), *needles)
 
 
+def test_publish_weights_of_an_adapter_needs_a_peft_directory(tiny_model_dir: Path) -> None:
+    """A base checkpoint given as an adapter is refused in one line, before anything is published."""
+    result = rollouts("publish-weights", "--from", str(tiny_model_dir), "--adapter", "a", timeout=60)
+    assert_clean_error(result, f"--adapter a: {tiny_model_dir} has no adapter_config.json")
+
+
 def test_tiny_model_seeds_give_the_same_tokenizer_and_other_weights(tmp_path: Path) -> None:
     for seed in ("0", "1"):
         result = rollouts("tiny-model", str(tmp_path / seed), "--seed", seed)
