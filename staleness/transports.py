@@ -15,6 +15,9 @@ needs any more.
   through its own Redis connection, checks the sha256, and calls `engine.load_tensors(tensors, n)`.
 - `nccl://HOST:PORT`: nothing stored; the trainer broadcasts to every worker during the sync
   (`staleness.broadcast`); the worker calls `engine.load_broadcast(link, n)`.
+- `ipc://NS/v{n}`: colocated handoff on one GPU; the trainer keeps the tensors in a GPU buffer of its own and
+  stores a JSON manifest of its CUDA IPC handle under `{NS}:weights:ipc:{n}` (`staleness.ipc`); the worker opens
+  it on the same GPU and calls `engine.load_tensors(tensors, n)` with views of the trainer's memory.
 
 LoRA adapters travel by the stored transports, each adapter in a place of its own, in PEFT's layout (what vLLM
 loads): `fs:///DIR/adapters/NAME/v{n}/` holds `adapter_model.safetensors` and `adapter_config.json`;
@@ -54,11 +57,11 @@ from pipeline.wire import ADAPTER_PATTERN, Keys
 if TYPE_CHECKING:
     from staleness.broadcast import BroadcastLink
 
-Scheme = Literal["fs", "redis", "nccl"]
+Scheme = Literal["fs", "redis", "nccl", "ipc"]
 TensorLike = torch.Tensor | np.ndarray
 NamedTensors = Mapping[str, TensorLike]
 
-SCHEMES: tuple[Scheme, ...] = ("fs", "redis", "nccl")
+SCHEMES: tuple[Scheme, ...] = ("fs", "redis", "nccl", "ipc")
 DEFAULT_CHUNK_BYTES = 32 << 20
 """Size of one Redis value holding weights: far below Redis's 512 MiB limit, small enough not to stall it."""
 DEFAULT_BATCH_BYTES = 256 << 20
@@ -103,7 +106,7 @@ class LoadsWeights(Protocol):
 
 @dataclass(frozen=True)
 class WeightsUri:
-    """A parsed weights uri: `location` is a directory (fs), a namespace (redis) or HOST:PORT (nccl)."""
+    """A parsed weights uri: `location` is a directory (fs), a namespace (redis, ipc) or HOST:PORT (nccl)."""
 
     scheme: Scheme
     location: str
@@ -123,8 +126,8 @@ class WeightsUri:
 def parse_uri(uri: str) -> WeightsUri:
     """Split a weights uri into scheme, location and version; `ValueError` says what is wrong with a bad one.
 
-    `fs://` + a path (absolute: `fs:///shared/ckpt/v3`); `redis://NS/v3` (braces around NS are allowed,
-    the server is the worker's own connection); `nccl://HOST:PORT` (parsed, not implemented yet).
+    `fs://` + a path (absolute: `fs:///shared/ckpt/v3`); `redis://NS/v3` and `ipc://NS/v3` (braces around NS
+    are allowed, the server is the worker's own connection); `nccl://HOST:PORT/v3`.
     """
     scheme, sep, rest = uri.partition("://")
     if not sep or scheme not in SCHEMES:
@@ -148,11 +151,11 @@ def parse_uri(uri: str) -> WeightsUri:
         if not match:
             raise ValueError(f"weights uri {uri!r}: expected {scheme}://{location or '...'}/v<version>, got /{tail}")
         version = int(match.group(1))
-    if scheme == "redis":
+    if scheme in ("redis", "ipc"):
         ns = location.removeprefix("{").removesuffix("}")
         if ns:  # empty: `redis://`, the transport of the pipeline's own namespace
             Keys(ns)  # raises ValueError for a bad namespace
-        return WeightsUri("redis", ns, version, adapter)
+        return WeightsUri(scheme, ns, version, adapter)
     host, colon, port = location.rpartition(":")
     if not colon or not host or not port.isdigit():
         raise ValueError(f"weights uri {uri!r}: expected nccl://HOST:PORT")
@@ -598,9 +601,11 @@ def open_transport(
     adapter: str | None = None,
 ) -> WeightTransport:
     """The trainer's transport from a spec: `fs://DIR`, `redis://` (or `redis://NS`) with the pipeline's client,
-    or `nccl://HOST:PORT` (this process hosts the rendezvous on PORT and broadcasts during each sync,
-    waiting up to `join_timeout_s` for the workers to join). With `adapter`, the place of that LoRA adapter's
-    versions (`DIR/adapters/NAME`, `{ns}:adapter:NAME:weights:...`; nccl: the broadcast carries its config)."""
+    `nccl://HOST:PORT` (this process hosts the rendezvous on PORT and broadcasts during each sync,
+    waiting up to `join_timeout_s` for the workers to join), or `ipc://` (`ipc://NS`: this process keeps each
+    version in a buffer on its GPU for workers on that GPU, the handles' manifest in the pipeline's Redis). With
+    `adapter`, the place of that LoRA adapter's versions (`DIR/adapters/NAME`, `{ns}:adapter:NAME:weights:...`;
+    nccl: the broadcast carries its config; ipc carries none)."""
     parsed = parse_uri(spec)
     if adapter is not None and not re.match(ADAPTER_PATTERN, adapter):
         raise ValueError(f"adapter name {adapter!r} must match {ADAPTER_PATTERN}")
@@ -612,17 +617,24 @@ def open_transport(
 
         return NcclTransport.from_uri(spec, timeout_s=join_timeout_s)
     if redis_client is None:
-        raise ValueError(f"{spec}: the redis weight transport needs a Redis client (the pipeline's own)")
+        raise ValueError(f"{spec}: the {parsed.scheme} weight transport needs a Redis client (the pipeline's own)")
     if ns is not None and parsed.location and parsed.location != ns:
         raise ValueError(f"{spec} names namespace {parsed.location!r}, but the pipeline's is {ns!r}")
     name = parsed.location or ns
     if not name:
-        raise ValueError(f"{spec}: name the namespace (redis://NS) or pass ns=")
+        raise ValueError(f"{spec}: name the namespace ({parsed.scheme}://NS) or pass ns=")
+    if parsed.scheme == "ipc":
+        if adapter is not None or parsed.adapter is not None:
+            raise ValueError("LoRA adapters travel by fs://, redis:// or nccl://, not ipc://")
+        from staleness.ipc import IpcTransport  # it builds on this module
+
+        return IpcTransport(redis_client, name)
     return RedisTransport(redis_client, name, chunk_bytes=chunk_bytes, adapter=adapter or parsed.adapter)
 
 
 def remove_published(uri: str, redis_client: redis.Redis | None = None, ns: str | None = None) -> bool:
-    """Delete the stored version a published uri names (`fs:///DIR/v3`, `redis://NS/v3`); nccl stores nothing."""
+    """Delete the stored version a published uri names (`fs:///DIR/v3`, `redis://NS/v3`, `ipc://NS/v3`: its
+    manifest, and its buffer if this process exports it); nccl stores nothing."""
     parsed = parse_uri(uri)
     if parsed.version is None or parsed.scheme == "nccl":
         return False
@@ -646,6 +658,8 @@ def fetch_weights(uri: str, version: int, redis_client: redis.Redis | None = Non
         raise ValueError(f"weights uri {uri!r} names version {parsed.version}, not {version}")
     if parsed.scheme == "nccl":
         raise ValueError(f"weights {uri}: nccl versions are not stored; they arrive only during a sync")
+    if parsed.scheme == "ipc":
+        raise ValueError(f"weights {uri}: ipc versions are opened on the worker's GPU by its engine (load_version)")
     if parsed.scheme == "fs":
         return _fs_version_dir(Path(parsed.location), version)
     if parsed.version is None:
@@ -726,7 +740,8 @@ async def receive_adapter(link: BroadcastLink) -> tuple[dict[str, torch.Tensor],
 
 
 def is_stored(uri: str) -> bool:
-    """Whether a version under `uri` can be fetched at any time (fs, redis), not only during its sync (nccl)."""
+    """Whether a version under `uri` can be fetched at any time (fs, redis; ipc while the trainer that exported it
+    lives), not only during its sync (nccl)."""
     return parse_uri(uri).scheme != "nccl"
 
 
@@ -774,10 +789,17 @@ async def load_version(
     fs: `engine.load_weights(dir, version)` (vLLM reloads the files in place); redis: the chunks are read
     and checked here, then `engine.load_tensors(tensors, version)`; nccl: join sync `epoch`'s group as
     `member` (the worker's name; the group is kept across syncs while its members stay) and receive it
-    (`join_version`, then `load_joined`). Errors leave the engine's weights as they were: `FileNotFoundError`
-    (version not there), `ValueError` (bad uri, checksum, manifest), `TimeoutError` (no trainer).
+    (`join_version`, then `load_joined`); ipc: open the trainer's buffer on the engine's GPU and copy from it
+    (`staleness.ipc.load_ipc`). Errors leave the engine's weights as they were: `FileNotFoundError` (version
+    not there), `ValueError` (bad uri, checksum, manifest; ipc: not the same GPU), `TimeoutError` (no trainer).
     """
-    if parse_uri(uri).scheme == "nccl":
+    scheme = parse_uri(uri).scheme
+    if scheme == "ipc":
+        from staleness.ipc import load_ipc  # it builds on this module
+
+        await load_ipc(engine, uri, version, redis_client)
+        return
+    if scheme == "nccl":
         if epoch is None:
             raise ValueError(f"weights {uri}: an nccl version is received during its sync: give its epoch")
         link = await join_version(engine, uri, version, epoch, timeout_s=timeout_s, member=member)

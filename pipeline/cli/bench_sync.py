@@ -13,6 +13,11 @@ The trainer holds both versions in memory (on `trainer_device`), as a training l
 sides are on GPUs, a bare NCCL broadcast of the same bytes between the same two GPUs in this
 process (`bare_gb_per_s`): the ceiling the transport is compared with (`ratio`). The first publish is
 reported on its own (`first_stall_s`, `first_setup_s`, ...), the others as medians; JSON out.
+
+`ipc` (colocated handoff) needs the trainer's weights and the worker on the same GPU (`--device cuda:0
+--trainer-device cuda:0`); it also reports the GPU memory the trainer holds for the workers (`trainer_held_mib`).
+A transport that cannot run with the devices given is not run: its row says why (`skipped`), e.g. nccl with
+both sides on one GPU, where NCCL cannot put two ranks.
 """
 
 from __future__ import annotations
@@ -37,14 +42,14 @@ from pipeline.cli.engine_spec import EngineSpec
 from pipeline.cli.processes import start_worker, stop_process, wait_for_worker
 from pipeline.local import RedisServer, free_port
 from producers.client import RolloutClient
-from staleness.transports import read_checkpoint
+from staleness.transports import open_transport, read_checkpoint
 
 NS = "bench-sync"
 SIZES = {"tiny": (64, 2), "small": (256, 4), "medium": (512, 8), "large": (1024, 8), "xl": (2048, 16)}
 """name -> (hidden size, layers) of the random Qwen2 models compared."""
 
 
-TRANSPORTS = ("redis", "fs", "nccl")
+TRANSPORTS = ("redis", "fs", "nccl", "ipc")
 
 
 def run_bench_sync(
@@ -73,14 +78,19 @@ def run_bench_sync(
                 params = _parameters(models[0])
                 weights = [{k: t.to(trainer_device) for k, t in read_checkpoint(m).items()} for m in models]
                 for transport in transports:
+                    row = {"size": size, "parameters": params, "bytes": 4 * params, "transport": transport}
+                    if reason := cannot_run(transport, spec, trainer_device):
+                        results.append(row | {"skipped": reason})
+                        progress.advance(task, rounds)
+                        continue
                     uri = {
                         "redis": "redis://",
                         "fs": f"fs://{tmp / size / 'published'}",
                         "nccl": f"nccl://127.0.0.1:{free_port()}",
+                        "ipc": "ipc://",
                     }[transport]
                     log = (logs or tmp) / f"{size}-{transport}.log"
                     rows = _measure(spec, models[0], weights, uri, rounds, mode, log, progress, task)
-                    row = {"size": size, "parameters": params, "bytes": 4 * params, "transport": transport}
                     if transport == "nccl" and trainer_device.startswith("cuda") and spec.device.startswith("cuda"):
                         bare = bare_broadcast_gb_per_s(4 * params, trainer_device, spec.device)
                         rows |= {"bare_gb_per_s": round(bare, 2), "ratio": round(rows["gb_per_s"] / bare, 3)}
@@ -96,6 +106,28 @@ def run_bench_sync(
         "rounds": rounds,
         "results": results,
     }
+
+
+def cannot_run(transport: str, spec: EngineSpec, trainer_device: str) -> str | None:
+    """Why `transport` cannot run between a trainer on `trainer_device` and this worker (None: it can)."""
+    trainer, worker = _gpu(trainer_device), _gpu(spec.device)
+    if transport == "nccl" and trainer is not None and trainer == worker:
+        return (
+            f"the trainer and the worker are both on {trainer}, and NCCL cannot put two ranks on one GPU "
+            "(use two GPUs, or ipc:// on one)"
+        )
+    if transport == "ipc" and (trainer is None or trainer != worker or spec.kind != "torch"):
+        return (
+            "ipc:// needs the trainer's weights and a torch worker on the same GPU; here: trainer on "
+            f"{trainer_device}, {spec.kind} worker on {spec.device}"
+        )
+    return None
+
+
+def _gpu(device: str) -> torch.device | None:
+    """A CUDA device with its index (`cuda` is `cuda:0` here), or None for any other device."""
+    parsed = torch.device(device)
+    return torch.device("cuda", parsed.index or 0) if parsed.type == "cuda" else None
 
 
 def _measure(
@@ -149,9 +181,23 @@ def _measure(
                     broadcasts["broadcast_s"].append(stats.transfer_s)
                     broadcasts["gb_per_s"].append(stats.gb_per_s)
                 progress.advance(task)
+            held = _forget_exports(client, transport)
         finally:
             stop_process(worker)
-    return summarize(timings | broadcasts)
+    return summarize(timings | broadcasts) | held
+
+
+def _forget_exports(client: RolloutClient, transport: str) -> dict[str, Any]:
+    """For ipc: how much GPU memory the trainer held for the worker, then free it (the next run starts at v1)."""
+    if not transport.startswith("ipc://"):
+        return {}
+    from staleness.ipc import held_bytes
+
+    held = {"trainer_held_mib": round(held_bytes() / 2**20, 1)}
+    exports = open_transport(transport, redis_client=client.streams.redis, ns=NS)
+    for version in exports.versions():
+        exports.remove(version)
+    return held
 
 
 def summarize(rounds: dict[str, list[float]]) -> dict[str, Any]:
@@ -208,15 +254,16 @@ def _parameters(model_dir: Path) -> int:
 
 
 def plot_bench_sync(result: dict[str, Any], path: Path) -> None:
-    """Stall per model size, one line per transport."""
+    """Stall per model size, one line per transport (the transports that ran)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for transport in sorted({row["transport"] for row in result["results"]}):
-        rows = [row for row in result["results"] if row["transport"] == transport]
+    measured = [row for row in result["results"] if "skipped" not in row]
+    for transport in sorted({row["transport"] for row in measured}):
+        rows = [row for row in measured if row["transport"] == transport]
         ax.plot([row["bytes"] / 2**20 for row in rows], [row["stall_s"] for row in rows], marker="o", label=transport)
     ax.set_xscale("log")
     ax.set_xlabel("weights (MiB, fp32)")

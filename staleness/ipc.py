@@ -1,0 +1,411 @@
+"""`ipc://`: colocated handoff, for a trainer and torch workers that share one GPU.
+
+No byte of the weights crosses the network or the disk. The trainer copies a version's tensors into one
+flat GPU buffer that it owns (each tensor 16-byte aligned, in the layout of `staleness.broadcast`'s buckets),
+exports one CUDA IPC handle of that buffer (`storage._share_cuda_()`, what `torch.multiprocessing` sends)
+and stores a small JSON manifest in Redis, `{ns}:weights:ipc:{v}`: the handle's fields (bytes as base64),
+the GPU's UUID, the trainer's host and pid, and `[name, dtype, shape, offset]` per tensor. The uri is
+`ipc://NS/v{n}`, and the sync protocol is the same as for the other transports: the worker reads the manifest,
+checks that its engine runs on that very GPU, opens the handle (`rebuild_cuda_tensor`), copies device to device
+into its weights (`engine.load_tensors`), waits for the copy, drops the mapping and acks.
+
+Who frees the buffer: the trainer, through the protocol, not torch's cross-process reference count. That count
+pairs one export with one consumer's release; here one export serves every worker, and workers that start
+later open it too, so it could not balance. The manifest therefore carries no counter, a worker rebuilds with
+none (torch's release then finds nothing to decrement), and the trainer returns its own count when it releases
+a version. It releases a version only once every live worker acked a newer one (`publish_weights` releases all
+but the version it just synced), so the current version stays open for workers that start late. The buffers
+live in this process (`_HELD`: `publish_weights` opens a transport per call), and a version lives only as long
+as the trainer process that published it.
+
+Where it cannot work it says so: a worker on another GPU or host, or on the CPU, and the vLLM engine, whose
+weights live in its own engine processes (vLLM's own IPC weight transfer needs its CUDA build).
+No pickle: handles go as base64 strings in JSON.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import socket
+import sys
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+import torch
+
+from pipeline.wire import Keys
+from staleness.broadcast import ALIGN, TensorMeta, _dtype, _dtype_name, plan_buckets
+from staleness.transports import (
+    LoadsWeights,
+    NamedTensors,
+    Scheme,
+    WeightsUri,
+    _release,
+    check_version,
+    parse_uri,
+    state_dict_of,
+)
+
+MANIFEST_V = 1
+FORMAT = "cuda-ipc"
+SAME_GPU = "ipc:// needs the trainer and the worker on the same GPU"
+VLLM_REFUSAL = (
+    "the vllm engine cannot load ipc:// weights: its model lives in vLLM's own engine processes, which would have "
+    "to open the handles themselves (vLLM's IPC weight transfer, `init_weight_transfer_engine` with backend 'ipc', "
+    "needs vLLM's CUDA build and is not driven by this pipeline); use nccl:// or fs://"
+)
+
+
+@dataclass(frozen=True)
+class Handle:
+    """The fields of one CUDA IPC export of a storage (`storage._share_cuda_()`), minus torch's reference counter."""
+
+    device: int
+    """The trainer's device index (a worker opens it on its own index of the same GPU)."""
+    handle: bytes
+    """The cudaIpcMemHandle of the allocation that holds the storage (opaque to us)."""
+    size: int
+    """Bytes of the storage."""
+    offset: int
+    """Where the storage starts in that allocation, in bytes."""
+    event: bytes | None
+    """An IPC event the worker waits on before reading (torch records it at the export), or None."""
+    event_sync: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "device": self.device,
+            "handle": _b64(self.handle),
+            "size": self.size,
+            "offset": self.offset,
+            "event": None if self.event is None else _b64(self.event),
+            "event_sync": self.event_sync,
+        }
+
+    @classmethod
+    def from_json(cls, data: Any) -> Handle:
+        """`ValueError` naming the field that is missing or of the wrong type."""
+        if not isinstance(data, Mapping):
+            raise ValueError(f"the handle is not a JSON object: {data!r}")
+        for name in ("device", "size", "offset"):
+            if not isinstance(data.get(name), int) or isinstance(data[name], bool) or data[name] < 0:
+                raise ValueError(f"handle field {name!r} must be an integer >= 0, got {data.get(name)!r}")
+        if not isinstance(data.get("event_sync"), bool):
+            raise ValueError(f"handle field 'event_sync' must be true or false, got {data.get('event_sync')!r}")
+        event = data.get("event")
+        return cls(
+            device=data["device"],
+            handle=_unb64(data.get("handle"), "handle"),
+            size=data["size"],
+            offset=data["offset"],
+            event=None if event is None else _unb64(event, "event"),
+            event_sync=data["event_sync"],
+        )
+
+    def rebuild_args(self, device_index: int) -> tuple[Any, ...]:
+        """The arguments of `torch.multiprocessing.reductions.rebuild_cuda_tensor` for a flat uint8 tensor over the
+        whole storage on `device_index`. The reference counter is empty: the trainer keeps the buffer (see above)."""
+        return (
+            torch.Tensor, (self.size,), (1,), 0, torch.UntypedStorage, torch.uint8, device_index,
+            self.handle, self.size, self.offset, False, b"", 0, self.event, self.event_sync,
+        )  # fmt: skip
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def _unb64(text: Any, field: str) -> bytes:
+    if not isinstance(text, str):
+        raise ValueError(f"handle field {field!r} must be a base64 string, got {text!r}")
+    try:
+        return base64.b64decode(text, validate=True)
+    except ValueError as exc:
+        raise ValueError(f"handle field {field!r} is not base64: {exc}") from None
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What a worker reads to open one version: `{ns}:weights:ipc:{v}`, JSON."""
+
+    version: int
+    gpu: str
+    """The UUID of the trainer's GPU (`torch.cuda.get_device_properties(i).uuid`)."""
+    host: str
+    pid: int
+    handle: Handle
+    tensors: list[tuple[TensorMeta, int]]
+    """Each tensor and its byte offset in the buffer (-1: empty, not in the buffer)."""
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "v": MANIFEST_V,
+                "format": FORMAT,
+                "version": self.version,
+                "gpu": self.gpu,
+                "host": self.host,
+                "pid": self.pid,
+                "bytes": self.handle.size,
+                "handle": self.handle.to_json(),
+                "tensors": [[m.name, m.dtype, list(m.shape), offset] for m, offset in self.tensors],
+                "ts": time.time(),
+            },
+            separators=(",", ":"),
+        )
+
+    @classmethod
+    def from_json(cls, raw: bytes | str, key: str, version: int) -> Manifest:
+        """Parse and check a manifest; `ValueError` says what is wrong with it (and which key it came from)."""
+        try:
+            data = json.loads(raw)
+            if not isinstance(data, dict):
+                raise ValueError(f"not a JSON object: {str(raw)[:100]!r}")
+            if data.get("v") != MANIFEST_V or data.get("format") != FORMAT:
+                raise ValueError(
+                    f"v={data.get('v')!r}, format={data.get('format')!r}; this reader knows v={MANIFEST_V}, "
+                    f"format={FORMAT!r}"
+                )
+            if data.get("version") != version:
+                raise ValueError(f"it is of version {data.get('version')!r}, not {version}")
+            if not isinstance(data.get("gpu"), str) or not isinstance(data.get("pid"), int):
+                raise ValueError("it names no GPU (gpu) or no trainer process (pid)")
+            return cls(
+                version=version,
+                gpu=data["gpu"],
+                host=str(data.get("host", "?")),
+                pid=data["pid"],
+                handle=Handle.from_json(data.get("handle")),
+                tensors=[_tensor_entry(entry) for entry in data.get("tensors", ())],
+            )
+        except ValueError as exc:  # json.JSONDecodeError too
+            raise ValueError(f"ipc manifest {key} is malformed: {exc}") from None
+
+
+def _tensor_entry(entry: Any) -> tuple[TensorMeta, int]:
+    try:
+        name, dtype, shape, offset = entry
+        meta = TensorMeta(str(name), str(dtype), tuple(int(d) for d in shape))
+        _dtype(meta.dtype)  # raises ValueError for a dtype torch does not know
+        return meta, int(offset)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"bad tensor entry {entry!r}: {exc}") from None
+
+
+def manifest_key(keys: Keys, version: int) -> str:
+    """`{ns}:weights:ipc:{v}`: under `weights:*`, so a worker's ACL role may read it and nothing else changes."""
+    return f"{keys.weights_prefix}ipc:{check_version(version)}"
+
+
+# -- the trainer's side --------------------------------------------------------------------------
+
+
+@dataclass
+class Export:
+    """One version's buffer and its export: alive until `close`, which lets torch free the buffer."""
+
+    buffer: torch.Tensor
+    manifest: Manifest
+    ref_counter: tuple[bytes, int]
+    """Torch's reference counter of the export (shared-memory name, slot): the trainer's own count."""
+
+    def close(self) -> None:
+        """Return the trainer's count (the only one: workers open without one), so the buffer is freed with it."""
+        handle, slot = self.ref_counter
+        torch.UntypedStorage._release_ipc_counter(handle, slot, device=self.buffer.device)  # type: ignore[attr-defined]
+        del self.buffer
+        torch.cuda.ipc_collect()
+
+
+_HELD: dict[tuple[str, int], Export] = {}
+"""The exports this process holds, by (namespace, version): what workers may open."""
+
+
+def export_tensors(named: Mapping[str, torch.Tensor], version: int) -> Export:
+    """Copy the tensors into one new buffer on their GPU (they must all be on the same one) and export it."""
+    device = _source_device(named)
+    metas = [TensorMeta(name, _dtype_name(t.dtype), tuple(t.shape)) for name, t in named.items()]
+    placed = dict(next(iter(plan_buckets(metas, sys.maxsize)), []))  # one bucket: tensor index -> byte offset
+    size = max((offset + metas[i].nbytes for i, offset in placed.items()), default=0)
+    buffer = torch.empty(max(size, ALIGN), dtype=torch.uint8, device=device)
+    for i, tensor in enumerate(named.values()):
+        if i in placed:
+            buffer[placed[i] : placed[i] + metas[i].nbytes].copy_(tensor.reshape(-1).view(torch.uint8))
+    torch.cuda.synchronize(device)  # the worker reads what is there when it opens the handle
+    _, handle, storage_size, storage_offset, counter, slot, event, event_sync = buffer.untyped_storage()._share_cuda_()
+    manifest = Manifest(
+        version=version,
+        gpu=gpu_uuid(device),
+        host=socket.gethostname(),
+        pid=os.getpid(),
+        handle=Handle(device.index or 0, handle, storage_size, storage_offset, event, bool(event_sync)),
+        tensors=[(meta, placed.get(i, -1)) for i, meta in enumerate(metas)],
+    )
+    return Export(buffer, manifest, (counter, slot))
+
+
+def _source_device(named: Mapping[str, torch.Tensor]) -> torch.device:
+    devices = {t.device for t in named.values()}
+    if len(devices) != 1 or next(iter(devices)).type != "cuda":
+        shown = ", ".join(sorted(str(d) for d in devices)) or "none"
+        raise ValueError(
+            f"ipc:// hands over GPU memory, so the trainer's tensors must all be on one GPU, the workers' (they are on "
+            f"{shown}): move the model there (model.to('cuda:0')), or publish by fs:// or redis://"
+        )
+    device = next(iter(devices))
+    return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+
+def gpu_uuid(device: torch.device) -> str:
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+class IpcTransport:
+    """`ipc://NS`: the trainer's side. Versions are this process's exports, each with its manifest in Redis."""
+
+    scheme: Scheme = "ipc"
+
+    def __init__(self, client: redis.Redis, ns: str) -> None:
+        self.client = client
+        self.keys = Keys(ns)  # raises ValueError for a bad namespace
+
+    @property
+    def ns(self) -> str:
+        return self.keys.ns
+
+    def uri_of(self, version: int) -> str:
+        return str(WeightsUri("ipc", self.ns, check_version(version)))
+
+    def publish(
+        self,
+        tensors: NamedTensors | torch.nn.Module,
+        version: int,
+        *,
+        adapter_config: Mapping[str, Any] | None = None,
+    ) -> str:
+        """Export the tensors (copied into a buffer of this process on their GPU) and store the manifest last.
+
+        A manifest left by a trainer process that is gone is replaced: its handles opened nothing any more."""
+        version = check_version(version)
+        if adapter_config is not None:
+            raise ValueError("LoRA adapters travel by fs://, redis:// or nccl://, not ipc://")
+        if (self.ns, version) in _HELD:
+            raise FileExistsError(f"weights version {version} is exported by this process already: remove it first")
+        export = export_tensors(state_dict_of(tensors, keep_device=True), version)
+        _HELD[(self.ns, version)] = export
+        try:
+            self.client.set(manifest_key(self.keys, version), export.manifest.to_json())
+        except BaseException:
+            _HELD.pop((self.ns, version)).close()
+            raise
+        return self.uri_of(version)
+
+    def versions(self) -> list[int]:
+        """The versions this process exports (others' manifests name handles of no use to it)."""
+        return sorted(self._stored())
+
+    def _stored(self) -> set[int]:
+        return {version for ns, version in _HELD if ns == self.ns}
+
+    def remove(self, version: int) -> bool:
+        """Delete the manifest (workers stop finding the version), then free the buffer if this process holds it."""
+        deleted = bool(self.client.delete(manifest_key(self.keys, version)))
+        export = _HELD.pop((self.ns, check_version(version)), None)
+        if export is not None:
+            export.close()
+        return deleted or export is not None
+
+    def release(self, keep: Iterable[int]) -> list[int]:
+        return _release(self, keep)
+
+
+def held_bytes() -> int:
+    """GPU bytes this process holds for workers to open (every namespace): what `ipc://` costs the trainer."""
+    return sum(export.buffer.numel() for export in _HELD.values())
+
+
+# -- the worker's side ---------------------------------------------------------------------------
+
+
+def ipc_device(engine: object) -> torch.device:
+    """The GPU whose memory the engine's weights live in, or `ValueError` saying why ipc:// cannot reach them."""
+    name = getattr(engine, "name", type(engine).__name__)
+    if name == "vllm":
+        raise ValueError(VLLM_REFUSAL)
+    device = getattr(engine, "device", None)
+    if not isinstance(device, torch.device) or device.type != "cuda":
+        raise ValueError(f"{SAME_GPU}, but this {name} worker runs on {device or 'no GPU'}: use nccl:// or fs://")
+    if not torch.cuda.is_available():
+        raise ValueError(f"{SAME_GPU}, but this worker's torch sees no GPU: use nccl:// or fs://")
+    return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+
+def read_manifest(client: redis.Redis, ns: str, version: int) -> Manifest:
+    """The manifest of a version (`FileNotFoundError` if none: removed, or never published)."""
+    key = manifest_key(Keys(ns), version)
+    raw = client.get(key)
+    if raw is None:
+        raise FileNotFoundError(f"weights version {version} is not exported: no {key} (removed, or never published)")
+    return Manifest.from_json(raw, key, version)
+
+
+def check_same_gpu(manifest: Manifest, device: torch.device) -> None:
+    here = gpu_uuid(device)
+    if here != manifest.gpu:
+        raise ValueError(
+            f"{SAME_GPU}: version {manifest.version} lies on GPU {manifest.gpu} of {manifest.host}, this worker's "
+            f"{device} is {here} on {socket.gethostname()}; use nccl:// or fs://"
+        )
+
+
+def open_tensors(manifest: Manifest, device: torch.device) -> dict[str, torch.Tensor]:
+    """Views of the trainer's buffer, opened on `device` (the same GPU, maybe under another index), by name."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    try:
+        flat = rebuild_cuda_tensor(*manifest.handle.rebuild_args(device.index or 0))
+    except RuntimeError as exc:
+        raise ValueError(
+            f"could not open the CUDA IPC handle of version {manifest.version} (exported by pid {manifest.pid} on "
+            f"{manifest.host}): {exc}; an ipc:// version lives only as long as the trainer process that published it"
+        ) from None
+    tensors = {}
+    for meta, offset in manifest.tensors:
+        dtype = _dtype(meta.dtype)
+        if offset < 0:
+            tensors[meta.name] = torch.empty(meta.shape, dtype=dtype, device=device)
+            continue
+        if offset + meta.nbytes > flat.numel():
+            raise ValueError(f"ipc manifest of version {manifest.version}: {meta.name} lies outside the buffer")
+        tensors[meta.name] = flat[offset : offset + meta.nbytes].view(dtype).view(meta.shape)
+    return tensors
+
+
+async def load_ipc(engine: LoadsWeights, uri: str, version: int, redis_client: redis.Redis | None) -> None:
+    """Open version `version` of `ipc://NS/v{n}` on the engine's GPU and load it (a device-to-device copy).
+
+    Refusals come before anything is opened (`ValueError`: another GPU or host, a CPU worker, vLLM);
+    `FileNotFoundError`: no such version. The copy is waited for before the mapping is dropped, so the
+    worker acks only once it no longer reads the trainer's buffer."""
+    parsed = parse_uri(uri)
+    version = check_version(version)
+    if parsed.version is not None and parsed.version != version:
+        raise ValueError(f"weights uri {uri!r} names version {parsed.version}, not {version}")
+    device = ipc_device(engine)
+    if redis_client is None:
+        raise ValueError(f"loading {uri} needs the worker's Redis client")
+    manifest = await asyncio.to_thread(read_manifest, redis_client, parsed.location, version)
+    check_same_gpu(manifest, device)
+    engine.check_fits({m.name: m.shape for m, _ in manifest.tensors}, uri)
+    tensors = await asyncio.to_thread(open_tensors, manifest, device)
+    try:
+        await engine.load_tensors(tensors, version)
+    finally:
+        await asyncio.to_thread(torch.cuda.synchronize, device)
+        tensors.clear()
