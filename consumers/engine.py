@@ -1,4 +1,5 @@
-"""The one protocol every generation engine implements: `torch`, `vllm`, and `synthetic` (no model).
+"""The one protocol every generation engine implements: `torch`, `vllm`, `synthetic` (no model), and `remote`
+(a vLLM server someone else runs).
 
 The worker only ever talks to an engine through `Engine`; an engine knows nothing of
 Redis, versions policy or staleness. Like vLLM's v1 engine client/core split, the seam
@@ -242,6 +243,34 @@ def check_checkpoint_fits(
         raise ValueError(f"checkpoint {source} does not fit the model: " + "; ".join(problems))
 
 
+def checkpoint_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor names and shapes of a safetensors checkpoint (a directory or one file), from the headers only."""
+    from safetensors import safe_open
+
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+    if not files or not all(f.is_file() for f in files):
+        raise FileNotFoundError(f"no safetensors checkpoint at {path}")
+    shapes: dict[str, tuple[int, ...]] = {}
+    for f in files:
+        with safe_open(f, framework="pt") as handle:
+            for key in handle.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
+                shapes[key] = tuple(handle.get_slice(key).get_shape())
+    return shapes
+
+
+def as_cpu_tensors(named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> dict[str, Any]:
+    """Named torch tensors or numpy arrays as contiguous CPU torch tensors: what a safetensors blob is made of."""
+    import torch
+
+    items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+    return {
+        name: (torch.from_numpy(np.ascontiguousarray(t)) if isinstance(t, np.ndarray) else t.detach())
+        .to("cpu")
+        .contiguous()
+        for name, t in items
+    }
+
+
 def check_request(prompt_tokens: np.ndarray, sampling: Sampling, max_model_len: int, vocab_size: int) -> None:
     """The checks every engine makes before it accepts a request, with messages that say what to fix."""
     if prompt_tokens.ndim != 1 or (prompt_tokens.size and prompt_tokens.dtype.kind not in "iu"):
@@ -265,7 +294,7 @@ def check_request(prompt_tokens: np.ndarray, sampling: Sampling, max_model_len: 
         raise EngineInputError("; ".join(problems))
 
 
-ENGINES = ("torch", "vllm", "synthetic")
+ENGINES = ("torch", "vllm", "synthetic", "remote")
 
 
 def create_engine(kind: str, model: str, **options: object) -> Engine:
@@ -282,4 +311,8 @@ def create_engine(kind: str, model: str, **options: object) -> Engine:
         from consumers.synthetic_engine import SyntheticEngine
 
         return SyntheticEngine(model, **options)  # type: ignore[arg-type]
+    if kind == "remote":
+        from consumers.remote_engine import RemoteVllmEngine
+
+        return RemoteVllmEngine(model, **options)  # type: ignore[arg-type]
     raise ValueError(f"unknown engine {kind!r}; choose one of {', '.join(ENGINES)}")

@@ -56,7 +56,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors import safe_open
 from safetensors.torch import load, save
 from vllm import SamplingParams
 from vllm.engine.arg_utils import AsyncEngineArgs
@@ -75,8 +74,10 @@ from consumers.engine import (
     EngineLifecycle,
     Generation,
     PauseMode,
+    as_cpu_tensors,
     check_checkpoint_fits,
     check_request,
+    checkpoint_shapes,
     read_model_limits,
     refuse_adapter,
 )
@@ -609,7 +610,7 @@ class VllmEngine(EngineLifecycle):
         if self._linears is None:
             self._linears = {
                 key.removesuffix(".weight"): (shape[0], shape[1])
-                for key, shape in _checkpoint_shapes(self.model_dir).items()
+                for key, shape in checkpoint_shapes(self.model_dir).items()
                 if key.endswith(".weight") and len(shape) == 2 and "embed" not in key
             }
         return self._linears
@@ -687,7 +688,7 @@ class VllmEngine(EngineLifecycle):
         raises `ValueError` (`FileNotFoundError` if there is none) and leaves the old weights serving.
         """
         target = Path(path)
-        shapes = _checkpoint_shapes(target)
+        shapes = checkpoint_shapes(target)
         self.check_fits(shapes, target)
         if target.is_dir():
             await self._load(version, "reload_weights", kwargs={"weights_path": str(target)})
@@ -701,13 +702,7 @@ class VllmEngine(EngineLifecycle):
         They go to every vLLM worker as one safetensors blob through `RolloutsWorkerExtension`; names and
         shapes are checked as in `load_weights`.
         """
-        items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
-        tensors = {
-            name: (torch.from_numpy(np.ascontiguousarray(t)) if isinstance(t, np.ndarray) else t.detach())
-            .to("cpu")
-            .contiguous()
-            for name, t in items
-        }
+        tensors = as_cpu_tensors(named_tensors)
         self.check_fits({k: tuple(v.shape) for k, v in tensors.items()}, "the tensors given")
         blob = await asyncio.to_thread(save, tensors)
         await self._load(version, "rollouts_load_safetensors", args=(blob,))
@@ -751,7 +746,7 @@ class VllmEngine(EngineLifecycle):
         """Raise `ValueError` if tensors of these names and shapes do not match the model's own checkpoint."""
         if self._reference is None:
             try:
-                self._reference = _checkpoint_shapes(self.model_dir)
+                self._reference = checkpoint_shapes(self.model_dir)
             except FileNotFoundError:
                 self._reference = {}  # not a safetensors model: nothing to compare with
         if self._reference:
@@ -881,16 +876,3 @@ def _sampled_logprobs(tokens: list[int], flat: FlatLogprobs | None) -> np.ndarra
     if not np.array_equal(np.asarray(flat.token_ids, dtype=np.int64)[starts], np.asarray(tokens, dtype=np.int64)):
         raise RuntimeError("vLLM's logprobs are not those of the sampled tokens")
     return np.asarray(flat.logprobs, dtype=np.float32)[starts]
-
-
-def _checkpoint_shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    """Tensor names and shapes of a safetensors checkpoint (a directory or one file), from the headers only."""
-    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
-    if not files or not all(f.is_file() for f in files):
-        raise FileNotFoundError(f"no safetensors checkpoint at {path}")
-    shapes: dict[str, tuple[int, ...]] = {}
-    for f in files:
-        with safe_open(f, framework="pt") as handle:
-            for key in handle.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
-                shapes[key] = tuple(handle.get_slice(key).get_shape())
-    return shapes

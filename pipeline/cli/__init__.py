@@ -35,6 +35,7 @@ from pipeline.cli.engine_spec import (
     SeedOpt,
     ThreadsOpt,
     TpOpt,
+    UrlOpt,
 )
 from pipeline.connections import UnsupportedRedisError, connect, redact
 from pipeline.streams import Streams
@@ -113,6 +114,8 @@ def check_engine(spec: EngineSpec) -> None:
 
     if spec.kind not in ENGINES:
         fail(f"unknown engine {spec.kind!r}; choose one of {', '.join(ENGINES)}")
+    if spec.kind == "remote" and not spec.url:
+        fail("--engine remote needs --url: the vLLM server, e.g. http://127.0.0.1:8000")
     if spec.kind != "synthetic" and not (spec.model / "config.json").is_file():  # synthetic: a model is optional
         fail(f"no model at {spec.model} (config.json missing). Build a tiny one with: rollouts tiny-model {spec.model}")
 
@@ -182,6 +185,7 @@ def worker(
     tensor_parallel_size: TpOpt = 1,
     enforce_eager: EagerOpt = True,
     seed: SeedOpt = None,
+    url: UrlOpt = None,
     engine_args: EngineArgsOpt = None,
     max_inflight: MaxInflightOpt = 256,
     claim_idle_ms: ClaimIdleOpt = 10_000,
@@ -445,7 +449,7 @@ def bench_sync(
     sizes: Annotated[
         str, typer.Option(help="Model sizes, comma-separated: tiny, small, medium, large, xl.")
     ] = "tiny,small,medium",
-    transports: Annotated[str, typer.Option(help="Transports, comma-separated: redis, fs, nccl.")] = "redis,fs,nccl",
+    transports: Annotated[str, typer.Option(help="Transports, comma-separated: redis, fs, nccl, ipc.")] = "redis,fs,nccl",
     rounds: Annotated[int, typer.Option(help="Publishes per size and transport; medians are reported.")] = 3,
     mode: Annotated[str, typer.Option(help="Pause mode: abort or keep.")] = "abort",
     dtype: DtypeOpt = "float32",

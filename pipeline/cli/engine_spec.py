@@ -10,7 +10,19 @@ from typing import Annotated, Any
 import typer
 
 EngineOpt = Annotated[
-    str, typer.Option("--engine", help="Generation engine: torch, vllm, or synthetic (no model: tokens at a set pace).")
+    str,
+    typer.Option(
+        "--engine",
+        help="Generation engine: torch, vllm, synthetic (no model: tokens at a set pace), or remote (a vLLM server "
+        "someone else runs: --url).",
+    ),
+]
+UrlOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="remote engine: the vLLM server, e.g. http://127.0.0.1:8000 (started with VLLM_SERVER_DEV_MODE=1 and "
+        "--enable-scale-out; --model is then its config's directory)."
+    ),
 ]
 DtypeOpt = Annotated[str, typer.Option(help="Weights dtype: float32, bfloat16, float16.")]
 DeviceOpt = Annotated[str, typer.Option(help="torch engine: device (cpu, cuda, cuda:1).")]
@@ -31,7 +43,8 @@ SeedOpt = Annotated[int | None, typer.Option(help="Engine seed, for requests tha
 EngineArgsOpt = Annotated[
     str | None,
     typer.Option(
-        help="vllm: extra AsyncEngineArgs as JSON, e.g. '{\"block_size\": 32}'; synthetic: its pace and lengths, "
+        help="vllm: extra AsyncEngineArgs as JSON, e.g. '{\"block_size\": 32}'; remote: '{\"staging_dir\": DIR, "
+        "\"start_timeout_s\": 600, \"api_key\": KEY}'; synthetic: its pace and lengths, "
         "e.g. '{\"steps_per_s\": 100, \"lengths\": \"pareto:1.5\", \"min_tokens\": 16}'."
     ),
 ]
@@ -52,6 +65,8 @@ class EngineSpec:
     tensor_parallel_size: int = 1
     enforce_eager: bool = True
     seed: int | None = None
+    url: str | None = None
+    """remote: the vLLM server's URL."""
     engine_args: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -81,6 +96,8 @@ class EngineSpec:
         if self.kind == "torch":
             torch_only = {"device": self.device, "max_batch": self.max_batch, "num_threads": self.num_threads}
             return common | torch_only | self._loras()
+        if self.kind == "remote":  # the server has its own dtype, seed and cache; `staging_dir` etc. as --engine-args
+            return {"url": self.url, "max_model_len": self.max_model_len} | self.engine_args
         if self.kind == "synthetic":  # its pace and lengths come as --engine-args
             paced = {"max_model_len": self.max_model_len, "seed": self.seed, "max_batch": self.max_batch}
             return paced | self.engine_args
@@ -107,6 +124,7 @@ class EngineSpec:
             ("--kv-cache-bytes", self.kv_cache_bytes),
             ("--seed", self.seed),
             ("--max-loras", self.max_loras),
+            ("--url", self.url),
         ):
             if value is not None:
                 args += [flag, str(value)]

@@ -1,0 +1,445 @@
+"""`remote` engine: the `Engine` protocol on a vLLM server someone else runs (`vllm serve`, checked on vLLM 0.32).
+
+Many teams run vLLM as a server (in Kubernetes, behind a router) and will not hand it to our worker. This engine
+drives such a server over HTTP with the server's own endpoints, so the worker, the sync protocol and the wire are
+unchanged:
+
+- Generation is token in, token out: `POST /inference/v1/generate` (vLLM's scale-out API: `--enable-scale-out`) with
+  prompt token ids, `logprobs=0` (the sampled token's logprob under the raw distribution, as the in-process engine
+  reports), and the server's per-token `weight_versions` spans, which become `Generation.spans`.
+- Pause, resume and versions are the RL endpoints of vLLM's development mode (`VLLM_SERVER_DEV_MODE=1`): `/pause`
+  (`abort` ends requests with their tokens so far, `keep` freezes them), `/resume`, `/update_weight_version`,
+  `/weight_info`, `/reset_prefix_cache`; one request is aborted by `/inference/v1/abort_requests`, and its
+  `generate` call returns the tokens so far.
+- Weights load in place through `/collective_rpc`: `reload_weights(weights_path=...)` reads a safetensors directory,
+  so the server must see the path (the same host, or a shared volume: `staging_dir` for tensors that arrive in
+  memory through `redis://`). `nccl://` is refused: a broadcast needs a rank in each of the server's worker
+  processes, which vLLM's own NCCL weight transfer provides on GPUs (not wired here).
+
+Several workers may share one server. A pause, a load or a resume acts on the whole server, which the sync
+protocol allows: every worker pauses before any loads, and none resumes before every one has acked. A worker that
+finds the server already labelled with the version it is asked to load (another worker loaded it) loads nothing.
+
+The server checks little: an out-of-vocabulary token id kills vLLM 0.32's engine core. Every request is checked here
+first (`check_request`, against the model's config and the server's context length), as the in-process engines do.
+A server that cannot be reached, or whose engine failed, is `EngineClosedError`: the worker stops, and its work is
+claimed by another worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import shutil
+import tempfile
+import time
+import uuid
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+from consumers.engine import (
+    EngineClosedError,
+    EngineInputError,
+    EngineLifecycle,
+    Generation,
+    PauseMode,
+    ServesNoAdapters,
+    as_cpu_tensors,
+    check_checkpoint_fits,
+    check_request,
+    checkpoint_shapes,
+    read_model_limits,
+    refuse_adapter,
+)
+from pipeline.wire import FinishReason, Sampling
+
+log = logging.getLogger(__name__)
+
+SERVER_REQUEST_PREFIX = "generate-tokens-"
+"""vLLM 0.32's `/inference/v1/generate` runs a request under this prefix + the id it was given: what an abort names."""
+
+START_TIMEOUT_S = 600.0
+"""How long `start` waits for a server that is still coming up (loading a large model takes minutes)."""
+
+HEALTH_POLL_S = 0.5
+ABORT_RETRY_S = 0.05
+"""An abort sent before the server has added the request is a no-op there: it is sent again until the request ends."""
+
+NO_BROADCAST = (
+    "the remote engine loads weights by path, from fs:// or redis:// syncs; an nccl:// broadcast would need a rank in "
+    "each of the server's worker processes (vLLM's own NCCL weight transfer, not wired here): publish with fs:// "
+    "(a directory the server sees) or redis://"
+)
+
+_FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort", "repetition": "stop"}
+
+
+class RemoteVllmEngine(ServesNoAdapters, EngineLifecycle):
+    """The `Engine` protocol on a running vLLM OpenAI-compatible server.
+
+    Args:
+        model_dir: the served model's directory, or a copy of its config files: its `config.json` and
+            `generation_config.json` give the vocabulary and stop tokens (its weights are not loaded; if its
+            safetensors are there, new weights are checked against their names and shapes before a load).
+        url: the server, e.g. `http://127.0.0.1:8000`.
+        version: the policy version of the weights the server was started with (used when its label is vLLM's
+            default; a server already labelled with a number keeps its label).
+        max_model_len: cap on prompt + generation; the smaller of this and the server's own.
+        seed: ignored (the server has its own); accepted so every engine takes the same flags.
+        staging_dir: where tensors that arrive in memory are written for the server to read (default: a private
+            temporary directory, which works when the server runs on this host).
+        start_timeout_s: how long `start` waits for the server to answer.
+        api_key: the server's `--api-key`, if it has one.
+    """
+
+    name = "remote"
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        url: str,
+        version: int = 0,
+        max_model_len: int | None = None,
+        seed: int | None = None,
+        dtype: str | None = None,
+        staging_dir: str | Path | None = None,
+        start_timeout_s: float = START_TIMEOUT_S,
+        api_key: str | None = None,
+    ) -> None:
+        del seed, dtype  # the server's own
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"the remote engine's url must start with http:// or https://, got {url!r}")
+        self.url = url.rstrip("/")
+        self.model_dir = Path(model_dir)
+        self.version = version
+        limits = read_model_limits(self.model_dir, max_model_len)
+        self.max_model_len = limits.max_model_len
+        self.vocab_size = limits.vocab_size
+        self._eos_ids = limits.eos_ids
+        self.weight_receivers = 1
+        self._staging_dir = Path(staging_dir) if staging_dir is not None else None
+        self._start_timeout_s = start_timeout_s
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._tag = uuid.uuid4().hex[:8]
+        """Prefixes this engine's request ids: workers sharing a server may serve samples of the same id."""
+        self._http: httpx.AsyncClient | None = None
+        self._start_lock = asyncio.Lock()
+        self._load_lock = asyncio.Lock()
+        self._live: dict[str, asyncio.Task[httpx.Response]] = {}
+        self._paused = False
+        self._closing = False
+        self._reference: dict[str, tuple[int, ...]] | None = None
+        self._finished_tokens = 0
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Wait for the server, check it has the endpoints this engine needs, and read its version. Idempotent."""
+        async with self._start_lock:
+            if self._closing:
+                raise EngineClosedError("the engine was shut down")
+            if self._http is not None:
+                return
+            http = httpx.AsyncClient(
+                base_url=self.url,
+                headers=self._headers,
+                timeout=httpx.Timeout(None, connect=10.0),  # a generation may take minutes
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+            )
+            try:
+                await self._wait_until_up(http)
+                await self._check_server(http)
+            except BaseException:
+                await http.aclose()
+                raise
+            self._http = http
+            log.info("remote vLLM engine on %s started (version %d)", self.url, self.version)
+
+    async def _wait_until_up(self, http: httpx.AsyncClient) -> None:
+        """Poll `/health` until the server answers 200 (it may still be loading its model), up to the timeout."""
+        deadline = time.monotonic() + self._start_timeout_s
+        said = 0.0
+        while True:
+            with contextlib.suppress(httpx.TransportError):
+                if (await http.get("/health")).status_code == 200:
+                    return
+            now = time.monotonic()
+            if now > deadline:
+                raise EngineClosedError(
+                    f"no vLLM server answered at {self.url}/health within {self._start_timeout_s:.0f} s"
+                )
+            if now - said > 10:
+                log.info("waiting for the vLLM server at %s to come up", self.url)
+                said = now
+            await asyncio.sleep(HEALTH_POLL_S)
+
+    async def _check_server(self, http: httpx.AsyncClient) -> None:
+        """The server's context length, its RL endpoints, its token endpoint, and its weight version."""
+        models = await self._call(http, "GET", "/v1/models")
+        served = int(models["data"][0].get("max_model_len") or self.max_model_len)
+        self.max_model_len = min(self.max_model_len, served)
+        if (await http.get("/is_paused")).status_code == 404:
+            raise EngineClosedError(
+                f"the vLLM server at {self.url} has no RL endpoints (/pause, /resume, /update_weight_version): "
+                "start it with VLLM_SERVER_DEV_MODE=1 in its environment"
+            )
+        probe = await http.post("/inference/v1/generate", json=self._body("probe-" + self._tag, [0], 1, Sampling()))
+        if probe.status_code != 200:
+            raise EngineClosedError(
+                f"the vLLM server at {self.url} refused token-in generation ({_error_text(probe)}): "
+                "start it with --enable-scale-out"
+            )
+        label = (await self._call(http, "GET", "/weight_info"))["weight_version"]
+        if str(label).isdigit():
+            self.version = int(label)
+        else:  # vLLM's "default": nobody labelled it yet
+            await self._call(http, "POST", "/update_weight_version", json={"new_version": str(self.version)})
+
+    async def _started(self) -> httpx.AsyncClient:
+        await self.start()
+        if self._http is None:
+            raise EngineClosedError("the engine was shut down")
+        return self._http
+
+    async def shutdown(self) -> None:
+        """Abort this engine's requests on the server and close the connections (the server keeps running)."""
+        async with self._start_lock:
+            self._closing = True
+            http, self._http = self._http, None
+        if http is None:
+            return
+        if self._live:
+            with contextlib.suppress(httpx.HTTPError):
+                await http.post("/inference/v1/abort_requests", json={"request_ids": self._server_ids(self._live)})
+            await asyncio.wait(list(self._live.values()), timeout=5)
+        await http.aclose()
+
+    # -- requests --------------------------------------------------------------------------------
+
+    async def generate(
+        self, request_id: str, prompt_tokens: np.ndarray, sampling: Sampling, adapter: str | None = None
+    ) -> Generation:
+        """Generate one sample on the server; `EngineInputError` for a request it cannot serve."""
+        refuse_adapter(self.name, adapter)
+        prompt = np.asarray(prompt_tokens)
+        check_request(prompt, sampling, self.max_model_len, self.vocab_size)
+        http = self._http if self._http is not None else await self._started()
+        if request_id in self._live:
+            raise EngineInputError(f"request id {request_id!r} is already in flight on this engine")
+        body = self._body(self._local_id(request_id), prompt.tolist(), len(prompt), sampling)
+        task = asyncio.ensure_future(http.post("/inference/v1/generate", json=body))
+        self._live[request_id] = task
+        try:
+            response = await task
+        except httpx.TransportError as exc:
+            raise EngineClosedError(f"the vLLM server at {self.url} is gone: {exc!r}") from exc
+        finally:
+            self._live.pop(request_id, None)
+        return self._generation(request_id, response)
+
+    def _body(self, local_id: str, prompt: list[int], prompt_len: int, sampling: Sampling) -> dict[str, Any]:
+        return {
+            "request_id": local_id,
+            "token_ids": prompt,
+            "sampling_params": {
+                "max_tokens": max(1, min(sampling.max_tokens, self.max_model_len - prompt_len)),
+                "temperature": sampling.temperature,
+                "top_p": sampling.top_p,
+                "seed": sampling.seed,
+                "stop_token_ids": sorted(set(sampling.stop_token_ids) | set(self._eos_ids)),
+                "logprobs": 0,  # the sampled token's logprob only
+                "detokenize": False,
+            },
+        }
+
+    def _generation(self, request_id: str, response: httpx.Response) -> Generation:
+        """A finished request's response as a `Generation`; the server's refusals and failures as our errors."""
+        if 400 <= response.status_code < 500:
+            raise EngineInputError(f"the vLLM server refused request {request_id!r}: {_error_text(response)}")
+        if response.status_code != 200:  # vLLM answers 500 once its engine core died
+            raise EngineClosedError(f"the vLLM server at {self.url} failed: {_error_text(response)}")
+        choice = response.json()["choices"][0]
+        reason = choice.get("finish_reason")
+        if reason not in _FINISH_REASONS:
+            raise RuntimeError(f"vLLM failed request {request_id!r}: finish_reason={reason}")
+        if self._closing and reason == "abort":
+            raise EngineClosedError(f"engine shut down before request {request_id!r} finished")
+        tokens = np.asarray(choice.get("token_ids") or [], dtype=np.int32)
+        self._finished_tokens += len(tokens)
+        usage = (response.json().get("usage") or {}).get("prompt_tokens_details") or {}
+        return Generation(
+            tokens=tokens,
+            logprobs=_sampled_logprobs(tokens, choice.get("logprobs")),
+            finish_reason=_FINISH_REASONS[reason],
+            spans=self._spans(choice.get("weight_versions"), len(tokens)),
+            cached_tokens=usage.get("cached_tokens"),
+        )
+
+    def _spans(self, weight_versions: list[dict[str, Any]] | None, n_tokens: int) -> list[tuple[int, int, int]]:
+        """The server's per-token version labels as `[(version, start, end), ...]` covering `[0, n_tokens)`."""
+        if not n_tokens:
+            return []
+        if not weight_versions:
+            return [(self.version, 0, n_tokens)]
+        try:
+            spans = [(int(s["version"]), int(s["start"]), int(s["end"])) for s in weight_versions]
+        except ValueError:
+            raise RuntimeError(
+                f"the vLLM server at {self.url} labels its weights {weight_versions}, not with policy versions: "
+                "another client relabelled it (/update_weight_version)"
+            ) from None
+        spans = [s for s in spans if s[2] > s[1]]
+        if spans[0][1] != 0 or spans[-1][2] != n_tokens or any(a[2] != b[1] for a, b in itertools.pairwise(spans)):
+            raise RuntimeError(f"vLLM weight-version spans {spans} do not cover {n_tokens} tokens")
+        return spans
+
+    def _local_id(self, request_id: str) -> str:
+        return f"{self._tag}-{request_id}"
+
+    def _server_ids(self, request_ids: Iterable[str]) -> list[str]:
+        return [SERVER_REQUEST_PREFIX + self._local_id(i) for i in request_ids]
+
+    async def abort(self, request_ids: list[str]) -> None:
+        """End these requests now; their `generate` returns the tokens so far with `abort`. Unknown ids are ignored."""
+        tasks = {i: self._live[i] for i in request_ids if i in self._live}
+        http = self._http
+        while tasks and http is not None:
+            with contextlib.suppress(httpx.HTTPError):
+                await http.post("/inference/v1/abort_requests", json={"request_ids": self._server_ids(tasks)})
+            await asyncio.wait(list(tasks.values()), timeout=ABORT_RETRY_S)
+            tasks = {i: t for i, t in tasks.items() if not t.done()}
+
+    async def pause(self, mode: PauseMode) -> None:
+        """Pause the server: `abort` ends every request now with its partial tokens, `keep` freezes them. Requests
+        that arrive while paused wait for `resume` on the server."""
+        if mode not in ("abort", "keep"):
+            raise ValueError(f"pause mode must be 'abort' or 'keep', got {mode!r}")
+        http = await self._started()
+        self._paused = True
+        await self._call(http, "POST", "/pause", params={"mode": mode})
+
+    async def resume(self) -> None:
+        async with self._load_lock:
+            self._paused = False
+            if self._http is not None:
+                await self._call(self._http, "POST", "/resume")
+
+    # -- weights ---------------------------------------------------------------------------------
+
+    async def load_weights(self, path: str, version: int) -> None:
+        """Have the server reload a safetensors checkpoint directory (a path it sees) in place, tagged `version`."""
+        target = Path(path)
+        if target.exists():  # the same host or a shared volume: check it first, as the in-process engines do
+            self.check_fits(checkpoint_shapes(target), target)
+        if not target.is_dir():
+            target = target.parent
+        await self._load(version, "reload_weights", kwargs={"weights_path": str(target)})
+        log.info("the server at %s loaded weights version %d from %s", self.url, version, target)
+
+    async def load_tensors(self, named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]], version: int) -> None:
+        """Write tensors that arrived in memory to `staging_dir` as safetensors, and have the server reload them."""
+        from safetensors.torch import save_file
+
+        tensors = as_cpu_tensors(named_tensors)
+        self.check_fits({k: tuple(v.shape) for k, v in tensors.items()}, "the tensors given")
+        staged = Path(tempfile.mkdtemp(prefix=f"rollouts-v{version}-", dir=self._staging_dir))
+        try:
+            await asyncio.to_thread(save_file, tensors, str(staged / "model.safetensors"))
+            await self._load(version, "reload_weights", kwargs={"weights_path": str(staged)})
+        finally:
+            shutil.rmtree(staged, ignore_errors=True)
+        log.info("the server at %s loaded weights version %d from %d tensors", self.url, version, len(tensors))
+
+    async def prepare_broadcast(self, link: Any) -> None:
+        raise ValueError(NO_BROADCAST)
+
+    async def load_broadcast(self, link: Any) -> None:
+        raise ValueError(NO_BROADCAST)
+
+    async def _load(self, version: int, method: str, **rpc: Any) -> None:
+        """Run a reload on the server while paused (pausing with `keep` if not paused), then relabel.
+
+        A server already labelled `version` (another worker sharing it loaded it) loads nothing."""
+        http = await self._started()
+        async with self._load_lock:
+            if not self._paused:
+                await self._call(http, "POST", "/pause", params={"mode": "keep"})
+            try:
+                label = (await self._call(http, "GET", "/weight_info"))["weight_version"]
+                if label != str(version):
+                    await self._rpc(http, method, **rpc)
+                    await self._call(http, "POST", "/update_weight_version", json={"new_version": str(version)})
+                    # Nothing computed under the old weights may be reused: kept requests recompute their KV.
+                    await self._call(http, "POST", "/reset_prefix_cache", params={"reset_running_requests": "true"})
+                self.version = version
+            finally:
+                if not self._paused:
+                    await self._call(http, "POST", "/resume")
+
+    async def _rpc(self, http: httpx.AsyncClient, method: str, **rpc: Any) -> None:
+        """`/collective_rpc`: a method of every server worker process, with string arguments only (vLLM's rule)."""
+        response = await http.post("/collective_rpc", json={"method": method, **rpc})
+        if response.status_code != 200:
+            raise ValueError(f"the vLLM server at {self.url} could not run {method}: {_error_text(response)}")
+
+    async def _call(self, http: httpx.AsyncClient, verb: str, path: str, **kwargs: Any) -> Any:
+        """One control call; the server's refusal as `EngineClosedError` that names the endpoint."""
+        try:
+            response = await http.request(verb, path, **kwargs)
+        except httpx.TransportError as exc:
+            raise EngineClosedError(f"the vLLM server at {self.url} is gone ({path}): {exc!r}") from exc
+        if response.status_code != 200:
+            raise EngineClosedError(f"the vLLM server at {self.url} refused {verb} {path}: {_error_text(response)}")
+        return response.json() if response.content else None
+
+    def check_fits(self, shapes: Mapping[str, tuple[int, ...]], source: object) -> None:
+        """Raise `ValueError` if tensors of these names and shapes do not match the model's checkpoint, when the
+        model directory given has one (a directory of config files only: nothing to compare with)."""
+        if self._reference is None:
+            try:
+                self._reference = checkpoint_shapes(self.model_dir)
+            except FileNotFoundError:
+                self._reference = {}
+        if self._reference:
+            check_checkpoint_fits(shapes, self._reference, source)
+
+    async def reset_prefix_cache(self) -> None:
+        if self._http is not None:
+            await self._call(self._http, "POST", "/reset_prefix_cache", params={"reset_running_requests": "true"})
+
+    @property
+    def generated_tokens(self) -> int:
+        """Tokens of the requests that ended (the server reports a request's tokens when it ends)."""
+        return self._finished_tokens
+
+    def stats(self) -> dict[str, int]:
+        return {"running": len(self._live), "generated_tokens": self._finished_tokens, "version": self.version}
+
+
+def _sampled_logprobs(tokens: np.ndarray, logprobs: dict[str, Any] | None) -> np.ndarray:
+    """The logprob of each sampled token, from the server's per-position entries (the sampled token's own)."""
+    content = (logprobs or {}).get("content") or []
+    if len(content) != len(tokens):
+        raise RuntimeError(f"the vLLM server returned logprobs for {len(content)} of {len(tokens)} tokens")
+    if any(entry["token_id"] != token for entry, token in zip(content, tokens.tolist(), strict=True)):
+        raise RuntimeError("the vLLM server's logprobs are not those of the sampled tokens")
+    return np.asarray([entry["logprob"] for entry in content], dtype=np.float32)
+
+
+def _error_text(response: httpx.Response) -> str:
+    """The message of a server's error answer (OpenAI's shape, FastAPI's `detail`, or the raw text)."""
+    with contextlib.suppress(ValueError):
+        body = response.json()
+        if isinstance(body, dict):
+            error = body.get("error")
+            if isinstance(error, dict):
+                return f"{response.status_code} {error.get('message')}"
+            return f"{response.status_code} {error or body.get('detail') or body}"
+    return f"{response.status_code} {response.text[:300]}"

@@ -1,0 +1,224 @@
+"""The `remote` engine: workers that serve the queue with a vLLM server someone else runs (`vllm serve`).
+
+One real vLLM OpenAI-compatible server (its own processes, ~40 s to come up on 2 cores) serves the module. The first
+test starts a worker before the server answers; the last one kills the server. Tests run in file order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from consumers.engine import EngineInputError
+from consumers.remote_engine import RemoteVllmEngine
+from consumers.vllm_engine import VllmEngine
+from pipeline.cli.processes import start_worker, stop_process, wait_for_worker
+from pipeline.local import RedisServer, free_port
+from pipeline.wire import GENERATORS, Prompt, Sampling
+from producers.client import RolloutClient
+from tests.conftest import FAST, StartWorker, wait_until
+from tests.engine_loop import Served
+from tests.reference import check_spans_and_logprobs, forward_logprobs, random_prompts
+
+pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("one_thread")]
+
+
+@dataclass
+class Server:
+    url: str
+    process: subprocess.Popen[bytes]
+    log: Path
+
+    def healthy(self) -> bool:
+        try:
+            return httpx.get(f"{self.url}/health", timeout=2).status_code == 200
+        except httpx.TransportError:
+            return False
+
+
+def server_command(model: Path, port: int) -> list[str]:
+    """How the README starts a server for the remote engine (the tiny model's CPU settings)."""
+    return [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(port),
+        "--enable-scale-out", "--skip-tokenizer-init", "--dtype", "float32", "--enforce-eager",
+        "--kv-cache-memory-bytes", str(256 << 20), "--no-enable-chunked-prefill", "--max-num-batched-tokens", "8192",
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """A vLLM server on a free port, started but not waited for (the first test starts a worker before it is up)."""
+    port = free_port()
+    log = tmp_path_factory.mktemp("vllm-server") / "server.log"
+    env = os.environ | {"VLLM_SERVER_DEV_MODE": "1"}
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            server_command(tiny_model_dir, port), stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+    yield Server(f"http://127.0.0.1:{port}", process, log)
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+def remote_worker(redis_server: RedisServer, ns: str, model: Path, name: str, url: str, log: Path) -> subprocess.Popen:
+    return start_worker(redis_server.url, ns, model, name, *FAST, "--engine", "remote", "--url", url, log_file=log)
+
+
+def test_a_worker_started_before_its_server_serves_once_it_is_up_and_bad_input_spares_the_server(
+    redis_server: RedisServer, ns: str, tiny_model_dir: Path, server: Server, tmp_path: Path
+) -> None:
+    assert not server.healthy(), "the server must still be coming up when the worker starts"
+    worker = remote_worker(redis_server, ns, tiny_model_dir, "w1", server.url, tmp_path / "w1.log")
+    try:
+        client = RolloutClient(redis_server.url, ns, trim_every_s=0)
+        ids = [client.submit(tokens=[5 + i, 17, 33, 8], n=3, max_tokens=24, seed=i, temperature=0.8) for i in range(4)]
+        # What vLLM's server would not survive or refuses: checked in the worker, each an error rollout.
+        client.submit_prompts(
+            [Prompt(id="bad-token", n=1, tokens=[7, 10**6]), Prompt(id="too-long", n=1, tokens=[7] * 600)]
+        )
+        groups = {g.prompt_id: g for g in client.collect(len(ids) + 2, timeout=300)}
+        assert server.healthy() and worker.poll() is None
+
+        assert sorted(groups) == sorted([*ids, "bad-token", "too-long"])
+        assert client.stats["duplicates"] == 0
+        for pid, needle in (("bad-token", "token ids"), ("too-long", "context")):
+            (rollout,) = groups[pid].rollouts
+            assert rollout.finish_reason == "error" and needle in (rollout.error or "")
+        rollouts = [r for pid in ids for r in groups[pid].rollouts]
+        assert sorted(r.id for r in rollouts) == sorted(f"{p}:{k}" for p in ids for k in range(3))
+        for r in rollouts:
+            assert r.worker == "w1" and r.spans == [(0, 0, r.n_tokens)] and r.finish_reason in ("stop", "length")
+            reference = forward_logprobs(tiny_model_dir, r.prompt_tokens.tolist(), r.tokens.tolist())
+            np.testing.assert_allclose(r.logprobs, reference, atol=1e-4)
+        assert client.streams.redis.xpending(client.streams.keys.prompts, GENERATORS)["pending"] == 0
+    finally:
+        stop_process(worker)
+
+
+def test_greedy_tokens_and_logprobs_match_the_in_process_vllm_engine(tiny_model_dir: Path, server: Server) -> None:
+    wait_until(server.healthy, 300, "the vLLM server")
+    local = Served(VllmEngine(tiny_model_dir))
+    remote = RemoteVllmEngine(tiny_model_dir, url=server.url)
+    prompts = random_prompts([3, 9, 17, 30], seed=5)
+    greedy = Sampling(max_tokens=40, temperature=0)
+    try:
+        local.run(local.engine.start(), timeout=240)
+
+        async def both(engine: VllmEngine | RemoteVllmEngine) -> list:
+            await engine.start()
+            return await asyncio.gather(*(engine.generate(f"g{i}", p, greedy) for i, p in enumerate(prompts)))
+
+        mine, theirs = local.run(both(local.engine)), local.run(both(remote))
+        for a, b in zip(mine, theirs, strict=True):
+            np.testing.assert_array_equal(a.tokens, b.tokens)
+            np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
+            assert a.finish_reason == b.finish_reason and b.spans == [(0, 0, len(b.tokens))]
+        for engine in (local.engine, remote):  # the same refusals, before anything reaches vLLM
+            with pytest.raises(EngineInputError, match="temperature"):
+                local.run(engine.generate("bad", prompts[0], Sampling(temperature=-1)))
+
+        async def aborted() -> tuple[int, str]:
+            """A request frozen by a pause cannot finish on its own: only the abort ends it, however slow the
+            machine. (Partial tokens of aborted requests: the abort-mode sync test.)"""
+            await remote.pause("keep")
+            run = asyncio.ensure_future(remote.generate("long", prompts[1], Sampling(max_tokens=480, seed=1)))
+            await asyncio.sleep(0)  # let `generate` send its request; the abort is sent again until it lands
+            await remote.abort(["long"])
+            generation = await run
+            await remote.resume()
+            return len(generation.tokens), generation.finish_reason
+
+        remote_done = remote.generated_tokens
+        n, reason = local.run(aborted())
+        assert (reason, n) == ("abort", 0)
+        assert remote.generated_tokens == remote_done + n
+    finally:
+        local.run(remote.shutdown())
+        local.run(local.engine.shutdown(), timeout=60)
+        local.close()
+
+
+@pytest.mark.parametrize("mode", ["keep", "abort"])
+def test_two_workers_sharing_one_server_sync_weights_mid_generation(
+    redis_server: RedisServer,
+    ns: str,
+    tiny_model_dir: Path,
+    tiny_model_dir_v1: Path,
+    server: Server,
+    tmp_path: Path,
+    mode: str,
+) -> None:
+    wait_until(server.healthy, 300, "the vLLM server")
+    started = [
+        remote_worker(redis_server, ns, tiny_model_dir, name, server.url, tmp_path / f"{name}.log") for name in "ab"
+    ]
+    try:
+        client = RolloutClient(redis_server.url, ns)
+        for name, process in zip("ab", started, strict=True):
+            wait_for_worker(client.streams.redis, ns, name, process, timeout_s=120)
+        # The tiny model is fast on a server of its own: enough work that some is in flight at each sync.
+        ids = [client.submit(tokens=[5 + i, 40, 41, 42], n=4, max_tokens=480, seed=i) for i in range(12)]
+        wait_until(
+            lambda: client.streams.redis.xpending(client.streams.keys.prompts, GENERATORS)["pending"] >= 10,
+            60,
+            "generation to start",
+        )
+        assert client.publish_weights(tiny_model_dir_v1, transport="redis://", mode=mode) == 1
+        assert sorted(client.last_sync.acked) == ["a", "b"] and client.last_sync.evicted == []
+        assert client.publish_weights(tiny_model_dir, transport=f"fs://{tmp_path / 'weights'}", mode=mode) == 2
+        weights = {0: tiny_model_dir, 1: tiny_model_dir_v1, 2: tiny_model_dir}
+
+        rollouts = [r for g in client.collect(len(ids), timeout=300) for r in g.rollouts]
+        assert sorted(r.id for r in rollouts) == sorted(f"{p}:{k}" for p in ids for k in range(4))
+        assert client.stats["duplicates"] == 0 and {r.worker for r in rollouts} == {"a", "b"}
+        for rollout in rollouts:
+            check_spans_and_logprobs(rollout, weights)
+        assert any(len(r.spans) >= 2 for r in rollouts), "some rollouts must span two or more versions"
+        assert httpx.get(f"{server.url}/weight_info").json()["weight_version"] == "2"
+    finally:
+        for process in started:
+            stop_process(process)
+
+
+def test_a_worker_whose_server_dies_exits_and_its_work_finishes_elsewhere(
+    redis_server: RedisServer, ns: str, tiny_model_dir: Path, server: Server, workers: StartWorker, tmp_path: Path
+) -> None:
+    wait_until(server.healthy, 300, "the vLLM server")
+    log = tmp_path / "doomed.log"
+    doomed = remote_worker(redis_server, ns, tiny_model_dir, "doomed", server.url, log)
+    try:
+        client = RolloutClient(redis_server.url, ns)
+        ids = [client.submit(tokens=[4 + i, 20, 30], n=2, max_tokens=400, seed=i) for i in range(4)]
+
+        def doomed_holds_work() -> bool:
+            pending = client.streams.redis.xpending(client.streams.keys.prompts, GENERATORS)
+            return any(c["name"] == b"doomed" and c["pending"] > 0 for c in pending["consumers"])
+
+        wait_until(doomed_holds_work, 120, "the remote worker to take prompts")
+        os.killpg(server.process.pid, signal.SIGKILL)  # the server and its engine core
+        server.process.wait()
+        assert doomed.wait(timeout=60) == 1, "a worker whose server died must exit with code 1"
+        assert "server" in log.read_text()
+
+        workers("rescuer", "--engine", "torch")
+        groups = client.collect(len(ids), timeout=120)
+        assert sorted(g.prompt_id for g in groups) == sorted(ids)
+        assert client.stats["duplicates"] == 0
+        assert any(r.worker == "rescuer" for g in groups for r in g.rollouts)
+    finally:
+        stop_process(doomed)
