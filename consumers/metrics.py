@@ -7,7 +7,7 @@ process (a test) may hold several. The worker calls one method per event; nothin
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0, 300.0, 600.0)
 """Seconds for one sample: milliseconds on the tiny model, minutes for long reasoning rollouts."""
@@ -15,6 +15,9 @@ TOKEN_BUCKETS = tuple(float(2**i) for i in range(16))
 """Tokens per sample: 1 to 32768, powers of two."""
 SYNC_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 """Seconds of a weight sync: tens of ms for a small model on one host, up to the ack deadline."""
+START_BUCKETS = (0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+"""Seconds of an engine's cold start (and loading the current version): ~1 s for torch on a tiny model, ~20 s for
+vLLM on a CPU, minutes for a large model."""
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
@@ -79,6 +82,32 @@ class WorkerMetrics:
             "One adapter's weight sync as this worker saw it: its pause to its resume (other adapters go on).",
             SYNC_BUCKETS,
         ).labels(*values)
+
+        starts = counter(
+            "rollouts_engine_starts", "Engine starts: at launch, or on demand (--lazy, or after a release).", ("why",)
+        )
+        self._starts = {why: starts.labels(*values, why) for why in ("launch", "demand")}
+        self._start_seconds = histogram(
+            "rollouts_engine_start_seconds", "Seconds from an engine start to serving the current version.",
+            START_BUCKETS,
+        ).labels(*values)  # fmt: skip
+        self._releases = counter(
+            "rollouts_engine_releases", "Engines shut down after --release-after-s seconds without work."
+        ).labels(*values)
+        self._up = Gauge(
+            "rollouts_engine_up", "1 while the worker holds a started engine, 0 while idle or released.", names,
+            registry=self.registry,
+        ).labels(*values)  # fmt: skip
+
+    def engine_started(self, why: str, seconds: float) -> None:
+        """The engine started (`launch` or `demand`) and serves the current version `seconds` later."""
+        self._starts[why].inc()
+        self._start_seconds.observe(seconds)
+        self._up.set(1)
+
+    def engine_released(self) -> None:
+        self._releases.inc()
+        self._up.set(0)
 
     def generated(self, seconds: float, tokens: int, finish_reason: str) -> None:
         """One engine call for one sample ended (a sample continued from a partial counts again)."""

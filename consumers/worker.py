@@ -27,6 +27,7 @@ import redis
 
 from consumers.adapters import WorkerAdapters
 from consumers.engine import Engine, EngineClosedError, EngineInputError, Generation
+from consumers.lifecycle import EngineFactory, EngineSlot, WorkerStatus, receive_copy
 from consumers.metrics import WorkerMetrics
 from pipeline.publisher import Publisher
 from pipeline.streams import Entry, Streams, sweep_chance
@@ -40,7 +41,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-AWAITING_WEIGHTS = "awaiting weights"
+AWAITING_WEIGHTS = WorkerStatus.AWAITING_WEIGHTS
 """Heartbeat status of a worker that joined after a broadcast (nccl) sync: it takes no work until the next."""
 
 _EMPTY_TOKENS = np.zeros(0, dtype=np.int32)
@@ -72,6 +73,10 @@ class WorkerSettings:
     """How long a published rollout id is remembered (a bit in `{ns}:published:{size}:{bucket}`): the same id from
     another entry (a prompt submitted twice, a replay) within it is not published again. Redis holds ~22 B per
     rollout for it; every worker of a namespace should use the same value."""
+    lazy: bool = False
+    """Start the engine when the first work arrives, not at launch (`consumers.lifecycle`)."""
+    release_after_s: float | None = None
+    """Shut the engine down after this many seconds without work, and start it again on demand; None: never."""
 
 
 class BusyClock:
@@ -103,15 +108,19 @@ class Worker:
         name: str | None = None,
         settings: WorkerSettings | None = None,
         metrics: WorkerMetrics | None = None,
+        factory: EngineFactory | None = None,
     ):
         self.streams = streams
-        self.engine = engine
         self.name = name or default_worker_name()
         self.settings = settings or WorkerSettings()
+        if self.settings.release_after_s is not None and factory is None:
+            raise ValueError("release_after_s needs an engine factory: a released engine is built again to restart")
+        self._slot = EngineSlot(engine, factory, self.name)
+        """The engine, started at launch or on demand (`lazy`), and released when idle (`release_after_s`)."""
         streams.dedupe_ttl_s = self.settings.dedupe_ttl_s
         self.metrics = metrics or WorkerMetrics(streams.keys.ns, self.name)
         """What only this process knows, for Prometheus (served by `rollouts worker --metrics-port`)."""
-        self.status = "starting"
+        self.status = WorkerStatus.STARTING
         self.failure: str | None = None
         """Why the worker stopped on its own (its engine died); None after a requested stop."""
         self.published = 0
@@ -142,6 +151,15 @@ class Worker:
         """Workers on the registry at the last heartbeat: how often this one claims and sweeps (`sweep_chance`)."""
         self._adapters = WorkerAdapters(streams, engine, self.name, self._beat, self.metrics)
         """LoRA adapters: loaded on demand, evicted when idle, each paused alone for its own syncs."""
+        self._loaded_from = ""
+        self._unstarted_version = engine.version
+        """Without an engine: the version it will load at start (what its heartbeat reports, and acked)."""
+        """Where the engine's version came from ("": the model directory), to tell whether a release may lose it."""
+
+    @property
+    def engine(self) -> Engine:
+        """The engine now: a fresh, unstarted one after a release (`consumers.lifecycle`)."""
+        return self._slot.engine
 
     def _account(self) -> None:
         """Called after every change of in-flight work, and by `_set_serving` (see `BusyClock`)."""
@@ -169,19 +187,27 @@ class Worker:
     async def run(self) -> None:
         await asyncio.to_thread(self.streams.ensure_groups)
         await asyncio.to_thread(self.streams.join, self.name)
-        await self.engine.start()
+        began = time.monotonic()
+        if self.settings.lazy:
+            self.status = WorkerStatus.IDLE
+        else:
+            await self._slot.start()
         control_from = await self._catch_up()
+        if self._slot.started:
+            self._engine_started("launch", began)
         upkeep = asyncio.create_task(self._upkeep())
         control = asyncio.create_task(self._follow_control(control_from))
+        release = asyncio.create_task(self._release_when_idle())
         try:
             await self._read_loop()
-            self.status = "stopping"
+            self.status = WorkerStatus.STOPPING
             await self._beat()
             if self._drain_on_stop:
                 await self._drain()
         finally:
             upkeep.cancel()
             control.cancel()
+            release.cancel()
             for task in list(self._tasks):
                 task.cancel()
             await self.engine.shutdown()
@@ -220,6 +246,8 @@ class Worker:
             # fakeredis (and a BLOCK that timed out) answer an empty read: just read again.
             for entry in entries:
                 self._start(entry)
+            if entries and not self._slot.ready:
+                await self._engine_ready()  # no engine (lazy, released): take no more until it serves these
             await asyncio.sleep(0)  # let them decode and count their samples before the room is measured again
 
     def _entries_for(self, free: int) -> int:
@@ -274,6 +302,7 @@ class Worker:
         finally:
             del self._inflight[entry.stream, entry.id]
             self._inflight_samples -= counted
+            self._slot.last_work = time.monotonic()
             self._account()
             self._room.set()
 
@@ -281,6 +310,8 @@ class Worker:
         self, entry: Entry, prompt: Prompt, samples: list[tuple[int, Partial | None]]
     ) -> None:
         try:
+            if not await self._engine_ready():
+                return  # the engine could not start: the worker stops and the entry stays pending
             results = await asyncio.gather(*(self._generate_sample(prompt, k, entry, done) for k, done in samples))
             rollouts = [r for r in results if isinstance(r, Rollout)]
             partials = [r for r in results if isinstance(r, Partial)]
@@ -360,28 +391,62 @@ class Worker:
         """Before taking work: load the state's version, or join the sync under way. Returns where to follow control.
 
         A version that was broadcast (nccl) is nowhere to fetch: the worker then waits, taking no work,
-        for the next sync.
+        for the next sync. Without an engine (`lazy`) nothing loads yet (`_load_current`).
         """
         control_from = await asyncio.to_thread(self.streams.last_control_id)
         await self._adapters.catch_up()  # adapters sync on their own: ack any sync of one under way
+        async with self._slot.lock:
+            await self._load_current()
+            self._slot.ready = self._slot.started
+        return control_from
+
+    async def _load_current(self) -> None:
+        """Bring a started engine to the state's version, or do this worker's part of the sync under way.
+
+        Without an engine nothing loads: the worker takes work, whose arrival starts the engine and comes back here,
+        unless the version could not be loaded then (broadcast before this worker could receive it): then it
+        awaits the next sync. The caller holds the slot's lock."""
         state = await asyncio.to_thread(read_state, self.streams.redis, self.streams.keys)
         if state.paused:  # a sync is under way: do our part of it, then wait for its resume
             command = await asyncio.to_thread(weights_command, self.streams.redis, self.streams.keys, state.epoch)
-            if command is not None and is_stored(command.uri):
+            if command is not None and self._loadable(command.version, command.uri):
                 await self._sync_weights(command)
-                return control_from
+                return
             if command is not None:
                 self._await_next_sync(command.version)
-                return control_from
+                return
         if state.version != self.engine.version and state.weights_uri:
-            if not is_stored(state.weights_uri):
+            if not self._loadable(state.version, state.weights_uri):
                 self._await_next_sync(state.version)
-                return control_from
-            await load_version(self.engine, state.weights_uri, state.version, self.streams.redis)
+                return
+            if self._slot.started:
+                await self._load(state.weights_uri, state.version)
+        self._unstarted_version = state.version
         self._epoch = state.epoch
-        self.status = "serving"
+        self.status = WorkerStatus.SERVING if self._slot.started else self._unstarted()
         self._set_serving(True)
-        return control_from
+
+    def _loadable(self, version: int, uri: str) -> bool:
+        """Whether `version` can be loaded now or at a later start: stored (fs, redis), or a broadcast copy held."""
+        return not uri or is_stored(uri) or self._slot.copy_of(version) is not None
+
+    async def _load(self, uri: str, version: int) -> None:
+        """Load `version` into the started engine: from the CPU copy of a broadcast if one is held, else fetched."""
+        copy = self._slot.copy_of(version)
+        if copy is not None:
+            await self.engine.load_tensors(copy.tensors, version)
+        else:
+            await load_version(self.engine, uri, version, self.streams.redis)
+        self._loaded(uri, version)
+
+    def _loaded(self, uri: str, version: int) -> None:
+        self._loaded_from = uri
+        if self._slot.copy_of(version) is None:
+            self._slot.received = None  # an older version's copy: no start will want it
+
+    def _unstarted(self) -> WorkerStatus:
+        """The status of a worker without an engine: never started, or released."""
+        return WorkerStatus.RELEASED if self._slot.starts else WorkerStatus.IDLE
 
     def _await_next_sync(self, version: int) -> None:
         self.status = AWAITING_WEIGHTS
@@ -409,24 +474,28 @@ class Worker:
     async def _obey(self, command: Control) -> None:
         if command.adapter and command.cmd in ("weights", "resume"):
             await self._adapters.obey(command)  # one adapter's sync: nothing else pauses
-        elif command.cmd == "weights" and command.epoch > self._epoch:
-            await self._sync_weights(command)
-        elif (
-            command.cmd == "resume"
-            and command.epoch >= self._epoch
-            and not self._serving.is_set()
-            and self.status != AWAITING_WEIGHTS
-        ):
-            await self.engine.resume()
-            self.status = "serving"
-            self._set_serving(True)
-            self._last_stall_s = time.monotonic() - self._sync_began
-            self.metrics.resumed(self._last_stall_s)
-            await self._beat()
+        elif command.cmd in ("weights", "resume"):
+            async with self._slot.lock:  # not while the engine starts (and loads) or stops
+                if command.cmd == "weights" and command.epoch > self._epoch:
+                    await self._sync_weights(command)
+                elif command.cmd == "resume" and command.epoch >= self._epoch:
+                    await self._resume()
         elif command.cmd == "stop" and command.worker in ("", self.name):
             if command.worker:
                 self.failure = "evicted by the manager (no ack of a weight sync in time)"
             self.stop(drain=not command.worker)
+
+    async def _resume(self) -> None:
+        """The manager's resume after a sync: generate again (without an engine: take work again)."""
+        if self._serving.is_set() or self.status == AWAITING_WEIGHTS:
+            return
+        if self._slot.started:
+            await self.engine.resume()
+            self.status = WorkerStatus.SERVING
+        self._set_serving(True)
+        self._last_stall_s = time.monotonic() - self._sync_began
+        self.metrics.resumed(self._last_stall_s)
+        await self._beat()
 
     async def _sync_weights(self, command: Control) -> None:
         """Pause, load `command.version`, ack with the epoch; stay paused until the manager's resume.
@@ -434,17 +503,22 @@ class Worker:
         An nccl version is joined first, while the engine still generates (`join_version`): the wait for the
         other workers to join and a new group's setup are not time this worker stands still; it pauses only to
         receive. A version that cannot be loaded stops the worker (exit 1, for a supervisor to restart it): it
-        must not serve the old one as the new, and its work goes to the others.
+        must not serve the old one as the new, and its work goes to the others. The caller holds the slot's lock.
         """
+        if not self._slot.started:
+            await self._sync_unstarted(command)
+            return
         link: BroadcastLink | None = None
-        if command.version != self.engine.version and not is_stored(command.uri):
+        if not is_stored(command.uri):
+            self._slot.nccl_uris.add(command.uri)
+        if command.version != self.engine.version and not self._loadable(command.version, command.uri):
             try:
                 link = await join_version(self.engine, command.uri, command.version, command.epoch, member=self.name)
             except Exception as exc:
                 self._cannot_load(command, exc)
                 return
         self._set_serving(False)
-        self.status = "paused"
+        self.status = WorkerStatus.PAUSED
         started = self._sync_began = time.monotonic()
         await self.engine.pause(command.mode)
         paused = time.monotonic()
@@ -452,8 +526,9 @@ class Worker:
             try:
                 if link is not None:
                     await load_joined(self.engine, link)
+                    self._loaded(command.uri, command.version)
                 else:
-                    await load_version(self.engine, command.uri, command.version, self.streams.redis)
+                    await self._load(command.uri, command.version)
             except Exception as exc:
                 self._cannot_load(command, exc)
                 return
@@ -464,6 +539,93 @@ class Worker:
             "%s: sync %d: paused in %.3f s, version %d loaded and acked in %.3f s",
             self.name, command.epoch, paused - started, command.version, time.monotonic() - paused,
         )  # fmt: skip
+
+    async def _sync_unstarted(self, command: Control) -> None:
+        """A sync while there is no engine: nothing to pause or load, so ack at once (no trainer waits for a cold
+        start). A stored version is loaded from the state when the engine starts; a broadcast one is received now
+        into a CPU copy, to load then. A worker that cannot receive it awaits the next sync (it takes no work)."""
+        self._set_serving(False)  # as every worker, it takes no work until the resume
+        self._sync_began = time.monotonic()
+        if not is_stored(command.uri):
+            self._slot.nccl_uris.add(command.uri)
+            try:
+                self._slot.received = await receive_copy(command.uri, command.version, command.epoch, self.name)
+                self.status = self._unstarted()
+            except Exception as exc:
+                log.error("%s: could not receive version %d from %s: %s", self.name, command.version, command.uri, exc)
+                self._slot.received = None
+                self.status = AWAITING_WEIGHTS
+        self._epoch, self._unstarted_version = command.epoch, command.version
+        await self._beat()
+        log.info("%s: sync %d acked without an engine: version %d loads when it starts", self.name, command.epoch,
+                 command.version)  # fmt: skip
+
+    # -- the engine's lifecycle: lazy start, idle release (consumers.lifecycle) ------------------
+
+    async def _engine_ready(self) -> bool:
+        """Start the engine if there is none (the first work of a lazy or released worker) and bring it to the
+        current version; False if it could not start (the worker then stops, and its work stays pending)."""
+        if self._slot.ready:
+            return True
+        async with self._slot.lock:
+            if self._slot.ready or self._stopping.is_set():
+                return self._slot.ready
+            began = time.monotonic()
+            self.status = WorkerStatus.STARTING
+            await self._beat()
+            try:
+                await self._slot.start()
+                await self._load_current()
+            except Exception as exc:
+                log.exception("%s: the engine could not start", self.name)
+                self.failure = f"the engine could not start: {exc}"
+                self.stop(drain=False)
+                return False
+            self._slot.ready = True
+            self._engine_started("demand", began)
+            await self._beat()
+        return True
+
+    def _engine_started(self, why: str, began: float) -> None:
+        seconds = self._slot.cold_start_s = time.monotonic() - began
+        self._slot.last_work = time.monotonic()
+        self.metrics.engine_started(why, seconds)
+        log.info("%s: engine started (%s) in %.2f s at version %d", self.name, why, seconds, self.engine.version)
+
+    async def _release_when_idle(self) -> None:
+        """`release_after_s`: shut the engine down once it served nothing for that long; work starts it again."""
+        after = self.settings.release_after_s
+        if after is None:
+            return
+        while not self._stopping.is_set():
+            await asyncio.sleep(min(after, self.settings.heartbeat_s) / 2)
+            if self._may_release(after):
+                async with self._slot.lock:
+                    if self._may_release(after):
+                        await self._release()
+
+    def _may_release(self, after: float) -> bool:
+        """Idle that long, serving (not mid-sync), and able to load its version again at the next start."""
+        return (
+            self._slot.ready
+            and not self._inflight
+            and self._serving.is_set()
+            and self.status == WorkerStatus.SERVING
+            and self._slot.idle_for() >= after
+            and self._loadable(self.engine.version, self._loaded_from)
+        )
+
+    async def _release(self) -> None:
+        """Say so first (status, metrics), then shut the engine down: work that arrives meanwhile waits for the lock
+        and starts a fresh engine."""
+        self.status = WorkerStatus.RELEASED
+        self._slot.ready = False
+        self.metrics.engine_released()
+        await self._beat()
+        await self._slot.release()
+        self._adapters.engine = self.engine  # the fresh one: adapters load into it on demand
+        log.info("%s: engine released after %.1f s without work", self.name, self._slot.idle_for())
+        await self._beat()
 
     def _cannot_load(self, command: Control, exc: Exception) -> None:
         log.error("%s: could not load weights version %d from %s: %s", self.name, command.version, command.uri, exc)
@@ -512,7 +674,7 @@ class Worker:
             "status": self.status,
             "engine": self.engine.name,
             "max_model_len": self.engine.max_model_len,  # what a gateway may queue for this worker
-            "version": self.engine.version,
+            "version": self.engine.version if self._slot.started else self._unstarted_version,
             "epoch": self._epoch,
             "stall_s": round(self._last_stall_s, 6),
             "inflight": self._inflight_samples,
@@ -520,6 +682,8 @@ class Worker:
             "tokens_per_s": round(self._tokens_per_s, 1),
             "generated_tokens": self.generated_tokens,
             "busy_s": round(self._busy.seconds(), 3),
+            "engine_starts": self._slot.starts,  # with --lazy / --release-after-s: how often it started cold
+            "cold_start_s": round(self._slot.cold_start_s, 3),
             "started": round(self._started, 3),
             "ts": round(time.time(), 3),
             "host": socket.gethostname(),  # where to look (and what to kill) when a worker is named otherwise
@@ -552,10 +716,15 @@ class Worker:
 
 
 def run_worker(
-    streams: Streams, engine: Engine, name: str | None, settings: WorkerSettings, metrics: WorkerMetrics | None = None
+    streams: Streams,
+    engine: Engine,
+    name: str | None,
+    settings: WorkerSettings,
+    metrics: WorkerMetrics | None = None,
+    factory: EngineFactory | None = None,
 ) -> Worker:
-    """Run a worker until SIGINT/SIGTERM, then drain and stop the engine."""
-    worker = Worker(streams, engine, name, settings, metrics)
+    """Run a worker until SIGINT/SIGTERM, then drain and stop the engine (`factory`: see `Worker`)."""
+    worker = Worker(streams, engine, name, settings, metrics, factory)
 
     async def main() -> None:
         loop = asyncio.get_running_loop()

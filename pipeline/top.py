@@ -12,6 +12,11 @@ and the `capacity` (η + v + 1) * B with `free` = capacity - used when a produce
 `adapters` holds the same numbers for each LoRA adapter ever published (`{ns}:adapters`), from its own state
 hash; each worker's `adapters` field lists the adapters it holds, `name=version`.
 
+A worker's `status` is one of `consumers.lifecycle.WorkerStatus`: `starting`, `serving`, `paused` (in a weight
+sync), `awaiting weights` (its version was broadcast before it could receive it), `stopping`, and, for workers run
+with `--lazy` / `--release-after-s`, `idle` (no engine started yet) and `released` (engine shut down when idle);
+`starts` shows how often its engine started and how long the last start took (to serving the current version).
+
 One snapshot is a plain dict (the `--once --json` output, for scripts); `render` draws it.
 """
 
@@ -124,7 +129,8 @@ def render(snap: dict[str, Any]) -> RichGroup:
                 str(g["consumers"]),
             )
     workers = Table(title=f"workers ({len(snap['workers'])} live)", expand=True)
-    columns = ("worker", "status", "engine", "version", "adapters", "inflight", "sessions", "published", "tokens/s")
+    columns = ("worker", "status", "engine", "starts", "version", "adapters", "inflight", "sessions", "published")
+    columns += ("tokens/s",)
     for column in columns:
         workers.add_column(column, justify="left" if column in ("worker", "status", "engine", "adapters") else "right")
     for name, w in sorted(snap["workers"].items()):
@@ -132,6 +138,7 @@ def render(snap: dict[str, Any]) -> RichGroup:
             name,
             w.get("status", "?"),
             w.get("engine", "?"),
+            _starts(w),
             w.get("version", "?"),
             w.get("adapters") or "-",
             w.get("inflight", "?"),
@@ -165,6 +172,14 @@ def render(snap: dict[str, Any]) -> RichGroup:
     if snap.get("scorer"):
         parts.append(_scorer_table(snap["scorer"]))
     return RichGroup(*parts)
+
+
+def _starts(worker: dict[str, Any]) -> str:
+    """Engine starts and the last one's seconds, e.g. `2 (31.4 s)`; `0` for a lazy worker not started yet."""
+    starts = worker.get("engine_starts")
+    if starts is None:
+        return "?"  # a worker of an older version
+    return f"{starts} ({float(worker.get('cold_start_s') or 0):.1f} s)" if starts != "0" else "0"
 
 
 def _scorer_table(scorer: dict[str, Any]) -> Table:

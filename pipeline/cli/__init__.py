@@ -7,6 +7,7 @@ prompts file) into one line that says what to fix, never a traceback.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -73,6 +74,16 @@ MaxInflightOpt = Annotated[int, typer.Option(help="Samples in flight on the engi
 ClaimIdleOpt = Annotated[int, typer.Option(help="Claim work untouched this long (a dead worker's).")]
 HeartbeatOpt = Annotated[float, typer.Option(help="Heartbeat period in seconds.")]
 LogLevelOpt = Annotated[str, typer.Option(help="debug, info, warning.")]
+LazyOpt = Annotated[
+    bool, typer.Option(help="Start the engine when the first work arrives (heartbeat status `idle` until then).")
+]
+ReleaseAfterOpt = Annotated[
+    float | None,
+    typer.Option(
+        min=0.0,
+        help="Shut the engine down after this many seconds without work (status `released`); work starts it again.",
+    ),
+]
 DedupeTtlOpt = Annotated[
     int,
     typer.Option(
@@ -121,7 +132,12 @@ def check_engine(spec: EngineSpec) -> None:
 
 
 def worker_settings(
-    max_inflight: int, claim_idle_ms: int, heartbeat_s: float, dedupe_ttl_s: int = 86_400
+    max_inflight: int,
+    claim_idle_ms: int,
+    heartbeat_s: float,
+    dedupe_ttl_s: int = 86_400,
+    lazy: bool = False,
+    release_after_s: float | None = None,
 ) -> WorkerSettings:
     """The worker loop's settings from its flags; a heartbeat lives at least 5 periods."""
     from consumers.worker import WorkerSettings
@@ -129,6 +145,7 @@ def worker_settings(
     settings = WorkerSettings(
         max_inflight=max_inflight, claim_idle_ms=claim_idle_ms, heartbeat_s=heartbeat_s, dedupe_ttl_s=dedupe_ttl_s
     )
+    settings.lazy, settings.release_after_s = lazy, release_after_s
     settings.heartbeat_ttl_s = max(settings.heartbeat_ttl_s, 5 * heartbeat_s)
     return settings
 
@@ -194,6 +211,8 @@ def worker(
     metrics_port: MetricsPortOpt = None,
     metrics_addr: MetricsAddrOpt = "0.0.0.0",
     dedupe_ttl_s: DedupeTtlOpt = 86_400,
+    lazy: LazyOpt = False,
+    release_after_s: ReleaseAfterOpt = None,
 ) -> None:
     """Serve prompts from the namespace until interrupted (SIGINT/SIGTERM drain in-flight work)."""
     # The engine flags reach the engine through `ctx.params` (EngineSpec.from_flags).
@@ -208,14 +227,14 @@ def worker(
         spec = EngineSpec.from_flags(ctx.params, model)
     check_engine(spec)
     streams = open_streams(redis_url, ns)
-    settings = worker_settings(max_inflight, claim_idle_ms, heartbeat_s, dedupe_ttl_s)
+    settings = worker_settings(max_inflight, claim_idle_ms, heartbeat_s, dedupe_ttl_s, lazy, release_after_s)
     name = name or default_worker_name()
     metrics = WorkerMetrics(ns, name, process_registry())
     if metrics_port is not None:  # before the engine loads: a port in use fails at once
         serve_metrics(metrics.registry, metrics_port, metrics_addr)
     with user_errors(redis_url):
-        engine = create_engine(spec.kind, str(spec.model), **spec.options())
-        done = run_worker(streams, engine, name, settings, metrics)
+        factory = functools.partial(create_engine, spec.kind, str(spec.model), **spec.options())  # builds, starts not
+        done = run_worker(streams, factory(), name, settings, metrics, factory)
     console.print(f"worker {done.name} stopped after publishing {done.published} rollouts")
     if done.failure:
         console.print(f"[bold red]worker {done.name} failed:[/] {done.failure}")

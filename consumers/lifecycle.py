@@ -1,0 +1,127 @@
+"""Lazy start and idle release: the worker's engine is started when work arrives and shut down when idle.
+
+A worker run with `--lazy` registers and heartbeats as `idle` with no engine; the first entry it takes starts the
+engine (`starting`), brings it to the state's policy version and serves. With `--release-after-s S`, an engine that
+served nothing for S seconds is shut down (`released`) and started again on demand. Neither engine restarts itself
+after `shutdown` (vLLM's `AsyncLLM` cannot), so a release builds a fresh, unstarted engine object from the same
+factory: building one reads the model's config only, so the worker still knows its name and context length.
+
+While there is no engine, weight syncs are acked at once (no trainer waits for a cold start): a stored version
+(`fs://`, `redis://`) is simply loaded from the state when the engine starts; a broadcast one (`nccl://`) is nowhere
+to fetch later, so the worker joins the broadcast with one rank of its own and keeps a CPU copy (`received`) to load
+at start. For the same reason an engine whose version came by broadcast (and of which no copy is kept) is never
+released: the worker could not get that version back until the next sync.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import TYPE_CHECKING
+
+from consumers.engine import Engine
+from staleness.transports import join_adapter
+
+if TYPE_CHECKING:
+    import torch
+
+EngineFactory = Callable[[], Engine]
+"""Builds an unstarted engine (cheap: it reads the model's config), as `create_engine(kind, model, **options)`."""
+
+
+class WorkerStatus(StrEnum):
+    """The heartbeat's `status`: what the worker and its engine are doing now (`rollouts top` shows it)."""
+
+    STARTING = "starting"
+    """Its engine is starting (at launch, or on demand with `--lazy` / after a release)."""
+    IDLE = "idle"
+    """`--lazy`: no engine started yet; the first work starts it."""
+    SERVING = "serving"
+    PAUSED = "paused"
+    """Standing still for a weight sync, between its pause and the manager's resume."""
+    AWAITING_WEIGHTS = "awaiting weights"
+    """Its version was broadcast (nccl) before it could receive it: it takes no work until the next sync."""
+    RELEASED = "released"
+    """`--release-after-s`: its engine was shut down after that long without work; work starts it again."""
+    STOPPING = "stopping"
+
+
+@dataclass
+class Received:
+    """A version broadcast while the worker had no engine: CPU tensors to load when it starts."""
+
+    version: int
+    tensors: dict[str, torch.Tensor]
+
+
+class EngineSlot:
+    """The worker's engine: always an object (for its name and limits), started or not, rebuilt after a release."""
+
+    def __init__(self, engine: Engine, factory: EngineFactory | None, member: str) -> None:
+        self.engine = engine
+        self.factory = factory
+        self.member = member
+        """The worker's name: its name in broadcast groups."""
+        self.started = False
+        """`start()` ran (and no release since)."""
+        self.ready = False
+        """Started and brought to the current version (the worker sets it): requests may go to it."""
+        self.lock = asyncio.Lock()
+        """One start, release or weight sync at a time: a sync never meets a half-started engine."""
+        self.last_work = time.monotonic()
+        """When the engine last finished work (or started): the idle clock of `--release-after-s`."""
+        self.received: Received | None = None
+        self.nccl_uris: set[str] = set()
+        """Broadcast rendezvous this worker joined: their groups are forgotten whenever the engine starts or stops."""
+        self.starts = 0
+        self.cold_start_s = 0.0
+        """The last start: the engine's, plus loading the current version."""
+
+    async def start(self) -> None:
+        """Start the engine (the caller holds `lock` and then loads the current version)."""
+        self._forget_groups()
+        await self.engine.start()
+        self.started = True
+        self.starts += 1
+
+    async def release(self) -> None:
+        """Shut the engine down and put a fresh, unstarted one from the factory in its place."""
+        if self.factory is None:
+            raise RuntimeError("an engine without a factory cannot be released: it could not start again")
+        self.started = self.ready = False
+        await self.engine.shutdown()
+        self.engine = self.factory()
+        self._forget_groups()
+
+    def idle_for(self) -> float:
+        return time.monotonic() - self.last_work
+
+    def copy_of(self, version: int) -> Received | None:
+        """The CPU copy of `version` received by broadcast, if this worker holds one."""
+        return self.received if self.received is not None and self.received.version == version else None
+
+    def _forget_groups(self) -> None:
+        """The processes that held our broadcast groups are gone (or new): the trainer must build them anew."""
+        from staleness.broadcast import forget_group
+
+        for uri in self.nccl_uris:
+            forget_group(uri, self.member)
+
+
+async def receive_copy(uri: str, version: int, epoch: int, member: str) -> Received:
+    """Join sync `epoch`'s broadcast as one rank of this process (no engine needed) and keep CPU copies."""
+    from staleness.broadcast import receive_broadcast
+
+    link = await join_adapter(uri, version, epoch, member=member)  # one rank of this process: what an adapter takes
+
+    def receive() -> dict[str, torch.Tensor]:
+        return {name: tensor.to("cpu", copy=True) for name, tensor in receive_broadcast(link, 0, "cuda")}
+
+    try:
+        return Received(version, await asyncio.to_thread(receive))
+    except BaseException:
+        link.forget()
+        raise
