@@ -16,6 +16,7 @@ released: the worker could not get that version back until the next sync.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,6 +28,8 @@ from staleness.transports import join_adapter
 
 if TYPE_CHECKING:
     import torch
+
+log = logging.getLogger(__name__)
 
 EngineFactory = Callable[[], Engine]
 """Builds an unstarted engine (cheap: it reads the model's config), as `create_engine(kind, model, **options)`."""
@@ -76,25 +79,44 @@ class EngineSlot:
         self.received: Received | None = None
         self.nccl_uris: set[str] = set()
         """Broadcast rendezvous this worker joined: their groups are forgotten whenever the engine starts or stops."""
+        self._stopped: asyncio.Task[None] | None = None
+        """The shutdown of the last released engine, under way: the next start waits for it (so that two engines
+        never hold the GPU at once), a sync does not."""
         self.starts = 0
         self.cold_start_s = 0.0
         """The last start: the engine's, plus loading the current version."""
 
     async def start(self) -> None:
         """Start the engine (the caller holds `lock` and then loads the current version)."""
+        await self._released()
         self._forget_groups()
         await self.engine.start()
         self.started = True
         self.starts += 1
 
-    async def release(self) -> None:
-        """Shut the engine down and put a fresh, unstarted one from the factory in its place."""
+    def release(self) -> None:
+        """Put a fresh, unstarted engine from the factory in place and shut the old one down in the background
+        (vLLM takes seconds): a sync meanwhile is acked at once, a start waits for it."""
         if self.factory is None:
             raise RuntimeError("an engine without a factory cannot be released: it could not start again")
+        old, self.engine = self.engine, self.factory()
         self.started = self.ready = False
-        await self.engine.shutdown()
-        self.engine = self.factory()
+        self._stopped = asyncio.create_task(old.shutdown())
         self._forget_groups()
+
+    async def shutdown(self) -> None:
+        """At the worker's end: the engine, and a released one still shutting down."""
+        await self._released()
+        await self.engine.shutdown()
+
+    async def _released(self) -> None:
+        """Wait for the released engine's shutdown; one that failed is logged (its processes are gone or going)."""
+        stopped, self._stopped = self._stopped, None
+        if stopped is not None:
+            try:
+                await stopped
+            except Exception:
+                log.exception("the released engine's shutdown failed")
 
     def idle_for(self) -> float:
         return time.monotonic() - self.last_work

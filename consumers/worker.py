@@ -210,7 +210,7 @@ class Worker:
             release.cancel()
             for task in list(self._tasks):
                 task.cancel()
-            await self.engine.shutdown()
+            await self._slot.shutdown()
             await asyncio.to_thread(self.streams.forget_worker, self.name)
 
     # -- reading ------------------------------------------------------------------------------
@@ -616,13 +616,12 @@ class Worker:
         )
 
     async def _release(self) -> None:
-        """Say so first (status, metrics), then shut the engine down: work that arrives meanwhile waits for the lock
-        and starts a fresh engine."""
+        """Swap in a fresh engine and let the old one shut down in the background (`EngineSlot.release`): work that
+        arrives meanwhile starts the fresh one once the old is gone; a sync is acked at once."""
         self.status = WorkerStatus.RELEASED
         self._slot.ready = False
         self.metrics.engine_released()
-        await self._beat()
-        await self._slot.release()
+        self._slot.release()
         self._adapters.engine = self.engine  # the fresh one: adapters load into it on demand
         log.info("%s: engine released after %.1f s without work", self.name, self._slot.idle_for())
         await self._beat()
