@@ -152,9 +152,9 @@ class Worker:
         self._adapters = WorkerAdapters(streams, engine, self.name, self._beat, self.metrics)
         """LoRA adapters: loaded on demand, evicted when idle, each paused alone for its own syncs."""
         self._loaded_from = ""
+        """Where the engine's version came from ("": the model directory), to tell whether a release may lose it."""
         self._unstarted_version = engine.version
         """Without an engine: the version it will load at start (what its heartbeat reports, and acked)."""
-        """Where the engine's version came from ("": the model directory), to tell whether a release may lose it."""
 
     @property
     def engine(self) -> Engine:
@@ -224,6 +224,9 @@ class Worker:
         next_claim = 0.0
         while not self._stopping.is_set():
             await self._serving.wait()
+            if self._inflight and not self._slot.ready:
+                await self._engine_ready()  # no engine (lazy, released): take no more until it serves what it holds
+                continue
             free = self.settings.max_inflight - self._inflight_samples
             if free <= 0:
                 self._room.clear()
@@ -246,8 +249,6 @@ class Worker:
             # fakeredis (and a BLOCK that timed out) answer an empty read: just read again.
             for entry in entries:
                 self._start(entry)
-            if entries and not self._slot.ready:
-                await self._engine_ready()  # no engine (lazy, released): take no more until it serves these
             await asyncio.sleep(0)  # let them decode and count their samples before the room is measured again
 
     def _entries_for(self, free: int) -> int:
