@@ -4,6 +4,7 @@ while there is no engine acked at once and loaded at the next start (real worker
 from __future__ import annotations
 
 import io
+import signal
 from pathlib import Path
 
 import psutil
@@ -98,7 +99,12 @@ def test_a_lazy_worker_starts_on_the_first_prompt_releases_when_idle_and_serves_
     # The next prompt starts it again, at the new version.
     serve_one(client, "second", 1, {1: tiny_model_dir_v1})
     assert value(metrics(), "rollouts_engine_starts_total", why="demand") == 2
-    assert process.poll() is None
+
+    # Released again, it stops cleanly (SIGTERM), as a serving worker does.
+    wait_until(lambda: status() == "released", 60, "the second release")
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=60) == 0
+    assert not client.streams.redis.exists(client.streams.keys.worker("lazy"))
 
 
 def test_a_lazy_worker_receives_an_nccl_broadcast_without_an_engine_and_serves_it_at_start(
