@@ -67,7 +67,7 @@ def test_a_lazy_worker_starts_on_the_first_prompt_releases_when_idle_and_serves_
     one_thread: None,
 ) -> None:
     port = free_port()
-    flags = ("--engine", engine, "--lazy", "--release-after-s", "1", "--metrics-port", str(port))
+    flags = ("--engine", engine, "--lazy", "--release-after-s", "2", "--metrics-port", str(port))
     process = workers("lazy", *flags, until="idle")
     client = RolloutClient(redis_server.url, ns)
     metrics = lambda: scrape(port)  # noqa: E731
@@ -84,7 +84,7 @@ def test_a_lazy_worker_starts_on_the_first_prompt_releases_when_idle_and_serves_
     assert value(metrics(), "rollouts_engine_starts_total", why="demand") == 1
     assert bool(engine_processes(process.pid)) == (engine == "vllm")
 
-    # A second without work: released, its processes gone.
+    # Two seconds without work: released, its processes gone.
     status = lambda: heartbeat(client, "lazy")["status"]  # noqa: E731
     wait_until(lambda: status() == "released", 60, "the idle engine to be released")
     wait_until(lambda: engine_processes(process.pid) == [], 60, "the engine's processes to exit")
