@@ -7,7 +7,9 @@ layer; the engine runs its own compute. What the loop guarantees:
 - a prompt is acked in the same atomic step that publishes its rollouts (at-least-once);
 - work held by a worker that stopped beating is claimed by the others;
 - bad input never stops the loop: undecodable entries become dead letters, requests the
-  engine refuses become `finish_reason=error` rollouts.
+  engine refuses become `finish_reason=error` rollouts;
+- with `lazy` / `release_after_s`, the engine starts when work arrives and is shut down when idle, and a weight
+  sync while there is none is acked at once and loaded at the next start (`consumers.lifecycle`).
 """
 
 from __future__ import annotations
