@@ -16,8 +16,9 @@ unchanged:
   memory through `redis://`). `nccl://` is refused: a broadcast needs a rank in each of the server's worker
   processes, which vLLM's own NCCL weight transfer provides on GPUs (not wired here).
 
-Several workers may share one server. A pause, a load or a resume acts on the whole server, which the sync
-protocol allows: every worker pauses before any loads, and none resumes before every one has acked. A worker that
+Several workers may share one server. A pause, a load or a resume acts on the whole server: each worker records its
+pause in Redis (`consumers.shared_server`), and the server resumes only when no live worker holds it paused, so a
+slow worker's late resume of one sync cannot run the server while another worker loads the next. A worker that
 finds the server already labelled with the version it is asked to load (another worker loaded it) loads nothing.
 
 The server checks little: an out-of-vocabulary token id kills vLLM 0.32's engine core. Every request is checked here
@@ -30,20 +31,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
+import functools
 import logging
 import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 import numpy as np
 
 from consumers.engine import (
+    VLLM_FINISH_REASONS,
     EngineClosedError,
     EngineInputError,
     EngineLifecycle,
@@ -56,8 +58,9 @@ from consumers.engine import (
     checkpoint_shapes,
     read_model_limits,
     refuse_adapter,
+    vllm_spans,
 )
-from pipeline.wire import FinishReason, Sampling
+from pipeline.wire import Sampling
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +70,12 @@ SERVER_REQUEST_PREFIX = "generate-tokens-"
 START_TIMEOUT_S = 600.0
 """How long `start` waits for a server that is still coming up (loading a large model takes minutes)."""
 
+CONNECT_TIMEOUT_S = 60.0
+"""A server that takes longer to accept a connection is taken for dead (one refusing it is dead at once)."""
+
 HEALTH_POLL_S = 0.5
+UNSTICK_S = 2.0
+"""How often an engine on a shared server looks whether it was left paused by a worker that died holding it."""
 ABORT_RETRY_S = 0.05
 """An abort sent before the server has added the request is a no-op there: it is sent again until the request ends."""
 
@@ -77,7 +85,17 @@ NO_BROADCAST = (
     "(a directory the server sees) or redis://"
 )
 
-_FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort", "repetition": "stop"}
+
+class PauseHolders(Protocol):
+    """Who holds a shared server paused (`consumers.shared_server.SharedPause` keeps them in Redis)."""
+
+    async def pause(self, call: Callable[[], Awaitable[object]]) -> None:
+        """Record this worker as a holder, then pause the server (`call`)."""
+        ...
+
+    async def resume(self, call: Callable[[], Awaitable[object]]) -> bool:
+        """Drop this worker's hold; resume the server (`call`) only if no live worker holds it."""
+        ...
 
 
 class RemoteVllmEngine(ServesNoAdapters, EngineLifecycle):
@@ -96,6 +114,8 @@ class RemoteVllmEngine(ServesNoAdapters, EngineLifecycle):
             temporary directory, which works when the server runs on this host).
         start_timeout_s: how long `start` waits for the server to answer.
         api_key: the server's `--api-key`, if it has one.
+        pauses: the pause holders of a server shared with other workers (`consumers.shared_server`; the worker
+            command passes one): the server resumes only when no worker holds it paused.
     """
 
     name = "remote"
@@ -112,6 +132,7 @@ class RemoteVllmEngine(ServesNoAdapters, EngineLifecycle):
         staging_dir: str | Path | None = None,
         start_timeout_s: float = START_TIMEOUT_S,
         api_key: str | None = None,
+        pauses: PauseHolders | None = None,
     ) -> None:
         del seed, dtype  # the server's own
         if not url.startswith(("http://", "https://")):
@@ -129,6 +150,8 @@ class RemoteVllmEngine(ServesNoAdapters, EngineLifecycle):
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._tag = uuid.uuid4().hex[:8]
         """Prefixes this engine's request ids: workers sharing a server may serve samples of the same id."""
+        self._pauses = pauses
+        self._monitor: asyncio.Task[None] | None = None
         self._http: httpx.AsyncClient | None = None
         self._start_lock = asyncio.Lock()
         self._load_lock = asyncio.Lock()
@@ -150,7 +173,8 @@ class RemoteVllmEngine(ServesNoAdapters, EngineLifecycle):
             http = httpx.AsyncClient(
                 base_url=self.url,
                 headers=self._headers,
-                timeout=httpx.Timeout(None, connect=10.0),  # a generation may take minutes
+                # A generation may take minutes, and a loaded server may take seconds to accept a connection.
+                timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S),
                 limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
             )
             try:
@@ -160,6 +184,8 @@ class RemoteVllmEngine(ServesNoAdapters, EngineLifecycle):
                 await http.aclose()
                 raise
             self._http = http
+            if self._pauses is not None:
+                self._monitor = asyncio.create_task(self._unstick(http))
             log.info("remote vLLM engine on %s started (version %d)", self.url, self.version)
 
     async def _wait_until_up(self, http: httpx.AsyncClient) -> None:
@@ -213,12 +239,15 @@ class RemoteVllmEngine(ServesNoAdapters, EngineLifecycle):
         async with self._start_lock:
             self._closing = True
             http, self._http = self._http, None
+        if self._monitor is not None:
+            self._monitor.cancel()
         if http is None:
             return
         if self._live:
             with contextlib.suppress(httpx.HTTPError):
                 await http.post("/inference/v1/abort_requests", json={"request_ids": self._server_ids(self._live)})
-            await asyncio.wait(list(self._live.values()), timeout=5)
+            if self._live:
+                await asyncio.wait(list(self._live.values()), timeout=5)
         await http.aclose()
 
     # -- requests --------------------------------------------------------------------------------
@@ -265,40 +294,28 @@ class RemoteVllmEngine(ServesNoAdapters, EngineLifecycle):
             raise EngineInputError(f"the vLLM server refused request {request_id!r}: {_error_text(response)}")
         if response.status_code != 200:  # vLLM answers 500 once its engine core died
             raise EngineClosedError(f"the vLLM server at {self.url} failed: {_error_text(response)}")
-        choice = response.json()["choices"][0]
+        body = response.json()
+        choice = body["choices"][0]
         reason = choice.get("finish_reason")
-        if reason not in _FINISH_REASONS:
+        if reason not in VLLM_FINISH_REASONS:
             raise RuntimeError(f"vLLM failed request {request_id!r}: finish_reason={reason}")
         if self._closing and reason == "abort":
             raise EngineClosedError(f"engine shut down before request {request_id!r} finished")
         tokens = np.asarray(choice.get("token_ids") or [], dtype=np.int32)
         self._finished_tokens += len(tokens)
-        usage = (response.json().get("usage") or {}).get("prompt_tokens_details") or {}
+        usage = (body.get("usage") or {}).get("prompt_tokens_details") or {}
         return Generation(
             tokens=tokens,
             logprobs=_sampled_logprobs(tokens, choice.get("logprobs")),
-            finish_reason=_FINISH_REASONS[reason],
+            finish_reason=VLLM_FINISH_REASONS[reason],
             spans=self._spans(choice.get("weight_versions"), len(tokens)),
             cached_tokens=usage.get("cached_tokens"),
         )
 
     def _spans(self, weight_versions: list[dict[str, Any]] | None, n_tokens: int) -> list[tuple[int, int, int]]:
         """The server's per-token version labels as `[(version, start, end), ...]` covering `[0, n_tokens)`."""
-        if not n_tokens:
-            return []
-        if not weight_versions:
-            return [(self.version, 0, n_tokens)]
-        try:
-            spans = [(int(s["version"]), int(s["start"]), int(s["end"])) for s in weight_versions]
-        except ValueError:
-            raise RuntimeError(
-                f"the vLLM server at {self.url} labels its weights {weight_versions}, not with policy versions: "
-                "another client relabelled it (/update_weight_version)"
-            ) from None
-        spans = [s for s in spans if s[2] > s[1]]
-        if spans[0][1] != 0 or spans[-1][2] != n_tokens or any(a[2] != b[1] for a, b in itertools.pairwise(spans)):
-            raise RuntimeError(f"vLLM weight-version spans {spans} do not cover {n_tokens} tokens")
-        return spans
+        labelled = ((s["version"], s["start"], s["end"]) for s in weight_versions or ())
+        return vllm_spans(labelled, n_tokens, self.version)
 
     def _local_id(self, request_id: str) -> str:
         return f"{self._tag}-{request_id}"
@@ -323,13 +340,32 @@ class RemoteVllmEngine(ServesNoAdapters, EngineLifecycle):
             raise ValueError(f"pause mode must be 'abort' or 'keep', got {mode!r}")
         http = await self._started()
         self._paused = True
-        await self._call(http, "POST", "/pause", params={"mode": mode})
+        await self._pause_server(http, mode)
 
     async def resume(self) -> None:
         async with self._load_lock:
             self._paused = False
             if self._http is not None:
-                await self._call(self._http, "POST", "/resume")
+                await self._resume_server(self._http)
+
+    async def _pause_server(self, http: httpx.AsyncClient, mode: PauseMode) -> None:
+        call = functools.partial(self._call, http, "POST", "/pause", params={"mode": mode})
+        await (call() if self._pauses is None else self._pauses.pause(call))
+
+    async def _resume_server(self, http: httpx.AsyncClient) -> None:
+        """Resume the server, unless another worker sharing it holds it paused (it resumes it when it is done)."""
+        call = functools.partial(self._call, http, "POST", "/resume")
+        await (call() if self._pauses is None else self._pauses.resume(call))
+
+    async def _unstick(self, http: httpx.AsyncClient) -> None:
+        """Resume a shared server left paused by a worker that died holding it, while this one is not paused."""
+        while True:
+            await asyncio.sleep(UNSTICK_S)
+            with contextlib.suppress(httpx.HTTPError, EngineClosedError, ValueError):
+                if not self._paused and (await self._call(http, "GET", "/is_paused"))["is_paused"]:
+                    async with self._load_lock:
+                        if not self._paused:
+                            await self._resume_server(http)
 
     # -- weights ---------------------------------------------------------------------------------
 
@@ -370,7 +406,7 @@ class RemoteVllmEngine(ServesNoAdapters, EngineLifecycle):
         http = await self._started()
         async with self._load_lock:
             if not self._paused:
-                await self._call(http, "POST", "/pause", params={"mode": "keep"})
+                await self._pause_server(http, "keep")
             try:
                 label = (await self._call(http, "GET", "/weight_info"))["weight_version"]
                 if label != str(version):
@@ -381,7 +417,7 @@ class RemoteVllmEngine(ServesNoAdapters, EngineLifecycle):
                 self.version = version
             finally:
                 if not self._paused:
-                    await self._call(http, "POST", "/resume")
+                    await self._resume_server(http)
 
     async def _rpc(self, http: httpx.AsyncClient, method: str, **rpc: Any) -> None:
         """`/collective_rpc`: a method of every server worker process, with string arguments only (vLLM's rule)."""

@@ -69,6 +69,7 @@ from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 
 from consumers.engine import (
+    VLLM_FINISH_REASONS,
     EngineClosedError,
     EngineInputError,
     EngineLifecycle,
@@ -80,6 +81,7 @@ from consumers.engine import (
     checkpoint_shapes,
     read_model_limits,
     refuse_adapter,
+    vllm_spans,
 )
 from consumers.lora import parse_adapter, save_adapter
 from consumers.orphans import reap_on_death
@@ -102,7 +104,6 @@ DEATH_CHECK_S = 1.0
 
 _EMPTY_LOGPROBS = np.zeros(0, dtype=np.float32)
 
-_FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort", "repetition": "stop"}
 
 PAUSE_ABORT_RETRY_S = 0.05
 """How often `pause_adapter` aborts again a request of the adapter that is still in vLLM: an abort that reaches
@@ -339,7 +340,7 @@ class VllmEngine(EngineLifecycle):
         return Generation(
             tokens=np.asarray(tokens, dtype=np.int32),
             logprobs=logprobs,
-            finish_reason=_FINISH_REASONS[last.finish_reason],
+            finish_reason=VLLM_FINISH_REASONS[last.finish_reason],
             spans=self._spans(last.weight_versions, len(tokens)),
             cached_tokens=cached,
         )
@@ -371,7 +372,7 @@ class VllmEngine(EngineLifecycle):
                 stream.cancel()  # vLLM aborts the request when its generator is cancelled
         if last is None or last.finish_reason is None:
             raise RuntimeError(f"vLLM ended request {request_id!r} without a final output")
-        if last.finish_reason not in _FINISH_REASONS:  # "error": an engine-side failure, not the prompt's fault
+        if last.finish_reason not in VLLM_FINISH_REASONS:  # "error": an engine-side failure, not the prompt's fault
             raise RuntimeError(f"vLLM failed request {request_id!r}: finish_reason={last.finish_reason}")
         return tokens, logprobs, last, cached
 
@@ -427,7 +428,7 @@ class VllmEngine(EngineLifecycle):
                     tokens += seg_tokens
                     logprobs.append(seg_logprobs)
                     _add_span(spans, adapter.version, done, len(tokens))
-                finish = _FINISH_REASONS[last.finish_reason]
+                finish = VLLM_FINISH_REASONS[last.finish_reason]
                 if finish != "abort" or not tracked.kept or tracked.ended.is_set() or self._closing:
                     break
         finally:
@@ -515,14 +516,7 @@ class VllmEngine(EngineLifecycle):
 
     def _spans(self, weight_versions: list[Any] | None, n_tokens: int) -> list[tuple[int, int, int]]:
         """vLLM's per-token weight-version spans as `[(version, start, end), ...]` covering `[0, n_tokens)`."""
-        if not n_tokens:
-            return []
-        if not weight_versions:  # no label reported (not expected): the version loaded now
-            return [(self.version, 0, n_tokens)]
-        spans = [(int(s.version), int(s.start), int(s.end)) for s in weight_versions if s.end > s.start]
-        if spans[0][1] != 0 or spans[-1][2] != n_tokens or any(a[2] != b[1] for a, b in itertools.pairwise(spans)):
-            raise RuntimeError(f"vLLM weight-version spans {spans} do not cover {n_tokens} tokens")
-        return spans
+        return vllm_spans(((s.version, s.start, s.end) for s in weight_versions or ()), n_tokens, self.version)
 
     async def abort(self, request_ids: list[str]) -> None:
         """End these requests now; their `generate` returns the tokens so far with `abort`. Unknown ids are ignored."""

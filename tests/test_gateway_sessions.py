@@ -57,8 +57,10 @@ def test_candidates_are_live_serving_workers() -> None:
         "b": {"status": "paused", "inflight": "x"},
         "c": {"status": "awaiting weights", "inflight": "0"},
         "d": {"status": "stopping"},
+        "e": {"status": "idle", "inflight": "0"},  # --lazy: the first turn sent to it starts its engine
+        "f": {"status": "released", "inflight": "0"},
     }
-    assert candidates(beats) == {"a": 3, "b": 0}
+    assert candidates(beats) == {"a": 3, "b": 0, "e": 0, "f": 0}
 
 
 def test_an_idle_session_is_released_by_its_ttl(real_redis: redis.Redis, ns: str) -> None:

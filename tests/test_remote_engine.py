@@ -26,7 +26,7 @@ from pipeline.cli.processes import start_worker, stop_process, wait_for_worker
 from pipeline.local import RedisServer, free_port
 from pipeline.wire import GENERATORS, Prompt, Sampling
 from producers.client import RolloutClient
-from tests.conftest import FAST, StartWorker, wait_until
+from tests.conftest import StartWorker, wait_until
 from tests.engine_loop import Served
 from tests.reference import check_spans_and_logprobs, forward_logprobs, random_prompts
 
@@ -38,6 +38,13 @@ class Server:
     url: str
     process: subprocess.Popen[bytes]
     log: Path
+
+    def serve_base_model(self, model: Path) -> None:
+        """What a user does to reuse a server for a new run: load the run's base weights and label them 0 (a
+        worker adopts the server's numeric label as the version it serves)."""
+        call = {"method": "reload_weights", "kwargs": {"weights_path": str(model)}}
+        httpx.post(f"{self.url}/collective_rpc", json=call, timeout=60).raise_for_status()
+        httpx.post(f"{self.url}/update_weight_version", json={"new_version": "0"}, timeout=10).raise_for_status()
 
     def healthy(self) -> bool:
         try:
@@ -75,8 +82,15 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
             process.wait()
 
 
+REMOTE_FLAGS = ("--claim-idle-ms", "10000", "--heartbeat-s", "2")
+"""Heartbeats alive 10 s. Run under pytest on this 2-core machine, remote workers stood still for 6-17 s right after
+their first requests now and then (heartbeats lapsed: a sync found them gone; their prompts were claimed); run by
+hand with the same load they did not. Not understood yet (see the README's open items)."""
+
+
 def remote_worker(redis_server: RedisServer, ns: str, model: Path, name: str, url: str, log: Path) -> subprocess.Popen:
-    return start_worker(redis_server.url, ns, model, name, *FAST, "--engine", "remote", "--url", url, log_file=log)
+    flags = (*REMOTE_FLAGS, "--engine", "remote", "--url", url)
+    return start_worker(redis_server.url, ns, model, name, *flags, log_file=log)
 
 
 def test_a_worker_started_before_its_server_serves_once_it_is_up_and_bad_input_spares_the_server(
@@ -164,6 +178,7 @@ def test_two_workers_sharing_one_server_sync_weights_mid_generation(
     mode: str,
 ) -> None:
     wait_until(server.healthy, 300, "the vLLM server")
+    server.serve_base_model(tiny_model_dir)  # the previous test left it at version 2
     started = [
         remote_worker(redis_server, ns, tiny_model_dir, name, server.url, tmp_path / f"{name}.log") for name in "ab"
     ]
@@ -173,11 +188,8 @@ def test_two_workers_sharing_one_server_sync_weights_mid_generation(
             wait_for_worker(client.streams.redis, ns, name, process, timeout_s=120)
         # The tiny model is fast on a server of its own: enough work that some is in flight at each sync.
         ids = [client.submit(tokens=[5 + i, 40, 41, 42], n=4, max_tokens=480, seed=i) for i in range(12)]
-        wait_until(
-            lambda: client.streams.redis.xpending(client.streams.keys.prompts, GENERATORS)["pending"] >= 10,
-            60,
-            "generation to start",
-        )
+        pending = lambda: client.streams.redis.xpending(client.streams.keys.prompts, GENERATORS)["pending"]  # noqa: E731
+        wait_until(lambda: pending() >= 10, 120, "the workers to take the prompts")
         assert client.publish_weights(tiny_model_dir_v1, transport="redis://", mode=mode) == 1
         assert sorted(client.last_sync.acked) == ["a", "b"] and client.last_sync.evicted == []
         assert client.publish_weights(tiny_model_dir, transport=f"fs://{tmp_path / 'weights'}", mode=mode) == 2
@@ -188,7 +200,11 @@ def test_two_workers_sharing_one_server_sync_weights_mid_generation(
         assert client.stats["duplicates"] == 0 and {r.worker for r in rollouts} == {"a", "b"}
         for rollout in rollouts:
             check_spans_and_logprobs(rollout, weights)
-        assert any(len(r.spans) >= 2 for r in rollouts), "some rollouts must span two or more versions"
+        partials = client.streams.redis.xinfo_stream(client.streams.keys.partials)["last-generated-id"]
+        if mode == "keep":
+            assert any(len(r.spans) >= 2 for r in rollouts), f"none spans two versions: {[r.spans for r in rollouts]}"
+        else:  # how far each sample had come at the abort depends on the machine's pace; they went on as partials
+            assert partials != b"0-0"
         assert httpx.get(f"{server.url}/weight_info").json()["weight_version"] == "2"
     finally:
         for process in started:

@@ -233,7 +233,12 @@ def worker(
     if metrics_port is not None:  # before the engine loads: a port in use fails at once
         serve_metrics(metrics.registry, metrics_port, metrics_addr)
     with user_errors(redis_url):
-        factory = functools.partial(create_engine, spec.kind, str(spec.model), **spec.options())  # builds, starts not
+        options = spec.options()
+        if spec.kind == "remote":  # workers sharing its server agree on its pause through Redis
+            from consumers.shared_server import SharedPause
+
+            options["pauses"] = SharedPause(streams.redis, ns, str(spec.url), name)
+        factory = functools.partial(create_engine, spec.kind, str(spec.model), **options)  # builds, starts not
         done = run_worker(streams, factory(), name, settings, metrics, factory)
     console.print(f"worker {done.name} stopped after publishing {done.published} rollouts")
     if done.failure:
@@ -468,7 +473,9 @@ def bench_sync(
     sizes: Annotated[
         str, typer.Option(help="Model sizes, comma-separated: tiny, small, medium, large, xl.")
     ] = "tiny,small,medium",
-    transports: Annotated[str, typer.Option(help="Transports, comma-separated: redis, fs, nccl, ipc.")] = "redis,fs,nccl",
+    transports: Annotated[
+        str, typer.Option(help="Transports, comma-separated: redis, fs, nccl, ipc.")
+    ] = "redis,fs,nccl",
     rounds: Annotated[int, typer.Option(help="Publishes per size and transport; medians are reported.")] = 3,
     mode: Annotated[str, typer.Option(help="Pause mode: abort or keep.")] = "abort",
     dtype: DtypeOpt = "float32",

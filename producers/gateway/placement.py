@@ -18,8 +18,9 @@ from producers.gateway.sessions import SessionStore
 
 Placement = Literal["sticky", "hash", "random"]
 PLACEMENTS: tuple[Placement, ...] = ("sticky", "hash", "random")
-SERVING = ("serving", "paused")
-"""Heartbeat statuses of a worker that takes (or, after a sync, will take) its inbox's work."""
+SERVING = ("serving", "paused", "idle", "starting", "released")
+"""Heartbeat statuses of a worker that takes (or, after a sync or its engine's start, will take) its inbox's work:
+a `--lazy` worker without an engine (`idle`, `released`) starts it for the first turn sent to it."""
 
 
 def candidates(workers: dict[str, dict[str, str]]) -> dict[str, int]:
