@@ -219,3 +219,9 @@ def test_bench_sync_reports_the_stall_per_transport(tmp_path: Path) -> None:
     assert "broadcast" in (logs / "tiny-nccl.log").read_text()  # the worker's own log, kept
     assert plot.read_bytes()[:4] == b"\x89PNG"
     assert_clean_error(rollouts("bench-sync", "--sizes", "huge"), "unknown sizes ['huge']")
+
+
+def test_a_remote_worker_needs_the_url_of_its_server(tiny_model_dir: Path) -> None:
+    """`--engine remote` without `--url` is refused in one line, before anything connects."""
+    result = rollouts("worker", "--engine", "remote", "--model", str(tiny_model_dir), timeout=60)
+    assert_clean_error(result, "--engine remote needs --url")

@@ -76,7 +76,9 @@ def test_pause_and_resume_of_two_workers_do_not_interleave(real_redis: redis.Red
     def slow(what: str) -> Callable[[], Awaitable[None]]:
         async def run() -> None:
             order.append(f"{what} begins")
-            await asyncio.sleep(0.2)  # stands for a slow HTTP call (a loaded server): widens the window
+            # The call's duration is the behaviour under test: a pause call that takes time (a loaded server), during
+            # which the other worker's resume must not reach the server. Not a wait for a condition.
+            await asyncio.sleep(0.2)
             order.append(f"{what} ends")
 
         return run
