@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from consumers.engine import EngineInputError
 from consumers.remote_engine import RemoteVllmEngine
@@ -46,6 +47,11 @@ class Server:
         httpx.post(f"{self.url}/collective_rpc", json=call, timeout=60).raise_for_status()
         httpx.post(f"{self.url}/update_weight_version", json={"new_version": "0"}, timeout=10).raise_for_status()
 
+    def running(self) -> float:
+        """Requests the server is generating now (its own Prometheus gauge)."""
+        families = text_string_to_metric_families(httpx.get(f"{self.url}/metrics", timeout=10).text)
+        return sum(s.value for f in families if f.name == "vllm:num_requests_running" for s in f.samples)
+
     def healthy(self) -> bool:
         try:
             return httpx.get(f"{self.url}/health", timeout=2).status_code == 200
@@ -64,13 +70,18 @@ def server_command(model: Path, port: int) -> list[str]:
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """A vLLM server on a free port, started but not waited for (the first test starts a worker before it is up)."""
+    """A vLLM server on a free port, started but not waited for (the first test starts a worker before it is up).
+
+    In this session's process group of its own (to be killed with its engine core), not a session of its own: with
+    the kernel's autogroup scheduling (`/proc/sys/kernel/sched_autogroup_enabled`), a new session is a scheduling
+    group that gets as much CPU as all the tests' processes together, and on 2 cores the busy server then kept the
+    workers' threads runnable but unscheduled for seconds (their heartbeats lapsed)."""
     port = free_port()
     log = tmp_path_factory.mktemp("vllm-server") / "server.log"
     env = os.environ | {"VLLM_SERVER_DEV_MODE": "1"}
     with log.open("wb") as out:
         process = subprocess.Popen(
-            server_command(tiny_model_dir, port), stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            server_command(tiny_model_dir, port), stdout=out, stderr=subprocess.STDOUT, env=env, process_group=0
         )
     yield Server(f"http://127.0.0.1:{port}", process, log)
     if process.poll() is None:
@@ -83,9 +94,7 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
 
 
 REMOTE_FLAGS = ("--claim-idle-ms", "10000", "--heartbeat-s", "2")
-"""Heartbeats alive 10 s. Run under pytest on this 2-core machine, remote workers stood still for 6-17 s right after
-their first requests now and then (heartbeats lapsed: a sync found them gone; their prompts were claimed); run by
-hand with the same load they did not. Not understood yet (see the README's open items)."""
+"""Heartbeats alive 10 s: a worker that sits behind the busy server on a 2-core machine is late, not dead."""
 
 
 def remote_worker(redis_server: RedisServer, ns: str, model: Path, name: str, url: str, log: Path) -> subprocess.Popen:
@@ -188,8 +197,7 @@ def test_two_workers_sharing_one_server_sync_weights_mid_generation(
             wait_for_worker(client.streams.redis, ns, name, process, timeout_s=120)
         # The tiny model is fast on a server of its own: enough work that some is in flight at each sync.
         ids = [client.submit(tokens=[5 + i, 40, 41, 42], n=4, max_tokens=480, seed=i) for i in range(12)]
-        pending = lambda: client.streams.redis.xpending(client.streams.keys.prompts, GENERATORS)["pending"]  # noqa: E731
-        wait_until(lambda: pending() >= 10, 120, "the workers to take the prompts")
+        wait_until(lambda: server.running() >= 8, 120, "the workers' requests to run on the server")
         assert client.publish_weights(tiny_model_dir_v1, transport="redis://", mode=mode) == 1
         # Both moved to v1 (a worker whose heartbeat lapsed in a machine stall counts as gone, not evicted: see
         # REMOTE_FLAGS); the spans below prove every token's version either way.
@@ -200,7 +208,11 @@ def test_two_workers_sharing_one_server_sync_weights_mid_generation(
 
         rollouts = [r for g in client.collect(len(ids), timeout=300) for r in g.rollouts]
         assert sorted(r.id for r in rollouts) == sorted(f"{p}:{k}" for p in ids for k in range(4))
-        assert client.stats["duplicates"] == 0 and {r.worker for r in rollouts} == {"a", "b"}
+        assert client.stats["duplicates"] == 0
+        # Both generated (a rollout names the worker that finished it: in abort mode one worker may finish all).
+        beats = [client.streams.keys.worker(name) for name in "ab"]
+        generated = lambda: [int(client.streams.redis.hget(k, "generated_tokens") or 0) for k in beats]  # noqa: E731
+        wait_until(lambda: min(generated()) > 0, 30, "both workers' heartbeats to show tokens")
         for rollout in rollouts:
             check_spans_and_logprobs(rollout, weights)
         partials = client.streams.redis.xinfo_stream(client.streams.keys.partials)["last-generated-id"]
