@@ -16,14 +16,17 @@ released: the worker could not get that version back until the next sync.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from consumers.engine import Engine
+import redis
+
+from consumers.engine import Engine, create_engine
 from staleness.transports import join_adapter
 
 if TYPE_CHECKING:
@@ -33,6 +36,19 @@ log = logging.getLogger(__name__)
 
 EngineFactory = Callable[[], Engine]
 """Builds an unstarted engine (cheap: it reads the model's config), as `create_engine(kind, model, **options)`."""
+
+
+def engine_factory(
+    kind: str, model: str, options: dict[str, Any], client: redis.Redis, ns: str, member: str
+) -> EngineFactory:
+    """The worker's engine factory (`rollouts worker`, a Ray actor): `create_engine` with these options, each time
+    the engine starts again. A `remote` engine also gets the pause holders of the server it may share with the
+    namespace's other workers (`consumers.shared_server`), which live in Redis, not in the options."""
+    if kind == "remote":
+        from consumers.shared_server import SharedPause
+
+        options = options | {"pauses": SharedPause(client, ns, str(options["url"]), member)}
+    return functools.partial(create_engine, kind, model, **options)
 
 
 class WorkerStatus(StrEnum):

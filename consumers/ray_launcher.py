@@ -44,7 +44,7 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from consumers.engine import create_engine
+from consumers.lifecycle import WorkerStatus, engine_factory
 from consumers.worker import Worker, WorkerSettings
 from pipeline.connections import connect
 from pipeline.streams import Streams
@@ -54,8 +54,9 @@ log = logging.getLogger(__name__)
 
 ACTOR_PREFIX = "worker-"
 """Actor and placement-group names: `worker-0`, `worker-1`, ... in the pipeline's Ray namespace."""
-READY_STATUSES = ("serving", "awaiting weights")
-"""Heartbeat statuses of a worker that has started (`awaiting weights`: it waits for the next sync)."""
+READY_STATUSES = (WorkerStatus.SERVING, WorkerStatus.AWAITING_WEIGHTS, WorkerStatus.IDLE, WorkerStatus.RELEASED)
+"""Heartbeat statuses of a worker that has started (`awaiting weights`: it waits for the next sync; `idle`: `--lazy`,
+its engine starts on its first work; `released`: `--release-after-s`, the same after a while without work)."""
 FAILED = "failed"
 """Heartbeat status of a worker actor that stopped on its own, with `failure`, until Ray restarts it."""
 
@@ -147,7 +148,8 @@ class RayWorker:
         self, streams: Streams, engine: str, model: str, options: dict[str, Any], settings: WorkerSettings
     ) -> None:
         try:
-            worker = Worker(streams, create_engine(engine, model, **options), self.name, settings)
+            factory = engine_factory(engine, model, options, streams.redis, streams.keys.ns, self.name)
+            worker = Worker(streams, factory(), self.name, settings, factory=factory)
             asyncio.run(self._serve(worker))
             self.failure = worker.failure
         except Exception as exc:

@@ -9,6 +9,7 @@ at a namespace whose workers you run yourself and pass `--workers 0`).
 
     python examples/grpo_trainer.py --steps 60 --mode async --max-staleness 2 --plot curve.png
     python examples/grpo_trainer.py --steps 60 --mode sync
+    python examples/grpo_trainer.py --engine remote --url http://127.0.0.1:8000 --model MODEL  # a vLLM server
 
 Modes. `sync`: submit a step's prompts, wait for all of them, train, publish; every sample is of
 the current policy. `async`: a producer thread keeps submitting (admission holds it to
@@ -273,12 +274,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--redis", help="Redis URL (default: a private redis-server, started here).")
     parser.add_argument("--ns", default="grpo")
     parser.add_argument("--model", type=Path, help="Model directory (default: a fresh tiny model).")
-    parser.add_argument("--engine", default="torch", choices=["torch", "vllm"])
+    parser.add_argument("--engine", default="torch", choices=["torch", "vllm", "remote"])
+    parser.add_argument("--url", help="--engine remote: the vLLM server the workers drive (it serves --model).")
     parser.add_argument("--workers", type=int, default=1, help="Workers to start here (0: yours are running).")
     parser.add_argument("--worker-device", default="cpu", help="torch engine: the workers' device (cuda:1).")
     parser.add_argument("--score-workers", type=int, default=1, help="--scoring rq: RQ score-workers to start here.")
     parser.add_argument("--plot", type=Path, help="Write the learning curve to this PNG.")
     args = parser.parse_args(argv)
+    if args.engine == "remote" and (args.url is None or args.model is None):
+        parser.error("--engine remote needs --url http://HOST:PORT of a running vLLM server and --model, its model")
     config = TrainConfig(**{name: getattr(args, name) for name in asdict(defaults)})
     torch.set_num_threads(1)  # the trainer on one core, the worker on the other
     with contextlib.ExitStack() as stack:
@@ -293,7 +297,8 @@ def main(argv: list[str] | None = None) -> None:
             model = tmp / "model"
             subprocess.run(rollouts_cli("tiny-model", str(model)), check=True, capture_output=True)
         if args.workers:
-            worker_args = ["--device", args.worker_device] if args.engine == "torch" else []
+            engine_flags = {"torch": ["--device", args.worker_device], "remote": ["--url", args.url]}
+            worker_args = engine_flags.get(args.engine, [])
             stack.enter_context(
                 generation_side(
                     url, args.ns, model, args.engine, args.workers, tmp, worker_args, config.scoring, args.score_workers

@@ -13,12 +13,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from pipeline.local import RedisServer
 from pipeline.wire import Keys
 from producers.client import RolloutClient
-from tests.conftest import StartWorker
+from tests.conftest import StartWorker, wait_until
+from tests.vllm_server import vllm_server
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "grpo_trainer.py"
 BENCH = EXAMPLE.with_name("bench_rl.py")
@@ -97,7 +99,26 @@ def test_with_vllm_workers_paused_in_keep_mode_the_async_trainer_learns(redis_se
     assert summary["final_reward"] > steps[0]["reward"] + 0.15, [round(s["reward"], 2) for s in steps]
 
 
-@pytest.mark.parametrize("bad", [["--mode", "both"], ["--steps", "many"]])
+@pytest.mark.vllm
+def test_with_a_vllm_server_as_the_engine_paused_in_keep_mode_the_async_trainer_learns(
+    redis_server: RedisServer, ns: str, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The in-process vLLM test above, with the trainer's worker driving a `vllm serve` of its own (`--engine
+    remote`): the server pauses, reloads and relabels its weights at every step."""
+    with vllm_server(tiny_model_dir, tmp_path / "server.log") as server:
+        wait_until(server.healthy, 300, "the vLLM server")
+        args = ["--engine", "remote", "--url", server.url, "--model", str(tiny_model_dir), "--mode", "async"]
+        args += ["--max-staleness", "1", "--pause-mode", "keep", "--steps", "100"]
+        *steps, summary = run_trainer(redis_server, ns, *args)
+        label = httpx.get(f"{server.url}/weight_info", timeout=10).json()["weight_version"]
+    assert summary["samples"] == summary["unique"] == 100 * 64
+    assert all(s["staleness_max"] <= 1 for s in steps)
+    assert any(s["multi_version"] > 0 for s in steps), "frozen requests continued under the new weights"
+    assert summary["final_reward"] > steps[0]["reward"] + 0.15, [round(s["reward"], 2) for s in steps]
+    assert label == str(steps[-1]["version"]), "the server serves the last weights the trainer published"
+
+
+@pytest.mark.parametrize("bad", [["--mode", "both"], ["--steps", "many"], ["--engine", "remote"]])
 def test_bad_arguments_say_what_to_fix(bad: list[str]) -> None:
     result = subprocess.run([sys.executable, str(EXAMPLE), *bad], capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "Traceback" not in result.stderr

@@ -160,3 +160,32 @@ def test_launch_mistakes_get_one_line(ray_cluster: str, redis_server: RedisServe
     broken = rollouts("launch", "--ray", ray_cluster, *common, *unpaced)
     assert_clean_error(broken, "ray-0 could not start: ValueError: steps_per_s must be > 0")
     assert ray_view(ray_cluster, ns) == ([], [])
+
+
+def test_lazy_ray_workers_start_their_engine_on_the_first_work_and_release_it_when_idle(
+    ray_cluster: str, redis_server: RedisServer, ns: str, tiny_model_dir: Path
+) -> None:
+    """`--lazy --release-after-s` reach the actors: each registers without an engine, starts one when work comes,
+    shuts it down after the idle time and starts it again for the next work (a release builds a fresh engine from
+    the actor's factory)."""
+    url, keys = redis_server.url, Keys(ns)
+    launched = rollouts(
+        "launch", "--ray", ray_cluster, "--redis", url, "--ns", ns, "--engine", "torch", "--model", str(tiny_model_dir),
+        "--num-threads", "1", *FAST, "--lazy", "--release-after-s", "2", "--no-wait",
+    )  # fmt: skip
+    assert launched.returncode == 0, launched.stdout + launched.stderr
+    assert f"1 workers ready (--lazy) on {keys.prompts}: ray-0" in " ".join(launched.stderr.split())
+    client = RolloutClient(url, ns)
+    beat = lambda: {k.decode(): v.decode() for k, v in client.streams.redis.hgetall(keys.worker("ray-0")).items()}  # noqa: E731
+    assert (beat()["status"], beat()["engine_starts"]) == ("idle", "0")
+    try:
+        for round_ in (1, 2):
+            ids = [client.submit(tokens=[4 + i, 20, 30], n=2, max_tokens=16, seed=i) for i in range(4)]
+            assert sorted(g.prompt_id for g in client.collect(len(ids), timeout=120)) == sorted(ids)
+            wait_until(lambda: beat()["status"] == "released", 60, "ray-0 to release its idle engine")
+            assert beat()["engine_starts"] == str(round_)
+        assert client.stats["duplicates"] == 0
+    finally:
+        stopped = rollouts("launch", "--stop", "--ray", ray_cluster, "--redis", url, "--ns", ns)
+    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+    assert ray_view(ray_cluster, ns) == ([], [])

@@ -10,87 +10,33 @@ import asyncio
 import os
 import signal
 import subprocess
-import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from consumers.engine import EngineInputError
 from consumers.remote_engine import RemoteVllmEngine
 from consumers.vllm_engine import VllmEngine
 from pipeline.cli.processes import start_worker, stop_process, wait_for_worker
-from pipeline.local import RedisServer, free_port
+from pipeline.local import RedisServer
 from pipeline.wire import GENERATORS, Prompt, Sampling
 from producers.client import RolloutClient
 from tests.conftest import StartWorker, wait_until
 from tests.engine_loop import Served
 from tests.reference import check_spans_and_logprobs, forward_logprobs, random_prompts
+from tests.vllm_server import Server, vllm_server
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("one_thread")]
 
 
-@dataclass
-class Server:
-    url: str
-    process: subprocess.Popen[bytes]
-    log: Path
-
-    def serve_base_model(self, model: Path) -> None:
-        """What a user does to reuse a server for a new run: load the run's base weights and label them 0 (a
-        worker adopts the server's numeric label as the version it serves)."""
-        call = {"method": "reload_weights", "kwargs": {"weights_path": str(model)}}
-        httpx.post(f"{self.url}/collective_rpc", json=call, timeout=60).raise_for_status()
-        httpx.post(f"{self.url}/update_weight_version", json={"new_version": "0"}, timeout=10).raise_for_status()
-
-    def running(self) -> float:
-        """Requests the server is generating now (its own Prometheus gauge)."""
-        families = text_string_to_metric_families(httpx.get(f"{self.url}/metrics", timeout=10).text)
-        return sum(s.value for f in families if f.name == "vllm:num_requests_running" for s in f.samples)
-
-    def healthy(self) -> bool:
-        try:
-            return httpx.get(f"{self.url}/health", timeout=2).status_code == 200
-        except httpx.TransportError:
-            return False
-
-
-def server_command(model: Path, port: int) -> list[str]:
-    """How the README starts a server for the remote engine (the tiny model's CPU settings)."""
-    return [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(port),
-        "--enable-scale-out", "--skip-tokenizer-init", "--dtype", "float32", "--enforce-eager",
-        "--kv-cache-memory-bytes", str(256 << 20), "--no-enable-chunked-prefill", "--max-num-batched-tokens", "8192",
-    ]  # fmt: skip
-
-
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """A vLLM server on a free port, started but not waited for (the first test starts a worker before it is up).
-
-    In this session's process group of its own (to be killed with its engine core), not a session of its own: with
-    the kernel's autogroup scheduling (`/proc/sys/kernel/sched_autogroup_enabled`), a new session is a scheduling
-    group that gets as much CPU as all the tests' processes together, and on 2 cores the busy server then kept the
-    workers' threads runnable but unscheduled for seconds (their heartbeats lapsed)."""
-    port = free_port()
-    log = tmp_path_factory.mktemp("vllm-server") / "server.log"
-    env = os.environ | {"VLLM_SERVER_DEV_MODE": "1"}
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            server_command(tiny_model_dir, port), stdout=out, stderr=subprocess.STDOUT, env=env, process_group=0
-        )
-    yield Server(f"http://127.0.0.1:{port}", process, log)
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+    """A vLLM server for the module, started but not waited for (the first test starts a worker before it is up)."""
+    with vllm_server(tiny_model_dir, tmp_path_factory.mktemp("vllm-server") / "server.log") as server:
+        yield server
 
 
 REMOTE_FLAGS = ("--claim-idle-ms", "10000", "--heartbeat-s", "2")

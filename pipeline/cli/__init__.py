@@ -7,7 +7,6 @@ prompts file) into one line that says what to fix, never a traceback.
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import logging
 import os
@@ -216,7 +215,7 @@ def worker(
 ) -> None:
     """Serve prompts from the namespace until interrupted (SIGINT/SIGTERM drain in-flight work)."""
     # The engine flags reach the engine through `ctx.params` (EngineSpec.from_flags).
-    from consumers.engine import create_engine
+    from consumers.lifecycle import engine_factory
     from consumers.metrics import WorkerMetrics
     from consumers.worker import default_worker_name, run_worker
     from pipeline.exporter import process_registry
@@ -233,13 +232,8 @@ def worker(
     if metrics_port is not None:  # before the engine loads: a port in use fails at once
         serve_metrics(metrics.registry, metrics_port, metrics_addr)
     with user_errors(redis_url):
-        options = spec.options()
-        if spec.kind == "remote":  # workers sharing its server agree on its pause through Redis
-            from consumers.shared_server import SharedPause
-
-            options["pauses"] = SharedPause(streams.redis, ns, str(spec.url), name)
-        factory = functools.partial(create_engine, spec.kind, str(spec.model), **options)  # builds, starts not
-        done = run_worker(streams, factory(), name, settings, metrics, factory)
+        factory = engine_factory(spec.kind, str(spec.model), spec.options(), streams.redis, ns, name)
+        done = run_worker(streams, factory(), name, settings, metrics, factory)  # built here, started by the worker
     console.print(f"worker {done.name} stopped after publishing {done.published} rollouts")
     if done.failure:
         console.print(f"[bold red]worker {done.name} failed:[/] {done.failure}")

@@ -18,10 +18,12 @@ from pipeline.cli import (
     ClaimIdleOpt,
     DedupeTtlOpt,
     HeartbeatOpt,
+    LazyOpt,
     LogLevelOpt,
     MaxInflightOpt,
     NsOpt,
     RedisOpt,
+    ReleaseAfterOpt,
     app,
     check_engine,
     console,
@@ -43,6 +45,7 @@ from pipeline.cli.engine_spec import (
     SeedOpt,
     ThreadsOpt,
     TpOpt,
+    UrlOpt,
 )
 from pipeline.connections import redact
 from pipeline.streams import Streams
@@ -91,11 +94,14 @@ def launch(
     tensor_parallel_size: TpOpt = 1,
     enforce_eager: EagerOpt = True,
     seed: SeedOpt = None,
+    url: UrlOpt = None,
     engine_args: EngineArgsOpt = None,
     max_inflight: MaxInflightOpt = 256,
     claim_idle_ms: ClaimIdleOpt = 10_000,
     heartbeat_s: HeartbeatOpt = 1.0,
     dedupe_ttl_s: DedupeTtlOpt = 86_400,
+    lazy: LazyOpt = False,
+    release_after_s: ReleaseAfterOpt = None,
     log_level: LogLevelOpt = "info",
 ) -> None:
     """Run N workers as Ray actors, one placement group each, restarted by Ray when they die (their
@@ -129,7 +135,7 @@ def launch(
                 engine=spec.kind,
                 model=str(spec.model),
                 engine_options=spec.options(),
-                settings=worker_settings(max_inflight, claim_idle_ms, heartbeat_s, dedupe_ttl_s),
+                settings=worker_settings(max_inflight, claim_idle_ms, heartbeat_s, dedupe_ttl_s, lazy, release_after_s),
                 gpus=gpus_per_worker,
                 cpus=cpus_per_worker,
                 max_restarts=max_restarts,
@@ -149,7 +155,8 @@ def launch(
                 ray_launcher.stop(list(started))  # what this launch started, and their placement groups
                 raise
             names = [launch_spec.worker_name(i) for i in range(workers)]
-            console.print(f"{workers} workers serving on {streams.keys.prompts}: {', '.join(names)}")
+            state = "ready (--lazy)" if lazy else "serving"
+            console.print(f"{workers} workers {state} on {streams.keys.prompts}: {', '.join(names)}")
             if wait:
                 _watch(streams, ray_launcher.actor_names(), name_prefix)
         except ray_launcher.LaunchError as exc:
