@@ -199,7 +199,8 @@ class RemoteVllmEngine(ServesNoAdapters, EngineLifecycle):
             now = time.monotonic()
             if now > deadline:
                 raise EngineClosedError(
-                    f"no vLLM server answered at {self.url}/health within {self._start_timeout_s:.0f} s"
+                    f"no vLLM server answered at {self.url}/health within {self._start_timeout_s:g} s: check --url, "
+                    "or give a server that is slow to come up more time (start_timeout_s in --engine-args)"
                 )
             if now - said > 10:
                 log.info("waiting for the vLLM server at %s to come up", self.url)
@@ -391,7 +392,13 @@ class RemoteVllmEngine(ServesNoAdapters, EngineLifecycle):
             await self._load(version, "reload_weights", kwargs={"weights_path": str(staged)})
         finally:
             shutil.rmtree(staged, ignore_errors=True)
-        log.info("the server at %s loaded weights version %d from %d tensors", self.url, version, len(tensors))
+        log.info(
+            "the server at %s loaded weights version %d: %d tensors staged in %s",
+            self.url,
+            version,
+            len(tensors),
+            staged.parent,
+        )
 
     async def prepare_broadcast(self, link: Any) -> None:
         raise ValueError(NO_BROADCAST)
@@ -431,6 +438,11 @@ class RemoteVllmEngine(ServesNoAdapters, EngineLifecycle):
             response = await http.request(verb, path, **kwargs)
         except httpx.TransportError as exc:
             raise EngineClosedError(f"the vLLM server at {self.url} is gone ({path}): {exc!r}") from exc
+        if response.status_code == 401:
+            raise EngineClosedError(
+                f"the vLLM server at {self.url} wants its API key ({verb} {path}: {_error_text(response)}): "
+                'give it as api_key in --engine-args, e.g. \'{"api_key": "..."}\''
+            )
         if response.status_code != 200:
             raise EngineClosedError(f"the vLLM server at {self.url} refused {verb} {path}: {_error_text(response)}")
         return response.json() if response.content else None

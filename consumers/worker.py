@@ -193,7 +193,13 @@ class Worker:
         if self.settings.lazy:
             self.status = WorkerStatus.IDLE
         else:
-            await self._slot.start()
+            try:
+                await self._slot.start()
+            except Exception as exc:
+                self._could_not_start(exc)
+                await self._slot.shutdown()
+                await asyncio.to_thread(self.streams.forget_worker, self.name)
+                return
         control_from = await self._catch_up()
         if self._slot.started:
             self._engine_started("launch", began)
@@ -580,14 +586,23 @@ class Worker:
                 await self._slot.start()
                 await self._load_current()
             except Exception as exc:
-                log.exception("%s: the engine could not start", self.name)
-                self.failure = f"the engine could not start: {exc}"
+                self._could_not_start(exc)
                 self.stop(drain=False)
                 return False
             self._slot.ready = True
             self._engine_started("demand", began)
             await self._beat()
         return True
+
+    def _could_not_start(self, exc: Exception) -> None:
+        """Why the engine could not start, as the worker's `failure` (the worker then stops, exit 1, its work stays
+        pending). `EngineClosedError` says what to fix (a server that does not answer or lacks a flag): one line;
+        anything else is unexpected, and its traceback goes to the log."""
+        self.failure = f"the engine could not start: {exc}"
+        if isinstance(exc, EngineClosedError):
+            log.error("%s: %s", self.name, self.failure)
+        else:
+            log.exception("%s: the engine could not start", self.name)
 
     def _engine_started(self, why: str, began: float) -> None:
         seconds = self._slot.cold_start_s = time.monotonic() - began

@@ -7,6 +7,7 @@ test starts a worker before the server answers; the last one kills the server. T
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -21,12 +22,13 @@ from consumers.engine import EngineInputError
 from consumers.remote_engine import RemoteVllmEngine
 from consumers.vllm_engine import VllmEngine
 from pipeline.cli.processes import start_worker, stop_process, wait_for_worker
-from pipeline.local import RedisServer
+from pipeline.local import RedisServer, free_port
 from pipeline.wire import GENERATORS, Prompt, Sampling
 from producers.client import RolloutClient
 from tests.conftest import StartWorker, wait_until
 from tests.engine_loop import Served
 from tests.reference import check_spans_and_logprobs, forward_logprobs, random_prompts
+from tests.test_lazy import heartbeat, serve_one
 from tests.vllm_server import Server, vllm_server
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("one_thread")]
@@ -43,9 +45,16 @@ REMOTE_FLAGS = ("--claim-idle-ms", "10000", "--heartbeat-s", "2")
 """Heartbeats alive 10 s: a worker that sits behind the busy server on a 2-core machine is late, not dead."""
 
 
-def remote_worker(redis_server: RedisServer, ns: str, model: Path, name: str, url: str, log: Path) -> subprocess.Popen:
-    flags = (*REMOTE_FLAGS, "--engine", "remote", "--url", url)
+def remote_worker(
+    redis_server: RedisServer, ns: str, model: Path, name: str, url: str, log: Path, *extra: str
+) -> subprocess.Popen:
+    flags = (*REMOTE_FLAGS, "--engine", "remote", "--url", url, *extra)
     return start_worker(redis_server.url, ns, model, name, *flags, log_file=log)
+
+
+def logged(needle: str, log: Path) -> bool:
+    """`needle` is in the worker's log, however rich wrapped it (at 80 columns, long paths mid-word)."""
+    return "".join(needle.split()) in "".join(log.read_text().split())
 
 
 def test_a_worker_started_before_its_server_serves_once_it_is_up_and_bad_input_spares_the_server(
@@ -172,6 +181,38 @@ def test_two_workers_sharing_one_server_sync_weights_mid_generation(
             stop_process(process)
 
 
+def test_a_lazy_remote_worker_connects_on_the_first_prompt_and_its_release_leaves_the_server_serving(
+    redis_server: RedisServer, ns: str, tiny_model_dir: Path, tiny_model_dir_v1: Path, server: Server, tmp_path: Path
+) -> None:
+    wait_until(server.healthy, 300, "the vLLM server")
+    server.serve_base_model(tiny_model_dir)
+    staging = tmp_path / "staging"  # where a user would mount a volume the server also sees
+    staging.mkdir()
+    log = tmp_path / "lazy.log"
+    flags = ("--lazy", "--release-after-s", "2", "--engine-args", json.dumps({"staging_dir": str(staging)}))
+    worker = remote_worker(redis_server, ns, tiny_model_dir, "lazy", server.url, log, *flags)
+    try:
+        client = RolloutClient(redis_server.url, ns)
+        wait_for_worker(client.streams.redis, ns, "lazy", worker, timeout_s=120, status="idle")
+        assert heartbeat(client, "lazy")["engine_starts"] == "0"
+
+        serve_one(client, "first", 0, {0: tiny_model_dir})
+        status = lambda: heartbeat(client, "lazy")["status"]  # noqa: E731
+        wait_until(lambda: status() == "released", 60, "the idle engine to be released")
+        assert server.healthy(), "a release closes the worker's connections; the server is not the worker's to stop"
+
+        # A sync while released is acked with nothing loaded; the next start loads it through the staging directory.
+        assert client.publish_weights(tiny_model_dir_v1, transport="redis://") == 1
+        assert client.last_sync.acked == ["lazy"] and client.last_sync.evicted == []
+        assert httpx.get(f"{server.url}/weight_info").json()["weight_version"] == "0"
+        serve_one(client, "second", 1, {1: tiny_model_dir_v1})
+        assert httpx.get(f"{server.url}/weight_info").json()["weight_version"] == "1"
+        assert heartbeat(client, "lazy")["engine_starts"] == "2"
+        assert logged(f"staged in {staging}", log) and list(staging.iterdir()) == []  # staged there, then removed
+    finally:
+        stop_process(worker)
+
+
 def test_a_worker_whose_server_dies_exits_and_its_work_finishes_elsewhere(
     redis_server: RedisServer, ns: str, tiny_model_dir: Path, server: Server, workers: StartWorker, tmp_path: Path
 ) -> None:
@@ -199,3 +240,36 @@ def test_a_worker_whose_server_dies_exits_and_its_work_finishes_elsewhere(
         assert any(r.worker == "rescuer" for g in groups for r in g.rollouts)
     finally:
         stop_process(doomed)
+
+
+def test_a_server_the_engine_cannot_use_is_refused_at_start_with_what_to_fix_and_nothing_is_lost(
+    redis_server: RedisServer, ns: str, tiny_model_dir: Path, workers: StartWorker, tmp_path: Path
+) -> None:
+    """No server at the URL, a server that wants an API key, one without the RL endpoints (no dev mode): each worker
+    exits 1 with one line that says what to fix, no traceback, and the prompt waits for a worker that can serve it."""
+    client = RolloutClient(redis_server.url, ns)
+    waiting = client.submit(tokens=[3, 4, 5], n=2, max_tokens=8, seed=0)
+
+    def refused(name: str, url: str, engine_args: dict[str, object]) -> Path:
+        log = tmp_path / f"{name}.log"
+        worker = remote_worker(
+            redis_server, ns, tiny_model_dir, name, url, log, "--engine-args", json.dumps(engine_args)
+        )
+        try:
+            assert worker.wait(timeout=180) == 1, log.read_text()
+        finally:
+            stop_process(worker)
+        assert "Traceback" not in log.read_text() and logged(f"worker {name} failed: the engine could not start:", log)
+        assert not client.streams.redis.exists(client.streams.keys.worker(name)), "a refused worker stays registered"
+        return log
+
+    nobody = f"http://127.0.0.1:{free_port()}"
+    assert logged("no vLLM server answered", refused("nobody", nobody, {"start_timeout_s": 1}))
+    with vllm_server(tiny_model_dir, tmp_path / "server.log", "--api-key", "sesame", dev_mode=False) as bare:
+        wait_until(bare.healthy, 300, "the vLLM server without dev mode")
+        assert logged("wants its API key", refused("keyless", bare.url, {}))
+        assert logged("VLLM_SERVER_DEV_MODE=1", refused("keyed", bare.url, {"api_key": "sesame"}))
+
+    workers("rescuer", "--engine", "torch")
+    (group,) = client.collect(1, timeout=120)
+    assert group.prompt_id == waiting and client.stats["duplicates"] == 0

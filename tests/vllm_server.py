@@ -42,28 +42,33 @@ class Server:
             return False
 
 
-def server_command(model: Path, port: int) -> list[str]:
-    """How the README starts a server for the remote engine (the tiny model's CPU settings)."""
+def server_command(model: Path, port: int, *extra: str) -> list[str]:
+    """How the README starts a server for the remote engine (the tiny model's CPU settings), and `extra` flags."""
     return [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(port),
         "--enable-scale-out", "--skip-tokenizer-init", "--dtype", "float32", "--enforce-eager",
         "--kv-cache-memory-bytes", str(256 << 20), "--no-enable-chunked-prefill", "--max-num-batched-tokens", "8192",
+        *extra,
     ]  # fmt: skip
 
 
 @contextmanager
-def vllm_server(model: Path, log: Path) -> Iterator[Server]:
-    """A vLLM server on a free port, started but not waited for (`Server.healthy` says when it answers).
+def vllm_server(model: Path, log: Path, *extra: str, dev_mode: bool = True) -> Iterator[Server]:
+    """A vLLM server on a free port, started but not waited for (`Server.healthy` says when it answers); `dev_mode`:
+    with `VLLM_SERVER_DEV_MODE=1`, as the remote engine needs (its RL endpoints).
 
     In this session, in a process group of its own (to be stopped with its engine core), not a session of its own:
     with the kernel's autogroup scheduling (`/proc/sys/kernel/sched_autogroup_enabled`), a new session is a
     scheduling group that gets as much CPU as all the tests' processes together, and on 2 cores the busy server then
     kept the workers' threads runnable but unscheduled for seconds (their heartbeats lapsed)."""
     port = free_port()
-    env = os.environ | {"VLLM_SERVER_DEV_MODE": "1"}
+    env = dict(os.environ)
+    env.pop("VLLM_SERVER_DEV_MODE", None)
+    if dev_mode:
+        env["VLLM_SERVER_DEV_MODE"] = "1"
     with log.open("wb") as out:
         process = subprocess.Popen(
-            server_command(model, port), stdout=out, stderr=subprocess.STDOUT, env=env, process_group=0
+            server_command(model, port, *extra), stdout=out, stderr=subprocess.STDOUT, env=env, process_group=0
         )
     try:
         yield Server(f"http://127.0.0.1:{port}", process, log)
