@@ -666,9 +666,7 @@ class Worker:
             self._tokens_per_s = (self.generated_tokens - last_tokens) / max(now - last_time, 1e-6)
             last_tokens, last_time = self.generated_tokens, now
             try:
-                self._fleet = await self._beat()
-                if self._inflight:
-                    await asyncio.to_thread(self.streams.touch, self.name, list(self._inflight.values()))
+                self._fleet = await self._beat(touch=True)
                 if not self._stopping.is_set() and random.random() < sweep_chance(self._fleet):
                     await asyncio.to_thread(self.streams.rehome_departed)
                 if now - last_trim > self.settings.trim_every_s:
@@ -685,8 +683,9 @@ class Worker:
             await asyncio.sleep(period * (random.random() if first else random.uniform(0.9, 1.1)))
             first = False
 
-    async def _beat(self) -> int:
-        """Write the heartbeat; returns the size of the fleet on the registry."""
+    async def _beat(self, touch: bool = False) -> int:
+        """Write the heartbeat (`touch`: and reset the idle time of the work in flight, in the same round trip);
+        returns the size of the fleet on the registry."""
         status = {
             "status": self.status,
             "engine": self.engine.name,
@@ -707,7 +706,9 @@ class Worker:
             "pid": os.getpid(),
             **self._adapters.heartbeat_fields(),
         }
-        return await asyncio.to_thread(self.streams.heartbeat, self.name, status, self.settings.heartbeat_ttl_s)
+        entries = list(self._inflight.values()) if touch else []
+        ttl_s = self.settings.heartbeat_ttl_s
+        return await asyncio.to_thread(self.streams.heartbeat, self.name, status, ttl_s, entries)
 
     async def _claim_abandoned(self) -> int:
         """Claim work idle past `claim_idle_ms` (its worker died or hangs) while there is room; returns how many."""

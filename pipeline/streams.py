@@ -146,13 +146,17 @@ class Streams:
 
     def touch(self, consumer: str, entries: Iterable[Entry]) -> None:
         """Reset the idle time of work still in progress, so that nobody claims it from a live worker."""
+        pipe = self.redis.pipeline(transaction=False)
+        self._touch(pipe, consumer, entries)
+        pipe.execute()
+
+    @staticmethod
+    def _touch(pipe: redis.client.Pipeline, consumer: str, entries: Iterable[Entry]) -> None:
         by_stream: dict[str, list[bytes]] = {}
         for entry in entries:
             by_stream.setdefault(entry.stream, []).append(entry.id)
-        pipe = self.redis.pipeline(transaction=False)
         for stream, ids in by_stream.items():
             pipe.xclaim(stream, GENERATORS, consumer, 0, ids, justid=True)
-        pipe.execute()
 
     def delivery_count(self, entry: Entry) -> int:
         """How many times the group has handed this entry out (1 on first delivery)."""
@@ -249,16 +253,20 @@ class Streams:
             args += [name, value]
         return bool(self._dead_letter(keys=[entry.stream, self.keys.dead], args=args))
 
-    def heartbeat(self, name: str, status: dict[str, Any], ttl_s: float) -> int:
+    def heartbeat(self, name: str, status: dict[str, Any], ttl_s: float, touch: Iterable[Entry] = ()) -> int:
         """Write the worker's heartbeat hash (expiring) and keep it on the registry `{ns}:workers`; returns how many
-        workers the registry holds (departed ones not yet rehomed included), for the sweep's share (`sweep_chance`)."""
+        workers the registry holds (departed ones not yet rehomed included), for the sweep's share (`sweep_chance`).
+
+        `touch`: work still in progress, whose idle time is reset in the same round trip (as `touch` does): a fleet's
+        upkeep is then one round trip a worker a period, not two."""
         key = self.keys.worker(name)
         pipe = self.redis.pipeline(transaction=True)
         pipe.hset(key, mapping={k: str(v) for k, v in status.items()})
         pipe.pexpire(key, int(ttl_s * 1000))
         pipe.sadd(self.keys.workers, name)
         pipe.scard(self.keys.workers)
-        return int(pipe.execute()[-1])
+        self._touch(pipe, name, touch)
+        return int(pipe.execute()[3])
 
     def heartbeat_field(self, names: Iterable[str], field: str) -> dict[str, str | None]:
         """One field of each named worker's heartbeat (None for a worker whose heartbeat expired), in one round trip:
@@ -267,11 +275,15 @@ class Streams:
         pipe = self.redis.pipeline(transaction=False)
         for name in names:
             pipe.hget(self.keys.worker(name), field)
+        values = dict(zip(names, pipe.execute(), strict=True))
+        # A field present says the heartbeat is there: only the others need a second look (a command a worker per
+        # poll, not two: a sync with 1,000 workers polls every 20 ms).
+        missing = [name for name, value in values.items() if value is None]
+        for name in missing:
             pipe.exists(self.keys.worker(name))
-        replies = pipe.execute()
+        alive = dict(zip(missing, pipe.execute(), strict=True)) if missing else {}
         return {
-            name: (_text(value) if value is not None else "") if alive else None
-            for name, value, alive in zip(names, replies[::2], replies[1::2], strict=True)
+            name: _text(value) if value is not None else ("" if alive[name] else None) for name, value in values.items()
         }
 
     def forget_worker(self, name: str) -> None:

@@ -199,7 +199,9 @@ def test_dead_letter_keeps_the_original_and_acks(any_redis: redis.Redis, ns: str
     assert any_redis.xpending(streams.keys.prompts, GENERATORS)["pending"] == 0
 
 
-def test_abandoned_work_is_claimed_but_touched_work_is_not(any_redis: redis.Redis, ns: str) -> None:
+@pytest.mark.parametrize("how", ["touch", "heartbeat"])
+def test_abandoned_work_is_claimed_but_touched_work_is_not(any_redis: redis.Redis, ns: str, how: str) -> None:
+    """A worker keeps its work by touching it, alone or in its heartbeat's round trip (what its upkeep does)."""
     streams = Streams(any_redis, ns)
     streams.ensure_groups()
     streams.add_prompts([prompt("alive"), prompt("dead")])
@@ -210,7 +212,11 @@ def test_abandoned_work_is_claimed_but_touched_work_is_not(any_redis: redis.Redi
         return info["time_since_delivered"]
 
     wait_until(lambda: idle_ms(dead) >= 400, 10, "the entries to idle past 400 ms")
-    streams.touch("w1", [alive])  # w1 still works on `alive`: its idle time starts again
+    if how == "touch":  # w1 still works on `alive`: its idle time starts again
+        streams.touch("w1", [alive])
+    else:
+        assert streams.heartbeat("w1", {"status": "serving"}, ttl_s=5, touch=[alive]) == 1  # one worker registered
+        assert any_redis.hget(streams.keys.worker("w1"), "status") == b"serving"
     assert [e.id for e in streams.claim_abandoned("w2", min_idle_ms=300, count=10)] == [dead.id]
     assert streams.delivery_count(dead) == 2
     assert streams.delivery_count(alive) == 1
