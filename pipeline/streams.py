@@ -266,11 +266,12 @@ class Streams:
         pipe.sadd(self.keys.workers, name)
         pipe.scard(self.keys.workers)
         self._touch(pipe, name, touch)
-        return int(pipe.execute()[3])
+        return int(pipe.execute()[3])  # SCARD's reply (the touches come after it)
 
     def heartbeat_field(self, names: Iterable[str], field: str) -> dict[str, str | None]:
-        """One field of each named worker's heartbeat (None for a worker whose heartbeat expired), in one round trip:
-        what a weight sync polls for its acks, a field per worker rather than every heartbeat whole."""
+        """One field of each named worker's heartbeat (None for a worker whose heartbeat expired): what a weight sync
+        polls for its acks, a field per worker rather than every heartbeat whole. One round trip, and a second only
+        for the workers whose field is missing (to tell a live worker without it from one that is gone)."""
         names = list(names)
         pipe = self.redis.pipeline(transaction=False)
         for name in names:

@@ -76,9 +76,9 @@ def test_pause_and_resume_of_two_workers_do_not_interleave(real_redis: redis.Red
     def slow(what: str) -> Callable[[], Awaitable[None]]:
         async def run() -> None:
             order.append(f"{what} begins")
-            # The call's duration is the behaviour under test: a pause call that takes time (a loaded server), during
-            # which the other worker's resume must not reach the server. Not a wait for a condition.
-            await asyncio.sleep(0.2)
+            # A pause call that takes time (a loaded server), during which the other worker's resume must not reach the
+            # server. Not a wait for a condition.
+            await asyncio.sleep(0.2)  # behaviour under test: the call's duration
             order.append(f"{what} ends")
 
         return run
