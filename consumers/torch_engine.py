@@ -241,8 +241,7 @@ class TorchEngine(EngineLifecycle):
             self._cache = self._mask = None
             self._model = None
             self._closed = True
-        for req in pending:
-            _settle(req, EngineClosedError(f"engine shut down before request {req.id!r} finished"))
+        _settle([(req, EngineClosedError(f"engine shut down before request {req.id!r} finished")) for req in pending])
 
     # -- requests --------------------------------------------------------------------------------
 
@@ -537,8 +536,7 @@ class TorchEngine(EngineLifecycle):
                     with self._cv:
                         for req in failed:
                             self._live.pop(req.id, None)
-                    for req in failed:
-                        _settle(req, RuntimeError(f"torch engine step failed: {exc!r}"))
+                    _settle([(req, RuntimeError(f"torch engine step failed: {exc!r}")) for req in failed])
 
     def _has_step(self) -> bool:
         """Aborts to apply, or (unpaused) rows to decode or a waiting request that may start (caller holds `_cv`)."""
@@ -752,8 +750,7 @@ class TorchEngine(EngineLifecycle):
         with self._cv:
             for req, _ in ended:
                 self._live.pop(req.id, None)
-        for req, reason in ended:
-            _settle(req, req.result(reason))
+        _settle([(req, req.result(reason)) for req, reason in ended])
 
 
 _MASK32 = 0xFFFFFFFF
@@ -801,19 +798,29 @@ def _lora_hook(terms: list[tuple[slice | torch.Tensor, LoraModule]]) -> Callable
     return hook
 
 
-def _settle(req: _Request, outcome: Generation | BaseException) -> None:
-    """Resolve a request's future on its own event loop, from any thread."""
+def _settle(outcomes: Sequence[tuple[_Request, Generation | BaseException]]) -> None:
+    """Resolve requests' futures on their own event loops, from any thread: one wake-up per loop for the batch.
 
-    def apply() -> None:
-        if req.future.done():  # cancelled by its caller
-            return
-        if isinstance(outcome, BaseException):
-            req.future.set_exception(outcome)
-        else:
-            req.future.set_result(outcome)
+    A step ends many requests at once (a batch started together ends together). One `call_soon_threadsafe` per
+    request cost a write to the loop's self-pipe each, and each write handed the GIL to the woken loop while this
+    thread still had the step to finish: in a worker, whose loop then builds and publishes a rollout, that was a
+    GIL hand-off per request (see README, Benchmarks)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Request, Generation | BaseException]]] = {}
+    for req, outcome in outcomes:
+        by_loop.setdefault(req.loop, []).append((req, outcome))
 
-    with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting any more
-        req.loop.call_soon_threadsafe(apply)
+    def apply(batch: list[tuple[_Request, Generation | BaseException]]) -> None:
+        for req, outcome in batch:
+            if req.future.done():  # cancelled by its caller
+                continue
+            if isinstance(outcome, BaseException):
+                req.future.set_exception(outcome)
+            else:
+                req.future.set_result(outcome)
+
+    for loop, batch in by_loop.items():
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting any more
+            loop.call_soon_threadsafe(apply, batch)
 
 
 def _pad_left(tensor: torch.Tensor, width: int) -> torch.Tensor:
