@@ -261,12 +261,12 @@ class Streams:
         upkeep is then one round trip a worker a period, not two."""
         key = self.keys.worker(name)
         pipe = self.redis.pipeline(transaction=True)
+        self._touch(pipe, name, touch)
         pipe.hset(key, mapping={k: str(v) for k, v in status.items()})
         pipe.pexpire(key, int(ttl_s * 1000))
         pipe.sadd(self.keys.workers, name)
         pipe.scard(self.keys.workers)
-        self._touch(pipe, name, touch)
-        return int(pipe.execute()[3])  # SCARD's reply (the touches come after it)
+        return int(pipe.execute()[-1])
 
     def heartbeat_field(self, names: Iterable[str], field: str) -> dict[str, str | None]:
         """One field of each named worker's heartbeat (None for a worker whose heartbeat expired): what a weight sync

@@ -28,7 +28,7 @@ def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> No
     while not condition():
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(0.05)
+        time.sleep(0.05)  # the poll interval of this deadline wait, not a wait on its own
 
 
 REDIS_VERSIONS = ["installed", "bundled"]
