@@ -21,8 +21,9 @@ import random
 import signal
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 import redis
@@ -32,7 +33,7 @@ from consumers.engine import Engine, EngineClosedError, EngineInputError, Genera
 from consumers.lifecycle import EngineFactory, EngineSlot, WorkerStatus, receive_copy
 from consumers.metrics import WorkerMetrics
 from pipeline.publisher import Publisher
-from pipeline.streams import Entry, Streams, sweep_chance
+from pipeline.streams import CONTROL_BATCH, CONTROL_RECHECK_S, Entry, Streams, sweep_chance
 from pipeline.wire import Control, Partial, Prompt, Rollout, WireError, join_spans
 from staleness.state import read_state, weights_command
 from staleness.transports import is_stored, join_version, load_joined, load_version
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
     from staleness.broadcast import BroadcastLink
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 AWAITING_WEIGHTS = WorkerStatus.AWAITING_WEIGHTS
@@ -464,21 +466,48 @@ class Worker:
         )
 
     async def _follow_control(self, after: bytes) -> None:
+        """Obey the commands on `control` after `after`: read when this worker's bell rings (`Streams.ring`), and at
+        least every `CONTROL_RECHECK_S` besides. Blocking on the bell, not on `control`, lets a manager wake a fleet
+        in waves: 1,000 workers blocked on `control` would all be served in the same instant by Redis."""
+        bell: bytes | None = None
+        read, read_at = True, 0.0
         while not self._stopping.is_set():
-            try:
-                entries = await asyncio.to_thread(self.streams.read_control, after, self.settings.block_ms)
-            except Exception:
-                log.exception("%s: reading control failed; retrying", self.name)
-                await asyncio.sleep(self.settings.heartbeat_s)
+            if bell is None:  # where the bell stood before the first read: a ring after it is not missed
+                bell = await self._control_call(self.streams.bell_id, self.name)
                 continue
-            for entry in entries:
-                after = entry.id
-                try:
-                    command = Control.from_fields(entry.fields)
-                except WireError as exc:
-                    log.warning("%s: ignoring a bad control entry %s: %s", self.name, entry.id, exc)
+            if read:
+                entries = await self._control_call(self.streams.read_control, after, None)
+                if entries is None:
                     continue
-                await self._obey(command)
+                read_at = time.monotonic()
+                after = await self._obey_entries(entries, after)
+                if len(entries) >= CONTROL_BATCH:
+                    continue  # there may be more: read again before waiting
+            rang = await self._control_call(self.streams.wait_for_bell, self.name, bell, self.settings.block_ms)
+            read = rang is None or rang != bell or time.monotonic() - read_at >= CONTROL_RECHECK_S
+            bell = rang or bell
+
+    async def _control_call(self, call: Callable[..., T], *args: object) -> T | None:
+        """One Redis call of the control loop, on a thread; a failure is logged and answered with None after a
+        heartbeat period (the loop then tries again)."""
+        try:
+            return await asyncio.to_thread(call, *args)
+        except Exception:
+            log.exception("%s: reading control failed; retrying", self.name)
+            await asyncio.sleep(self.settings.heartbeat_s)
+            return None
+
+    async def _obey_entries(self, entries: list[Entry], after: bytes) -> bytes:
+        """Obey control entries in order; returns the id of the last one (`after` if none)."""
+        for entry in entries:
+            after = entry.id
+            try:
+                command = Control.from_fields(entry.fields)
+            except WireError as exc:
+                log.warning("%s: ignoring a bad control entry %s: %s", self.name, entry.id, exc)
+                continue
+            await self._obey(command)
+        return after
 
     async def _obey(self, command: Control) -> None:
         if command.adapter and command.cmd in ("weights", "resume"):

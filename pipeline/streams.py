@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import time
+import zlib
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -36,6 +37,18 @@ DEDUPE_BUCKETS = 8
 """The dedupe TTL is cut into this many time buckets (one hash each): a publish checks ~9 `HGET`s per prompt."""
 SWEEPS_PER_HEARTBEAT = 2
 """How many workers of a fleet sweep departed workers' inboxes per heartbeat period, on average (`sweep_chance`)."""
+BELLS = 64
+"""Doorbells of a namespace (`{ns}:bell:K`). A worker blocks on its own (`bell_index`), never on `control`: a write
+to a stream wakes every client blocked on it in one go, and Redis spends ~15-20 µs a woken read (its reply and
+write), so one control command read by 1,000 blocked workers held every other client up ~20 ms."""
+WAKE_WAVE = 64
+"""At most about this many workers are woken together by a ring (a wave holds other clients up ~1-1.5 ms); a fleet
+of up to `BELLS * WAKE_WAVE` workers is rung in waves of this size, a larger one a bell a wave."""
+CONTROL_BATCH = 100
+"""Control entries one read returns at most."""
+CONTROL_RECHECK_S = 5.0
+"""A worker reads `control` at least this often without a ring: a ring that never came (its sender died between
+writing the command and ringing) is then late by this much at most, not lost."""
 
 
 class Entry(NamedTuple):
@@ -50,6 +63,18 @@ def sweep_chance(fleet: int) -> float:
     within a few heartbeats (the chance that none of the fleet swept in k periods is about e^-2k), and Redis checks
     ~2N heartbeats a period rather than N²."""
     return min(1.0, SWEEPS_PER_HEARTBEAT / max(fleet, 1))
+
+
+def bell_index(worker: str) -> int:
+    """The doorbell a worker blocks on: the same for a name in every process (CRC-32, not Python's salted hash)."""
+    return zlib.crc32(worker.encode()) % BELLS
+
+
+def waves(fleet: int) -> list[range]:
+    """The bells rung together, wave by wave, for a fleet of `fleet` workers: ~`WAKE_WAVE` workers a wave, so one
+    wave (one pipeline) for a fleet of up to 64 and 16 waves for 1,000."""
+    per_wave = max(1, BELLS * WAKE_WAVE // max(fleet, 1))
+    return [range(first, min(first + per_wave, BELLS)) for first in range(0, BELLS, per_wave)]
 
 
 def entries_from_reply(reply: Any) -> list[Entry]:
@@ -232,8 +257,40 @@ class Streams:
         span = math.ceil(self.dedupe_ttl_s / size)
         return [self.keys.published(size, b) for b in range(current - span, current + 1)], (span + 2) * size
 
-    def send_control(self, command: Control) -> bytes:
-        return self.redis.xadd(self.keys.control, command.to_fields())
+    def send_control(self, command: Control, ring: bool = True) -> bytes:
+        """Append a command to `control` and ring the workers' bells (`ring=False`: a caller that sends several and
+        rings once after them)."""
+        entry_id = self.redis.xadd(self.keys.control, command.to_fields())
+        if ring:
+            self.ring(command.cmd)
+        return entry_id
+
+    def ring(self, cmd: str) -> int:
+        """Wake the workers to read `control` after a command was written there, a wave at a time; returns the waves.
+
+        Each wave is one pipeline, and its reply comes back once Redis has served the reads it woke, so the clients
+        waiting meanwhile (a publish, a heartbeat) are served between two waves: they wait for one wave at most,
+        never for the whole fleet. 1,000 workers are woken in 16 waves, ~1.5 ms each (`examples/bench_wake.py`).
+        `cmd` only labels the ring for a person reading `{ns}:bell:K`."""
+        plan = waves(int(self.redis.scard(self.keys.workers)))
+        for wave in plan:
+            pipe = self.redis.pipeline(transaction=False)
+            for index in wave:
+                pipe.xadd(self.keys.bell(index), {"cmd": cmd}, maxlen=1, approximate=False)
+            pipe.execute()
+        return len(plan)
+
+    def bell_id(self, worker: str) -> bytes:
+        """The last ring of `worker`'s bell (`0-0` if never rung): where its `wait_for_bell` starts."""
+        last = self.redis.xrevrange(self.keys.bell(bell_index(worker)), count=1)
+        return last[0][0] if last else b"0-0"
+
+    def wait_for_bell(self, worker: str, after: bytes, block_ms: int) -> bytes:
+        """Block until `worker`'s bell rings after `after` (or `block_ms` passes); returns the last ring's id (`after`
+        if none). A ring between the worker's last read of `control` and this call returns at once: none is missed."""
+        bell = self.keys.bell(bell_index(worker))
+        entries = entries_from_reply(self.redis.xread({bell: after}, count=1, block=block_ms))
+        return entries[-1].id if entries else after
 
     def last_control_id(self) -> bytes:
         """Where a reader that starts now picks up the control stream (`0-0` when it is empty)."""
@@ -241,8 +298,9 @@ class Streams:
         return last[0][0] if last else b"0-0"
 
     def read_control(self, after: bytes, block_ms: int | None) -> list[Entry]:
-        """Control commands after `after` (every worker reads all of them: no consumer group)."""
-        return entries_from_reply(self.redis.xread({self.keys.control: after}, count=100, block=block_ms))
+        """Control commands after `after` (every worker reads all of them: no consumer group). Workers read without
+        blocking, when their bell rings (`wait_for_bell`); a few other readers (admission) block here."""
+        return entries_from_reply(self.redis.xread({self.keys.control: after}, count=CONTROL_BATCH, block=block_ms))
 
     def dead_letter(self, entry: Entry, error: str, stage: str) -> bool:
         """Move a bad entry to `{ns}:dead` with the reason and ack it, in one step (`lua/dead_letter.lua`), if it

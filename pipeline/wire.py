@@ -93,6 +93,9 @@ class Keys:
         self.scorer = f"{tag}:scorer"
         self.scorer_lease = f"{tag}:scorer:lease"
         self.control = f"{tag}:control"
+        self.bell_prefix = f"{tag}:bell:"
+        """`{ns}:bell:K`: the doorbells workers block on instead of `control` (`Streams.ring`): a write to `control`
+        wakes each reader at once; rung a few bells at a time, 1,000 workers wake in waves."""
         self.state = f"{tag}:state"
         self.dead = f"{tag}:dead"
         self.stale = f"{tag}:stale"
@@ -114,6 +117,10 @@ class Keys:
     def worker(self, name: str) -> str:
         """Heartbeat hash of one worker; it expires when the worker stops beating."""
         return self.worker_prefix + name
+
+    def bell(self, index: int) -> str:
+        """Doorbell stream `index` (of `pipeline.streams.BELLS`): rung after control commands, read by its workers."""
+        return f"{self.bell_prefix}{index}"
 
     def inbox(self, worker: str) -> str:
         """Stream of work for this worker only (group `generators`): the turns of the sessions pinned to it."""

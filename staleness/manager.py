@@ -9,6 +9,8 @@
 3. a worker that has not acked by the deadline is evicted (`stop` for it; its pending work is
    claimed by the others); a worker that died is simply no longer waited for;
 4. finish (atomic): the state moves to `version`, unpaused, and `resume(epoch)` goes out.
+After steps 1 and 4 the manager rings the workers' bells (`Streams.ring`), a wave of ~64 workers at a time: workers
+block on their bell, not on `control`, so that 1,000 of them do not wake in one instant.
 A worker that joins later loads the state's version before it takes work.
 
 A manager for one LoRA adapter (`Manager(streams, adapter="a")`) runs the same protocol on that adapter's own
@@ -97,6 +99,7 @@ class Manager:
             epoch = int(self._begin(keys=self._keys, args=[version - 1, version, token, *_flat(weights)]))
         except Exception as exc:  # the script's error replies say why
             raise SyncError(str(exc)) from None
+        self.streams.ring("weights")  # the workers, a wave at a time (`Streams.ring`)
         report = SyncReport(version=version, epoch=epoch)
         waiting = set(self.live_workers())
         try:
@@ -143,16 +146,17 @@ class Manager:
                 break
             time.sleep(self.poll_s)
         for name in sorted(waiting):
-            self.evict(name)
+            self.evict(name, ring=False)  # the resume's ring below wakes them
             report.evicted.append(name)
         resume = Control(
             cmd="resume", epoch=report.epoch, version=report.version, uri=uri, adapter=self.adapter or ""
         ).to_fields()
         self._finish(keys=self._keys, args=[report.version, uri, *_flat(resume)])
+        self.streams.ring("resume")
 
-    def evict(self, name: str) -> None:
+    def evict(self, name: str, ring: bool = True) -> None:
         """Tell a worker to stop and forget it: its pending work goes to the others once it idles."""
-        self.streams.send_control(Control(cmd="stop", worker=name))
+        self.streams.send_control(Control(cmd="stop", worker=name), ring=ring)
         self.streams.forget_worker(name)
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from pipeline.streams import Streams
+from pipeline.streams import CONTROL_BATCH, Streams
 from pipeline.wire import Control, WireError
 from staleness.state import weights_command
 
@@ -53,7 +53,7 @@ class SyncMetrics:
                 except WireError:
                     continue  # a worker ignores it too
                 self._observe(command)
-            if len(entries) < 100:  # `read_control` reads 100 at a time
+            if len(entries) < CONTROL_BATCH:  # else there is more to read at once
                 return
 
     def _observe(self, command: Control) -> None:

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -13,8 +16,19 @@ import redis
 from pipeline.local import RedisServer
 from pipeline.lua import register_all, sources
 from pipeline.publisher import Publisher
-from pipeline.streams import SCRIPTS, Entry, Publish, Streams, entries_from_reply, sweep_chance
-from pipeline.wire import GENERATORS, TRAINER, Prompt, Rollout
+from pipeline.streams import (
+    BELLS,
+    SCRIPTS,
+    WAKE_WAVE,
+    Entry,
+    Publish,
+    Streams,
+    bell_index,
+    entries_from_reply,
+    sweep_chance,
+    waves,
+)
+from pipeline.wire import GENERATORS, TRAINER, Control, Prompt, Rollout
 from producers.gateway.sessions import SCRIPTS as gateway_scripts
 from staleness.admission import SCRIPTS as staleness_scripts
 from tests.conftest import REDIS_VERSIONS, wait_until
@@ -293,6 +307,50 @@ def test_blocking_read_wakes_on_new_work(real_redis: redis.Redis, ns: str) -> No
     timer.join()
     assert [Prompt.from_fields(e.fields).id for e in entries] == ["late"]
     assert time.monotonic() - started < 4
+
+
+def test_a_ring_rings_every_bell_once_in_waves_of_about_64_workers() -> None:
+    for fleet in (0, 1, 2, 63, 64, 65, 100, 300, 1000, 4096, 5000, 20_000):
+        plan = waves(fleet)
+        rung = [index for wave in plan for index in wave]
+        assert rung == list(range(BELLS)), fleet  # each bell once, in order
+        assert (len(plan) == 1) == (fleet <= WAKE_WAVE), fleet  # a small fleet: one pipeline, no waves
+        if fleet <= BELLS * WAKE_WAVE:  # a wave wakes about WAKE_WAVE workers at most (their bells' share)
+            assert max(len(wave) for wave in plan) * max(fleet, 1) / BELLS <= WAKE_WAVE, fleet
+    assert len(waves(1000)) == 16 and len(waves(64)) == 1 and len(waves(100_000)) == BELLS
+    # A worker's bell is the same in every process (not Python's salted `hash`).
+    names = [f"host-{i}" for i in range(200)]
+    here = [bell_index(name) for name in names]
+    code = f"from pipeline.streams import bell_index; print([bell_index(n) for n in {names!r}])"
+    there = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert eval(there) == here and len(set(here)) > BELLS // 2  # and they spread over the bells
+
+
+def test_workers_blocked_on_their_bells_wake_on_a_ring_and_miss_none(real_redis: redis.Redis, ns: str) -> None:
+    """A ring wakes every bell's reader, wave by wave; a ring that came between a reader's last read of `control`
+    and its wait is not missed; bells keep one entry each, labelled with the command."""
+    streams = Streams(real_redis, ns)
+    real_redis.sadd(streams.keys.workers, *[f"w{i}" for i in range(200)])  # a fleet of 200: 4 waves
+    names = {}
+    for i in range(2000):  # one reader per bell
+        names.setdefault(bell_index(f"reader-{i}"), f"reader-{i}")
+    assert len(names) == BELLS
+    starts = {name: streams.bell_id(name) for name in names.values()}
+    with ThreadPoolExecutor(BELLS) as pool:
+        woken = {name: pool.submit(streams.wait_for_bell, name, starts[name], 20_000) for name in names.values()}
+        wait_until(lambda: real_redis.info("clients")["blocked_clients"] >= BELLS, 20, "every reader to block")
+        assert not any(future.done() for future in woken.values())
+        assert streams.ring("weights") == 4
+        after = {name: future.result(timeout=20) for name, future in woken.items()}
+    assert all(after[name] != starts[name] for name in after), "every bell rang"
+    # Rung before the wait (after the reader's last read): the wait returns at once with that ring.
+    name = names[0]
+    streams.send_control(Control(cmd="resume", epoch=1, version=1))
+    started = time.monotonic()
+    assert streams.wait_for_bell(name, after[name], 20_000) != after[name]
+    assert time.monotonic() - started < 5
+    for index in range(BELLS):
+        assert [fields for _, fields in real_redis.xrange(streams.keys.bell(index))] == [{b"cmd": b"resume"}]
 
 
 @pytest.mark.parametrize("redis_server", REDIS_VERSIONS, indirect=True)

@@ -16,7 +16,8 @@ import pytest
 
 from consumers.worker import AWAITING_WEIGHTS
 from pipeline.local import RedisServer, free_port
-from pipeline.wire import GENERATORS
+from pipeline.streams import CONTROL_RECHECK_S, bell_index
+from pipeline.wire import GENERATORS, Control
 from producers.client import Group, RolloutClient
 from staleness.manager import Manager, SyncError
 from staleness.state import read_state
@@ -296,3 +297,28 @@ def test_the_sync_stall_does_not_grow_with_a_million_other_keys(
         "for i = 1, tonumber(ARGV[1]) do redis.call('DEL', KEYS[1] .. i) end", 1, f"{{{ns}}}:other:", 1_000_000
     )
     assert after < before + 0.1, (before, after)
+
+
+def test_workers_wait_on_their_bell_not_on_control_and_an_unrung_command_still_arrives(
+    redis_server: RedisServer, ns: str, workers: StartWorker
+) -> None:
+    """Workers block on their doorbell (`{ns}:bell:K`), never on `control`, so that a manager can wake a fleet in
+    waves; a command whose ring never came (its sender died after writing it) is read at the next recheck."""
+    workers("syn", "--engine", "synthetic")
+    client = RolloutClient(redis_server.url, ns)
+    bell = client.streams.keys.bell(bell_index("syn"))
+    blocking_reads: list[str] = []
+    deadline = time.monotonic() + 30
+    with client.streams.redis.monitor() as monitor:
+        for command in monitor.listen():  # the worker's blocking reads, as Redis saw them
+            if command["command"].startswith("XREAD ") and " BLOCK " in command["command"]:
+                blocking_reads.append(command["command"])
+            if any(bell in read for read in blocking_reads) or time.monotonic() > deadline:
+                break
+    assert any(f" STREAMS {bell} " in read for read in blocking_reads), blocking_reads
+    assert not any(client.streams.keys.control in read for read in blocking_reads), blocking_reads
+
+    proc = workers("syn2", "--engine", "synthetic")
+    client.streams.redis.xadd(client.streams.keys.control, Control(cmd="stop").to_fields())  # written, never rung
+    wait_until(lambda: proc.poll() is not None, CONTROL_RECHECK_S + 30, "the worker to read the unrung stop")
+    assert proc.returncode == 0
