@@ -372,11 +372,22 @@ class Streams:
 
         It reads the whole registry (a check per worker), so a fleet shares the sweep out (`sweep_chance`)
         rather than have every worker run it every heartbeat: N workers sweeping N each is N² checks a second."""
-        names = [_text(n) for n in self.redis.smembers(self.keys.workers)]
+        return sum(max(0, self.rehome(name)) for name in self._registry()[1])
+
+    def live_worker_names(self) -> list[str]:
+        """The registered workers whose heartbeat has not expired, by name only: an `EXISTS` each where
+        `live_workers` reads every heartbeat whole (at 1,000 workers, 1,000 `HGETALL`s in one go, which held other
+        clients up at the start of every sync)."""
+        return self._registry()[0]
+
+    def _registry(self) -> tuple[list[str], list[str]]:
+        """The workers on the registry, split into those whose heartbeat lives and those whose heartbeat expired."""
+        names = sorted(_text(n) for n in self.redis.smembers(self.keys.workers))
         pipe = self.redis.pipeline(transaction=False)
         for name in names:
             pipe.exists(self.keys.worker(name))
-        return sum(max(0, self.rehome(name)) for name, alive in zip(names, pipe.execute(), strict=True) if not alive)
+        live = dict(zip(names, pipe.execute(), strict=True))
+        return [n for n in names if live[n]], [n for n in names if not live[n]]
 
     # -- gateway side: replies to the prompts it queued ------------------------------------------
 

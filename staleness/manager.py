@@ -101,7 +101,7 @@ class Manager:
             raise SyncError(str(exc)) from None
         self.streams.ring("weights")  # the workers, a wave at a time (`Streams.ring`)
         report = SyncReport(version=version, epoch=epoch)
-        waiting = set(self.live_workers())
+        waiting = set(self.streams.live_worker_names())
         try:
             if transfer is not None:
                 transfer(epoch, len(waiting))
@@ -126,7 +126,7 @@ class Manager:
         version = state.pending_version if state.pending_version is not None else state.version + 1
         uri = command.uri if command is not None else state.weights_uri
         report = SyncReport(version=version, epoch=state.epoch)
-        self._conclude(report, uri, waiting=set(self.live_workers()), deadline=time.monotonic())
+        self._conclude(report, uri, waiting=set(self.streams.live_worker_names()), deadline=time.monotonic())
         if command is not None:  # the stall so far: from its `weights` command (the driver's clock) to now
             report.stall_s = max(0.0, time.time() - command.ts)
         return report

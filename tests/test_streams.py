@@ -433,7 +433,7 @@ def test_a_departed_workers_inbox_goes_back_to_the_shared_prompts(any_redis: red
     streams.ensure_groups()
     assert streams.heartbeat("w1", {"status": "serving"}, ttl_s=60) == 1  # the fleet's size, for `sweep_chance`
     assert streams.heartbeat("w2", {"status": "serving", "epoch": 3}, ttl_s=60) == 2
-    assert set(streams.live_workers()) == {"w1", "w2"}
+    assert set(streams.live_workers()) == {"w1", "w2"} and streams.live_worker_names() == ["w1", "w2"]
     assert streams.heartbeat_field(["w1", "w2", "w9"], "epoch") == {"w1": "", "w2": "3", "w9": None}
     streams.add_to_inbox("w1", prompt("held"))
     streams.add_to_inbox("w1", prompt("unread"))
@@ -442,7 +442,7 @@ def test_a_departed_workers_inbox_goes_back_to_the_shared_prompts(any_redis: red
     assert streams.read_work("w2", count=10, block_ms=None) == []  # another worker's inbox is not read
     assert streams.rehome("w1") == -1 and streams.rehome_departed() == 0  # alive: untouched
     any_redis.delete(streams.keys.worker("w1"))  # its heartbeat expired
-    assert set(streams.live_workers()) == {"w2"}
+    assert set(streams.live_workers()) == {"w2"} and streams.live_worker_names() == ["w2"]  # still registered
     assert streams.rehome_departed() == 2
     assert streams.rehome_departed() == 0  # once
     moved = streams.read_work("w2", count=10, block_ms=None)
