@@ -64,10 +64,12 @@ def test_each_role_gets_its_namespace_and_what_it_needs_there_only(users: dict[s
     worker.hget(keys.state, "version")  # reads the policy state (the adapters' too)...
     worker.hget(keys.state_of("a"), "version")
     worker.smembers(keys.adapters)
+    worker.xrevrange(keys.bell(0), count=1)  # and its doorbell...
     for forbidden in (
         lambda: worker.hset(keys.state, "version", 99),  # ...but cannot move it,
         lambda: worker.hset(keys.state_of("a"), "version", 99),  # nor an adapter's,
         lambda: worker.xadd(keys.control, {"cmd": "resume"}),  # nor command the workers,
+        lambda: worker.xadd(keys.bell(0), {"cmd": "resume"}),  # nor ring them,
         lambda: worker.set(keys.weights_manifest(1), b"{}"),  # nor replace weights,
         lambda: worker.xrange(other.prompts),  # nor see another namespace,
         lambda: worker.config_get("*"),  # nor administer the server.

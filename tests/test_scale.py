@@ -40,6 +40,12 @@ def test_fifty_workers_publish_at_the_rate_asked_and_take_every_sync(tmp_path: P
     during, between = row["publish_ms_ping_during_syncs"], row["publish_ms_ping_between_syncs"]
     assert during["count"] > 0 and between["count"] > 0
     assert during["count"] + between["count"] == row["publish_ms_ping"]["count"]
+    # The slow ones, slowest first, each placed in the course of the sync it followed (None: before any sync).
+    slow = row["slow_pings"]
+    assert all(ms > 5 and (since is None or since >= 0) for ms, since in slow) and len(slow) <= 40
+    assert [ms for ms, _ in slow] == sorted((ms for ms, _ in slow), reverse=True)
+    assert row["redis_slow_commands"]["over_us"] == 2000
+    assert all(isinstance(name, str) and us > 2000 for name, us in row["redis_slow_commands"]["slowest"])
     assert 0 < row["publish_ms_client"]["p50"] <= row["publish_ms_client"]["p99"]
     assert report["redis"].startswith("redis-server 7") and row["publish_ms_server"]["p99"] > 0
     # Every sync reached all 50 workers: none evicted, none failed.

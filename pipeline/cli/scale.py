@@ -54,6 +54,8 @@ if TYPE_CHECKING:
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 PING_EVERY_S = 0.02
 """How often the pinger publishes (`Pinger`): 50 groups a second, ~1,000 timed publishes in a 20 s window."""
+SLOWLOG_OVER_US = 2000
+"""`rollouts scale` lists the commands that ran longer than this on its Redis (`redis_slow_commands`)."""
 P99_GOAL_MS = 5.0
 """The issue's goal for the publish p99 at 1,000 workers; a size above it counts as saturated."""
 
@@ -319,6 +321,23 @@ def server_commands(client: redis.Redis, wall_s: float, top: int = 8) -> list[di
     return sorted(rows, key=lambda r: -r["cores"])[:top]
 
 
+def server_slow_commands(client: redis.Redis) -> dict[str, Any]:
+    """Commands that ran longer than `SLOWLOG_OVER_US` in the window (`SLOWLOG`, reset when measuring began): how
+    many, and the slowest few as `[name, µs]`. A command that holds Redis that long holds every other client too."""
+    entries = client.slowlog_get(128)
+    slowest = sorted(entries, key=lambda e: -int(e["duration"]))[:10]
+    return {
+        "over_us": SLOWLOG_OVER_US,
+        "count": len(entries),
+        "slowest": [[_command_name(e["command"]), int(e["duration"])] for e in slowest],
+    }
+
+
+def _command_name(command: bytes | str) -> str:
+    text = command.decode(errors="replace") if isinstance(command, bytes) else str(command)
+    return text.split(" ", 1)[0].lower()
+
+
 def run_size(console: Console, url: str, load: Load, tmp: Path) -> dict[str, Any]:
     """One fleet size: start it, feed and train through warmup and measure, stop it by PID, summarise."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -359,6 +378,8 @@ def run_size(console: Console, url: str, load: Load, tmp: Path) -> dict[str, Any
                 now = time.monotonic()
                 if "start" not in marks and now >= measuring:
                     client.streams.redis.config_resetstat()
+                    client.streams.redis.config_set("slowlog-log-slower-than", SLOWLOG_OVER_US)
+                    client.streams.redis.slowlog_reset()
                     sampler.read()
                     sampler.start()
                     own_cpu = sum(os.times()[:2])
@@ -374,6 +395,7 @@ def run_size(console: Console, url: str, load: Load, tmp: Path) -> dict[str, Any
         own_cpu = sum(os.times()[:2]) - own_cpu
         latency = server_latency(client.streams.redis)
         commands = server_commands(client.streams.redis, marks["end"] - marks["start"])
+        slow_commands = server_slow_commands(client.streams.redis)
         stats = dict(client.stats)
         client.streams.redis.close()
     finally:
@@ -386,6 +408,7 @@ def run_size(console: Console, url: str, load: Load, tmp: Path) -> dict[str, Any
         publishes = stop_fleet(fleet)
     return summarise(load, marks, sampler.readings, syncer, publishes, latency, stats, tally, own_cpu) | {
         "redis_top_commands": commands,
+        "redis_slow_commands": slow_commands,
         **ping_latency(pings, syncer.windows, marks["wall"], marks["end_wall"]),
     }
 
@@ -402,7 +425,20 @@ def ping_latency(
         "publish_ms_ping": _percentiles([ms for _, ms in timed]),
         "publish_ms_ping_during_syncs": _percentiles(during),
         "publish_ms_ping_between_syncs": _percentiles(outside),
+        "slow_pings": slow_pings(timed, syncs),
     }
+
+
+def slow_pings(timed: list[tuple[float, float]], syncs: list[tuple[float, float]], over_ms: float = 5.0) -> list:
+    """The pinger's publishes slower than `over_ms`, slowest first (at most 40), each as `[ms, since_sync_ms]`: how
+    long after the start of the last weight sync begun before it the publish was made (None: before any), which
+    places a slow publish in a sync's course (its `weights`, its acks, its `resume`, the fleet's restart after)."""
+    rows = []
+    for t, ms in timed:
+        if ms > over_ms:
+            began = [a for a, _ in syncs if a <= t]
+            rows.append([round(ms, 2), round((t - began[-1]) * 1000, 1) if began else None])
+    return sorted(rows, key=lambda row: -row[0])[:40]
 
 
 def _percentiles(values: list[float], digits: int = 3) -> dict[str, float | None]:
