@@ -44,6 +44,8 @@ write), so one control command read by 1,000 blocked workers held every other cl
 WAKE_WAVE = 64
 """At most about this many workers are woken together by a ring (a wave holds other clients up ~1-1.5 ms); a fleet
 of up to `BELLS * WAKE_WAVE` workers is rung in waves of this size, a larger one a bell a wave."""
+TRIM_CHUNK = 500
+"""Entries one `XTRIM` of `trim_consumed` frees at most (~4 MB of 1k-token rollouts, ~1 ms of Redis)."""
 CONTROL_BATCH = 100
 """Control entries one read returns at most."""
 CONTROL_RECHECK_S = 5.0
@@ -503,7 +505,10 @@ class Streams:
     # -- upkeep --------------------------------------------------------------------------------
 
     def trim_consumed(self, stream: str) -> int:
-        """Drop entries every consumer group has finished with, never one still unread or pending."""
+        """Drop entries every consumer group has finished with, never one still unread or pending.
+
+        In chunks of `TRIM_CHUNK` entries, one command each, so that Redis serves other clients in between: a trainer
+        that trimmed 10 s of 1k-token rollouts at once (20,000 entries, ~160 MB) held Redis 30-50 ms."""
         groups = self.redis.xinfo_groups(stream)
         if not groups:
             return 0
@@ -516,7 +521,10 @@ class Streams:
                 ms, seq = _parse_id(group["last-delivered-id"])
                 keep_from.append((ms, seq + 1))
         ms, seq = min(keep_from)
-        return self.redis.xtrim(stream, minid=f"{ms}-{seq}", approximate=False)
+        minid, trimmed = f"{ms}-{seq}", 0
+        while freed := self.redis.xtrim(stream, minid=minid, approximate=True, limit=TRIM_CHUNK):
+            trimmed += freed  # whole stream nodes, at most TRIM_CHUNK entries a command
+        return trimmed + self.redis.xtrim(stream, minid=minid, approximate=False)  # what is left: part of one node
 
 
 class Publish(NamedTuple):

@@ -19,6 +19,7 @@ from pipeline.publisher import Publisher
 from pipeline.streams import (
     BELLS,
     SCRIPTS,
+    TRIM_CHUNK,
     WAKE_WAVE,
     Entry,
     Publish,
@@ -283,6 +284,28 @@ def test_trim_never_passes_the_slowest_group(any_redis: redis.Redis, ns: str) ->
     any_redis.xack(rollouts, "recorder", *ids[:5])
     assert streams.trim_consumed(rollouts) == 3
     assert [i for i, _ in any_redis.xrange(rollouts)] == ids[3:]
+
+
+def test_a_large_backlog_is_trimmed_in_commands_of_a_bounded_size(real_redis: redis.Redis, ns: str) -> None:
+    """Freeing a long consumed backlog (10 s of a busy trainer's rollouts) in one command holds Redis, and every
+    client, for tens of ms; it goes in chunks of at most `TRIM_CHUNK` entries, and still exactly to the slowest group
+    (its unread entries stay)."""
+    streams = Streams(real_redis, ns)
+    streams.ensure_groups()
+    rollouts = streams.keys.rollouts
+    pipe = real_redis.pipeline(transaction=False)
+    for i in range(4 * TRIM_CHUNK + 7):
+        pipe.xadd(rollouts, {b"i": str(i).encode(), b"tokens": bytes(4096)})  # each its own stream node, as 1k tokens
+    for i in range(300):
+        pipe.xadd(rollouts, {b"i": str(i).encode()})  # small ones: many to a node
+    ids = pipe.execute()
+    read = real_redis.xreadgroup(TRAINER, "t", {rollouts: ">"}, count=len(ids) - 3)
+    real_redis.xack(rollouts, TRAINER, *[entry_id for entry_id, _ in read[0][1]])
+    real_redis.config_resetstat()
+    assert streams.trim_consumed(rollouts) == len(ids) - 3
+    assert [i for i, _ in real_redis.xrange(rollouts)] == ids[-3:]  # exactly what is still unread
+    xtrim = real_redis.info("commandstats")["cmdstat_xtrim"]
+    assert xtrim["calls"] >= 4 + 2, xtrim  # 4+ chunks, a call that finds nothing more, the exact remainder
 
 
 @pytest.mark.parametrize("protocol", [2, 3])

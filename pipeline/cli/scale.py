@@ -25,6 +25,8 @@ One JSON object on stdout, `--plot` a PNG; progress on stderr.
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
 import json
 import os
 import shutil
@@ -45,6 +47,7 @@ import typer
 from pipeline.cli import app, console, fail, user_errors
 from pipeline.cli.processes import start_command, stop_process
 from pipeline.cli.soak import Producer, Tally, rss_bytes
+from pipeline.lua import sources
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -334,8 +337,24 @@ def server_slow_commands(client: redis.Redis) -> dict[str, Any]:
 
 
 def _command_name(command: bytes | str) -> str:
-    text = command.decode(errors="replace") if isinstance(command, bytes) else str(command)
-    return text.split(" ", 1)[0].lower()
+    """A SLOWLOG entry's command name; a script's as `evalsha:NAME` (its file's stem), found by its SHA-1."""
+    words = (command.decode(errors="replace") if isinstance(command, bytes) else str(command)).split(" ", 2)
+    name = words[0].lower()
+    if name == "evalsha" and len(words) > 1:
+        return f"evalsha:{_script_names().get(words[1], words[1][:8])}"
+    return name
+
+
+@functools.cache
+def _script_names() -> dict[str, str]:
+    from pipeline.streams import SCRIPTS as STREAM_SCRIPTS
+    from staleness.admission import SCRIPTS as STALENESS_SCRIPTS
+
+    return {
+        hashlib.sha1(source.encode()).hexdigest(): name
+        for folder in (STREAM_SCRIPTS, STALENESS_SCRIPTS)
+        for name, source in sources(folder).items()
+    }
 
 
 def run_size(console: Console, url: str, load: Load, tmp: Path) -> dict[str, Any]:
