@@ -41,9 +41,13 @@ BELLS = 64
 """Doorbells of a namespace (`{ns}:bell:K`). A worker blocks on its own (`bell_index`), never on `control`: a write
 to a stream wakes every client blocked on it in one go, and Redis spends ~15-20 µs a woken read (its reply and
 write), so one control command read by 1,000 blocked workers held every other client up ~20 ms."""
-WAKE_WAVE = 64
-"""At most about this many workers are woken together by a ring (a wave holds other clients up ~1-1.5 ms); a fleet
-of up to `BELLS * WAKE_WAVE` workers is rung in waves of this size, a larger one a bell a wave."""
+WAKE_WAVE = 32
+"""At most about this many workers are woken together by a ring; a fleet of up to `BELLS * WAKE_WAVE` workers is rung
+in waves of this size, a larger one a bell a wave. A wave's wake holds other clients up ~0.5-1 ms, and what its
+workers do next (read `control`, ack or resume, read work: ~60 µs of Redis each) ~2 ms more."""
+WAVE_GAP_S = 0.002
+"""The pause between two waves of a ring: about what the last wave's workers cost Redis next, so that a client that
+arrives meanwhile (a publish) waits behind one wave at most. 1,000 workers: 32 waves, ~90 ms a ring."""
 TRIM_CHUNK = 500
 """Entries one `XTRIM` of `trim_consumed` frees at most (~4 MB of 1k-token rollouts, ~1 ms of Redis)."""
 CONTROL_BATCH = 100
@@ -74,7 +78,7 @@ def bell_index(worker: str) -> int:
 
 def waves(fleet: int) -> list[range]:
     """The bells rung together, wave by wave, for a fleet of `fleet` workers: ~`WAKE_WAVE` workers a wave, so one
-    wave (one pipeline) for a fleet of up to 64 and 16 waves for 1,000."""
+    wave (one pipeline) for a fleet of up to 32 and 32 waves for 1,000."""
     per_wave = max(1, BELLS * WAKE_WAVE // max(fleet, 1))
     return [range(first, min(first + per_wave, BELLS)) for first in range(0, BELLS, per_wave)]
 
@@ -270,12 +274,15 @@ class Streams:
     def ring(self, cmd: str) -> int:
         """Wake the workers to read `control` after a command was written there, a wave at a time; returns the waves.
 
-        Each wave is one pipeline, and its reply comes back once Redis has served the reads it woke, so the clients
-        waiting meanwhile (a publish, a heartbeat) are served between two waves: they wait for one wave at most,
-        never for the whole fleet. 1,000 workers are woken in 16 waves, ~1.5 ms each (`examples/bench_wake.py`).
+        Each wave is one pipeline, whose reply comes back once Redis has served the reads it woke; the next goes
+        `WAVE_GAP_S` later, once Redis has served what those workers did next. The clients waiting meanwhile (a
+        publish, a heartbeat) are served between two waves: they wait for one wave at most, never for the whole
+        fleet. 1,000 workers are woken in 32 waves over ~90 ms (`examples/bench_wake.py`, `rollouts scale`).
         `cmd` only labels the ring for a person reading `{ns}:bell:K`."""
         plan = waves(int(self.redis.scard(self.keys.workers)))
-        for wave in plan:
+        for number, wave in enumerate(plan):
+            if number:
+                time.sleep(WAVE_GAP_S)  # the last wave's workers read control, ack, read work: let Redis serve that
             pipe = self.redis.pipeline(transaction=False)
             for index in wave:
                 pipe.xadd(self.keys.bell(index), {"cmd": cmd}, maxlen=1, approximate=False)

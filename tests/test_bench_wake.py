@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_bench_wake_wakes_every_reader_both_ways_and_times_the_probe_throughout() -> None:
-    readers = 300  # 5 waves of bells
+    readers = 300  # 11 waves of bells
     result = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "bench_wake.py"), "--readers", str(readers), "--trials", "2"],
         capture_output=True, text=True, timeout=300,
@@ -25,4 +25,4 @@ def test_bench_wake_wakes_every_reader_both_ways_and_times_the_probe_throughout(
         assert trial["answered"] == readers, trial  # every blocked reader got the command (or its ring)
         assert trial["pings"] > 0 and 0 < trial["first_answered_ms"] <= trial["last_answered_ms"]
         assert trial["probe_p50_ms"] <= trial["probe_p99_ms"] <= trial["probe_max_ms"]
-    assert len(waves(readers)) == 5 and summary["readers"] == readers and summary["probe_max_ratio"] > 0
+    assert len(waves(readers)) == 11 and summary["readers"] == readers and summary["probe_max_ratio"] > 0
