@@ -51,6 +51,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+READ_BYTES = 1 << 20
+"""A read of `{ns}:rollouts` asks for about this many bytes at most (`read_count` is the cap in entries): Redis builds
+a reply in one go, and 512 rollouts of 1k tokens (~4 MB) held every other client, a publishing worker too, 2-5 ms."""
+MIN_READ = 16
+
 
 @dataclass
 class Group:
@@ -228,6 +233,8 @@ class RolloutClient:
         """What the last `nccl://` publish moved, and how fast."""
         self._trim_every_s = trim_every_s
         self._last_trim = time.monotonic()
+        self._entry_bytes = 0
+        """The size of the last rollout entry read (its fields' bytes), which sizes the next read (`_count`)."""
 
     # -- submitting ----------------------------------------------------------------------------
 
@@ -554,21 +561,29 @@ class RolloutClient:
 
     def _read(self, block_ms: int) -> list[Entry]:
         if self._pending_after is not None:  # page through them: they stay pending until their group is used
-            entries = self.streams.read_rollouts(
-                self.consumer, self.read_count, None, pending=True, after=self._pending_after
-            )
+            after = self._pending_after
+            entries = self.streams.read_rollouts(self.consumer, self._count(), None, pending=True, after=after)
             if entries:
                 self._pending_after = entries[-1].id
                 return entries
             self._pending_after = None
             self._rereading = False
         retried = retried_failures(self.streams.redis)
-        entries = self.streams.read_rollouts(self.consumer, self.read_count, block_ms)
+        entries = self.streams.read_rollouts(self.consumer, self._count(), block_ms)
         if retried_failures(self.streams.redis) != retried:
             # A dropped connection was retried: if the read had run, its reply (entries now pending on this
             # consumer, never handed to us) was lost. Re-read what is pending on us; what we hold is skipped.
             self._pending_after, self._rereading = b"0", True
+        if entries:
+            self._entry_bytes = sum(len(k) + len(v) for k, v in entries[-1].fields.items())
         return entries
+
+    def _count(self) -> int:
+        """How many entries the next read asks for: `read_count`, or fewer if that many would pass `READ_BYTES` at
+        the size of the last entry read (~120 rollouts of 1k tokens, all 512 of 64)."""
+        if not self._entry_bytes:
+            return self.read_count
+        return max(MIN_READ, min(self.read_count, READ_BYTES // self._entry_bytes))
 
     def _take(self, entries: list[Entry]) -> list[Group]:
         """Decode, dedupe and file entries by group; return the groups that became whole."""

@@ -30,6 +30,7 @@ from pipeline.streams import (
     waves,
 )
 from pipeline.wire import GENERATORS, TRAINER, Control, Prompt, Rollout
+from producers.client import READ_BYTES, RolloutClient
 from producers.gateway.sessions import SCRIPTS as gateway_scripts
 from staleness.admission import SCRIPTS as staleness_scripts
 from tests.conftest import REDIS_VERSIONS, wait_until
@@ -306,6 +307,40 @@ def test_a_large_backlog_is_trimmed_in_commands_of_a_bounded_size(real_redis: re
     assert [i for i, _ in real_redis.xrange(rollouts)] == ids[-3:]  # exactly what is still unread
     xtrim = real_redis.info("commandstats")["cmdstat_xtrim"]
     assert xtrim["calls"] >= 4 + 2, xtrim  # 4+ chunks, a call that finds nothing more, the exact remainder
+
+
+@pytest.mark.parametrize("tokens", [1024, 16])
+def test_the_trainer_reads_big_rollouts_a_megabyte_at_a_time(
+    real_redis: redis.Redis, ns: str, monkeypatch: pytest.MonkeyPatch, tokens: int
+) -> None:
+    """Redis builds a reply in one go: 512 rollouts of 1k tokens (~4 MB) in one read held every client 2-5 ms. The
+    trainer sizes its reads by the rollouts it reads (`READ_BYTES`), and small ones still come 512 at a time."""
+    streams = Streams(real_redis, ns)
+    client = RolloutClient(real_redis, ns)
+    asked: list[int] = []
+    read = client.streams.read_rollouts
+    monkeypatch.setattr(client.streams, "read_rollouts", lambda consumer, count, *a, **k: (
+        asked.append(count), read(consumer, count, *a, **k))[1])  # fmt: skip
+
+    def publish(first: int, last: int) -> None:
+        streams.add_prompts([Prompt(id=f"p{i}", n=4, tokens=[1, 2, 3]) for i in range(first, last)])
+        for entry in streams.read_work("w", last - first, None):
+            p = Prompt.from_fields(entry.fields)
+            made = [r.model_copy(update={"tokens": np.arange(tokens), "logprobs": np.full(tokens, -1.0),
+                                         "spans": [(0, 0, tokens)]}) for r in rollouts_for(p)]  # fmt: skip
+            assert streams.publish_rollouts(made, entry) == 4
+
+    publish(0, 32)
+    assert len(client.collect(32, timeout=30)) == 32 and set(asked) == {512}  # nothing read yet: the cap
+    first = len(asked)
+    publish(32, 132)
+    groups = client.collect(100, timeout=30)
+    assert sorted(g.prompt_id for g in groups) == sorted(f"p{i}" for i in range(32, 132))
+    assert client.stats["duplicates"] == 0
+    if tokens == 1024:  # ~8.3 KB a rollout: every read after the first ones asks for ~125 (1 MiB), not a trickle
+        assert all(100 <= count <= READ_BYTES // 8192 for count in asked[first:]), asked
+    else:
+        assert set(asked) == {512}, asked
 
 
 @pytest.mark.parametrize("protocol", [2, 3])
