@@ -9,8 +9,8 @@
 3. a worker that has not acked by the deadline is evicted (`stop` for it; its pending work is
    claimed by the others); a worker that died is simply no longer waited for;
 4. finish (atomic): the state moves to `version`, unpaused, and `resume(epoch)` goes out.
-After steps 1 and 4 the manager rings the workers' bells (`Streams.ring`), a wave of ~64 workers at a time: workers
-block on their bell, not on `control`, so that 1,000 of them do not wake in one instant.
+After steps 1 and 4 the manager rings the workers' bells (`Streams.ring`), a wave of ~32 workers every ~2 ms: workers
+block on their bell, not on `control`, so that 1,000 of them do not wake (and ack, and read work) in one instant.
 A worker that joins later loads the state's version before it takes work.
 
 A manager for one LoRA adapter (`Manager(streams, adapter="a")`) runs the same protocol on that adapter's own
