@@ -47,11 +47,13 @@ class Fleet:
         self.arrived: list[float] = []
 
     def block(self, mode: str) -> None:
-        keys = self.streams.keys
+        keys, last_ids = self.streams.keys, {}
         for name, connection in zip(self.names, self.connections, strict=True):
             key = keys.control if mode == "control" else keys.bell(bell_index(name))
-            last = self.streams.redis.xrevrange(key, count=1)
-            connection.send_command("XREAD", "BLOCK", 0, "STREAMS", key, last[0][0] if last else "0-0")
+            if key not in last_ids:  # one look per stream, not per reader
+                last = self.streams.redis.xrevrange(key, count=1)
+                last_ids[key] = last[0][0] if last else "0-0"
+            connection.send_command("XREAD", "BLOCK", 0, "STREAMS", key, last_ids[key])
 
     def watch(self, done: threading.Event) -> threading.Thread:
         """Timestamp each reader's reply as its socket becomes readable (on a thread); the replies are read after."""

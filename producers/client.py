@@ -55,6 +55,7 @@ READ_BYTES = 1 << 20
 """A read of `{ns}:rollouts` asks for about this many bytes at most (`read_count` is the cap in entries): Redis builds
 a reply in one go, and 512 rollouts of 1k tokens (~4 MB) held every other client, a publishing worker too, 2-5 ms."""
 MIN_READ = 16
+"""However big the rollouts, a read asks for at least this many (unless `read_count` is smaller)."""
 
 
 @dataclass
@@ -583,7 +584,7 @@ class RolloutClient:
         the size of the last entry read (~120 rollouts of 1k tokens, all 512 of 64)."""
         if not self._entry_bytes:
             return self.read_count
-        return max(MIN_READ, min(self.read_count, READ_BYTES // self._entry_bytes))
+        return min(self.read_count, max(MIN_READ, READ_BYTES // self._entry_bytes))
 
     def _take(self, entries: list[Entry]) -> list[Group]:
         """Decode, dedupe and file entries by group; return the groups that became whole."""

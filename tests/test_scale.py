@@ -12,6 +12,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import redis
+
+from pipeline.cli.scale import command_name, script_names
+
 WORKERS = 50
 
 
@@ -70,3 +74,13 @@ def test_bad_lengths_and_pause_modes_say_what_to_fix() -> None:
         [sys.executable, "-m", "pipeline.cli", "scale", "--pause-mode", "hold"], capture_output=True, text=True
     )
     assert result.returncode == 2 and "--pause-mode must be abort or keep, not 'hold'" in result.stderr, result.stderr
+
+
+def test_slow_commands_name_each_script_by_its_file() -> None:
+    """`redis_slow_commands` names a slow `EVALSHA` by the script it ran (`evalsha:publish`), or a SHA prefix."""
+    scripts = script_names(redis.Redis())  # no round trip: redis-py computes each SHA-1 itself
+    publish = next(sha for sha, name in scripts.items() if name == "publish")
+    assert command_name(f"EVALSHA {publish} 3 a b c".encode(), scripts) == "evalsha:publish"
+    assert {"publish", "claim", "admit", "begin_sync", "finish_sync"} <= set(scripts.values())
+    assert command_name(b"EVALSHA 0123456789abcdef 0", scripts) == "evalsha:01234567"
+    assert command_name("XTRIM k MINID ~ 1-0 LIMIT 500", scripts) == "xtrim"

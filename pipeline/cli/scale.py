@@ -25,8 +25,6 @@ One JSON object on stdout, `--plot` a PNG; progress on stderr.
 from __future__ import annotations
 
 import contextlib
-import functools
-import hashlib
 import json
 import os
 import shutil
@@ -47,7 +45,8 @@ import typer
 from pipeline.cli import app, console, fail, user_errors
 from pipeline.cli.processes import start_command, stop_process
 from pipeline.cli.soak import Producer, Tally, rss_bytes
-from pipeline.lua import sources
+from pipeline.lua import register_all
+from pipeline.streams import SCRIPTS as STREAM_SCRIPTS
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -329,32 +328,30 @@ def server_slow_commands(client: redis.Redis) -> dict[str, Any]:
     many, and the slowest few as `[name, µs]`. A command that holds Redis that long holds every other client too."""
     entries = client.slowlog_get(128)
     slowest = sorted(entries, key=lambda e: -int(e["duration"]))[:10]
+    scripts = script_names(client)
     return {
         "over_us": SLOWLOG_OVER_US,
         "count": len(entries),
-        "slowest": [[_command_name(e["command"]), int(e["duration"])] for e in slowest],
+        "slowest": [[command_name(e["command"], scripts), int(e["duration"])] for e in slowest],
     }
 
 
-def _command_name(command: bytes | str) -> str:
-    """A SLOWLOG entry's command name; a script's as `evalsha:NAME` (its file's stem), found by its SHA-1."""
+def command_name(command: bytes | str, scripts: dict[str, str]) -> str:
+    """A SLOWLOG entry's command name; a script's as `evalsha:NAME` (its file's stem, from `scripts`: SHA-1 → name)."""
     words = (command.decode(errors="replace") if isinstance(command, bytes) else str(command)).split(" ", 2)
     name = words[0].lower()
     if name == "evalsha" and len(words) > 1:
-        return f"evalsha:{_script_names().get(words[1], words[1][:8])}"
+        return f"evalsha:{scripts.get(words[1], words[1][:8])}"
     return name
 
 
-@functools.cache
-def _script_names() -> dict[str, str]:
-    from pipeline.streams import SCRIPTS as STREAM_SCRIPTS
+def script_names(client: redis.Redis) -> dict[str, str]:
+    """SHA-1 → file stem of every Lua script a fleet runs (redis-py's `Script.sha`, computed without a round trip)."""
+    from producers.gateway.sessions import SCRIPTS as GATEWAY_SCRIPTS
     from staleness.admission import SCRIPTS as STALENESS_SCRIPTS
 
-    return {
-        hashlib.sha1(source.encode()).hexdigest(): name
-        for folder in (STREAM_SCRIPTS, STALENESS_SCRIPTS)
-        for name, source in sources(folder).items()
-    }
+    folders = (STREAM_SCRIPTS, STALENESS_SCRIPTS, GATEWAY_SCRIPTS)
+    return {script.sha: name for folder in folders for name, script in register_all(client, folder).items()}
 
 
 def run_size(console: Console, url: str, load: Load, tmp: Path) -> dict[str, Any]:
@@ -448,7 +445,9 @@ def ping_latency(
     }
 
 
-def slow_pings(timed: list[tuple[float, float]], syncs: list[tuple[float, float]], over_ms: float = 5.0) -> list:
+def slow_pings(
+    timed: list[tuple[float, float]], syncs: list[tuple[float, float]], over_ms: float = 5.0
+) -> list[list[float | None]]:
     """The pinger's publishes slower than `over_ms`, slowest first (at most 40), each as `[ms, since_sync_ms]`: how
     long after the start of the last weight sync begun before it the publish was made (None: before any), which
     places a slow publish in a sync's course (its `weights`, its acks, its `resume`, the fleet's restart after)."""
