@@ -62,7 +62,7 @@ class Fleet:
         def run() -> None:
             selector = selectors.DefaultSelector()
             for index, connection in enumerate(self.connections):
-                selector.register(connection._sock, selectors.EVENT_READ, index)
+                selector.register(connection._sock, selectors.EVENT_READ, index)  # redis-py's socket: a benchmark may
             pending = len(self.connections)
             while pending and not done.is_set():
                 for key, _ in selector.select(timeout=0.5):
