@@ -17,8 +17,12 @@ rendezvous, and during each sync, between the manager's `weights` command and it
    generation the sync's epoch. A worker not in the world failed to join in time, and says so;
 4. a new group is built over `PrefixStore(g{generation}/pg)` (NCCL when the trainer's tensors are on a
    GPU; gloo otherwise, which is how the same protocol runs, and is tested, on CPUs) and warmed up
-   with a one-byte broadcast; the tensors go from rank 0 as raw bytes in buckets of `bucket_bytes`,
-   16-byte aligned, in meta order, double buffered: bucket k+1 is packed while bucket k is on the wire;
+   with a one-byte broadcast. Each receiver then posts, without waiting, a one-element all-reduce (the
+   "ready" barrier) and a receive for every bucket; the trainer waits for the barrier, then sends the
+   tensors from rank 0 as raw bytes in buckets of `bucket_bytes`, 16-byte aligned, in meta order,
+   double buffered: bucket k+1 is packed while bucket k is on the wire. A worker posts its receives
+   before it pauses its engine (`prepare_receiver`), so the bytes cross while it still generates and
+   it stands still only to load them;
 5. the trainer deletes the epoch's keys. A replaced group is freed on a thread of its own, off the
    stall (NCCL takes about half a second to destroy a communicator); a failed broadcast drops it.
 
@@ -53,10 +57,14 @@ import torch.distributed as dist
 
 from staleness.transports import NamedTensors, Scheme, check_version, parse_uri, state_dict_of
 
-META_V = 2
+META_V = 3
+"""2 -> 3: receivers post a ready barrier (a one-element all-reduce) before the buckets."""
 DEFAULT_BUCKET_BYTES = 256 << 20
 """Bytes per broadcast: big enough to run near link speed, small enough for two buffers on the GPU."""
 ALIGN = 16
+COPY_FROM = 8 << 20
+"""A tensor of at least this many bytes is packed by its own copy; smaller ones by a `torch.cat` a run: 8 MiB
+take ~23 µs on an NVLink at 360 GB/s, about what launching a copy costs the host."""
 """Every tensor starts at a multiple of this in its bucket, so that a byte slice views as any dtype."""
 NO_GROUP = -1
 """The generation a worker that holds no group reports."""
@@ -90,8 +98,10 @@ class BroadcastStats:
     """Waiting for the workers to join (after the `weights` command)."""
     setup_s: float = 0.0
     """Building a new group, up to a first one-byte broadcast (NCCL makes its communicator then); 0 when kept."""
+    ready_s: float = 0.0
+    """The ready barrier: waiting, group built, until every receiver posted its receives."""
     transfer_s: float = 0.0
-    """Every bucket's broadcast, until the last completed: what `gb_per_s` divides by."""
+    """Every bucket's broadcast, from the ready barrier until the last completed: what `gb_per_s` divides by."""
     generation: int = NO_GROUP
     """The group's generation (the epoch of the sync that built it)."""
     reused: bool = False
@@ -129,7 +139,7 @@ class BroadcastLink:
 
     def forget(self) -> None:
         """After a failed load: report no group at the next sync (`forget_group`), in the worker process."""
-        _HELD.pop((self.host, self.port, self.member), None)
+        _forget(self.host, self.port, self.member)
 
 
 @dataclass
@@ -185,6 +195,41 @@ def plan_buckets(tensors: list[TensorMeta], bucket_bytes: int) -> list[list[tupl
     return buckets
 
 
+def pack_bucket(
+    bucket: list[tuple[int, int]],
+    tensors: list[torch.Tensor],
+    payload: torch.Tensor,
+    padding: torch.Tensor,
+    copy_from: int = COPY_FROM,
+) -> None:
+    """Write a bucket's bytes into `payload`: a tensor of `copy_from` bytes or more by its own copy (at memcpy
+    speed), each run of smaller ones, with the zeros that align them, by one `torch.cat` (a copy costs the host
+    ~25 µs, more than the wire takes for a tensor of a few MB)."""
+    run: list[torch.Tensor] = []
+    run_start = end = 0
+    for index, offset in bucket:
+        raw = tensors[index].reshape(-1).view(torch.uint8)
+        if raw.numel() >= copy_from:
+            if run:
+                torch.cat(run, out=payload[run_start:end])
+                run = []
+            payload[offset : offset + raw.numel()].copy_(raw)
+        else:
+            if not run:
+                run_start = end
+            if offset > end:
+                run.append(padding[: offset - end])
+            run.append(raw)
+        end = offset + raw.numel()
+    if run:
+        torch.cat(run, out=payload[run_start:end])
+
+
+def _view(buffer: torch.Tensor, meta: TensorMeta, offset: int) -> torch.Tensor:
+    """The tensor `meta` at `offset` in a bucket's bytes."""
+    return buffer[offset : offset + meta.nbytes].view(_dtype(meta.dtype)).view(meta.shape)
+
+
 def _bucket_size(tensors: list[TensorMeta], bucket: list[tuple[int, int]]) -> int:
     index, offset = bucket[-1]
     return offset + tensors[index].nbytes
@@ -225,6 +270,12 @@ def _warm_up(group: dist.ProcessGroup, device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _barrier(group: dist.ProcessGroup, device: torch.device) -> dist.Work:
+    """The ready barrier: a one-element all-reduce completes only once every rank posted it (a broadcast's
+    root may finish a small send before the receivers are there)."""
+    return group.allreduce([torch.zeros(1, dtype=torch.int32, device=device)])
+
+
 def default_member() -> str:
     """This process's name in a group when the worker gives none (its default worker name)."""
     return f"{socket.gethostname()}-{os.getpid()}"
@@ -242,6 +293,7 @@ def drop_groups() -> None:
             _close_later(kept.group)
         _TRAINER_GROUPS.clear()
         _RECEIVER_GROUPS.clear()
+        _POSTED.clear()
         _HELD.clear()
 
 
@@ -405,6 +457,11 @@ class NcclTransport:
                 _warm_up(plan.group, device)
                 stats.setup_s = time.monotonic() - started
             started = time.monotonic()
+            _barrier(plan.group, device).wait()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            stats.ready_s = time.monotonic() - started
+            started = time.monotonic()
             stats.bytes = self._send_buckets(plan.group, metas, list(named.values()), device)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
@@ -415,10 +472,13 @@ class NcclTransport:
     ) -> int:
         """Broadcast every bucket, double buffered: bucket k+1 is packed into one buffer while bucket k goes from
         the other. A buffer is packed again only after its last broadcast completed (`wait`: on the CPU for gloo,
-        on the current CUDA stream for NCCL, so the GPU copies overlap the transfer without blocking the host)."""
+        on the current CUDA stream for NCCL, so the GPU copies overlap the transfer without blocking the host).
+        Small tensors are packed by one `torch.cat` a run (`pack_bucket`): copied one by one, ~100 tensors of a
+        few MB kept the host, and so the wire, waiting (2.5 ms of launches for a 324 MiB model, 1 ms of NCCL)."""
         sent = 0
         buffers: list[torch.Tensor | None] = [None, None]
         in_flight: list[dist.Work | None] = [None, None]
+        padding = torch.zeros(ALIGN, dtype=torch.uint8, device=device)
         for k, bucket in enumerate(plan_buckets(metas, self.bucket_bytes)):
             slot = k % 2
             previous = in_flight[slot]
@@ -432,9 +492,7 @@ class NcclTransport:
                 if buffer is None:
                     buffer = buffers[slot] = torch.empty(self.bucket_bytes, dtype=torch.uint8, device=device)
                 payload = buffer[:size]
-                for index, offset in bucket:
-                    raw = tensors[index].reshape(-1).view(torch.uint8)
-                    payload[offset : offset + raw.numel()].copy_(raw)
+                pack_bucket(bucket, tensors, payload, padding)
             in_flight[slot] = _broadcast_async(group, payload)
             sent += size
         for work in in_flight:
@@ -529,7 +587,15 @@ def join_broadcast(
 def forget_group(uri: str, member: str | None = None) -> None:
     """After a failed load: report no group at the next sync, so that the trainer builds a new one with everyone."""
     host, _, port = parse_uri(uri).location.rpartition(":")
-    _HELD.pop((host, int(port), member or default_member()), None)
+    _forget(host, int(port), member or default_member())
+
+
+def _forget(host: str, port: int, member: str) -> None:
+    """Report no group at the next sync, and free receives posted but never taken (their buffers are a model)."""
+    with _LOCK:
+        _HELD.pop((host, port, member), None)
+        for key in [k for k in _POSTED if k[:3] == (host, port, member)]:
+            del _POSTED[key]
 
 
 def receive_broadcast(
@@ -538,30 +604,24 @@ def receive_broadcast(
     """Take rank `link.first_rank + rank_offset` in the link's group and yield the trainer's tensors as they arrive.
 
     NCCL receives on `device` (a GPU); gloo on the CPU. Every rank must drain the iterator: the
-    broadcasts are collective. The tensors are views of the receive buffers (no copy); bucket k+1 is
-    already being received while the caller handles bucket k. The group is kept for the next sync.
+    broadcasts are collective. The tensors are views of the receive buffers (no copy). Every bucket's
+    receive is posted up front: by `prepare_receiver` for this sync if it ran (the bytes may have landed
+    already), else here. The group is kept for the next sync.
     """
     meta = json.loads(link.meta)
     metas = _metas(meta)
-    group = prepare_receiver(link, rank_offset, device)
     target = _target(meta["backend"], device)
     try:
-        buckets = plan_buckets(metas, int(meta["bucket_bytes"]))
-        posted: list[tuple[torch.Tensor, dist.Work]] = []
-
-        def post(k: int) -> None:
-            if k < len(buckets):
-                buffer = torch.empty(_bucket_size(metas, buckets[k]), dtype=torch.uint8, device=target)
-                posted.append((buffer, _broadcast_async(group, buffer)))
-
-        post(0)
-        for k, bucket in enumerate(buckets):
-            post(k + 1)
-            buffer, work = posted[k]
+        with _LOCK:
+            posted = _POSTED.pop(_key(link, rank_offset), None)
+        if posted is None or posted.epoch != link.epoch:
+            prepare_receiver(link, rank_offset, device)
+            with _LOCK:
+                posted = _POSTED.pop(_key(link, rank_offset))
+        posted.ready.wait()
+        for work, views in posted.buckets:
             work.wait()
-            for index, offset in bucket:
-                m = metas[index]
-                yield m.name, buffer[offset : offset + m.nbytes].view(_dtype(m.dtype)).view(m.shape)
+            yield from views
         for m in metas:
             if m.nbytes == 0:
                 yield m.name, torch.empty(m.shape, dtype=_dtype(m.dtype), device=target)
@@ -572,20 +632,55 @@ def receive_broadcast(
         raise
 
 
+@dataclass
+class _Posted:
+    """One sync's receives of one rank, posted without waiting: the ready barrier, then per bucket its broadcast
+    and the tensors it carries (named views of its buffer, made before the bytes land: off the stall)."""
+
+    epoch: int
+    ready: dist.Work
+    buckets: list[tuple[dist.Work, list[tuple[str, torch.Tensor]]]]
+
+
+_POSTED: dict[tuple[str, int, str, int], _Posted] = {}
+"""Receives posted by `prepare_receiver`, by (host, port, member, rank offset), until `receive_broadcast` takes them."""
+
+
+def _key(link: BroadcastLink, rank_offset: int) -> tuple[str, int, str, int]:
+    return (link.host, link.port, link.member, rank_offset)
+
+
 def prepare_receiver(
     link: BroadcastLink, rank_offset: int = 0, device: str | torch.device = "cpu"
 ) -> dist.ProcessGroup:
     """Find or build rank `link.first_rank + rank_offset`'s group of the link (collective: every rank, the trainer
-    included, builds it at once), without receiving anything yet.
+    included, builds it at once) and post its receives, without waiting for them.
 
-    A worker runs this before it pauses its engine (`load_version` does it in `join_version`), so that neither
-    the wait for the other workers to join nor a new communicator's setup is time it stands still;
-    `receive_broadcast` then finds the group built."""
-    backend = json.loads(link.meta)["backend"]
+    A worker runs this before it pauses its engine (`join_version` has the engine do it), so that neither
+    the wait for the other workers to join, nor a new communicator's setup, nor the bytes on the wire are time it
+    stands still (the receives run beside generation, on the communicator's stream); `receive_broadcast`
+    then finds them posted and waits only for what has not landed yet. The buffers take the model's size on
+    `device` until the receiver has loaded the tensors, as they would when received after the pause."""
+    meta = json.loads(link.meta)
+    backend = meta["backend"]
     target = _target(backend, device)
     if target.type == "cuda":
         torch.cuda.set_device(target)
-    return _receiver_group(link, rank_offset, backend, target)
+    group = _receiver_group(link, rank_offset, backend, target)
+    try:
+        metas = _metas(meta)
+        ready = _barrier(group, target)
+        buckets = []
+        for bucket in plan_buckets(metas, int(meta["bucket_bytes"])):
+            buffer = torch.empty(_bucket_size(metas, bucket), dtype=torch.uint8, device=target)
+            views = [(metas[i].name, _view(buffer, metas[i], offset)) for i, offset in bucket]
+            buckets.append((_broadcast_async(group, buffer), views))
+    except BaseException:
+        _drop_receiver_group(link, rank_offset)
+        raise
+    with _LOCK:
+        _POSTED[_key(link, rank_offset)] = _Posted(link.epoch, ready, buckets)
+    return group
 
 
 def _target(backend: str, device: str | torch.device) -> torch.device:
@@ -595,7 +690,7 @@ def _target(backend: str, device: str | torch.device) -> torch.device:
 
 def _receiver_group(link: BroadcastLink, rank_offset: int, backend: str, target: torch.device) -> dist.ProcessGroup:
     """This rank's group of `link.generation`: the one kept from an earlier sync, or a new one (warmed up)."""
-    key = (link.host, link.port, link.member, rank_offset)
+    key = _key(link, rank_offset)
     rank = link.first_rank + rank_offset
     with _LOCK:
         kept = _RECEIVER_GROUPS.get(key)
@@ -617,7 +712,8 @@ def _receiver_group(link: BroadcastLink, rank_offset: int, backend: str, target:
 
 def _drop_receiver_group(link: BroadcastLink, rank_offset: int) -> None:
     with _LOCK:
-        kept = _RECEIVER_GROUPS.pop((link.host, link.port, link.member, rank_offset), None)
+        _POSTED.pop(_key(link, rank_offset), None)
+        kept = _RECEIVER_GROUPS.pop(_key(link, rank_offset), None)
     if kept is not None:
         _close_later(kept.group)
 

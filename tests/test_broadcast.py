@@ -83,6 +83,21 @@ def test_plan_buckets_packs_in_order_aligned_and_gives_big_tensors_their_own() -
     assert all(offset % ALIGN == 0 for bucket in buckets for _, offset in bucket)
 
 
+@pytest.mark.parametrize("copy_from", [0, 64, 10**9], ids=["each-copied", "mixed", "all-concatenated"])
+def test_a_bucket_packs_the_same_bytes_by_copies_or_by_concatenation(copy_from: int) -> None:
+    from staleness.broadcast import _bucket_size, pack_bucket
+
+    named = sample_tensors()
+    tensors = list(named.values())
+    metas = [TensorMeta(k, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for k, t in named.items()]
+    for bucket in plan_buckets(metas, bucket_bytes=4096):
+        payload = torch.full((_bucket_size(metas, bucket),), 255, dtype=torch.uint8)
+        pack_bucket(bucket, tensors, payload, torch.zeros(ALIGN, dtype=torch.uint8), copy_from=copy_from)
+        for index, offset in bucket:
+            raw = tensors[index].reshape(-1).view(torch.uint8)
+            assert torch.equal(payload[offset : offset + raw.numel()], raw), metas[index].name
+
+
 @pytest.mark.parametrize("receivers", [1, 2])
 def test_every_tensor_arrives_bit_exact(receivers: int) -> None:
     port = free_port()
@@ -103,6 +118,55 @@ def test_every_tensor_arrives_bit_exact(receivers: int) -> None:
         for name, tensor in sent.items():
             assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape, name
             assert torch.equal(got[name], tensor), name
+
+
+def test_a_prepared_receiver_gets_every_byte_before_it_asks_for_them() -> None:
+    """A worker posts its receives before it pauses (`prepare_receiver`): the trainer's broadcast completes while
+    the worker has not yet called `receive_broadcast` (it still generates), and the tensors are then there."""
+    from staleness.broadcast import prepare_receiver
+
+    sent = many_tensors(3)
+    trainer = NcclTransport("127.0.0.1", free_port(), bucket_bytes=256, timeout_s=20)
+    uri = trainer.publish(sent, version=3)
+    sent_all = threading.Event()
+    got: list[Any] = []
+
+    def worker() -> None:
+        link = join_broadcast(uri, 1, version=3, timeout_s=20, member="w")
+        prepare_receiver(link)
+        if not sent_all.wait(30):  # "generating": no receive_broadcast until the trainer is done
+            got.append(TimeoutError("the trainer never finished without the worker receiving"))
+            return
+        got.append(dict(receive_broadcast(link)))
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    stats = trainer.broadcast(epoch=1, workers=1)
+    sent_all.set()
+    thread.join(30)
+    assert stats.ranks == 1 and stats.transfer_s > 0 and stats.ready_s >= 0
+    assert not isinstance(got[0], Exception), got[0]
+    assert all(torch.equal(got[0][name], tensor) for name, tensor in sent.items())
+
+
+def test_receives_posted_but_never_taken_are_freed_when_the_worker_forgets_the_group() -> None:
+    from staleness import broadcast
+
+    trainer = NcclTransport("127.0.0.1", free_port(), bucket_bytes=256, timeout_s=20)
+    uri = trainer.publish(many_tensors(1), version=1)
+    links: list[BroadcastLink] = []
+    thread = threading.Thread(
+        target=lambda: (
+            links.append(join_broadcast(uri, 1, version=1, timeout_s=20, member="w"))
+            or broadcast.prepare_receiver(links[0])
+        )
+    )
+    thread.start()
+    trainer.broadcast(epoch=1, workers=1)
+    thread.join(30)
+    assert len(broadcast._POSTED) == 1  # the worker's load failed before it received: it forgets its group
+    links[0].forget()
+    assert broadcast._POSTED == {}, "a model's worth of receive buffers outlived the failed load"
 
 
 def test_a_receiver_whose_model_does_not_fit_declines_and_the_others_do_not_wait_for_it() -> None:

@@ -213,11 +213,14 @@ def test_bench_sync_reports_the_stall_per_transport(tmp_path: Path) -> None:
     nccl = report["results"][2]
     # The worker joins and builds its group before it pauses: the first sync's setup is not time it stood still.
     assert nccl["first_stall_s"] < nccl["first_sync_s"] - nccl["first_setup_s"], nccl
-    assert nccl["gb_per_s"] > 0 and 0 < nccl["broadcast_s"] < nccl["sync_s"]
+    assert nccl["gb_per_s"] > 0 and 0 < nccl["broadcast_s"] < nccl["sync_s"] and 0 <= nccl["ready_s"] < nccl["sync_s"]
     assert nccl["first_setup_s"] > 0 and nccl["setup_s_rounds"][1:] == [0.0], "the second sync built a new group"
     assert sorted(p.name for p in logs.iterdir()) == ["tiny-fs.log", "tiny-nccl.log", "tiny-redis.log"]
     assert "broadcast" in (logs / "tiny-nccl.log").read_text()  # the worker's own log, kept
     assert plot.read_bytes()[:4] == b"\x89PNG"
+    idle = rollouts("bench-sync", "--sizes", "tiny", "--transports", "nccl", "--rounds", "2", "--idle", timeout=300)
+    assert idle.returncode == 0, idle.stderr
+    assert json.loads(idle.stdout)["results"][0]["broadcast_s"] > 0
     assert_clean_error(rollouts("bench-sync", "--sizes", "huge"), "unknown sizes ['huge']")
 
 

@@ -482,6 +482,9 @@ def bench_sync(
     ] = "cpu",
     plot: Annotated[Path | None, typer.Option(help="Also draw stall against model size to this PNG.")] = None,
     logs: Annotated[Path | None, typer.Option(help="Keep the worker's logs here (one per size and transport).")] = None,
+    idle: Annotated[
+        bool, typer.Option(help="No requests during the syncs: the transfer alone, no generation beside it.")
+    ] = False,
 ) -> None:
     """The stall of a weight sync (publish_weights → every worker generating again), per transport and size."""
     from pipeline.cli.bench_sync import SIZES, TRANSPORTS, plot_bench_sync, run_bench_sync
@@ -495,7 +498,7 @@ def bench_sync(
         fail(f"--mode must be abort or keep, not {mode!r}")
     spec = EngineSpec.from_flags(ctx.params, Path("per-size"))
     with user_errors():
-        result = run_bench_sync(console, spec, chosen, paths, rounds, mode, trainer_device, logs)
+        result = run_bench_sync(console, spec, chosen, paths, rounds, mode, trainer_device, logs, idle)
         if plot is not None:
             plot_bench_sync(result, plot)
             console.print(f"plot written to {plot}")

@@ -7,9 +7,13 @@ transport), `sync_s` (the manager's `weights` command to its `resume`: join, pau
 version) and `stall_s`, the time the worker stood still: from its pause to its resume, as its heartbeat
 reports it. With nccl a worker joins the broadcast, and builds its group, before it pauses, so the
 join and a new group's setup count in `sync_s` but not in `stall_s`.
-The trainer holds both versions in memory (on `trainer_device`), as a training loop would.
+The trainer holds both versions in memory (on `trainer_device`), as a training loop would, and publishes first
+once the worker has served a batch of short groups (`warm_up`), as a training loop publishes after its first
+batch. `idle` leaves the worker without requests during the syncs: the transfer alone, with no generation
+beside it on the worker's GPU.
 
-`nccl` also reports the broadcast's own figures (`setup_s`, `broadcast_s`, `gb_per_s`) and, when both
+`nccl` also reports the broadcast's own figures (`setup_s`; `ready_s`, the wait until every receiver
+posted its receives; `broadcast_s`, from then until the last byte landed; `gb_per_s`) and, when both
 sides are on GPUs, a bare NCCL broadcast of the same bytes between the same two GPUs in this
 process (`bare_gb_per_s`): the ceiling the transport is compared with (`ratio`). The first publish is
 reported on its own (`first_stall_s`, `first_setup_s`, ...), the others as medians; JSON out.
@@ -61,6 +65,7 @@ def run_bench_sync(
     mode: str,
     trainer_device: str = "cpu",
     logs: Path | None = None,
+    idle: bool = False,
 ) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="rollouts-bench-sync-"))
     if logs is not None:
@@ -90,7 +95,7 @@ def run_bench_sync(
                         "ipc": "ipc://",
                     }[transport]
                     log = (logs or tmp) / f"{size}-{transport}.log"
-                    rows = _measure(spec, models[0], weights, uri, rounds, mode, log, progress, task)
+                    rows = _measure(spec, models[0], weights, uri, rounds, mode, log, progress, task, idle)
                     if transport == "nccl" and trainer_device.startswith("cuda") and spec.device.startswith("cuda"):
                         bare = bare_broadcast_gb_per_s(4 * params, trainer_device, spec.device)
                         rows |= {"bare_gb_per_s": round(bare, 2), "ratio": round(rows["gb_per_s"] / bare, 3)}
@@ -140,11 +145,13 @@ def _measure(
     log: Path,
     progress: Progress,
     task: Any,
+    idle: bool = False,
 ) -> dict[str, Any]:
     timings: dict[str, list[float]] = {"publish_s": [], "sync_s": [], "publish_to_serving_s": [], "stall_s": []}
     broadcasts: dict[str, list[float]] = {
         "join_s": [],
         "setup_s": [],
+        "ready_s": [],
         "broadcast_s": [],
         "gb_per_s": [],
     }
@@ -154,7 +161,8 @@ def _measure(
         try:
             client = RolloutClient(url, NS)
             wait_for_worker(client.streams.redis, NS, "bench-sync-worker", worker, timeout_s=600)
-            for i in range(64):  # keep the worker busy: a sync interrupts real generation
+            warm_up(client)
+            for i in range(0 if idle else 64):  # keep the worker busy: a sync interrupts real generation
                 client.submit(tokens=[5 + i % 100, 6, 7, 8], n=2, max_tokens=400, seed=i)
             heartbeat = client.streams.keys.worker("bench-sync-worker")
             for r in range(rounds):
@@ -178,6 +186,7 @@ def _measure(
                     stats = client.last_broadcast
                     broadcasts["join_s"].append(stats.join_s)
                     broadcasts["setup_s"].append(stats.setup_s)
+                    broadcasts["ready_s"].append(stats.ready_s)
                     broadcasts["broadcast_s"].append(stats.transfer_s)
                     broadcasts["gb_per_s"].append(stats.gb_per_s)
                 progress.advance(task)
@@ -185,6 +194,15 @@ def _measure(
         finally:
             stop_process(worker)
     return summarize(timings | broadcasts) | held
+
+
+def warm_up(client: RolloutClient, groups: int = 64, timeout_s: float = 600.0) -> None:
+    """Have the worker generate `groups` short groups (batched as the measured work is) and take them, before the
+    first publish: a training loop publishes after training on rollouts, so its first sync never meets an engine
+    still in its first steps (CUDA kernels and their plans chosen on first use), and neither should the bench's."""
+    for i in range(groups):
+        client.submit(tokens=[5 + i % 100, 6, 7, 8], n=2, max_tokens=16, seed=10_000 + i)
+    client.collect(groups, timeout=timeout_s)
 
 
 def _forget_exports(client: RolloutClient, transport: str) -> dict[str, Any]:
