@@ -202,6 +202,88 @@ def test_a_publisher_never_strands_a_publish_made_as_its_senders_finish(
     assert any_redis.xlen(streams.keys.rollouts) == 24
 
 
+def test_a_publish_writes_exactly_the_fields_of_the_wire_contract(any_redis: redis.Redis, ns: str) -> None:
+    """The publish is packed by hand (`Streams._pipelined`), not by redis-py's pipeline: every entry still carries
+    `Rollout.to_fields()`, the same names, order and bytes, optional fields and non-ASCII text included."""
+    streams = Streams(any_redis, ns)
+    streams.ensure_groups()
+    a, b = prompt("a", n=3), prompt("b/é")
+    streams.add_prompts([a, b])
+    e_a, e_b = streams.read_work("w1", 10, None)
+    plain = rollouts_for(a)
+    plain[1] = plain[1].model_copy(update={"reward": 0.5, "mask": [(0, 2)], "cached_tokens": 3, "adapter": "lora-1"})
+    plain[2] = plain[2].model_copy(update={"finish_reason": "error", "error": "engine said ✗\r\n", "tokens": []})
+    plain[2] = plain[2].model_copy(update={"logprobs": np.zeros(0, np.float32), "spans": []})
+    other = [r.model_copy(update={"meta": {"k": "✓", "n": [1, 2]}, "timing": {"x": 1e-9}}) for r in rollouts_for(b)]
+    assert streams.publish_many([Publish(plain, e_a), Publish(other, e_b)]) == [3, 2]
+    written = [list(fields.items()) for _, fields in any_redis.xrange(streams.keys.rollouts)]
+    assert written == [list(r.to_fields().items()) for r in plain + other]
+    assert [Rollout.from_fields(dict(f)).id for f in written] == [r.id for r in plain + other]
+
+
+@pytest.mark.parametrize("redis_server", REDIS_VERSIONS, indirect=True)
+def test_a_publish_after_a_script_flush_or_a_lost_reply_still_goes_once(
+    redis_server: RedisServer, ns: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The publish's own pipelined send keeps what redis-py's pipeline did for it: a script Redis no longer knows is
+    loaded and run again (those calls ran nothing), and a connection lost before the replies came is retried with the
+    client's policy (`connect`: reconnect and send again); the calls that ran already find their entries acked and
+    write nothing (-1), so every rollout is there exactly once."""
+    from pipeline.connections import connect, retried_failures
+
+    client = connect(redis_server.url)
+    streams = Streams(client, ns)
+    streams.ensure_groups()
+    prompts = [prompt(f"p{i}") for i in range(6)]
+    streams.add_prompts(prompts)
+    entries = streams.read_work("w1", 10, None)
+    first = [Publish(rollouts_for(p), e) for p, e in zip(prompts[:2], entries[:2], strict=True)]
+    assert streams.publish_many(first) == [2, 2]
+    client.script_flush()
+    assert streams.publish_many([Publish(rollouts_for(prompts[2]), entries[2])]) == [2]
+
+    read = redis.connection.Connection.read_response
+    lost: list[redis.connection.Connection] = []
+
+    def lose_the_first_reply(connection: redis.connection.Connection, *args: object, **kwargs: object) -> object:
+        if not lost:  # the scripts ran (their rollouts are there), then the connection drops before any reply
+            lost.append(connection)  # first: the wait below reads through this same method
+            with redis.Redis.from_url(redis_server.url) as other:
+                wait_until(lambda: other.xlen(streams.keys.rollouts) == 12, 10, "the scripts to run")
+            connection.disconnect()
+            raise redis.ConnectionError("connection lost")
+        return read(connection, *args, **kwargs)
+
+    monkeypatch.setattr(redis.connection.Connection, "read_response", lose_the_first_reply)
+    failures = retried_failures(client)
+    done = streams.publish_many([Publish(rollouts_for(p), e) for p, e in zip(prompts[3:], entries[3:], strict=True)])
+    assert done == [-1, -1, -1] and lost and retried_failures(client) == failures + 1
+    ids = [fields[b"id"] for _, fields in client.xrange(streams.keys.rollouts)]
+    assert ids == [f"{p.id}:{k}".encode() for p in prompts for k in range(2)]
+    assert client.xpending(streams.keys.prompts, GENERATORS)["pending"] == 0
+    client.close()
+
+
+def test_a_publisher_sends_a_full_window_as_several_pipelines_at_once(real_redis: redis.Redis, ns: str) -> None:
+    """A worker's window finishing together (64 prompts) goes out as several batches on several connections, so that
+    Redis runs one while the worker encodes the next; each prompt still gets its own answer."""
+    streams = Streams(real_redis, ns)
+    streams.ensure_groups()
+    prompts = [prompt(f"p{i}") for i in range(64)]
+    streams.add_prompts(prompts)
+    entries = streams.read_work("w1", 100, None)
+    publisher = Publisher(streams)
+
+    async def publish_all() -> list[int]:
+        return await asyncio.gather(
+            *(publisher.publish(rollouts_for(p), e) for p, e in zip(prompts, entries, strict=True))
+        )
+
+    assert asyncio.run(publish_all()) == [2] * 64
+    assert publisher.batches >= 64 // publisher.max_batch
+    assert real_redis.xlen(streams.keys.rollouts) == 128
+
+
 def test_dead_letter_keeps_the_original_and_acks(any_redis: redis.Redis, ns: str) -> None:
     streams = Streams(any_redis, ns)
     streams.ensure_groups()
