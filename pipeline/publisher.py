@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 from pipeline.streams import Entry, Publish, Streams
 from pipeline.wire import Partial, Rollout
@@ -31,6 +32,10 @@ class Publisher:
         self.max_batch = max_batch
         self.senders = senders
         """Batches on the wire at once (a connection each): while Redis runs one, the next is encoded."""
+        self._threads = ThreadPoolExecutor(senders, thread_name_prefix="publisher")
+        """A thread a sender, not the event loop's default executor: the worker's other blocking calls (its reads of
+        work and of its bell block up to a second each, its heartbeats) share that one, and publishes must neither
+        queue behind them nor hold them up."""
         self._waiting: list[tuple[Publish, asyncio.Future[int]]] = []
         self._sending: set[asyncio.Task[None]] = set()
         self.batches = 0
@@ -64,7 +69,9 @@ class Publisher:
                 batch, self._waiting = self._waiting[: self.max_batch], self._waiting[self.max_batch :]
                 self.batches += 1
                 try:
-                    results = await asyncio.to_thread(self.streams.publish_many, [p for p, _ in batch])
+                    results = await asyncio.get_running_loop().run_in_executor(
+                        self._threads, self.streams.publish_many, [p for p, _ in batch]
+                    )
                 except Exception as exc:  # the connection: no entry of the batch is known to be done
                     results = [exc] * len(batch)
                 for (_, done), result in zip(batch, results, strict=True):
