@@ -27,7 +27,7 @@ from consumers.lora import save_adapter
 from consumers.tiny_model import make_adapter
 from pipeline.cli.processes import start_command
 from pipeline.local import RedisServer, free_port
-from pipeline.wire import GENERATORS, Sampling
+from pipeline.wire import GENERATORS, Sampling, ack_field
 from producers.client import Group, RolloutClient
 from staleness.manager import Manager
 from staleness.state import read_state
@@ -95,6 +95,12 @@ def test_an_adapter_sync_pauses_that_adapter_alone_and_its_samples_go_on_under_t
     with ThreadPoolExecutor(1) as pool:
         sync = pool.submit(manager.sync, 2, uri, mode, lambda epoch, workers: released.wait(120))
         wait_until(lambda: read_state(client.streams.redis, client.streams.keys, "a").paused, 30, "a's pause")
+        epoch = str(read_state(client.streams.redis, client.streams.keys, "a").epoch).encode()
+        heartbeat = client.streams.keys.worker("w1")
+        # The worker acks once it closed a's gate, paused a and loaded: a prompt submitted when the state only says
+        # "paused" may reach a worker that has not read the command yet, and start under version 1.
+        acked = lambda: client.streams.redis.hget(heartbeat, ack_field("a")) == epoch  # noqa: E731
+        wait_until(acked, 60, "w1's ack of a's sync")
         submit(client, ["fresh-a"], "a", max_tokens=24)  # made during the pause: waits at the gate
         b_ids = [f"b{i}" for i in range(4)]
         submit(client, b_ids, "b", max_tokens=24)
