@@ -18,11 +18,13 @@ rendezvous, and during each sync, between the manager's `weights` command and it
 4. a new group is built over `PrefixStore(g{generation}/pg)` (NCCL when the trainer's tensors are on a
    GPU; gloo otherwise, which is how the same protocol runs, and is tested, on CPUs) and warmed up
    with a one-byte broadcast. Each receiver then posts, without waiting, a one-element all-reduce (the
-   "ready" barrier) and a receive for every bucket; the trainer waits for the barrier, then sends the
-   tensors from rank 0 as raw bytes in buckets of `bucket_bytes`, 16-byte aligned, in meta order,
-   double buffered: bucket k+1 is packed while bucket k is on the wire. A worker posts its receives
-   before it pauses its engine (`prepare_receiver`), so the bytes cross while it still generates and
-   it stands still only to load them;
+   "ready" barrier) and a receive for every bucket, and counts itself in `e{epoch}/posted`; the trainer
+   waits for that count and the barrier, then sends the tensors from rank 0 as raw bytes in buckets of
+   `bucket_bytes`, 16-byte aligned, in meta order. Over NCCL a bucket goes as its parts in one NCCL
+   group (`bucket_parts`: each tensor of `copy_from` bytes or more from its own memory, runs of smaller
+   ones packed); over gloo whole. Packing is double buffered: bucket k+1 is packed while bucket k is on
+   the wire. A worker posts its receives before it pauses its engine (`prepare_receiver`), so the bytes
+   cross while it still generates and it stands still only to load them;
 5. the trainer deletes the epoch's keys. A replaced group is freed on a thread of its own, off the
    stall (NCCL takes about half a second to destroy a communicator); a failed broadcast drops it.
 
@@ -57,14 +59,16 @@ import torch.distributed as dist
 
 from staleness.transports import NamedTensors, Scheme, check_version, parse_uri, state_dict_of
 
-META_V = 3
-"""2 -> 3: receivers post a ready barrier (a one-element all-reduce) before the buckets."""
+META_V = 4
+"""2 -> 3: receivers post a ready barrier (a one-element all-reduce) before the buckets. 3 -> 4: over NCCL a bucket
+goes as its parts (`bucket_parts`) in one NCCL group, the meta names `copy_from`."""
 DEFAULT_BUCKET_BYTES = 256 << 20
 """Bytes per broadcast: big enough to run near link speed, small enough for two buffers on the GPU."""
 ALIGN = 16
 COPY_FROM = 8 << 20
-"""A tensor of at least this many bytes is packed by its own copy; smaller ones by a `torch.cat` a run: 8 MiB
-take ~23 µs on an NVLink at 360 GB/s, about what launching a copy costs the host."""
+"""A tensor of at least this many bytes travels on its own (over NCCL, from its own memory; packed by its own copy
+where a bucket goes whole); smaller ones are packed by a `torch.cat` a run: 8 MiB take ~23 µs on an NVLink at
+360 GB/s, about what launching a copy costs the host."""
 """Every tensor starts at a multiple of this in its bucket, so that a byte slice views as any dtype."""
 NO_GROUP = -1
 """The generation a worker that holds no group reports."""
@@ -99,7 +103,8 @@ class BroadcastStats:
     setup_s: float = 0.0
     """Building a new group, up to a first one-byte broadcast (NCCL makes its communicator then); 0 when kept."""
     ready_s: float = 0.0
-    """The ready barrier: waiting, group built, until every receiver posted its receives."""
+    """Waiting, group built, until every receiver posted its receives (their count in the store, then the ready
+    barrier)."""
     transfer_s: float = 0.0
     """Every bucket's broadcast, from the ready barrier until the last completed: what `gb_per_s` divides by."""
     generation: int = NO_GROUP
@@ -155,6 +160,8 @@ class _Group:
     rank: int = 0
     backend: str = "gloo"
     device: str = "cpu"
+    store: dist.Store | None = None
+    """A receiver's client of the trainer's rendezvous store, kept with its group (it counts itself `posted` there)."""
 
 
 _TRAINER_GROUPS: dict[int, _Group] = {}
@@ -195,20 +202,75 @@ def plan_buckets(tensors: list[TensorMeta], bucket_bytes: int) -> list[list[tupl
     return buckets
 
 
+@dataclass(frozen=True)
+class Part:
+    """A byte range `[start, end)` of a bucket that goes as one broadcast, and the tensors it carries (`(index, byte
+    offset)`). `alone`: one tensor sent from its own memory (never packed): one of `copy_from` bytes or more, or
+    the only one in its bucket."""
+
+    start: int
+    end: int
+    members: tuple[tuple[int, int], ...]
+    alone: bool
+
+
+def bucket_parts(
+    tensors: list[TensorMeta], bucket: list[tuple[int, int]], grouped: bool, copy_from: int = COPY_FROM
+) -> list[Part]:
+    """How a bucket goes on the wire, the same on both sides. `grouped` (NCCL, whose group runs all of a bucket's
+    broadcasts as one launch): each tensor of `copy_from` bytes or more on its own, from its own memory, and each
+    run of smaller ones packed with the zeros that align them (a run of one goes alone: a copy would not save a
+    call); nothing big is copied. Otherwise (gloo: a call each) the whole bucket as one part. A bucket of one tensor
+    (one bigger than a bucket has its own) is that tensor."""
+    if len(bucket) == 1:
+        return [_alone(tensors, bucket[0])]
+    if not grouped:
+        return [Part(0, _bucket_size(tensors, bucket), tuple(bucket), False)]
+    parts: list[Part] = []
+    run: list[tuple[int, int]] = []
+    run_start = end = 0
+
+    def close_run() -> None:
+        parts.append(_alone(tensors, run[0]) if len(run) == 1 else Part(run_start, end, tuple(run), False))
+        run.clear()
+
+    for index, offset in bucket:
+        nbytes = tensors[index].nbytes
+        if nbytes >= copy_from:
+            if run:
+                close_run()
+            parts.append(_alone(tensors, (index, offset)))
+        else:
+            if not run:
+                run_start = end
+            run.append((index, offset))
+        end = offset + nbytes
+    if run:
+        close_run()
+    return parts
+
+
+def _alone(tensors: list[TensorMeta], member: tuple[int, int]) -> Part:
+    index, offset = member
+    return Part(offset, offset + tensors[index].nbytes, (member,), True)
+
+
 def pack_bucket(
-    bucket: list[tuple[int, int]],
+    bucket: list[tuple[int, int]] | tuple[tuple[int, int], ...],
     tensors: list[torch.Tensor],
     payload: torch.Tensor,
     padding: torch.Tensor,
     copy_from: int = COPY_FROM,
+    start: int = 0,
 ) -> None:
-    """Write a bucket's bytes into `payload`: a tensor of `copy_from` bytes or more by its own copy (at memcpy
-    speed), each run of smaller ones, with the zeros that align them, by one `torch.cat` (a copy costs the host
-    ~25 µs, more than the wire takes for a tensor of a few MB)."""
+    """Write the bytes of `bucket`'s tensors (`(index, offset)`; a bucket's or a part's, from byte `start`) into
+    `payload` at their offsets: a tensor of `copy_from` bytes or more by its own copy (at memcpy speed), each run
+    of smaller ones, with the zeros that align them, by one `torch.cat` (a copy costs the host ~25 µs, more than
+    the wire takes for a tensor of a few MB)."""
     run: list[torch.Tensor] = []
-    run_start = end = 0
+    run_start = end = start
     for index, offset in bucket:
-        raw = tensors[index].reshape(-1).view(torch.uint8)
+        raw = _raw(tensors[index])
         if raw.numel() >= copy_from:
             if run:
                 torch.cat(run, out=payload[run_start:end])
@@ -223,6 +285,44 @@ def pack_bucket(
         end = offset + raw.numel()
     if run:
         torch.cat(run, out=payload[run_start:end])
+
+
+@dataclass(frozen=True)
+class _Outgoing:
+    """A staged version laid out for the wire once, when it is published (while the workers still generate), not in
+    the sync: each bucket's parts, an alone part with its tensor's bytes (a view: nothing is copied). The first bucket
+    waits for whatever the host does first: laid out in the sync, a 2.5 GiB model of 195 tensors went at 0.89 of a
+    bare NCCL broadcast on two H100s (one run); laid out here, at 0.94, 0.94 and 0.90 (three)."""
+
+    metas: list[TensorMeta]
+    tensors: list[torch.Tensor]
+    buckets: list[list[tuple[Part, torch.Tensor | None]]]
+    nbytes: int
+
+    @classmethod
+    def of(cls, named: Mapping[str, torch.Tensor], bucket_bytes: int, grouped: bool) -> _Outgoing:
+        metas = [TensorMeta(k, _dtype_name(t.dtype), tuple(t.shape)) for k, t in named.items()]
+        tensors = list(named.values())
+        buckets, nbytes = [], 0
+        for bucket in plan_buckets(metas, bucket_bytes):
+            parts = bucket_parts(metas, bucket, grouped, COPY_FROM)
+            buckets.append([(p, _raw(tensors[p.members[0][0]]) if p.alone else None) for p in parts])
+            nbytes += _bucket_size(metas, bucket)
+        return cls(metas, tensors, buckets, nbytes)
+
+
+def _raw(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes, as a flat uint8 view."""
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+def _device_of(named: Mapping[str, torch.Tensor]) -> torch.device:
+    return next((t.device for t in named.values()), torch.device("cpu"))
+
+
+def _backend(device: torch.device) -> str:
+    """NCCL for tensors on a GPU, gloo on the CPU."""
+    return "nccl" if device.type == "cuda" else "gloo"
 
 
 def _view(buffer: torch.Tensor, meta: TensorMeta, offset: int) -> torch.Tensor:
@@ -261,6 +361,23 @@ def _close_later(group: dist.ProcessGroup | None) -> None:
 def _broadcast_async(group: dist.ProcessGroup, buffer: torch.Tensor) -> dist.Work:
     """Start a broadcast from rank 0; `wait()` on the result blocks (gloo) or orders the current CUDA stream (NCCL)."""
     return group.broadcast([buffer], dist.BroadcastOptions())
+
+
+def _grouped(backend: str) -> bool:
+    """Whether a bucket goes as its parts in one group (NCCL), or whole (gloo, which has no groups)."""
+    return backend == "nccl"
+
+
+def _broadcast_parts(group: dist.ProcessGroup, buffers: list[torch.Tensor]) -> list[dist.Work]:
+    """Broadcast a bucket's parts from rank 0, as one NCCL group (one launch, one work) where the backend has groups.
+    On two H100s the 195 tensors of a 2.5 GiB model so went at 0.94 of one bare broadcast of its bytes, against 0.87
+    packed into buckets and 0.74 a broadcast each (`examples/device/probe_strategies.py`)."""
+    if len(buffers) == 1 or not getattr(group, "supports_coalescing", False):
+        return [_broadcast_async(group, b) for b in buffers]
+    group._start_coalescing()
+    for buffer in buffers:
+        _broadcast_async(group, buffer)
+    return [group._end_coalescing()]
 
 
 def _warm_up(group: dist.ProcessGroup, device: torch.device) -> None:
@@ -319,7 +436,7 @@ class NcclTransport:
         self.host, self.port = host, port
         self.bucket_bytes = bucket_bytes
         self.timeout_s = timeout_s
-        self._staged: tuple[int, dict[str, torch.Tensor]] | None = None
+        self._staged: tuple[int, dict[str, torch.Tensor], _Outgoing] | None = None
         self._adapter_config: dict[str, Any] | None = None
         """The staged version's LoRA config when it is an adapter's (it travels in the meta)."""
         self.last: BroadcastStats | None = None
@@ -349,7 +466,8 @@ class NcclTransport:
         if devices:
             device = devices.pop()
             named = {k: t.to(device) for k, t in named.items()}
-        self._staged = (check_version(version), named)
+        grouped = _grouped(_backend(_device_of(named)))
+        self._staged = (check_version(version), named, _Outgoing.of(named, self.bucket_bytes, grouped))
         self._adapter_config = None if adapter_config is None else dict(adapter_config)
         self._server()  # listening before the workers hear of the version
         return self.uri_of(version)
@@ -368,10 +486,10 @@ class NcclTransport:
         """
         if self._staged is None:
             raise RuntimeError("nothing to broadcast: publish() a version first")
-        version, named = self._staged
-        metas = [TensorMeta(k, _dtype_name(t.dtype), tuple(t.shape)) for k, t in named.items()]
-        device = next((t.device for t in named.values()), torch.device("cpu"))
-        backend = "nccl" if device.type == "cuda" else "gloo"
+        version, named, outgoing = self._staged
+        metas = outgoing.metas
+        device = _device_of(named)
+        backend = _backend(device)
         kept = _TRAINER_GROUPS.get(self.port)
         if kept is not None and (kept.backend, kept.device) != (backend, str(device)):
             self._drop()  # the tensors moved: a group on the old device cannot send them
@@ -384,6 +502,7 @@ class NcclTransport:
             "version": version,
             "backend": backend,
             "bucket_bytes": self.bucket_bytes,
+            "copy_from": COPY_FROM,
             "group": kept.generation if kept else None,
             "tensors": [[m.name, m.dtype, list(m.shape)] for m in metas],
         }
@@ -405,12 +524,12 @@ class NcclTransport:
         stats.join_s = time.monotonic() - started
         try:
             if stats.ranks:
-                self._send(store, stats, plan, metas, named, device)
+                self._send(store, stats, plan, outgoing, device)
         except BaseException:
             self._drop()  # a member may be gone mid-broadcast: the next sync builds a new group
             raise
         finally:
-            keys = ["meta", "answered", "workers", "world"] + [f"w{i}" for i in range(1, stats.workers + 1)]
+            keys = ["meta", "answered", "workers", "world", "posted"] + [f"w{i}" for i in range(1, stats.workers + 1)]
             for key in keys:
                 store.delete_key(prefix + key)
         self.last = stats
@@ -441,8 +560,7 @@ class NcclTransport:
         store: dist.Store,
         stats: BroadcastStats,
         plan: _Group,
-        metas: list[TensorMeta],
-        named: dict[str, torch.Tensor],
+        outgoing: _Outgoing,
         device: torch.device,
     ) -> None:
         started = time.monotonic()
@@ -457,48 +575,57 @@ class NcclTransport:
                 _warm_up(plan.group, device)
                 stats.setup_s = time.monotonic() - started
             started = time.monotonic()
+            self._wait_posted(store, stats)
             _barrier(plan.group, device).wait()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             stats.ready_s = time.monotonic() - started
             started = time.monotonic()
-            stats.bytes = self._send_buckets(plan.group, metas, list(named.values()), device)
+            stats.bytes = self._send_buckets(plan.group, outgoing, device)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             stats.transfer_s = time.monotonic() - started
 
-    def _send_buckets(
-        self, group: dist.ProcessGroup, metas: list[TensorMeta], tensors: list[torch.Tensor], device: torch.device
-    ) -> int:
+    def _wait_posted(self, store: dist.Store, stats: BroadcastStats) -> None:
+        """Until every receiving rank has posted all its receives (`prepare_receiver` counts them in `posted`), or
+        the timeout: a rank that posts its ~200 receives (a 2.5 GiB model, a call a part) while the bytes already
+        flow, in a worker whose engine holds the GIL, held the wire to its pace (17 ms for what takes 8 ms posted
+        ahead). The ready barrier that follows is posted before the receives, so it alone cannot tell."""
+        deadline = time.monotonic() + self.timeout_s
+        key = f"e{stats.epoch}/posted"
+        while store.add(key, 0) < stats.ranks and time.monotonic() < deadline:
+            time.sleep(0.0005)
+
+    def _send_buckets(self, group: dist.ProcessGroup, outgoing: _Outgoing, device: torch.device) -> int:
         """Broadcast every bucket, double buffered: bucket k+1 is packed into one buffer while bucket k goes from
         the other. A buffer is packed again only after its last broadcast completed (`wait`: on the CPU for gloo,
         on the current CUDA stream for NCCL, so the GPU copies overlap the transfer without blocking the host).
-        Small tensors are packed by one `torch.cat` a run (`pack_bucket`): copied one by one, ~100 tensors of a
-        few MB kept the host, and so the wire, waiting (2.5 ms of launches for a 324 MiB model, 1 ms of NCCL)."""
-        sent = 0
+        Over NCCL a bucket goes as its parts (`bucket_parts`) in one group: big tensors from their own memory, only
+        runs of small ones packed (one `torch.cat` a run: copied one by one, ~100 tensors of a few MB kept the host,
+        and so the wire, waiting: 2.5 ms of launches for a 324 MiB model, 1 ms of NCCL)."""
         buffers: list[torch.Tensor | None] = [None, None]
-        in_flight: list[dist.Work | None] = [None, None]
+        in_flight: list[list[dist.Work]] = [[], []]
         padding = torch.zeros(ALIGN, dtype=torch.uint8, device=device)
-        for k, bucket in enumerate(plan_buckets(metas, self.bucket_bytes)):
+        for k, parts in enumerate(outgoing.buckets):
             slot = k % 2
-            previous = in_flight[slot]
-            if previous is not None:
-                previous.wait()  # the buffer (or tensor) of bucket k-2 is free again
-            size = _bucket_size(metas, bucket)
-            if len(bucket) == 1:  # one tensor: send its own bytes, no copy
-                payload = tensors[bucket[0][0]].reshape(-1).view(torch.uint8)
-            else:
+            payloads = []
+            for part, alone in parts:
+                if alone is not None:  # one tensor: its own bytes, no copy
+                    payloads.append(alone)
+                    continue
                 buffer = buffers[slot]
                 if buffer is None:
                     buffer = buffers[slot] = torch.empty(self.bucket_bytes, dtype=torch.uint8, device=device)
-                payload = buffer[:size]
-                pack_bucket(bucket, tensors, payload, padding)
-            in_flight[slot] = _broadcast_async(group, payload)
-            sent += size
-        for work in in_flight:
-            if work is not None:
+                for work in in_flight[slot]:
+                    work.wait()  # the buffer of bucket k-2 is free again
+                in_flight[slot] = []
+                pack_bucket(part.members, outgoing.tensors, buffer, padding, start=part.start)
+                payloads.append(buffer[part.start : part.end])
+            in_flight[slot] += _broadcast_parts(group, payloads)
+        for works in in_flight:
+            for work in works:
                 work.wait()
-        return sent
+        return outgoing.nbytes
 
     def versions(self) -> list[int]:
         return []  # nothing is stored: a version lives only while it is broadcast
@@ -619,8 +746,9 @@ def receive_broadcast(
             with _LOCK:
                 posted = _POSTED.pop(_key(link, rank_offset))
         posted.ready.wait()
-        for work, views in posted.buckets:
-            work.wait()
+        for works, views in posted.buckets:
+            for work in works:
+                work.wait()
             yield from views
         for m in metas:
             if m.nbytes == 0:
@@ -639,7 +767,7 @@ class _Posted:
 
     epoch: int
     ready: dist.Work
-    buckets: list[tuple[dist.Work, list[tuple[str, torch.Tensor]]]]
+    buckets: list[tuple[list[dist.Work], list[tuple[str, torch.Tensor]]]]
 
 
 _POSTED: dict[tuple[str, int, str, int], _Posted] = {}
@@ -666,20 +794,25 @@ def prepare_receiver(
     target = _target(backend, device)
     if target.type == "cuda":
         torch.cuda.set_device(target)
-    group = _receiver_group(link, rank_offset, backend, target)
+    kept = _receiver_group(link, rank_offset, backend, target)
+    group = kept.group
     try:
         metas = _metas(meta)
+        grouped, copy_from = _grouped(backend), int(meta["copy_from"])
         ready = _barrier(group, target)
         buckets = []
         for bucket in plan_buckets(metas, int(meta["bucket_bytes"])):
             buffer = torch.empty(_bucket_size(metas, bucket), dtype=torch.uint8, device=target)
             views = [(metas[i].name, _view(buffer, metas[i], offset)) for i, offset in bucket]
-            buckets.append((_broadcast_async(group, buffer), views))
+            parts = bucket_parts(metas, bucket, grouped, copy_from)
+            buckets.append((_broadcast_parts(group, [buffer[p.start : p.end] for p in parts]), views))
     except BaseException:
         _drop_receiver_group(link, rank_offset)
         raise
     with _LOCK:
         _POSTED[_key(link, rank_offset)] = _Posted(link.epoch, ready, buckets)
+    assert kept.store is not None  # a receiver's group is built with its store
+    kept.store.add(f"e{link.epoch}/posted", 1)
     return group
 
 
@@ -688,14 +821,14 @@ def _target(backend: str, device: str | torch.device) -> torch.device:
     return torch.device(device) if backend == "nccl" else torch.device("cpu")
 
 
-def _receiver_group(link: BroadcastLink, rank_offset: int, backend: str, target: torch.device) -> dist.ProcessGroup:
+def _receiver_group(link: BroadcastLink, rank_offset: int, backend: str, target: torch.device) -> _Group:
     """This rank's group of `link.generation`: the one kept from an earlier sync, or a new one (warmed up)."""
     key = _key(link, rank_offset)
     rank = link.first_rank + rank_offset
     with _LOCK:
         kept = _RECEIVER_GROUPS.get(key)
         if kept is not None and kept.group is not None and (kept.generation, kept.rank) == (link.generation, rank):
-            return kept.group
+            return kept
         if kept is not None:
             _close_later(kept.group)
             del _RECEIVER_GROUPS[key]
@@ -704,10 +837,10 @@ def _receiver_group(link: BroadcastLink, rank_offset: int, backend: str, target:
     _warm_up(group, target)
     with _LOCK:
         GROUPS_BUILT["receiver"] += 1
-        _RECEIVER_GROUPS[key] = _Group(
-            link.generation, link.world, group, rank=rank, backend=backend, device=str(target)
+        built = _RECEIVER_GROUPS[key] = _Group(
+            link.generation, link.world, group, rank=rank, backend=backend, device=str(target), store=store
         )
-    return group
+    return built
 
 
 def _drop_receiver_group(link: BroadcastLink, rank_offset: int) -> None:

@@ -98,6 +98,100 @@ def test_a_bucket_packs_the_same_bytes_by_copies_or_by_concatenation(copy_from: 
             assert torch.equal(payload[offset : offset + raw.numel()], raw), metas[index].name
 
 
+def test_a_bucket_goes_as_its_big_tensors_alone_and_its_runs_of_small_ones_when_grouped() -> None:
+    from staleness.broadcast import bucket_parts
+
+    metas = [
+        TensorMeta("s1", "float32", (3,)),  # 12 bytes
+        TensorMeta("s2", "float32", (2,)),  # 8 bytes, at 16
+        TensorMeta("big1", "float32", (25,)),  # 100 bytes, at 32
+        TensorMeta("big2", "float32", (30,)),  # 120 bytes, at 144
+        TensorMeta("s3", "int64", (1,)),  # 8 bytes, at 272
+        TensorMeta("s4", "int8", (5,)),  # 5 bytes, at 288
+        TensorMeta("big3", "float32", (16,)),  # 64 bytes, at 304
+        TensorMeta("s5", "float32", (1,)),  # 4 bytes, at 368
+    ]
+    (bucket,) = plan_buckets(metas, bucket_bytes=4096)
+    grouped = bucket_parts(metas, bucket, grouped=True, copy_from=64)
+    assert [(p.start, p.end, [i for i, _ in p.members], p.alone) for p in grouped] == [
+        (0, 24, [0, 1], False),
+        (32, 132, [2], True),
+        (144, 264, [3], True),
+        (264, 293, [4, 5], False),  # from the end of big2: the zeros that align s3 go with it
+        (304, 368, [6], True),
+        (368, 372, [7], True),  # a run of one: no copy
+    ]
+    (whole,) = bucket_parts(metas, bucket, grouped=False, copy_from=64)
+    assert (whole.start, whole.end, [i for i, _ in whole.members], whole.alone) == (0, 372, list(range(8)), False)
+    for copy_from in (64, 10**9):  # a bucket of one tensor is that tensor, however small
+        (alone,) = bucket_parts(metas, [(0, 0)], grouped=False, copy_from=copy_from)
+        assert alone.alone and (alone.start, alone.end) == (0, 12)
+
+
+def test_every_tensor_arrives_bit_exact_when_buckets_go_as_parts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NCCL's layout (big tensors from their own memory, runs of small ones packed, each part a broadcast of its own)
+    over gloo, which has no NCCL groups, so each part is a call: the bytes land where the receiver's views are."""
+    import staleness.broadcast as broadcast
+
+    monkeypatch.setattr(broadcast, "_grouped", lambda backend: True)
+    monkeypatch.setattr(broadcast, "COPY_FROM", 1000)  # "embed" (3,200 bytes) and "big" (1,200) go alone
+    sent = sample_tensors()
+    trainer = NcclTransport("127.0.0.1", free_port(), bucket_bytes=4096, timeout_s=20)
+    uri = trainer.publish(sent, version=1)
+    threads, results = run_receivers(uri, epoch=2, count=2)
+    stats = trainer.broadcast(epoch=2, workers=2)
+    for t in threads:
+        t.join(30)
+    assert stats.ranks == 2
+    for got in results:
+        assert not isinstance(got, Exception), got
+        for name, tensor in sent.items():
+            assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+
+
+TWO_GPUS = pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="NCCL between two GPUs (run on the device machine: README, nccl)"
+)
+
+
+@TWO_GPUS
+@pytest.mark.parametrize("copy_from", [1000, 10**9], ids=["parts", "packed-runs"])
+def test_over_nccl_every_tensor_arrives_bit_exact_sync_after_sync(
+    monkeypatch: pytest.MonkeyPatch, copy_from: int
+) -> None:
+    """The NCCL layout for real: each bucket's parts (big tensors from their own memory, packed runs) in one NCCL
+    group, from `cuda:0` to a receiver on `cuda:1` that posted its receives first; twice, the second on the kept
+    group."""
+    import staleness.broadcast as broadcast
+
+    monkeypatch.setattr(broadcast, "COPY_FROM", copy_from)
+    sent = {k: t.to("cuda:0") for k, t in sample_tensors().items()}
+    trainer = NcclTransport("127.0.0.1", free_port(), bucket_bytes=4096, timeout_s=30)
+    try:
+        for version in (1, 2):
+            uri = trainer.publish(sent, version=version)
+            got: list[Any] = []
+
+            def receive(uri: str = uri, version: int = version, got: list[Any] = got) -> None:
+                try:
+                    link = join_broadcast(uri, version, version=version, timeout_s=30, member="gpu1")
+                    broadcast.prepare_receiver(link, 0, "cuda:1")
+                    got.append({k: t.cpu() for k, t in receive_broadcast(link, 0, "cuda:1")})
+                except Exception as exc:
+                    got.append(exc)
+
+            thread = threading.Thread(target=receive)
+            thread.start()
+            stats = trainer.broadcast(epoch=version, workers=1)
+            thread.join(60)
+            assert stats.backend == "nccl" and stats.ranks == 1 and stats.reused == (version == 2)
+            assert len(got) == 1 and not isinstance(got[0], Exception), got
+            for name, tensor in sent.items():
+                assert got[0][name].dtype == tensor.dtype and torch.equal(got[0][name], tensor.cpu()), name
+    finally:
+        drop_groups()
+
+
 @pytest.mark.parametrize("receivers", [1, 2])
 def test_every_tensor_arrives_bit_exact(receivers: int) -> None:
     port = free_port()
