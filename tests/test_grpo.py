@@ -7,7 +7,10 @@ bound in every batch and that every sample was trained on once.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -27,14 +30,24 @@ BENCH = EXAMPLE.with_name("bench_rl.py")
 
 
 def run_trainer(redis_server: RedisServer, ns: str, *args: str, timeout: float = 600) -> list[dict[str, Any]]:
-    result = subprocess.run(
+    """The trainer in a process group of its own, whatever is left of which (the manager and workers it started) is
+    killed when the test ends, however it ends: a timeout (`subprocess.run`'s, or pytest's) killed the trainer
+    alone, and its children lived on, holding CPU, for the tests that came after."""
+    process = subprocess.Popen(
         [sys.executable, str(EXAMPLE), "--redis", redis_server.url, "--ns", ns, *args],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout,
+        start_new_session=True,
     )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    assert process.returncode == 0, stderr[-3000:]
+    return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
 
 
 def test_the_trainer_learns_the_task_in_sync_mode(redis_server: RedisServer, ns: str, tmp_path: Path) -> None:
