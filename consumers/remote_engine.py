@@ -72,6 +72,11 @@ START_TIMEOUT_S = 600.0
 
 CONNECT_TIMEOUT_S = 60.0
 """A server that takes longer to accept a connection is taken for dead (one refusing it is dead at once)."""
+KEEPALIVE_EXPIRY_S = 2.0
+"""An idle pooled connection is closed by this client after this long: below the server's keep-alive (vLLM's
+`VLLM_HTTP_TIMEOUT_KEEP_ALIVE`, 5 s by default). At httpx's default (also 5 s) a request could go out on a connection
+at the moment the server closed it as idle, and fail with `ReadError('')`: taken for a dead server, that stopped a
+worker mid-run (the GRPO test on a `vllm serve`, caught once: the worker stopped at a pause, the trainer waited)."""
 
 HEALTH_POLL_S = 0.5
 UNSTICK_S = 2.0
@@ -96,6 +101,17 @@ class PauseHolders(Protocol):
     async def resume(self, call: Callable[[], Awaitable[object]]) -> bool:
         """Drop this worker's hold; resume the server (`call`) only if no live worker holds it."""
         ...
+
+
+def http_client(url: str, headers: Mapping[str, str]) -> httpx.AsyncClient:
+    """The engine's connections to its server: no read timeout (a generation may take minutes), a connect timeout
+    (a loaded server may take seconds to accept), and idle connections dropped before the server drops them."""
+    return httpx.AsyncClient(
+        base_url=url,
+        headers=dict(headers),
+        timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S),
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=64, keepalive_expiry=KEEPALIVE_EXPIRY_S),
+    )
 
 
 class RemoteVllmEngine(ServesNoAdapters, EngineLifecycle):
@@ -170,13 +186,7 @@ class RemoteVllmEngine(ServesNoAdapters, EngineLifecycle):
                 raise EngineClosedError("the engine was shut down")
             if self._http is not None:
                 return
-            http = httpx.AsyncClient(
-                base_url=self.url,
-                headers=self._headers,
-                # A generation may take minutes, and a loaded server may take seconds to accept a connection.
-                timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S),
-                limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
-            )
+            http = http_client(self.url, self._headers)
             try:
                 await self._wait_until_up(http)
                 await self._check_server(http)

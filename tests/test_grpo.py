@@ -113,7 +113,7 @@ def test_with_vllm_workers_paused_in_keep_mode_the_async_trainer_learns(redis_se
 
 
 @pytest.mark.vllm
-@pytest.mark.timeout(600)  # usually 2-2.5 min here; some runs take ~5 (on 8127637 too), cause not found yet
+@pytest.mark.timeout(600)  # 2-2.5 min here; its slow runs were a worker stopped by a keep-alive race (README)
 def test_with_a_vllm_server_as_the_engine_paused_in_keep_mode_the_async_trainer_learns(
     redis_server: RedisServer, ns: str, tiny_model_dir: Path, tmp_path: Path
 ) -> None:

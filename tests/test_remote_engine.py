@@ -88,6 +88,22 @@ def test_a_worker_started_before_its_server_serves_once_it_is_up_and_bad_input_s
         stop_process(worker)
 
 
+def test_the_engine_drops_an_idle_connection_before_the_vllm_server_does() -> None:
+    """A request sent on a pooled connection in the instant the server closes it as idle fails with `ReadError('')`,
+    which a worker takes for a dead server: it stopped mid-run once (the GRPO test on a `vllm serve`). So the
+    engine's pool must expire idle connections sooner than vLLM's keep-alive (`VLLM_HTTP_TIMEOUT_KEEP_ALIVE`)."""
+    import vllm.envs
+
+    from consumers.remote_engine import http_client
+
+    client = http_client("http://127.0.0.1:1", {})
+    try:
+        expiry = client._transport._pool._keepalive_expiry  # httpx keeps its Limits only in the pool
+        assert expiry is not None and expiry < vllm.envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE / 2
+    finally:
+        asyncio.run(client.aclose())
+
+
 def test_greedy_tokens_and_logprobs_match_the_in_process_vllm_engine(tiny_model_dir: Path, server: Server) -> None:
     wait_until(server.healthy, 300, "the vLLM server")
     local = Served(VllmEngine(tiny_model_dir))
