@@ -298,31 +298,27 @@ class _Outgoing:
     tensors: list[torch.Tensor]
     buckets: list[list[tuple[Part, torch.Tensor | None]]]
     nbytes: int
+    device: torch.device
+    backend: str
 
     @classmethod
-    def of(cls, named: Mapping[str, torch.Tensor], bucket_bytes: int, grouped: bool) -> _Outgoing:
+    def of(cls, named: Mapping[str, torch.Tensor], bucket_bytes: int, backend: str | None = None) -> _Outgoing:
+        """`named` laid out in buckets of `bucket_bytes`, for the backend of their device (or `backend`)."""
         metas = [TensorMeta(k, _dtype_name(t.dtype), tuple(t.shape)) for k, t in named.items()]
         tensors = list(named.values())
+        device = next((t.device for t in tensors), torch.device("cpu"))
+        backend = backend or ("nccl" if device.type == "cuda" else "gloo")
         buckets, nbytes = [], 0
         for bucket in plan_buckets(metas, bucket_bytes):
-            parts = bucket_parts(metas, bucket, grouped, COPY_FROM)
+            parts = bucket_parts(metas, bucket, _grouped(backend), COPY_FROM)
             buckets.append([(p, _raw(tensors[p.members[0][0]]) if p.alone else None) for p in parts])
             nbytes += _bucket_size(metas, bucket)
-        return cls(metas, tensors, buckets, nbytes)
+        return cls(metas, tensors, buckets, nbytes, device, backend)
 
 
 def _raw(tensor: torch.Tensor) -> torch.Tensor:
     """A tensor's bytes, as a flat uint8 view."""
     return tensor.reshape(-1).view(torch.uint8)
-
-
-def _device_of(named: Mapping[str, torch.Tensor]) -> torch.device:
-    return next((t.device for t in named.values()), torch.device("cpu"))
-
-
-def _backend(device: torch.device) -> str:
-    """NCCL for tensors on a GPU, gloo on the CPU."""
-    return "nccl" if device.type == "cuda" else "gloo"
 
 
 def _view(buffer: torch.Tensor, meta: TensorMeta, offset: int) -> torch.Tensor:
@@ -436,7 +432,7 @@ class NcclTransport:
         self.host, self.port = host, port
         self.bucket_bytes = bucket_bytes
         self.timeout_s = timeout_s
-        self._staged: tuple[int, dict[str, torch.Tensor], _Outgoing] | None = None
+        self._staged: tuple[int, _Outgoing] | None = None
         self._adapter_config: dict[str, Any] | None = None
         """The staged version's LoRA config when it is an adapter's (it travels in the meta)."""
         self.last: BroadcastStats | None = None
@@ -466,8 +462,7 @@ class NcclTransport:
         if devices:
             device = devices.pop()
             named = {k: t.to(device) for k, t in named.items()}
-        grouped = _grouped(_backend(_device_of(named)))
-        self._staged = (check_version(version), named, _Outgoing.of(named, self.bucket_bytes, grouped))
+        self._staged = (check_version(version), _Outgoing.of(named, self.bucket_bytes))
         self._adapter_config = None if adapter_config is None else dict(adapter_config)
         self._server()  # listening before the workers hear of the version
         return self.uri_of(version)
@@ -486,10 +481,8 @@ class NcclTransport:
         """
         if self._staged is None:
             raise RuntimeError("nothing to broadcast: publish() a version first")
-        version, named, outgoing = self._staged
-        metas = outgoing.metas
-        device = _device_of(named)
-        backend = _backend(device)
+        version, outgoing = self._staged
+        metas, device, backend = outgoing.metas, outgoing.device, outgoing.backend
         kept = _TRAINER_GROUPS.get(self.port)
         if kept is not None and (kept.backend, kept.device) != (backend, str(device)):
             self._drop()  # the tensors moved: a group on the old device cannot send them
@@ -524,7 +517,7 @@ class NcclTransport:
         stats.join_s = time.monotonic() - started
         try:
             if stats.ranks:
-                self._send(store, stats, plan, outgoing, device)
+                self._send(store, stats, plan, outgoing)
         except BaseException:
             self._drop()  # a member may be gone mid-broadcast: the next sync builds a new group
             raise
@@ -561,8 +554,8 @@ class NcclTransport:
         stats: BroadcastStats,
         plan: _Group,
         outgoing: _Outgoing,
-        device: torch.device,
     ) -> None:
+        device = outgoing.device
         started = time.monotonic()
         # The trainer's current device is left as it was: only this block works on the tensors' GPU.
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
@@ -581,7 +574,7 @@ class NcclTransport:
                 torch.cuda.synchronize(device)
             stats.ready_s = time.monotonic() - started
             started = time.monotonic()
-            stats.bytes = self._send_buckets(plan.group, outgoing, device)
+            stats.bytes = self._send_buckets(plan.group, outgoing)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             stats.transfer_s = time.monotonic() - started
@@ -596,7 +589,7 @@ class NcclTransport:
         while store.add(key, 0) < stats.ranks and time.monotonic() < deadline:
             time.sleep(0.0005)
 
-    def _send_buckets(self, group: dist.ProcessGroup, outgoing: _Outgoing, device: torch.device) -> int:
+    def _send_buckets(self, group: dist.ProcessGroup, outgoing: _Outgoing) -> int:
         """Broadcast every bucket, double buffered: bucket k+1 is packed into one buffer while bucket k goes from
         the other. A buffer is packed again only after its last broadcast completed (`wait`: on the CPU for gloo,
         on the current CUDA stream for NCCL, so the GPU copies overlap the transfer without blocking the host).
@@ -605,6 +598,7 @@ class NcclTransport:
         and so the wire, waiting: 2.5 ms of launches for a 324 MiB model, 1 ms of NCCL)."""
         buffers: list[torch.Tensor | None] = [None, None]
         in_flight: list[list[dist.Work]] = [[], []]
+        device = outgoing.device
         padding = torch.zeros(ALIGN, dtype=torch.uint8, device=device)
         for k, parts in enumerate(outgoing.buckets):
             slot = k % 2

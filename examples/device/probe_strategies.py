@@ -83,8 +83,8 @@ def run_mode(
         backend = "nccl" if kind == "transport" else "gloo"
         if rank == 0:
             sender = nccl.NcclTransport("127.0.0.1", 1, bucket_bytes=bucket)
-            outgoing = nccl._Outgoing.of(named, bucket, nccl._grouped(backend))  # laid out at publish, as staged
-            return lambda: sender._send_buckets(group, outgoing, torch.device(device)) and []
+            outgoing = nccl._Outgoing.of(named, bucket, backend)  # laid out at publish, as staged
+            return lambda: sender._send_buckets(group, outgoing) and []
         buffers = receiver_buffers(metas, plan, device)
         grouped = nccl._grouped(backend)
 
