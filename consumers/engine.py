@@ -244,6 +244,35 @@ def check_checkpoint_fits(
         raise ValueError(f"checkpoint {source} does not fit the model: " + "; ".join(problems))
 
 
+@dataclass(frozen=True)
+class WeightLayout:
+    """The tensors a model takes, as plain data: what `check_fits` needs, where the model itself is not at hand
+    (an engine in a process of its own, `consumers.process_engine`)."""
+
+    shapes: dict[str, tuple[int, ...]]
+    """Each parameter and buffer name, and its shape."""
+    storage: dict[str, int]
+    """Each name's storage: names of one storage are tied, and loading one of them loads them all."""
+
+    @classmethod
+    def of(cls, state: Mapping[str, Any]) -> WeightLayout:
+        """From a torch `state_dict()`."""
+        return cls({k: tuple(t.shape) for k, t in state.items()}, {k: t.data_ptr() for k, t in state.items()})
+
+    def check(self, shapes: Mapping[str, tuple[int, ...]], source: object) -> None:
+        """Raise `ValueError` if tensors of these names and shapes cannot be loaded into the model."""
+        loaded = {self.storage[k] for k in shapes if k in self.storage}
+        missing = sorted(k for k, s in self.storage.items() if k not in shapes and s not in loaded)
+        check_checkpoint_fits(shapes, self.shapes, source, missing)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"shapes": {k: list(v) for k, v in self.shapes.items()}, "storage": self.storage}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> WeightLayout:
+        return cls({k: tuple(v) for k, v in data["shapes"].items()}, dict(data["storage"]))
+
+
 def checkpoint_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     """Tensor names and shapes of a safetensors checkpoint (a directory or one file), from the headers only."""
     from safetensors import safe_open
@@ -327,8 +356,19 @@ def check_request(prompt_tokens: np.ndarray, sampling: Sampling, max_model_len: 
 ENGINES = ("torch", "vllm", "synthetic", "remote")
 
 
-def create_engine(kind: str, model: str, **options: object) -> Engine:
-    """Build an engine by name; heavy imports happen only for the engine asked for."""
+IN_PROCESS_ONLY = ("vllm", "remote")
+"""Engines whose compute already runs outside the worker's process (vLLM's `EngineCore`, a server)."""
+
+
+def create_engine(kind: str, model: str, *, process: bool = False, **options: object) -> Engine:
+    """Build an engine by name; heavy imports happen only for the engine asked for. `process`: run it in a process
+    of its own (`consumers.process_engine`), so that the worker's Python never holds the GIL its steps need."""
+    if process:
+        if kind in IN_PROCESS_ONLY:
+            raise ValueError(f"the {kind} engine already runs its compute outside the worker: drop --engine-process")
+        from consumers.process_engine import ProcessEngine
+
+        return ProcessEngine(kind, model, options)
     if kind == "torch":
         from consumers.torch_engine import TorchEngine
 

@@ -232,6 +232,9 @@ class SyntheticEngine(ServesNoAdapters, EngineLifecycle):
     def check_fits(self, shapes: Mapping[str, tuple[int, ...]], source: object) -> None:
         """Any weights fit: there is no model."""
 
+    def weight_layout(self) -> None:
+        """None: there is no model, so any weights fit."""
+
     async def reset_prefix_cache(self) -> None:
         """No cache."""
 

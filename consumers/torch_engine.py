@@ -39,7 +39,7 @@ from consumers.engine import (
     EngineLifecycle,
     Generation,
     PauseMode,
-    check_checkpoint_fits,
+    WeightLayout,
     check_request,
     read_model_limits,
 )
@@ -469,12 +469,12 @@ class TorchEngine(EngineLifecycle):
 
     def check_fits(self, shapes: Mapping[str, tuple[int, ...]], source: object) -> None:
         """Raise `ValueError` if tensors of these names and shapes cannot be loaded into the model."""
+        self.weight_layout().check(shapes, source)
+
+    def weight_layout(self) -> WeightLayout:
+        """The model's tensor names, shapes and tied storage (for a `check_fits` made elsewhere)."""
         self._require_model()
-        targets = self._model.state_dict()
-        # Tied parameters share storage: loading one of the names loads them all.
-        loaded = {targets[k].data_ptr() for k in shapes if k in targets}
-        missing = sorted(k for k, t in targets.items() if k not in shapes and t.data_ptr() not in loaded)
-        check_checkpoint_fits(shapes, {k: tuple(v.shape) for k, v in targets.items()}, source, missing)
+        return WeightLayout.of(self._model.state_dict())
 
     def _require_model(self) -> None:
         if self._model is None:

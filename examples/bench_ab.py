@@ -3,6 +3,7 @@
     git worktree add /tmp/before HEAD~1
     python examples/bench_ab.py --before /tmp/before --pairs 6 --rounds 9            # torch; JSON on stdout
     python examples/bench_ab.py --before /tmp/before --pairs 2 -- --device cuda:0    # anything after -- goes to bench
+    python examples/bench_ab.py --after-args=--engine-process --pairs 6               # one checkout, two ways to run it
 
 A run's wall-clock ratio (pipeline / engine called directly) moves by several per cent from run to run on a shared
 machine, so a change of a few per cent needs many runs, alternated so that the machine's moods hit both sides. Each
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -52,7 +54,8 @@ def run_bench(checkout: Path, rounds: int, extra: list[str]) -> dict[str, Any]:
             steps = probed["steps"][WARMUP_STEPS:] or probed["steps"]  # a short run: all of them
             if not steps:
                 continue  # a process that ran no engine (the manager, a helper)
-            side = "worker" if "worker" in probed["argv"] else "direct"
+            argv = probed["argv"]
+            side = "worker" if "worker" in argv or argv[0].endswith("engine_host.py") else "direct"
             totals[f"{side}_wall_s"] = sum(s[0] for s in steps)
             totals[f"{side}_cpu_s"] = sum(s[1] for s in steps)
     return {
@@ -75,8 +78,11 @@ def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--before", type=Path, required=True, help="checkout of the code to compare against")
-    parser.add_argument("--after", type=Path, default=Path(__file__).resolve().parents[1], help="default: this one")
+    here = Path(__file__).resolve().parents[1]
+    parser.add_argument("--before", type=Path, default=here, help="checkout of the code to compare against")
+    parser.add_argument("--after", type=Path, default=here, help="default: this one")
+    parser.add_argument("--before-args", default="", help="more arguments for the before side's `rollouts bench`")
+    parser.add_argument("--after-args", default="", help="more arguments for the after side's `rollouts bench`")
     parser.add_argument("--pairs", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=9, help="rounds of each `rollouts bench`")
     parser.add_argument("extra", nargs="*", help="after --: more arguments for `rollouts bench`")
@@ -87,7 +93,8 @@ def main() -> None:
         task = progress.add_task("bench runs", total=2 * args.pairs)
         for pair in range(args.pairs):
             for side in ("before", "after") if pair % 2 == 0 else ("after", "before"):
-                result = {"side": side, "pair": pair, **run_bench(getattr(args, side), args.rounds, args.extra)}
+                extra = [*args.extra, *shlex.split(getattr(args, f"{side}_args"))]
+                result = {"side": side, "pair": pair, **run_bench(getattr(args, side), args.rounds, extra)}
                 runs[side].append(result)
                 print(json.dumps(result), flush=True)
                 progress.advance(task)

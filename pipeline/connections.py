@@ -111,6 +111,19 @@ class Reconnecting(Retry):
         return super().call_with_retry(do, counted, is_retryable, with_failure_count)
 
 
+def socket_timeout_s(client: redis.Redis) -> float | None:
+    """The socket timeout of `client`'s connections: the one it was given, else redis-py's default (5 s since
+    redis-py 8, none before); None: a reply may take any time."""
+    kwargs = getattr(getattr(client, "connection_pool", None), "connection_kwargs", None)
+    if kwargs is None:
+        return None  # not a redis-py client with a pool (a cluster client, a stand-in)
+    if "socket_timeout" in kwargs:
+        return kwargs["socket_timeout"]
+    import redis.connection
+
+    return getattr(redis.connection, "DEFAULT_SOCKET_TIMEOUT", None)
+
+
 def retried_failures(client: redis.Redis) -> int:
     """How many failed attempts `client` has retried so far (0 for a client that `connect` did not make)."""
     return getattr(client.get_retry(), "failures", 0)

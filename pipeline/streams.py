@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 import hiredis
 import redis
 
+from pipeline.connections import socket_timeout_s
 from pipeline.lua import register_all
 from pipeline.wire import (
     GENERATORS,
@@ -51,6 +52,8 @@ WAVE_GAP_S = 0.002
 arrives meanwhile (a publish) waits behind one wave at most. 1,000 workers: 32 waves, ~90 ms a ring."""
 TRIM_CHUNK = 500
 """Entries one `XTRIM` of `trim_consumed` frees at most (~4 MB of 1k-token rollouts, ~1 ms of Redis)."""
+BLOCK_MARGIN_MS = 1000
+"""A blocking read waits at least this much less than its client's socket timeout (`Streams._block`)."""
 CONTROL_BATCH = 100
 """Control entries one read returns at most."""
 CONTROL_RECHECK_S = 5.0
@@ -115,6 +118,9 @@ class Streams:
         scripts = register_all(client, SCRIPTS)
         self._publish, self._claim, self._forward = scripts["publish"], scripts["claim"], scripts["forward"]
         self._rehome, self._dead_letter = scripts["rehome"], scripts["dead_letter"]
+        timeout_s = socket_timeout_s(client)
+        self._max_block_ms = None if timeout_s is None else max(1, int(timeout_s * 1000) - BLOCK_MARGIN_MS)
+        """The longest a blocking read may wait on this client (`_block`); None: any."""
 
     def ensure_groups(self) -> None:
         """Create the consumer groups (and their streams) if missing; safe to call from every process."""
@@ -147,6 +153,7 @@ class Streams:
         """New work for `consumer` in one round trip: partial rollouts first, then its inbox, then prompts."""
         inbox = self.keys.inbox(consumer)
         streams = {self.keys.partials: ">", inbox: ">", self.keys.prompts: ">"}
+        block_ms = self._block(block_ms)
         try:
             reply = self.redis.xreadgroup(GENERATORS, consumer, streams, count=count, block=block_ms)
         except redis.ResponseError as exc:
@@ -318,6 +325,17 @@ class Streams:
             pipe.execute()
         return len(plan)
 
+    def _block(self, block_ms: int | None) -> int | None:
+        """How long a blocking read may wait: `block_ms`, kept `BLOCK_MARGIN_MS` under the client's socket timeout.
+
+        redis-py 8 gives every connection a 5 s socket timeout by default. A read that blocks longer times out in
+        the client, and the reconnecting retry (`pipeline.connections`) sends it again, and again: a worker asked
+        to block 5 s never came back to see that it should stop (measured). Every reader here loops on an empty
+        read, so a shorter wait costs one more round trip, nothing else. `0` (Redis: wait forever) is capped too."""
+        if block_ms is None or self._max_block_ms is None:
+            return block_ms
+        return self._max_block_ms if block_ms == 0 else min(block_ms, self._max_block_ms)
+
     def bell_id(self, worker: str) -> bytes:
         """The last ring of `worker`'s bell (`0-0` if never rung): where its `wait_for_bell` starts."""
         last = self.redis.xrevrange(self.keys.bell(bell_index(worker)), count=1)
@@ -327,7 +345,7 @@ class Streams:
         """Block until `worker`'s bell rings after `after` (or `block_ms` passes); returns the last ring's id (`after`
         if none). A ring between the worker's last read of `control` and this call returns at once: none is missed."""
         bell = self.keys.bell(bell_index(worker))
-        entries = entries_from_reply(self.redis.xread({bell: after}, count=1, block=block_ms))
+        entries = entries_from_reply(self.redis.xread({bell: after}, count=1, block=self._block(block_ms)))
         return entries[-1].id if entries else after
 
     def last_control_id(self) -> bytes:
@@ -338,7 +356,8 @@ class Streams:
     def read_control(self, after: bytes, block_ms: int | None) -> list[Entry]:
         """Control commands after `after` (every worker reads all of them: no consumer group). Workers read without
         blocking, when their bell rings (`wait_for_bell`); a few other readers (admission) block here."""
-        return entries_from_reply(self.redis.xread({self.keys.control: after}, count=CONTROL_BATCH, block=block_ms))
+        reply = self.redis.xread({self.keys.control: after}, count=CONTROL_BATCH, block=self._block(block_ms))
+        return entries_from_reply(reply)
 
     def dead_letter(self, entry: Entry, error: str, stage: str) -> bool:
         """Move a bad entry to `{ns}:dead` with the reason and ack it, in one step (`lua/dead_letter.lua`), if it
@@ -432,7 +451,8 @@ class Streams:
     def read_replies(self, gateway: str, after: bytes, block_ms: int | None) -> list[Entry]:
         """Rollouts on `gateway`'s reply stream after `after` (read without a group: one reader, it deletes them)."""
         key = self.keys.replies(gateway)
-        return [e for e in entries_from_reply(self.redis.xread({key: after}, count=512, block=block_ms)) if e.fields]
+        reply = self.redis.xread({key: after}, count=512, block=self._block(block_ms))
+        return [e for e in entries_from_reply(reply) if e.fields]
 
     def delete_replies(self, gateway: str, ids: Sequence[bytes]) -> None:
         if ids:
@@ -501,7 +521,7 @@ class Streams:
     ) -> list[Entry]:
         """`start` `>`: new entries; an id: the consumer's pending entries after it (`0`: from the first)."""
         while True:
-            reply = self.redis.xreadgroup(group, consumer, {stream: start}, count=count, block=block_ms)
+            reply = self.redis.xreadgroup(group, consumer, {stream: start}, count=count, block=self._block(block_ms))
             entries = entries_from_reply(reply)
             gone = [e.id for e in entries if not e.fields]
             if gone:

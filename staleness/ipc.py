@@ -338,6 +338,11 @@ def ipc_device(engine: object) -> torch.device:
     name = getattr(engine, "name", type(engine).__name__)
     if name == "vllm":
         raise ValueError(VLLM_REFUSAL)
+    if not getattr(engine, "in_process", True):
+        raise ValueError(
+            f"{SAME_GPU}, and it opens that buffer in the worker's process, but this {name} worker's engine runs "
+            "in a process of its own (--engine-process): use nccl:// or fs://"
+        )
     device = getattr(engine, "device", None)
     if not isinstance(device, torch.device) or device.type != "cuda":
         raise ValueError(f"{SAME_GPU}, but this {name} worker runs on {device or 'no GPU'}: use nccl:// or fs://")

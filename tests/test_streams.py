@@ -13,11 +13,13 @@ import numpy as np
 import pytest
 import redis
 
+from pipeline.connections import connect, retried_failures, socket_timeout_s
 from pipeline.local import RedisServer
 from pipeline.lua import register_all, sources
 from pipeline.publisher import Publisher
 from pipeline.streams import (
     BELLS,
+    BLOCK_MARGIN_MS,
     SCRIPTS,
     TRIM_CHUNK,
     WAKE_WAVE,
@@ -229,7 +231,6 @@ def test_a_publish_after_a_script_flush_or_a_lost_reply_still_goes_once(
     loaded and run again (those calls ran nothing), and a connection lost before the replies came is retried with the
     client's policy (`connect`: reconnect and send again); the calls that ran already find their entries acked and
     write nothing (-1), so every rollout is there exactly once."""
-    from pipeline.connections import connect, retried_failures
 
     client = connect(redis_server.url)
     streams = Streams(client, ns)
@@ -447,6 +448,23 @@ def test_blocking_read_wakes_on_new_work(real_redis: redis.Redis, ns: str) -> No
     timer.join()
     assert [Prompt.from_fields(e.fields).id for e in entries] == ["late"]
     assert time.monotonic() - started < 4
+
+
+def test_a_read_asked_to_block_past_the_clients_socket_timeout_comes_back_empty(
+    redis_server: RedisServer, ns: str
+) -> None:
+    """redis-py 8 times a socket out after 5 s by default; a read blocking longer timed out in the client and our
+    reconnecting retry sent it again for minutes (a worker with `block_ms=5000` never stopped). Now it waits less
+    than the timeout and answers an empty read, as any read that found nothing."""
+    client = connect(redis_server.url, ns=ns, socket_timeout=5)  # redis-py 8's default, set for any version
+    assert socket_timeout_s(client) == 5
+    streams = Streams(client, ns)
+    streams.ensure_groups()
+    started = time.monotonic()
+    assert streams.read_work("w", 10, block_ms=10_000) == []
+    assert streams.read_rollouts("trainer-x", 10, block_ms=0) == []  # 0, Redis's "forever", is capped too
+    assert time.monotonic() - started < 2 * (5 - BLOCK_MARGIN_MS / 1000) + 2
+    assert retried_failures(client) == 0
 
 
 def test_a_ring_rings_every_bell_once_in_waves_of_about_64_workers() -> None:

@@ -10,7 +10,7 @@ pins=$(python - <<'PY'
 from importlib.metadata import version
 names = ["annotated-doc", "annotated-types", "click", "hiredis", "markdown-it-py", "mdurl", "prometheus_client",
          "psutil", "pydantic", "pydantic_core", "Pygments", "redis", "rich", "shellingham", "typer",
-         "typing_extensions", "typing-inspection", "numpy"]
+         "typing_extensions", "typing-inspection", "numpy", "msgpack"]
 print(" ".join(f"{n}=={version(n)}" for n in names))
 PY
 )

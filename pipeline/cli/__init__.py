@@ -27,6 +27,7 @@ from pipeline.cli.engine_spec import (
     EagerOpt,
     EngineArgsOpt,
     EngineOpt,
+    EngineProcessOpt,
     EngineSpec,
     KvCacheOpt,
     MaxBatchOpt,
@@ -203,6 +204,7 @@ def worker(
     seed: SeedOpt = None,
     url: UrlOpt = None,
     engine_args: EngineArgsOpt = None,
+    engine_process: EngineProcessOpt = False,
     max_inflight: MaxInflightOpt = 256,
     claim_idle_ms: ClaimIdleOpt = 10_000,
     heartbeat_s: HeartbeatOpt = 1.0,
@@ -442,6 +444,7 @@ def bench(
     tensor_parallel_size: TpOpt = 1,
     enforce_eager: EagerOpt = True,
     engine_args: EngineArgsOpt = None,
+    engine_process: EngineProcessOpt = False,
     plot: Annotated[Path | None, typer.Option(help="Also draw the rounds of both sides to this PNG.")] = None,
 ) -> None:
     """Rollouts/s and tokens/s of the engine called directly vs through the whole pipeline; JSON out."""

@@ -111,7 +111,7 @@ def run_bench(
     try:
         if build_model:
             spec = replace(spec, model=build_tiny_model(tmp / "model", seed=0))
-        direct = create_engine(spec.kind, str(spec.model), **spec.options())
+        direct = create_engine(spec.kind, str(spec.model), **spec.in_process_options())
         samples = prompts * n
         times: dict[str, list[float]] = {"direct": [], "pipeline": []}
         tokens: dict[str, list[int]] = {"direct": [], "pipeline": []}

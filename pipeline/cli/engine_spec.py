@@ -39,6 +39,13 @@ MaxLorasOpt = Annotated[
         "0 on vllm (no LoRA: pass it to serve adapters)."
     ),
 ]
+EngineProcessOpt = Annotated[
+    bool,
+    typer.Option(
+        help="torch, synthetic: run the engine in a process of its own (as vLLM's EngineCore), so that the worker's "
+        "Python never holds the GIL its steps need."
+    ),
+]
 SeedOpt = Annotated[int | None, typer.Option(help="Engine seed, for requests that carry none.")]
 EngineArgsOpt = Annotated[
     str | None,
@@ -67,6 +74,8 @@ class EngineSpec:
     seed: int | None = None
     url: str | None = None
     """remote: the vLLM server's URL."""
+    engine_process: bool = False
+    """Run the engine in a process of its own (`consumers.process_engine`)."""
     engine_args: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -92,6 +101,10 @@ class EngineSpec:
 
     def options(self) -> dict[str, Any]:
         """Keyword arguments of `create_engine` for this engine (each engine takes only its own)."""
+        return self.in_process_options() | ({"process": True} if self.engine_process else {})
+
+    def in_process_options(self) -> dict[str, Any]:
+        """`options()` for the engine in the caller's process, whatever `engine_process` says."""
         common = {"dtype": self.dtype, "max_model_len": self.max_model_len, "seed": self.seed}
         if self.kind == "torch":
             torch_only = {"device": self.device, "max_batch": self.max_batch, "num_threads": self.num_threads}
@@ -130,4 +143,6 @@ class EngineSpec:
                 args += [flag, str(value)]
         if self.engine_args:
             args += ["--engine-args", json.dumps(self.engine_args)]
+        if self.engine_process:
+            args.append("--engine-process")
         return args

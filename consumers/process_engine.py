@@ -1,0 +1,277 @@
+"""An engine in a process of its own (`create_engine(kind, model, process=True)`, `rollouts worker --engine-process`).
+
+The torch engine runs its steps on a thread of the worker's process, so every bit of Python the worker runs beside
+it (reading work, building and encoding rollouts, Redis I/O, heartbeats) holds the GIL its steps need: measured, the
+engine stood off the CPU for ~5 % of its steps in a worker against ~1.4 % alone (README, item 5 of "Fast at scale").
+Here the engine runs in `consumers.engine_host`, as vLLM's `EngineCore` runs apart from its `AsyncLLM` client, and
+this class is the worker's narrow client of it: the same `Engine` protocol, each call a message on the channel
+(`consumers.engine_channel`).
+
+What stays here: the engine's name and limits (from an unstarted copy of it built here, which reads only the model's
+config and checks the options, so a bad option fails at once and a lazy worker knows its limits before any start),
+its version (the process answers each load with it), and `check_fits` (from the model's `WeightLayout`, sent at
+start). What crosses: token ids and logprobs as raw bytes, tensors as one safetensors blob, a broadcast's
+`BroadcastLink` as plain data (the process takes the nccl rank itself). `ipc://` is refused: it opens the trainer's
+GPU buffer in the worker's process, not the engine's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from consumers.engine import (
+    Engine,
+    EngineClosedError,
+    EngineLifecycle,
+    Generation,
+    PauseMode,
+    WeightLayout,
+    check_request,
+)
+from consumers.engine_channel import Channel, error_from_wire, generation_from_wire, pack_tensors
+from pipeline.wire import Sampling
+
+if TYPE_CHECKING:
+    from staleness.broadcast import BroadcastLink
+
+log = logging.getLogger(__name__)
+
+SHUTDOWN_TIMEOUT_S = 30.0
+"""How long a shutdown waits for the engine process to exit before it is killed."""
+
+
+class ProcessEngine(EngineLifecycle):
+    """The `Engine` protocol, served by engine `kind` in a child process (see the module)."""
+
+    in_process = False
+    """Its weights live in another process (`staleness.ipc` refuses it by this)."""
+
+    def __init__(self, kind: str, model: str, options: Mapping[str, Any]) -> None:
+        from consumers.engine import create_engine
+
+        self.kind, self.model = kind, model
+        self.options = {k: _plain(v) for k, v in options.items()}
+        local: Engine = create_engine(kind, model, **self.options)  # unstarted: its constructor only reads config
+        self.name = local.name
+        self.version = local.version
+        self.max_model_len = local.max_model_len
+        self.vocab_size = local.vocab_size
+        self.weight_receivers = local.weight_receivers
+        self.max_loras = local.max_loras
+        self.generated_tokens = 0
+        self._layout: WeightLayout | None = None
+        self._adapters: dict[str, int] = {}
+        self._process: subprocess.Popen[bytes] | None = None
+        self._channel: Channel | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._calls: dict[int, asyncio.Future[Any]] = {}
+        self._next_id = 0
+        self._start_lock = asyncio.Lock()
+        self._closed: str | None = None
+        """Why the engine serves no more (None: it may)."""
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start the engine's process and the engine in it (loading the model). Idempotent."""
+        async with self._start_lock:
+            if self._closed is not None:
+                raise EngineClosedError(self._closed)
+            if self._channel is not None:
+                return
+            ours, theirs = socket.socketpair()
+            with theirs:
+                self._process = subprocess.Popen(
+                    [sys.executable, "-m", "consumers.engine_host", "--fd", str(theirs.fileno())],
+                    pass_fds=[theirs.fileno()],
+                    env=_child_env(),
+                )
+            self._channel = await Channel.over(ours)
+            self._reader = asyncio.create_task(self._read(self._channel))
+            self._channel.send([self.kind, self.model, self.options])
+            try:
+                info = await self._call("start")
+            except BaseException:
+                await self._abandon()  # as an engine whose start failed: unstarted, and may be started again
+                raise
+            self.version = int(info["version"])
+            self._layout = None if info["layout"] is None else WeightLayout.from_dict(info["layout"])
+            log.info("%s engine started in process %d", self.name, self._process.pid)
+
+    async def shutdown(self) -> None:
+        """Shut the engine down and wait for its process to exit (killed after `SHUTDOWN_TIMEOUT_S`)."""
+        if self._closed is None and self._channel is not None:
+            with contextlib.suppress(EngineClosedError):
+                await self._call("shutdown")
+        self._close("the engine was shut down")
+        if self._channel is not None:
+            await self._channel.close()
+        if self._process is not None:
+            try:
+                await asyncio.to_thread(self._process.wait, SHUTDOWN_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                log.warning("engine process %d did not exit in %.0f s: killed", self._process.pid, SHUTDOWN_TIMEOUT_S)
+                self._process.kill()
+                await asyncio.to_thread(self._process.wait)
+        if self._reader is not None:
+            await asyncio.gather(self._reader, return_exceptions=True)
+
+    async def _abandon(self) -> None:
+        """Kill a process whose engine did not start, and forget it."""
+        if self._process is not None and self._process.poll() is None:
+            self._process.kill()
+            await asyncio.to_thread(self._process.wait)
+        if self._channel is not None:
+            await self._channel.close()
+        if self._reader is not None:
+            await asyncio.gather(self._reader, return_exceptions=True)
+        self._process = self._channel = self._reader = None
+        self._closed = None
+
+    # -- the channel -----------------------------------------------------------------------------
+
+    async def _read(self, channel: Channel) -> None:
+        """Hand each answer to its call; once the process is gone, fail every call still waiting."""
+        try:
+            async for call_id, ok, value in channel.messages():
+                future = self._calls.pop(call_id, None)
+                if future is None or future.done():
+                    continue
+                if ok:
+                    future.set_result(value)
+                else:
+                    future.set_exception(error_from_wire(value))
+        finally:
+            code = self._process.poll() if self._process is not None else None
+            self._close("the engine process is gone" if code is None else f"the engine process exited (code {code})")
+
+    def _close(self, reason: str) -> None:
+        if self._closed is None:
+            self._closed = reason
+        calls, self._calls = self._calls, {}
+        for future in calls.values():
+            if not future.done():
+                future.set_exception(EngineClosedError(self._closed))
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        if self._closed is not None:
+            raise EngineClosedError(self._closed)
+        if self._channel is None:
+            await self.start()
+            assert self._channel is not None
+        call_id = self._next_id = self._next_id + 1
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = future
+        self._channel.send([call_id, method, list(args)])
+        try:
+            return await future
+        except asyncio.CancelledError:
+            if self._calls.pop(call_id, None) is not None and self._closed is None:
+                self._channel.send([0, "cancel", [call_id]])  # the engine frees the request's row
+            raise
+
+    # -- requests --------------------------------------------------------------------------------
+
+    async def generate(
+        self, request_id: str, prompt_tokens: np.ndarray, sampling: Sampling, adapter: str | None = None
+    ) -> Generation:
+        """As the engine's own `generate`; its errors keep their class (`EngineInputError` among them)."""
+        prompt = np.asarray(prompt_tokens)
+        check_request(prompt, sampling, self.max_model_len, self.vocab_size)  # before the ids are cut to int32
+        wire = await self._call(
+            "generate", request_id, prompt.astype("<i4").tobytes(), sampling.model_dump(mode="json"), adapter
+        )
+        generation = generation_from_wire(wire)
+        self.generated_tokens += len(generation.tokens)
+        return generation
+
+    async def abort(self, request_ids: list[str]) -> None:
+        await self._call("abort", list(request_ids))
+
+    async def pause(self, mode: PauseMode) -> None:
+        await self._call("pause", mode)
+
+    async def resume(self) -> None:
+        await self._call("resume")
+
+    async def reset_prefix_cache(self) -> None:
+        await self._call("reset_prefix_cache")
+
+    # -- weights ---------------------------------------------------------------------------------
+
+    async def load_weights(self, path: str, version: int) -> None:
+        self.version = await self._call("load_weights", str(path), version)
+
+    async def load_tensors(self, named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]], version: int) -> None:
+        blob = await asyncio.to_thread(pack_tensors, named_tensors)
+        self.version = await self._call("load_tensors", blob, version)
+
+    async def prepare_broadcast(self, link: BroadcastLink) -> None:
+        await self._call("prepare_broadcast", link.to_dict())
+
+    async def load_broadcast(self, link: BroadcastLink) -> None:
+        self.version = await self._call("load_broadcast", link.to_dict())
+
+    def check_fits(self, shapes: Mapping[str, tuple[int, ...]], source: object) -> None:
+        """Checked here, against the layout the engine sent at start (None: it has no model; anything fits)."""
+        if self._channel is None:
+            raise RuntimeError("start() the engine before loading weights")
+        if self._layout is not None:
+            self._layout.check(shapes, source)
+
+    # -- adapters --------------------------------------------------------------------------------
+
+    def adapters(self) -> dict[str, int]:
+        """As the engine answered after the last load or removal (only those change it)."""
+        return dict(self._adapters)
+
+    async def _refresh_adapters(self) -> None:
+        self._adapters = dict(await self._call("adapters"))
+
+    async def load_adapter(
+        self, name: str, tensors: Mapping[str, Any], config: Mapping[str, Any], version: int
+    ) -> None:
+        blob = await asyncio.to_thread(pack_tensors, tensors)
+        try:
+            await self._call("load_adapter", name, blob, dict(config), version)
+        finally:
+            await self._refresh_adapters()
+
+    async def remove_adapter(self, name: str) -> None:
+        try:
+            await self._call("remove_adapter", name)
+        finally:
+            await self._refresh_adapters()
+
+    async def pause_adapter(self, name: str, mode: PauseMode) -> None:
+        await self._call("pause_adapter", name, mode)
+
+    async def resume_adapter(self, name: str) -> None:
+        await self._call("resume_adapter", name)
+
+
+def _child_env() -> dict[str, str]:
+    """This environment, with the checkout this code came from first on the path: the engine's process runs the
+    same code as its worker, however the worker found it (an editable install, a Ray working dir, `-m` in a
+    checkout)."""
+    root = str(Path(__file__).resolve().parents[1])
+    path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    return os.environ | {"PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
+
+
+def _plain(value: Any) -> Any:
+    """An option as msgpack carries it (a torch dtype by its name)."""
+    if type(value).__module__ == "torch":
+        return str(value).removeprefix("torch.")
+    return value

@@ -1,0 +1,67 @@
+"""How a worker takes work: a burst that comes while the worker waits with little room starts on the engine at once."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from pathlib import Path
+
+import pytest
+
+from consumers.torch_engine import TorchEngine, _Request
+from consumers.worker import Worker, WorkerSettings
+from pipeline.connections import connect
+from pipeline.local import RedisServer
+from pipeline.streams import Streams
+from pipeline.wire import Sampling
+from producers.client import RolloutClient
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+class CountingEngine(TorchEngine):
+    """The torch engine, counting the requests each step takes in (instrumented, not replaced)."""
+
+    admitted: list[int]
+
+    def _admit(self, room: int) -> list[_Request]:
+        taken = super()._admit(room)
+        if taken:
+            self.admitted.append(len(taken))
+        return taken
+
+
+def test_a_burst_read_while_room_was_short_starts_in_one_engine_step(
+    redis_server: RedisServer, ns: str, tiny_model_dir: Path
+) -> None:
+    """Two prompts fill the worker (8 samples); once the short one ends its read waits for one entry (4 samples of
+    room). The long one ends, then two prompts arrive together: both must reach the engine in one step, not the
+    first alone and the second a step behind (out of step with it for the rest of the batch). The read blocks for
+    up to 5 s, so it is still the one asked with little room when the burst comes."""
+    client = RolloutClient(redis_server.url, ns)
+    engine = CountingEngine(tiny_model_dir, num_threads=1)
+    engine.admitted = []
+    streams = Streams(connect(redis_server.url, ns=ns), ns)
+    worker = Worker(streams, engine, "reader", WorkerSettings(max_inflight=8, block_ms=5000))
+    stop = Sampling(max_tokens=4, seed=1, stop_token_ids=[])
+
+    async def main() -> None:
+        running = asyncio.create_task(worker.run())
+        try:
+            await asyncio.to_thread(client.submit, tokens=[5, 6, 7], n=4, max_tokens=4, seed=1, id="short")
+            # Served first, so that the worker knows its samples a prompt.
+            await asyncio.to_thread(functools.partial(client.collect, 1, timeout=120))
+            long = [client.make_prompt(tokens=[5, 6, 8], n=4, sampling=stop.model_copy(update={"max_tokens": 120}))]
+            short = [client.make_prompt(tokens=[5, 6, 9], n=4, sampling=stop)]
+            await asyncio.to_thread(client.submit_prompts, long + short)
+            await asyncio.to_thread(functools.partial(client.collect, 2, timeout=120))
+            engine.admitted.clear()
+            burst = [client.make_prompt(tokens=[7, 8, i], n=4, sampling=stop) for i in (10, 11)]
+            await asyncio.to_thread(client.submit_prompts, burst)
+            await asyncio.to_thread(functools.partial(client.collect, 2, timeout=120))
+        finally:
+            worker.stop()
+            await asyncio.wait_for(running, 60)
+
+    asyncio.run(main())
+    assert engine.admitted[0] == 8, f"the burst entered the engine as {engine.admitted}"
