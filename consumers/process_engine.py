@@ -92,8 +92,9 @@ class ProcessEngine(EngineLifecycle):
                 return
             ours, theirs = socket.socketpair()
             with theirs:
+                command = [sys.executable, "-m", "consumers.engine_host", "--fd", str(theirs.fileno())]
                 self._process = subprocess.Popen(
-                    [sys.executable, "-m", "consumers.engine_host", "--fd", str(theirs.fileno())],
+                    [*command, "--log-level", _level()],
                     pass_fds=[theirs.fileno()],
                     env=_child_env(),
                 )
@@ -268,6 +269,11 @@ def _child_env() -> dict[str, str]:
     root = str(Path(__file__).resolve().parents[1])
     path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
     return os.environ | {"PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
+
+
+def _level() -> str:
+    """The worker's log level, for the engine's process (its lines go to the worker's stderr)."""
+    return logging.getLevelName(logging.getLogger().getEffectiveLevel())
 
 
 def _plain(value: Any) -> Any:

@@ -9,6 +9,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import fakeredis
 import pytest
@@ -29,6 +30,18 @@ def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> No
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
         time.sleep(0.05)  # the poll interval of this deadline wait, not a wait on its own
+
+
+def holds_work(client: Any, worker: str) -> Callable[[], bool]:
+    """For `wait_until`: true once `worker` has prompts pending on it (taken, not finished). `client`: a
+    `RolloutClient`."""
+    from pipeline.wire import GENERATORS
+
+    def check() -> bool:
+        pending = client.streams.redis.xpending(client.streams.keys.prompts, GENERATORS)
+        return any(c["name"] == worker.encode() and c["pending"] > 0 for c in pending["consumers"])
+
+    return check
 
 
 REDIS_VERSIONS = ["installed", "bundled"]

@@ -16,7 +16,7 @@ import pytest
 from pipeline.local import RedisServer, find_redis_cli
 from pipeline.wire import GENERATORS, Keys, Prompt, Sampling
 from producers.client import RolloutClient
-from tests.conftest import ENGINES_ON_BOTH_REDIS, REDIS_VERSIONS, StartWorker, wait_until
+from tests.conftest import ENGINES_ON_BOTH_REDIS, REDIS_VERSIONS, StartWorker, holds_work, wait_until
 from tests.reference import forward_logprobs
 
 
@@ -126,11 +126,7 @@ def test_a_killed_workers_prompts_finish_on_another_worker(
     r = client.streams.redis
     ids = [client.submit(tokens=[4 + i, 20, 30], n=2, max_tokens=200, seed=i) for i in range(24)]
 
-    def doomed_holds_work() -> bool:
-        pending = r.xpending(client.streams.keys.prompts, GENERATORS)
-        return any(c["name"] == b"doomed" and c["pending"] > 0 for c in pending["consumers"])
-
-    wait_until(doomed_holds_work, 60, "the first worker to take prompts")
+    wait_until(holds_work(client, "doomed"), 60, "the first worker to take prompts")
     os.kill(doomed.pid, signal.SIGKILL)
     doomed.wait()
     prompts_key = client.streams.keys.prompts
@@ -196,13 +192,7 @@ def test_a_worker_whose_engine_dies_exits_and_its_work_finishes_elsewhere(
     doomed = workers("doomed", "--engine", "vllm", *fast)
     client = RolloutClient(redis_server.url, ns)
     ids = [client.submit(tokens=[4 + i, 20, 30], n=2, max_tokens=400, seed=i) for i in range(4)]
-    prompts_key = client.streams.keys.prompts
-
-    def doomed_holds_work() -> bool:
-        pending = client.streams.redis.xpending(prompts_key, GENERATORS)
-        return any(c["name"] == b"doomed" and c["pending"] > 0 for c in pending["consumers"])
-
-    wait_until(doomed_holds_work, 60, "the vLLM worker to take prompts")
+    wait_until(holds_work(client, "doomed"), 60, "the vLLM worker to take prompts")
     engine_cores = [p for p in psutil.Process(doomed.pid).children(recursive=True) if "EngineCore" in p.name()]
     assert engine_cores, "no vLLM engine process found under the worker"
     for proc in engine_cores:

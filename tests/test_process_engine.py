@@ -23,7 +23,7 @@ from pipeline.local import RedisServer, free_port
 from pipeline.wire import GENERATORS, Sampling
 from producers.client import RolloutClient
 from staleness.ipc import ipc_device
-from tests.conftest import StartWorker, wait_until
+from tests.conftest import StartWorker, holds_work, wait_until
 from tests.reference import check_spans_and_logprobs, forward_logprobs, random_prompts
 from tests.test_torch_engine import LONG_PROMPT, LONG_SEED
 
@@ -242,12 +242,7 @@ def test_a_worker_whose_engine_process_dies_exits_and_its_work_finishes_elsewher
     doomed = workers("doomed", "--engine-process")
     client = RolloutClient(redis_server.url, ns)
     ids = [client.submit(tokens=[4 + i, 20, 30], n=2, max_tokens=400, seed=i) for i in range(4)]
-
-    def doomed_holds_work() -> bool:
-        pending = client.streams.redis.xpending(client.streams.keys.prompts, GENERATORS)
-        return any(c["name"] == b"doomed" and c["pending"] > 0 for c in pending["consumers"])
-
-    wait_until(doomed_holds_work, 60, "the worker to take prompts")
+    wait_until(holds_work(client, "doomed"), 60, "the worker to take prompts")
     for child in psutil.Process(doomed.pid).children():
         if "consumers.engine_host" in " ".join(child.cmdline()):
             child.kill()

@@ -25,7 +25,7 @@ from pipeline.cli.processes import start_worker, stop_process, wait_for_worker
 from pipeline.local import RedisServer, free_port
 from pipeline.wire import GENERATORS, Prompt, Sampling
 from producers.client import RolloutClient
-from tests.conftest import StartWorker, wait_until
+from tests.conftest import StartWorker, holds_work, wait_until
 from tests.engine_loop import Served
 from tests.reference import check_spans_and_logprobs, forward_logprobs, random_prompts
 from tests.test_lazy import heartbeat, serve_one
@@ -238,12 +238,7 @@ def test_a_worker_whose_server_dies_exits_and_its_work_finishes_elsewhere(
     try:
         client = RolloutClient(redis_server.url, ns)
         ids = [client.submit(tokens=[4 + i, 20, 30], n=2, max_tokens=400, seed=i) for i in range(4)]
-
-        def doomed_holds_work() -> bool:
-            pending = client.streams.redis.xpending(client.streams.keys.prompts, GENERATORS)
-            return any(c["name"] == b"doomed" and c["pending"] > 0 for c in pending["consumers"])
-
-        wait_until(doomed_holds_work, 120, "the remote worker to take prompts")
+        wait_until(holds_work(client, "doomed"), 120, "the remote worker to take prompts")
         os.killpg(server.process.pid, signal.SIGKILL)  # the server and its engine core
         server.process.wait()
         assert doomed.wait(timeout=60) == 1, "a worker whose server died must exit with code 1"
