@@ -2,6 +2,7 @@
 
 One Unix socket pair, msgpack messages back to back (msgpack needs no framing), no pickle:
 - a call is `[call_id, method, args]`, its answer `[call_id, True, value]` or `[call_id, False, [error, message]]`;
+  `cancel` (args: the call to give up on) gets no answer, `shutdown` one once the engine is down;
 - token ids and logprobs go as raw little-endian int32 / float32 bytes, as on the wire contract;
 - tensors go as one safetensors blob (`pack_tensors`), what the redis transport stores too.
 

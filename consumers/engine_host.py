@@ -35,14 +35,13 @@ class Host:
         self._methods: dict[str, Callable[..., Awaitable[Any]]] = {
             "start": self._start,
             "generate": self._generate,
-            "cancel": self._cancel,
             "abort": engine.abort,
             "pause": engine.pause,
             "resume": engine.resume,
             "load_weights": self._versioned(engine.load_weights),
-            "load_tensors": self._load_tensors,
+            "load_tensors": self._versioned(self._load_tensors),
             "prepare_broadcast": self._prepare_broadcast,
-            "load_broadcast": self._load_broadcast,
+            "load_broadcast": self._versioned(self._load_broadcast),
             "adapters": self._adapters,
             "load_adapter": self._load_adapter,
             "remove_adapter": engine.remove_adapter,
@@ -58,6 +57,10 @@ class Host:
                 if method == "shutdown":
                     await self._finish(call_id)
                     return
+                if method == "cancel":  # the worker gave up on a call: it waits for no answer
+                    if (cancelled := self._calls.get(args[0])) is not None:
+                        cancelled.cancel()
+                    continue
                 task = asyncio.create_task(self._answer(call_id, method, args))
                 self._calls[call_id] = task
                 task.add_done_callback(lambda _, c=call_id: self._calls.pop(c, None))
@@ -106,21 +109,14 @@ class Host:
         generation = await self.engine.generate(request_id, tokens, Sampling.model_validate(sampling), adapter)
         return generation_to_wire(generation)
 
-    async def _cancel(self, call_id: int) -> None:
-        task = self._calls.get(call_id)
-        if task is not None:
-            task.cancel()
-
-    async def _load_tensors(self, blob: bytes, version: int) -> int:
+    async def _load_tensors(self, blob: bytes, version: int) -> None:
         await self.engine.load_tensors(unpack_tensors(blob), version)
-        return self.engine.version
 
     async def _prepare_broadcast(self, link: dict[str, Any]) -> None:
         await self.engine.prepare_broadcast(BroadcastLink.from_dict(link))
 
-    async def _load_broadcast(self, link: dict[str, Any]) -> int:
+    async def _load_broadcast(self, link: dict[str, Any]) -> None:
         await self.engine.load_broadcast(BroadcastLink.from_dict(link))
-        return self.engine.version
 
     async def _adapters(self) -> dict[str, int]:
         return self.engine.adapters()

@@ -116,29 +116,28 @@ class ProcessEngine(EngineLifecycle):
             with contextlib.suppress(EngineClosedError):
                 await self._call("shutdown")
         self._close("the engine was shut down")
+        await self._reap(SHUTDOWN_TIMEOUT_S)
+
+    async def _abandon(self) -> None:
+        """Kill a process whose engine did not start, and forget it."""
+        await self._reap(0)
+        self._process = self._channel = self._reader = None
+        self._closed = None
+
+    async def _reap(self, wait_s: float) -> None:
+        """Close the channel, give the process `wait_s` to exit (then kill it) and let the reader end."""
         if self._channel is not None:
             await self._channel.close()
         if self._process is not None:
             try:
-                await asyncio.to_thread(self._process.wait, SHUTDOWN_TIMEOUT_S)
+                await asyncio.to_thread(self._process.wait, wait_s)
             except subprocess.TimeoutExpired:
-                log.warning("engine process %d did not exit in %.0f s: killed", self._process.pid, SHUTDOWN_TIMEOUT_S)
+                if wait_s:
+                    log.warning("engine process %d did not exit in %.0f s: killed", self._process.pid, wait_s)
                 self._process.kill()
                 await asyncio.to_thread(self._process.wait)
         if self._reader is not None:
             await asyncio.gather(self._reader, return_exceptions=True)
-
-    async def _abandon(self) -> None:
-        """Kill a process whose engine did not start, and forget it."""
-        if self._process is not None and self._process.poll() is None:
-            self._process.kill()
-            await asyncio.to_thread(self._process.wait)
-        if self._channel is not None:
-            await self._channel.close()
-        if self._reader is not None:
-            await asyncio.gather(self._reader, return_exceptions=True)
-        self._process = self._channel = self._reader = None
-        self._closed = None
 
     # -- the channel -----------------------------------------------------------------------------
 

@@ -270,3 +270,20 @@ def test_an_engine_that_cannot_start_leaves_no_process_and_says_why(tiny_model_d
     asyncio.run(go())
     hosts = [p for p in psutil.Process().children() if "consumers.engine_host" in " ".join(p.cmdline())]
     assert hosts == [], "the engine's process outlived its failed start"
+
+
+def test_the_flag_puts_the_workers_engine_apart_and_a_vllm_worker_says_to_drop_it(
+    redis_server: RedisServer, ns: str, tiny_model_dir: Path
+) -> None:
+    """`--engine-process` reaches a worker's engine (and `rollouts bench`'s worker), never the engine `bench` calls
+    directly; a vLLM worker asked for it refuses in one line."""
+    from pipeline.cli.engine_spec import EngineSpec
+    from tests.test_cli import assert_clean_error, rollouts
+
+    spec = EngineSpec.from_flags({"engine": "torch", "engine_process": True}, tiny_model_dir)
+    assert spec.options()["process"] is True and "process" not in spec.in_process_options()
+    assert "--engine-process" in spec.worker_args()
+    assert "--engine-process" not in EngineSpec(kind="torch", model=tiny_model_dir).worker_args()
+    refused = rollouts("worker", "--redis", redis_server.url, "--ns", ns, "--model", str(tiny_model_dir),
+                       "--engine", "vllm", "--engine-process")  # fmt: skip
+    assert_clean_error(refused, "already runs its compute outside the worker: drop --engine-process")
