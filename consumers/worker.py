@@ -128,7 +128,7 @@ class Worker:
         self.failure: str | None = None
         """Why the worker stopped on its own (its engine died); None after a requested stop."""
         self.published = 0
-        self._publisher = Publisher(streams)
+        self.publisher = Publisher(streams)
         """Publishes what finishes while another publish is on the wire in one round trip with it."""
         self.generated_tokens = 0
         self._inflight: dict[tuple[str, bytes], Entry] = {}
@@ -221,6 +221,7 @@ class Worker:
             for task in list(self._tasks):
                 task.cancel()
             await self._slot.shutdown()
+            await self.publisher.close()
             await asyncio.to_thread(self.streams.forget_worker, self.name)
 
     # -- reading ------------------------------------------------------------------------------
@@ -345,7 +346,7 @@ class Worker:
             results = await asyncio.gather(*(self._generate_sample(prompt, k, entry, done) for k, done in samples))
             rollouts = [r for r in results if isinstance(r, Rollout)]
             partials = [r for r in results if isinstance(r, Partial)]
-            published = await self._publisher.publish(rollouts, entry, partials, prompt.reply_to)
+            published = await self.publisher.publish(rollouts, entry, partials, prompt.reply_to)
             if published > 0:
                 self.published += published
                 self.metrics.published(published)

@@ -21,10 +21,13 @@ work as on a single Redis, and a fleet shards by namespace.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
+import redis.asyncio.connection
+import redis.asyncio.retry
 from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
 from redis.crc import key_slot
 from redis.retry import Retry
@@ -91,6 +94,15 @@ RECONNECT_S = 30.0
 that loads its AOF takes a few seconds)."""
 
 
+RECONNECT_RETRIES = int(RECONNECT_S / 2.0) + 5
+"""Retries of a dropped connection: with `reconnect_backoff`, about `RECONNECT_S` seconds in all."""
+
+
+def reconnect_backoff() -> ExponentialWithJitterBackoff:
+    """50 ms, doubling to 2 s between tries, with jitter (a fleet does not come back in step)."""
+    return ExponentialWithJitterBackoff(base=0.05, cap=2.0)
+
+
 class Reconnecting(Retry):
     """The retry policy of every long-lived client: backoff from 50 ms doubling to 2 s, for ~`RECONNECT_S`.
 
@@ -100,7 +112,7 @@ class Reconnecting(Retry):
     have been lost with entries in it."""
 
     def __init__(self) -> None:
-        super().__init__(ExponentialWithJitterBackoff(base=0.05, cap=2.0), retries=int(RECONNECT_S / 2.0) + 5)
+        super().__init__(reconnect_backoff(), retries=RECONNECT_RETRIES)
         self.failures = 0
 
     def call_with_retry(self, do: Any, fail: Any, is_retryable: Any = None, with_failure_count: bool = False) -> Any:
@@ -122,6 +134,41 @@ def socket_timeout_s(client: redis.Redis) -> float | None:
     import redis.connection
 
     return getattr(redis.connection, "DEFAULT_SOCKET_TIMEOUT", None)
+
+
+ASYNC_CONNECTIONS: dict[type, type[redis.asyncio.connection.AbstractConnection]] = {
+    redis.connection.Connection: redis.asyncio.connection.Connection,
+    redis.connection.UnixDomainSocketConnection: redis.asyncio.connection.UnixDomainSocketConnection,
+    redis.connection.SSLConnection: redis.asyncio.connection.SSLConnection,
+}
+"""redis-py's asyncio twin of each of its connection classes."""
+ASYNC_SETTINGS = (
+    "host", "port", "path", "db", "username", "password", "credential_provider", "client_name", "protocol",
+    "socket_timeout", "socket_connect_timeout", "socket_keepalive", "socket_keepalive_options",
+)  # fmt: skip
+"""The settings of a client's connections that its asyncio twin takes over (and every `ssl_*` one)."""
+
+
+def async_twin(client: redis.Redis) -> Callable[[], redis.asyncio.connection.AbstractConnection] | None:
+    """Makes asyncio connections to `client`'s server with `client`'s settings (address, database, credentials,
+    TLS, timeouts), unconnected and never retrying by themselves; None for a client whose connections are not
+    redis-py's own (fakeredis, a stand-in). For asyncio code that must not hand each call to a thread (the
+    worker's publishes, `pipeline.pipelined`); its retries are `async_retry(client)`."""
+    pool = getattr(client, "connection_pool", None)
+    twin = ASYNC_CONNECTIONS.get(getattr(pool, "connection_class", None))  # type: ignore[arg-type]
+    if twin is None:
+        return None
+    kwargs = pool.connection_kwargs  # type: ignore[union-attr]
+    settings = {k: v for k, v in kwargs.items() if k in ASYNC_SETTINGS or k.startswith("ssl_")}
+    return lambda: twin(**settings, retry=redis.asyncio.retry.Retry(NoBackoff(), 0))
+
+
+def async_retry(client: redis.Redis) -> redis.asyncio.retry.Retry:
+    """`client`'s retry policy for asyncio code: a client that `connect` made reconnects as `Reconnecting` does,
+    any other fails at once."""
+    if isinstance(client.get_retry(), Reconnecting):
+        return redis.asyncio.retry.Retry(reconnect_backoff(), RECONNECT_RETRIES)
+    return redis.asyncio.retry.Retry(NoBackoff(), 0)
 
 
 def retried_failures(client: redis.Redis) -> int:

@@ -12,15 +12,24 @@ the worker encodes the next and builds what comes after: with 64 a batch, a work
 flight: 64 prompts of 4) went out as one pipeline, and the worker and Redis took turns, each idle while the other
 worked (`rollouts bench-broker` on 2 cores: ~12k rollouts/s published; 16 a batch and 4 senders: ~17-18k/s, ~20k/s
 with `Streams._pipelined`; see the README's broker path).
+
+The batches are packed on the event loop and pipelined on one asyncio connection of the publisher's own
+(`pipeline.pipelined`), not handed to threads on the sync client: a thread a batch cost a hand-off and a GIL tug of
+war of ~15 µs of Python a rollout. A client whose connections are not redis-py's (fakeredis) publishes through
+`Streams.publish_many` on the publisher's threads, as before.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
-from pipeline.streams import Entry, Publish, Streams
+from pipeline.connections import async_retry, async_twin
+from pipeline.pipelined import PipelinedConnection
+from pipeline.streams import Entry, Publish, Streams, publish_results, script_unknown
 from pipeline.wire import Partial, Rollout
 
 
@@ -31,15 +40,20 @@ class Publisher:
         self.streams = streams
         self.max_batch = max_batch
         self.senders = senders
-        """Batches on the wire at once (a connection each): while Redis runs one, the next is encoded."""
-        self._threads = ThreadPoolExecutor(senders, thread_name_prefix="publisher")
-        """A thread a sender, not the event loop's default executor: the worker's other blocking calls (its reads of
-        work and of its bell block up to a second each, its heartbeats) share that one, and publishes must neither
-        queue behind them nor hold them up."""
+        """Batches on the wire at once: while Redis runs one, the next is encoded."""
+        self._twin = async_twin(streams.redis)
+        self._pipe: tuple[asyncio.AbstractEventLoop, PipelinedConnection] | None = None
+        self._threads = ThreadPoolExecutor(1 if self._twin else senders, thread_name_prefix="publisher")
+        """For the sync calls (a sender a thread with a client that has no asyncio twin; else only a reload of the
+        script): not the event loop's default executor, which the worker's blocking reads of work and of its bell
+        (up to a second each) and its heartbeats share: publishes must neither queue behind them nor hold them up."""
         self._waiting: list[tuple[Publish, asyncio.Future[int]]] = []
         self._sending: set[asyncio.Task[None]] = set()
         self.batches = 0
         """Pipelines sent so far (publishes / batches: how much coalescing happened)."""
+        self.timings: list[tuple[float, float]] | None = None
+        """Set to a list to record each publish as `(wall time, milliseconds of its batch on the wire)`: client-side
+        latency, which includes this process's own queueing (`rollouts scale`)."""
 
     async def publish(
         self,
@@ -68,12 +82,13 @@ class Publisher:
             while self._waiting:
                 batch, self._waiting = self._waiting[: self.max_batch], self._waiting[self.max_batch :]
                 self.batches += 1
+                started = time.perf_counter()
                 try:
-                    results = await asyncio.get_running_loop().run_in_executor(
-                        self._threads, self.streams.publish_many, [p for p, _ in batch]
-                    )
+                    results = await self._publish_many([p for p, _ in batch])
                 except Exception as exc:  # the connection: no entry of the batch is known to be done
                     results = [exc] * len(batch)
+                if self.timings is not None:
+                    self.timings += [(time.time(), (time.perf_counter() - started) * 1000)] * len(batch)
                 for (_, done), result in zip(batch, results, strict=True):
                     if done.done():  # its caller was cancelled (a drain that timed out)
                         continue
@@ -88,3 +103,30 @@ class Publisher:
             raise
         finally:
             self._sending.discard(me)  # type: ignore[arg-type]
+
+    async def _publish_many(self, publishes: list[Publish]) -> list[int | Exception]:
+        """`Streams.publish_many`, on the publisher's asyncio connection when it has one."""
+        loop = asyncio.get_running_loop()
+        if self._twin is None:
+            return await loop.run_in_executor(self._threads, self.streams.publish_many, publishes)
+        pipe = self._pipeline(loop)
+        commands = self.streams.publish_commands(publishes)
+        replies: list[Any] = await pipe.call(commands)
+        if unknown := script_unknown(replies):  # Redis restarted or its scripts were flushed: those ran nothing
+            await loop.run_in_executor(self._threads, self.streams.load_publish)
+            for i, reply in zip(unknown, await pipe.call([commands[i] for i in unknown]), strict=True):
+                replies[i] = reply
+        return publish_results(replies)
+
+    def _pipeline(self, loop: asyncio.AbstractEventLoop) -> PipelinedConnection:
+        """The connection of this event loop (a publisher used from a second `asyncio.run` gets a new one)."""
+        if self._pipe is None or self._pipe[0] is not loop:
+            assert self._twin is not None
+            self._pipe = (loop, PipelinedConnection(self._twin, async_retry(self.streams.redis)))
+        return self._pipe[1]
+
+    async def close(self) -> None:
+        """Close the publisher's connection (what is on the wire is answered first: close once nothing waits)."""
+        if self._pipe is not None:
+            await self._pipe[1].close()
+            self._pipe = None

@@ -227,8 +227,14 @@ class Streams:
         """`publish_rollouts` for several source entries in one pipelined round trip: each is still its own atomic
         script (its rollouts published and its entry acked together, or nothing), so one that fails (its result is
         the exception) leaves the others done. What a worker finishes at the same moment goes out together."""
+        return publish_results(self._run_publish(self.publish_commands(publishes)))
+
+    def publish_commands(self, publishes: Sequence[Publish]) -> list[bytes]:
+        """Each publish's script call, packed: what `publish_many` sends, and what an asyncio publisher
+        (`pipeline.publisher`) sends itself. The script goes by its SHA: a `NoScriptError` in a reply means that
+        call ran nothing (`script_unknown`), and it can be sent again once `load_publish` has run."""
         buckets, expiry_s = self.dedupe_buckets()
-        calls = []
+        commands = []
         for publish in publishes:
             target = self.keys.scoring if any(r.reward_fn for r in publish.rollouts) else self.keys.rollouts
             if publish.reply_to is not None:
@@ -238,23 +244,24 @@ class Streams:
             for partial in publish.partials:
                 _append_fields(args, partial.to_fields())
             _append_rollouts(args, publish.rollouts)
-            calls.append((keys, args))
-        return [r if isinstance(r, Exception) else int(r) for r in self._run_publish(calls)]
+            commands.append(self._publish_command(keys, args))
+        return commands
 
-    def _run_publish(self, calls: list[tuple[list[str], list[Any]]]) -> list[Any]:
-        """The publish script by its SHA, once per call, in one pipelined write (not redis-py's pipelined `Script`,
-        which asks `SCRIPT EXISTS` in a round trip of its own before every pipeline); each call's reply or its error.
-        Every publish goes through here: worker batches, replay and the gateway's finished sessions."""
+    def _publish_command(self, keys: list[str], args: list[Any]) -> bytes:
+        return hiredis.pack_command(("EVALSHA", self._publish.sha, len(keys), *keys, *args))
 
-        def send(batch: list[tuple[list[str], list[Any]]]) -> list[Any]:
-            sha = self._publish.sha
-            return self._pipelined([hiredis.pack_command(("EVALSHA", sha, len(k), *k, *a)) for k, a in batch])
+    def load_publish(self) -> None:
+        """Load the publish script into Redis again (a restarted Redis, or `SCRIPT FLUSH`)."""
+        self._publish.sha = self.redis.script_load(self._publish.script)
 
-        results = send(calls)
-        unknown = [i for i, result in enumerate(results) if isinstance(result, redis.exceptions.NoScriptError)]
-        if unknown:  # Redis restarted or its scripts were flushed: those ran nothing, so they can run again
-            self._publish.sha = self.redis.script_load(self._publish.script)
-            for i, result in zip(unknown, send([calls[i] for i in unknown]), strict=True):
+    def _run_publish(self, commands: list[bytes]) -> list[Any]:
+        """The publish script calls in one pipelined write (not redis-py's pipelined `Script`, which asks `SCRIPT
+        EXISTS` in a round trip of its own before every pipeline); each call's reply or its error. Every sync publish
+        goes through here: `publish_many`, replay and the gateway's finished sessions."""
+        results = self._pipelined(commands)
+        if unknown := script_unknown(results):  # Redis restarted or its scripts were flushed: those ran nothing
+            self.load_publish()
+            for i, result in zip(unknown, self._pipelined([commands[i] for i in unknown]), strict=True):
                 results[i] = result
         return results
 
@@ -511,7 +518,7 @@ class Streams:
         keys = [self.keys.rollouts, self.keys.rollouts, self.keys.partials, *buckets]
         args: list[Any] = [GENERATORS, "", expiry_s, 0]  # no source entry to ack, no partials
         _append_rollouts(args, rollouts)
-        (result,) = self._run_publish([(keys, args)])
+        (result,) = self._run_publish([self._publish_command(keys, args)])
         if isinstance(result, Exception):
             raise result
         return int(result)
@@ -591,6 +598,16 @@ class Publish(NamedTuple):
     source: Entry
     partials: Sequence[Partial] = ()
     reply_to: str | None = None
+
+
+def script_unknown(replies: Sequence[Any]) -> list[int]:
+    """Where in `replies` Redis did not know the script called (those calls ran nothing)."""
+    return [i for i, reply in enumerate(replies) if isinstance(reply, redis.exceptions.NoScriptError)]
+
+
+def publish_results(replies: Sequence[Any]) -> list[int | Exception]:
+    """The publish script's replies as `publish_many` returns them: a count, -1, or the call's error."""
+    return [r if isinstance(r, Exception) else int(r) for r in replies]
 
 
 def _append_fields(args: list[Any], fields: Fields) -> None:

@@ -5,7 +5,7 @@ is a thousand of everything: connections, heartbeats, registry entries, consumer
 control readers, claims and publishes. So this process runs `consumers.worker.Worker` itself, K times in one
 event loop, each on the synthetic engine and with its own Redis client (its own connections): every command a
 worker process would send, this process sends, through the same code. The only addition is a clock around
-the publish script (`TimedStreams`): client-side latency, which includes this process's own queueing.
+each publish (`Publisher.timings`): client-side latency, which includes this process's own queueing.
 
 It runs until SIGTERM, then stops its workers (no drain) and writes `--out`: JSON with every publish as
 `[wall time, milliseconds]`.
@@ -17,8 +17,6 @@ import asyncio
 import json
 import signal
 import threading
-import time
-from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Annotated, Any
@@ -27,7 +25,7 @@ import typer
 
 from pipeline.cli import app, setup_logging
 from pipeline.connections import connect
-from pipeline.streams import Publish, Streams
+from pipeline.streams import Streams
 
 THREADS_PER_WORKER = 4
 """Worker calls into redis-py run on threads (`asyncio.to_thread`); a worker may have four at once (its blocking
@@ -38,22 +36,6 @@ THREAD_STACK = 256 * 1024
 """Bytes of stack per thread: thousands of threads with the default 8 MB would reserve tens of GB."""
 
 
-class TimedStreams(Streams):
-    """`Streams` that records the wall time and milliseconds of each publish script call (pipelined or not)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.publishes: list[tuple[float, float]] = []
-
-    def publish_many(self, publishes: Sequence[Publish]) -> list[int | Exception]:
-        """Every publish of a pipelined batch is recorded with the batch's round trip: the time it was on the wire."""
-        started = time.perf_counter()
-        results = super().publish_many(publishes)
-        ms = (time.perf_counter() - started) * 1000
-        self.publishes.extend([(time.time(), ms)] * len(publishes))
-        return results
-
-
 async def run_fleet(url: str, ns: str, names: list[str], engine_args: dict[str, Any], max_inflight: int) -> list:
     """Run a worker per name until SIGTERM; returns every worker's publishes."""
     from consumers.engine import create_engine
@@ -62,11 +44,13 @@ async def run_fleet(url: str, ns: str, names: list[str], engine_args: dict[str, 
     loop = asyncio.get_running_loop()
     loop.set_default_executor(ThreadPoolExecutor(max_workers=THREADS_PER_WORKER * len(names)))
     settings = WorkerSettings(max_inflight=max_inflight)
-    streams = [TimedStreams(connect(url, ns=ns), ns) for _ in names]
+    streams = [Streams(connect(url, ns=ns), ns) for _ in names]
     workers = [
         Worker(s, create_engine("synthetic", "synthetic", **engine_args), name, settings)
         for s, name in zip(streams, names, strict=True)
     ]
+    for worker in workers:
+        worker.publisher.timings = []
     stopping = asyncio.Event()
     loop.add_signal_handler(signal.SIGTERM, stopping.set)
     runs = [asyncio.create_task(w.run()) for w in workers]
@@ -78,7 +62,7 @@ async def run_fleet(url: str, ns: str, names: list[str], engine_args: dict[str, 
         run.cancel()
     for s in streams:
         s.redis.close()
-    return [p for s in streams for p in s.publishes]
+    return [p for worker in workers for p in worker.publisher.timings or ()]
 
 
 @app.command("scale-fleet", hidden=True)

@@ -1,0 +1,173 @@
+"""Batches pipelined on one asyncio connection (`pipeline.pipelined`), and the worker's publisher on it, on a real
+redis-server: each batch its own replies, in order, through errors, a killed connection and a flushed script."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import hiredis
+import pytest
+import redis
+import redis.asyncio.connection
+
+from pipeline.connections import async_retry, async_twin, connect
+from pipeline.local import RedisServer
+from pipeline.pipelined import PipelinedConnection
+from pipeline.publisher import Publisher
+from pipeline.streams import Streams
+from pipeline.wire import GENERATORS
+from tests.conftest import REDIS_VERSIONS
+from tests.test_streams import prompt, rollouts_for
+
+
+def pipe_to(client: redis.Redis) -> PipelinedConnection:
+    make = async_twin(client)
+    assert make is not None
+    return PipelinedConnection(make, async_retry(client))
+
+
+def echoes(batch: int, size: int) -> list[bytes]:
+    return [hiredis.pack_command(("ECHO", f"{batch}.{k}")) for k in range(size)]
+
+
+@pytest.mark.parametrize("redis_server", REDIS_VERSIONS, indirect=True)
+def test_concurrent_batches_each_get_their_own_replies(redis_server: RedisServer, ns: str) -> None:
+    """60 batches of 1-9 commands from 60 tasks at once, all on one connection: each gets exactly its replies, in
+    its order; an error reply is its command's answer only."""
+    client = connect(redis_server.url)
+    client.set(f"{ns}:text", "not a number")
+    pipe = pipe_to(client)
+
+    async def one(batch: int) -> list[Any]:
+        commands = echoes(batch, 1 + batch % 9)
+        if batch == 17:
+            commands.insert(2, hiredis.pack_command(("INCR", f"{ns}:text")))
+        return await pipe.call(commands)
+
+    async def run() -> list[list[Any]]:
+        try:
+            return await asyncio.gather(*(one(b) for b in range(60)))
+        finally:
+            await pipe.close()
+
+    results = asyncio.run(run())
+    for batch, replies in enumerate(results):
+        wanted: list[Any] = [f"{batch}.{k}".encode() for k in range(1 + batch % 9)]
+        if batch == 17:
+            error = replies.pop(2)
+            assert isinstance(error, redis.ResponseError) and "not an integer" in str(error)
+        assert replies == wanted
+    assert client.client_list() and len([c for c in client.client_list() if c["cmd"] == "echo"]) == 0  # closed
+    client.close()
+
+
+@pytest.mark.parametrize("redis_server", REDIS_VERSIONS, indirect=True)
+def test_a_killed_connection_fails_every_batch_on_it_and_each_is_sent_again(redis_server: RedisServer, ns: str) -> None:
+    """A batch blocks the connection (BLPOP) while 5 more wait behind it on the same socket; the connection is killed
+    from outside. Every batch is sent again on a new connection (the client's retry policy) and gets its own
+    replies, none a reply meant for another."""
+    client = connect(redis_server.url)
+    pipe = pipe_to(client)
+
+    async def run() -> list[list[Any]]:
+        blocked = asyncio.create_task(pipe.call([*echoes(0, 2), hiredis.pack_command(("BLPOP", f"{ns}:none", "1"))]))
+        behind = [asyncio.create_task(pipe.call(echoes(b, 3))) for b in range(1, 6)]
+        for _ in range(200):  # the BLPOP is blocking on the server: kill its connection there
+            blocking = [c for c in client.client_list() if c["cmd"] == "blpop"]
+            if blocking:
+                client.client_kill_filter(_id=blocking[0]["id"])
+                break
+            await asyncio.sleep(0.01)
+        else:
+            raise AssertionError("the BLPOP never blocked")
+        try:
+            return await asyncio.wait_for(asyncio.gather(blocked, *behind), timeout=20)
+        finally:
+            await pipe.close()
+
+    results = asyncio.run(run())
+    assert results[0] == [b"0.0", b"0.1", None]  # sent again: the BLPOP timed out on the new connection
+    assert results[1:] == [[f"{b}.{k}".encode() for k in range(3)] for b in range(1, 6)]
+    client.close()
+
+
+@pytest.mark.parametrize("cancelled", ["reading", "waiting"])
+def test_a_batch_cancelled_before_its_replies_came_leaves_none_of_them_to_another_batch(
+    installed_redis: RedisServer, ns: str, cancelled: str
+) -> None:
+    """A caller gives up (cancelled) before its replies came: the first batch while Redis blocks on its BLPOP, or the
+    second while it waits for its turn to read. The replies still due on that socket must reach nobody else: the
+    connection is closed, and the batches on it are sent again and get their own."""
+    client = connect(installed_redis.url)
+    pipe = pipe_to(client)
+
+    async def run() -> list[list[Any] | None]:
+        calls = [asyncio.create_task(pipe.call([hiredis.pack_command(("BLPOP", f"{ns}:none", "1")), *echoes(0, 1)]))]
+        calls += [asyncio.create_task(pipe.call(echoes(b, 3))) for b in range(1, 6)]
+        while not [c for c in client.client_list() if c["cmd"] == "blpop"]:
+            await asyncio.sleep(0.01)
+        gone = 0 if cancelled == "reading" else 1
+        calls[gone].cancel()
+        try:
+            done = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), timeout=20)
+        finally:
+            await pipe.close()
+        assert isinstance(done[gone], asyncio.CancelledError)
+        return [None if k == gone else result for k, result in enumerate(done)]  # type: ignore[misc]
+
+    results = asyncio.run(run())
+    if cancelled == "waiting":
+        assert results[0] == [None, b"0.0"]  # sent again: the BLPOP timed out on the new connection
+    assert results[2:] == [[f"{b}.{k}".encode() for k in range(3)] for b in range(2, 6)]
+    client.close()
+
+
+def test_a_client_that_is_not_redis_pys_has_no_twin() -> None:
+    import fakeredis
+
+    assert async_twin(fakeredis.FakeRedis()) is None
+
+
+@pytest.mark.parametrize("redis_server", REDIS_VERSIONS, indirect=True)
+def test_the_publisher_rides_out_a_script_flush_and_a_lost_connection_with_batches_in_flight(
+    redis_server: RedisServer, ns: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker's publisher on its asyncio connection: a script Redis no longer knows is loaded and run again; a
+    connection lost after the first batch's scripts ran, with more batches behind it, is retried: the calls that ran
+    answer -1 (their entries are acked) and every rollout is there exactly once, no prompt left pending."""
+    client = connect(redis_server.url)
+    streams = Streams(client, ns)
+    streams.ensure_groups()
+    prompts = [prompt(f"p{i}") for i in range(24)]
+    streams.add_prompts(prompts)
+    entries = streams.read_work("w1", 100, None)
+    publisher = Publisher(streams, max_batch=2, senders=4)
+    pairs = list(zip(prompts, entries, strict=True))
+
+    async def publish(items: list) -> list[int | BaseException]:
+        calls = [publisher.publish(rollouts_for(p), e) for p, e in items]
+        return await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), timeout=30)
+
+    client.script_flush()
+    assert asyncio.run(publish(pairs[:4])) == [2] * 4
+
+    read = PipelinedConnection._read
+    lost: list[object] = []
+
+    async def lose_the_first_replies(connection: Any, count: int) -> list[Any]:
+        if not lost:  # the first batch's scripts ran (its rollouts are there), then the connection drops
+            lost.append(connection)
+            while client.xlen(streams.keys.rollouts) < 2 * (4 + 2):
+                await asyncio.sleep(0.005)
+            await connection.disconnect()
+            raise redis.ConnectionError("connection lost")
+        return await read(connection, count)
+
+    monkeypatch.setattr(PipelinedConnection, "_read", staticmethod(lose_the_first_replies))
+    results = asyncio.run(publish(pairs[4:]))
+    assert lost and set(results) <= {2, -1} and results[:2] == [-1, -1], results
+    ids = [fields[b"id"] for _, fields in client.xrange(streams.keys.rollouts)]
+    assert sorted(ids) == sorted(f"{p.id}:{k}".encode() for p in prompts for k in range(2))
+    assert client.xpending(streams.keys.prompts, GENERATORS)["pending"] == 0
+    client.close()
