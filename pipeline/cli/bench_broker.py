@@ -135,7 +135,10 @@ def publish_ours(streams: Streams, work: list[tuple[Entry, Prompt]], samples: li
 
     async def publish_all() -> None:
         room = asyncio.Semaphore(max(1, in_flight // len(samples)))
-        await asyncio.gather(*(one(room, entry, prompt) for entry, prompt in work))
+        try:
+            await asyncio.gather(*(one(room, entry, prompt) for entry, prompt in work))
+        finally:
+            await publisher.close()
 
     started = time.perf_counter()
     asyncio.run(publish_all())
