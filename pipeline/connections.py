@@ -151,15 +151,16 @@ ASYNC_SETTINGS = (
 
 def async_twin(client: redis.Redis) -> Callable[[], redis.asyncio.connection.AbstractConnection] | None:
     """Makes asyncio connections to `client`'s server with `client`'s settings (address, database, credentials,
-    TLS, timeouts), unconnected and never retrying by themselves; None for a client whose connections are not
-    redis-py's own (fakeredis, a stand-in). For asyncio code that must not hand each call to a thread (the
-    worker's publishes, `pipeline.pipelined`); its retries are `async_retry(client)`."""
+    TLS, connect timeout), unconnected, never retrying and never timing a reply by themselves (the caller applies
+    `socket_timeout_s(client)` and `async_retry(client)`); None for a client whose connections are not redis-py's
+    own (fakeredis, a stand-in). For asyncio code that must not hand each call to a thread (`pipeline.pipelined`)."""
     pool = getattr(client, "connection_pool", None)
     twin = ASYNC_CONNECTIONS.get(getattr(pool, "connection_class", None))  # type: ignore[arg-type]
     if twin is None:
         return None
     kwargs = pool.connection_kwargs  # type: ignore[union-attr]
     settings = {k: v for k, v in kwargs.items() if k in ASYNC_SETTINGS or k.startswith("ssl_")}
+    settings["socket_timeout"] = None  # the caller's: per command, redis-py's asyncio times each write with a task
     return lambda: twin(**settings, retry=redis.asyncio.retry.Retry(NoBackoff(), 0))
 
 

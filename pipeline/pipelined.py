@@ -16,7 +16,8 @@ reads its replies only once the batch written before it has read its own (`_turn
 group of replies. A batch that fails with the connection (lost, timed out, cancelled mid-read) closes it, so that
 the batches behind it, which share its socket, fail too rather than read replies that are not theirs; each is
 then sent again on a new connection, with the client's retry policy (`connections.async_retry`): the same promise
-as redis-py's pipeline retried after a lost connection, a command may run twice.
+as redis-py's pipeline retried after a lost connection, a command may run twice. A batch not written, or not
+answered, within the client's socket timeout fails the same way (`TimeoutError`, which the retry policy retries).
 """
 
 from __future__ import annotations
@@ -34,9 +35,11 @@ class PipelinedConnection:
     """`await pipe.call(packed)`: the replies of `packed` (commands packed by `hiredis.pack_command`), an error reply
     as its `ResponseError` in its place. Lives on one event loop."""
 
-    def __init__(self, make: Callable[[], AbstractConnection], retry: Retry) -> None:
+    def __init__(self, make: Callable[[], AbstractConnection], retry: Retry, timeout_s: float | None) -> None:
         self._make = make
         self._retry = retry
+        self._timeout_s = timeout_s
+        """How long a batch may take to be written, and then to be answered (the sync client's socket timeout)."""
         self._connection: AbstractConnection | None = None
         self._writing = asyncio.Lock()
         self._turn: asyncio.Future[None] | None = None
@@ -56,12 +59,14 @@ class PipelinedConnection:
         try:
             async with self._writing:
                 connection = self._connection = self._connection or self._make()  # connected by its first write
-                for command in commands:  # not the list at once: Python 3.11's transport joins it into one copy
-                    await connection.send_packed_command(command, check_health=False)
+                async with asyncio.timeout(self._timeout_s):
+                    for command in commands:  # not the list at once: Python 3.11's transport joins it into one copy
+                        await connection.send_packed_command(command, check_health=False)
                 before, self._turn = self._turn, done
             if before is not None:
                 await asyncio.wait([before])  # not `await before`: our cancellation must not cancel it
-            return await self._read(connection, len(commands))
+            async with asyncio.timeout(self._timeout_s):
+                return await self._read(connection, len(commands))
         except BaseException:
             await self._drop(connection)
             raise

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from pipeline.connections import async_retry, async_twin
+from pipeline.connections import async_retry, async_twin, socket_timeout_s
 from pipeline.pipelined import PipelinedConnection
 from pipeline.streams import Entry, Publish, Streams, publish_results, script_unknown
 from pipeline.wire import Partial, Rollout
@@ -122,7 +122,8 @@ class Publisher:
         """The connection of this event loop (a publisher used from a second `asyncio.run` gets a new one)."""
         if self._pipe is None or self._pipe[0] is not loop:
             assert self._twin is not None
-            self._pipe = (loop, PipelinedConnection(self._twin, async_retry(self.streams.redis)))
+            client = self.streams.redis
+            self._pipe = (loop, PipelinedConnection(self._twin, async_retry(client), socket_timeout_s(client)))
         return self._pipe[1]
 
     async def close(self) -> None:

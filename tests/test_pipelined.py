@@ -11,7 +11,7 @@ import pytest
 import redis
 import redis.asyncio.connection
 
-from pipeline.connections import async_retry, async_twin, connect
+from pipeline.connections import async_retry, async_twin, connect, socket_timeout_s
 from pipeline.local import RedisServer
 from pipeline.pipelined import PipelinedConnection
 from pipeline.publisher import Publisher
@@ -24,7 +24,7 @@ from tests.test_streams import prompt, rollouts_for
 def pipe_to(client: redis.Redis) -> PipelinedConnection:
     make = async_twin(client)
     assert make is not None
-    return PipelinedConnection(make, async_retry(client))
+    return PipelinedConnection(make, async_retry(client), socket_timeout_s(client))
 
 
 def echoes(batch: int, size: int) -> list[bytes]:
@@ -120,6 +120,33 @@ def test_a_batch_cancelled_before_its_replies_came_leaves_none_of_them_to_anothe
     if cancelled == "waiting":
         assert results[0] == [None, b"0.0"]  # sent again: the BLPOP timed out on the new connection
     assert results[2:] == [[f"{b}.{k}".encode() for k in range(3)] for b in range(2, 6)]
+    client.close()
+
+
+def test_a_batch_unanswered_within_the_socket_timeout_fails_and_the_next_gets_a_new_connection(
+    installed_redis: RedisServer, ns: str
+) -> None:
+    """The client's socket timeout bounds a batch's wait for its replies (a stuck server must not hang a worker's
+    publishes); with a client that does not reconnect, the error reaches the caller at once."""
+    client = connect(installed_redis.url, reconnect=False, socket_timeout=0.5)
+    pipe = pipe_to(client)
+
+    async def run() -> tuple[BaseException | None, float, list[Any]]:
+        started = asyncio.get_running_loop().time()
+        try:
+            await pipe.call([hiredis.pack_command(("BLPOP", f"{ns}:none", "5"))])
+            error = None
+        except BaseException as exc:
+            error = exc
+        took = asyncio.get_running_loop().time() - started
+        try:
+            return error, took, await pipe.call(echoes(1, 2))
+        finally:
+            await pipe.close()
+
+    error, took, after = asyncio.run(run())
+    assert isinstance(error, TimeoutError) and 0.4 < took < 3, (error, took)
+    assert after == [b"1.0", b"1.1"]
     client.close()
 
 
