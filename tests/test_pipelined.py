@@ -15,10 +15,9 @@ from pipeline.connections import async_retry, async_twin, connect, socket_timeou
 from pipeline.local import RedisServer
 from pipeline.pipelined import PipelinedConnection
 from pipeline.publisher import Publisher
-from pipeline.streams import Streams
 from pipeline.wire import GENERATORS
 from tests.conftest import REDIS_VERSIONS
-from tests.test_streams import prompt, rollouts_for
+from tests.test_streams import rollouts_for, taken
 
 
 def pipe_to(client: redis.Redis) -> PipelinedConnection:
@@ -164,11 +163,7 @@ def test_the_publisher_rides_out_a_script_flush_and_a_lost_connection_with_batch
     connection lost after the first batch's scripts ran, with more batches behind it, is retried: the calls that ran
     answer -1 (their entries are acked) and every rollout is there exactly once, no prompt left pending."""
     client = connect(redis_server.url)
-    streams = Streams(client, ns)
-    streams.ensure_groups()
-    prompts = [prompt(f"p{i}") for i in range(24)]
-    streams.add_prompts(prompts)
-    entries = streams.read_work("w1", 100, None)
+    streams, prompts, entries = taken(client, ns, 24)
     publisher = Publisher(streams, max_batch=2, senders=4)
     pairs = list(zip(prompts, entries, strict=True))
 

@@ -61,6 +61,15 @@ def rollouts_for(p: Prompt, worker: str = "w") -> list[Rollout]:
     ]
 
 
+def taken(client: redis.Redis, ns: str, count: int) -> tuple[Streams, list[Prompt], list[Entry]]:
+    """`count` prompts `p0`, `p1`... queued on a namespace's streams and read by worker `w1`: work to publish."""
+    streams = Streams(client, ns)
+    streams.ensure_groups()
+    prompts = [prompt(f"p{i}") for i in range(count)]
+    streams.add_prompts(prompts)
+    return streams, prompts, streams.read_work("w1", count, None)
+
+
 def test_groups_are_created_once(any_redis: redis.Redis, ns: str) -> None:
     streams = Streams(any_redis, ns)
     streams.ensure_groups()
@@ -152,11 +161,7 @@ def test_publishes_sent_together_are_each_atomic_and_deduped(any_redis: redis.Re
 def test_a_publisher_coalesces_concurrent_publishes_and_answers_each(real_redis: redis.Redis, ns: str) -> None:
     """What finishes while a publish is on the wire goes out in one round trip with others, and each caller gets its
     own answer: its count, -1 for an entry finished elsewhere, or its own error (its neighbours still publish)."""
-    streams = Streams(real_redis, ns)
-    streams.ensure_groups()
-    prompts = [prompt(f"p{i}") for i in range(40)]
-    streams.add_prompts(prompts)
-    entries = streams.read_work("w1", 100, None)
+    streams, prompts, entries = taken(real_redis, ns, 40)
     streams.publish_rollouts(rollouts_for(prompts[7]), entries[7])  # p7 was finished by another worker
     real_redis.set(streams.keys.replies("broken"), "not a stream")  # p9's publish fails in Redis
     publisher = Publisher(streams, max_batch=8)
@@ -184,11 +189,7 @@ def test_a_publisher_never_strands_a_publish_made_as_its_senders_finish(
 ) -> None:
     """A caller woken by its publish's answer runs before the sender that answered it has ended: its next publish,
     made at once, must still be sent (CI's sync-mode GRPO run hung on a publish left waiting with no sender)."""
-    streams = Streams(any_redis, ns)
-    streams.ensure_groups()
-    prompts = [prompt(f"p{i}") for i in range(12)]
-    streams.add_prompts(prompts)
-    entries = streams.read_work("w1", 100, None)
+    streams, prompts, entries = taken(any_redis, ns, 12)
     publisher = Publisher(streams, senders=senders)
 
     async def chain(items: list[tuple[Prompt, Entry]]) -> list[int]:
@@ -233,11 +234,7 @@ def test_a_publish_after_a_script_flush_or_a_lost_reply_still_goes_once(
     write nothing (-1), so every rollout is there exactly once."""
 
     client = connect(redis_server.url)
-    streams = Streams(client, ns)
-    streams.ensure_groups()
-    prompts = [prompt(f"p{i}") for i in range(6)]
-    streams.add_prompts(prompts)
-    entries = streams.read_work("w1", 10, None)
+    streams, prompts, entries = taken(client, ns, 6)
     first = [Publish(rollouts_for(p), e) for p, e in zip(prompts[:2], entries[:2], strict=True)]
     assert streams.publish_many(first) == [2, 2]
     client.script_flush()
@@ -268,11 +265,7 @@ def test_a_publish_after_a_script_flush_or_a_lost_reply_still_goes_once(
 def test_a_publisher_sends_a_full_window_as_several_pipelines_at_once(real_redis: redis.Redis, ns: str) -> None:
     """A worker's window finishing together (64 prompts) goes out as several batches on several connections, so that
     Redis runs one while the worker encodes the next; each prompt still gets its own answer."""
-    streams = Streams(real_redis, ns)
-    streams.ensure_groups()
-    prompts = [prompt(f"p{i}") for i in range(64)]
-    streams.add_prompts(prompts)
-    entries = streams.read_work("w1", 100, None)
+    streams, prompts, entries = taken(real_redis, ns, 64)
     publisher = Publisher(streams)
 
     async def publish_all() -> list[int]:
