@@ -144,7 +144,7 @@ ASYNC_CONNECTIONS: dict[type, type[redis.asyncio.connection.AbstractConnection]]
 """redis-py's asyncio twin of each of its connection classes."""
 ASYNC_SETTINGS = (
     "host", "port", "path", "db", "username", "password", "credential_provider", "client_name", "protocol",
-    "socket_timeout", "socket_connect_timeout", "socket_keepalive", "socket_keepalive_options",
+    "socket_connect_timeout", "socket_keepalive", "socket_keepalive_options",
 )  # fmt: skip
 """The settings of a client's connections that its asyncio twin takes over (and every `ssl_*` one)."""
 
@@ -160,8 +160,8 @@ def async_twin(client: redis.Redis) -> Callable[[], redis.asyncio.connection.Abs
         return None
     kwargs = pool.connection_kwargs  # type: ignore[union-attr]
     settings = {k: v for k, v in kwargs.items() if k in ASYNC_SETTINGS or k.startswith("ssl_")}
-    settings["socket_timeout"] = None  # the caller's: per command, redis-py's asyncio times each write with a task
-    return lambda: twin(**settings, retry=redis.asyncio.retry.Retry(NoBackoff(), 0))
+    # No socket timeout: the caller times a whole batch (redis-py's asyncio would time each write with a task).
+    return lambda: twin(**settings, socket_timeout=None, retry=redis.asyncio.retry.Retry(NoBackoff(), 0))
 
 
 def async_retry(client: redis.Redis) -> redis.asyncio.retry.Retry:

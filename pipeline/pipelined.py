@@ -8,8 +8,8 @@ Redis is never without a batch to run while the worker makes the next one, over 
 
 Each command is written by itself: handed the batch as a list, Python 3.11's socket transport joins it into one
 bytes object first (~0.5 MB for 16 prompts of 1k-token rollouts), and those large short-lived copies slowed the
-whole process (glibc raised its mmap threshold after them: the trainer client in the same process consumed ~15 %
-less in `rollouts bench-broker`).
+rest of the process: the trainer client in the same process consumed ~15 % less in `rollouts bench-broker`, and
+not with glibc's mmap threshold fixed (`MALLOC_MMAP_THRESHOLD_`).
 
 Order: writes go out one batch at a time (an `asyncio.Lock` serves them first come, first served), and each batch
 reads its replies only once the batch written before it has read its own (`_turn`), so batch k reads the k-th

@@ -127,7 +127,7 @@ class Publisher:
         return self._pipe[1]
 
     async def close(self) -> None:
-        """Close the publisher's connection (what is on the wire is answered first: close once nothing waits)."""
+        """Close the publisher's connection. Call it once nothing waits: a batch still on the wire would fail."""
         if self._pipe is not None:
             await self._pipe[1].close()
             self._pipe = None
