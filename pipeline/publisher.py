@@ -43,10 +43,10 @@ class Publisher:
         """Batches on the wire at once: while Redis runs one, the next is encoded."""
         self._twin = async_twin(streams.redis)
         self._pipe: tuple[asyncio.AbstractEventLoop, PipelinedConnection] | None = None
-        self._threads = ThreadPoolExecutor(1 if self._twin else senders, thread_name_prefix="publisher")
-        """For the sync calls (a sender a thread with a client that has no asyncio twin; else only a reload of the
-        script): not the event loop's default executor, which the worker's blocking reads of work and of its bell
-        (up to a second each) and its heartbeats share: publishes must neither queue behind them nor hold them up."""
+        self._threads = None if self._twin else ThreadPoolExecutor(senders, thread_name_prefix="publisher")
+        """A sender a thread, for a client that has no asyncio twin (fakeredis): not the event loop's default
+        executor, which the worker's blocking reads of work and of its bell (up to a second each) and its heartbeats
+        share: publishes must neither queue behind them nor hold them up."""
         self._waiting: list[tuple[Publish, asyncio.Future[int]]] = []
         self._sending: set[asyncio.Task[None]] = set()
         self.batches = 0
@@ -107,13 +107,13 @@ class Publisher:
     async def _publish_many(self, publishes: list[Publish]) -> list[int | Exception]:
         """`Streams.publish_many`, on the publisher's asyncio connection when it has one."""
         loop = asyncio.get_running_loop()
-        if self._twin is None:
+        if self._threads is not None:
             return await loop.run_in_executor(self._threads, self.streams.publish_many, publishes)
         pipe = self._pipeline(loop)
         commands = self.streams.publish_commands(publishes)
         replies: list[Any] = await pipe.call(commands)
         if unknown := script_unknown(replies):  # Redis restarted or its scripts were flushed: those ran nothing
-            await loop.run_in_executor(self._threads, self.streams.load_publish)
+            await asyncio.to_thread(self.streams.load_publish)  # rare: behind the worker's other calls is fine
             for i, reply in zip(unknown, await pipe.call([commands[i] for i in unknown]), strict=True):
                 replies[i] = reply
         return publish_results(replies)

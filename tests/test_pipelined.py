@@ -149,6 +149,24 @@ def test_a_batch_unanswered_within_the_socket_timeout_fails_and_the_next_gets_a_
     client.close()
 
 
+def test_the_twin_connects_with_the_clients_database_and_name(installed_redis: RedisServer, ns: str) -> None:
+    """The asyncio connection is the client's: same server, same database (here 3), same client name."""
+    client = connect(installed_redis.url.rsplit("/", 1)[0] + "/3", client_name="twin-test")
+    pipe = pipe_to(client)
+
+    async def run() -> list[Any]:
+        try:
+            return await pipe.call(
+                [hiredis.pack_command(("SET", f"{ns}:k", "v")), hiredis.pack_command(("CLIENT", "GETNAME"))]
+            )
+        finally:
+            await pipe.close()
+
+    assert asyncio.run(run()) == [b"OK", b"twin-test"]
+    assert client.get(f"{ns}:k") == b"v" and client.connection_pool.connection_kwargs["db"] == 3
+    client.close()
+
+
 def test_a_client_that_is_not_redis_pys_has_no_twin() -> None:
     import fakeredis
 
