@@ -47,9 +47,15 @@ WAKE_WAVE = 32
 """At most about this many workers are woken together by a ring; a fleet of up to `BELLS * WAKE_WAVE` workers is rung
 in waves of this size, a larger one a bell a wave. A wave's wake holds other clients up ~0.5-1 ms, and what its
 workers do next (read `control`, ack or resume, read work: ~60 µs of Redis each) ~2 ms more."""
-WAVE_GAP_S = 0.002
-"""The pause between two waves of a ring: about what the last wave's workers cost Redis next, so that a client that
-arrives meanwhile (a publish) waits behind one wave at most. 1,000 workers: 32 waves, ~90 ms a ring."""
+WAKE_COST_S = 60e-6
+"""What a woken worker costs Redis next: it reads `control`, acks or resumes, reads work. A ring leaves that much per
+worker of a wave before the next (`wave_gap`): ~2 ms for a wave of 32, so that a client that arrives meanwhile (a
+publish) waits behind one wave at most. 1,000 workers: 32 waves, ~90 ms a ring."""
+ABORT_COST_S = 250e-6
+"""What a woken worker costs Redis in a sync that pauses in `abort` mode: the above, plus the publish of its interrupted
+samples and, after the resume, their reading back by whoever continues them. Measured at 1,000 workers (4 samples of
+~600 tokens each in flight, Redis 6.2, `rollouts scale`'s `redis_during_syncs`): ~140 µs more than `keep`; paced for
+~190 µs more, because a fleet's workers do not react at an even pace (8 ms between waves of 32)."""
 TRIM_CHUNK = 500
 """Entries one `XTRIM` of `trim_consumed` frees at most (~4 MB of 1k-token rollouts, ~1 ms of Redis)."""
 BLOCK_MARGIN_MS = 1000
@@ -85,6 +91,11 @@ def waves(fleet: int) -> list[range]:
     wave (one pipeline) for a fleet of up to 32 and 32 waves for 1,000."""
     per_wave = max(1, BELLS * WAKE_WAVE // max(fleet, 1))
     return [range(first, min(first + per_wave, BELLS)) for first in range(0, BELLS, per_wave)]
+
+
+def wave_gap(fleet: int, plan: list[range], per_worker_s: float) -> float:
+    """The pause after each wave of a ring: the Redis time that a wave's workers cost next (`per_worker_s` each)."""
+    return per_worker_s * fleet / max(len(plan), 1)
 
 
 def entries_from_reply(reply: Any) -> list[Entry]:
@@ -314,18 +325,21 @@ class Streams:
             self.ring(command.cmd)
         return entry_id
 
-    def ring(self, cmd: str) -> int:
+    def ring(self, cmd: str, per_worker_s: float = WAKE_COST_S) -> int:
         """Wake the workers to read `control` after a command was written there, a wave at a time; returns the waves.
 
         Each wave is one pipeline, whose reply comes back once Redis has served the reads it woke; the next goes
-        `WAVE_GAP_S` later, once Redis has served what those workers did next. The clients waiting meanwhile (a
-        publish, a heartbeat) are served between two waves: they wait for one wave at most, never for the whole
-        fleet. 1,000 workers are woken in 32 waves over ~90 ms (`examples/bench_wake.py`, `rollouts scale`).
-        `cmd` only labels the ring for a person reading `{ns}:bell:K`."""
-        plan = waves(int(self.redis.scard(self.keys.workers)))
+        once Redis has served what those workers do next, `per_worker_s` each (`wave_gap`: 2 ms for a wave of 32;
+        8 ms for a sync that pauses in `abort` mode, `ABORT_COST_S`). The clients waiting meanwhile (a publish, a
+        heartbeat) are served between two waves: they wait for one wave at most, never for the whole fleet. 1,000
+        workers are woken in 32 waves over ~90 ms (~0.3 s for an abort pause; `examples/bench_wake.py`,
+        `rollouts scale`). `cmd` only labels the ring for a person reading `{ns}:bell:K`."""
+        fleet = int(self.redis.scard(self.keys.workers))
+        plan = waves(fleet)
+        gap = wave_gap(fleet, plan, per_worker_s)
         for number, wave in enumerate(plan):
             if number:
-                time.sleep(WAVE_GAP_S)  # the last wave's workers read control, ack, read work: let Redis serve that
+                time.sleep(gap)  # the last wave's workers read control, ack, read work: let Redis serve that
             pipe = self.redis.pipeline(transaction=False)
             for index in wave:
                 pipe.xadd(self.keys.bell(index), {"cmd": cmd}, maxlen=1, approximate=False)

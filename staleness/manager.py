@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.lua import register_all
-from pipeline.streams import Streams
+from pipeline.streams import ABORT_COST_S, WAKE_COST_S, Streams
 from pipeline.wire import ADAPTER_PATTERN, Control, PauseMode, ack_field
 from staleness.state import PolicyState, read_state, weights_command
 
@@ -99,14 +99,15 @@ class Manager:
             epoch = int(self._begin(keys=self._keys, args=[version - 1, version, token, *_flat(weights)]))
         except Exception as exc:  # the script's error replies say why
             raise SyncError(str(exc)) from None
-        self.streams.ring("weights")  # the workers, a wave at a time (`Streams.ring`)
+        pace = ABORT_COST_S if mode == "abort" else WAKE_COST_S  # what each woken worker costs Redis next
+        self.streams.ring("weights", pace)  # the workers, a wave at a time (`Streams.ring`)
         report = SyncReport(version=version, epoch=epoch)
         waiting = set(self.streams.live_worker_names())
         try:
             if transfer is not None:
                 transfer(epoch, len(waiting))
         finally:
-            self._conclude(report, uri, waiting, deadline=time.monotonic() + self.ack_timeout_s)
+            self._conclude(report, uri, waiting, deadline=time.monotonic() + self.ack_timeout_s, pace=pace)
             report.stall_s = time.monotonic() - started
         return report
 
@@ -131,8 +132,11 @@ class Manager:
             report.stall_s = max(0.0, time.time() - command.ts)
         return report
 
-    def _conclude(self, report: SyncReport, uri: str, waiting: set[str], deadline: float) -> None:
-        """Wait for acks of `report.epoch` until `deadline`, evict who did not ack, then resume everyone."""
+    def _conclude(
+        self, report: SyncReport, uri: str, waiting: set[str], deadline: float, pace: float = WAKE_COST_S
+    ) -> None:
+        """Wait for acks of `report.epoch` until `deadline`, evict who did not ack, then resume everyone (rung at
+        `pace`: an abort pause's resume sends the fleet to read back the samples it interrupted)."""
         while waiting:
             epochs = self.streams.heartbeat_field(waiting, self._ack_field)  # only the field, of those not acked yet
             for name, epoch in epochs.items():
@@ -152,7 +156,7 @@ class Manager:
             cmd="resume", epoch=report.epoch, version=report.version, uri=uri, adapter=self.adapter or ""
         ).to_fields()
         self._finish(keys=self._keys, args=[report.version, uri, *_flat(resume)])
-        self.streams.ring("resume")
+        self.streams.ring("resume", pace)
 
     def evict(self, name: str, ring: bool = True) -> None:
         """Tell a worker to stop and forget it: its pending work goes to the others once it idles."""

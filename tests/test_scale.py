@@ -60,6 +60,12 @@ def test_fifty_workers_publish_at_the_rate_asked_and_take_every_sync(tmp_path: P
     # Where Redis's time went: the publish script (by its SHA) among the costliest commands, each with its rate.
     top = {c["command"]: c for c in row["redis_top_commands"]}
     assert "evalsha" in top and top["evalsha"]["calls_per_s"] > 0 and top["evalsha"]["usec_per_call"] > 0
+    # ... and while the syncs were under way: an abort pause publishes each worker's interrupted samples (the
+    # script, about once a worker a sync), so a sync's cost to Redis is told apart from the rest.
+    during_syncs = row["redis_during_syncs"]
+    assert during_syncs["syncs"] == row["sync_stall_s"]["count"] and during_syncs["cpu_cores"] > 0
+    per_sync = {c["command"]: c for c in during_syncs["commands"]}
+    assert per_sync["evalsha"]["calls_per_sync"] >= 0.5 * WORKERS and per_sync["evalsha"]["usec_per_call"] > 0
     assert plot.stat().st_size > 10_000
 
 

@@ -154,6 +154,9 @@ class Syncer(threading.Thread):
         """(monotonic time it began, stall seconds, workers acked, workers evicted)."""
         self.windows: list[tuple[float, float]] = []
         """(wall time it began, wall time it ended) of every sync: to tell publishes made during one apart."""
+        self.server: list[tuple[float, float, float, dict[str, tuple[int, int]]]] = []
+        """(monotonic time it began, seconds, Redis CPU seconds, {command: (calls, µs)}) of every sync: what Redis did
+        during syncs (`server_during_syncs`), read by `INFO` before and after each."""
         self.failure: str | None = None
         self._halt = threading.Event()
 
@@ -166,12 +169,16 @@ class Syncer(threading.Thread):
         weights = {"w": torch.zeros(1)}
         try:
             while not self._halt.wait(self.every_s):
+                before = server_counters(client.streams.redis)
                 began, began_wall = time.monotonic(), time.time()
                 client.publish_weights(weights, transport=f"fs://{self.weights_dir}", mode=self.mode)  # type: ignore[arg-type]
+                ended = time.monotonic()
                 sync = client.last_sync
                 if sync is not None:
                     self.reports.append((began, sync.stall_s, len(sync.acked), len(sync.evicted)))
                     self.windows.append((began_wall, time.time()))
+                    cpu, commands = counters_since(before, server_counters(client.streams.redis))
+                    self.server.append((began, ended - began, cpu, commands))
         except Exception as exc:  # reported in the result
             self.failure = f"{type(exc).__name__}: {exc}"
         finally:
@@ -323,6 +330,56 @@ def server_commands(client: redis.Redis, wall_s: float, top: int = 8) -> list[di
     return sorted(rows, key=lambda r: -r["cores"])[:top]
 
 
+Counters = tuple[float, dict[str, tuple[int, int]]]
+
+
+def server_counters(client: redis.Redis) -> Counters:
+    """Redis's CPU seconds so far and, per command, its calls and µs so far (`INFO cpu`, `INFO commandstats`)."""
+    cpu = client.info("cpu")
+    stats = client.info("commandstats")
+    return float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"]), {
+        name.removeprefix("cmdstat_"): (int(v["calls"]), int(v["usec"])) for name, v in stats.items()
+    }
+
+
+def counters_since(before: Counters, after: Counters) -> tuple[float, dict[str, tuple[int, int]]]:
+    """What Redis did between two readings of `server_counters`: CPU seconds and, per command, calls and µs."""
+    old = before[1]
+    return after[0] - before[0], {
+        name: (calls - old.get(name, (0, 0))[0], usec - old.get(name, (0, 0))[1])
+        for name, (calls, usec) in after[1].items()
+        if calls > old.get(name, (0, 0))[0]
+    }
+
+
+def server_during_syncs(
+    server: list[tuple[float, float, float, dict[str, tuple[int, int]]]], start: float, end: float, top: int = 8
+) -> dict[str, Any]:
+    """What Redis did while the syncs begun in the window were under way: its CPU (cores, over their summed time)
+    and the `top` commands by CPU, as calls a sync and µs a call. Says what a sync costs Redis, apart from the rest
+    of the load (a publish made meanwhile waits behind it)."""
+    rows = [row for row in server if start <= row[0] <= end]
+    seconds = sum(row[1] for row in rows)
+    if not rows or seconds <= 0:
+        return {"syncs": 0}
+    totals: dict[str, list[int]] = {}
+    for _, _, _, commands in rows:
+        for name, (calls, usec) in commands.items():
+            total = totals.setdefault(name, [0, 0])
+            total[0] += calls
+            total[1] += usec
+    ranked = sorted(totals.items(), key=lambda item: -item[1][1])[:top]
+    return {
+        "syncs": len(rows),
+        "cpu_cores": round(sum(row[2] for row in rows) / seconds, 3),
+        "commands": [
+            {"command": name, "calls_per_sync": round(calls / len(rows), 1), "usec_per_call": round(usec / calls, 1),
+             "cores": round(usec / 1e6 / seconds, 4)}
+            for name, (calls, usec) in ranked
+        ],
+    }  # fmt: skip
+
+
 def server_slow_commands(client: redis.Redis) -> dict[str, Any]:
     """Commands that ran longer than `SLOWLOG_OVER_US` in the window (`SLOWLOG`, reset when measuring began): how
     many, and the slowest few as `[name, µs]`. A command that holds Redis that long holds every other client too."""
@@ -425,6 +482,7 @@ def run_size(console: Console, url: str, load: Load, tmp: Path) -> dict[str, Any
     return summarise(load, marks, sampler.readings, syncer, publishes, latency, stats, tally, own_cpu) | {
         "redis_top_commands": commands,
         "redis_slow_commands": slow_commands,
+        "redis_during_syncs": server_during_syncs(syncer.server, marks["start"], marks["end"]),
         **ping_latency(pings, syncer.windows, marks["wall"], marks["end_wall"]),
     }
 
