@@ -51,14 +51,11 @@ WAKE_COST_S = 60e-6
 """What a woken worker costs Redis next: it reads `control`, acks or resumes, reads work. A ring leaves that much per
 worker of a wave before the next (`wave_gap`): ~2 ms for a wave of 32, so that a client that arrives meanwhile (a
 publish) waits behind one wave at most. 1,000 workers: 32 waves, ~90 ms a ring."""
-ABORT_PAUSE_COST_S = 250e-6
-"""What a woken worker costs Redis when a sync pauses in `abort` mode: the above, plus the publish of its interrupted
-samples. Measured at 1,000 workers (4 samples of ~600 tokens each in flight, Redis 6.2, `rollouts scale`'s
-`redis_during_syncs`): ~115 µs more than `keep`; paced for ~190 µs more, because a fleet's workers do not react at an
-even pace (8 ms between waves of 32)."""
-ABORT_RESUME_COST_S = 90e-6
-"""What a woken worker costs Redis at the resume after an `abort` pause: `WAKE_COST_S`, plus reading back the
-interrupted samples that it goes on with (~25 µs more, measured as above)."""
+ABORT_COST_S = 250e-6
+"""What a woken worker costs Redis in a sync that pauses in `abort` mode: the above, plus the publish of its interrupted
+samples and, after the resume, their reading back by whoever continues them. Measured at 1,000 workers (4 samples of
+~600 tokens each in flight, Redis 6.2, `rollouts scale`'s `redis_during_syncs`): ~140 µs more than `keep`; paced for
+~190 µs more, because a fleet's workers do not react at an even pace (8 ms between waves of 32)."""
 TRIM_CHUNK = 500
 """Entries one `XTRIM` of `trim_consumed` frees at most (~4 MB of 1k-token rollouts, ~1 ms of Redis)."""
 BLOCK_MARGIN_MS = 1000
@@ -333,9 +330,9 @@ class Streams:
 
         Each wave is one pipeline, whose reply comes back once Redis has served the reads it woke; the next goes
         once Redis has served what those workers do next, `per_worker_s` each (`wave_gap`: 2 ms for a wave of 32;
-        8 ms for a sync that pauses in `abort` mode, `ABORT_PAUSE_COST_S`). The clients waiting meanwhile (a publish, a
+        8 ms for a sync that pauses in `abort` mode, `ABORT_COST_S`). The clients waiting meanwhile (a publish, a
         heartbeat) are served between two waves: they wait for one wave at most, never for the whole fleet. 1,000
-        workers are woken in 32 waves over ~90 ms (~0.25 s for an abort pause; `examples/bench_wake.py`,
+        workers are woken in 32 waves over ~90 ms (~0.3 s for an abort pause; `examples/bench_wake.py`,
         `rollouts scale`). `cmd` only labels the ring for a person reading `{ns}:bell:K`."""
         fleet = int(self.redis.scard(self.keys.workers))
         plan = waves(fleet)

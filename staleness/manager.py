@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.lua import register_all
-from pipeline.streams import ABORT_PAUSE_COST_S, ABORT_RESUME_COST_S, WAKE_COST_S, Streams
+from pipeline.streams import ABORT_COST_S, WAKE_COST_S, Streams
 from pipeline.wire import ADAPTER_PATTERN, Control, PauseMode, ack_field
 from staleness.state import PolicyState, read_state, weights_command
 
@@ -99,16 +99,15 @@ class Manager:
             epoch = int(self._begin(keys=self._keys, args=[version - 1, version, token, *_flat(weights)]))
         except Exception as exc:  # the script's error replies say why
             raise SyncError(str(exc)) from None
-        # What each woken worker costs Redis next: an abort pause publishes what it interrupted, a resume reads it back.
-        pause, resume = (ABORT_PAUSE_COST_S, ABORT_RESUME_COST_S) if mode == "abort" else (WAKE_COST_S, WAKE_COST_S)
-        self.streams.ring("weights", pause)  # the workers, a wave at a time (`Streams.ring`)
+        pace = ABORT_COST_S if mode == "abort" else WAKE_COST_S  # what each woken worker costs Redis next
+        self.streams.ring("weights", pace)  # the workers, a wave at a time (`Streams.ring`)
         report = SyncReport(version=version, epoch=epoch)
         waiting = set(self.streams.live_worker_names())
         try:
             if transfer is not None:
                 transfer(epoch, len(waiting))
         finally:
-            self._conclude(report, uri, waiting, deadline=time.monotonic() + self.ack_timeout_s, pace=resume)
+            self._conclude(report, uri, waiting, deadline=time.monotonic() + self.ack_timeout_s, pace=pace)
             report.stall_s = time.monotonic() - started
         return report
 
@@ -137,7 +136,7 @@ class Manager:
         self, report: SyncReport, uri: str, waiting: set[str], deadline: float, pace: float = WAKE_COST_S
     ) -> None:
         """Wait for acks of `report.epoch` until `deadline`, evict who did not ack, then resume everyone (rung at
-        `pace`: the resume after an abort pause sends the fleet to read back the samples it interrupted)."""
+        `pace`: an abort pause's resume sends the fleet to read back the samples it interrupted)."""
         while waiting:
             epochs = self.streams.heartbeat_field(waiting, self._ack_field)  # only the field, of those not acked yet
             for name, epoch in epochs.items():
