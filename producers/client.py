@@ -232,6 +232,8 @@ class RolloutClient:
         """What the last `publish_weights` did: who acked, who was evicted, how long workers stood still."""
         self.last_broadcast: BroadcastStats | None = None
         """What the last `nccl://` publish moved, and how fast."""
+        self._manager: Manager | None = None
+        """The last sync's manager, whose resume may still be ringing (`Manager.settle`)."""
         self._trim_every_s = trim_every_s
         self._last_trim = time.monotonic()
         self._entry_bytes = 0
@@ -411,7 +413,8 @@ class RolloutClient:
             source, adapter_config = read_adapter(source, adapter_config)
         elif adapter_config is not None:
             raise ValueError("adapter_config is for an adapter's tensors: name the adapter (adapter='...')")
-        manager = Manager(self.streams, ack_timeout_s=ack_timeout_s, adapter=adapter)
+        self.settle()  # the last sync's resume rung to the whole fleet before the next `weights`
+        manager = self._manager = Manager(self.streams, ack_timeout_s=ack_timeout_s, adapter=adapter)
         previous = manager.state()
         if previous.paused:  # before touching the transport: the sync under way may be loading its next version
             raise SyncError(
@@ -435,6 +438,12 @@ class RolloutClient:
         if previous.weights_uri:  # the version before may sit in another transport
             remove_published(previous.weights_uri, self.streams.redis, self.streams.keys.ns)
         return version
+
+    def settle(self) -> None:
+        """Wait until the last `publish_weights`'s resume has been rung to every worker: it returns once the resume is
+        written, and the ring goes on in a thread (~0.1 s more at 1,000 workers, ~0.25 s after an abort pause)."""
+        if self._manager is not None:
+            self._manager.settle()
 
     # -- receiving -----------------------------------------------------------------------------
 

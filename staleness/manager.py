@@ -9,8 +9,10 @@
 3. a worker that has not acked by the deadline is evicted (`stop` for it; its pending work is
    claimed by the others); a worker that died is simply no longer waited for;
 4. finish (atomic): the state moves to `version`, unpaused, and `resume(epoch)` goes out.
-After steps 1 and 4 the manager rings the workers' bells (`Streams.ring`), a wave of ~32 workers every ~2 ms: workers
-block on their bell, not on `control`, so that 1,000 of them do not wake (and ack, and read work) in one instant.
+After steps 1 and 4 the manager rings the workers' bells (`Streams.ring`), a wave of ~32 workers every ~2 ms (~8 ms
+when the pause aborts): workers block on their bell, not on `control`, so that 1,000 of them do not wake (and ack, and
+read work) in one instant. The resume's ring goes on in a thread of the manager's while the trainer goes back to work:
+the state has moved and the command is written, so the ring only wakes the workers sooner (`Manager.settle`).
 A worker that joins later loads the state's version before it takes work.
 
 A manager for one LoRA adapter (`Manager(streams, adapter="a")`) runs the same protocol on that adapter's own
@@ -20,17 +22,23 @@ every other adapter and the base model go on generating.
 
 from __future__ import annotations
 
+import logging
 import re
+import threading
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import redis
+
 from pipeline.lua import register_all
 from pipeline.streams import ABORT_COST_S, WAKE_COST_S, Streams
 from pipeline.wire import ADAPTER_PATTERN, Control, PauseMode, ack_field
 from staleness.state import PolicyState, read_state, weights_command
+
+log = logging.getLogger(__name__)
 
 SCRIPTS = Path(__file__).with_name("lua")
 """Where `begin_sync.lua` and `finish_sync.lua` live."""
@@ -49,7 +57,8 @@ class SyncReport:
     gone: list[str] = field(default_factory=list)
     """Workers that died during the sync (their heartbeat expired): not waited for."""
     stall_s: float = 0.0
-    """From the `weights` command to the `resume`: how long generation stood still."""
+    """From the `weights` command to the `resume`: how long the trainer waited, and about how long each worker stood
+    still (a worker pauses when its wave is rung and resumes when its wave is rung again, at the same pace)."""
 
 
 class Manager:
@@ -69,6 +78,7 @@ class Manager:
         self._begin, self._finish = scripts["begin_sync"], scripts["finish_sync"]
         self._keys = [streams.keys.state_of(adapter), streams.keys.control]
         self._ack_field = ack_field(adapter)
+        self._ringing: threading.Thread | None = None
 
     def state(self) -> PolicyState:
         return read_state(self.streams.redis, self.streams.keys, self.adapter)
@@ -90,6 +100,7 @@ class Manager:
         acks (an nccl broadcast); acks are then due `ack_timeout_s` after it returns. If it raises, the
         sync is still concluded (laggards evicted, everyone resumed) before the error propagates.
         """
+        self.settle()  # the last sync's resume fully rung first: two rings at once would wake waves twice as fast
         started = time.monotonic()
         weights = Control(cmd="weights", version=version, uri=uri, mode=mode, adapter=self.adapter or "").to_fields()
         if self.adapter is not None:
@@ -117,6 +128,7 @@ class Manager:
         A sync is abandoned once its `weights` command is older than `older_than_s` (default: the ack
         deadline, plus 5 s): laggards are evicted and the workers resumed, as the driver would have.
         """
+        self.settle()
         state = self.state()
         if not state.paused:
             return None
@@ -156,7 +168,21 @@ class Manager:
             cmd="resume", epoch=report.epoch, version=report.version, uri=uri, adapter=self.adapter or ""
         ).to_fields()
         self._finish(keys=self._keys, args=[report.version, uri, *_flat(resume)])
-        self.streams.ring("resume", pace)
+        self._ringing = threading.Thread(target=self._ring_resume, args=(pace,), name="resume-ring")
+        self._ringing.start()  # not a daemon: a trainer that exits right after a sync still rings every wave
+
+    def _ring_resume(self, pace: float) -> None:
+        try:
+            self.streams.ring("resume", pace)
+        except redis.RedisError as exc:  # the command is written: workers find it within `CONTROL_RECHECK_S` anyway
+            log.warning("ringing the workers after a sync failed (%s); they will read the resume unrung", exc)
+
+    def settle(self) -> None:
+        """Wait until the last sync's resume has been rung to every wave (~0.1-0.25 s after `sync` returned at 1,000
+        workers; at once for a fleet of one wave)."""
+        if self._ringing is not None:
+            self._ringing.join()
+            self._ringing = None
 
     def evict(self, name: str, ring: bool = True) -> None:
         """Tell a worker to stop and forget it: its pending work goes to the others once it idles."""

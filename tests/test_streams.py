@@ -522,13 +522,35 @@ def test_a_sync_paces_its_waves_by_what_its_pause_costs_redis(real_redis: redis.
     for version, (mode, per_worker_s) in enumerate((("keep", WAKE_COST_S), ("abort", ABORT_COST_S)), start=1):
         gap = wave_gap(fleet, plan, per_worker_s)
         report = manager.sync(version, f"redis://{ns}/v{version}", mode=mode)  # type: ignore[arg-type]
+        returned = time.monotonic()
+        manager.settle()  # the resume is rung in a thread of the manager's after `sync` returns ...
+        assert time.monotonic() - returned >= 0.8 * (len(plan) - 1) * gap  # ... while the trainer goes back to work
         rung_ms = [int(real_redis.xrange(streams.keys.bell(wave[0]))[0][0].split(b"-")[0]) for wave in plan]
         gaps_ms = [later - earlier for earlier, later in itertools.pairwise(rung_ms)]
         assert min(gaps_ms) >= int(gap * 1000) - 1, (mode, gaps_ms)  # the resume's ring, the last written
-        assert report.stall_s >= 2 * (len(plan) - 1) * gap, mode  # and the weights' before it
+        assert report.stall_s >= (len(plan) - 1) * gap, mode  # and the weights' before it, within the stall
     assert wave_gap(fleet, plan, WAKE_COST_S) == pytest.approx(0.0019, abs=2e-4)
     assert wave_gap(fleet, plan, ABORT_COST_S) == pytest.approx(0.0078, abs=2e-4)
     assert wave_gap(20, waves(20), ABORT_COST_S) > 0 and len(waves(20)) == 1  # one wave: no pause at all
+
+
+def test_a_trainer_that_exits_right_after_a_sync_still_rings_every_wave(redis_server: RedisServer, ns: str) -> None:
+    """The resume's ring outlives `sync`'s return; a trainer process that ends there does not leave the later waves
+    unrung (they would read the resume only at their next recheck, `CONTROL_RECHECK_S` later)."""
+    code = f"""
+import redis
+from pipeline.streams import Streams
+from staleness.manager import Manager
+streams = Streams(redis.Redis.from_url({redis_server.url!r}), {ns!r})
+streams.redis.sadd(streams.keys.workers, *[f"w{{i}}" for i in range(1000)])
+Manager(streams, ack_timeout_s=1).sync(1, "redis://{ns}/v1", mode="abort")
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    client = redis.Redis.from_url(redis_server.url)
+    streams = Streams(client, ns)
+    rung = [[fields for _, fields in client.xrange(streams.keys.bell(index))] for index in range(BELLS)]
+    assert rung == [[{b"cmd": b"resume"}]] * BELLS
+    client.close()
 
 
 @pytest.mark.parametrize("redis_server", REDIS_VERSIONS, indirect=True)

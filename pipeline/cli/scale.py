@@ -153,7 +153,8 @@ class Syncer(threading.Thread):
         self.reports: list[tuple[float, float, int, int]] = []
         """(monotonic time it began, stall seconds, workers acked, workers evicted)."""
         self.windows: list[tuple[float, float]] = []
-        """(wall time it began, wall time it ended) of every sync: to tell publishes made during one apart."""
+        """(wall time it began, wall time its resume was rung to every worker) of every sync: to tell publishes made
+        during one apart."""
         self.server: list[tuple[float, float, float, dict[str, tuple[int, int]]]] = []
         """(monotonic time it began, seconds, Redis CPU seconds, {command: (calls, µs)}) of every sync: what Redis did
         during syncs (`server_during_syncs`), read by `INFO` before and after each."""
@@ -172,6 +173,7 @@ class Syncer(threading.Thread):
                 before = server_counters(client.streams.redis)
                 began, began_wall = time.monotonic(), time.time()
                 client.publish_weights(weights, transport=f"fs://{self.weights_dir}", mode=self.mode)  # type: ignore[arg-type]
+                client.settle()  # the window of a sync ends once its resume has been rung to the whole fleet
                 ended = time.monotonic()
                 sync = client.last_sync
                 if sync is not None:
