@@ -652,7 +652,14 @@ def scale(
     tokens: Annotated[int, typer.Option(min=1, help="Tokens per rollout.")] = 1024,
     n: Annotated[int, typer.Option(min=1, help="Samples per prompt.")] = 4,
     max_inflight: Annotated[int, typer.Option(min=1, help="Samples in flight per worker.")] = 4,
-    procs: Annotated[int, typer.Option(min=1, help="Processes the workers are spread over.")] = 4,
+    procs: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="Processes the workers are spread over. Workers are deployed one to a process: with more than ~20 to "
+            "a process, the process's own queue shows in the figures (use about workers/16 for fleets of hundreds).",
+        ),
+    ] = 4,
     warmup_s: Annotated[float, typer.Option(min=0, help="Seconds before measuring, per size.")] = 10.0,
     measure_s: Annotated[float, typer.Option(min=1, help="Seconds measured, per size.")] = 30.0,
     sync_every_s: Annotated[float, typer.Option(min=0.5, help="Seconds between weight syncs.")] = 5.0,
