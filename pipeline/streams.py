@@ -93,9 +93,9 @@ def waves(fleet: int) -> list[range]:
     return [range(first, min(first + per_wave, BELLS)) for first in range(0, BELLS, per_wave)]
 
 
-def wave_gap(fleet: int, plan: list[range], per_worker_s: float) -> float:
+def wave_gap(fleet: int, per_worker_s: float) -> float:
     """The pause after each wave of a ring: the Redis time that a wave's workers cost next (`per_worker_s` each)."""
-    return per_worker_s * fleet / max(len(plan), 1)
+    return per_worker_s * fleet / len(waves(fleet))
 
 
 def entries_from_reply(reply: Any) -> list[Entry]:
@@ -335,8 +335,8 @@ class Streams:
         workers are woken in 32 waves over ~90 ms (~0.25 s for an abort pause; `examples/bench_wake.py`,
         `rollouts scale`). `cmd` only labels the ring for a person reading `{ns}:bell:K`."""
         fleet = int(self.redis.scard(self.keys.workers))
+        gap = wave_gap(fleet, per_worker_s)
         plan = waves(fleet)
-        gap = wave_gap(fleet, plan, per_worker_s)
         for number, wave in enumerate(plan):
             if number:
                 time.sleep(gap)  # the last wave's workers read control, ack, read work: let Redis serve that

@@ -110,7 +110,7 @@ class Manager:
             epoch = int(self._begin(keys=self._keys, args=[version - 1, version, token, *_flat(weights)]))
         except Exception as exc:  # the script's error replies say why
             raise SyncError(str(exc)) from None
-        pace = ABORT_COST_S if mode == "abort" else WAKE_COST_S  # what each woken worker costs Redis next
+        pace = ring_pace(mode)
         self.streams.ring("weights", pace)  # the workers, a wave at a time (`Streams.ring`)
         report = SyncReport(version=version, epoch=epoch)
         waiting = set(self.streams.live_worker_names())
@@ -139,14 +139,13 @@ class Manager:
         version = state.pending_version if state.pending_version is not None else state.version + 1
         uri = command.uri if command is not None else state.weights_uri
         report = SyncReport(version=version, epoch=state.epoch)
-        self._conclude(report, uri, waiting=set(self.streams.live_worker_names()), deadline=time.monotonic())
+        pace = ring_pace(command.mode if command is not None else "abort")  # its paused samples may be waiting
+        self._conclude(report, uri, set(self.streams.live_worker_names()), deadline=time.monotonic(), pace=pace)
         if command is not None:  # the stall so far: from its `weights` command (the driver's clock) to now
             report.stall_s = max(0.0, time.time() - command.ts)
         return report
 
-    def _conclude(
-        self, report: SyncReport, uri: str, waiting: set[str], deadline: float, pace: float = WAKE_COST_S
-    ) -> None:
+    def _conclude(self, report: SyncReport, uri: str, waiting: set[str], deadline: float, pace: float) -> None:
         """Wait for acks of `report.epoch` until `deadline`, evict who did not ack, then resume everyone (rung at
         `pace`: an abort pause's resume sends the fleet to read back the samples it interrupted)."""
         while waiting:
@@ -188,6 +187,12 @@ class Manager:
         """Tell a worker to stop and forget it: its pending work goes to the others once it idles."""
         self.streams.send_control(Control(cmd="stop", worker=name), ring=ring)
         self.streams.forget_worker(name)
+
+
+def ring_pace(mode: PauseMode) -> float:
+    """What each worker woken by a sync's rings costs Redis next (`Streams.ring`): an abort pause publishes the samples
+    it interrupted, and the fleet reads them back after the resume."""
+    return ABORT_COST_S if mode == "abort" else WAKE_COST_S
 
 
 def _flat(fields: dict[bytes, bytes]) -> list[bytes]:

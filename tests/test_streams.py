@@ -520,7 +520,7 @@ def test_a_sync_paces_its_waves_by_what_its_pause_costs_redis(real_redis: redis.
     manager = Manager(streams, ack_timeout_s=1)
     plan = waves(fleet)
     for version, (mode, per_worker_s) in enumerate((("keep", WAKE_COST_S), ("abort", ABORT_COST_S)), start=1):
-        gap = wave_gap(fleet, plan, per_worker_s)
+        gap = wave_gap(fleet, per_worker_s)
         report = manager.sync(version, f"redis://{ns}/v{version}", mode=mode)  # type: ignore[arg-type]
         returned = time.monotonic()
         manager.settle()  # the resume is rung in a thread of the manager's after `sync` returns ...
@@ -529,9 +529,9 @@ def test_a_sync_paces_its_waves_by_what_its_pause_costs_redis(real_redis: redis.
         gaps_ms = [later - earlier for earlier, later in itertools.pairwise(rung_ms)]
         assert min(gaps_ms) >= int(gap * 1000) - 1, (mode, gaps_ms)  # the resume's ring, the last written
         assert report.stall_s >= (len(plan) - 1) * gap, mode  # and the weights' before it, within the stall
-    assert wave_gap(fleet, plan, WAKE_COST_S) == pytest.approx(0.0019, abs=2e-4)
-    assert wave_gap(fleet, plan, ABORT_COST_S) == pytest.approx(0.0078, abs=2e-4)
-    assert wave_gap(20, waves(20), ABORT_COST_S) > 0 and len(waves(20)) == 1  # one wave: no pause at all
+    assert wave_gap(fleet, WAKE_COST_S) == pytest.approx(0.0019, abs=2e-4)
+    assert wave_gap(fleet, ABORT_COST_S) == pytest.approx(0.0078, abs=2e-4)
+    assert wave_gap(20, ABORT_COST_S) > 0 and len(waves(20)) == 1  # one wave: no pause at all
 
 
 def test_a_trainer_that_exits_right_after_a_sync_still_rings_every_wave(redis_server: RedisServer, ns: str) -> None:

@@ -322,3 +322,26 @@ def test_workers_wait_on_their_bell_not_on_control_and_an_unrung_command_still_a
     client.streams.redis.xadd(client.streams.keys.control, Control(cmd="stop").to_fields())  # written, never rung
     wait_until(lambda: proc.poll() is not None, CONTROL_RECHECK_S + 30, "the worker to read the unrung stop")
     assert proc.returncode == 0
+
+
+def test_publish_weights_returns_before_the_resume_is_rung_and_settle_waits_for_it(
+    redis_server: RedisServer, ns: str
+) -> None:
+    """`publish_weights` returns once the resume is written; `settle()` returns once every wave has been rung, and the
+    next `publish_weights` starts only then."""
+    import torch
+
+    from pipeline.streams import ABORT_COST_S, BELLS, wave_gap
+
+    client = RolloutClient(redis_server.url, ns)
+    fleet = 1000  # registered, none heartbeating: nobody to wait for, the rings are the whole sync
+    client.streams.redis.sadd(client.streams.keys.workers, *[f"w{i}" for i in range(fleet)])
+    assert client.publish_weights({"w": torch.zeros(2)}, mode="abort") == 1
+    bells = [client.streams.keys.bell(index) for index in range(BELLS)]
+    returned = time.monotonic()
+    client.settle()
+    assert time.monotonic() - returned >= 0.5 * wave_gap(fleet, ABORT_COST_S) * 31  # the ring went on meanwhile
+    assert all(client.streams.redis.xrange(bell)[0][1] == {b"cmd": b"resume"} for bell in bells)
+    assert client.publish_weights({"w": torch.ones(2)}, mode="keep") == 2
+    client.settle()
+    assert read_state(client.streams.redis, client.streams.keys).version == 2

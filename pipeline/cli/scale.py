@@ -36,7 +36,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, NamedTuple
 
 import numpy as np
 import redis
@@ -128,7 +128,7 @@ class Sampler(threading.Thread):
         info = self.client.info()
         r = self.readings
         r.t.append(time.monotonic())
-        r.redis_cpu_s.append(float(info["used_cpu_user"]) + float(info["used_cpu_sys"]))
+        r.redis_cpu_s.append(redis_cpu_s(info))
         r.fleet_cpu_s.append(sum(cpu_seconds(pid) for pid in self.fleet))
         r.used_memory.append(int(info["used_memory"]))
         r.clients.append(int(info["connected_clients"]))
@@ -155,9 +155,8 @@ class Syncer(threading.Thread):
         self.windows: list[tuple[float, float]] = []
         """(wall time it began, wall time its resume was rung to every worker) of every sync: to tell publishes made
         during one apart."""
-        self.server: list[tuple[float, float, float, dict[str, tuple[int, int]]]] = []
-        """(monotonic time it began, seconds, Redis CPU seconds, {command: (calls, µs)}) of every sync: what Redis did
-        during syncs (`server_during_syncs`), read by `INFO` before and after each."""
+        self.costs: list[SyncCost] = []
+        """What Redis did during every sync (`server_during_syncs`), read by `INFO` before and after each."""
         self.failure: str | None = None
         self._halt = threading.Event()
 
@@ -179,8 +178,8 @@ class Syncer(threading.Thread):
                 if sync is not None:
                     self.reports.append((began, sync.stall_s, len(sync.acked), len(sync.evicted)))
                     self.windows.append((began_wall, time.time()))
-                    cpu, commands = counters_since(before, server_counters(client.streams.redis))
-                    self.server.append((began, ended - began, cpu, commands))
+                    spent = counters_since(before, server_counters(client.streams.redis))
+                    self.costs.append(SyncCost(began, ended - began, spent))
         except Exception as exc:  # reported in the result
             self.failure = f"{type(exc).__name__}: {exc}"
         finally:
@@ -320,64 +319,80 @@ def server_latency(client: redis.Redis) -> dict[str, float] | None:
     return {key: round(float(value) / 1000, 3) for key, value in found.items()}
 
 
-def server_commands(client: redis.Redis, wall_s: float, top: int = 8) -> list[dict[str, Any]]:
-    """Where Redis spent its time over the window (`INFO commandstats`, reset when measuring began): the `top`
-    commands by CPU, with calls per second and microseconds a call. Says what a fleet costs Redis, per kind."""
-    stats = client.info("commandstats")
-    rows = [
-        {"command": name.removeprefix("cmdstat_"), "calls_per_s": round(int(v["calls"]) / wall_s, 1),
-         "usec_per_call": round(float(v["usec_per_call"]), 1), "cores": round(int(v["usec"]) / 1e6 / wall_s, 4)}
-        for name, v in stats.items()
-    ]  # fmt: skip
-    return sorted(rows, key=lambda r: -r["cores"])[:top]
+class Counters(NamedTuple):
+    """Redis's CPU seconds and, per command, its calls and µs (`INFO cpu`, `INFO commandstats`): so far, or between two
+    readings (`counters_since`)."""
+
+    cpu_s: float
+    commands: dict[str, tuple[int, int]]
 
 
-Counters = tuple[float, dict[str, tuple[int, int]]]
+def redis_cpu_s(info: dict[str, Any]) -> float:
+    """Redis's CPU seconds so far, user and system, from `INFO` (or `INFO cpu`)."""
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
 
 
 def server_counters(client: redis.Redis) -> Counters:
-    """Redis's CPU seconds so far and, per command, its calls and µs so far (`INFO cpu`, `INFO commandstats`)."""
-    cpu = client.info("cpu")
     stats = client.info("commandstats")
-    return float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"]), {
-        name.removeprefix("cmdstat_"): (int(v["calls"]), int(v["usec"])) for name, v in stats.items()
+    commands = {  # Redis 7 lists a command that was only rejected, with no calls
+        name.removeprefix("cmdstat_"): (int(v["calls"]), int(v["usec"])) for name, v in stats.items() if int(v["calls"])
     }
+    return Counters(redis_cpu_s(client.info("cpu")), commands)
 
 
-def counters_since(before: Counters, after: Counters) -> tuple[float, dict[str, tuple[int, int]]]:
-    """What Redis did between two readings of `server_counters`: CPU seconds and, per command, calls and µs."""
-    old = before[1]
-    return after[0] - before[0], {
+def counters_since(before: Counters, after: Counters) -> Counters:
+    """What Redis did between two readings of `server_counters`."""
+    old = before.commands
+    return Counters(after.cpu_s - before.cpu_s, {
         name: (calls - old.get(name, (0, 0))[0], usec - old.get(name, (0, 0))[1])
-        for name, (calls, usec) in after[1].items()
+        for name, (calls, usec) in after.commands.items()
         if calls > old.get(name, (0, 0))[0]
-    }
+    })  # fmt: skip
 
 
-def server_during_syncs(
-    server: list[tuple[float, float, float, dict[str, tuple[int, int]]]], start: float, end: float, top: int = 8
-) -> dict[str, Any]:
+def top_commands(commands: dict[str, tuple[int, int]], top: int) -> list[tuple[str, int, int]]:
+    """The `top` commands by CPU, as (name, calls, µs)."""
+    return sorted(((name, calls, usec) for name, (calls, usec) in commands.items()), key=lambda c: -c[2])[:top]
+
+
+def server_commands(client: redis.Redis, wall_s: float, top: int = 8) -> list[dict[str, Any]]:
+    """Where Redis spent its time over the window (`INFO commandstats`, reset when measuring began): the `top`
+    commands by CPU, with calls per second and microseconds a call. Says what a fleet costs Redis, per kind."""
+    return [
+        {"command": name, "calls_per_s": round(calls / wall_s, 1), "usec_per_call": round(usec / calls, 1),
+         "cores": round(usec / 1e6 / wall_s, 4)}
+        for name, calls, usec in top_commands(server_counters(client).commands, top)
+    ]  # fmt: skip
+
+
+class SyncCost(NamedTuple):
+    """What Redis did during one sync: when it began (monotonic), how long it lasted, and the counters' deltas."""
+
+    began: float
+    seconds: float
+    counters: Counters
+
+
+def server_during_syncs(costs: list[SyncCost], start: float, end: float, top: int = 8) -> dict[str, Any]:
     """What Redis did while the syncs begun in the window were under way: its CPU (cores, over their summed time)
     and the `top` commands by CPU, as calls a sync and µs a call. Says what a sync costs Redis, apart from the rest
     of the load (a publish made meanwhile waits behind it)."""
-    rows = [row for row in server if start <= row[0] <= end]
-    seconds = sum(row[1] for row in rows)
+    rows = [cost for cost in costs if start <= cost.began <= end]
+    seconds = sum(cost.seconds for cost in rows)
     if not rows or seconds <= 0:
         return {"syncs": 0}
-    totals: dict[str, list[int]] = {}
-    for _, _, _, commands in rows:
-        for name, (calls, usec) in commands.items():
-            total = totals.setdefault(name, [0, 0])
-            total[0] += calls
-            total[1] += usec
-    ranked = sorted(totals.items(), key=lambda item: -item[1][1])[:top]
+    totals: dict[str, tuple[int, int]] = {}
+    for cost in rows:
+        for name, (calls, usec) in cost.counters.commands.items():
+            had = totals.get(name, (0, 0))
+            totals[name] = (had[0] + calls, had[1] + usec)
     return {
         "syncs": len(rows),
-        "cpu_cores": round(sum(row[2] for row in rows) / seconds, 3),
+        "cpu_cores": round(sum(cost.counters.cpu_s for cost in rows) / seconds, 3),
         "commands": [
             {"command": name, "calls_per_sync": round(calls / len(rows), 1), "usec_per_call": round(usec / calls, 1),
              "cores": round(usec / 1e6 / seconds, 4)}
-            for name, (calls, usec) in ranked
+            for name, calls, usec in top_commands(totals, top)
         ],
     }  # fmt: skip
 
@@ -484,7 +499,7 @@ def run_size(console: Console, url: str, load: Load, tmp: Path) -> dict[str, Any
     return summarise(load, marks, sampler.readings, syncer, publishes, latency, stats, tally, own_cpu) | {
         "redis_top_commands": commands,
         "redis_slow_commands": slow_commands,
-        "redis_during_syncs": server_during_syncs(syncer.server, marks["start"], marks["end"]),
+        "redis_during_syncs": server_during_syncs(syncer.costs, marks["start"], marks["end"]),
         **ping_latency(pings, syncer.windows, marks["wall"], marks["end_wall"]),
     }
 
