@@ -21,6 +21,7 @@ import random
 import signal
 import socket
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
@@ -133,6 +134,9 @@ class Worker:
         self.generated_tokens = 0
         self._inflight: dict[tuple[str, bytes], Entry] = {}
         self._inflight_samples = 0
+        self._held: deque[Entry] = deque()
+        """Entries taken but not started for want of room (a blocking read's race: `Streams.read_work`). They are
+        in `_inflight` too, so they are touched every heartbeat and nobody claims them; they start first."""
         self._mean_n: float | None = None
         """Samples per entry (an average): how many entries fit the room. None until the first entry: until
         then the worker reads one at a time, since a fresh worker that guessed 1 would take n times too many."""
@@ -243,6 +247,11 @@ class Worker:
                 self._room.clear()
                 await self._room.wait()
                 continue
+            if self._held:
+                for _ in range(min(self._entries_for(free), len(self._held))):
+                    self._start(self._held.popleft())
+                await asyncio.sleep(0)
+                continue
             if time.monotonic() >= next_claim:
                 next_claim = time.monotonic() + self.settings.heartbeat_s / 2
                 try:  # the claim scans the group's pending list, so a large fleet shares it out as it does sweeps
@@ -257,6 +266,10 @@ class Worker:
                 log.warning("%s: reading work failed (%s); retrying", self.name, exc)
                 await asyncio.sleep(self.settings.heartbeat_s)
                 continue
+            for entry in entries[count:]:  # more than there was room for: taken now, started when there is room
+                self._inflight[entry.stream, entry.id] = entry
+                self._held.append(entry)
+            del entries[count:]
             try:
                 entries += await self._top_up(entries, count)
             except redis.ConnectionError as exc:
@@ -274,8 +287,8 @@ class Worker:
         engine would start on the first entry alone and take the rest a step behind, out of step with it for the
         whole batch (measured: ~4 % more engine steps a round on a burst of 64 prompts). So the burst starts
         together."""
-        if len(entries) < count:
-            return []  # it took all there was
+        if len(entries) < count or self._held:
+            return []  # it took all there was, or more
         free = self.settings.max_inflight - self._inflight_samples - round(len(entries) * (self._mean_n or 1))
         if free <= 0 or self._stopping.is_set():
             return []

@@ -34,7 +34,7 @@ from pipeline.wire import (
 )
 
 SCRIPTS = Path(__file__).with_name("lua")
-"""Where `publish.lua`, `claim.lua`, `forward.lua`, `rehome.lua` and `dead_letter.lua` live."""
+"""Where `publish.lua`, `read.lua`, `claim.lua`, `forward.lua`, `rehome.lua` and `dead_letter.lua` live."""
 DEDUPE_BUCKETS = 8
 """The dedupe TTL is cut into this many time buckets (one hash each): a publish checks ~9 `HGET`s per prompt."""
 SWEEPS_PER_HEARTBEAT = 2
@@ -117,6 +117,15 @@ def entries_from_reply(reply: Any) -> list[Entry]:
     return entries
 
 
+def per_stream(streams: Sequence[str], reply: Any) -> list[Entry]:
+    """Flatten a script's reply of entries per stream (`lua/read.lua`, `lua/claim.lua`), in the order of `streams`."""
+    return [
+        Entry(stream, entry_id, dict(zip(flat[::2], flat[1::2], strict=True)))
+        for stream, items in zip(streams, reply, strict=True)
+        for entry_id, flat in items
+    ]
+
+
 class Streams:
     """The streams of one namespace, over one Redis client."""
 
@@ -128,7 +137,7 @@ class Streams:
         """The dedupe buckets' clock (a test moves it)."""
         scripts = register_all(client, SCRIPTS)
         self._publish, self._claim, self._forward = scripts["publish"], scripts["claim"], scripts["forward"]
-        self._rehome, self._dead_letter = scripts["rehome"], scripts["dead_letter"]
+        self._rehome, self._dead_letter, self._read = scripts["rehome"], scripts["dead_letter"], scripts["read"]
         timeout_s = socket_timeout_s(client)
         self._max_block_ms = None if timeout_s is None else max(1, int(timeout_s * 1000) - BLOCK_MARGIN_MS)
         """The longest a blocking read may wait on this client (`_block`); None: any."""
@@ -161,22 +170,55 @@ class Streams:
         self.ensure_group(self.keys.inbox(consumer), GENERATORS)
 
     def read_work(self, consumer: str, count: int, block_ms: int | None) -> list[Entry]:
-        """New work for `consumer` in one round trip: partial rollouts first, then its inbox, then prompts."""
-        inbox = self.keys.inbox(consumer)
-        streams = {self.keys.partials: ">", inbox: ">", self.keys.prompts: ">"}
-        block_ms = self._block(block_ms)
+        """Up to `count` new entries for `consumer`: partial rollouts first, then its inbox, then prompts.
+
+        What is there is read in one round trip (`lua/read.lua`: one XREADGROUP over the three streams would take
+        `count` from each). Only when there is nothing does it block, for the first entry to arrive; the rest of
+        that burst is read at once after it. The blocking read asks for one entry, but a stream that got work
+        between the two reads answers too, so in that race it returns one more entry from each such stream (at
+        most two more than `count`): the caller holds what it has no room for (`consumers.worker`)."""
+        entries = self._read_new(consumer, count)
+        if entries or not block_ms:
+            return entries
+        entries = self._read_blocking(consumer, self._block(block_ms))
+        if entries and len(entries) < count:
+            entries += self._read_new(consumer, count - len(entries))
+        return entries
+
+    def _work_streams(self, consumer: str) -> list[str]:
+        return [self.keys.partials, self.keys.inbox(consumer), self.keys.prompts]
+
+    def _read_new(self, consumer: str, count: int) -> list[Entry]:
+        streams = self._work_streams(consumer)
+        *reply, skipped = self._read(keys=streams, args=[GENERATORS, consumer, count])
+        entries = [entry for entry in per_stream(streams, reply) if entry.fields]
+        if skipped:  # a stream without its group: make them, and read what is still to take
+            self._rejoin(consumer)
+            if len(entries) < count:
+                *reply, _ = self._read(keys=streams, args=[GENERATORS, consumer, count - len(entries)])
+                entries += [entry for entry in per_stream(streams, reply) if entry.fields]
+        return entries
+
+    def _read_blocking(self, consumer: str, block_ms: int | None) -> list[Entry]:
+        streams = dict.fromkeys(self._work_streams(consumer), ">")
+
+        def read() -> Any:
+            return self.redis.xreadgroup(GENERATORS, consumer, streams, count=1, block=block_ms)
+
         try:
-            reply = self.redis.xreadgroup(GENERATORS, consumer, streams, count=count, block=block_ms)
+            reply = read()
         except redis.ResponseError as exc:
             if "NOGROUP" not in str(exc) and "requires the key to exist" not in str(exc):
                 raise
-            self.ensure_groups()  # a stream deleted under us (or a reader that never joined): make it again
-            self.join(consumer)
-            reply = self.redis.xreadgroup(GENERATORS, consumer, streams, count=count, block=block_ms)
-        order = {self.keys.partials: 0, inbox: 1}
-        entries = [e for e in entries_from_reply(reply) if e.fields]
-        entries.sort(key=lambda e: order.get(e.stream, 2))
-        return entries
+            self._rejoin(consumer)
+            reply = read()
+        order = {stream: k for k, stream in enumerate(streams)}
+        return sorted((e for e in entries_from_reply(reply) if e.fields), key=lambda e: order[e.stream])
+
+    def _rejoin(self, consumer: str) -> None:
+        """Make the groups again: a stream was deleted under us (or the reader never joined)."""
+        self.ensure_groups()
+        self.join(consumer)
 
     def add_to_inbox(self, worker: str, prompt: Prompt) -> bytes:
         return self.redis.xadd(self.keys.inbox(worker), prompt.to_fields())
@@ -188,11 +230,7 @@ class Streams:
         """
         streams = [self.keys.partials, self.keys.prompts]
         reply = self._claim(keys=streams, args=[GENERATORS, consumer, min_idle_ms, count])
-        claimed = []
-        for stream, items in zip(streams, reply, strict=True):
-            for entry_id, flat in items:
-                claimed.append(Entry(stream, entry_id, dict(zip(flat[::2], flat[1::2], strict=True))))
-        return claimed
+        return per_stream(streams, reply)
 
     def touch(self, consumer: str, entries: Iterable[Entry]) -> None:
         """Reset the idle time of work still in progress, so that nobody claims it from a live worker."""

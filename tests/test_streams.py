@@ -75,6 +75,56 @@ def taken(client: redis.Redis, ns: str, count: int) -> tuple[Streams, list[Promp
     return streams, prompts, streams.read_work("w1", count, None)
 
 
+def test_a_read_or_a_claim_takes_count_entries_in_all_partials_first_then_the_inbox_then_prompts(
+    any_redis: redis.Redis, ns: str
+) -> None:
+    """One XREADGROUP over the three streams applies its COUNT to each: a worker with room for one prompt of 4
+    samples took a partial and a prompt (5 samples). A read takes `count` entries in all, in the order a worker
+    serves them; so does a claim of abandoned work."""
+    streams = Streams(any_redis, ns)
+    streams.ensure_groups()
+    streams.join("w1")
+    partials, inbox, prompts = streams.keys.partials, streams.keys.inbox("w1"), streams.keys.prompts
+    for k in range(3):
+        any_redis.xadd(partials, {"k": k})
+    streams.add_to_inbox("w1", prompt("mine"))
+    streams.add_prompts([prompt(f"p{k}") for k in range(3)])
+
+    def read(count: int) -> list[str]:
+        return [entry.stream for entry in streams.read_work("w1", count, None)]
+
+    assert read(1) == [partials]
+    assert read(4) == [partials, partials, inbox, prompts]
+    assert read(10) == [prompts, prompts]
+    assert read(10) == []
+    any_redis.delete(prompts)  # deleted under its readers: the next XADD makes it again, without the group
+    streams.add_prompts([prompt("again")])
+    assert read(10) == [prompts]
+    claimed = streams.claim_abandoned("w2", min_idle_ms=0, count=4)
+    assert [entry.stream for entry in claimed] == [partials] * 3 + [prompts]
+
+
+def test_a_blocking_read_that_races_new_work_takes_at_most_one_entry_from_each_stream(
+    real_redis: redis.Redis, ns: str
+) -> None:
+    """The blocking read (after a read that found nothing) asks for one entry; work that reached two streams
+    between the two reads answers from both. That is the bound the worker holds extras for."""
+
+    class Racing(Streams):
+        def _read_blocking(self, consumer: str, block_ms: int | None) -> list[Entry]:
+            self.add_prompts([prompt("late")])
+            self.add_to_inbox(consumer, prompt("late-mine"))
+            return super()._read_blocking(consumer, block_ms)
+
+    streams = Racing(real_redis, ns)
+    streams.ensure_groups()
+    entries = streams.read_work("w1", 1, 1000)
+    assert [e.stream for e in entries] == [streams.keys.inbox("w1"), streams.keys.prompts]
+    streams.add_prompts([prompt(f"b{k}") for k in range(3)])
+    entries = streams.read_work("w1", 3, 1000)  # what is there is read without blocking (and no race)
+    assert [Prompt.from_fields(e.fields).id for e in entries] == ["b0", "b1", "b2"]
+
+
 def test_groups_are_created_once(any_redis: redis.Redis, ns: str) -> None:
     streams = Streams(any_redis, ns)
     streams.ensure_groups()
@@ -559,7 +609,7 @@ def test_every_lua_script_names_its_keys_and_compiles_on_both_versions(redis_ser
     folders = [SCRIPTS, staleness_scripts, gateway_scripts]
     names = {name for folder in folders for name in sources(folder)}
     assert names == {
-        *("publish", "claim", "forward", "rehome", "dead_letter", "admit", "park", "begin_sync", "finish_sync"),
+        *("publish", "read", "claim", "forward", "rehome", "dead_letter", "admit", "park", "begin_sync", "finish_sync"),
         *("pin", "join_group"),
     }
     for folder in folders:

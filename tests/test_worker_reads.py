@@ -1,19 +1,23 @@
-"""How a worker takes work: a burst that comes while the worker waits with little room starts on the engine at once."""
+"""How a worker takes work: a burst that comes while the worker waits with little room starts on the engine at once;
+work read past the room waits its turn."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from consumers.engine import Generation
+from consumers.synthetic_engine import SyntheticEngine
 from consumers.torch_engine import TorchEngine, _Request
 from consumers.worker import Worker, WorkerSettings
 from pipeline.connections import connect
 from pipeline.local import RedisServer
-from pipeline.streams import Streams
-from pipeline.wire import Sampling
+from pipeline.streams import Entry, Streams
+from pipeline.wire import Prompt, Sampling
 from producers.client import RolloutClient
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -65,3 +69,56 @@ def test_a_burst_read_while_room_was_short_starts_in_one_engine_step(
 
     asyncio.run(main())
     assert engine.admitted[0] == 8, f"the burst entered the engine as {engine.admitted}"
+
+
+class RacingStreams(Streams):
+    """Real streams where work reaches the inbox and `prompts` together just as the first blocking read starts (the
+    race of `Streams.read_work`), once."""
+
+    race: list[Prompt]
+
+    def _read_blocking(self, consumer: str, block_ms: int | None) -> list[Entry]:
+        if self.race:
+            mine, shared = self.race
+            self.race = []
+            self.add_to_inbox(consumer, mine)
+            self.add_prompts([shared])
+        return super()._read_blocking(consumer, block_ms)
+
+
+class PeakEngine(SyntheticEngine):
+    """The synthetic engine, keeping the most requests it ever had at once (instrumented, not replaced)."""
+
+    active = 0
+    peak = 0
+
+    async def generate(self, *args: Any, **kwargs: Any) -> Generation:
+        self.active += 1
+        self.peak = max(self.peak, self.active)
+        try:
+            return await super().generate(*args, **kwargs)
+        finally:
+            self.active -= 1
+
+
+def test_work_read_past_the_room_waits_its_turn_and_is_served_once(redis_server: RedisServer, ns: str) -> None:
+    """A worker with room for one prompt of 4 samples whose blocking read came back with two (the race): the second
+    waits, held, until the first is done, then is served; both groups arrive once."""
+    client = RolloutClient(redis_server.url, ns)
+    streams = RacingStreams(connect(redis_server.url, ns=ns), ns)
+    sampling = Sampling(max_tokens=32, seed=1)
+    streams.race = [client.make_prompt(tokens=[5, 6, k], n=4, sampling=sampling, id=f"p{k}") for k in (1, 2)]
+    engine = PeakEngine(steps_per_s=200)
+    worker = Worker(streams, engine, "racer", WorkerSettings(max_inflight=4, block_ms=2000))
+
+    async def main() -> list[str]:
+        running = asyncio.create_task(worker.run())
+        try:
+            groups = await asyncio.to_thread(functools.partial(client.collect, 2, timeout=60))
+            return sorted(f"{group.prompt_id}:{sorted(r.sample for r in group.rollouts)}" for group in groups)
+        finally:
+            worker.stop()
+            await asyncio.wait_for(running, 60)
+
+    assert asyncio.run(main()) == ["p1:[0, 1, 2, 3]", "p2:[0, 1, 2, 3]"]
+    assert engine.peak == 4, f"{engine.peak} samples were generated at once where 4 fit"
