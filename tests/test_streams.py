@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 import pytest
@@ -104,17 +105,18 @@ def test_a_read_or_a_claim_takes_count_entries_in_all_partials_first_then_the_in
     assert [entry.stream for entry in claimed] == [partials] * 3 + [prompts]
 
 
-def test_a_blocking_read_that_races_new_work_takes_at_most_one_entry_from_each_stream(
+def test_a_blocking_read_that_races_new_work_takes_count_from_each_stream_that_got_some(
     real_redis: redis.Redis, ns: str
 ) -> None:
-    """The blocking read (after a read that found nothing) asks for one entry; work that reached two streams
-    between the two reads answers from both. That is the bound the worker holds extras for."""
+    """The blocking read (after a read that found nothing) asks for `count`; work that reached two streams
+    between the two reads answers from both, `count` each. That is what the worker holds extras for."""
 
     class Racing(Streams):
-        def _read_blocking(self, consumer: str, block_ms: int | None) -> list[Entry]:
-            self.add_prompts([prompt("late")])
-            self.add_to_inbox(consumer, prompt("late-mine"))
-            return super()._read_blocking(consumer, block_ms)
+        def _read_group_new(self, consumer: str, streams: dict[str, str], count: int, block_ms: int | None) -> Any:
+            if block_ms:
+                self.add_prompts([prompt("late")])
+                self.add_to_inbox(consumer, prompt("late-mine"))
+            return super()._read_group_new(consumer, streams, count, block_ms)
 
     streams = Racing(real_redis, ns)
     streams.ensure_groups()
@@ -609,7 +611,7 @@ def test_every_lua_script_names_its_keys_and_compiles_on_both_versions(redis_ser
     folders = [SCRIPTS, staleness_scripts, gateway_scripts]
     names = {name for folder in folders for name in sources(folder)}
     assert names == {
-        *("publish", "read", "claim", "forward", "rehome", "dead_letter", "admit", "park", "begin_sync", "finish_sync"),
+        *("publish", "claim", "forward", "rehome", "dead_letter", "admit", "park", "begin_sync", "finish_sync"),
         *("pin", "join_group"),
     }
     for folder in folders:

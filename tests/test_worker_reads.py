@@ -77,13 +77,13 @@ class RacingStreams(Streams):
 
     race: list[Prompt]
 
-    def _read_blocking(self, consumer: str, block_ms: int | None) -> list[Entry]:
-        if self.race:
+    def _read_group_new(self, consumer: str, streams: dict[str, str], count: int, block_ms: int | None) -> list[Entry]:
+        if self.race and block_ms:
             mine, shared = self.race
             self.race = []
             self.add_to_inbox(consumer, mine)
             self.add_prompts([shared])
-        return super()._read_blocking(consumer, block_ms)
+        return super()._read_group_new(consumer, streams, count, block_ms)
 
 
 class PeakEngine(SyntheticEngine):
