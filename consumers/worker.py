@@ -134,8 +134,10 @@ class Worker:
         self.generated_tokens = 0
         self._inflight: dict[tuple[str, bytes], Entry] = {}
         self._inflight_samples = 0
+        self._partials_first = True
+        """Read `{ns}:partials` alone before the rest (`Streams.read_work`) until it runs short."""
         self._held: deque[Entry] = deque()
-        """Entries taken but not started for want of room (a blocking read's race: `Streams.read_work`). They are
+        """Entries taken but not started for want of room (a read from two streams: `Streams.read_work`). They are
         in `_inflight` too, so they are touched every heartbeat and nobody claims them; they start first."""
         self._mean_n: float | None = None
         """Samples per entry (an average): how many entries fit the room. None until the first entry: until
@@ -177,6 +179,7 @@ class Worker:
         """Take work (and generate) or stand still for a weight sync; the one place that flips it."""
         if serving:
             self._serving.set()
+            self._partials_first = True  # an abort sync has just left partials (or a start finds them): drain them
         else:
             self._serving.clear()
         self._account()
@@ -261,7 +264,11 @@ class Worker:
                     log.warning("%s: claiming abandoned work failed (%s); retrying", self.name, exc)
             count = self._entries_for(free)
             try:
-                entries = await asyncio.to_thread(self.streams.read_work, self.name, count, self.settings.block_ms)
+                entries = await asyncio.to_thread(
+                    self.streams.read_work, self.name, count, self.settings.block_ms, self._partials_first
+                )
+                partials = sum(entry.stream == self.streams.keys.partials for entry in entries)
+                self._partials_first = self._partials_first and partials >= count
             except redis.ConnectionError as exc:  # Redis gone for longer than the client's reconnects: keep trying
                 log.warning("%s: reading work failed (%s); retrying", self.name, exc)
                 await asyncio.sleep(self.settings.heartbeat_s)
@@ -292,7 +299,9 @@ class Worker:
         free = self.settings.max_inflight - self._inflight_samples - round(len(entries) * (self._mean_n or 1))
         if free <= 0 or self._stopping.is_set():
             return []
-        return await asyncio.to_thread(self.streams.read_work, self.name, self._entries_for(free), None)
+        return await asyncio.to_thread(
+            self.streams.read_work, self.name, self._entries_for(free), None, self._partials_first
+        )
 
     def _entries_for(self, free: int) -> int:
         """How many entries to take for `free` samples of room."""

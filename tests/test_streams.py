@@ -9,7 +9,6 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import numpy as np
 import pytest
@@ -76,12 +75,13 @@ def taken(client: redis.Redis, ns: str, count: int) -> tuple[Streams, list[Promp
     return streams, prompts, streams.read_work("w1", count, None)
 
 
-def test_a_read_or_a_claim_takes_count_entries_in_all_partials_first_then_the_inbox_then_prompts(
+def test_a_read_serves_partials_then_the_inbox_then_prompts_and_can_take_partials_alone_first(
     any_redis: redis.Redis, ns: str
 ) -> None:
-    """One XREADGROUP over the three streams applies its COUNT to each: a worker with room for one prompt of 4
-    samples took a partial and a prompt (5 samples). A read takes `count` entries in all, in the order a worker
-    serves them; so does a claim of abandoned work."""
+    """One XREADGROUP over the three streams applies its COUNT to each: a read for one entry takes one from each
+    stream that has work (the worker holds what does not fit). Asked to read partials first (after an abort sync), a
+    read takes partials alone while there are enough, and the rest only for the room left. A claim of abandoned work
+    counts in all, partials first."""
     streams = Streams(any_redis, ns)
     streams.ensure_groups()
     streams.join("w1")
@@ -89,42 +89,21 @@ def test_a_read_or_a_claim_takes_count_entries_in_all_partials_first_then_the_in
     for k in range(3):
         any_redis.xadd(partials, {"k": k})
     streams.add_to_inbox("w1", prompt("mine"))
+    streams.add_to_inbox("w1", prompt("mine-too"))
     streams.add_prompts([prompt(f"p{k}") for k in range(3)])
 
-    def read(count: int) -> list[str]:
-        return [entry.stream for entry in streams.read_work("w1", count, None)]
+    def read(count: int, partials_first: bool = False) -> list[str]:
+        return [entry.stream for entry in streams.read_work("w1", count, None, partials_first)]
 
-    assert read(1) == [partials]
-    assert read(4) == [partials, partials, inbox, prompts]
-    assert read(10) == [prompts, prompts]
-    assert read(10) == []
+    assert read(1) == [partials, inbox, prompts]
+    assert read(1, partials_first=True) == [partials]
+    assert read(3, partials_first=True) == [partials, inbox, prompts, prompts]  # the last partial, then 2 of each
+    assert read(10, partials_first=True) == []
+    claimed = streams.claim_abandoned("w2", min_idle_ms=0, count=4)
+    assert [entry.stream for entry in claimed] == [partials] * 3 + [prompts]
     any_redis.delete(prompts)  # deleted under its readers: the next XADD makes it again, without the group
     streams.add_prompts([prompt("again")])
     assert read(10) == [prompts]
-    claimed = streams.claim_abandoned("w2", min_idle_ms=0, count=4)
-    assert [entry.stream for entry in claimed] == [partials] * 3 + [prompts]
-
-
-def test_a_blocking_read_that_races_new_work_takes_count_from_each_stream_that_got_some(
-    real_redis: redis.Redis, ns: str
-) -> None:
-    """The blocking read (after a read that found nothing) asks for `count`; work that reached two streams
-    between the two reads answers from both, `count` each. That is what the worker holds extras for."""
-
-    class Racing(Streams):
-        def _read_group_new(self, consumer: str, streams: dict[str, str], count: int, block_ms: int | None) -> Any:
-            if block_ms:
-                self.add_prompts([prompt("late")])
-                self.add_to_inbox(consumer, prompt("late-mine"))
-            return super()._read_group_new(consumer, streams, count, block_ms)
-
-    streams = Racing(real_redis, ns)
-    streams.ensure_groups()
-    entries = streams.read_work("w1", 1, 1000)
-    assert [e.stream for e in entries] == [streams.keys.inbox("w1"), streams.keys.prompts]
-    streams.add_prompts([prompt(f"b{k}") for k in range(3)])
-    entries = streams.read_work("w1", 3, 1000)  # what is there is read without blocking (and no race)
-    assert [Prompt.from_fields(e.fields).id for e in entries] == ["b0", "b1", "b2"]
 
 
 def test_groups_are_created_once(any_redis: redis.Redis, ns: str) -> None:

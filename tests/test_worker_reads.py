@@ -16,8 +16,8 @@ from consumers.torch_engine import TorchEngine, _Request
 from consumers.worker import Worker, WorkerSettings
 from pipeline.connections import connect
 from pipeline.local import RedisServer
-from pipeline.streams import Entry, Streams
-from pipeline.wire import Prompt, Sampling
+from pipeline.streams import Streams
+from pipeline.wire import Sampling
 from producers.client import RolloutClient
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -71,21 +71,6 @@ def test_a_burst_read_while_room_was_short_starts_in_one_engine_step(
     assert engine.admitted[0] == 8, f"the burst entered the engine as {engine.admitted}"
 
 
-class RacingStreams(Streams):
-    """Real streams where work reaches the inbox and `prompts` together just as the first blocking read starts (the
-    race of `Streams.read_work`), once."""
-
-    race: list[Prompt]
-
-    def _read_group_new(self, consumer: str, streams: dict[str, str], count: int, block_ms: int | None) -> list[Entry]:
-        if self.race and block_ms:
-            mine, shared = self.race
-            self.race = []
-            self.add_to_inbox(consumer, mine)
-            self.add_prompts([shared])
-        return super()._read_group_new(consumer, streams, count, block_ms)
-
-
 class PeakEngine(SyntheticEngine):
     """The synthetic engine, keeping the most requests it ever had at once (instrumented, not replaced)."""
 
@@ -102,14 +87,19 @@ class PeakEngine(SyntheticEngine):
 
 
 def test_work_read_past_the_room_waits_its_turn_and_is_served_once(redis_server: RedisServer, ns: str) -> None:
-    """A worker with room for one prompt of 4 samples whose blocking read came back with two (the race): the second
-    waits, held, until the first is done, then is served; both groups arrive once."""
+    """A worker with room for one prompt of 4 samples, whose first read finds a prompt in its inbox and one in
+    `prompts` (one read takes one from each): the second waits, held, until the first is done, then is served; both
+    groups arrive once."""
     client = RolloutClient(redis_server.url, ns)
-    streams = RacingStreams(connect(redis_server.url, ns=ns), ns)
+    streams = Streams(connect(redis_server.url, ns=ns), ns)
+    streams.ensure_groups()
+    streams.join("holder")
     sampling = Sampling(max_tokens=32, seed=1)
-    streams.race = [client.make_prompt(tokens=[5, 6, k], n=4, sampling=sampling, id=f"p{k}") for k in (1, 2)]
+    mine, shared = (client.make_prompt(tokens=[5, 6, k], n=4, sampling=sampling, id=f"p{k}") for k in (1, 2))
+    streams.add_to_inbox("holder", mine)
+    client.submit_prompts([shared])
     engine = PeakEngine(steps_per_s=200)
-    worker = Worker(streams, engine, "racer", WorkerSettings(max_inflight=4, block_ms=2000))
+    worker = Worker(streams, engine, "holder", WorkerSettings(max_inflight=4, block_ms=2000))
 
     async def main() -> list[str]:
         running = asyncio.create_task(worker.run())
