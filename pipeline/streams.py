@@ -176,10 +176,10 @@ class Streams:
         up to `count` from each; the caller holds what it has no room for (`consumers.worker`). Partials and prompts
         are both queued right after an abort sync: `partials_first` (what a worker asks then, until the partials
         run short) reads the partials alone first and the rest only if room is left, so that no worker sits on
-        prompts behind partials while others wait (measured at 1,000 workers: ~11% more rollouts/s). Reading the
-        streams one by one on every read would cost two more round trips a read, nearly always empty: Redis spent
-        ~35% more CPU (a Lua script that reads them in turn ~15%, and held 4-5 ms on reads of partials, whose
-        every byte it copies through Lua). Measured 2026-11-26."""
+        prompts behind partials while others wait (measured at 1,000 workers: 8-15% more rollouts/s, the asked rate
+        met). Reading the streams one by one on every read costs two more round trips a read, nearly always empty
+        (Redis CPU +15% and +38% in two pairs); a Lua script that reads them in turn copies every entry through Lua
+        (single reads of partials held Redis 4-5 ms). Measured 2026-11-26: README, *Reads that keep to the room*."""
         streams = self._work_streams(consumer)
         order = {stream: k for k, stream in enumerate(streams)}
         first: list[Entry] = []
