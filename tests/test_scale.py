@@ -14,7 +14,7 @@ from pathlib import Path
 
 import redis
 
-from pipeline.cli.scale import command_name, script_names
+from pipeline.cli.scale import command_name, fleet_procs, script_names
 
 WORKERS = 50
 
@@ -30,7 +30,7 @@ def test_fifty_workers_publish_at_the_rate_asked_and_take_every_sync(tmp_path: P
     report = json.loads(result.stdout)
     (row,) = report["sizes"]
 
-    assert row["workers"] == WORKERS and row["asked_rollouts_per_s"] == 100
+    assert row["workers"] == WORKERS and row["asked_rollouts_per_s"] == 100 and row["procs"] == 1
     assert report["load"]["pause_mode"] == "abort" and report["load"]["engine_args"]["lengths"] == "uniform:900-1024"
     assert row["redis_clients"] > WORKERS, "each worker has connections of its own"
     assert 0.5 * row["asked_rollouts_per_s"] < row["rollouts_per_s"] < 1.5 * row["asked_rollouts_per_s"]
@@ -90,3 +90,14 @@ def test_slow_commands_name_each_script_by_its_file() -> None:
     assert {"publish", "claim", "admit", "begin_sync", "finish_sync"} <= set(scripts.values())
     assert command_name(b"EVALSHA 0123456789abcdef 0", scripts) == "evalsha:01234567"
     assert command_name("XTRIM k MINID ~ 1-0 LIMIT 500", scripts) == "xtrim"
+
+
+def test_a_fleet_is_spread_at_about_sixteen_workers_a_process_unless_told() -> None:
+    """With ~67 workers a process the fleet's own queueing made the tail at 1,000 workers; by default a size gets about
+    16 a process, at most 4 processes a core, and never more processes than workers."""
+    assert fleet_procs(1000, 0, cores=16) == 63
+    assert fleet_procs(1000, 0, cores=2) == 8
+    assert fleet_procs(100, 0, cores=16) == 7
+    assert fleet_procs(3, 0, cores=16) == 1
+    assert fleet_procs(1000, 15, cores=2) == 15  # asked for: as asked
+    assert fleet_procs(3, 15, cores=16) == 3

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 import signal
@@ -60,6 +61,19 @@ SLOWLOG_OVER_US = 2000
 """`rollouts scale` lists the commands that ran longer than this on its Redis (`redis_slow_commands`)."""
 P99_GOAL_MS = 5.0
 """The issue's goal for the publish p99 at 1,000 workers; a size above it counts as saturated."""
+WORKERS_PER_PROC = 16
+"""`--procs 0` (the default) spreads a fleet at about this many workers a process: with ~67 a process the fleet's own
+queueing made the abort-mode tail at 1,000 workers, with ~17 it did not (README, *Fewer workers to a process*)."""
+PROCS_PER_CORE = 4
+"""...and at most this many fleet processes a core, so that a small machine is not asked for 63 interpreters."""
+
+
+def fleet_procs(workers: int, procs: int, cores: int) -> int:
+    """How many fleet processes `workers` are spread over: `procs`, or with 0 about `WORKERS_PER_PROC` workers each
+    (at most `PROCS_PER_CORE` a core); never more than there are workers."""
+    if procs <= 0:
+        procs = min(math.ceil(workers / WORKERS_PER_PROC), PROCS_PER_CORE * cores)
+    return max(1, min(procs, workers))
 
 
 @dataclass
@@ -603,11 +617,13 @@ def run_scale(console: Console, sizes: list[int], base: Load) -> dict[str, Any]:
     try:
         with RedisServer() as server:
             for size in sizes:
-                console.print(f"scale: {size} workers in {min(base.procs, size)} processes")
+                procs = fleet_procs(size, base.procs, os.cpu_count() or 1)
+                console.print(f"scale: {size} workers in {procs} processes")
                 try:
-                    row = run_size(console, server.url, replace(base, workers=size), tmp)
+                    row = run_size(console, server.url, replace(base, workers=size, procs=procs), tmp)
                 except (RuntimeError, TimeoutError) as exc:  # a fleet that never came up is a result too
                     row = {"workers": size, "failed": str(exc)[-1000:]}
+                row["procs"] = procs
                 row["saturated"] = "failed" in row or bool(
                     (row["redis_cpu_cores"] and row["redis_cpu_cores"]["median"] >= 0.9)
                     or (row["publish_ms_probe"]["p99"] or 0) > P99_GOAL_MS
@@ -670,11 +686,11 @@ def scale(
     procs: Annotated[
         int,
         typer.Option(
-            min=1,
-            help="Processes the workers are spread over. Workers are deployed one to a process: with more than ~20 to "
-            "a process, the process's own queue shows in the figures (use about workers/16 for fleets of hundreds).",
+            min=0,
+            help="Processes the workers are spread over (0: about 16 workers a process, at most 4 a core). Workers are "
+            "deployed one to a process: with more than ~20 to a process, the process's own queue shows in the figures.",
         ),
-    ] = 4,
+    ] = 0,
     warmup_s: Annotated[float, typer.Option(min=0, help="Seconds before measuring, per size.")] = 10.0,
     measure_s: Annotated[float, typer.Option(min=1, help="Seconds measured, per size.")] = 30.0,
     sync_every_s: Annotated[float, typer.Option(min=0.5, help="Seconds between weight syncs.")] = 5.0,
