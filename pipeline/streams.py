@@ -117,15 +117,6 @@ def entries_from_reply(reply: Any) -> list[Entry]:
     return entries
 
 
-def per_stream(streams: Sequence[str], reply: Any) -> list[Entry]:
-    """Flatten a script's reply of entries per stream (`lua/claim.lua`), in the order of `streams`."""
-    return [
-        Entry(stream, entry_id, dict(zip(flat[::2], flat[1::2], strict=True)))
-        for stream, items in zip(streams, reply, strict=True)
-        for entry_id, flat in items
-    ]
-
-
 class Streams:
     """The streams of one namespace, over one Redis client."""
 
@@ -180,7 +171,7 @@ class Streams:
         met). Reading the streams one by one on every read costs two more round trips a read, nearly always empty
         (Redis CPU +15% and +38% in two pairs); a Lua script that reads them in turn copies every entry through Lua
         (single reads of partials held Redis 4-5 ms). Measured 2026-11-26: README, *Reads that keep to the room*."""
-        streams = self._work_streams(consumer)
+        streams = [self.keys.partials, self.keys.inbox(consumer), self.keys.prompts]
         order = {stream: k for k, stream in enumerate(streams)}
         first: list[Entry] = []
         if partials_first:
@@ -192,9 +183,6 @@ class Streams:
         entries = self._read_group_new(consumer, dict.fromkeys(streams, ">"), count - len(first), self._block(block_ms))
         return first + sorted(entries, key=lambda e: order[e.stream])
 
-    def _work_streams(self, consumer: str) -> list[str]:
-        return [self.keys.partials, self.keys.inbox(consumer), self.keys.prompts]
-
     def _read_group_new(self, consumer: str, streams: dict[str, str], count: int, block_ms: int | None) -> list[Entry]:
         def read() -> Any:
             return self.redis.xreadgroup(GENERATORS, consumer, streams, count=count, block=block_ms)
@@ -204,14 +192,10 @@ class Streams:
         except redis.ResponseError as exc:
             if "NOGROUP" not in str(exc) and "requires the key to exist" not in str(exc):
                 raise
-            self._rejoin(consumer)
+            self.ensure_groups()  # a stream deleted under us (or a reader that never joined): make it again
+            self.join(consumer)
             reply = read()
         return [entry for entry in entries_from_reply(reply) if entry.fields]
-
-    def _rejoin(self, consumer: str) -> None:
-        """Make the groups again: a stream was deleted under us (or the reader never joined)."""
-        self.ensure_groups()
-        self.join(consumer)
 
     def add_to_inbox(self, worker: str, prompt: Prompt) -> bytes:
         return self.redis.xadd(self.keys.inbox(worker), prompt.to_fields())
@@ -223,7 +207,11 @@ class Streams:
         """
         streams = [self.keys.partials, self.keys.prompts]
         reply = self._claim(keys=streams, args=[GENERATORS, consumer, min_idle_ms, count])
-        return per_stream(streams, reply)
+        claimed = []
+        for stream, items in zip(streams, reply, strict=True):
+            for entry_id, flat in items:
+                claimed.append(Entry(stream, entry_id, dict(zip(flat[::2], flat[1::2], strict=True))))
+        return claimed
 
     def touch(self, consumer: str, entries: Iterable[Entry]) -> None:
         """Reset the idle time of work still in progress, so that nobody claims it from a live worker."""
