@@ -267,12 +267,12 @@ class Worker:
                 entries = await asyncio.to_thread(
                     self.streams.read_work, self.name, count, self.settings.block_ms, self._partials_first
                 )
-                partials = sum(entry.stream == self.streams.keys.partials for entry in entries)
-                self._partials_first = self._partials_first and partials >= count
             except redis.ConnectionError as exc:  # Redis gone for longer than the client's reconnects: keep trying
                 log.warning("%s: reading work failed (%s); retrying", self.name, exc)
                 await asyncio.sleep(self.settings.heartbeat_s)
                 continue
+            if self._partials_first:  # until a read of them comes back short
+                self._partials_first = sum(entry.stream == self.streams.keys.partials for entry in entries) >= count
             for entry in entries[count:]:  # more than there was room for: taken now, started when there is room
                 self._inflight[entry.stream, entry.id] = entry
                 self._held.append(entry)

@@ -8,6 +8,7 @@ import functools
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from consumers.engine import Generation
@@ -17,7 +18,7 @@ from consumers.worker import Worker, WorkerSettings
 from pipeline.connections import connect
 from pipeline.local import RedisServer
 from pipeline.streams import Streams
-from pipeline.wire import Sampling
+from pipeline.wire import Partial, Sampling
 from producers.client import RolloutClient
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -112,3 +113,33 @@ def test_work_read_past_the_room_waits_its_turn_and_is_served_once(redis_server:
 
     assert asyncio.run(main()) == ["p1:[0, 1, 2, 3]", "p2:[0, 1, 2, 3]"]
     assert engine.peak == 4, f"{engine.peak} samples were generated at once where 4 fit"
+
+
+def test_a_worker_with_partials_waiting_serves_them_before_it_takes_a_prompt(
+    redis_server: RedisServer, ns: str
+) -> None:
+    """Partials (an abort's interrupted samples) and a prompt both queued as a worker starts, room for 4 samples: the
+    worker reads partials alone until they run short, so the partials' group is whole before the prompt is taken.
+    Reading them together would take the prompt beside the first partial, start it first, and finish it first."""
+    client = RolloutClient(redis_server.url, ns)
+    streams = Streams(connect(redis_server.url, ns=ns), ns)
+    streams.ensure_groups()
+    sampling = Sampling(max_tokens=24, seed=1)
+    old = client.make_prompt(tokens=[5, 6, 7], n=4, sampling=sampling, id="old")
+    for k in range(4):
+        made, logprobs = np.arange(4, dtype=np.int32) + 10, np.full(4, -1.0, np.float32)
+        partial = Partial(prompt=old, sample=k, generated=made, logprobs=logprobs, spans=[(0, 0, 4)])
+        streams.redis.xadd(streams.keys.partials, partial.to_fields())
+    client.submit_prompts([client.make_prompt(tokens=[5, 6, 8], n=4, sampling=sampling, id="new")])
+    worker = Worker(streams, PeakEngine(steps_per_s=200), "drainer", WorkerSettings(max_inflight=4, block_ms=2000))
+
+    async def main() -> list[str]:
+        running = asyncio.create_task(worker.run())
+        try:
+            groups = await asyncio.to_thread(functools.partial(client.collect, 2, timeout=60))
+            return [group.prompt_id for group in groups]
+        finally:
+            worker.stop()
+            await asyncio.wait_for(running, 60)
+
+    assert asyncio.run(main()) == ["old", "new"]
