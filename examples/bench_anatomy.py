@@ -28,7 +28,7 @@ from consumers.tiny_model import build_tiny_model
 from consumers.torch_engine import TorchEngine
 from consumers.worker import Worker, WorkerSettings
 from pipeline.cli.bench import _direct_round, _pipeline_round, make_prompts
-from pipeline.cli.scale import cpu_seconds
+from pipeline.cli.cpu import cpu_seconds
 from pipeline.connections import connect
 from pipeline.local import RedisServer
 from pipeline.streams import Streams

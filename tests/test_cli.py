@@ -183,7 +183,7 @@ def test_prompt_ids_are_kept_from_the_file(redis_server: RedisServer, ns: str, t
 def test_bench_compares_both_sides_on_the_same_tokens(tiny_model_dir: Path, tmp_path: Path) -> None:
     plot = tmp_path / "bench.png"
     result = rollouts(
-        "bench", "--model", str(tiny_model_dir), "--prompts", "4", "--n", "2", "--max-tokens", "8",
+        "bench", "--model", str(tiny_model_dir), "--prompts", "8", "--n", "2", "--max-tokens", "32",
         "--rounds", "1", "--plot", str(plot), timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
@@ -191,6 +191,10 @@ def test_bench_compares_both_sides_on_the_same_tokens(tiny_model_dir: Path, tmp_
     assert report["same_tokens"] is True
     assert report["direct"]["rollouts_per_s"] > 0 and report["pipeline"]["rollouts_per_s"] > 0
     assert report["ratio"] == pytest.approx(report["direct"]["seconds"][0] / report["pipeline"]["seconds"][0], rel=0.05)
+    # The CPU goes to the process that ran the engine: this one on the direct side, the worker on the pipeline side.
+    direct, pipeline = report["direct"]["cpu_s"], report["pipeline"]["cpu_s"]
+    assert pipeline["worker"] > direct["worker"] and direct["bench"] > pipeline["bench"], (direct, pipeline)
+    assert report["pipeline_extra_cpu_s"] == pytest.approx(pipeline["total"] - direct["total"], abs=1e-3)
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -6,6 +6,11 @@ alternate, and so does which side goes first in a round (direct-pipeline, pipeli
 ...), so that noise on a shared machine, and whatever one side leaves behind for the next,
 hits both; medians are reported.
 
+Around each side of a round, the CPU-seconds of every process involved are read (`cpu_s`, per role: this
+process, the direct engine's processes, the worker, the worker's engine processes, Redis): on a machine with no
+core to spare, what the pipeline side spends beyond the direct side (`pipeline_extra_cpu_s`) is taken from the
+engine, and that, not the wall-clock ratio of one run, is what moves little from run to run.
+
 Each side is timed only after the other has settled (`SETTLE_S`): an idle vLLM engine is not
 idle for a while after its last step (its processes poll their shared-memory queue, see
 `SETTLE_S`), and two engines share this machine here, one per side.
@@ -14,6 +19,7 @@ idle for a while after its last step (its processes poll their shared-memory que
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import shutil
 import statistics
@@ -29,6 +35,7 @@ from rich.progress import Progress
 
 from consumers.engine import Engine, create_engine
 from consumers.tiny_model import build_tiny_model
+from pipeline.cli.cpu import CpuRoles, descendants
 from pipeline.cli.engine_spec import EngineSpec
 from pipeline.cli.processes import start_worker, stop_process, wait_for_worker
 from pipeline.local import RedisServer
@@ -66,6 +73,22 @@ async def _direct_round(engine: Engine, prompts: list[Prompt]) -> tuple[float, l
         *(engine.generate(f"{p.id}:{k}", p.tokens, sampling(p, k)) for p in prompts for k in range(p.n))
     )
     return time.perf_counter() - started, [g.tokens.tolist() for g in generations]
+
+
+def cpu_roles(worker: int, redis_server: int | None) -> CpuRoles:
+    """This process (the direct side's engine client, and the trainer's client on the pipeline side), the processes
+    it started for its engine (vLLM's), the worker, the worker's children (vLLM's, or `--engine-process`), Redis."""
+    worker_engine = descendants(worker)
+    others = {worker, *worker_engine, *([redis_server] if redis_server else [])}
+    return CpuRoles(
+        {
+            "bench": [os.getpid()],
+            "direct_engine": descendants(os.getpid()) - others,
+            "worker": [worker],
+            "worker_engine": worker_engine,
+            "redis": [redis_server] if redis_server else [],
+        }
+    )
 
 
 def _pipeline_round(client: RolloutClient, prompts: list[Prompt]) -> tuple[float, list[list[int]]]:
@@ -115,6 +138,7 @@ def run_bench(
         samples = prompts * n
         times: dict[str, list[float]] = {"direct": [], "pipeline": []}
         tokens: dict[str, list[int]] = {"direct": [], "pipeline": []}
+        cpu: dict[str, list[dict[str, float]]] = {"direct": [], "pipeline": []}
         same_tokens = True
         settle = settle_s(spec.kind)
         with RedisServer() as server:
@@ -125,6 +149,7 @@ def run_bench(
                 loop.run_until_complete(direct.start())
                 client = RolloutClient(url, NS)
                 wait_for_worker(client.streams.redis, NS, "bench-worker", worker, timeout_s=300)
+                roles = cpu_roles(worker.pid, server.process.pid if server.process else None)
                 with Progress(console=console) as progress:
                     task = progress.add_task("bench rounds", total=rounds + 1)
                     for r in range(rounds + 1):  # round 0 warms both sides up and is not counted
@@ -132,10 +157,14 @@ def run_bench(
                         measured: dict[str, tuple[float, list[list[int]]]] = {}
                         for name in ("direct", "pipeline") if r % 2 == 0 else ("pipeline", "direct"):
                             time.sleep(settle)
+                            before = roles.read()
                             if name == "direct":
                                 measured[name] = loop.run_until_complete(_direct_round(direct, batch))
                             else:
                                 measured[name] = _pipeline_round(client, batch)
+                            if r > 0:
+                                spent = CpuRoles.spent(before, roles.read())
+                                cpu[name].append(spent | {"total": sum(spent.values())})
                         same_tokens &= measured["direct"][1] == measured["pipeline"][1]
                         if r > 0:
                             for name, (took, toks) in measured.items():
@@ -154,6 +183,9 @@ def run_bench(
                 "rollouts_per_s": round(statistics.median(rates), 2),
                 "tokens_per_s": round(statistics.median(token_rates), 1),
                 "seconds": [round(t, 6) for t in times[name]],  # a small round takes milliseconds
+                "cpu_s": {
+                    role: round(statistics.median(spent[role] for spent in cpu[name]), 3) for role in cpu[name][0]
+                },
             }
 
         result = {
@@ -173,6 +205,8 @@ def run_bench(
         result["ratio"] = round(float(np.median(ratios)), 4)
         result["ratios"] = [round(float(x), 4) for x in ratios]
         result["pipeline_overhead_pct"] = round(100 * (1 - result["ratio"]), 2)
+        extra = [p["total"] - d["total"] for d, p in zip(cpu["direct"], cpu["pipeline"], strict=True)]
+        result["pipeline_extra_cpu_s"] = round(statistics.median(extra), 3)  # per round, all processes
         return result
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -28,6 +28,7 @@ the loss per sync does not carry over from one gap to another.
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 import statistics
@@ -46,6 +47,7 @@ from rich.console import Console
 from rich.progress import Progress
 
 from pipeline.cli import app, console, fail, user_errors
+from pipeline.cli.cpu import CpuRoles
 from pipeline.cli.processes import start_worker, stop_process, wait_for_worker
 from pipeline.local import RedisServer
 from pipeline.wire import Sampling
@@ -166,23 +168,6 @@ class AdapterSyncs:
             self._error = exc
 
 
-class CpuMeter:
-    """CPU seconds of the processes on this machine's cores: whether the syncing phase was short of CPU (the trainer
-    side publishing, Redis moving the tensors) tells a sync's cost to the worker apart from the machine's."""
-
-    def __init__(self, pids: dict[str, int | str]) -> None:
-        self.pids = pids
-
-    def read(self) -> dict[str, float]:
-        from pipeline.cli.scale import cpu_seconds
-
-        return {name: cpu_seconds(pid) for name, pid in self.pids.items()}
-
-    @staticmethod
-    def cores(before: dict[str, float], after: dict[str, float], seconds: float) -> dict[str, float]:
-        return {name: (after[name] - before[name]) / seconds for name in before}
-
-
 def make_work(b_prompts: int, a_prompts: int, n: int, tokens: int, vocab: int) -> Work:
     """Random 8-token prompts from a fixed seed: every phase and round submits the same ones."""
     rng = random.Random(1234)
@@ -190,7 +175,7 @@ def make_work(b_prompts: int, a_prompts: int, n: int, tokens: int, vocab: int) -
     return Work(b_prompts, a_prompts, n, tokens, prompts)
 
 
-def run_phase(client: RolloutClient, work: Work, tag: str, syncs: AdapterSyncs | None, cpu: CpuMeter) -> Phase:
+def run_phase(client: RolloutClient, work: Work, tag: str, syncs: AdapterSyncs | None, cpu: CpuRoles) -> Phase:
     """Submit A's and B's work at once (A's first: in flight when the first sync pauses it), time B's last group,
     stop the syncs there, then take A's remaining groups; every rollout id is counted."""
     prompts = [
@@ -228,7 +213,7 @@ def run_phase(client: RolloutClient, work: Work, tag: str, syncs: AdapterSyncs |
         stalls=stalls,
         exactly_once=once and client.stats["duplicates"] == duplicates_before,
         errors=sum(r.finish_reason == "error" for g in groups for r in g.rollouts),
-        cores=CpuMeter.cores(cpu_before, cpu_at_b, b_done),
+        cores={name: spent / b_done for name, spent in CpuRoles.spent(cpu_before, cpu_at_b).items()},
     )
 
 
@@ -320,7 +305,9 @@ def _bench(
     with Progress(console=out) as progress:
         task = progress.add_task("warm-up", total=2 * rounds + 1)
         redis_pid = server.process.pid if server.process is not None else 0  # 0: not ours to read (reads as 0 s)
-        cpu = CpuMeter({"worker": worker.pid, "bench": "self", "redis": redis_pid})
+        # Whether the syncing phase was short of CPU (the trainer side publishing, Redis moving the tensors) tells a
+        # sync's cost to the worker apart from the machine's.
+        cpu = CpuRoles({"worker": [worker.pid], "bench": [os.getpid()], "redis": [redis_pid]})
         run_phase(client, work, "warmup", None, cpu)  # whole: a shorter one left round 1's first phase slow
         progress.advance(task)
         for r in range(rounds):

@@ -44,6 +44,7 @@ import redis
 import typer
 
 from pipeline.cli import app, console, fail, user_errors
+from pipeline.cli.cpu import cpu_seconds
 from pipeline.cli.processes import start_command, stop_process
 from pipeline.cli.soak import Producer, Tally, rss_bytes
 from pipeline.lua import register_all
@@ -54,7 +55,6 @@ if TYPE_CHECKING:
 
     from producers.client import RolloutClient
 
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 PING_EVERY_S = 0.02
 """How often the pinger publishes (`Pinger`): 50 groups a second, ~1,000 timed publishes in a 20 s window."""
 SLOWLOG_OVER_US = 2000
@@ -114,18 +114,6 @@ class Readings:
     fleet_cpu_s: list[float] = field(default_factory=list)
     used_memory: list[int] = field(default_factory=list)
     clients: list[int] = field(default_factory=list)
-
-
-def cpu_seconds(pid: int | str, tid: int | None = None) -> float:
-    """utime + stime of a process (Linux `/proc/PID/stat`), or of one of its threads (`/proc/PID/task/TID/stat`),
-    0 once it is gone. `pid` may be `"self"`."""
-    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
-    try:
-        with open(path, encoding="ascii") as stat:
-            fields = stat.read().rpartition(")")[2].split()
-    except (FileNotFoundError, ProcessLookupError):
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
 
 class Sampler(threading.Thread):

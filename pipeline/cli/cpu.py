@@ -1,0 +1,59 @@
+"""CPU-seconds of processes, from Linux's `/proc`: where a benchmark's time went on a machine with no core to spare.
+
+A ratio of wall-clock times cannot tell a slower engine from a busier machine; the CPU each process used in the
+same window can. Processes that are gone read 0.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int | str, tid: int | None = None) -> float:
+    """utime + stime of a process (Linux `/proc/PID/stat`), or of one of its threads (`/proc/PID/task/TID/stat`),
+    0 once it is gone. `pid` may be `"self"`."""
+    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
+    try:
+        with open(path, encoding="ascii") as stat:
+            fields = stat.read().rpartition(")")[2].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+def descendants(root: int) -> set[int]:
+    """The PIDs of `root`'s children, their children, and so on (one pass over `/proc`)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", encoding="ascii") as stat:
+                    ppid = int(stat.read().rpartition(")")[2].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue  # gone since the listing
+            children.setdefault(ppid, []).append(int(entry))
+    found: set[int] = set()
+    todo = [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+class CpuRoles:
+    """CPU-seconds per role, each role a set of processes: `read()` twice around a window, `spent` the difference."""
+
+    def __init__(self, roles: Mapping[str, Iterable[int]]) -> None:
+        self.roles = {name: sorted(pids) for name, pids in roles.items()}
+
+    def read(self) -> dict[str, float]:
+        return {name: sum(cpu_seconds(pid) for pid in pids) for name, pids in self.roles.items()}
+
+    @staticmethod
+    def spent(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, float]:
+        return {name: after[name] - before[name] for name in before}
