@@ -8,13 +8,14 @@ carries every number the README quotes (latencies, stall, Redis CPU, memory, cli
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import redis
 
-from pipeline.cli.scale import command_name, fleet_procs, script_names
+from pipeline.cli.scale import command_name, fleet_procs, pin, script_names, split_cores
 
 WORKERS = 50
 
@@ -101,3 +102,24 @@ def test_a_fleet_is_spread_at_about_sixteen_workers_a_process_unless_told() -> N
     assert fleet_procs(3, 0, cores=16) == 1
     assert fleet_procs(1000, 15, cores=2) == 15  # asked for: as asked
     assert fleet_procs(3, 15, cores=16) == 3
+
+
+def test_redis_gets_a_core_of_its_own_only_where_two_are_left_for_the_rest() -> None:
+    assert split_cores(set(range(16)), 1) == ({15}, set(range(15)))
+    assert split_cores({0, 1, 2, 3}, 2) == ({2, 3}, {0, 1})
+    assert split_cores({0, 1}, 1) is None, "a 2-core machine shares its cores, as before"
+    assert split_cores(set(range(16)), 0) is None
+
+
+def test_pin_moves_every_thread_of_a_process() -> None:
+    code = "import threading, time; threading.Thread(target=time.sleep, args=(60,)).start(); print(1, flush=True)"
+    process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    try:
+        assert process.stdout is not None and process.stdout.readline() == b"1\n"  # its second thread is running
+        tids = [int(t) for t in os.listdir(f"/proc/{process.pid}/task")]
+        assert len(tids) == 2
+        pin(process.pid, {0})
+        assert [os.sched_getaffinity(tid) for tid in tids] == [{0}, {0}]
+    finally:
+        process.kill()
+        process.wait()

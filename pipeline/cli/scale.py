@@ -76,6 +76,23 @@ def fleet_procs(workers: int, procs: int, cores: int) -> int:
     return max(1, min(procs, workers))
 
 
+def split_cores(allowed: set[int], redis_cores: int) -> tuple[set[int], set[int]] | None:
+    """Redis's cores (the last `redis_cores` of `allowed`) and the rest, for the fleet and everything else here; None
+    when `redis_cores` is 0 or fewer than 2 cores would be left beside Redis's."""
+    ordered = sorted(allowed)
+    if redis_cores < 1 or len(ordered) < redis_cores + 2:
+        return None
+    return set(ordered[-redis_cores:]), set(ordered[:-redis_cores])
+
+
+def pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of a process onto `cpus` (`sched_setaffinity` moves one thread; threads and processes started
+    later inherit their parent's)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(ProcessLookupError, FileNotFoundError):  # a thread that just ended
+            os.sched_setaffinity(int(tid), cpus)
+
+
 @dataclass
 class Load:
     """What one fleet size asks for."""
@@ -594,18 +611,28 @@ def summarise(
     }
 
 
-def run_scale(console: Console, sizes: list[int], base: Load) -> dict[str, Any]:
-    """Every size on one private Redis, one after the other; everything started is stopped by PID."""
+def run_scale(console: Console, sizes: list[int], base: Load, redis_cores: int = 0) -> dict[str, Any]:
+    """Every size on one private Redis, one after the other; everything started is stopped by PID.
+
+    With `redis_cores`, Redis runs on cores of its own and this process (and so the fleet, the probe and the pinger
+    it starts) on the others, as a fleet's workers run on other hosts than its Redis: otherwise the simulated
+    fleet's own load, not Redis, makes the tail (README, *Redis on a core of its own*)."""
     from dataclasses import replace
 
     from pipeline.local import RedisServer
 
     tmp = Path(tempfile.mkdtemp(prefix="rollouts-scale-"))
     rows = []
+    allowed = os.sched_getaffinity(0)
+    cores = split_cores(allowed, redis_cores)
     try:
+        if cores:
+            pin(os.getpid(), cores[1])
         with RedisServer() as server:
+            if cores and server.process:
+                pin(server.process.pid, cores[0])
             for size in sizes:
-                procs = fleet_procs(size, base.procs, os.cpu_count() or 1)
+                procs = fleet_procs(size, base.procs, len(cores[1]) if cores else len(allowed))
                 console.print(f"scale: {size} workers in {procs} processes")
                 try:
                     row = run_size(console, server.url, replace(base, workers=size, procs=procs), tmp)
@@ -622,9 +649,12 @@ def run_scale(console: Console, sizes: list[int], base: Load) -> dict[str, Any]:
             served_by = server.binary.describe()
             peak_rss = rss_bytes(server.process.pid) if server.process else None
     finally:
+        if cores:
+            pin(os.getpid(), allowed)
         shutil.rmtree(tmp, ignore_errors=True)
     return {
         "redis": served_by,
+        "redis_cpus": sorted(cores[0]) if cores else None,
         "redis_rss_mb_at_end": round(peak_rss / 2**20, 1) if peak_rss else None,
         "cpus": os.cpu_count(),
         "load": {k: v for k, v in vars(base).items() if k != "workers"} | {"engine_args": base.engine_args},
@@ -686,6 +716,14 @@ def scale(
         str, typer.Option(help="Sample lengths: max (all --tokens long), uniform:LOW-HIGH or pareto:ALPHA (capped).")
     ] = "max",
     pause_mode: Annotated[str, typer.Option(help="How workers pause for a sync: abort or keep.")] = "abort",
+    redis_cores: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="Cores of its own for Redis, the rest for the fleet and this process, as on a cluster where the "
+            "workers run on other hosts (0: all share every core; ignored with fewer than 2 cores left beside them).",
+        ),
+    ] = 1,
     plot: Annotated[Path | None, typer.Option(help="Draw latency, stall and CPU against fleet size here.")] = None,
 ) -> None:
     """Many workers on one Redis at realistic rates: publish latency, sync stall, Redis CPU and memory; JSON out."""
@@ -719,7 +757,7 @@ def scale(
     )
     with user_errors():
         try:
-            result = run_scale(console, sizes, base)
+            result = run_scale(console, sizes, base, redis_cores)
         except (RuntimeError, TimeoutError) as exc:
             fail(str(exc))
         if plot is not None:
