@@ -15,7 +15,7 @@ from pathlib import Path
 
 import redis
 
-from pipeline.cli.scale import command_name, fleet_procs, pin, script_names, split_cores
+from pipeline.cli.scale import Cores, command_name, fleet_procs, pin, script_names, split_cores
 
 WORKERS = 50
 
@@ -104,9 +104,10 @@ def test_a_fleet_is_spread_at_about_sixteen_workers_a_process_unless_told() -> N
     assert fleet_procs(3, 15, cores=16) == 3
 
 
-def test_redis_gets_a_core_of_its_own_only_where_two_are_left_for_the_rest() -> None:
-    assert split_cores(set(range(16)), 1) == ({15}, set(range(15)))
-    assert split_cores({0, 1, 2, 3}, 2) == ({2, 3}, {0, 1})
+def test_redis_and_the_measuring_processes_get_cores_of_their_own_only_where_two_are_left() -> None:
+    assert split_cores(set(range(16)), 1) == Cores(redis={15}, measure={14}, rest=set(range(14)))
+    assert split_cores({0, 1, 2, 3, 4}, 2) == Cores(redis={3, 4}, measure={2}, rest={0, 1})
+    assert split_cores({0, 1, 2}, 1) is None, "fewer than 2 cores would be left for the fleet"
     assert split_cores({0, 1}, 1) is None, "a 2-core machine shares its cores, as before"
     assert split_cores(set(range(16)), 0) is None
 

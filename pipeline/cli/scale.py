@@ -76,13 +76,23 @@ def fleet_procs(workers: int, procs: int, cores: int) -> int:
     return max(1, min(procs, workers))
 
 
-def split_cores(allowed: set[int], redis_cores: int) -> tuple[set[int], set[int]] | None:
-    """Redis's cores (the last `redis_cores` of `allowed`) and the rest, for the fleet and everything else here; None
-    when `redis_cores` is 0 or fewer than 2 cores would be left beside Redis's."""
+class Cores(NamedTuple):
+    """Where `rollouts scale --redis-cores` puts its processes."""
+
+    redis: set[int]
+    measure: set[int]
+    """One core for the probe and the pinger: their latency is Redis's and the loopback's, not a crowded core's."""
+    rest: set[int]
+    """The fleet, this process (the trainer, the producer, the syncs) and everything they start."""
+
+
+def split_cores(allowed: set[int], redis_cores: int) -> Cores | None:
+    """Redis's cores (the last `redis_cores` of `allowed`), the one before them for the measuring processes, and the
+    rest; None when `redis_cores` is 0 or fewer than 2 cores would be left for the rest."""
     ordered = sorted(allowed)
-    if redis_cores < 1 or len(ordered) < redis_cores + 2:
+    if redis_cores < 1 or len(ordered) < redis_cores + 3:
         return None
-    return set(ordered[-redis_cores:]), set(ordered[:-redis_cores])
+    return Cores(set(ordered[-redis_cores:]), {ordered[-redis_cores - 1]}, set(ordered[: -redis_cores - 1]))
 
 
 def pin(pid: int, cpus: set[int]) -> None:
@@ -447,8 +457,9 @@ def script_names(client: redis.Redis) -> dict[str, str]:
     return {script.sha: name for folder in folders for name, script in register_all(client, folder).items()}
 
 
-def run_size(console: Console, url: str, load: Load, tmp: Path) -> dict[str, Any]:
-    """One fleet size: start it, feed and train through warmup and measure, stop it by PID, summarise."""
+def run_size(console: Console, url: str, load: Load, tmp: Path, cores: Cores | None = None) -> dict[str, Any]:
+    """One fleet size: start it, feed and train through warmup and measure, stop it by PID, summarise. With `cores`,
+    the probe (the fleet's last process) and the pinger go to `cores.measure` as they start."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from producers.client import RolloutClient
@@ -458,6 +469,8 @@ def run_size(console: Console, url: str, load: Load, tmp: Path) -> dict[str, Any
     budget = load.workers * load.rate * (load.warmup_s + load.measure_s + 60)
     prompts = int(budget / load.n) + window
     fleet = start_fleet(url, ns, load, tmp)
+    if cores:
+        pin(fleet[-1][0].pid, cores.measure)
     sampler: Sampler | None = None
     syncer: Syncer | None = None
     pinger: tuple[subprocess.Popen[bytes], Path] | None = None
@@ -471,6 +484,8 @@ def run_size(console: Console, url: str, load: Load, tmp: Path) -> dict[str, Any
         sampler = Sampler(url, [p.pid for p, _ in fleet], load.sample_s)
         syncer.start()
         pinger = start_pinger(url, ns, load, tmp)
+        if cores:
+            pin(pinger[0].pid, cores.measure)
         began = time.monotonic()
         measuring = began + load.warmup_s
         end = float("inf")
@@ -614,9 +629,9 @@ def summarise(
 def run_scale(console: Console, sizes: list[int], base: Load, redis_cores: int = 0) -> dict[str, Any]:
     """Every size on one private Redis, one after the other; everything started is stopped by PID.
 
-    With `redis_cores`, Redis runs on cores of its own and this process (and so the fleet, the probe and the pinger
-    it starts) on the others, as a fleet's workers run on other hosts than its Redis: otherwise the simulated
-    fleet's own load, not Redis, makes the tail (README, *Redis on a core of its own*)."""
+    With `redis_cores`, Redis runs on cores of its own, the probe and the pinger on one more, and this process (and
+    so the fleet it starts) on the others, as a fleet's workers run on other hosts than its Redis: otherwise the
+    simulated fleet's own load, not Redis, makes the tail (README, *Redis on a core of its own*)."""
     from dataclasses import replace
 
     from pipeline.local import RedisServer
@@ -627,15 +642,15 @@ def run_scale(console: Console, sizes: list[int], base: Load, redis_cores: int =
     cores = split_cores(allowed, redis_cores)
     try:
         if cores:
-            pin(os.getpid(), cores[1])
+            pin(os.getpid(), cores.rest)
         with RedisServer() as server:
             if cores and server.process:
-                pin(server.process.pid, cores[0])
+                pin(server.process.pid, cores.redis)
             for size in sizes:
-                procs = fleet_procs(size, base.procs, len(cores[1]) if cores else len(allowed))
+                procs = fleet_procs(size, base.procs, len(cores.rest) if cores else len(allowed))
                 console.print(f"scale: {size} workers in {procs} processes")
                 try:
-                    row = run_size(console, server.url, replace(base, workers=size, procs=procs), tmp)
+                    row = run_size(console, server.url, replace(base, workers=size, procs=procs), tmp, cores)
                 except (RuntimeError, TimeoutError) as exc:  # a fleet that never came up is a result too
                     row = {"workers": size, "failed": str(exc)[-1000:]}
                 row["procs"] = procs
@@ -654,7 +669,7 @@ def run_scale(console: Console, sizes: list[int], base: Load, redis_cores: int =
         shutil.rmtree(tmp, ignore_errors=True)
     return {
         "redis": served_by,
-        "redis_cpus": sorted(cores[0]) if cores else None,
+        "cores": {name: sorted(cpus) for name, cpus in cores._asdict().items()} if cores else None,
         "redis_rss_mb_at_end": round(peak_rss / 2**20, 1) if peak_rss else None,
         "cpus": os.cpu_count(),
         "load": {k: v for k, v in vars(base).items() if k != "workers"} | {"engine_args": base.engine_args},
@@ -720,8 +735,9 @@ def scale(
         int,
         typer.Option(
             min=0,
-            help="Cores of its own for Redis, the rest for the fleet and this process, as on a cluster where the "
-            "workers run on other hosts (0: all share every core; ignored with fewer than 2 cores left beside them).",
+            help="Cores of its own for Redis, and one more for the probe and the pinger, the rest for the fleet and "
+            "this process, as on a cluster where the workers run on hosts of their own (0: all share every core; "
+            "ignored with fewer than 2 cores left for the rest).",
         ),
     ] = 1,
     plot: Annotated[Path | None, typer.Option(help="Draw latency, stall and CPU against fleet size here.")] = None,
