@@ -15,7 +15,8 @@ from pathlib import Path
 
 import redis
 
-from pipeline.cli.scale import Cores, command_name, fleet_procs, pin, script_names, split_cores
+from pipeline.cli.cpu import pin
+from pipeline.cli.scale import Cores, command_name, fleet_procs, script_names, split_cores
 
 WORKERS = 50
 
@@ -52,6 +53,9 @@ def test_fifty_workers_publish_at_the_rate_asked_and_take_every_sync(tmp_path: P
     assert row["redis_slow_commands"]["over_us"] == 2000
     assert all(isinstance(name, str) and us > 2000 for name, us in row["redis_slow_commands"]["slowest"])
     assert 0 < row["publish_ms_client"]["p50"] <= row["publish_ms_client"]["p99"]
+    # Redis gets a core of its own (the default --redis-cores 1) only where 2 are left for the rest; the JSON says.
+    cores = split_cores(os.sched_getaffinity(0), 1)
+    assert report["cores"] == (cores and {name: sorted(cpus) for name, cpus in cores._asdict().items()})
     assert report["redis"].startswith("redis-server 7") and row["publish_ms_server"]["p99"] > 0
     # Every sync reached all 50 workers: none evicted, none failed.
     assert row["sync_stall_s"]["count"] >= 2 and row["syncs_evicted"] == 0 and row["sync_failure"] is None

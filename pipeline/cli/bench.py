@@ -79,14 +79,14 @@ def cpu_roles(worker: int, redis_server: int | None) -> CpuRoles:
     """This process (the direct side's engine client, and the trainer's client on the pipeline side), the processes
     it started for its engine (vLLM's), the worker, the worker's children (vLLM's, or `--engine-process`), Redis."""
     worker_engine = descendants(worker)
-    others = {worker, *worker_engine, *([redis_server] if redis_server else [])}
+    redis = [redis_server] if redis_server else []
     return CpuRoles(
         {
             "bench": [os.getpid()],
-            "direct_engine": descendants(os.getpid()) - others,
+            "direct_engine": descendants(os.getpid()) - {worker, *worker_engine, *redis},
             "worker": [worker],
             "worker_engine": worker_engine,
-            "redis": [redis_server] if redis_server else [],
+            "redis": redis,
         }
     )
 

@@ -304,10 +304,10 @@ def _bench(
     phases: dict[str, list[Phase]] = {"quiet": [], "syncing": []}
     with Progress(console=out) as progress:
         task = progress.add_task("warm-up", total=2 * rounds + 1)
-        redis_pid = server.process.pid if server.process is not None else 0  # 0: not ours to read (reads as 0 s)
+        redis = [server.process.pid] if server.process is not None else []  # none: not ours to read (reads as 0 s)
         # Whether the syncing phase was short of CPU (the trainer side publishing, Redis moving the tensors) tells a
         # sync's cost to the worker apart from the machine's.
-        cpu = CpuRoles({"worker": [worker.pid], "bench": [os.getpid()], "redis": [redis_pid]})
+        cpu = CpuRoles({"worker": [worker.pid], "bench": [os.getpid()], "redis": redis})
         run_phase(client, work, "warmup", None, cpu)  # whole: a shorter one left round 1's first phase slow
         progress.advance(task)
         for r in range(rounds):

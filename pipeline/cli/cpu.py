@@ -1,4 +1,5 @@
-"""CPU-seconds of processes, from Linux's `/proc`: where a benchmark's time went on a machine with no core to spare.
+"""Processes and their CPUs, from Linux's `/proc`: where a benchmark's time went on a machine with no core to spare,
+and which cores a process may run on.
 
 A ratio of wall-clock times cannot tell a slower engine from a busier machine; the CPU each process used in the
 same window can. Processes that are gone read 0.
@@ -6,6 +7,7 @@ same window can. Processes that are gone read 0.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterable, Mapping
 
@@ -43,6 +45,14 @@ def descendants(root: int) -> set[int]:
                 found.add(child)
                 todo.append(child)
     return found
+
+
+def pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of a process onto `cpus` (`sched_setaffinity` moves one thread; threads and processes started
+    later inherit their parent's)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(ProcessLookupError, FileNotFoundError):  # a thread that just ended
+            os.sched_setaffinity(int(tid), cpus)
 
 
 class CpuRoles:

@@ -44,7 +44,7 @@ import redis
 import typer
 
 from pipeline.cli import app, console, fail, user_errors
-from pipeline.cli.cpu import cpu_seconds
+from pipeline.cli.cpu import cpu_seconds, pin
 from pipeline.cli.processes import start_command, stop_process
 from pipeline.cli.soak import Producer, Tally, rss_bytes
 from pipeline.lua import register_all
@@ -93,14 +93,6 @@ def split_cores(allowed: set[int], redis_cores: int) -> Cores | None:
     if redis_cores < 1 or len(ordered) < redis_cores + 3:
         return None
     return Cores(set(ordered[-redis_cores:]), {ordered[-redis_cores - 1]}, set(ordered[: -redis_cores - 1]))
-
-
-def pin(pid: int, cpus: set[int]) -> None:
-    """Every thread of a process onto `cpus` (`sched_setaffinity` moves one thread; threads and processes started
-    later inherit their parent's)."""
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        with contextlib.suppress(ProcessLookupError, FileNotFoundError):  # a thread that just ended
-            os.sched_setaffinity(int(tid), cpus)
 
 
 @dataclass
