@@ -20,28 +20,15 @@ def steal() -> dict[str, int]:
         return {p[0]: int(p[8]) for p in (line.split() for line in f) if p[0].startswith("cpu") and p[0] != "cpu"}
 
 
-def redis_pids() -> list[int]:
-    pids = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/comm") as f:
-                    if f.read().startswith("redis-server"):
-                        pids.append(int(d))
-            except OSError:
-                pass
-    return pids
-
-
-def wait_ns(pid: int) -> tuple[int, int]:
+def wait_ns(pid: int) -> int:
+    """Nanoseconds `pid` has spent runnable but not running (the second of /proc/PID/schedstat's three numbers)."""
     with open(f"/proc/{pid}/schedstat") as f:
-        run, wait, _ = f.read().split()
-    return int(run), int(wait)
+        return int(f.read().split()[1])
 
 
 def tasks() -> list[tuple[str, str]]:
     """Every thread on the machine as (its /proc/PID/task/TID path, its name)."""
-    found = []
+    found: list[tuple[str, str]] = []
     for d in os.listdir("/proc"):
         if not d.isdigit():
             continue
@@ -68,16 +55,23 @@ def _in(part: str, cpu: int) -> bool:
     return int(lo) <= cpu <= int(hi or lo)
 
 
-def neighbours(cpu: int) -> list[tuple[str, str]]:
-    """Threads other than Redis's that may run on `cpu`."""
-    out = []
+def scan(cpu: int) -> tuple[list[int], list[tuple[str, str]]]:
+    """One pass over every thread: Redis's processes (a main thread named redis-server*, which a wrapper's
+    `redis-server.bin` is too), and, for `cpu` >= 0, the other threads that may run on `cpu`."""
+    redis: list[int] = []
+    others: list[tuple[str, str]] = []
     for path, comm in tasks():
+        _, _, pid, _, tid = path.split("/")
+        if comm.startswith("redis-server"):
+            if pid == tid:
+                redis.append(int(pid))
+            continue
         try:
-            if not comm.startswith("redis-server") and allowed_on(path, cpu):
-                out.append((path, comm))
+            if cpu >= 0 and allowed_on(path, cpu):
+                others.append((path, comm))
         except OSError:
             pass
-    return out
+    return redis, others
 
 
 def running_there(cands: list[tuple[str, str]], cpu: int, seen: dict[str, int]) -> None:
@@ -99,16 +93,17 @@ def main(duration: float) -> None:
     total = dict.fromkeys(last_steal, 0)
     worst = dict.fromkeys(last_steal, 0)
     waits: dict[int, list[int]] = {}
-    last_wait: dict[int, tuple[int, int]] = {}
+    last_wait: dict[int, int] = {}
     cpu = int(os.environ.get("REDIS_CPU", "-1"))
     seen: dict[str, int] = {}
+    redis: list[int] = []
     cands: list[tuple[str, str]] = []
     rescan = 0.0
     while time.monotonic() < end:
         time.sleep(0.02)
+        if time.monotonic() > rescan:  # every 2 s, not every sample: a pass reads every thread's files
+            (redis, cands), rescan = scan(cpu), time.monotonic() + 2
         if cpu >= 0:
-            if time.monotonic() > rescan:
-                cands, rescan = neighbours(cpu), time.monotonic() + 2
             running_there(cands, cpu, seen)
         now = steal()
         for name, v in now.items():
@@ -116,14 +111,14 @@ def main(duration: float) -> None:
             total[name] += d
             worst[name] = max(worst[name], d)
         last_steal = now
-        for pid in redis_pids():
+        for pid in redis:
             try:
-                run, wait = wait_ns(pid)
+                wait = wait_ns(pid)
             except OSError:
                 continue
             if pid in last_wait:
-                waits.setdefault(pid, []).append(wait - last_wait[pid][1])
-            last_wait[pid] = (run, wait)
+                waits.setdefault(pid, []).append(wait - last_wait[pid])
+            last_wait[pid] = wait
     report = {
         "steal_ms_per_cpu": {c: round(v * TICK_MS) for c, v in total.items()},
         "worst_20ms_steal_ms_per_cpu": {c: round(v * TICK_MS) for c, v in worst.items()},
