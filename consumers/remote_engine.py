@@ -24,7 +24,8 @@ finds the server already labelled with the version it is asked to load (another 
 The server checks little: an out-of-vocabulary token id kills vLLM 0.32's engine core. Every request is checked here
 first (`check_request`, against the model's config and the server's context length), as the in-process engines do.
 A server that cannot be reached, or whose engine failed, is `EngineClosedError`: the worker stops, and its work is
-claimed by another worker.
+claimed by another worker. A connection that breaks while the server still answers `/health` is not a dead server:
+the request is sent once more on a new connection (`_send`).
 """
 
 from __future__ import annotations
@@ -77,6 +78,13 @@ KEEPALIVE_EXPIRY_S = 2.0
 `VLLM_HTTP_TIMEOUT_KEEP_ALIVE`, 5 s by default). At httpx's default (also 5 s) a request could go out on a connection
 at the moment the server closed it as idle, and fail with `ReadError('')`: taken for a dead server, that stopped a
 worker mid-run (the GRPO test on a `vllm serve`, caught once: the worker stopped at a pause, the trainer waited)."""
+
+BROKEN_CONNECTION = (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
+"""Failures of a connection that was open (a pooled one the server closed, a reset): the server may still be up, so
+`_send` asks `/health` on a new connection before it takes the server for dead. A refused or timed-out connect is not
+in here: that server is gone (or not there), at once."""
+HEALTH_CHECK_S = 10.0
+"""How long `_send` waits for `/health` after a broken connection before it takes the server for dead."""
 
 HEALTH_POLL_S = 0.5
 UNSTICK_S = 2.0
@@ -274,12 +282,11 @@ class RemoteVllmEngine(ServesNoAdapters, EngineLifecycle):
         if request_id in self._live:
             raise EngineInputError(f"request id {request_id!r} is already in flight on this engine")
         body = self._body(self._local_id(request_id), prompt.tolist(), len(prompt), sampling)
-        task = asyncio.ensure_future(http.post("/inference/v1/generate", json=body))
+        # One task for the request and its resend: an abort sent meanwhile waits for (and aborts) both.
+        task = asyncio.ensure_future(self._send(http, "POST", "/inference/v1/generate", json=body))
         self._live[request_id] = task
         try:
             response = await task
-        except httpx.TransportError as exc:
-            raise EngineClosedError(f"the vLLM server at {self.url} is gone: {exc!r}") from exc
         finally:
             self._live.pop(request_id, None)
         return self._generation(request_id, response)
@@ -438,16 +445,44 @@ class RemoteVllmEngine(ServesNoAdapters, EngineLifecycle):
 
     async def _rpc(self, http: httpx.AsyncClient, method: str, **rpc: Any) -> None:
         """`/collective_rpc`: a method of every server worker process, with string arguments only (vLLM's rule)."""
-        response = await http.post("/collective_rpc", json={"method": method, **rpc})
+        response = await self._send(http, "POST", "/collective_rpc", json={"method": method, **rpc})
         if response.status_code != 200:
             raise ValueError(f"the vLLM server at {self.url} could not run {method}: {_error_text(response)}")
 
+    async def _send(self, http: httpx.AsyncClient, verb: str, path: str, **kwargs: Any) -> httpx.Response:
+        """One request; `EngineClosedError` if the server is gone. A connection that breaks under it while the server
+        still answers `/health` (a pooled connection the server closed as idle in the instant it was reused; a reset)
+        is not a dead server: the request goes once more, on a new connection. Every request sent here is safe to
+        send again: the control calls are idempotent, and vLLM aborts a generation whose client went away (the
+        resend runs under a request id of its own inside vLLM, so the two never collide)."""
+        try:
+            return await http.request(verb, path, **kwargs)
+        except BROKEN_CONNECTION as exc:
+            if self._closing or not await self._answers():
+                raise self._gone(path, exc) from exc
+            log.warning("a connection to the vLLM server at %s broke (%s %s: %r); sending it again", self.url, verb,
+                        path, exc)  # fmt: skip
+        except httpx.TransportError as exc:
+            raise self._gone(path, exc) from exc
+        try:
+            return await http.request(verb, path, **kwargs)
+        except httpx.TransportError as exc:
+            raise self._gone(path, exc) from exc
+
+    def _gone(self, path: str, exc: Exception) -> EngineClosedError:
+        return EngineClosedError(f"the vLLM server at {self.url} is gone ({path}): {exc!r}")
+
+    async def _answers(self) -> bool:
+        """The server answers `/health` with 200 on a connection of its own (not one from the pool that just broke)."""
+        async with httpx.AsyncClient(base_url=self.url, headers=self._headers, timeout=HEALTH_CHECK_S) as probe:
+            try:
+                return (await probe.get("/health")).status_code == 200
+            except httpx.TransportError:
+                return False
+
     async def _call(self, http: httpx.AsyncClient, verb: str, path: str, **kwargs: Any) -> Any:
         """One control call; the server's refusal as `EngineClosedError` that names the endpoint."""
-        try:
-            response = await http.request(verb, path, **kwargs)
-        except httpx.TransportError as exc:
-            raise EngineClosedError(f"the vLLM server at {self.url} is gone ({path}): {exc!r}") from exc
+        response = await self._send(http, verb, path, **kwargs)
         if response.status_code == 401:
             raise EngineClosedError(
                 f"the vLLM server at {self.url} wants its API key ({verb} {path}: {_error_text(response)}): "

@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from grpo_trainer import StepLog, TrainConfig, generation_side, train
+from grpo_trainer import GenerationSideDied, StepLog, TrainConfig, generation_side, train
 
 from consumers.tiny_model import build_tiny_model
 from pipeline.local import RedisServer
@@ -247,4 +247,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except GenerationSideDied as exc:
+        sys.exit(f"bench_rl: a process of the run stopped: {exc}")

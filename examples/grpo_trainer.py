@@ -24,7 +24,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import random
+import signal
 import subprocess
 import sys
 import tempfile
@@ -119,6 +121,26 @@ def rollouts_cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "pipeline.cli", *args]
 
 
+class GenerationSideDied(RuntimeError):
+    """A process the trainer started (a worker, the manager, a scorer) exited while the run needed it."""
+
+
+def watch(processes: dict[str, tuple[subprocess.Popen[bytes], Path | None]], stopping: threading.Event,
+          died: list[str]) -> None:  # fmt: skip
+    """Stop the run if a process it started exits: else the trainer would wait for samples for ever (it did, when
+    its only worker stopped). SIGUSR1 interrupts the main thread even in a blocking Redis read, and its handler
+    (`generation_side`'s) raises `GenerationSideDied`, so the run unwinds and stops the rest by PID."""
+    while not stopping.wait(1.0):
+        for name, (process, log) in processes.items():
+            if process.poll() is not None:
+                tail = log.read_text(errors="replace")[-2000:] if log is not None and log.exists() else ""
+                code = process.returncode
+                how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+                died.append(f"{name} {how}; the end of its log:\n{tail}")
+                os.kill(os.getpid(), signal.SIGUSR1)
+                return
+
+
 @contextlib.contextmanager
 def generation_side(
     url: str,
@@ -137,30 +159,45 @@ def generation_side(
     `scoring` `inline` or `rq` also starts `rollouts scorer` (and, for `rq`, `score_workers` x
     `rollouts score-worker` on a queue of this namespace's own).
     """
-    processes = [subprocess.Popen(rollouts_cli("manager", "--redis", url, "--ns", ns), stderr=subprocess.DEVNULL)]
+    manager = subprocess.Popen(rollouts_cli("manager", "--redis", url, "--ns", ns), stderr=subprocess.DEVNULL)
+    processes: dict[str, tuple[subprocess.Popen[bytes], Path | None]] = {"rollouts manager": (manager, None)}
     if scoring != "trainer":
         queue = ["--queue", f"rewards-{ns}"]
         scorer = ["scorer", "--redis", url, "--ns", ns, "--log-level", "warning"]
         scorer += ["--rq", *queue] if scoring == "rq" else []
-        processes.append(start_command(*scorer, log_file=log_dir / "scorer.log"))
+        processes["rollouts scorer"] = start_command(*scorer, log_file=log_dir / "scorer.log"), log_dir / "scorer.log"
         for i in range(score_workers if scoring == "rq" else 0):
             args = ["score-worker", "--redis", url, *queue, "--name", f"{ns}-score-{i}", "--log-level", "warning"]
-            processes.append(start_command(*args, log_file=log_dir / f"score-worker-{i}.log"))
+            log = log_dir / f"score-worker-{i}.log"
+            processes[f"score-worker {i}"] = start_command(*args, log_file=log), log
     client = RolloutClient(url, ns)
+    stopping, died = threading.Event(), list[str]()
+
+    def raise_died(signum: int, frame: object) -> None:
+        if not stopping.is_set():
+            raise GenerationSideDied(died[0])
+
+    previous = signal.signal(signal.SIGUSR1, raise_died)
+    watcher = threading.Thread(target=watch, args=(processes, stopping, died), name="watch", daemon=True)
     try:
         for i in range(workers):
             name, log = f"rl-worker-{i}", log_dir / f"rl-worker-{i}.log"
             extra = ["--engine", engine, "--log-level", "warning", "--heartbeat-s", "0.2"]  # fresh busy_s for bench_rl
             extra += ["--num-threads", "1"] if engine == "torch" else []
             extra += list(worker_args)
-            processes.append(start_worker(url, ns, model, name, *extra, log_file=log))
+            processes[name] = start_worker(url, ns, model, name, *extra, log_file=log), log
             try:
-                wait_for_worker(client.streams.redis, ns, name, processes[-1], timeout_s=300)
+                wait_for_worker(client.streams.redis, ns, name, processes[name][0], timeout_s=300)
             except (RuntimeError, TimeoutError) as exc:
                 raise RuntimeError(f"{exc}; the end of its log:\n{log.read_text(errors='replace')[-2000:]}") from None
+        watcher.start()
         yield
     finally:
-        for process in processes:
+        stopping.set()
+        if watcher.is_alive():
+            watcher.join()
+        signal.signal(signal.SIGUSR1, previous)
+        for process, _ in processes.values():
             stop_process(process)
 
 
@@ -305,10 +342,14 @@ def main(argv: list[str] | None = None) -> None:
                 )
             )
         logs, seen = [], set()
-        for log in train(config, url, args.ns, model):
-            logs.append(log)
-            seen.update(log.ids)
-            print(json.dumps({k: v for k, v in asdict(log).items() if k != "ids"}), flush=True)
+        try:
+            for log in train(config, url, args.ns, model):
+                logs.append(log)
+                seen.update(log.ids)
+                print(json.dumps({k: v for k, v in asdict(log).items() if k != "ids"}), flush=True)
+        except GenerationSideDied as exc:
+            stack.close()  # the others, stopped by PID before we go
+            sys.exit(f"grpo_trainer: the run stopped after {len(logs)} steps: {exc}")
         trained = sum(log.samples for log in logs)
         summary = {"summary": True, "mode": config.mode, "steps": len(logs), "samples": trained, "unique": len(seen)}
         summary |= {"first_reward": logs[0].reward, "final_reward": float(np.mean([s.reward for s in logs[-5:]]))}

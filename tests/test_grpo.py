@@ -102,6 +102,29 @@ def test_the_trainer_trains_on_workers_you_run_yourself(
     assert heartbeat[b"version"] == b"5" and mine.poll() is None, "our worker served every step and took each sync"
 
 
+def test_when_its_worker_dies_the_trainer_stops_and_says_so_instead_of_waiting_for_ever(
+    redis_server: RedisServer, ns: str
+) -> None:
+    """A trainer whose only worker stopped once waited for samples until the test's timeout. It watches what it
+    started: a worker killed mid-run ends the run at once, with a line that names it, and nothing left running."""
+    args = [str(EXAMPLE), "--redis", redis_server.url, "--ns", ns, "--mode", "async", "--steps", "1000"]
+    process = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)  # fmt: skip
+    try:
+        assert process.stdout is not None and process.stdout.readline().startswith('{"step": 0')
+        worker = RolloutClient(redis_server.url, ns).streams.redis.hget(Keys(ns).worker("rl-worker-0"), "pid")
+        os.kill(int(worker), signal.SIGKILL)
+        _, stderr = process.communicate(timeout=60)
+        with pytest.raises(ProcessLookupError):  # the manager it started was stopped too: its process group is empty
+            os.killpg(process.pid, 0)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    assert process.returncode == 1 and "rl-worker-0 was killed by signal 9" in stderr, stderr[-3000:]
+    assert "Traceback" not in stderr
+
+
 @pytest.mark.vllm
 def test_with_vllm_workers_paused_in_keep_mode_the_async_trainer_learns(redis_server: RedisServer, ns: str) -> None:
     args = ["--engine", "vllm", "--mode", "async", "--max-staleness", "1", "--pause-mode", "keep", "--steps", "100"]

@@ -21,6 +21,7 @@ import pytest
 from consumers.engine import EngineInputError
 from consumers.remote_engine import RemoteVllmEngine
 from consumers.vllm_engine import VllmEngine
+from pipeline.cli.chaos_proxy import Proxy
 from pipeline.cli.processes import start_worker, stop_process, wait_for_worker
 from pipeline.local import RedisServer, free_port
 from pipeline.wire import GENERATORS, Prompt, Sampling
@@ -145,6 +146,41 @@ def test_greedy_tokens_and_logprobs_match_the_in_process_vllm_engine(tiny_model_
         local.run(remote.shutdown())
         local.run(local.engine.shutdown(), timeout=60)
         local.close()
+
+
+def test_a_connection_that_breaks_under_a_live_server_is_sent_again_not_taken_for_a_dead_server(
+    tiny_model_dir: Path, server: Server
+) -> None:
+    """A connection that breaks while the server is up (a pooled one the server closed as idle in the instant it was
+    reused; a reset on the way) once stopped the GRPO test's only worker mid-run, as if its server had died. Here a
+    proxy resets every connection under a generation the server holds frozen: the engine finds the server still
+    answering, sends the request again, and it finishes in full under the server's weights; the cut request does not
+    linger on the server."""
+    wait_until(server.healthy, 300, "the vLLM server")
+    server.serve_base_model(tiny_model_dir)
+    proxy = Proxy(("127.0.0.1", int(server.url.rsplit(":", 1)[1])))
+    served = Served(RemoteVllmEngine(tiny_model_dir, url=f"http://127.0.0.1:{proxy.port}"))
+    engine: RemoteVllmEngine = served.engine
+    prompt = random_prompts([12], seed=7)[0]
+    try:
+        served.run(engine.start())
+        generate = engine.generate("cut", prompt, Sampling(max_tokens=300, seed=2))
+        run = asyncio.run_coroutine_threadsafe(generate, served.loop)
+        wait_until(lambda: server.running() >= 1, 60, "the server to run the request")
+        served.run(engine.pause("keep"))  # frozen: it cannot finish before the cut, however fast the machine
+        connections = proxy.connections
+        assert proxy.cut() >= 1
+        wait_until(lambda: proxy.connections > connections, 60, "the engine to connect again")
+        served.run(engine.resume())
+        generation = run.result(timeout=240)
+        assert (generation.finish_reason, len(generation.tokens)) == ("length", 300)
+        expected = forward_logprobs(tiny_model_dir, prompt.tolist(), generation.tokens.tolist())
+        np.testing.assert_allclose(generation.logprobs, expected, atol=1e-4)
+        wait_until(lambda: server.running() == 0, 60, "the cut request to leave the server")
+    finally:
+        served.run(engine.shutdown())
+        served.close()
+        proxy.close()
 
 
 @pytest.mark.parametrize("mode", ["keep", "abort"])
