@@ -136,7 +136,7 @@ def test_with_vllm_workers_paused_in_keep_mode_the_async_trainer_learns(redis_se
 
 
 @pytest.mark.vllm
-@pytest.mark.timeout(600)  # 2-2.5 min here; its slow runs were a worker stopped by a keep-alive race (README)
+@pytest.mark.timeout(600)  # 4-6 min here (100 syncs of ~1.3 s); a worker that stops now ends the run (README)
 def test_with_a_vllm_server_as_the_engine_paused_in_keep_mode_the_async_trainer_learns(
     redis_server: RedisServer, ns: str, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
