@@ -136,7 +136,7 @@ def watch(processes: dict[str, tuple[subprocess.Popen[bytes], Path | None]], sto
                 tail = log.read_text(errors="replace")[-2000:] if log is not None and log.exists() else ""
                 code = process.returncode
                 how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-                died.append(f"{name} {how}; the end of its log:\n{tail}")
+                died.append(f"{name} {how}" + (f"; the end of its log:\n{tail}" if tail else ""))
                 os.kill(os.getpid(), signal.SIGUSR1)
                 return
 

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -30,8 +31,18 @@ def generating(client: RolloutClient, at_least: int) -> Callable[[], bool]:
     return lambda: client.streams.redis.xpending(client.streams.keys.prompts, GENERATORS)["pending"] >= at_least
 
 
-@pytest.mark.parametrize("mode", ["abort", "keep"])
-@pytest.mark.parametrize(("engine", "redis_server"), ENGINES_ON_BOTH_REDIS, indirect=["redis_server"])
+def sync_runs() -> list[Any]:
+    """`ENGINES_ON_BOTH_REDIS` x pause mode. vLLM runs both modes, one after the other, on one pair of workers: two
+    vLLM workers take a minute to start on 2 cores, and a second pair would only start them again."""
+    runs = []
+    for param in ENGINES_ON_BOTH_REDIS:
+        engine, server = param.values
+        each = [("abort", "keep")] if engine == "vllm" else [("abort",), ("keep",)]
+        runs += [pytest.param(engine, server, m, marks=param.marks, id=f"{param.id}-{'-'.join(m)}") for m in each]
+    return runs
+
+
+@pytest.mark.parametrize(("engine", "redis_server", "modes"), sync_runs(), indirect=["redis_server"])
 def test_weights_published_mid_generation_reach_every_sample_exactly_once(
     redis_server: RedisServer,
     ns: str,
@@ -39,36 +50,42 @@ def test_weights_published_mid_generation_reach_every_sample_exactly_once(
     tiny_model_dir_v1: Path,
     workers: StartWorker,
     tmp_path: Path,
-    mode: str,
+    modes: tuple[str, ...],
     engine: str,
 ) -> None:
     workers("w1", "--engine", engine)
     workers("w2", "--engine", engine)
     client = RolloutClient(redis_server.url, ns)
-    ids = [client.submit(tokens=[5 + i, 40, 41, 42], n=2, max_tokens=300, seed=i) for i in range(16)]
-    wait_until(generating(client, 8), 60, "generation to start")
-    assert client.publish_weights(tiny_model_dir_v1, transport="redis://", mode=mode) == 1
-    assert sorted(client.last_sync.acked) == ["w1", "w2"] and client.last_sync.evicted == []
-    assert client.publish_weights(tiny_model_dir, transport=f"fs://{tmp_path / 'weights'}", mode=mode) == 2
-    assert client.publish_weights(tiny_model_dir_v1, transport=f"nccl://127.0.0.1:{free_port()}", mode=mode) == 3
-    assert sorted(client.last_sync.acked) == ["w1", "w2"] and client.last_sync.evicted == []
-    assert client.last_broadcast is not None and (client.last_broadcast.workers, client.last_broadcast.ranks) == (2, 2)
-    weights = {0: tiny_model_dir, 1: tiny_model_dir_v1, 2: tiny_model_dir, 3: tiny_model_dir_v1}
+    weights = {0: tiny_model_dir}
+    for turn, mode in enumerate(modes):
+        v = 3 * turn  # the version the workers serve as this mode's turn begins
+        prompts = [client.submit(tokens=[5 + i, 40, 41, 42], n=2, max_tokens=300, seed=16 * turn + i)
+                   for i in range(16)]  # fmt: skip
+        wait_until(generating(client, 8), 60, "generation to start")
+        assert client.publish_weights(tiny_model_dir_v1, transport="redis://", mode=mode) == v + 1
+        assert sorted(client.last_sync.acked) == ["w1", "w2"] and client.last_sync.evicted == []
+        assert client.publish_weights(tiny_model_dir, transport=f"fs://{tmp_path / 'weights'}", mode=mode) == v + 2
+        uri = f"nccl://127.0.0.1:{free_port()}"
+        assert client.publish_weights(tiny_model_dir_v1, transport=uri, mode=mode) == v + 3
+        assert sorted(client.last_sync.acked) == ["w1", "w2"] and client.last_sync.evicted == []
+        assert client.last_broadcast is not None
+        assert (client.last_broadcast.workers, client.last_broadcast.ranks) == (2, 2)
+        weights |= {v + 1: tiny_model_dir_v1, v + 2: tiny_model_dir, v + 3: tiny_model_dir_v1}
 
-    groups: list[Group] = client.collect(len(ids), timeout=240)
-    rollouts = [r for g in groups for r in g.rollouts]
-    assert sorted(g.prompt_id for g in groups) == sorted(ids)
-    assert sorted(r.id for r in rollouts) == sorted(f"{p}:{k}" for p in ids for k in range(2))
-    assert client.stats["duplicates"] == 0
-    for rollout in rollouts:
-        check_spans_and_logprobs(rollout, weights)
-    assert any(len(r.spans) >= 2 for r in rollouts), "some rollouts must span two or more versions"
-    assert client.streams.redis.xpending(client.streams.keys.partials, GENERATORS)["pending"] == 0
-    if mode == "abort":  # interrupted samples went through the partials stream (XINFO field of 6.2 and 7.x)
-        assert client.streams.redis.xinfo_stream(client.streams.keys.partials)["last-generated-id"] != b"0-0"
-    # Only the current version is kept, and it was broadcast: the stored ones are gone.
-    assert not list(client.streams.redis.scan_iter(match=client.streams.keys.weights_prefix + "1:*"))
-    assert not [p.name for p in (tmp_path / "weights").iterdir() if p.name.startswith("v")]
+        groups: list[Group] = client.collect(len(prompts), timeout=240)
+        rollouts = [r for g in groups for r in g.rollouts]
+        assert sorted(g.prompt_id for g in groups) == sorted(prompts)
+        assert sorted(r.id for r in rollouts) == sorted(f"{p}:{k}" for p in prompts for k in range(2))
+        assert client.stats["duplicates"] == 0
+        for rollout in rollouts:
+            check_spans_and_logprobs(rollout, weights)
+        assert any(len(r.spans) >= 2 for r in rollouts), f"{mode}: some rollouts must span two or more versions"
+        assert client.streams.redis.xpending(client.streams.keys.partials, GENERATORS)["pending"] == 0
+        if mode == "abort":  # interrupted samples went through the partials stream (XINFO field of 6.2 and 7.x)
+            assert client.streams.redis.xinfo_stream(client.streams.keys.partials)["last-generated-id"] != b"0-0"
+        # Only the current version is kept, and it was broadcast: the stored ones are gone.
+        assert not list(client.streams.redis.scan_iter(match=client.streams.keys.weights_prefix + f"{v + 1}:*"))
+        assert not [p.name for p in (tmp_path / "weights").iterdir() if p.name.startswith("v")]
 
 
 def test_a_worker_stuck_between_pause_and_ack_is_evicted_and_its_work_finishes_elsewhere(
