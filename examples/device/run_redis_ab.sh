@@ -21,15 +21,6 @@ for k in $(seq 1 "$rounds"); do
     (PATH="$PWD/$dir:$PWD/.carry/bin:$PATH" PYTHONPATH="$PWD:/tmp/rs-lib" \
       python -m pipeline.cli scale --redis-cores "$cores" "$@" > "$OUT/$name-$k.json" 2> "$OUT/$name-$k.err") \
       || { echo "$name-$k failed"; tail -20 "$OUT/$name-$k.err"; continue; }
-    python - "$OUT/$name-$k.json" "$name-$k" <<'PY'
-import json, sys
-d = json.load(open(sys.argv[1]))
-for r in d["sizes"]:
-    if "failed" in r:
-        print(sys.argv[2], r["workers"], "failed", r["failed"][-300:]); continue
-    print(sys.argv[2], r["workers"], "rps", r["rollouts_per_s"], "ping", r["publish_ms_ping"], "during",
-          r["publish_ms_ping_during_syncs"], "between", r["publish_ms_ping_between_syncs"], "stall", r["sync_stall_s"],
-          "redis", r["redis_cpu_cores"], flush=True)
-PY
+    python examples/device/scale_summary.py "$OUT/$name-$k.json" "$name-$k"
   done
 done

@@ -11,12 +11,4 @@ python -c "import numpy" 2>/dev/null && extra="" || extra=numpy  # torch lives i
 python -m pip install -q --upgrade --no-index --find-links .carry/wheels --target /tmp/rs-lib redis hiredis pydantic typer rich prometheus_client psutil $extra
 export PATH="${REDIS_DIR:-$PWD/.carry/bin}:$PWD/.carry/bin:$PATH" PYTHONPATH="$PWD:/tmp/rs-lib"
 python -m pipeline.cli scale "$@" > "$OUT/scale.json" 2> "$OUT/scale.err" || { tail -50 "$OUT/scale.err"; exit 1; }
-python - "$OUT/scale.json" <<'PY'
-import json, sys
-d = json.load(open(sys.argv[1]))
-for r in d["sizes"]:
-    if "failed" in r:
-        print(r["workers"], "failed", r["failed"][-300:]); continue
-    print(r["workers"], "rps", r["rollouts_per_s"], "ping", r["publish_ms_ping"], "during", r["publish_ms_ping_during_syncs"],
-          "between", r["publish_ms_ping_between_syncs"], "stall", r["sync_stall_s"], "redis", r["redis_cpu_cores"])
-PY
+python examples/device/scale_summary.py "$OUT/scale.json"

@@ -17,15 +17,6 @@ for k in $(seq 1 "$pairs"); do
     tree="$root"; [ "$side" = before ] && tree="$root/.before"
     (cd "$tree" && PYTHONPATH="$tree:/tmp/rs-lib" python -m pipeline.cli scale "$@" > "$OUT/$side-$k.json" 2> "$OUT/$side-$k.err") \
       || { echo "$side-$k failed"; tail -20 "$OUT/$side-$k.err"; continue; }
-    python - "$OUT/$side-$k.json" "$side-$k" <<'PY'
-import json, sys
-d = json.load(open(sys.argv[1]))
-for r in d["sizes"]:
-    if "failed" in r:
-        print(sys.argv[2], r["workers"], "failed", r["failed"][-300:]); continue
-    print(sys.argv[2], r["workers"], "rps", r["rollouts_per_s"], "ping", r["publish_ms_ping"], "during",
-          r["publish_ms_ping_during_syncs"], "between", r["publish_ms_ping_between_syncs"], "stall", r["sync_stall_s"],
-          "redis", r["redis_cpu_cores"], flush=True)
-PY
+    python "$root/examples/device/scale_summary.py" "$OUT/$side-$k.json" "$side-$k"
   done
 done
