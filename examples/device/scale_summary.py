@@ -15,7 +15,7 @@ def main(path: str, label: str = "") -> None:
     prefix = f"{label} " if label else ""
     for size in report["sizes"]:
         if "failed" in size:
-            print(prefix, size["workers"], "failed", size["failed"][-300:], flush=True)
+            print(f"{prefix}{size['workers']}", "failed", size["failed"][-300:], flush=True)
             continue
         print(
             f"{prefix}{size['workers']}", "rps", size["rollouts_per_s"], "ping", size["publish_ms_ping"],
