@@ -22,6 +22,8 @@ class Server:
     url: str
     process: subprocess.Popen[bytes]
     log: Path
+    spinners_yield: bool = True
+    """Once the server answers, run its engine core and model worker at nice 19 (`yield_spinners`)."""
 
     def serve_base_model(self, model: Path) -> None:
         """What a user does to reuse a server for a new run: load the run's base weights and label them 0 (a
@@ -37,9 +39,33 @@ class Server:
 
     def healthy(self) -> bool:
         try:
-            return httpx.get(f"{self.url}/health", timeout=2).status_code == 200
+            up = httpx.get(f"{self.url}/health", timeout=2).status_code == 200
         except httpx.TransportError:
             return False
+        if up and self.spinners_yield:
+            self.spinners_yield = not yield_spinners(self.process.pid)
+        return up
+
+
+def yield_spinners(pgid: int) -> bool:
+    """Run the vLLM processes of process group `pgid` but its leader (the engine core and the model worker) at nice
+    19, every thread; True if there were any. They spin (`sched_yield`, for 1 s after each message) while they wait
+    for each other, and at equal priority the spinning took the CPU of the API server and of the workers it serves:
+    on this 2-core machine a `keep` pause sent by the GRPO trainer's worker waited up to 3 s to be written (README,
+    "Server and workers on one small host")."""
+    found = False
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            comm, fields = stat.read_text().rsplit(")", 1)
+            pid = int(stat.parent.name)
+            if int(fields.split()[2]) != pgid or pid == pgid or "VLLM::" not in comm:
+                continue
+            for task in (stat.parent / "task").iterdir():
+                os.setpriority(os.PRIO_PROCESS, int(task.name), 19)
+            found = True
+        except (OSError, ValueError):  # a process or thread that ended meanwhile
+            continue
+    return found
 
 
 def server_command(model: Path, port: int, *extra: str) -> list[str]:
