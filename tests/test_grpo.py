@@ -21,6 +21,7 @@ import httpx
 import pytest
 import redis
 
+from pipeline.cli.cpu import command_line, descendants
 from pipeline.local import RedisServer
 from pipeline.wire import Keys
 from producers.client import RolloutClient
@@ -187,32 +188,26 @@ def test_when_its_worker_dies_bench_rl_stops_and_says_so(tmp_path: Path) -> None
     assert "Traceback" not in stderr
 
 
-def wait_for_generating_worker(session: int, name: str, timeout_s: float) -> int:
-    """The PID of worker `name` in process group `session`, once its heartbeat (in the Redis of that group, which
-    the benchmark starts itself) counts generated tokens."""
+def wait_for_generating_worker(root: int, name: str, timeout_s: float) -> int:
+    """The PID of worker `name` among `root`'s descendants, once its heartbeat (in the Redis among them, which the
+    benchmark starts itself) counts generated tokens."""
 
-    def group_processes() -> dict[int, list[str]]:
-        found: dict[int, list[str]] = {}
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            with contextlib.suppress(OSError, ValueError):
-                if int(stat.read_text().rsplit(")", 1)[1].split()[2]) == session:
-                    found[int(stat.parent.name)] = (stat.parent / "cmdline").read_bytes().decode().split("\0")
-        return found
+    def worker() -> int | None:
+        return next((pid for pid in descendants(root) if {"worker", name} <= set(command_line(pid))), None)
 
     def generating() -> bool:
-        processes = group_processes()
-        workers = [pid for pid, argv in processes.items() if name in argv and "worker" in argv]
-        titles = [" ".join(argv) for argv in processes.values() if argv and "redis-server" in argv[0]]
-        ports = [m.group(1) for m in map(re.compile(r"127\.0\.0\.1:(\d+)").search, titles) if m]
-        if not workers or not ports:
+        titles = [" ".join(command_line(pid)) for pid in descendants(root)]
+        ports = [m.group(1) for m in map(re.compile(r"redis-server 127\.0\.0\.1:(\d+)").search, titles) if m]
+        if worker() is None or not ports:
             return False
         client = redis.Redis(port=int(ports[0]))
         beats = client.keys(f"*:worker:{name}")
-        tokens = client.hget(beats[0], "generated_tokens") if beats else None
-        return int(tokens or 0) > 0
+        return bool(beats) and int(client.hget(beats[0], "generated_tokens") or 0) > 0
 
     wait_until(generating, timeout_s, f"{name} to generate")
-    return next(pid for pid, argv in group_processes().items() if name in argv and "worker" in argv)
+    pid = worker()
+    assert pid is not None, f"{name} exited before it could be killed"
+    return pid
 
 
 def test_bench_rl_accounts_for_every_generated_token(tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -14,6 +15,7 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from pipeline.cli.cpu import command_line, descendants, lower_priority
 from pipeline.local import free_port
 
 
@@ -47,25 +49,17 @@ class Server:
         return up
 
 
-def yield_spinners(pgid: int) -> bool:
-    """Run the vLLM processes of process group `pgid` but its leader (the engine core and the model worker) at nice
-    19, every thread; True if there were any. They spin (`sched_yield`, for 1 s after each message) while they wait
-    for each other, and at equal priority the spinning took the CPU of the API server and of the workers it serves:
-    on this 2-core machine a `keep` pause sent by the GRPO trainer's worker waited up to 3 s to be written (README,
-    "Server and workers on one small host")."""
-    found = False
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            comm, fields = stat.read_text().rsplit(")", 1)
-            pid = int(stat.parent.name)
-            if int(fields.split()[2]) != pgid or pid == pgid or "VLLM::" not in comm:
-                continue
-            for task in (stat.parent / "task").iterdir():
-                os.setpriority(os.PRIO_PROCESS, int(task.name), 19)
-            found = True
-        except (OSError, ValueError):  # a process or thread that ended meanwhile
-            continue
-    return found
+def yield_spinners(server: int) -> bool:
+    """Run the vLLM processes a server started (its engine core and model worker) at nice 19, every thread; True if
+    there were any. They spin (`sched_yield`, for 1 s after each message) while they wait for each other, and at
+    equal priority the spinning took the CPU of the API server and of the workers it serves: on this 2-core machine
+    a `keep` pause sent by the GRPO trainer's worker waited up to 3 s to be written (README, "Server and workers on
+    one small host")."""
+    spinners = [pid for pid in descendants(server) if "".join(command_line(pid)[:1]).startswith("VLLM::")]
+    for pid in spinners:
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # gone meanwhile
+            lower_priority(pid, 19)
+    return bool(spinners)
 
 
 def server_command(model: Path, port: int, *extra: str) -> list[str]:

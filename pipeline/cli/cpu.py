@@ -1,5 +1,5 @@
 """Processes and their CPUs, from Linux's `/proc`: where a benchmark's time went on a machine with no core to spare,
-and which cores a process may run on.
+which cores a process may run on, and at what priority.
 
 A ratio of wall-clock times cannot tell a slower engine from a busier machine; the CPU each process used in the
 same window can. Processes that are gone read 0.
@@ -53,6 +53,24 @@ def pin(pid: int, cpus: set[int]) -> None:
     for tid in os.listdir(f"/proc/{pid}/task"):
         with contextlib.suppress(ProcessLookupError, FileNotFoundError):  # a thread that just ended
             os.sched_setaffinity(int(tid), cpus)
+
+
+def lower_priority(pid: int, nice: int = 19) -> None:
+    """Every thread of a process at `nice` (`setpriority` on a thread id sets that thread's; threads started later
+    inherit their creator's)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(ProcessLookupError, FileNotFoundError):  # a thread that just ended
+            os.setpriority(os.PRIO_PROCESS, int(tid), nice)
+
+
+def command_line(pid: int) -> list[str]:
+    """A process's arguments as it shows them (`/proc/PID/cmdline`: a title it set itself, e.g. vLLM's
+    `VLLM::EngineCore`, in place of its argv); [] once it is gone."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            return [part.decode(errors="replace") for part in cmdline.read().split(b"\0") if part]
+    except (FileNotFoundError, ProcessLookupError):
+        return []
 
 
 class CpuRoles:
