@@ -178,13 +178,20 @@ def test_the_demo_runs_with_no_redis_server_on_path_and_its_commands_paste(tmp_p
     assert not shutil.which("redis-server", path=path) and not shutil.which("redis-cli", path=path)
     curve = tmp_path / "curve.png"
     args = ["--prompts", "4", "--n", "2", "--max-tokens", "8", "--train-steps", "3", "--plot", str(curve), "--keep"]
-    demo = subprocess.Popen(
-        [sys.executable, "-m", "pipeline.cli", "demo", *args],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    # Ctrl-C must reach the demo as it reaches it in a terminal. A test run started in the background (`cmd &` in
+    # a script) ignores SIGINT, and a child inherits an ignored signal: the demo then sat out the 120 s below. A
+    # handled signal is reset to its default by exec, so the demo's Python turns it into KeyboardInterrupt.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        demo = subprocess.Popen(
+            [sys.executable, "-m", "pipeline.cli", "demo", *args],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+    finally:
+        signal.signal(signal.SIGINT, previous)
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=_read_lines, args=(demo.stdout, lines), daemon=True).start()
     output: list[str] = []
