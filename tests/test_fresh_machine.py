@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -189,6 +190,7 @@ def test_the_demo_runs_with_no_redis_server_on_path_and_its_commands_paste(tmp_p
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
+            process_group=0,
         )
     finally:
         signal.signal(signal.SIGINT, previous)
@@ -222,7 +224,11 @@ def test_the_demo_runs_with_no_redis_server_on_path_and_its_commands_paste(tmp_p
         port = int(commands[0].split(" -p ")[1].split()[0])
     finally:
         demo.send_signal(signal.SIGINT)
-        code = demo.wait(timeout=120)
+        try:
+            code = demo.wait(timeout=120)
+        finally:  # a demo that did not stop is not left running, with its worker and Redis, beside later tests
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(demo.pid, signal.SIGKILL)
     assert code == 0, "".join(output)
     with pytest.raises(OSError), socket.create_connection(("127.0.0.1", port), timeout=2):
         pass  # the demo stopped its Redis
