@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -189,25 +188,23 @@ def test_when_its_worker_dies_bench_rl_stops_and_says_so(tmp_path: Path) -> None
 
 
 def wait_for_generating_worker(root: int, name: str, timeout_s: float) -> int:
-    """The PID of worker `name` among `root`'s descendants, once its heartbeat (in the Redis among them, which the
-    benchmark starts itself) counts generated tokens."""
-
-    def worker() -> int | None:
-        return next((pid for pid in descendants(root) if {"worker", name} <= set(command_line(pid))), None)
+    """The PID of worker `name` among `root`'s descendants, once its heartbeat counts generated tokens (its own
+    arguments name its Redis and namespace: the benchmark starts a Redis of its own)."""
+    found: list[int] = []
 
     def generating() -> bool:
-        titles = [" ".join(command_line(pid)) for pid in descendants(root)]
-        ports = [m.group(1) for m in map(re.compile(r"redis-server 127\.0\.0\.1:(\d+)").search, titles) if m]
-        if worker() is None or not ports:
-            return False
-        client = redis.Redis(port=int(ports[0]))
-        beats = client.keys(f"*:worker:{name}")
-        return bool(beats) and int(client.hget(beats[0], "generated_tokens") or 0) > 0
+        for pid in descendants(root):
+            argv = command_line(pid)
+            if {"worker", "--redis", "--ns", name} <= set(argv):
+                url, ns = argv[argv.index("--redis") + 1], argv[argv.index("--ns") + 1]
+                with redis.Redis.from_url(url) as client:
+                    if int(client.hget(Keys(ns).worker(name), "generated_tokens") or 0) > 0:
+                        found.append(pid)
+                        return True
+        return False
 
     wait_until(generating, timeout_s, f"{name} to generate")
-    pid = worker()
-    assert pid is not None, f"{name} exited before it could be killed"
-    return pid
+    return found[0]
 
 
 def test_bench_rl_accounts_for_every_generated_token(tmp_path: Path) -> None:
