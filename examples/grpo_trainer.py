@@ -121,8 +121,12 @@ def rollouts_cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "pipeline.cli", *args]
 
 
-class GenerationSideDied(RuntimeError):
-    """A process the trainer started (a worker, the manager, a scorer) exited while the run needed it."""
+class GenerationSideDied(BaseException):
+    """A process the trainer started (a worker, the manager, a scorer) exited while the run needed it.
+
+    A `BaseException`, as `KeyboardInterrupt` is: it is raised from a signal handler in whatever the main thread was
+    running, and a library's `except Exception` there must not turn it into an error of its own (the manager's
+    `sync` once re-raised it as a `SyncError`, and the run ended in a traceback instead of its one line)."""
 
 
 def watch(processes: dict[str, tuple[subprocess.Popen[bytes], Path | None]], stopping: threading.Event,
