@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -195,23 +196,48 @@ class ModelLimits:
 
 def read_model_limits(model_dir: Path, max_model_len: int | None) -> ModelLimits:
     """Context length (the model's, or the smaller `max_model_len` asked for), vocabulary and stop tokens."""
-    from transformers import AutoConfig, GenerationConfig
-
-    config = AutoConfig.from_pretrained(model_dir).get_text_config(decoder=True)
-    context = int(getattr(config, "max_position_embeddings", 0) or 0)
+    config = _plain_text_config(model_dir) or _transformers_text_config(model_dir)
+    context = int(config.get("max_position_embeddings") or 0)
     if max_model_len is not None and max_model_len < 2:
         raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
     if not context and max_model_len is None:
         raise ValueError(f"{model_dir} has no max_position_embeddings; pass max_model_len")
-    eos = _as_ids(getattr(config, "eos_token_id", None))
-    with contextlib.suppress(OSError):  # no generation_config.json
-        eos += _as_ids(GenerationConfig.from_pretrained(model_dir).eos_token_id)
+    eos = _as_ids(config.get("eos_token_id"))
+    with contextlib.suppress(OSError, ValueError):  # no generation_config.json, or not one transformers reads
+        eos += _as_ids(json.loads((Path(model_dir) / "generation_config.json").read_text()).get("eos_token_id"))
     return ModelLimits(
         max_model_len=min(context or max_model_len, max_model_len or context),  # type: ignore[type-var]
-        vocab_size=int(config.vocab_size),
+        vocab_size=int(config["vocab_size"]),
         eos_ids=frozenset(eos),
-        pad_id=int(getattr(config, "pad_token_id", None) or 0),
+        pad_id=int(config.get("pad_token_id") or 0),
     )
+
+
+LIMIT_FIELDS = ("max_position_embeddings", "vocab_size", "eos_token_id", "pad_token_id")
+
+
+def _plain_text_config(model_dir: Path) -> dict[str, Any] | None:
+    """`config.json` as written, when it states every field the limits need and holds no sub-model's config: then
+    it says what transformers would (a written value, null included, overrides a config class's default). Reading
+    it takes milliseconds, where importing transformers for it took ~5 s of each worker's start on 2 cores (a
+    synthetic or remote worker needs nothing else of transformers). None: ask transformers."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None  # transformers says what is wrong with it
+    if not isinstance(config, dict) or not all(k in config for k in LIMIT_FIELDS):
+        return None  # an alias (GPT-2's `n_positions`) or a class default stands in for a field
+    if any(isinstance(v, dict) and "model_type" in v for v in config.values()):
+        return None  # a composite model (a `text_config`): its text decoder's config is transformers' to find
+    return config
+
+
+def _transformers_text_config(model_dir: Path) -> dict[str, Any]:
+    """The text decoder's config as transformers reads it: attribute aliases, class defaults, sub-configs."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir).get_text_config(decoder=True)
+    return {k: getattr(config, k, None) for k in LIMIT_FIELDS}
 
 
 def _as_ids(value: int | list[int] | None) -> list[int]:

@@ -293,9 +293,9 @@ class Worker:
         that may be one entry, and the rest of a burst that arrives then would follow a round trip later. The
         engine would start on the first entry alone and take the rest a step behind, out of step with it for the
         whole batch (measured: ~4 % more engine steps a round on a burst of 64 prompts). So the burst starts
-        together."""
-        if len(entries) < count or self._held:
-            return []  # it took all there was, or more
+        together. Not before the first entry has said how many samples one holds: until then the room is unknown."""
+        if len(entries) < count or self._held or self._mean_n is None:
+            return []  # it took all there was, or more, or it cannot tell what more would fit
         free = self.settings.max_inflight - self._inflight_samples - round(len(entries) * (self._mean_n or 1))
         if free <= 0 or self._stopping.is_set():
             return []

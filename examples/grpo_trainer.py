@@ -40,7 +40,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
-from pipeline.cli.processes import start_command, start_worker, stop_process, wait_for_worker
+from pipeline.cli.processes import start_command, start_worker, stop_processes, wait_for_worker
 from pipeline.wire import Rollout
 from producers.client import Batch, RolloutClient
 from producers.grpo import grpo_step
@@ -201,8 +201,7 @@ def generation_side(
         if watcher.is_alive():
             watcher.join()
         signal.signal(signal.SIGUSR1, previous)
-        for process, _ in processes.values():
-            stop_process(process)
+        stop_processes([process for process, _ in processes.values()])
 
 
 def submit_next(client: RolloutClient, task: TokenSetTask, config: TrainConfig, rng: random.Random, index: int,

@@ -15,7 +15,7 @@ import fakeredis
 import pytest
 import redis
 
-from pipeline.cli.processes import start_worker, stop_process, wait_for_worker
+from pipeline.cli.processes import start_worker, stop_processes, wait_for_worker
 from pipeline.local import RedisServer, bundled_server, find_redis_server
 
 StartWorker = Callable[..., subprocess.Popen[bytes]]
@@ -152,7 +152,7 @@ def workers(redis_server: RedisServer, ns: str, tiny_model_dir: Path, tmp_path: 
     for proc in started:
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGCONT)  # a test may have frozen it
-        stop_process(proc)
+    stop_processes(started)
     client.close()
 
 

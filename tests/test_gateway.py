@@ -19,7 +19,7 @@ import pytest
 import redis
 from transformers import AutoTokenizer
 
-from pipeline.cli.processes import start_command, stop_process
+from pipeline.cli.processes import start_command, stop_processes
 from pipeline.local import RedisServer, free_port
 from pipeline.streams import Streams
 from pipeline.wire import Keys
@@ -58,8 +58,7 @@ def gateways(redis_server: RedisServer, ns: str, tiny_model_dir: Path, tmp_path:
         return f"http://127.0.0.1:{port}/v1"
 
     yield start
-    for proc in started:
-        stop_process(proc)
+    stop_processes(started)
 
 
 def openai_client(base: str) -> openai.OpenAI:

@@ -9,13 +9,17 @@ worker it serves prompts and takes weight syncs from every transport like the ot
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from consumers.engine import EngineInputError, create_engine
+import consumers.engine as engine_module
+from consumers.engine import EngineInputError, _plain_text_config, create_engine, read_model_limits
 from consumers.synthetic_engine import SyntheticEngine, parse_lengths
 from pipeline.local import RedisServer, free_port
 from pipeline.wire import Sampling
@@ -126,3 +130,35 @@ def test_a_synthetic_worker_serves_prompts_and_takes_weight_syncs(
         assert all(a[2] == b[1] for a, b in zip(r.spans, r.spans[1:], strict=False)), r.spans
     assert any(len(r.spans) >= 2 for r in rollouts), "samples ran across the syncs"
     assert client.streams.redis.hget(client.streams.keys.worker("syn"), "version") == b"3"
+
+
+def test_model_limits_come_from_the_config_file_as_transformers_reads_them(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A synthetic or remote worker reads its model's limits from `config.json` without importing transformers
+    (which took ~5 s of its start), and gets what transformers would say; a config the file alone cannot answer
+    (an aliased field, a class default, a composite model) goes to transformers."""
+    probe = (
+        "import sys; from pathlib import Path; from consumers.engine import read_model_limits; "
+        f"print(repr(read_model_limits(Path({str(tiny_model_dir)!r}), None))); print('transformers' in sys.modules)"
+    )
+    run_probe = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert run_probe.returncode == 0, run_probe.stderr
+    from_file, imported = run_probe.stdout.splitlines()
+    assert imported == "False", "reading the limits imported transformers"
+
+    gpt2 = tmp_path / "gpt2"  # `n_positions` stands for max_position_embeddings, and pad_token_id is a default
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_positions": 64, "vocab_size": 100}))
+    composite = tmp_path / "composite"  # the text decoder's config is nested in the model's
+    composite.mkdir()
+    text = json.loads((tiny_model_dir / "config.json").read_text()) | {"max_position_embeddings": 96}
+    outer = {"max_position_embeddings": 8, "vocab_size": 7, "eos_token_id": 1, "pad_token_id": 0}  # not the text's
+    (composite / "config.json").write_text(json.dumps({"model_type": "llava", "text_config": text} | outer))
+    assert _plain_text_config(gpt2) is None and _plain_text_config(composite) is None
+    assert (read_model_limits(gpt2, None).max_model_len, read_model_limits(gpt2, 32).max_model_len) == (64, 32)
+    nested = read_model_limits(composite, None)
+    assert (nested.max_model_len, nested.vocab_size) == (96, 512)
+
+    monkeypatch.setattr(engine_module, "_plain_text_config", lambda model_dir: None)  # every field from transformers
+    assert from_file == repr(read_model_limits(tiny_model_dir, None))

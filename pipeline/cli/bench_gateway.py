@@ -58,7 +58,7 @@ from pipeline.cli.engine_spec import (
     ThreadsOpt,
     TpOpt,
 )
-from pipeline.cli.processes import start_command, start_worker, stop_process, wait_for_worker
+from pipeline.cli.processes import start_command, start_worker, stop_processes, wait_for_worker
 
 if TYPE_CHECKING:
     import openai
@@ -460,8 +460,7 @@ class _Bench:
                     progress.advance(task)
 
             # 2. Overhead: the gateway with one worker vs the engine in this process, on the same turns.
-            for process in self.workers[1:]:
-                stop_process(process)
+            stop_processes(self.workers[1:])
             _wait_for_single_worker(self.url, self.names[0])
             task = progress.add_task("gateway vs engine rounds", total=2 * (self.rounds + 1))
             alternate = self.spec.kind != "vllm"  # a vLLM engine here only once the vLLM workers are gone
@@ -528,8 +527,8 @@ class _Bench:
         for client in self.clients.values():
             self.loop.run_until_complete(client.close())
         self.clients.clear()
-        for process in [*self.gateways, *self.workers]:
-            stop_process(process)  # a process already stopped is skipped
+        stop_processes(self.gateways)
+        stop_processes(self.workers)  # a process already stopped is skipped
 
     def close(self) -> None:
         try:

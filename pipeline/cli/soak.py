@@ -49,7 +49,7 @@ import typer
 
 from pipeline.cli import DedupeTtlOpt, app, console, fail, user_errors
 from pipeline.cli.engine_spec import EngineSpec
-from pipeline.cli.processes import start_worker, stop_process, wait_for_worker
+from pipeline.cli.processes import start_worker, stop_processes, wait_for_worker
 from pipeline.streams import Streams
 from pipeline.top import snapshot
 
@@ -289,8 +289,7 @@ def run_soak(
             finally:
                 if sampler is not None and sampler.is_alive():
                     sampler.stop()
-                for process in processes:
-                    stop_process(process)  # one already stopped is skipped
+                stop_processes(processes)  # one already stopped is skipped
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
