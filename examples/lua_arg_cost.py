@@ -1,0 +1,86 @@
+"""What Redis spends on bytes passed through a Lua script, against the same commands sent as they are.
+
+An abort sync at 1,000 workers costs Redis ~370 ms of commands, ~160 ms of them the publish script carrying each
+worker's interrupted samples (~4 partials of ~5 KB) into `{ns}:partials` (README, 1,000 workers on one Redis). This
+prints, per call, Redis's own time (`INFO commandstats`) for: a script that XADDs 4 blobs of each size, the same 4
+XADDs sent raw, a script that only receives the 4 blobs, and the publish script itself with 4 real partials (its
+XACK and XADDs counted inside it). JSON on stdout; `ROLLOUTS_REDIS_SERVER` picks the server.
+
+    python examples/lua_arg_cost.py --calls 400
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+import redis
+
+from pipeline.local import RedisServer, find_redis_server
+from pipeline.streams import Entry, Publish, Streams
+from pipeline.wire import GENERATORS, Partial, Prompt
+
+XADD_ALL = "for i = 1, #ARGV do redis.call('XADD', KEYS[1], '*', 'p', ARGV[i]) end return 1"
+RECEIVE_ONLY = "return 1"
+
+
+def per_call_us(r: redis.Redis, calls: int, send: object) -> dict[str, float]:
+    """Redis's time per call of each command that `send(pipeline)` queued `calls` times."""
+    r.config_resetstat()
+    pipe = r.pipeline(transaction=False)
+    for _ in range(calls):
+        send(pipe)  # type: ignore[operator]
+    pipe.execute()
+    stats = r.info("commandstats")
+    return {k.removeprefix("cmdstat_"): round(v["usec"] / v["calls"], 1) for k, v in stats.items() if "config" not in k}
+
+
+def publish_script_us(r: redis.Redis, calls: int) -> dict[str, float]:
+    """The publish script with 4 partials of 600 generated tokens each, as a worker sends them in an abort sync."""
+    streams = Streams(r, "cost")
+    rng = np.random.default_rng(0)
+    prompt = Prompt(id="p", n=4, tokens=rng.integers(0, 1000, 64).astype(np.int32))
+    partials = [
+        Partial(prompt=prompt, sample=k, generated=rng.integers(0, 1000, 600).astype(np.int32),
+                logprobs=rng.random(600).astype(np.float32), spans=[(0, 600, 3)])
+        for k in range(4)
+    ]  # fmt: skip
+    for _ in range(calls):
+        r.xadd(streams.keys.prompts, prompt.to_fields())
+    streams.ensure_groups()
+    (_, taken), *_ = r.xreadgroup(GENERATORS, "c", {streams.keys.prompts: ">"}, count=calls)
+    sources = [Entry(streams.keys.prompts, entry_id.decode(), {}) for entry_id, _ in taken]
+    r.config_resetstat()
+    for source in sources:
+        streams.publish_many([Publish((), source, partials, None)])
+    stats = r.info("commandstats")
+    return {k.removeprefix("cmdstat_"): round(v["usec"] / v["calls"], 1) for k, v in stats.items() if "config" not in k}
+
+
+def row(r: redis.Redis, calls: int, size: int, xadd_all: str, receive_only: str) -> dict[str, object]:
+    """The three ways for 4 blobs of `size` bytes."""
+    blobs = [b"x" * size] * 4
+    return {
+        "bytes_each": size,
+        "script_4_xadds": per_call_us(r, calls, lambda p: p.evalsha(xadd_all, 1, f"s{size}", *blobs)),
+        "raw_4_xadds": per_call_us(r, calls, lambda p: [p.xadd(f"r{size}", {"p": b}) for b in blobs]),
+        "script_receives_4": per_call_us(r, calls, lambda p: p.evalsha(receive_only, 0, *blobs)),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--calls", type=int, default=400)
+    args = parser.parse_args()
+    with RedisServer() as server:
+        r = redis.Redis.from_url(server.url)
+        xadd_all, receive_only = r.script_load(XADD_ALL), r.script_load(RECEIVE_ONLY)
+        rows = [row(r, args.calls, size, xadd_all, receive_only) for size in (10, 1000, 5000)]
+        report = {"redis": find_redis_server().describe(), "calls": args.calls, "rows": rows}
+        report["publish_script_4_partials"] = publish_script_us(r, args.calls)
+        print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
