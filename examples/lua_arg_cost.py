@@ -36,8 +36,11 @@ def per_call_us(r: redis.Redis, calls: int, send: object) -> dict[str, float]:
     return {k.removeprefix("cmdstat_"): round(v["usec"] / v["calls"], 1) for k, v in stats.items() if "config" not in k}
 
 
-def publish_script_us(r: redis.Redis, calls: int) -> dict[str, float]:
-    """The publish script with 4 partials of 600 generated tokens each, as a worker sends them in an abort sync."""
+def publish_ways(r: redis.Redis, calls: int) -> dict[str, dict[str, float]]:
+    """One abort-sync publish of 4 partials of 600 generated tokens, two ways, `calls` times each, one round trip a
+    publish: the publish script carrying them (today's), and the partials as plain XADDs in a `MULTI` beside a publish
+    script that carries none (the proposal). Per publish: Redis's CPU (`INFO cpu`, parsing included) and µs a
+    call of each command (`INFO commandstats`; EXEC's includes what it ran)."""
     streams = Streams(r, "cost")
     rng = np.random.default_rng(0)
     prompt = Prompt(id="p", n=4, tokens=rng.integers(0, 1000, 64).astype(np.int32))
@@ -46,16 +49,39 @@ def publish_script_us(r: redis.Redis, calls: int) -> dict[str, float]:
                 logprobs=rng.random(600).astype(np.float32), spans=[(0, 600, 3)])
         for k in range(4)
     ]  # fmt: skip
-    for _ in range(calls):
-        r.xadd(streams.keys.prompts, prompt.to_fields())
     streams.ensure_groups()
-    (_, taken), *_ = r.xreadgroup(GENERATORS, "c", {streams.keys.prompts: ">"}, count=calls)
-    sources = [Entry(streams.keys.prompts, entry_id.decode(), {}) for entry_id, _ in taken]
-    r.config_resetstat()
-    for source in sources:
+
+    def taken() -> list[Entry]:
+        for _ in range(calls):
+            r.xadd(streams.keys.prompts, prompt.to_fields())
+        (_, entries), *_ = r.xreadgroup(GENERATORS, "c", {streams.keys.prompts: ">"}, count=calls)
+        return [Entry(streams.keys.prompts, entry_id.decode(), {}) for entry_id, _ in entries]
+
+    def in_script(source: Entry) -> None:
         streams.publish_many([Publish((), source, partials, None)])
-    stats = r.info("commandstats")
-    return {k.removeprefix("cmdstat_"): round(v["usec"] / v["calls"], 1) for k, v in stats.items() if "config" not in k}
+
+    def beside_script(source: Entry) -> None:
+        buckets, expiry_s = streams.dedupe_buckets()
+        keys = [streams.keys.rollouts, source.stream, streams.keys.partials, *buckets]
+        transaction = r.pipeline(transaction=True)
+        for partial in partials:
+            transaction.xadd(streams.keys.partials, partial.to_fields())  # type: ignore[arg-type]
+        transaction.evalsha(streams._publish.sha, len(keys), *keys, GENERATORS, source.id, expiry_s, 0)
+        transaction.execute()
+
+    report = {}
+    for name, publish in (("script_carries_partials", in_script), ("multi_beside_script", beside_script)):
+        sources = taken()
+        r.config_resetstat()
+        before = r.info("cpu")
+        for source in sources:
+            publish(source)
+        after, stats = r.info("cpu"), r.info("commandstats")
+        cpu_s = sum(after[k] - before[k] for k in ("used_cpu_sys", "used_cpu_user"))
+        report[name] = {"redis_cpu_us_a_publish": round(cpu_s / calls * 1e6, 1)} | {
+            k.removeprefix("cmdstat_"): round(v["usec"] / v["calls"], 1) for k, v in stats.items() if "config" not in k
+        }
+    return report
 
 
 def row(r: redis.Redis, calls: int, size: int, xadd_all: str, receive_only: str) -> dict[str, object]:
@@ -78,7 +104,7 @@ def main() -> None:
         xadd_all, receive_only = r.script_load(XADD_ALL), r.script_load(RECEIVE_ONLY)
         rows = [row(r, args.calls, size, xadd_all, receive_only) for size in (10, 1000, 5000)]
         report = {"redis": find_redis_server().describe(), "calls": args.calls, "rows": rows}
-        report["publish_script_4_partials"] = publish_script_us(r, args.calls)
+        report["publish_4_partials"] = publish_ways(r, args.calls)
         print(json.dumps(report, indent=1))
 
 
