@@ -296,7 +296,7 @@ class Worker:
         together. Not before the first entry has said how many samples one holds: until then the room is unknown."""
         if len(entries) < count or self._held or self._mean_n is None:
             return []  # it took all there was, or more, or it cannot tell what more would fit
-        free = self.settings.max_inflight - self._inflight_samples - round(len(entries) * (self._mean_n or 1))
+        free = self.settings.max_inflight - self._inflight_samples - round(len(entries) * self._mean_n)
         if free <= 0 or self._stopping.is_set():
             return []
         return await asyncio.to_thread(

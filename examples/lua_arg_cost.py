@@ -18,7 +18,8 @@ import numpy as np
 import redis
 
 from pipeline.local import RedisServer, find_redis_server
-from pipeline.streams import Entry, Publish, Streams
+from pipeline.lua import sources
+from pipeline.streams import SCRIPTS, Entry, Publish, Streams
 from pipeline.wire import GENERATORS, Partial, Prompt
 
 XADD_ALL = "for i = 1, #ARGV do redis.call('XADD', KEYS[1], '*', 'p', ARGV[i]) end return 1"
@@ -32,6 +33,11 @@ def per_call_us(r: redis.Redis, calls: int, send: object) -> dict[str, float]:
     for _ in range(calls):
         send(pipe)  # type: ignore[operator]
     pipe.execute()
+    return command_us(r)
+
+
+def command_us(r: redis.Redis) -> dict[str, float]:
+    """µs a call of each command since `CONFIG RESETSTAT`, as Redis timed them (not the resetting itself)."""
     stats = r.info("commandstats")
     return {k.removeprefix("cmdstat_"): round(v["usec"] / v["calls"], 1) for k, v in stats.items() if "config" not in k}
 
@@ -50,6 +56,7 @@ def publish_ways(r: redis.Redis, calls: int) -> dict[str, dict[str, float]]:
         for k in range(4)
     ]  # fmt: skip
     streams.ensure_groups()
+    publish_sha = r.script_load(sources(SCRIPTS)["publish"])
 
     def taken() -> list[Entry]:
         for _ in range(calls):
@@ -66,21 +73,19 @@ def publish_ways(r: redis.Redis, calls: int) -> dict[str, dict[str, float]]:
         transaction = r.pipeline(transaction=True)
         for partial in partials:
             transaction.xadd(streams.keys.partials, partial.to_fields())  # type: ignore[arg-type]
-        transaction.evalsha(streams._publish.sha, len(keys), *keys, GENERATORS, source.id, expiry_s, 0)
+        transaction.evalsha(publish_sha, len(keys), *keys, GENERATORS, source.id, expiry_s, 0)
         transaction.execute()
 
     report = {}
     for name, publish in (("script_carries_partials", in_script), ("multi_beside_script", beside_script)):
-        sources = taken()
+        pending = taken()
         r.config_resetstat()
         before = r.info("cpu")
-        for source in sources:
+        for source in pending:
             publish(source)
-        after, stats = r.info("cpu"), r.info("commandstats")
+        after = r.info("cpu")
         cpu_s = sum(after[k] - before[k] for k in ("used_cpu_sys", "used_cpu_user"))
-        report[name] = {"redis_cpu_us_a_publish": round(cpu_s / calls * 1e6, 1)} | {
-            k.removeprefix("cmdstat_"): round(v["usec"] / v["calls"], 1) for k, v in stats.items() if "config" not in k
-        }
+        report[name] = {"redis_cpu_us_a_publish": round(cpu_s / calls * 1e6, 1)} | command_us(r)
     return report
 
 
