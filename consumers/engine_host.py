@@ -19,6 +19,7 @@ import numpy as np
 
 from consumers.engine import Engine, create_engine
 from consumers.engine_channel import Channel, error_to_wire, generation_to_wire, unpack_tensors
+from pipeline.fast_exit import leave
 from pipeline.wire import Sampling
 from staleness.broadcast import BroadcastLink
 
@@ -143,6 +144,7 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=args.log_level, format="%(asctime)s engine %(levelname)s %(name)s: %(message)s")
     asyncio.run(run(args.fd))
+    leave(0)  # seconds sooner than the teardown with an engine's modules loaded
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-from pipeline.cli import app
+from pipeline.cli import main
 
 # Guarded: engines spawn processes that re-import the main module.
 if __name__ == "__main__":
-    app()
+    main()
