@@ -84,7 +84,7 @@ from consumers.engine import (
     vllm_spans,
 )
 from consumers.lora import parse_adapter, save_adapter
-from consumers.orphans import reap_now, reap_on_death
+from consumers.orphans import reap_on_death
 from pipeline.wire import FinishReason, Sampling
 from staleness.broadcast import BroadcastLink, prepare_receiver, receive_broadcast
 
@@ -103,7 +103,8 @@ DEATH_CHECK_S = 1.0
 """How often the engine's monitor looks whether vLLM died."""
 
 SHUTDOWN_GRACE_S = 1.0
-"""How long `shutdown` lets vLLM's `EngineCore` exit after SIGTERM before it is killed (vLLM's default: 5 s)."""
+"""How long `shutdown` lets vLLM's `EngineCore` exit after SIGTERM before vLLM kills it and its `Worker`s (vLLM's
+default: 5 s)."""
 
 _EMPTY_LOGPROBS = np.zeros(0, dtype=np.float32)
 
@@ -300,16 +301,17 @@ class VllmEngine(EngineLifecycle):
             self._monitor.cancel()
         if llm.output_handler is not None:  # it would log the engine's exit as a failure
             llm.output_handler.cancel()
-        # SIGTERM to `EngineCore`, SIGKILL after the grace. Its `Worker` spends seconds in Python's teardown after
-        # its queues close; the `EngineCore` waits for it, and was killed at the end of vLLM's default 5 s grace
-        # anyway. Nothing of theirs outlives the engine: the watchdog kills what is left.
+        # SIGTERM to `EngineCore`, then vLLM kills its process tree after the grace. Its `Worker` spends seconds in
+        # Python's teardown after its queues close; the `EngineCore` waits for it, and was killed at the end of
+        # vLLM's default 5 s grace anyway.
         await asyncio.to_thread(llm.shutdown, SHUTDOWN_GRACE_S)
-        if self._watchdog is not None:
-            reap_now(self._watchdog)
-            self._watchdog = None
         # `AsyncLLM.__del__` shuts down again: let it run now (a no-op), not at interpreter exit where it fails.
         del llm
         gc.collect()
+        if self._watchdog is not None:  # vLLM's processes are gone: nothing left to guard
+            self._watchdog.kill()
+            self._watchdog.wait()
+            self._watchdog = None
         self._drop_lora_dir()
 
     def _drop_lora_dir(self) -> None:

@@ -229,6 +229,14 @@ def test_bench_sync_reports_the_stall_per_transport(tmp_path: Path) -> None:
     assert_clean_error(rollouts("bench-sync", "--sizes", "huge"), "unknown sizes ['huge']")
 
 
+def test_a_workers_blocking_reads_wait_at_most_one_heartbeat_period() -> None:
+    """A worker checks for a stop between reads: one that beats every 0.3 s stops within 0.3 s of SIGTERM, not the
+    1 s a default read blocks for; a slow heartbeat does not make reads longer than that 1 s."""
+    from pipeline.cli import worker_settings
+
+    assert [worker_settings(256, 10_000, beat).block_ms for beat in (0.3, 1.0, 5.0)] == [300, 1000, 1000]
+
+
 def test_a_remote_worker_needs_the_url_of_its_server(tiny_model_dir: Path) -> None:
     """`--engine remote` without `--url` is refused in one line, before anything connects."""
     result = rollouts("worker", "--engine", "remote", "--model", str(tiny_model_dir), timeout=60)
