@@ -1,0 +1,23 @@
+"""`examples/worker_lifecycle.py`: how long a worker takes to serve and to exit once told to stop."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "examples" / "worker_lifecycle.py"
+
+
+def test_worker_lifecycle_times_each_round_and_every_worker_exits_cleanly(tiny_model_dir: Path) -> None:
+    args = ["--engines", "synthetic", "--rounds", "2", "--model", str(tiny_model_dir)]
+    result = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(result.stdout)
+    rounds = report["rounds"]["synthetic"]
+    assert len(rounds) == 2 and all(r["exit"] == 0 and r["start_s"] > 0 and r["stop_s"] > 0 for r in rounds), rounds
+    assert set(report["median"]) == {"synthetic"}
+    bad = subprocess.run([sys.executable, str(SCRIPT), "--engines", "tpu"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "unknown engines ['tpu']" in bad.stderr and "Traceback" not in bad.stderr
