@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import redis
+from rich.console import Console
 from rich.progress import Progress
 
 from consumers.tiny_model import build_tiny_model
@@ -48,7 +49,11 @@ def main() -> None:
     unknown = sorted(set(engines) - set(ENGINES))
     if unknown or args.rounds < 1:
         parser.error(f"unknown engines {unknown}" if unknown else "--rounds must be at least 1")
-    with tempfile.TemporaryDirectory() as tmp, RedisServer() as server, Progress(transient=True) as progress:
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        RedisServer() as server,
+        Progress(console=Console(stderr=True), transient=True) as progress,
+    ):
         model = args.model or build_tiny_model(Path(tmp) / "tiny")
         client = redis.Redis.from_url(server.url)
         task = progress.add_task("workers", total=len(engines) * args.rounds)
