@@ -50,6 +50,9 @@ log = logging.getLogger(__name__)
 SHUTDOWN_TIMEOUT_S = 30.0
 """How long a shutdown waits for the engine process to exit before it is killed."""
 
+EXIT_CODE_WAIT_S = 2.0
+"""How long the end of the channel waits for the process's exit code, which names why it ended ("exited (code -9)")."""
+
 
 class ProcessEngine(EngineLifecycle):
     """The `Engine` protocol, served by engine `kind` in a child process (see the module)."""
@@ -153,8 +156,18 @@ class ProcessEngine(EngineLifecycle):
                 else:
                     future.set_exception(error_from_wire(value))
         finally:
-            code = self._process.poll() if self._process is not None else None
+            code = await self._exit_code(EXIT_CODE_WAIT_S)
             self._close("the engine process is gone" if code is None else f"the engine process exited (code {code})")
+
+    async def _exit_code(self, wait_s: float) -> int | None:
+        """The process's exit code, waiting up to `wait_s` for it: a killed process's socket closes before the process
+        can be reaped, so the channel's end is often seen first (on a busy machine, by tens of ms)."""
+        if self._process is None:
+            return None
+        try:
+            return await asyncio.to_thread(self._process.wait, wait_s)
+        except subprocess.TimeoutExpired:
+            return None
 
     def _close(self, reason: str) -> None:
         if self._closed is None:

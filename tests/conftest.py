@@ -166,3 +166,19 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+XDIST_GROUPS = {"vllm": "vllm", "tests/test_ray_launcher.py": "ray"}
+"""Under `-n 2` (the README's test command), tests of one group run on one xdist worker, one after another: vLLM tests,
+because two vLLM engines at once on 2 cores each spin a core and starve everything else; the Ray tests, because their
+module shares one Ray cluster (start it once, not once a worker). The rest is spread over both workers."""
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark the groups before xdist reads its `xdist_group` marks (it does in its own hook of this name)."""
+    for item in items:
+        module = item.nodeid.split("::")[0]
+        group = XDIST_GROUPS["vllm"] if item.get_closest_marker("vllm") else XDIST_GROUPS.get(module)
+        if group:
+            item.add_marker(pytest.mark.xdist_group(group))

@@ -1,16 +1,18 @@
 """`rollouts launch`: workers as Ray actors on a real local Ray cluster (CPU, torch engine, the tiny model).
 
 Ray 2.60 turns on token auth for new clusters and keeps its token under `~/.ray`: the cluster and
-every Ray client here run with `RAY_AUTH_MODE=disabled` and a temp dir under the test's tmp path.
+every Ray client here run with `RAY_AUTH_MODE=disabled` and a temp dir of their own.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -47,7 +49,9 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     ports = ("--ray-client-server-port", "--dashboard-port", "--dashboard-agent-listen-port")
     # Ray's CLI through this interpreter: its `ray` script need not sit beside it (a venv over system packages).
     command = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--port", str(port)]
-    command += ["--num-cpus", "2", "--temp-dir", str(temp / "t"), "--include-dashboard=false", "--disable-usage-stats"]
+    # Not under pytest's tmp path, which is long under xdist: Ray's socket paths there passed AF_UNIX's 107 bytes.
+    ray_temp = tempfile.mkdtemp(prefix="rollouts-ray-")
+    command += ["--num-cpus", "2", "--temp-dir", ray_temp, "--include-dashboard=false", "--disable-usage-stats"]
     command += [arg for flag in ports for arg in (flag, str(free_port()))]
     with open(log, "wb") as out:
         head = subprocess.Popen(
@@ -69,6 +73,7 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             head.wait()
         with contextlib.suppress(ProcessLookupError):
             os.killpg(head.pid, signal.SIGKILL)  # anything of its session that outlived it
+        shutil.rmtree(ray_temp, ignore_errors=True)
 
 
 def ray_view(address: str, ns: str) -> tuple[list[str], list[str]]:

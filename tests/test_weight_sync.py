@@ -260,7 +260,9 @@ def test_publish_weights_command_and_the_manager_finishing_a_sync_whose_driver_d
     report = json.loads(done.stdout)
     assert (report["version"], report["acked"], report["evicted"]) == (1, ["healthy"], [])
 
-    stuck = workers("stuck")
+    # Its heartbeat must outlive the freeze (TTL 5 heartbeats: 150 s), or the manager finds it gone, not late: on a
+    # busy machine the freeze below (two CLI starts and a sync) outlasted the 5 s TTL of the tests' 0.3 s heartbeat.
+    stuck = workers("stuck", "--heartbeat-s", "30")
     os.kill(stuck.pid, signal.SIGSTOP)
     driver = subprocess.Popen(
         [sys.executable, "-m", "pipeline.cli", "publish-weights", "--redis", url, "--ns", ns,
