@@ -278,6 +278,7 @@ def test_a_scorer_killed_mid_run_is_replaced_and_every_group_arrives_once(
     assert connection.hget(keys.scorer, "leader") == b"scorer-standby"
     assert connection.xinfo_groups(keys.scoring)[0]["pending"] == 0
     stop_process(standby)
-    # Forwarding is atomic (ack + add in one step): the successor re-scored only what was not forwarded.
-    forwarded = [fields[b"id"].decode() for _id, fields in connection.xrange(keys.rollouts)]
-    assert sorted(forwarded) == sorted(f"{p}:{k}" for p in ids for k in range(3))
+    # Forwarding is atomic (ack + add in one step): the successor re-scored only what was not forwarded, so no
+    # rollout was forwarded twice. Counted by what the stream was ever given (Redis 7's `entries-added`): its entries
+    # the trainer acked may be trimmed already (a busy machine's run once kept only the last 3 groups).
+    assert connection.xinfo_stream(keys.rollouts)["entries-added"] == 8 * 3
