@@ -248,7 +248,7 @@ def test_an_adapter_sync_whose_driver_died_is_finished_by_the_manager_and_a_sile
     that never acked evicted."""
     url = redis_server.url
     healthy = workers("healthy")
-    stuck = workers("stuck")
+    stuck = workers("stuck", "--heartbeat-s", "30")  # its heartbeat (TTL 150 s) outlives the freeze: late, not gone
     os.kill(stuck.pid, signal.SIGSTOP)  # frozen: it will never ack
     peft = save_adapter(*adapters["a1"], tmp_path / "a1")
     driver = start_command(
