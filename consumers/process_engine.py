@@ -131,14 +131,11 @@ class ProcessEngine(EngineLifecycle):
         """Close the channel, give the process `wait_s` to exit (then kill it) and let the reader end."""
         if self._channel is not None:
             await self._channel.close()
-        if self._process is not None:
-            try:
-                await asyncio.to_thread(self._process.wait, wait_s)
-            except subprocess.TimeoutExpired:
-                if wait_s:
-                    log.warning("engine process %d did not exit in %.0f s: killed", self._process.pid, wait_s)
-                self._process.kill()
-                await asyncio.to_thread(self._process.wait)
+        if self._process is not None and await self._exit_code(wait_s) is None:
+            if wait_s:
+                log.warning("engine process %d did not exit in %.0f s: killed", self._process.pid, wait_s)
+            self._process.kill()
+            await asyncio.to_thread(self._process.wait)
         if self._reader is not None:
             await asyncio.gather(self._reader, return_exceptions=True)
 
