@@ -9,9 +9,10 @@ the load until its generation ends, so the adapter cannot be evicted under it.
 
 Each adapter syncs on its own (`staleness.manager.Manager(adapter=...)`): its `weights` command closes its gate
 (fresh requests for it wait), pauses only its requests in the engine (abort: they end with their tokens so far and
-go on later as partials; keep: they freeze), loads the new version if the adapter is loaded here (one that is not
-is loaded at the new version when next needed) and acks with `epoch@NAME` in the heartbeat; its `resume` opens the
-gate. Every other adapter and the base model go on generating meanwhile.
+go on after its resume, since the worker's continuations wait at the gate too; keep: they freeze), loads the new
+version if the adapter is loaded here (one that is not is loaded at the new version when next needed) and acks with
+`epoch@NAME` in the heartbeat; its `resume` opens the gate. Every other adapter and the base model go on
+generating meanwhile.
 
 An adapter published over `nccl://` is nowhere to fetch later: every live worker joins its broadcast (before it
 pauses the adapter, as for the base model) and keeps a CPU copy of the version it received, from which it loads the
@@ -191,7 +192,7 @@ class WorkerAdapters:
         """Join its broadcast (nccl), close the gate, pause the adapter's requests, receive (nccl), load the new
         version if the adapter is loaded here, ack.
 
-        A version that cannot be loaded leaves the adapter unloaded (its requests aborted: they go on as partials):
+        A version that cannot be loaded leaves the adapter unloaded (its requests aborted: they go on after the resume):
         the next request for it loads the state's version again, or becomes an error rollout that says why. The
         worker acks either way; one tenant's bad adapter stops no worker. `join=False`: a sync found under way at
         start, whose broadcast this worker is too late to join."""
@@ -219,7 +220,7 @@ class WorkerAdapters:
                     self.metrics.adapter_loaded("sync")
                 except (EngineInputError, NotHere) as exc:
                     log.error("%s: %s; unloading it", self.worker, exc)
-                    await self.engine.pause_adapter(adapter, "abort")  # kept requests end, and go on elsewhere
+                    await self.engine.pause_adapter(adapter, "abort")  # kept requests end, and go on after the resume
                     await self.engine.remove_adapter(adapter)
             self._epochs[adapter] = command.epoch
         await self._ack()

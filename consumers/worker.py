@@ -82,6 +82,12 @@ class WorkerSettings:
     """Start the engine when the first work arrives, not at launch (`consumers.lifecycle`)."""
     release_after_s: float | None = None
     """Shut the engine down after this many seconds without work, and start it again on demand; None: never."""
+    hand_off_partials: bool = False
+    """What an `abort` pause does with the samples it interrupts. False: this worker continues each itself after the
+    resume (its tokens so far stay in memory; the prompt stays pending here, so a worker that dies meanwhile loses
+    only those tokens: the prompt is claimed and generated again). True: each goes to `{ns}:partials` with the
+    entry's ack at the pause, durable, and any worker continues it. A worker that stops before its resume hands its
+    interrupted samples off either way."""
 
 
 class BusyClock:
@@ -242,6 +248,8 @@ class Worker:
         next_claim = 0.0
         while not self._stopping.is_set():
             await self._serving.wait()
+            if self._stopping.is_set():  # a stop sets `_serving` too: during a sync, read nothing more
+                break
             if self._inflight and not self._slot.ready:
                 await self._engine_ready()  # no engine (lazy, released): take no more until it serves what it holds
                 continue
@@ -271,6 +279,9 @@ class Worker:
                 log.warning("%s: reading work failed (%s); retrying", self.name, exc)
                 await asyncio.sleep(self.settings.heartbeat_s)
                 continue
+            if self._stopping.is_set() and entries:  # a read that spanned the stop: a sync may hold the engine paused
+                log.info("%s: %d entries read as it stopped stay pending for other workers", self.name, len(entries))
+                break
             if self._partials_first:  # until a read of them comes back short
                 self._partials_first = sum(entry.stream == self.streams.keys.partials for entry in entries) >= count
             for entry in entries[count:]:  # more than there was room for: taken now, started when there is room
@@ -329,8 +340,9 @@ class Worker:
     async def _serve(self, entry: Entry) -> None:
         """Generate what one entry asks for and publish it with the entry's ack, in one atomic step.
 
-        A prompt entry asks for its `n` samples; a partial entry for the rest of one sample. Samples
-        that an abort pause interrupts go back to `{ns}:partials` in the same step. However it ends,
+        A prompt entry asks for its `n` samples; a partial entry for the rest of one sample. Samples that an abort
+        pause interrupts are continued here after the resume, or go to `{ns}:partials` in the same step if the worker
+        hands them off (`hand_off_partials`) or stops. However it ends,
         the entry stops being held here (`_start` took it); if it was not acked, it stays pending.
         """
         counted = 0
@@ -386,7 +398,23 @@ class Worker:
     async def _generate_sample(
         self, prompt: Prompt, sample: int, entry: Entry, done: Partial | None
     ) -> Rollout | Partial:
-        """One sample, or the rest of one (`done`: what an earlier worker generated before a pause)."""
+        """One sample, or the rest of one (`done`: what an earlier worker generated before a pause).
+
+        An `abort` pause ends it early. Unless the worker hands its interrupted samples off (`hand_off_partials`) or
+        stops, it waits for the resume and continues it here from the tokens so far: nothing of it crosses Redis."""
+        while True:
+            result = await self._generate_rest(prompt, sample, entry, done)
+            if isinstance(result, Rollout) or self.settings.hand_off_partials:
+                return result
+            await self._serving.wait()  # the sync's resume, or a stop (which sets it too)
+            if self._stopping.is_set():
+                return result  # published to `{ns}:partials` with the entry's ack: another worker continues it
+            done = result
+
+    async def _generate_rest(
+        self, prompt: Prompt, sample: int, entry: Entry, done: Partial | None
+    ) -> Rollout | Partial:
+        """Generate one sample, or the rest of `done`: a Rollout, or a Partial if a pause aborted it."""
         so_far = done.generated if done is not None else np.zeros(0, dtype=np.int32)
         sampling = prompt.sampling.model_copy(update={"max_tokens": prompt.sampling.max_tokens - len(so_far)})
         if sampling.seed is not None:
@@ -415,7 +443,7 @@ class Worker:
         tokens = np.concatenate([so_far, generation.tokens])
         logprobs = np.concatenate([done.logprobs, generation.logprobs]) if done is not None else generation.logprobs
         spans = join_spans(done.spans if done is not None else [], new_spans, len(so_far))
-        if generation.finish_reason == "abort":  # only a pause aborts: the sample goes on elsewhere
+        if generation.finish_reason == "abort":  # only a pause aborts: the sample goes on after the resume
             return Partial(prompt=prompt, sample=sample, generated=tokens, logprobs=logprobs, spans=spans)
         finished = time.time()
         return Rollout(

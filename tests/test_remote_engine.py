@@ -195,8 +195,12 @@ def test_two_workers_sharing_one_server_sync_weights_mid_generation(
 ) -> None:
     wait_until(server.healthy, 300, "the vLLM server")
     server.serve_base_model(tiny_model_dir)  # the previous test left it at version 2
+    # In abort mode the interrupted samples go through `{ns}:partials` (workers continuing their own samples is the
+    # default, checked in test_weight_sync): a sample aborted before its first token would span one version only.
+    hand_off = ["--hand-off-partials"] if mode == "abort" else []
     started = [
-        remote_worker(redis_server, ns, tiny_model_dir, name, server.url, tmp_path / f"{name}.log") for name in "ab"
+        remote_worker(redis_server, ns, tiny_model_dir, name, server.url, tmp_path / f"{name}.log", *hand_off)
+        for name in "ab"
     ]
     try:
         client = RolloutClient(redis_server.url, ns)

@@ -18,7 +18,7 @@ import pytest
 from consumers.worker import AWAITING_WEIGHTS
 from pipeline.local import RedisServer, free_port
 from pipeline.streams import CONTROL_RECHECK_S, bell_index
-from pipeline.wire import GENERATORS, Control
+from pipeline.wire import GENERATORS, Control, Partial
 from producers.client import Group, RolloutClient
 from staleness.manager import Manager, SyncError
 from staleness.state import read_state
@@ -81,8 +81,9 @@ def test_weights_published_mid_generation_reach_every_sample_exactly_once(
             check_spans_and_logprobs(rollout, weights)
         assert any(len(r.spans) >= 2 for r in rollouts), f"{mode}: some rollouts must span two or more versions"
         assert client.streams.redis.xpending(client.streams.keys.partials, GENERATORS)["pending"] == 0
-        if mode == "abort":  # interrupted samples went through the partials stream (XINFO field of 6.2 and 7.x)
-            assert client.streams.redis.xinfo_stream(client.streams.keys.partials)["last-generated-id"] != b"0-0"
+        # Each worker continued what a pause interrupted itself: nothing went through `{ns}:partials` (XINFO field
+        # of 6.2 and 7.x).
+        assert client.streams.redis.xinfo_stream(client.streams.keys.partials)["last-generated-id"] == b"0-0"
         # Only the current version is kept, and it was broadcast: the stored ones are gone.
         assert not list(client.streams.redis.scan_iter(match=client.streams.keys.weights_prefix + f"{v + 1}:*"))
         assert not [p.name for p in (tmp_path / "weights").iterdir() if p.name.startswith("v")]
@@ -364,3 +365,71 @@ def test_publish_weights_returns_before_the_resume_is_rung_and_settle_waits_for_
     assert client.publish_weights({"w": torch.ones(2)}, mode="keep") == 2
     client.settle()
     assert read_state(client.streams.redis, client.streams.keys).version == 2
+
+
+SLOW_SYNTHETIC = ("--engine", "synthetic", "--engine-args", '{"steps_per_s": 60, "lengths": "uniform:150-200"}')
+"""A synthetic worker whose samples take ~3 s: every sync below interrupts some."""
+
+
+def busy_for(client: RolloutClient, name: str, seconds: float) -> Callable[[], bool]:
+    """True once worker `name` has generated for `seconds` (its heartbeat's `busy_s`): its samples have tokens."""
+    return lambda: float(client.streams.redis.hget(client.streams.keys.worker(name), "busy_s") or 0) >= seconds
+
+
+@pytest.mark.parametrize("hand_off", [False, True], ids=["continued-here", "handed-off"])
+def test_an_abort_sync_continues_interrupted_samples_where_they_were_unless_handed_off(
+    redis_server: RedisServer, ns: str, tiny_model_dir_v1: Path, workers: StartWorker, hand_off: bool
+) -> None:
+    """By default a worker continues the samples an `abort` pause interrupted itself, after the resume: nothing goes
+    through `{ns}:partials`. With `--hand-off-partials` each goes there, acked with its prompt, for any worker."""
+    workers("w", *SLOW_SYNTHETIC, *(["--hand-off-partials"] if hand_off else []))
+    client = RolloutClient(redis_server.url, ns)
+    ids = [client.submit(tokens=[5 + i, 9], n=2, max_tokens=200, seed=i) for i in range(8)]
+    wait_until(busy_for(client, "w", 0.5), 30, "generation to start")
+    assert client.publish_weights(tiny_model_dir_v1, transport="redis://", mode="abort") == 1
+    groups = client.collect(len(ids), timeout=120)
+    rollouts = [r for g in groups for r in g.rollouts]
+    assert sorted(r.id for r in rollouts) == sorted(f"{p}:{k}" for p in ids for k in range(2))
+    assert client.stats["duplicates"] == 0
+    interrupted = [r for r in rollouts if len(r.spans) == 2]
+    assert interrupted and all(r.spans[0][0] == 0 and r.spans[1][0] == 1 for r in interrupted), [
+        r.spans for r in rollouts
+    ]
+    went_through_redis = client.streams.redis.xinfo_stream(client.streams.keys.partials)["last-generated-id"] != b"0-0"
+    assert went_through_redis == hand_off
+
+
+def test_a_worker_that_stops_before_the_resume_hands_its_interrupted_samples_to_the_others(
+    redis_server: RedisServer, ns: str, tiny_model_dir_v1: Path, workers: StartWorker
+) -> None:
+    """A worker asked to stop while an abort sync holds it paused cannot continue what the pause interrupted: it
+    publishes those samples to `{ns}:partials` as it drains, and another worker finishes them from where they were."""
+    frozen = workers("frozen", *SLOW_SYNTHETIC, "--heartbeat-s", "30")  # its heartbeat outlives the sync below
+    os.kill(frozen.pid, signal.SIGSTOP)  # it never acks: the sync holds `leaving` paused until the ack timeout
+    leaving = workers("leaving", *SLOW_SYNTHETIC)
+    client = RolloutClient(redis_server.url, ns)
+    ids = [client.submit(tokens=[5 + i, 9], n=2, max_tokens=200, seed=i) for i in range(8)]
+    wait_until(busy_for(client, "leaving", 0.5), 30, "generation to start")
+    with ThreadPoolExecutor(1) as pool:
+        sync = pool.submit(client.publish_weights, tiny_model_dir_v1, mode="abort", ack_timeout_s=10)
+        worker_key = client.streams.keys.worker("leaving")
+        wait_until(lambda: client.streams.redis.hget(worker_key, "epoch") == b"1", 20, "`leaving` to ack")
+        os.kill(leaving.pid, signal.SIGTERM)
+        assert leaving.wait(timeout=30) == 0
+        handed = [Partial.from_fields(f) for _, f in client.streams.redis.xrange(client.streams.keys.partials)]
+        assert handed, "the interrupted samples were handed off"
+        assert sync.result(timeout=60) == 1
+    assert client.last_sync.evicted == ["frozen"]
+    os.kill(frozen.pid, signal.SIGCONT)  # it wakes up evicted, and leaves
+    assert frozen.wait(timeout=60) == 1
+    workers("finisher", *SLOW_SYNTHETIC)
+    groups = client.collect(len(ids), timeout=120)
+    rollouts = [r for g in groups for r in g.rollouts]
+    assert sorted(r.id for r in rollouts) == sorted(f"{p}:{k}" for p in ids for k in range(2))
+    assert client.stats["duplicates"] == 0
+    by_id = {r.id: r for r in rollouts}
+    for partial in handed:  # each finished by the newcomer from where `leaving` was, under the new version
+        rollout = by_id[f"{partial.prompt.id}:{partial.sample}"]
+        done = len(partial.generated)
+        assert rollout.worker == "finisher" and list(rollout.tokens[:done]) == list(partial.generated)
+        assert rollout.spans[-1][0] == 1 and all(v == 0 for v, _, end in rollout.spans if end <= done)

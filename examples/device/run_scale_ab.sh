@@ -4,12 +4,13 @@
 # with `.carry/`). PAIRS pairs, the first before then after, the next after then before, and so on; each run's JSON to
 # $OUT/SIDE-K.json and a summary line per run on stdout.
 #   OUT=/tmp/out bash examples/device/run_scale_ab.sh 3 --workers 1000 --procs 15 --warmup-s 5 --measure-s 30
+# REDIS_DIR=DIR puts DIR's redis-server first, as in run_scale.sh (Debian's 7.0: make_carry.sh --redis7).
 set -euo pipefail
 OUT="${OUT:-$(mktemp -d)}"
 pairs="$1"; shift
 python -c "import numpy" 2>/dev/null && extra="" || extra=numpy
 python -m pip install -q --upgrade --no-index --find-links .carry/wheels --target /tmp/rs-lib redis hiredis pydantic typer rich prometheus_client psutil $extra
-export PATH="$PWD/.carry/bin:$PATH"
+export PATH="${REDIS_DIR:-$PWD/.carry/bin}:$PWD/.carry/bin:$PATH"
 root="$PWD"
 for k in $(seq 1 "$pairs"); do
   sides="before after"; [ $((k % 2)) -eq 0 ] && sides="after before"

@@ -86,6 +86,13 @@ ReleaseAfterOpt = Annotated[
         help="Shut the engine down after this many seconds without work (status `released`); work starts it again.",
     ),
 ]
+HandOffOpt = Annotated[
+    bool,
+    typer.Option(
+        help="In an abort sync, hand interrupted samples to any worker through {ns}:partials (durable, the prompt "
+        "acked) instead of continuing them here after the resume (nothing through Redis).",
+    ),
+]
 DedupeTtlOpt = Annotated[
     int,
     typer.Option(
@@ -140,6 +147,7 @@ def worker_settings(
     dedupe_ttl_s: int = 86_400,
     lazy: bool = False,
     release_after_s: float | None = None,
+    hand_off_partials: bool = False,
 ) -> WorkerSettings:
     """The worker loop's settings from its flags; a heartbeat lives at least 5 periods, and a blocking read waits at
     most one (a worker asked to beat every 0.3 s stops within 0.3 s, not the default read's 1 s)."""
@@ -153,6 +161,7 @@ def worker_settings(
         block_ms=max(1, min(WorkerSettings.block_ms, round(heartbeat_s * 1000))),
     )
     settings.lazy, settings.release_after_s = lazy, release_after_s
+    settings.hand_off_partials = hand_off_partials
     settings.heartbeat_ttl_s = max(settings.heartbeat_ttl_s, 5 * heartbeat_s)
     return settings
 
@@ -221,6 +230,7 @@ def worker(
     dedupe_ttl_s: DedupeTtlOpt = 86_400,
     lazy: LazyOpt = False,
     release_after_s: ReleaseAfterOpt = None,
+    hand_off_partials: HandOffOpt = False,
 ) -> None:
     """Serve prompts from the namespace until interrupted (SIGINT/SIGTERM drain in-flight work)."""
     # The engine flags reach the engine through `ctx.params` (EngineSpec.from_flags).
@@ -235,7 +245,9 @@ def worker(
         spec = EngineSpec.from_flags(ctx.params, model)
     check_engine(spec)
     streams = open_streams(redis_url, ns)
-    settings = worker_settings(max_inflight, claim_idle_ms, heartbeat_s, dedupe_ttl_s, lazy, release_after_s)
+    settings = worker_settings(
+        max_inflight, claim_idle_ms, heartbeat_s, dedupe_ttl_s, lazy, release_after_s, hand_off_partials
+    )
     name = name or default_worker_name()
     metrics = WorkerMetrics(ns, name, process_registry())
     if metrics_port is not None:  # before the engine loads: a port in use fails at once

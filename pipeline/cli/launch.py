@@ -17,6 +17,7 @@ from pipeline.cli import (
     DEFAULT_REDIS,
     ClaimIdleOpt,
     DedupeTtlOpt,
+    HandOffOpt,
     HeartbeatOpt,
     LazyOpt,
     LogLevelOpt,
@@ -104,6 +105,7 @@ def launch(
     dedupe_ttl_s: DedupeTtlOpt = 86_400,
     lazy: LazyOpt = False,
     release_after_s: ReleaseAfterOpt = None,
+    hand_off_partials: HandOffOpt = False,
     log_level: LogLevelOpt = "info",
 ) -> None:
     """Run N workers as Ray actors, one placement group each, restarted by Ray when they die (their
@@ -137,7 +139,9 @@ def launch(
                 engine=spec.kind,
                 model=str(spec.model),
                 engine_options=spec.options(),
-                settings=worker_settings(max_inflight, claim_idle_ms, heartbeat_s, dedupe_ttl_s, lazy, release_after_s),
+                settings=worker_settings(
+                    max_inflight, claim_idle_ms, heartbeat_s, dedupe_ttl_s, lazy, release_after_s, hand_off_partials
+                ),
                 gpus=gpus_per_worker,
                 cpus=cpus_per_worker,
                 max_restarts=max_restarts,
