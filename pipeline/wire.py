@@ -184,6 +184,13 @@ def ack_field(adapter: str | None) -> str:
     return "epoch" if adapter is None else f"epoch@{adapter}"
 
 
+PARTIALS_FIELD = "partials"
+"""The heartbeat field that says what the worker does with the samples an `abort` pause interrupts: `here` (it continues
+them after the resume) or `hand-off` (`HAND_OFF`: it publishes them to `{ns}:partials`); a manager paces an abort
+sync's rings by it (`staleness.manager.ring_pace`)."""
+HAND_OFF = "hand-off"
+
+
 class Sampling(BaseModel):
     """Sampling parameters of a prompt.
 

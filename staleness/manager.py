@@ -35,7 +35,7 @@ import redis
 
 from pipeline.lua import register_all
 from pipeline.streams import ABORT_COST_S, WAKE_COST_S, Streams
-from pipeline.wire import ADAPTER_PATTERN, Control, PauseMode, ack_field
+from pipeline.wire import ADAPTER_PATTERN, HAND_OFF, PARTIALS_FIELD, Control, PauseMode, ack_field
 from staleness.state import PolicyState, read_state, weights_command
 
 log = logging.getLogger(__name__)
@@ -110,10 +110,10 @@ class Manager:
             epoch = int(self._begin(keys=self._keys, args=[version - 1, version, token, *_flat(weights)]))
         except Exception as exc:  # the script's error replies say why
             raise SyncError(str(exc)) from None
-        pace = ring_pace(mode)
+        waiting = set(self.streams.live_worker_names())
+        pace = ring_pace(mode, self._hand_off(waiting, mode))
         self.streams.ring("weights", pace)  # the workers, a wave at a time (`Streams.ring`)
         report = SyncReport(version=version, epoch=epoch)
-        waiting = set(self.streams.live_worker_names())
         try:
             if transfer is not None:
                 transfer(epoch, len(waiting))
@@ -139,11 +139,20 @@ class Manager:
         version = state.pending_version if state.pending_version is not None else state.version + 1
         uri = command.uri if command is not None else state.weights_uri
         report = SyncReport(version=version, epoch=state.epoch)
-        pace = ring_pace(command.mode if command is not None else "abort")  # its paused samples may be waiting
-        self._conclude(report, uri, set(self.streams.live_worker_names()), deadline=time.monotonic(), pace=pace)
+        live = set(self.streams.live_worker_names())
+        mode = command.mode if command is not None else "abort"
+        pace = ring_pace(mode, self._hand_off(live, mode))  # handed-off samples may be waiting
+        self._conclude(report, uri, live, deadline=time.monotonic(), pace=pace)
         if command is not None:  # the stall so far: from its `weights` command (the driver's clock) to now
             report.stall_s = max(0.0, time.time() - command.ts)
         return report
+
+    def _hand_off(self, workers: set[str], mode: PauseMode) -> bool:
+        """Whether an `abort` pause sends any of `workers`' interrupted samples through Redis (`--hand-off-partials`,
+        in its heartbeat): one field a worker, read only for an abort sync."""
+        if mode != "abort" or not workers:
+            return False
+        return HAND_OFF in self.streams.heartbeat_field(workers, PARTIALS_FIELD).values()
 
     def _conclude(self, report: SyncReport, uri: str, waiting: set[str], deadline: float, pace: float) -> None:
         """Wait for acks of `report.epoch` until `deadline`, evict who did not ack, then resume everyone (rung at
@@ -189,10 +198,11 @@ class Manager:
         self.streams.forget_worker(name)
 
 
-def ring_pace(mode: PauseMode) -> float:
-    """What each worker woken by a sync's rings costs Redis next (`Streams.ring`): an abort pause publishes the samples
-    it interrupted, and the fleet reads them back after the resume."""
-    return ABORT_COST_S if mode == "abort" else WAKE_COST_S
+def ring_pace(mode: PauseMode, hand_off: bool) -> float:
+    """What each worker woken by a sync's rings costs Redis next (`Streams.ring`). An abort pause in a fleet that hands
+    its interrupted samples off publishes them, and the fleet reads them back after the resume; one whose workers
+    continue them in place (the default) costs what a `keep` pause does."""
+    return ABORT_COST_S if mode == "abort" and hand_off else WAKE_COST_S
 
 
 def _flat(fields: dict[bytes, bytes]) -> list[bytes]:

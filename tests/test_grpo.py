@@ -140,7 +140,7 @@ def test_with_vllm_workers_paused_in_keep_mode_the_async_trainer_learns(redis_se
 
 
 @pytest.mark.vllm
-@pytest.mark.timeout(600)  # ~3 min here (100 syncs of ~0.2 s); a worker that stops now ends the run (README)
+@pytest.mark.timeout(600)  # ~2 min here (60 syncs of ~0.2 s); a worker that stops now ends the run (README)
 def test_with_a_vllm_server_as_the_engine_paused_in_keep_mode_the_async_trainer_learns(
     redis_server: RedisServer, ns: str, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -149,10 +149,11 @@ def test_with_a_vllm_server_as_the_engine_paused_in_keep_mode_the_async_trainer_
     with vllm_server(tiny_model_dir, tmp_path / "server.log") as server:
         wait_until(server.healthy, 300, "the vLLM server")
         args = ["--engine", "remote", "--url", server.url, "--model", str(tiny_model_dir), "--mode", "async"]
-        args += ["--max-staleness", "1", "--pause-mode", "keep", "--steps", "100"]
+        # 60 steps: the reward first passed 0.5 at step 60 in runs of 100 (0.98 at 100); +0.15 is asked.
+        args += ["--max-staleness", "1", "--pause-mode", "keep", "--steps", "60"]
         *steps, summary = run_trainer(redis_server, ns, *args)
         label = httpx.get(f"{server.url}/weight_info", timeout=10).json()["weight_version"]
-    assert summary["samples"] == summary["unique"] == 100 * 64
+    assert summary["samples"] == summary["unique"] == 60 * 64
     assert all(s["staleness_max"] <= 1 for s in steps)
     assert any(s["multi_version"] > 0 for s in steps), "frozen requests continued under the new weights"
     assert summary["final_reward"] > steps[0]["reward"] + 0.15, [round(s["reward"], 2) for s in steps]

@@ -35,7 +35,7 @@ from pipeline.streams import (
     wave_gap,
     waves,
 )
-from pipeline.wire import GENERATORS, TRAINER, Control, Prompt, Rollout
+from pipeline.wire import GENERATORS, HAND_OFF, PARTIALS_FIELD, TRAINER, Control, Prompt, Rollout
 from producers.client import READ_BYTES, RolloutClient
 from producers.gateway.sessions import SCRIPTS as gateway_scripts
 from staleness.admission import SCRIPTS as staleness_scripts
@@ -542,15 +542,20 @@ def test_workers_blocked_on_their_bells_wake_on_a_ring_and_miss_none(real_redis:
 
 def test_a_sync_paces_its_waves_by_what_its_pause_costs_redis(real_redis: redis.Redis, ns: str) -> None:
     """A ring leaves Redis the time that a wave's workers cost it next before it rings the next wave: ~2 ms a wave of
-    ~32 for a `keep` pause, ~8 ms for an `abort` pause, whose workers each publish their interrupted samples and read
-    them back (at 2 ms, 1,000 workers' partials queued a publish made meanwhile ~100 ms). The bells' entry ids, Redis's
-    own clock, show the waves' pace; the stall holds two rings of it."""
+    ~32 for a `keep` pause and for an `abort` pause whose workers continue their interrupted samples in place, ~8 ms
+    for an `abort` pause in a fleet where any worker hands them off (`--hand-off-partials`, in its heartbeat): those
+    publish their interrupted samples and the fleet reads them back (at 2 ms, 1,000 workers' partials queued a publish
+    made meanwhile ~100 ms). The bells' entry ids, Redis's own clock, show the waves' pace; the stall holds two rings
+    of it."""
     streams = Streams(real_redis, ns)
     fleet = 1000  # registered, none heartbeating: nobody to wait for, the rings are the whole sync
     real_redis.sadd(streams.keys.workers, *[f"w{i}" for i in range(fleet)])
     manager = Manager(streams, ack_timeout_s=1)
     plan = waves(fleet)
-    for version, (mode, per_worker_s) in enumerate((("keep", WAKE_COST_S), ("abort", ABORT_COST_S)), start=1):
+    runs = (("keep", WAKE_COST_S, False), ("abort", WAKE_COST_S, False), ("abort", ABORT_COST_S, True))
+    for version, (mode, per_worker_s, hand_off) in enumerate(runs, start=1):
+        if hand_off:  # one worker of the fleet hands its interrupted samples off: its heartbeat says so
+            real_redis.hset(streams.keys.worker("w7"), PARTIALS_FIELD, HAND_OFF)
         gap = wave_gap(fleet, per_worker_s)
         report = manager.sync(version, f"redis://{ns}/v{version}", mode=mode)  # type: ignore[arg-type]
         returned = time.monotonic()

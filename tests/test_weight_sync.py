@@ -351,7 +351,7 @@ def test_publish_weights_returns_before_the_resume_is_rung_and_settle_waits_for_
     next `publish_weights` starts only then."""
     import torch
 
-    from pipeline.streams import ABORT_COST_S, BELLS, wave_gap
+    from pipeline.streams import BELLS, WAKE_COST_S, wave_gap
 
     client = RolloutClient(redis_server.url, ns)
     fleet = 1000  # registered, none heartbeating: nobody to wait for, the rings are the whole sync
@@ -360,7 +360,7 @@ def test_publish_weights_returns_before_the_resume_is_rung_and_settle_waits_for_
     bells = [client.streams.keys.bell(index) for index in range(BELLS)]
     returned = time.monotonic()
     client.settle()
-    assert time.monotonic() - returned >= 0.5 * wave_gap(fleet, ABORT_COST_S) * 31  # the ring went on meanwhile
+    assert time.monotonic() - returned >= 0.5 * wave_gap(fleet, WAKE_COST_S) * 31  # the ring went on meanwhile
     assert all(client.streams.redis.xrange(bell)[0][1] == {b"cmd": b"resume"} for bell in bells)
     assert client.publish_weights({"w": torch.ones(2)}, mode="keep") == 2
     client.settle()
@@ -411,7 +411,7 @@ def test_a_worker_that_stops_before_the_resume_hands_its_interrupted_samples_to_
     ids = [client.submit(tokens=[5 + i, 9], n=2, max_tokens=200, seed=i) for i in range(8)]
     wait_until(busy_for(client, "leaving", 0.5), 30, "generation to start")
     with ThreadPoolExecutor(1) as pool:
-        sync = pool.submit(client.publish_weights, tiny_model_dir_v1, mode="abort", ack_timeout_s=10)
+        sync = pool.submit(client.publish_weights, tiny_model_dir_v1, mode="abort", ack_timeout_s=6)
         worker_key = client.streams.keys.worker("leaving")
         wait_until(lambda: client.streams.redis.hget(worker_key, "epoch") == b"1", 20, "`leaving` to ack")
         os.kill(leaving.pid, signal.SIGTERM)
