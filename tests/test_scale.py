@@ -37,8 +37,10 @@ def test_fifty_workers_publish_at_the_rate_asked_and_take_every_sync(tmp_path: P
     assert row["redis_clients"] > WORKERS, "each worker has connections of its own"
     assert 0.5 * row["asked_rollouts_per_s"] < row["rollouts_per_s"] < 1.5 * row["asked_rollouts_per_s"]
     assert row["delivery"] == {"duplicates": 0, "dead": 0, "malformed_groups": 0}
-    # One publish per sample, from every process, the probe's among them.
-    assert row["publish_ms_client"]["count"] > 0.5 * row["rollouts_per_s"] * row["measured_s"]
+    # One publish per prompt (its n samples together), from every process, the probe's among them. (Until workers
+    # continued interrupted samples in place, each abort sync added a publish of partials per prompt in flight.)
+    prompts = row["rollouts_per_s"] * row["measured_s"] / report["load"]["n"]
+    assert row["publish_ms_client"]["count"] > 0.5 * prompts
     assert row["publish_ms_probe"]["count"] >= 1
     # The pinger publishes beside the fleet every 20 ms: enough publishes for a p99 that is not one publish.
     assert row["publish_ms_ping"]["count"] > 100 and 0 < row["publish_ms_ping"]["p50"] <= row["publish_ms_ping"]["p99"]
@@ -65,12 +67,15 @@ def test_fifty_workers_publish_at_the_rate_asked_and_take_every_sync(tmp_path: P
     # Where Redis's time went: the publish script (by its SHA) among the costliest commands, each with its rate.
     top = {c["command"]: c for c in row["redis_top_commands"]}
     assert "evalsha" in top and top["evalsha"]["calls_per_s"] > 0 and top["evalsha"]["usec_per_call"] > 0
-    # ... and while the syncs were under way: an abort pause publishes each worker's interrupted samples (the
-    # script, about once a worker a sync), so a sync's cost to Redis is told apart from the rest.
+    # ... and while the syncs were under way, so that a sync's cost to Redis is told apart from the rest. Workers
+    # continue their interrupted samples in place: an abort sync no longer adds a publish script a worker (50 here),
+    # only the fleet's ordinary publishes of the sync's duration.
     during_syncs = row["redis_during_syncs"]
     assert during_syncs["syncs"] == row["sync_stall_s"]["count"] and during_syncs["cpu_cores"] > 0
-    per_sync = {c["command"]: c for c in during_syncs["commands"]}
-    assert per_sync["evalsha"]["calls_per_sync"] >= 0.5 * WORKERS and per_sync["evalsha"]["usec_per_call"] > 0
+    assert all(c["calls_per_sync"] > 0 and c["usec_per_call"] > 0 for c in during_syncs["commands"])
+    scripts = {c["command"]: c for c in during_syncs["commands"]}.get("evalsha", {"calls_per_sync": 0})
+    ordinary = top["evalsha"]["calls_per_s"] * row["sync_stall_s"]["max"]
+    assert scripts["calls_per_sync"] < max(0.5 * WORKERS, 3 * ordinary), (scripts, ordinary)
     assert plot.stat().st_size > 10_000
 
 
