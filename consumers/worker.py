@@ -35,7 +35,17 @@ from consumers.lifecycle import EngineFactory, EngineSlot, WorkerStatus, receive
 from consumers.metrics import WorkerMetrics
 from pipeline.publisher import Publisher
 from pipeline.streams import CONTROL_BATCH, CONTROL_RECHECK_S, Entry, Streams, sweep_chance
-from pipeline.wire import HAND_OFF, PARTIALS_FIELD, Control, Partial, Prompt, Rollout, WireError, join_spans
+from pipeline.wire import (
+    CONTINUE_HERE,
+    HAND_OFF,
+    PARTIALS_FIELD,
+    Control,
+    Partial,
+    Prompt,
+    Rollout,
+    WireError,
+    join_spans,
+)
 from staleness.state import read_state, weights_command
 from staleness.transports import is_stored, join_version, load_joined, load_version
 
@@ -797,7 +807,7 @@ class Worker:
             "tokens_per_s": round(self._tokens_per_s, 1),
             "generated_tokens": self.generated_tokens,
             "busy_s": round(self._busy.seconds(), 3),
-            PARTIALS_FIELD: HAND_OFF if self.settings.hand_off_partials else "here",
+            PARTIALS_FIELD: HAND_OFF if self.settings.hand_off_partials else CONTINUE_HERE,
             "engine_starts": self._slot.starts,  # with --lazy / --release-after-s: how often it started cold
             "cold_start_s": round(self._slot.cold_start_s, 3),
             "started": round(self._started, 3),

@@ -449,7 +449,7 @@ class Streams:
 
     def live_workers(self) -> dict[str, dict[str, str]]:
         """Workers on the registry whose heartbeat has not expired, with their heartbeat fields."""
-        names = sorted(_text(n) for n in self.redis.smembers(self.keys.workers))
+        names = self._registered()
         pipe = self.redis.pipeline(transaction=False)
         for name in names:
             pipe.hgetall(self.keys.worker(name))
@@ -477,9 +477,20 @@ class Streams:
         clients up at the start of every sync)."""
         return self._registry()[0]
 
+    def live_workers_with(self, field: str) -> dict[str, str]:
+        """The registered workers whose heartbeat has not expired, each with one field of its heartbeat ("" where it
+        has none): `live_worker_names` and that field in the same round trip (`heartbeat_field`'s `HGET`s tell a
+        live heartbeat from a gone one too)."""
+        fields = self.heartbeat_field(self._registered(), field)
+        return {name: value for name, value in fields.items() if value is not None}
+
+    def _registered(self) -> list[str]:
+        """Every worker on the registry (`{ns}:workers`), live or not, sorted."""
+        return sorted(_text(n) for n in self.redis.smembers(self.keys.workers))
+
     def _registry(self) -> tuple[list[str], list[str]]:
         """The workers on the registry, split into those whose heartbeat lives and those whose heartbeat expired."""
-        names = sorted(_text(n) for n in self.redis.smembers(self.keys.workers))
+        names = self._registered()
         pipe = self.redis.pipeline(transaction=False)
         for name in names:
             pipe.exists(self.keys.worker(name))

@@ -185,9 +185,10 @@ def ack_field(adapter: str | None) -> str:
 
 
 PARTIALS_FIELD = "partials"
-"""The heartbeat field that says what the worker does with the samples an `abort` pause interrupts: `here` (it continues
-them after the resume) or `hand-off` (`HAND_OFF`: it publishes them to `{ns}:partials`); a manager paces an abort
-sync's rings by it (`staleness.manager.ring_pace`)."""
+"""The heartbeat field that says what the worker does with the samples an `abort` pause interrupts: `CONTINUE_HERE` (it
+continues them after the resume) or `HAND_OFF` (it publishes them to `{ns}:partials`); a manager paces an abort sync's
+rings by it (`staleness.manager.ring_pace`)."""
+CONTINUE_HERE = "here"
 HAND_OFF = "hand-off"
 
 

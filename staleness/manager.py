@@ -110,8 +110,8 @@ class Manager:
             epoch = int(self._begin(keys=self._keys, args=[version - 1, version, token, *_flat(weights)]))
         except Exception as exc:  # the script's error replies say why
             raise SyncError(str(exc)) from None
-        waiting = set(self.streams.live_worker_names())
-        pace = ring_pace(mode, self._hand_off(waiting, mode))
+        waiting, hand_off = self._fleet(mode)
+        pace = ring_pace(mode, hand_off)
         self.streams.ring("weights", pace)  # the workers, a wave at a time (`Streams.ring`)
         report = SyncReport(version=version, epoch=epoch)
         try:
@@ -139,24 +139,25 @@ class Manager:
         version = state.pending_version if state.pending_version is not None else state.version + 1
         uri = command.uri if command is not None else state.weights_uri
         report = SyncReport(version=version, epoch=state.epoch)
-        live = set(self.streams.live_worker_names())
         mode = command.mode if command is not None else "abort"
-        pace = ring_pace(mode, self._hand_off(live, mode))  # handed-off samples may be waiting
-        self._conclude(report, uri, live, deadline=time.monotonic(), pace=pace)
+        live, hand_off = self._fleet(mode)
+        self._conclude(report, uri, live, deadline=time.monotonic(), pace=ring_pace(mode, hand_off))
         if command is not None:  # the stall so far: from its `weights` command (the driver's clock) to now
             report.stall_s = max(0.0, time.time() - command.ts)
         return report
 
-    def _hand_off(self, workers: set[str], mode: PauseMode) -> bool:
-        """Whether an `abort` pause sends any of `workers`' interrupted samples through Redis (`--hand-off-partials`,
-        in its heartbeat): one field a worker, read only for an abort sync."""
-        if mode != "abort" or not workers:
-            return False
-        return HAND_OFF in self.streams.heartbeat_field(workers, PARTIALS_FIELD).values()
+    def _fleet(self, mode: PauseMode) -> tuple[set[str], bool]:
+        """The live workers, and whether an `abort` pause sends any one's interrupted samples through Redis
+        (`--hand-off-partials`, in its heartbeat). For an abort sync both come from one `HGET` a worker; a keep sync
+        needs only the names (`EXISTS`)."""
+        if mode != "abort":
+            return set(self.streams.live_worker_names()), False
+        fields = self.streams.live_workers_with(PARTIALS_FIELD)
+        return set(fields), HAND_OFF in fields.values()
 
     def _conclude(self, report: SyncReport, uri: str, waiting: set[str], deadline: float, pace: float) -> None:
         """Wait for acks of `report.epoch` until `deadline`, evict who did not ack, then resume everyone (rung at
-        `pace`: an abort pause's resume sends the fleet to read back the samples it interrupted)."""
+        `pace`: an abort pause's resume in a fleet that hands off sends it to read back the samples it interrupted)."""
         while waiting:
             epochs = self.streams.heartbeat_field(waiting, self._ack_field)  # only the field, of those not acked yet
             for name, epoch in epochs.items():

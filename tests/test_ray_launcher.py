@@ -93,7 +93,8 @@ def test_ray_workers_serve_are_restarted_after_kill_9_and_lose_nothing(
     url, keys = redis_server.url, Keys(ns)
     launched = rollouts(
         "launch", "--ray", ray_cluster, "--redis", url, "--ns", ns, "--workers", "2",
-        "--engine", "torch", "--model", str(tiny_model_dir), "--num-threads", "1", *FAST, "--no-wait",
+        "--engine", "torch", "--model", str(tiny_model_dir), "--num-threads", "1", *FAST, "--hand-off-partials",
+        "--no-wait",
     )  # fmt: skip
     assert launched.returncode == 0, launched.stdout + launched.stderr
     print(launched.stderr)
@@ -105,6 +106,7 @@ def test_ray_workers_serve_are_restarted_after_kill_9_and_lose_nothing(
     r = client.streams.redis
     beat = {name: r.hgetall(keys.worker(name)) for name in ("ray-0", "ray-1")}
     assert {b[b"status"] for b in beat.values()} == {b"serving"}
+    assert {b[b"partials"] for b in beat.values()} == {b"hand-off"}, "the worker flags reach the actors"
     doomed = psutil.Process(int(beat["ray-0"][b"pid"]))
     assert doomed.name().startswith("ray::") or "ray::" in " ".join(doomed.cmdline()), doomed.cmdline()
 

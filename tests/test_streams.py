@@ -679,6 +679,7 @@ def test_a_departed_workers_inbox_goes_back_to_the_shared_prompts(any_redis: red
     assert streams.rehome("w1") == -1 and streams.rehome_departed() == 0  # alive: untouched
     any_redis.delete(streams.keys.worker("w1"))  # its heartbeat expired
     assert set(streams.live_workers()) == {"w2"} and streams.live_worker_names() == ["w2"]  # still registered
+    assert streams.live_workers_with("epoch") == {"w2": "3"}  # the live ones, with one field each
     assert streams.rehome_departed() == 2
     assert streams.rehome_departed() == 0  # once
     moved = streams.read_work("w2", count=10, block_ms=None)

@@ -397,6 +397,8 @@ def test_an_abort_sync_continues_interrupted_samples_where_they_were_unless_hand
     ]
     went_through_redis = client.streams.redis.xinfo_stream(client.streams.keys.partials)["last-generated-id"] != b"0-0"
     assert went_through_redis == hand_off
+    # ... and the heartbeat says which, for the manager's pacing of abort syncs.
+    assert client.streams.live_workers_with("partials") == {"w": "hand-off" if hand_off else "here"}
 
 
 def test_a_worker_that_stops_before_the_resume_hands_its_interrupted_samples_to_the_others(
