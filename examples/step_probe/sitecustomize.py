@@ -1,38 +1,148 @@
-"""A probe for `examples/bench_ab.py`: times every `TorchEngine._step` (wall and the thread's CPU) in each process.
+"""A probe for `examples/bench_ab.py` and `rounds.py`: times every engine step in each process.
 
-Put this folder on `PYTHONPATH` and `STEP_PROBE=DIR` in the environment: every Python process that starts then wraps
-the torch engine's step and writes `DIR/PID.json` at exit (`argv`, and `[wall_s, cpu_s, admitted]` per step). The
-direct side of `rollouts bench` and its worker process both get it, so their engines' steps can be compared: the
-same steps taking more wall time in the worker, for the same CPU time, is time the engine thread stood off the CPU
-(the GIL, or the runqueue). Nothing happens without `STEP_PROBE`. A measuring tool, not part of the product.
+Put this folder on `PYTHONPATH` and `STEP_PROBE=DIR` in the environment. Nothing happens without `STEP_PROBE`.
+A measuring tool, not part of the product.
+
+- **torch**: every process that imports `consumers.torch_engine` wraps `TorchEngine._step` and writes
+  `DIR/PID.json` at exit (`argv`, and `[wall_s, cpu_s, admitted]` per step). The direct side of `rollouts bench`
+  and its worker process both get it, so their engines' steps can be compared: the same steps taking more wall
+  time in the worker, for the same CPU time, is time the engine thread stood off the CPU (the GIL, or the
+  runqueue).
+- **vLLM**: every process that imports `vllm.v1.engine.core` (the `EngineCore` of each side) wraps
+  `EngineCore.step` and appends to `DIR/PID.jsonl`: a first line naming the process's parent (the bench for
+  the direct side, the worker for the pipeline's), then `[start, wall_s, cpu_s, new_requests, tokens]` for each
+  step that ran the model. Lines, not a dump at exit: vLLM's processes are killed, not exited.
+- **the bench's rounds**: `rollouts bench` appends `["direct"|"pipeline", start, end]` for each round to
+  `DIR/bench-rounds.jsonl`, on the same clock as the steps (`perf_counter`, the system's monotonic clock), so that
+  `rounds.py` can tell the time before an engine's first step from the time after its last.
+
+`after_import` is also what `examples/device/vllm026/sitecustomize.py` patches vLLM 0.26 with.
 """
 
 from __future__ import annotations
 
 import atexit
+import importlib.abc
 import json
 import os
 import sys
 import time
+from collections.abc import Callable, Sequence
+from types import ModuleType
 from typing import Any
 
-if os.environ.get("STEP_PROBE"):
-    sys.path.insert(0, os.getcwd())  # `python -m` puts the checkout it runs from first; do so before importing it
-    import consumers.torch_engine as torch_engine
+_PATCHES: dict[str, list[Callable[[ModuleType], None]]] = {}
 
-    _steps: list[tuple[float, float, int]] = []
-    _step = torch_engine.TorchEngine._step
 
-    def _timed_step(self: Any, admitted: list[Any]) -> None:
+def after_import(name: str, patch: Callable[[ModuleType], None]) -> None:
+    """Call `patch(module)` once module `name` has run (at once if it already has)."""
+    if name in sys.modules:
+        patch(sys.modules[name])
+    else:
+        _PATCHES.setdefault(name, []).append(patch)
+
+
+class _Patcher(importlib.abc.MetaPathFinder):
+    """Finds the modules in `_PATCHES` through the other finders, and patches each once it has run."""
+
+    def find_spec(self, name: str, path: Sequence[str] | None, target: ModuleType | None = None) -> Any:
+        if name not in _PATCHES:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None and spec.loader is not None:
+                run = spec.loader.exec_module
+
+                def exec_module(module: ModuleType, run: Callable[[ModuleType], None] = run) -> None:
+                    run(module)
+                    for patch in _PATCHES.pop(module.__name__, []):
+                        patch(module)
+
+                spec.loader.exec_module = exec_module  # type: ignore[method-assign]
+                return spec
+        return None
+
+
+sys.meta_path.insert(0, _Patcher())
+
+
+def _probe_torch(torch_engine: ModuleType) -> None:
+    steps: list[tuple[float, float, int]] = []
+    step = torch_engine.TorchEngine._step
+
+    def timed_step(self: Any, admitted: list[Any]) -> None:
         wall, cpu = time.perf_counter(), time.thread_time()
         try:
-            _step(self, admitted)
+            step(self, admitted)
         finally:
-            _steps.append((time.perf_counter() - wall, time.thread_time() - cpu, len(admitted)))
+            steps.append((time.perf_counter() - wall, time.thread_time() - cpu, len(admitted)))
 
-    def _dump() -> None:
+    def dump() -> None:
         with open(os.path.join(os.environ["STEP_PROBE"], f"{os.getpid()}.json"), "w") as f:
-            json.dump({"argv": sys.argv, "steps": _steps}, f)
+            json.dump({"argv": sys.argv, "steps": steps}, f)
 
-    torch_engine.TorchEngine._step = _timed_step  # type: ignore[method-assign]
-    atexit.register(_dump)
+    torch_engine.TorchEngine._step = timed_step
+    atexit.register(dump)
+
+
+def _parent_cmdline() -> str:
+    with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+        return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+
+
+def _probe_vllm(core: ModuleType) -> None:
+    step = core.EngineCore.step
+    out: list[Any] = []  # the file, opened in the engine's own process at its first step
+
+    def timed_step(self: Any) -> Any:
+        if not out:
+            out.append(open(os.path.join(os.environ["STEP_PROBE"], f"{os.getpid()}.jsonl"), "a", buffering=1))  # noqa: SIM115 (open for the process)
+            out[0].write(json.dumps({"parent": _parent_cmdline()}) + "\n")
+        scheduled: list[Any] = []
+        schedule = self.scheduler.schedule
+
+        def seen(*args: Any, **kwargs: Any) -> Any:
+            scheduled.append(schedule(*args, **kwargs))
+            return scheduled[-1]
+
+        self.scheduler.schedule = seen
+        start, cpu = time.perf_counter(), time.thread_time()
+        try:
+            return step(self)
+        finally:
+            del self.scheduler.schedule
+            if scheduled and scheduled[0].total_num_scheduled_tokens:
+                wall, cpu = time.perf_counter() - start, time.thread_time() - cpu
+                new, tokens = len(scheduled[0].scheduled_new_reqs), scheduled[0].total_num_scheduled_tokens
+                out[0].write(json.dumps([round(start, 6), round(wall, 6), round(cpu, 6), new, tokens]) + "\n")
+
+    core.EngineCore.step = timed_step
+
+
+def _probe_bench(bench: ModuleType) -> None:
+    out = open(os.path.join(os.environ["STEP_PROBE"], "bench-rounds.jsonl"), "a", buffering=1)  # noqa: SIM115 (as above)
+    direct_round, pipeline_round = bench._direct_round, bench._pipeline_round
+
+    async def timed_direct(*args: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return await direct_round(*args)
+        finally:
+            out.write(json.dumps(["direct", round(start, 6), round(time.perf_counter(), 6)]) + "\n")
+
+    def timed_pipeline(*args: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return pipeline_round(*args)
+        finally:
+            out.write(json.dumps(["pipeline", round(start, 6), round(time.perf_counter(), 6)]) + "\n")
+
+    bench._direct_round, bench._pipeline_round = timed_direct, timed_pipeline
+
+
+if os.environ.get("STEP_PROBE"):
+    after_import("pipeline.cli.bench", _probe_bench)
+    after_import("consumers.torch_engine", _probe_torch)
+    after_import("vllm.v1.engine.core", _probe_vllm)
