@@ -44,11 +44,12 @@ def summary(seconds: list[float], rounds: list[list[list[float]]], bench: list[l
     spans = [r[-1][0] + r[-1][1] - r[0][0] for r in rounds]
     outside = [took - span for took, span in zip(seconds, spans, strict=True)]
     step_ms = [s[1] * 1e3 for r in rounds for s in r]
-    heads = [r[0][0] - start for r, (start, _) in zip(rounds, bench, strict=True)]
-    tails = [end - (r[-1][0] + r[-1][1]) for r, (_, end) in zip(rounds, bench, strict=True)]
+    timed = list(zip(rounds, bench, strict=True)) if bench else []  # none from a probe that did not time them
+    heads = [r[0][0] - start for r, (start, _) in timed]
+    tails = [end - (r[-1][0] + r[-1][1]) for r, (_, end) in timed]
     return {
-        "head_s": round(statistics.median(heads), 4) if bench else None,
-        "tail_s": round(statistics.median(tails), 4) if bench else None,
+        "head_s": round(statistics.median(heads), 4) if heads else None,
+        "tail_s": round(statistics.median(tails), 4) if tails else None,
         "round_s": round(statistics.median(seconds), 4),
         "engine_span_s": round(statistics.median(spans), 4),
         "outside_engine_s": round(statistics.median(outside), 4),
