@@ -28,6 +28,12 @@ def test_rounds_splits_each_side_into_the_engines_span_and_the_time_before_and_a
     # pipeline 0.03 s before and 0.05 s after.
     rounds = [["direct", 0.99, 1.21], ["pipeline", 1.97, 2.25], ["direct", 9.99, 10.21], ["pipeline", 19.97, 20.25]]
     rounds += [["direct", 29.99, 30.21], ["pipeline", 39.97, 40.25]]
+    rounds = [[*r, 1000.0] for r in rounds]  # wall clock = perf_counter + 1000
+    # The client's reads that made groups whole, in wall time with their samples' latest `finished`: the last of a
+    # round came 0.01 s after the engine's last step (at 1020.2) in the worker, 0.03 s later to the client, and the
+    # round ended 0.01 s after that.
+    for end in (1020.2, 1040.2):
+        rounds += [["take", end - 0.1, end - 0.15], ["take", end + 0.04, end + 0.01]]
     (tmp_path / "bench-rounds.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rounds))
     bench = {"ratio": 0.786, "direct": {"seconds": [0.22, 0.22]}, "pipeline": {"seconds": [0.28, 0.28]}}
     (tmp_path / "bench.json").write_text(json.dumps(bench))
@@ -42,5 +48,8 @@ def test_rounds_splits_each_side_into_the_engines_span_and_the_time_before_and_a
     assert direct["steps"] == pipeline["steps"] == 2
     assert (direct["head_s"], direct["tail_s"], direct["outside_engine_s"]) == pytest.approx((0.01, 0.01, 0.02))
     assert (pipeline["head_s"], pipeline["tail_s"], pipeline["outside_engine_s"]) == pytest.approx((0.03, 0.05, 0.08))
+    parts = (pipeline["tail_worker_s"], pipeline["tail_delivery_s"], pipeline["tail_return_s"])
+    assert parts == pytest.approx((0.01, 0.03, 0.01))
+    assert "tail_worker_s" not in direct  # no client reads in its rounds
     assert split["span_ratio"] == 1.0
     assert split["outside_extra_pct"] == pytest.approx(100 * 0.06 / 0.22, abs=0.01)

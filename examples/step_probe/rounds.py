@@ -11,7 +11,11 @@ results back to the bench; for the pipeline side also Redis, the worker and the 
 machine move by several per cent with the engine's own span; the pipeline's cost is what it adds outside the
 engine, and whether its engine's steps are slower. The probe also records when each round of the bench began and
 ended, on the steps' clock, which splits the time outside the engine into before its first step (`head_s`) and
-after its last (`tail_s`). JSON on stdout: per side the medians, and the per-round figures.
+after its last (`tail_s`). On the pipeline side, the trainer client's reads split the tail once more with the
+rollouts' own `timing["finished"]` (when the worker had the sample): `tail_worker_s`, from the engine's last step
+to the worker having the round's last sample; `tail_delivery_s`, from there to the client making its group whole
+(building, publishing, Redis, reading, grouping); `tail_return_s`, from there to the round's end. JSON on stdout:
+per side the medians, and the per-round figures.
 """
 
 from __future__ import annotations
@@ -38,18 +42,31 @@ def engine_rounds(path: Path) -> tuple[str, list[list[list[float]]]]:
     return side, rounds
 
 
-def summary(seconds: list[float], rounds: list[list[list[float]]], bench: list[list[float]]) -> dict[str, Any]:
+def _median(values: list[float]) -> float | None:
+    return round(statistics.median(values), 4) if values else None
+
+
+def summary(
+    seconds: list[float], rounds: list[list[list[float]]], bench: list[list[float]], takes: list[list[float]]
+) -> dict[str, Any]:
     """Medians over the bench's measured rounds (the probe's first round is the bench's warm-up)."""
     rounds, bench = rounds[-len(seconds) :], bench[-len(seconds) :]
     spans = [r[-1][0] + r[-1][1] - r[0][0] for r in rounds]
     outside = [took - span for took, span in zip(seconds, spans, strict=True)]
     step_ms = [s[1] * 1e3 for r in rounds for s in r]
     timed = list(zip(rounds, bench, strict=True)) if bench else []  # none from a probe that did not time them
-    heads = [r[0][0] - start for r, (start, _) in timed]
-    tails = [end - (r[-1][0] + r[-1][1]) for r, (_, end) in timed]
+    tail_parts: dict[str, list[float]] = {"tail_worker_s": [], "tail_delivery_s": [], "tail_return_s": []}
+    for steps, (start, end, *offset) in timed:
+        last = [t for t in takes if offset and start + offset[0] <= t[0] <= end + offset[0]]
+        if last:
+            taken, finished = max(last)
+            tail_parts["tail_worker_s"].append(finished - (steps[-1][0] + steps[-1][1] + offset[0]))
+            tail_parts["tail_delivery_s"].append(taken - finished)
+            tail_parts["tail_return_s"].append(end + offset[0] - taken)
     return {
-        "head_s": round(statistics.median(heads), 4) if heads else None,
-        "tail_s": round(statistics.median(tails), 4) if tails else None,
+        "head_s": _median([r[0][0] - start for r, (start, *_) in timed]),
+        "tail_s": _median([end - (r[-1][0] + r[-1][1]) for r, (_, end, *_) in timed]),
+        **{name: _median(values) for name, values in tail_parts.items() if values},
         "round_s": round(statistics.median(seconds), 4),
         "engine_span_s": round(statistics.median(spans), 4),
         "outside_engine_s": round(statistics.median(outside), 4),
@@ -65,8 +82,9 @@ def main(probe_dir: str, bench_json: str) -> None:
     sides = dict(engine_rounds(p) for p in sorted(Path(probe_dir).glob("[0-9]*.jsonl")) if p.stat().st_size)
     timed = Path(probe_dir, "bench-rounds.jsonl")
     lines = [json.loads(line) for line in timed.read_text().splitlines()] if timed.exists() else []
+    takes = [line[1:] for line in lines if line[0] == "take"]
     result = {
-        name: summary(bench[name]["seconds"], sides[name], [line[1:] for line in lines if line[0] == name])
+        name: summary(bench[name]["seconds"], sides[name], [line[1:] for line in lines if line[0] == name], takes)
         for name in ("direct", "pipeline")
     }
     direct, pipeline = result["direct"], result["pipeline"]

@@ -12,9 +12,12 @@ A measuring tool, not part of the product.
   `EngineCore.step` and appends to `DIR/PID.jsonl`: a first line naming the process's parent (the bench for
   the direct side, the worker for the pipeline's), then `[start, wall_s, cpu_s, new_requests, tokens]` for each
   step that ran the model. Lines, not a dump at exit: vLLM's processes are killed, not exited.
-- **the bench's rounds**: `rollouts bench` appends `["direct"|"pipeline", start, end]` for each round to
-  `DIR/bench-rounds.jsonl`, on the same clock as the steps (`perf_counter`, the system's monotonic clock), so that
-  `rounds.py` can tell the time before an engine's first step from the time after its last.
+- **the bench's rounds**: `rollouts bench` appends `["direct"|"pipeline", start, end, offset]` for each round to
+  `DIR/bench-rounds.jsonl`, on the same clock as the steps (`perf_counter`, the system's monotonic clock; `offset`
+  turns it into wall time), so that `rounds.py` can tell the time before an engine's first step from the time after
+  its last. The trainer's client adds `["take", wall time, finished]` for each read that made groups whole
+  (`finished`: the latest of their samples' `timing["finished"]`, when the worker had each sample), which splits
+  the time after the last step into the worker's part and the delivery's.
 
 `after_import` is also what `examples/device/vllm026/sitecustomize.py` patches vLLM 0.26 with.
 """
@@ -121,28 +124,56 @@ def _probe_vllm(core: ModuleType) -> None:
     core.EngineCore.step = timed_step
 
 
+_bench_lines: list[Any] = []  # the bench's file, opened at its first line
+
+
+def _bench_line(record: list[Any]) -> None:
+    if not _bench_lines:
+        path = os.path.join(os.environ["STEP_PROBE"], "bench-rounds.jsonl")
+        _bench_lines.append(open(path, "a", buffering=1))  # noqa: SIM115 (open for the process)
+    _bench_lines[0].write(json.dumps(record) + "\n")
+
+
 def _probe_bench(bench: ModuleType) -> None:
-    out = open(os.path.join(os.environ["STEP_PROBE"], "bench-rounds.jsonl"), "a", buffering=1)  # noqa: SIM115 (as above)
+    """Each round: `[side, start, end, wall clock - perf_counter]`, the last to compare with rollouts' timings."""
     direct_round, pipeline_round = bench._direct_round, bench._pipeline_round
+
+    def record(side: str, start: float) -> None:
+        _bench_line([side, round(start, 6), round(time.perf_counter(), 6), time.time() - time.perf_counter()])
 
     async def timed_direct(*args: Any) -> Any:
         start = time.perf_counter()
         try:
             return await direct_round(*args)
         finally:
-            out.write(json.dumps(["direct", round(start, 6), round(time.perf_counter(), 6)]) + "\n")
+            record("direct", start)
 
     def timed_pipeline(*args: Any) -> Any:
         start = time.perf_counter()
         try:
             return pipeline_round(*args)
         finally:
-            out.write(json.dumps(["pipeline", round(start, 6), round(time.perf_counter(), 6)]) + "\n")
+            record("pipeline", start)
 
     bench._direct_round, bench._pipeline_round = timed_direct, timed_pipeline
 
 
+def _probe_client(client: ModuleType) -> None:
+    """Each read that made groups whole: `["take", wall time, the latest `finished` of their samples]`."""
+    take = client.RolloutClient._take
+
+    def timed_take(self: Any, entries: list[Any]) -> Any:
+        groups = take(self, entries)
+        if groups:
+            finished = max(r.timing.get("finished", 0.0) for g in groups for r in g.rollouts)
+            _bench_line(["take", time.time(), finished])
+        return groups
+
+    client.RolloutClient._take = timed_take
+
+
 if os.environ.get("STEP_PROBE"):
     after_import("pipeline.cli.bench", _probe_bench)
+    after_import("producers.client", _probe_client)
     after_import("consumers.torch_engine", _probe_torch)
     after_import("vllm.v1.engine.core", _probe_vllm)
