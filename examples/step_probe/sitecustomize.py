@@ -98,24 +98,28 @@ def _parent_cmdline() -> str:
 def _probe_vllm(core: ModuleType) -> None:
     step = core.EngineCore.step
     out: list[Any] = []  # the file, opened in the engine's own process at its first step
+    scheduled: list[Any] = []  # what the scheduler gave the step under way
 
-    def timed_step(self: Any) -> Any:
-        if not out:
-            out.append(open(os.path.join(os.environ["STEP_PROBE"], f"{os.getpid()}.jsonl"), "a", buffering=1))  # noqa: SIM115 (open for the process)
-            out[0].write(json.dumps({"parent": _parent_cmdline()}) + "\n")
-        scheduled: list[Any] = []
-        schedule = self.scheduler.schedule
+    def watch(engine: Any) -> None:
+        """At the first step: open the file, and keep what each `schedule()` returns (one engine a process)."""
+        out.append(open(os.path.join(os.environ["STEP_PROBE"], f"{os.getpid()}.jsonl"), "a", buffering=1))  # noqa: SIM115 (open for the process)
+        out[0].write(json.dumps({"parent": _parent_cmdline()}) + "\n")
+        schedule = engine.scheduler.schedule
 
         def seen(*args: Any, **kwargs: Any) -> Any:
             scheduled.append(schedule(*args, **kwargs))
             return scheduled[-1]
 
-        self.scheduler.schedule = seen
+        engine.scheduler.schedule = seen
+
+    def timed_step(self: Any) -> Any:
+        if not out:
+            watch(self)
+        scheduled.clear()
         start, cpu = time.perf_counter(), time.thread_time()
         try:
             return step(self)
         finally:
-            del self.scheduler.schedule
             if scheduled and scheduled[0].total_num_scheduled_tokens:
                 wall, cpu = time.perf_counter() - start, time.thread_time() - cpu
                 new, tokens = len(scheduled[0].scheduled_new_reqs), scheduled[0].total_num_scheduled_tokens
