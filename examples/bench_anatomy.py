@@ -27,7 +27,7 @@ from typing import Any
 from consumers.tiny_model import build_tiny_model
 from consumers.torch_engine import TorchEngine
 from consumers.worker import Worker, WorkerSettings
-from pipeline.cli.bench import _direct_round, _pipeline_round, make_prompts
+from pipeline.cli.bench import _direct_round, make_prompts, pipeline_round
 from pipeline.cli.cpu import cpu_seconds
 from pipeline.connections import connect
 from pipeline.local import RedisServer
@@ -113,7 +113,7 @@ def main() -> None:
                 if side == "direct":
                     took, _ = loop.run_until_complete(_direct_round(direct, batch))
                 else:
-                    took, _ = _pipeline_round(client, batch)
+                    took, _ = pipeline_round(client, batch)
                 done = time.perf_counter()
                 cpu1, redis1 = threads_cpu(), cpu_seconds(server.process.pid)
                 steps, prefills, step_s = (a - b for a, b in zip(probe.snapshot(), before, strict=True))

@@ -199,6 +199,25 @@ def test_bench_compares_both_sides_on_the_same_tokens(tiny_model_dir: Path, tmp_
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_bench_with_one_engine_serves_both_sides_from_it_and_the_trainer_from_a_process_of_its_own(
+    tiny_model_dir: Path,
+) -> None:
+    result = rollouts(
+        "bench", "--model", str(tiny_model_dir), "--prompts", "8", "--n", "2", "--max-tokens", "32",
+        "--rounds", "2", "--one-engine", timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["one_engine"] is True and report["same_tokens"] is True
+    assert len(report["pipeline"]["seconds"]) == 2 and report["pipeline"]["rollouts_per_s"] > 0
+    # One engine (torch: in this process), run by this process on both sides; the trainer works on the pipeline side.
+    direct, pipeline = report["direct"]["cpu_s"], report["pipeline"]["cpu_s"]
+    assert set(direct) == {"bench", "engine", "trainer", "redis", "total"}
+    assert direct["trainer"] <= pipeline["trainer"] and min(direct["bench"], pipeline["bench"]) > 0, (direct, pipeline)
+    own = [cpu["bench"] + cpu["trainer"] + cpu["redis"] for cpu in (direct, pipeline)]
+    assert report["pipeline_extra_cpu_s"] == pytest.approx(own[1] - own[0], abs=0.01)
+
+
 def test_bench_sync_reports_the_stall_per_transport(tmp_path: Path) -> None:
     plot = tmp_path / "sync.png"
     logs = tmp_path / "logs"

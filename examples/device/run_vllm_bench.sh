@@ -3,19 +3,21 @@
 # built on torch 2.11; see vllm026/sitecustomize.py) and what it needs beyond that machine's packages, from WHEELS
 # (default /root/vc: the pieces of `make_vllm_carry.sh`, joined), then run `rollouts bench --engine vllm ARGS...`
 # RUNS times (default 3). JSON per run to $OUT/vllm_N.json, one summary line per run on stdout. vLLM's OpenMP
-# threads are bound to cores 0-3 (VLLM_CPU_OMP_THREADS_BIND), leaving the other 12 to everything else. PROBE=1
+# threads are bound to cores 0-3 (VLLM_CPU_OMP_THREADS_BIND), leaving the other 12 to everything else; with
+# OTHERS_BIND (a taskset list, e.g. 4-7), the bench and all it starts (the worker, Redis, vLLM's engine cores) run
+# there, so that none lands on a core, or a core's hyperthread sibling, where vLLM's threads run. PROBE=1
 # also times every engine step (examples/step_probe) and prints each run's split from step_probe/rounds.py.
 #   OUT=/tmp/out RUNS=3 PROBE=1 bash examples/device/run_vllm_bench.sh --rounds 9
 set -euo pipefail
 OUT="${OUT:-$(mktemp -d)}"
 W="${WHEELS:-/root/vc}"
-python3 -V; nproc
+python3 -V; nproc; lscpu -e=CPU,CORE,SOCKET,NODE | tr '\n' ';'; echo
 [ -d /tmp/vc-site ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/vc-site "$W"/*.whl
 export PYTHONPATH="$PWD/examples/device/vllm026:$PWD:/tmp/vc-site" LD_LIBRARY_PATH="$W/lib" PATH="$W/bin:$PATH"
 export VLLM_TARGET_DEVICE=cpu VLLM_CPU_OMP_THREADS_BIND="${VLLM_CPU_OMP_THREADS_BIND:-0-3}"
 for i in $(seq "${RUNS:-3}"); do
   if [ -n "${PROBE:-}" ]; then mkdir -p "$OUT/probe_$i"; export STEP_PROBE="$OUT/probe_$i"; fi
-  python3 -m pipeline.cli bench --engine vllm "$@" > "$OUT/vllm_$i.json" 2> "$OUT/vllm_$i.err" \
+  ${OTHERS_BIND:+taskset -c "$OTHERS_BIND"} python3 -m pipeline.cli bench --engine vllm "$@" > "$OUT/vllm_$i.json" 2> "$OUT/vllm_$i.err" \
     || { tail -60 "$OUT/vllm_$i.err"; exit 1; }
   python3 -c '
 import json, sys

@@ -140,7 +140,7 @@ def _bench_line(record: list[Any]) -> None:
 
 def _probe_bench(bench: ModuleType) -> None:
     """Each round: `[side, start, end, wall clock - perf_counter]`, the last to compare with rollouts' timings."""
-    direct_round, pipeline_round = bench._direct_round, bench._pipeline_round
+    direct_round, pipeline_round = bench._direct_round, bench.pipeline_round
 
     def record(side: str, start: float) -> None:
         _bench_line([side, round(start, 6), round(time.perf_counter(), 6), time.time() - time.perf_counter()])
@@ -159,7 +159,7 @@ def _probe_bench(bench: ModuleType) -> None:
         finally:
             record("pipeline", start)
 
-    bench._direct_round, bench._pipeline_round = timed_direct, timed_pipeline
+    bench._direct_round, bench.pipeline_round = timed_direct, timed_pipeline
 
 
 def _probe_client(client: ModuleType) -> None:

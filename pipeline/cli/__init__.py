@@ -464,6 +464,14 @@ def bench(
     enforce_eager: EagerOpt = True,
     engine_args: EngineArgsOpt = None,
     engine_process: EngineProcessOpt = False,
+    one_engine: Annotated[
+        bool,
+        typer.Option(
+            help="One engine for both sides: the worker runs in the bench's process on the direct side's engine, "
+            "and the trainer's client in a process of its own (two engines drift apart by more than the "
+            "pipeline costs)."
+        ),
+    ] = False,
     plot: Annotated[Path | None, typer.Option(help="Also draw the rounds of both sides to this PNG.")] = None,
 ) -> None:
     """Rollouts/s and tokens/s of the engine called directly vs through the whole pipeline; JSON out."""
@@ -474,7 +482,14 @@ def bench(
         if model is not None:
             check_engine(spec)
         result = run_bench(
-            console, spec, build_model=model is None, prompts=prompts, n=n, max_tokens=max_tokens, rounds=rounds
+            console,
+            spec,
+            build_model=model is None,
+            prompts=prompts,
+            n=n,
+            max_tokens=max_tokens,
+            rounds=rounds,
+            one_engine=one_engine,
         )
         if plot is not None:
             plot_bench(result, plot)

@@ -19,10 +19,13 @@ idle for a while after its last step (its processes poll their shared-memory que
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import replace
@@ -34,11 +37,15 @@ from rich.console import Console
 from rich.progress import Progress
 
 from consumers.engine import Engine, create_engine
+from consumers.lifecycle import WorkerStatus
 from consumers.tiny_model import build_tiny_model
+from consumers.worker import Worker, WorkerSettings
 from pipeline.cli.cpu import CpuRoles, descendants
 from pipeline.cli.engine_spec import EngineSpec
 from pipeline.cli.processes import start_worker, stop_process, wait_for_worker
+from pipeline.connections import connect
 from pipeline.local import RedisServer
+from pipeline.streams import Streams
 from pipeline.wire import Prompt, Sampling
 from producers.client import RolloutClient
 
@@ -75,29 +82,121 @@ async def _direct_round(engine: Engine, prompts: list[Prompt]) -> tuple[float, l
     return time.perf_counter() - started, [g.tokens.tolist() for g in generations]
 
 
-def cpu_roles(worker: int, redis_server: int | None) -> CpuRoles:
-    """This process (the direct side's engine client, and the trainer's client on the pipeline side), the processes
-    it started for its engine (vLLM's), the worker, the worker's children (vLLM's, or `--engine-process`), Redis."""
-    worker_engine = descendants(worker)
-    redis = [redis_server] if redis_server else []
-    return CpuRoles(
-        {
-            "bench": [os.getpid()],
-            "direct_engine": descendants(os.getpid()) - {worker, *worker_engine, *redis},
-            "worker": [worker],
-            "worker_engine": worker_engine,
-            "redis": redis,
-        }
-    )
+class WorkerProcess:
+    """The pipeline side as a user runs it: `rollouts worker` in its own process with its own engine, and the
+    trainer's client in this process."""
+
+    def __init__(self, url: str, spec: EngineSpec, log_file: Path) -> None:
+        self.process = start_worker(url, NS, spec.model, "bench-worker", *spec.worker_args(), log_file=log_file)
+        self.client = RolloutClient(url, NS)
+
+    def ready(self, loop: asyncio.AbstractEventLoop) -> None:
+        wait_for_worker(self.client.streams.redis, NS, "bench-worker", self.process, timeout_s=300)
+
+    def roles(self, redis_server: int | None) -> CpuRoles:
+        """This process (the direct side's engine client, and the trainer's client on the pipeline side), the
+        processes it started for its engine (vLLM's), the worker, the worker's children (vLLM's, or
+        `--engine-process`), Redis."""
+        worker_engine = descendants(self.process.pid)
+        redis = [redis_server] if redis_server else []
+        return CpuRoles(
+            {
+                "bench": [os.getpid()],
+                "direct_engine": descendants(os.getpid()) - {self.process.pid, *worker_engine, *redis},
+                "worker": [self.process.pid],
+                "worker_engine": worker_engine,
+                "redis": redis,
+            }
+        )
+
+    def round(self, loop: asyncio.AbstractEventLoop, batch: list[Prompt], tag: str) -> tuple[float, list[list[int]]]:
+        return pipeline_round(self.client, batch)
+
+    def close(self, loop: asyncio.AbstractEventLoop) -> None:
+        stop_process(self.process)
+
+
+class SharedEngine:
+    """`--one-engine`: the pipeline side's worker runs in this process on the direct side's engine, and the
+    trainer's client in a process of its own (`bench_trainer`).
+
+    Two engines, one a side, do not step at the same pace: on a 16-core host their step times drifted apart by up
+    to 20 % for several rounds at a time, which hides a pipeline that costs 1 %. With one engine both sides share
+    whatever it is having, and the ratio is what the pipeline costs. This process is then what `rollouts worker`
+    is (the engine's client and the worker's loop), and the trainer is elsewhere, as in a real run."""
+
+    def __init__(self, url: str, engine: Engine, shape: dict[str, int], log_file: Path) -> None:
+        self.worker = Worker(Streams(connect(url, ns=NS), NS), engine, "bench-worker", WorkerSettings())
+        self.task: asyncio.Task[None] | None = None
+        self.shape = shape
+        self.log_file = log_file
+        with log_file.open("ab") as log:
+            self.trainer = subprocess.Popen(
+                [sys.executable, "-m", "pipeline.cli.bench_trainer", url],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+            )
+
+    def ready(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.task = loop.create_task(self.worker.run())
+        loop.run_until_complete(self._serving(timeout_s=300))
+
+    async def _serving(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.worker.status is not WorkerStatus.SERVING:
+            if self.task is not None and self.task.done():
+                raise RuntimeError(f"the bench's worker stopped before serving: {self.worker.failure or 'see its log'}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the bench's worker did not serve within {timeout_s:.0f}s")
+            await asyncio.sleep(0.05)
+
+    def roles(self, redis_server: int | None) -> CpuRoles:
+        """This process (the engine's client, and the worker on the pipeline side), the engine's processes (vLLM's),
+        the trainer, Redis."""
+        redis = [redis_server] if redis_server else []
+        return CpuRoles(
+            {
+                "bench": [os.getpid()],
+                "engine": descendants(os.getpid()) - {self.trainer.pid, *redis},
+                "trainer": [self.trainer.pid],
+                "redis": redis,
+            }
+        )
+
+    def round(self, loop: asyncio.AbstractEventLoop, batch: list[Prompt], tag: str) -> tuple[float, list[list[int]]]:
+        """The trainer's round, while this loop serves the worker."""
+        return loop.run_until_complete(asyncio.to_thread(self._ask, tag))
+
+    def _ask(self, tag: str) -> tuple[float, list[list[int]]]:
+        assert self.trainer.stdin is not None and self.trainer.stdout is not None
+        self.trainer.stdin.write(json.dumps(self.shape | {"tag": tag}) + "\n")
+        self.trainer.stdin.flush()
+        line = self.trainer.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the bench's trainer exited with code {self.trainer.wait()}: see {self.log_file}")
+        answer = json.loads(line)
+        return answer["seconds"], answer["tokens"]
+
+    def close(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The trainer first (its stdin closed: it ends), then the worker, which shuts the engine down."""
+        if self.trainer.stdin is not None:
+            self.trainer.stdin.close()
+        stop_process(self.trainer)
+        if self.task is not None:
+            self.worker.stop(drain=False)
+            loop.run_until_complete(self.task)
 
 
 def own_cpu(spent: dict[str, float]) -> float:
-    """CPU-seconds of a side's own processes (this one, the worker, Redis), its engine processes left out: vLLM's spin
-    while they wait for each other, so their CPU grows with the wall time whatever the work, up to every idle core."""
-    return spent["bench"] + spent["worker"] + spent["redis"]
+    """CPU-seconds of a side's own processes (this one, the worker, the trainer, Redis), its engine processes left
+    out: vLLM's spin while they wait for each other, so their CPU grows with the wall time whatever the work, up to
+    every idle core."""
+    return sum(seconds for role, seconds in spent.items() if "engine" not in role and role != "total")
 
 
-def _pipeline_round(client: RolloutClient, prompts: list[Prompt]) -> tuple[float, list[list[int]]]:
+def pipeline_round(client: RolloutClient, prompts: list[Prompt]) -> tuple[float, list[list[int]]]:
     started = time.perf_counter()
     client.submit_prompts(prompts)
     groups = {g.prompt_id: g for g in client.collect(len(prompts), timeout=300)}
@@ -133,9 +232,17 @@ def settle_s(engine: str) -> float:
 
 
 def run_bench(
-    console: Console, spec: EngineSpec, build_model: bool, prompts: int, n: int, max_tokens: int, rounds: int
+    console: Console,
+    spec: EngineSpec,
+    build_model: bool,
+    prompts: int,
+    n: int,
+    max_tokens: int,
+    rounds: int,
+    one_engine: bool = False,
 ) -> dict[str, Any]:
-    """Alternate rounds of the engine called directly (in this process) and of the pipeline (a worker process)."""
+    """Alternate rounds of the engine called directly (in this process) and of the pipeline (a worker process, or
+    with `one_engine` a worker in this process on the same engine: `SharedEngine`)."""
     tmp = Path(tempfile.mkdtemp(prefix="rollouts-bench-"))
     try:
         if build_model:
@@ -149,13 +256,17 @@ def run_bench(
         settle = settle_s(spec.kind)
         with RedisServer() as server:
             url, served_by = server.url, server.binary.describe()
-            worker = start_worker(url, NS, spec.model, "bench-worker", *spec.worker_args(), log_file=tmp / "worker.log")
+            shape = {"prompts": prompts, "n": n, "max_tokens": max_tokens, "vocab": direct.vocab_size}
+            side_b: WorkerProcess | SharedEngine = (
+                SharedEngine(url, direct, shape, tmp / "trainer.log")
+                if one_engine
+                else WorkerProcess(url, spec, tmp / "worker.log")
+            )
             loop = asyncio.new_event_loop()
             try:
                 loop.run_until_complete(direct.start())
-                client = RolloutClient(url, NS)
-                wait_for_worker(client.streams.redis, NS, "bench-worker", worker, timeout_s=300)
-                roles = cpu_roles(worker.pid, server.process.pid if server.process else None)
+                side_b.ready(loop)
+                roles = side_b.roles(server.process.pid if server.process else None)
                 with Progress(console=console) as progress:
                     task = progress.add_task("bench rounds", total=rounds + 1)
                     for r in range(rounds + 1):  # round 0 warms both sides up and is not counted
@@ -167,7 +278,7 @@ def run_bench(
                             if name == "direct":
                                 measured[name] = loop.run_until_complete(_direct_round(direct, batch))
                             else:
-                                measured[name] = _pipeline_round(client, batch)
+                                measured[name] = side_b.round(loop, batch, f"r{r}")
                             if r > 0:
                                 spent = CpuRoles.spent(before, roles.read())
                                 cpu[name].append(spent | {"total": sum(spent.values())})
@@ -178,9 +289,9 @@ def run_bench(
                                 tokens[name].append(sum(map(len, toks)))
                         progress.advance(task)
             finally:
+                side_b.close(loop)
                 loop.run_until_complete(direct.shutdown())
                 loop.close()
-                stop_process(worker)
 
         def side(name: str) -> dict[str, Any]:
             rates = [samples / t for t in times[name]]
@@ -203,6 +314,7 @@ def run_bench(
             "max_tokens": max_tokens,
             "rounds": rounds,
             "settle_s": settle,
+            "one_engine": one_engine,
             "direct": side("direct"),
             "pipeline": side("pipeline"),
             "same_tokens": same_tokens,
