@@ -53,3 +53,24 @@ def test_rounds_splits_each_side_into_the_engines_span_and_the_time_before_and_a
     assert "tail_worker_s" not in direct  # no client reads in its rounds
     assert split["span_ratio"] == 1.0
     assert split["outside_extra_pct"] == pytest.approx(100 * 0.06 / 0.22, abs=0.01)
+
+
+def test_with_one_engine_each_run_of_steps_goes_to_the_side_whose_round_it_began_in(tmp_path: Path) -> None:
+    # `--one-engine`: one engine file, both sides' rounds in it, told apart only by the bench's rounds.
+    engine_file(tmp_path / "101.jsonl", "python -m pipeline.cli bench --one-engine", [1.0, 2.0, 10.0, 20.0])
+    rounds = [["direct", 0.99, 1.21], ["pipeline", 1.97, 2.25], ["pipeline", 9.97, 10.25], ["direct", 19.99, 20.21]]
+    (tmp_path / "bench-rounds.jsonl").write_text("".join(json.dumps([*r, 1000.0]) + "\n" for r in rounds))
+    bench = {"ratio": 0.786, "one_engine": True, "direct": {"seconds": [0.22]}, "pipeline": {"seconds": [0.28]}}
+    (tmp_path / "bench.json").write_text(json.dumps(bench))
+    script = ROOT / "examples" / "step_probe" / "rounds.py"
+    result = subprocess.run(
+        [sys.executable, str(script), str(tmp_path), str(tmp_path / "bench.json")], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+    split = json.loads(result.stdout)
+    direct, pipeline = split["direct"], split["pipeline"]
+    assert direct["engine_span_s"] == pipeline["engine_span_s"] == pytest.approx(0.2)
+    # The measured round of each side is its last: direct's from 19.99, the pipeline's from 9.97.
+    assert (direct["head_s"], direct["tail_s"]) == pytest.approx((0.01, 0.01))
+    assert (pipeline["head_s"], pipeline["tail_s"]) == pytest.approx((0.03, 0.05))
+    assert split["outside_extra_pct"] == pytest.approx(100 * 0.06 / 0.22, abs=0.01)

@@ -15,7 +15,8 @@ after its last (`tail_s`). On the pipeline side, the trainer client's reads spli
 rollouts' own `timing["finished"]` (when the worker had the sample): `tail_worker_s`, from the engine's last step
 to the worker having the round's last sample; `tail_delivery_s`, from there to the client making its group whole
 (building, publishing, Redis, reading, grouping); `tail_return_s`, from there to the round's end. JSON on stdout:
-per side the medians, and the per-round figures.
+per side the medians, and the per-round figures. With `--one-engine` there is one engine file, and each of its
+rounds belongs to the side whose round of the bench it began in.
 """
 
 from __future__ import annotations
@@ -77,11 +78,23 @@ def summary(
     }
 
 
+def by_round(rounds: list[list[list[float]]], lines: list[list[Any]]) -> dict[str, list[list[list[float]]]]:
+    """One engine for both sides (`rollouts bench --one-engine`): each run of steps goes to the side whose round of
+    the bench it began in."""
+    sides: dict[str, list[list[list[float]]]] = {"direct": [], "pipeline": []}
+    for steps in rounds:
+        side = next((line[0] for line in lines if line[0] in sides and line[1] <= steps[0][0] <= line[2]), None)
+        if side is not None:
+            sides[side].append(steps)
+    return sides
+
+
 def main(probe_dir: str, bench_json: str) -> None:
     bench = json.loads(Path(bench_json).read_text())
-    sides = dict(engine_rounds(p) for p in sorted(Path(probe_dir).glob("[0-9]*.jsonl")) if p.stat().st_size)
+    engines = [engine_rounds(p) for p in sorted(Path(probe_dir).glob("[0-9]*.jsonl")) if p.stat().st_size]
     timed = Path(probe_dir, "bench-rounds.jsonl")
     lines = [json.loads(line) for line in timed.read_text().splitlines()] if timed.exists() else []
+    sides = by_round(engines[0][1], lines) if bench.get("one_engine") else dict(engines)
     takes = [line[1:] for line in lines if line[0] == "take"]
     result = {
         name: summary(bench[name]["seconds"], sides[name], [line[1:] for line in lines if line[0] == name], takes)

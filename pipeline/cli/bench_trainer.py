@@ -8,19 +8,20 @@ seconds and the tokens, in prompt order. Lines of JSON on a pipe: nothing here i
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 
-from pipeline.cli.bench import NS, make_prompts, pipeline_round
 from producers.client import RolloutClient
 
 
 def main(redis_url: str) -> None:
-    client = RolloutClient(redis_url, NS)
+    bench = importlib.import_module("pipeline.cli.bench")  # the module: `pipeline.cli.bench` is also a command
+    client = RolloutClient(redis_url, bench.NS)
     for line in sys.stdin:
         ask = json.loads(line)
-        batch = make_prompts(ask["prompts"], ask["n"], ask["max_tokens"], ask["vocab"], ask["tag"])
-        seconds, tokens = pipeline_round(client, batch)
+        batch = bench.make_prompts(ask["prompts"], ask["n"], ask["max_tokens"], ask["vocab"], ask["tag"])
+        seconds, tokens = bench.pipeline_round(client, batch)  # looked up here: a probe may wrap it (step_probe)
         sys.stdout.write(json.dumps({"seconds": seconds, "tokens": tokens}) + "\n")
         sys.stdout.flush()
 
