@@ -143,3 +143,48 @@ def test_a_worker_with_partials_waiting_serves_them_before_it_takes_a_prompt(
             await asyncio.wait_for(running, 60)
 
     assert asyncio.run(main()) == ["old", "new"]
+
+
+class OrderEngine(SyntheticEngine):
+    """The synthetic engine, keeping the request ids in the order they reached it (instrumented, not replaced)."""
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self.order: list[str] = []
+
+    async def generate(self, request_id: str, *args: Any, **kwargs: Any) -> Generation:
+        self.order.append(request_id)
+        return await super().generate(request_id, *args, **kwargs)
+
+
+def test_every_prompt_of_a_burst_reaches_the_engine_before_any_prompts_second_sample(
+    redis_server: RedisServer, ns: str
+) -> None:
+    """A burst of 8 prompts of 4 samples, read at once: the engine must have each prompt's first sample before any
+    prompt's second. Queued as one task a sample behind the whole read, the first prompt's 4 samples went in first
+    and the engine's first step waited for every prompt of the burst to be decoded (`Worker._generate_samples`)."""
+    client = RolloutClient(redis_server.url, ns)
+    streams = Streams(connect(redis_server.url, ns=ns), ns)
+    engine = OrderEngine(steps_per_s=200)
+    worker = Worker(streams, engine, "burst", WorkerSettings(max_inflight=64, block_ms=2000))
+    sampling = Sampling(max_tokens=8, seed=1)
+
+    async def main() -> list[str]:
+        running = asyncio.create_task(worker.run())
+        try:
+            await asyncio.to_thread(client.submit, tokens=[5, 6, 7], n=4, max_tokens=8, seed=1, id="first")
+            await asyncio.to_thread(functools.partial(client.collect, 1, timeout=60))  # now it knows n
+            engine.order.clear()
+            burst = [client.make_prompt(tokens=[5, 6, k], n=4, sampling=sampling, id=f"p{k}") for k in range(8)]
+            await asyncio.to_thread(client.submit_prompts, burst)
+            groups = await asyncio.to_thread(functools.partial(client.collect, 8, timeout=60))
+            assert sorted(len(g.rollouts) for g in groups) == [4] * 8
+            return list(engine.order)
+        finally:
+            worker.stop()
+            await asyncio.wait_for(running, 60)
+
+    order = asyncio.run(main())
+    firsts = [request.partition("@")[0] for request in order[:8]]
+    assert firsts == [f"p{k}" for k in range(8)] and all(r.endswith(":0") for r in order[:8]), order[:12]
+    assert len(order) == 32
