@@ -387,7 +387,7 @@ class Worker:
         try:
             if not await self._engine_ready():
                 return  # the engine could not start: the worker stops and the entry stays pending
-            results = await self._generate_samples(prompt, entry, samples)
+            results = await asyncio.gather(*(self._generate_sample(prompt, k, entry, done) for k, done in samples))
             rollouts = [r for r in results if isinstance(r, Rollout)]
             partials = [r for r in results if isinstance(r, Partial)]
             published = await self.publisher.publish(rollouts, entry, partials, prompt.reply_to)
@@ -404,25 +404,6 @@ class Worker:
             # Not the prompt's fault (a failed engine step, Redis gone): leave it pending for a retry elsewhere.
             log.exception("%s: prompt %s failed; it stays pending", self.name, prompt.id)
             self.metrics.prompt_failed()
-
-    async def _generate_samples(
-        self, prompt: Prompt, entry: Entry, samples: list[tuple[int, Partial | None]]
-    ) -> list[Rollout | Partial]:
-        """An entry's samples, the first sent to the engine before this entry's task yields.
-
-        With `asyncio.gather` alone, every sample would be a task queued behind the rest of the read: a burst of 64
-        prompts reached the engine only after all 64 were decoded and their 256 samples had each taken a turn, so
-        the engine's first step came later than with the engine called directly. Here each entry's first sample
-        goes to the engine as the entry decodes, and the engine starts on the burst's first prompt at once."""
-        first, *rest = (self._generate_sample(prompt, k, entry, done) for k, done in samples)
-        others = [asyncio.ensure_future(sample) for sample in rest]
-        try:
-            result = await first
-        except BaseException:  # a cancelled drain, or an engine that died: the others go too, as gather's would not
-            for other in others:
-                other.cancel()
-            raise
-        return [result, *await asyncio.gather(*others)]
 
     async def _generate_sample(
         self, prompt: Prompt, sample: int, entry: Entry, done: Partial | None
