@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -18,6 +19,17 @@ def engine_file(path: Path, parent: str, round_starts: list[float]) -> None:
     for start in round_starts:
         lines += [json.dumps([start, 0.1, 0.08, 4, 40]), json.dumps([start + 0.1, 0.1, 0.08, 0, 4])]
     path.write_text("\n".join(lines) + "\n")
+
+
+def split_rounds(probe_dir: Path, bench: dict[str, Any]) -> dict[str, Any]:
+    """`rounds.py` run as a person runs it, on the probe's files in `probe_dir` and the bench's JSON `bench`."""
+    (probe_dir / "bench.json").write_text(json.dumps(bench))
+    script = ROOT / "examples" / "step_probe" / "rounds.py"
+    result = subprocess.run(
+        [sys.executable, str(script), str(probe_dir), str(probe_dir / "bench.json")], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
 
 
 def test_rounds_splits_each_side_into_the_engines_span_and_the_time_before_and_after_it(tmp_path: Path) -> None:
@@ -36,13 +48,7 @@ def test_rounds_splits_each_side_into_the_engines_span_and_the_time_before_and_a
         rounds += [["take", end - 0.1, end - 0.15], ["take", end + 0.04, end + 0.01]]
     (tmp_path / "bench-rounds.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rounds))
     bench = {"ratio": 0.786, "direct": {"seconds": [0.22, 0.22]}, "pipeline": {"seconds": [0.28, 0.28]}}
-    (tmp_path / "bench.json").write_text(json.dumps(bench))
-    script = ROOT / "examples" / "step_probe" / "rounds.py"
-    result = subprocess.run(
-        [sys.executable, str(script), str(tmp_path), str(tmp_path / "bench.json")], capture_output=True, text=True
-    )
-    assert result.returncode == 0, result.stderr
-    split = json.loads(result.stdout)
+    split = split_rounds(tmp_path, bench)
     direct, pipeline = split["direct"], split["pipeline"]
     assert direct["engine_span_s"] == pipeline["engine_span_s"] == pytest.approx(0.2)
     assert direct["steps"] == pipeline["steps"] == 2
@@ -61,13 +67,7 @@ def test_with_one_engine_each_run_of_steps_goes_to_the_side_whose_round_it_began
     rounds = [["direct", 0.99, 1.21], ["pipeline", 1.97, 2.25], ["pipeline", 9.97, 10.25], ["direct", 19.99, 20.21]]
     (tmp_path / "bench-rounds.jsonl").write_text("".join(json.dumps([*r, 1000.0]) + "\n" for r in rounds))
     bench = {"ratio": 0.786, "one_engine": True, "direct": {"seconds": [0.22]}, "pipeline": {"seconds": [0.28]}}
-    (tmp_path / "bench.json").write_text(json.dumps(bench))
-    script = ROOT / "examples" / "step_probe" / "rounds.py"
-    result = subprocess.run(
-        [sys.executable, str(script), str(tmp_path), str(tmp_path / "bench.json")], capture_output=True, text=True
-    )
-    assert result.returncode == 0, result.stderr
-    split = json.loads(result.stdout)
+    split = split_rounds(tmp_path, bench)
     direct, pipeline = split["direct"], split["pipeline"]
     assert direct["engine_span_s"] == pipeline["engine_span_s"] == pytest.approx(0.2)
     # The measured round of each side is its last: direct's from 19.99, the pipeline's from 9.97.
