@@ -197,7 +197,10 @@ def test_two_workers_sharing_one_server_sync_weights_mid_generation(
     server.serve_base_model(tiny_model_dir)  # the previous test left it at version 2
     # In abort mode `a` continues the samples a pause interrupted itself (the default: it sends them to the paused
     # server again at once, and the server holds them until its resume) and `b` hands its own off to `{ns}:partials`.
-    flags = {"a": [], "b": ["--hand-off-partials"] if mode == "abort" else []}
+    # Room for 6 of the 12 prompts each: a worker with room for all took all 12 before the other read one (CI, once),
+    # and the other generated nothing.
+    room = ["--max-inflight", "24"]
+    flags = {"a": room, "b": [*room, "--hand-off-partials"] if mode == "abort" else room}
     started = [
         remote_worker(redis_server, ns, tiny_model_dir, name, server.url, tmp_path / f"{name}.log", *flags[name])
         for name in "ab"
