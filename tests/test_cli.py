@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -12,6 +13,8 @@ from pathlib import Path
 import pytest
 from matplotlib.image import imread
 
+from consumers.synthetic_engine import SyntheticEngine
+from pipeline.cli.bench import SharedEngine
 from pipeline.cli.processes import start_worker, stop_process, wait_for_worker
 from pipeline.local import RedisServer, free_port
 from pipeline.wire import Keys, Prompt
@@ -216,6 +219,22 @@ def test_bench_with_one_engine_serves_both_sides_from_it_and_the_trainer_from_a_
     assert direct["trainer"] <= pipeline["trainer"] and min(direct["bench"], pipeline["bench"]) > 0, (direct, pipeline)
     own = [cpu["bench"] + cpu["trainer"] + cpu["redis"] for cpu in (direct, pipeline)]
     assert report["pipeline_extra_cpu_s"] == pytest.approx(own[1] - own[0], abs=0.01)
+
+
+def test_a_bench_trainer_that_dies_is_reported_with_the_end_of_its_log(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """`--one-engine`'s trainer process fails (here: asked for prompts from a vocabulary of no tokens) and exits: the
+    bench says so with the end of its log, since the log itself goes with the bench's temporary directory."""
+    shape = {"prompts": 1, "n": 1, "max_tokens": 4, "vocab": 0}
+    side = SharedEngine(redis_server.url, SyntheticEngine(), shape, tmp_path / "trainer.log")
+    loop = asyncio.new_event_loop()
+    try:
+        with pytest.raises(RuntimeError, match=r"the bench's trainer exited with code 1: .*ValueError"):
+            side.round(loop, [], "r0")
+    finally:
+        side.close(loop)
+        loop.close()
 
 
 def test_bench_sync_reports_the_stall_per_transport(tmp_path: Path) -> None:

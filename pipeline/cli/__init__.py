@@ -468,8 +468,8 @@ def bench(
         bool,
         typer.Option(
             help="One engine for both sides: the worker runs in the bench's process on the direct side's engine, "
-            "and the trainer's client in a process of its own (two engines drift apart by more than the "
-            "pipeline costs)."
+            "and the trainer's client in a process of its own (no difference between two engines counts as the "
+            "pipeline's)."
         ),
     ] = False,
     plot: Annotated[Path | None, typer.Option(help="Also draw the rounds of both sides to this PNG.")] = None,

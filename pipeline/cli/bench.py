@@ -120,10 +120,11 @@ class SharedEngine:
     """`--one-engine`: the pipeline side's worker runs in this process on the direct side's engine, and the
     trainer's client in a process of its own (`bench_trainer`).
 
-    Two engines, one a side, do not step at the same pace: on a 16-core host their step times drifted apart by up
-    to 20 % for several rounds at a time, which hides a pipeline that costs 1 %. With one engine both sides share
-    whatever it is having, and the ratio is what the pipeline costs. This process is then what `rollouts worker`
-    is (the engine's client and the worker's loop), and the trainer is elsewhere, as in a real run."""
+    With two engines, one a side, a difference between the two instances would count as the pipeline's. With one,
+    both sides step on the same engine (on a 16-core host its rounds still varied by ±20 %: that noise is the
+    engine's own, README *One engine for both sides*). This process is then what `rollouts worker` is (the
+    engine's client and the worker's loop), and the trainer is elsewhere, as in a real run. `round` sends the
+    trainer the round's tag and shape, from which it makes the same prompts (`make_prompts` is seeded)."""
 
     def __init__(self, url: str, engine: Engine, shape: dict[str, int], log_file: Path) -> None:
         self.worker = Worker(Streams(connect(url, ns=NS), NS), engine, "bench-worker", WorkerSettings())
@@ -174,8 +175,9 @@ class SharedEngine:
         self.trainer.stdin.write(json.dumps(self.shape | {"tag": tag}) + "\n")
         self.trainer.stdin.flush()
         line = self.trainer.stdout.readline()
-        if not line:
-            raise RuntimeError(f"the bench's trainer exited with code {self.trainer.wait()}: see {self.log_file}")
+        if not line:  # its log is in the bench's temporary directory, gone once the bench ends: quote its end
+            said = self.log_file.read_text(errors="replace").strip().splitlines()[-5:]
+            raise RuntimeError(f"the bench's trainer exited with code {self.trainer.wait()}: {' | '.join(said)}")
         answer = json.loads(line)
         return answer["seconds"], answer["tokens"]
 
@@ -189,11 +191,16 @@ class SharedEngine:
             loop.run_until_complete(self.task)
 
 
+NOT_OWN = frozenset({"direct_engine", "worker_engine", "engine", "total"})
+"""`cpu_s` entries that `own_cpu` leaves out: the engines' processes (`WorkerProcess.roles`, `SharedEngine.roles`)
+and the sum of all roles."""
+
+
 def own_cpu(spent: dict[str, float]) -> float:
     """CPU-seconds of a side's own processes (this one, the worker, the trainer, Redis), its engine processes left
     out: vLLM's spin while they wait for each other, so their CPU grows with the wall time whatever the work, up to
     every idle core."""
-    return sum(seconds for role, seconds in spent.items() if "engine" not in role and role != "total")
+    return sum(seconds for role, seconds in spent.items() if role not in NOT_OWN)
 
 
 def pipeline_round(client: RolloutClient, prompts: list[Prompt]) -> tuple[float, list[list[int]]]:
