@@ -98,6 +98,11 @@ class WorkerSettings:
     only those tokens: the prompt is claimed and generated again). True: each goes to `{ns}:partials` with the
     entry's ack at the pause, durable, and any worker continues it. A worker that stops before its resume hands its
     interrupted samples off either way."""
+    freeze_heap: bool = False
+    """Freeze the process's heap (`gc.freeze`) each time the engine has started, so that Python's full collections
+    skip what the engine holds (`consumers.lifecycle.freeze_heap`: a full collection over vLLM's ~700k objects stalls
+    the event loop for ~0.5 s). Process-wide: for a process that is the worker's own, as `rollouts worker` and
+    `rollouts launch` set it; a worker run inside another program leaves that program's collector alone."""
 
 
 class BusyClock:
@@ -136,7 +141,7 @@ class Worker:
         self.settings = settings or WorkerSettings()
         if self.settings.release_after_s is not None and factory is None:
             raise ValueError("release_after_s needs an engine factory: a released engine is built again to restart")
-        self._slot = EngineSlot(engine, factory, self.name)
+        self._slot = EngineSlot(engine, factory, self.name, self.settings.freeze_heap)
         """The engine, started at launch or on demand (`lazy`), and released when idle (`release_after_s`)."""
         streams.dedupe_ttl_s = self.settings.dedupe_ttl_s
         self.metrics = metrics or WorkerMetrics(streams.keys.ns, self.name)
@@ -186,6 +191,11 @@ class Worker:
     def engine(self) -> Engine:
         """The engine now: a fresh, unstarted one after a release (`consumers.lifecycle`)."""
         return self._slot.engine
+
+    @property
+    def inflight_samples(self) -> int:
+        """Samples of the work taken that are not yet published (what the heartbeat's `inflight` says)."""
+        return self._inflight_samples
 
     def _account(self) -> None:
         """Called after every change of in-flight work, and by `_set_serving` (see `BusyClock`)."""

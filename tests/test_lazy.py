@@ -4,7 +4,10 @@ while there is no engine acked at once and loaded at the next start (real worker
 from __future__ import annotations
 
 import io
+import json
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import psutil
@@ -132,3 +135,64 @@ def test_a_lazy_worker_receives_an_nccl_broadcast_without_an_engine_and_serves_i
     assert client.publish_weights(tiny_model_dir, transport=nccl) == 2
     assert client.last_sync.acked == ["lazy"]
     serve_one(client, "later", 2, {2: tiny_model_dir})
+
+
+FREEZES = """
+import asyncio, gc, json, sys, time, weakref
+from consumers.lifecycle import WorkerStatus
+from consumers.synthetic_engine import SyntheticEngine
+from consumers.worker import Worker, WorkerSettings
+from pipeline.connections import connect
+from pipeline.streams import Streams
+from producers.client import RolloutClient
+
+async def until(condition, what, timeout_s=60):
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.02)
+
+async def main(url, ns):
+    built = []
+    def factory():
+        engine = SyntheticEngine(steps_per_s=1000)
+        engine.itself = engine  # a cycle: once dropped, only the collector frees it
+        built.append(weakref.ref(engine))
+        return engine
+    settings = WorkerSettings(lazy=True, release_after_s=0.3, heartbeat_s=0.1, freeze_heap=True)
+    worker = Worker(Streams(connect(url, ns=ns), ns), factory(), "w", settings, factory=factory)
+    task = asyncio.create_task(worker.run())
+    client = RolloutClient(url, ns)
+    seen = {"idle": gc.get_freeze_count()}
+    for round in range(2):
+        await asyncio.to_thread(client.submit, tokens=[1, 2, 3], n=1, max_tokens=4, id=f"p{round}")
+        await asyncio.to_thread(client.collect, 1, 60)
+        seen[f"serving {round}"] = gc.get_freeze_count()
+        await until(lambda: worker.status is WorkerStatus.RELEASED, "a release")
+        await until(lambda: worker._slot._stopped.done(), "the released engine's shutdown")
+        gc.collect()
+        seen[f"released {round}"] = gc.get_freeze_count()
+    seen["engines built"], seen["engines alive"] = len(built), sum(ref() is not None for ref in built)
+    worker.stop()
+    await task
+    print(json.dumps(seen))
+
+asyncio.run(main(sys.argv[1], sys.argv[2]))
+"""
+
+
+def test_a_worker_of_its_own_process_freezes_the_heap_while_its_engine_is_up_and_frees_each_released_engine(
+    redis_server: RedisServer, ns: str
+) -> None:
+    """`freeze_heap` (what `rollouts worker` sets): once the engine is up, Python's full collections skip what exists
+    then (`gc.freeze`: with vLLM loaded one took ~0.5 s, the worker's loop standing still); a release unfreezes, so a
+    released engine, even one held in a reference cycle, is freed. In a process of its own: freezing is process-wide."""
+    done = subprocess.run(
+        [sys.executable, "-c", FREEZES, redis_server.url, ns], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.splitlines()[-1])
+    assert seen["idle"] == 0, seen  # no engine yet: nothing frozen
+    assert seen["serving 0"] > 0 and seen["serving 1"] > 0, seen
+    assert seen["released 0"] == 0 and seen["released 1"] == 0, seen
+    assert seen["engines built"] == 3 and seen["engines alive"] == 1, seen  # only the fresh, unstarted one is left

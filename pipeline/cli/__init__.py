@@ -163,6 +163,7 @@ def worker_settings(
     settings.lazy, settings.release_after_s = lazy, release_after_s
     settings.hand_off_partials = hand_off_partials
     settings.heartbeat_ttl_s = max(settings.heartbeat_ttl_s, 5 * heartbeat_s)
+    settings.freeze_heap = True  # a worker process of its own (`rollouts worker`, or a `rollouts launch` actor)
     return settings
 
 
@@ -472,6 +473,14 @@ def bench(
             "pipeline's)."
         ),
     ] = False,
+    paired: Annotated[
+        bool,
+        typer.Option(
+            help="Both sides at once on one engine (implies --one-engine), half the prompts each, in the same engine "
+            "steps: the engine's own round-to-round noise hits both alike. Measures the time the pipeline adds, not "
+            "the CPU it takes from the engine."
+        ),
+    ] = False,
     plot: Annotated[Path | None, typer.Option(help="Also draw the rounds of both sides to this PNG.")] = None,
 ) -> None:
     """Rollouts/s and tokens/s of the engine called directly vs through the whole pipeline; JSON out."""
@@ -490,6 +499,7 @@ def bench(
             max_tokens=max_tokens,
             rounds=rounds,
             one_engine=one_engine,
+            paired=paired,
         )
         if plot is not None:
             plot_bench(result, plot)

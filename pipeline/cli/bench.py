@@ -37,7 +37,7 @@ from rich.console import Console
 from rich.progress import Progress
 
 from consumers.engine import Engine, create_engine
-from consumers.lifecycle import WorkerStatus
+from consumers.lifecycle import WorkerStatus, freeze_heap
 from consumers.tiny_model import build_tiny_model
 from consumers.worker import Worker, WorkerSettings
 from pipeline.cli.cpu import CpuRoles, descendants
@@ -71,7 +71,18 @@ def make_prompts(count: int, n: int, max_tokens: int, vocab: int, tag: str) -> l
     ]
 
 
-async def _direct_round(engine: Engine, prompts: list[Prompt]) -> tuple[float, list[list[int]]]:
+Measured = tuple[float, list[list[int]]]
+"""One side of a round: its seconds and the tokens of its samples, in prompt order."""
+
+
+async def _loop_turns(turns: int = 4) -> None:
+    """Let what is ready on this event loop run, and what that makes ready, `turns` deep: requests queued as tasks
+    (a sample's task, then the engine's own for the request) reach the engine."""
+    for _ in range(turns):
+        await asyncio.sleep(0)
+
+
+async def _direct_round(engine: Engine, prompts: list[Prompt]) -> Measured:
     def sampling(p: Prompt, k: int) -> Sampling:
         return p.sampling.model_copy(update={"seed": p.sampling.seed + k})  # the worker's per-sample seed
 
@@ -109,7 +120,7 @@ class WorkerProcess:
             }
         )
 
-    def round(self, loop: asyncio.AbstractEventLoop, batch: list[Prompt], tag: str) -> tuple[float, list[list[int]]]:
+    def round(self, loop: asyncio.AbstractEventLoop, batch: list[Prompt], tag: str) -> Measured:
         return pipeline_round(self.client, batch)
 
     def close(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -166,20 +177,56 @@ class SharedEngine:
             }
         )
 
-    def round(self, loop: asyncio.AbstractEventLoop, batch: list[Prompt], tag: str) -> tuple[float, list[list[int]]]:
+    def round(self, loop: asyncio.AbstractEventLoop, batch: list[Prompt], tag: str) -> Measured:
         """The trainer's round, while this loop serves the worker."""
-        return loop.run_until_complete(asyncio.to_thread(self._ask, tag))
+        self.send(tag)
+        return loop.run_until_complete(asyncio.to_thread(self.answer))
 
-    def _ask(self, tag: str) -> tuple[float, list[list[int]]]:
-        assert self.trainer.stdin is not None and self.trainer.stdout is not None
+    async def paired_round(self, engine: Engine, batch: list[Prompt], tag: str, first: str) -> dict[str, Measured]:
+        """`--paired`: the trainer's round and the direct one (`batch`, the same prompts) at once, on this engine.
+
+        One side goes `first`; the other starts once the first's requests are in the engine. Each side's work
+        before the engine (the worker's read and decode, the direct side's calls) runs on this process's event
+        loop, so started together, one would wait for the other's. Each side times itself from its own start, the
+        trainer from before its submit; rounds alternate which side goes first."""
+        samples = sum(p.n for p in batch)
+        if first == "direct":
+            direct = asyncio.create_task(_direct_round(engine, batch))
+            await _loop_turns()
+            self.send(tag)
+            return {"pipeline": await asyncio.to_thread(self.answer), "direct": await direct}
+        self.send(tag)
+        await self._taken(samples)
+        await _loop_turns()
+        return {"direct": await _direct_round(engine, batch), "pipeline": await asyncio.to_thread(self.answer)}
+
+    async def _taken(self, samples: int, timeout_s: float = 300) -> None:
+        """Until the worker has decoded `samples` samples of work."""
+        deadline = time.monotonic() + timeout_s
+        while self.worker.inflight_samples < samples:
+            if (self.task is not None and self.task.done()) or time.monotonic() > deadline:
+                raise RuntimeError(f"the bench's worker did not take the round's {samples} samples: see its log")
+            await asyncio.sleep(0.0005)
+
+    def send(self, tag: str) -> None:
+        """Start the trainer's round `tag` (the prompts of `make_prompts` at `shape`)."""
+        assert self.trainer.stdin is not None
         self.trainer.stdin.write(json.dumps(self.shape | {"tag": tag}) + "\n")
         self.trainer.stdin.flush()
+
+    def answer(self) -> Measured:
+        """The trainer's round once it ends: its seconds (from its submit to its last group) and its tokens."""
+        answer = self._line()
+        return answer["seconds"], answer["tokens"]
+
+    def _line(self) -> dict[str, Any]:
+        """The trainer's next line."""
+        assert self.trainer.stdout is not None
         line = self.trainer.stdout.readline()
         if not line:  # its log is in the bench's temporary directory, gone once the bench ends: quote its end
             said = self.log_file.read_text(errors="replace").strip().splitlines()[-5:]
             raise RuntimeError(f"the bench's trainer exited with code {self.trainer.wait()}: {' | '.join(said)}")
-        answer = json.loads(line)
-        return answer["seconds"], answer["tokens"]
+        return json.loads(line)
 
     def close(self, loop: asyncio.AbstractEventLoop) -> None:
         """The trainer first (its stdin closed: it ends), then the worker, which shuts the engine down."""
@@ -203,7 +250,7 @@ def own_cpu(spent: dict[str, float]) -> float:
     return sum(seconds for role, seconds in spent.items() if role not in NOT_OWN)
 
 
-def pipeline_round(client: RolloutClient, prompts: list[Prompt]) -> tuple[float, list[list[int]]]:
+def pipeline_round(client: RolloutClient, prompts: list[Prompt]) -> Measured:
     started = time.perf_counter()
     client.submit_prompts(prompts)
     groups = {g.prompt_id: g for g in client.collect(len(prompts), timeout=300)}
@@ -218,7 +265,7 @@ def plot_bench(result: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    samples = result["prompts"] * result["n"]
+    samples = result.get("prompts_per_side", result["prompts"]) * result["n"]
     fig, ax = plt.subplots(figsize=(7, 4))
     for offset, side in ((-0.2, "direct"), (0.2, "pipeline")):
         rates = [samples / t for t in result[side]["seconds"]]
@@ -238,6 +285,33 @@ def settle_s(engine: str) -> float:
     return SETTLE_S if engine == "vllm" else 0.0
 
 
+def balanced_ratio(ratios: list[float]) -> tuple[dict[str, float], float]:
+    """`--paired`: the per-round ratios' medians by which side went first (rounds 1, 3, ...: the pipeline; 2, 4, ...:
+    the direct side), and the geometric mean of the two.
+
+    The side that goes second joins an engine already running and takes ~1 % less time than it would have first (on
+    vLLM its requests join together at one step, where the first side's trickle in over the first steps). With the
+    ratio `(1 - o) / (1 + p)` in one kind of round and `1 / ((1 - o)(1 + p))` in the other, for an order effect `o`
+    and a pipeline cost `p`, the geometric mean is `1 / (1 + p)`: the order effect cancels."""
+    by_first = {
+        side: float(np.median(ratios[start::2])) for side, start in (("pipeline", 0), ("direct", 1)) if ratios[start::2]
+    }
+    balanced = float(np.prod(list(by_first.values())) ** (1 / len(by_first)))
+    return {side: round(r, 4) for side, r in by_first.items()}, round(balanced, 4)
+
+
+def room_for_both(spec: EngineSpec, samples: int) -> EngineSpec:
+    """`--paired`: an engine that runs both sides' `samples` in the same steps. With less room the side that goes
+    second would wait for the first side's samples to finish (measured on vLLM's default of 128 sequences: the second
+    side took ~1.7x as long)."""
+    if spec.kind == "vllm":
+        seqs = spec.engine_args.get("max_num_seqs", samples)
+        if seqs < samples:
+            raise ValueError(f"--paired runs both sides' {samples} samples at once: max_num_seqs {seqs} is too small")
+        return replace(spec, engine_args=spec.engine_args | {"max_num_seqs": seqs})
+    return replace(spec, max_batch=max(spec.max_batch, samples))
+
+
 def run_bench(
     console: Console,
     spec: EngineSpec,
@@ -247,23 +321,30 @@ def run_bench(
     max_tokens: int,
     rounds: int,
     one_engine: bool = False,
+    paired: bool = False,
 ) -> dict[str, Any]:
     """Alternate rounds of the engine called directly (in this process) and of the pipeline (a worker process, or
-    with `one_engine` a worker in this process on the same engine: `SharedEngine`)."""
+    with `one_engine` a worker in this process on the same engine: `SharedEngine`). With `paired` (one engine), each
+    round runs both sides at once, half the prompts each, in the same engine steps."""
+    if paired and prompts < 2:
+        raise ValueError(f"--paired splits a round's prompts between the two sides: give at least 2, not {prompts}")
+    one_engine = one_engine or paired
+    per_side = prompts // 2 if paired else prompts
+    if paired:
+        spec = room_for_both(spec, 2 * per_side * n)
     tmp = Path(tempfile.mkdtemp(prefix="rollouts-bench-"))
     try:
         if build_model:
             spec = replace(spec, model=build_tiny_model(tmp / "model", seed=0))
         direct = create_engine(spec.kind, str(spec.model), **spec.in_process_options())
-        samples = prompts * n
         times: dict[str, list[float]] = {"direct": [], "pipeline": []}
         tokens: dict[str, list[int]] = {"direct": [], "pipeline": []}
-        cpu: dict[str, list[dict[str, float]]] = {"direct": [], "pipeline": []}
+        cpu: dict[str, list[dict[str, float]]] = {"direct": [], "pipeline": [], "paired": []}
         same_tokens = True
         settle = settle_s(spec.kind)
         with RedisServer() as server:
             url, served_by = server.url, server.binary.describe()
-            shape = {"prompts": prompts, "n": n, "max_tokens": max_tokens, "vocab": direct.vocab_size}
+            shape = {"prompts": per_side, "n": n, "max_tokens": max_tokens, "vocab": direct.vocab_size}
             side_b: WorkerProcess | SharedEngine = (
                 SharedEngine(url, direct, shape, tmp / "trainer.log")
                 if one_engine
@@ -272,20 +353,29 @@ def run_bench(
             loop = asyncio.new_event_loop()
             try:
                 loop.run_until_complete(direct.start())
+                freeze_heap()  # as `rollouts worker` does once its engine is up: the direct side gets it too
                 side_b.ready(loop)
                 roles = side_b.roles(server.process.pid if server.process else None)
+
+                def play(name: str, batch: list[Prompt], r: int) -> dict[str, Measured]:
+                    """One side of round `r`, or both (`paired`; the direct side first in even rounds)."""
+                    if name == "paired":
+                        assert isinstance(side_b, SharedEngine)
+                        first = "direct" if r % 2 == 0 else "pipeline"
+                        return loop.run_until_complete(side_b.paired_round(direct, batch, f"r{r}", first))
+                    if name == "direct":
+                        return {"direct": loop.run_until_complete(_direct_round(direct, batch))}
+                    return {"pipeline": side_b.round(loop, batch, f"r{r}")}
+
                 with Progress(console=console) as progress:
                     task = progress.add_task("bench rounds", total=rounds + 1)
                     for r in range(rounds + 1):  # round 0 warms both sides up and is not counted
-                        batch = make_prompts(prompts, n, max_tokens, direct.vocab_size, tag=f"r{r}")
-                        measured: dict[str, tuple[float, list[list[int]]]] = {}
-                        for name in ("direct", "pipeline") if r % 2 == 0 else ("pipeline", "direct"):
+                        batch = make_prompts(per_side, n, max_tokens, direct.vocab_size, tag=f"r{r}")
+                        measured: dict[str, Measured] = {}
+                        for name in ("paired",) if paired else ("direct", "pipeline")[:: 1 if r % 2 == 0 else -1]:
                             time.sleep(settle)
                             before = roles.read()
-                            if name == "direct":
-                                measured[name] = loop.run_until_complete(_direct_round(direct, batch))
-                            else:
-                                measured[name] = side_b.round(loop, batch, f"r{r}")
+                            measured |= play(name, batch, r)
                             if r > 0:
                                 spent = CpuRoles.spent(before, roles.read())
                                 cpu[name].append(spent | {"total": sum(spent.values())})
@@ -300,28 +390,30 @@ def run_bench(
                 loop.run_until_complete(direct.shutdown())
                 loop.close()
 
+        def medians(spends: list[dict[str, float]]) -> dict[str, float]:
+            return {role: round(statistics.median(spent[role] for spent in spends), 3) for role in spends[0]}
+
         def side(name: str) -> dict[str, Any]:
-            rates = [samples / t for t in times[name]]
+            rates = [per_side * n / t for t in times[name]]
             token_rates = [k / t for k, t in zip(tokens[name], times[name], strict=True)]
             return {
                 "rollouts_per_s": round(statistics.median(rates), 2),
                 "tokens_per_s": round(statistics.median(token_rates), 1),
                 "seconds": [round(t, 6) for t in times[name]],  # a small round takes milliseconds
-                "cpu_s": {
-                    role: round(statistics.median(spent[role] for spent in cpu[name]), 3) for role in cpu[name][0]
-                },
-            }
+            } | ({} if paired else {"cpu_s": medians(cpu[name])})
 
         result = {
             "engine": spec.kind,
             "options": {k: v for k, v in spec.options().items() if v is not None},
             "redis": served_by,
             "prompts": prompts,
+            "prompts_per_side": per_side,
             "n": n,
             "max_tokens": max_tokens,
             "rounds": rounds,
             "settle_s": settle,
             "one_engine": one_engine,
+            "paired": paired,
             "direct": side("direct"),
             "pipeline": side("pipeline"),
             "same_tokens": same_tokens,
@@ -329,9 +421,14 @@ def run_bench(
         ratios = np.array(times["direct"]) / np.array(times["pipeline"])
         result["ratio"] = round(float(np.median(ratios)), 4)
         result["ratios"] = [round(float(x), 4) for x in ratios]
+        if paired:
+            result["ratio_by_first"], result["ratio"] = balanced_ratio(result["ratios"])
         result["pipeline_overhead_pct"] = round(100 * (1 - result["ratio"]), 2)
-        extra = [own_cpu(p) - own_cpu(d) for d, p in zip(cpu["direct"], cpu["pipeline"], strict=True)]
-        result["pipeline_extra_cpu_s"] = round(statistics.median(extra), 3)
+        if paired:  # both sides in the same seconds: the CPU of the round, not of a side
+            result["cpu_s"], result["pipeline_extra_cpu_s"] = medians(cpu["paired"]), None
+        else:
+            extra = [own_cpu(p) - own_cpu(d) for d, p in zip(cpu["direct"], cpu["pipeline"], strict=True)]
+            result["pipeline_extra_cpu_s"] = round(statistics.median(extra), 3)
         return result
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
