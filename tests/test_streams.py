@@ -654,6 +654,32 @@ def test_a_restarted_trainer_rereads_an_open_group_once_and_acks_it_only_when_us
     assert any_redis.xpending(streams.keys.rollouts, TRAINER)["pending"] == 4, "nothing acked before it is used"
 
 
+def test_collect_acks_its_groups_together_and_a_timeout_leaves_them_for_the_next_client(
+    any_redis: redis.Redis, ns: str
+) -> None:
+    """`collect` acks what it returns in one XACK, not a round trip a group; one that times out has acked nothing, so
+    a client started again (same consumer) gets those groups back instead of their being acked and lost."""
+    from producers.client import RolloutClient
+
+    streams = Streams(any_redis, ns)
+    streams.ensure_groups()
+    for name in ("a", "b", "c"):
+        for rollout in rollouts_for(prompt(name)):
+            any_redis.xadd(streams.keys.rollouts, rollout.to_fields())
+    client = RolloutClient(any_redis, ns, consumer="t")
+    acks: list[int] = []
+    ack = streams.ack_rollouts
+    client.streams.ack_rollouts = lambda ids: (ids and acks.append(len(ids)), ack(ids))[1]  # type: ignore[method-assign]
+    assert [g.prompt_id for g in client.collect(2, timeout=5)] == ["a", "b"]
+    assert acks == [4] and any_redis.xpending(streams.keys.rollouts, TRAINER)["pending"] == 2  # c's: read, not used
+    with pytest.raises(TimeoutError):
+        client.collect(2, timeout=0.2)  # "c" is whole, a second group never comes
+    assert any_redis.xpending(streams.keys.rollouts, TRAINER)["pending"] == 2, "c's rollouts are still pending"
+    restarted = RolloutClient(any_redis, ns, consumer="t")
+    assert [g.prompt_id for g in restarted.collect(1, timeout=5)] == ["c"]
+    assert any_redis.xpending(streams.keys.rollouts, TRAINER)["pending"] == 0
+
+
 def test_a_fleet_sweeps_departed_inboxes_about_twice_a_heartbeat_whatever_its_size() -> None:
     """Every worker sweeping every heartbeat made Redis check N² heartbeats a second (a million at 1,000 workers);
     a small fleet still sweeps every heartbeat, a large one a couple of times a period in all."""
