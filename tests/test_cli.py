@@ -10,6 +10,7 @@ import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 from matplotlib.image import imread
@@ -185,14 +186,18 @@ def test_prompt_ids_are_kept_from_the_file(redis_server: RedisServer, ns: str, t
     assert (prompt.id, prompt.n, prompt.tokens.tolist(), prompt.sampling.seed) == ("mine", 2, [4, 5], 7)
 
 
+def small_bench(model: Path, *flags: str) -> dict[str, Any]:
+    """`rollouts bench` on the tiny model, 8 prompts of 2 samples of 32 tokens a round: its JSON report."""
+    result = rollouts(
+        "bench", "--model", str(model), "--prompts", "8", "--n", "2", "--max-tokens", "32", *flags, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
 def test_bench_compares_both_sides_on_the_same_tokens(tiny_model_dir: Path, tmp_path: Path) -> None:
     plot = tmp_path / "bench.png"
-    result = rollouts(
-        "bench", "--model", str(tiny_model_dir), "--prompts", "8", "--n", "2", "--max-tokens", "32",
-        "--rounds", "1", "--plot", str(plot), timeout=300,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    report = json.loads(result.stdout)
+    report = small_bench(tiny_model_dir, "--rounds", "1", "--plot", str(plot))
     assert report["same_tokens"] is True
     assert report["direct"]["rollouts_per_s"] > 0 and report["pipeline"]["rollouts_per_s"] > 0
     assert report["ratio"] == pytest.approx(report["direct"]["seconds"][0] / report["pipeline"]["seconds"][0], rel=0.05)
@@ -207,12 +212,7 @@ def test_bench_compares_both_sides_on_the_same_tokens(tiny_model_dir: Path, tmp_
 def test_bench_with_one_engine_serves_both_sides_from_it_and_the_trainer_from_a_process_of_its_own(
     tiny_model_dir: Path,
 ) -> None:
-    result = rollouts(
-        "bench", "--model", str(tiny_model_dir), "--prompts", "8", "--n", "2", "--max-tokens", "32",
-        "--rounds", "2", "--one-engine", timeout=300,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    report = json.loads(result.stdout)
+    report = small_bench(tiny_model_dir, "--rounds", "2", "--one-engine")
     assert report["one_engine"] is True and report["same_tokens"] is True
     assert len(report["pipeline"]["seconds"]) == 2 and report["pipeline"]["rollouts_per_s"] > 0
     # One engine (torch: in this process), run by this process on both sides; the trainer works on the pipeline side.
@@ -226,12 +226,7 @@ def test_bench_with_one_engine_serves_both_sides_from_it_and_the_trainer_from_a_
 def test_bench_paired_runs_both_sides_in_the_same_engine_steps_and_balances_which_goes_first(
     tiny_model_dir: Path,
 ) -> None:
-    result = rollouts(
-        "bench", "--model", str(tiny_model_dir), "--prompts", "8", "--n", "2", "--max-tokens", "32",
-        "--rounds", "2", "--paired", timeout=300,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    report = json.loads(result.stdout)
+    report = small_bench(tiny_model_dir, "--rounds", "2", "--paired")
     assert report["paired"] is True and report["one_engine"] is True and report["same_tokens"] is True
     assert report["prompts_per_side"] == 4 and report["options"]["max_batch"] >= 16  # room for both sides' samples
     assert len(report["direct"]["seconds"]) == len(report["pipeline"]["seconds"]) == 2
