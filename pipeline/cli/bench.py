@@ -14,6 +14,11 @@ core to spare, what the pipeline side's own processes spend beyond the direct si
 Each side is timed only after the other has settled (`SETTLE_S`): an idle vLLM engine is not
 idle for a while after its last step (its processes poll their shared-memory queue, see
 `SETTLE_S`), and two engines share this machine here, one per side.
+
+With `--paired` both sides run at once on one engine (`SharedEngine.paired_round`), half the prompts each, so that
+the engine's own round-to-round noise (±20 % a round on vLLM) hits both alike; rounds alternate which side goes
+first, and the ratio is the geometric mean of the two kinds' medians (`balanced_ratio`). It measures the time the
+pipeline adds to a round, not the CPU it takes from the engine.
 """
 
 from __future__ import annotations
