@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ from typing import Any
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+PROBE_DIR = ROOT / "examples" / "step_probe"
 
 
 def engine_file(path: Path, parent: str, round_starts: list[float]) -> None:
@@ -74,3 +76,78 @@ def test_with_one_engine_each_run_of_steps_goes_to_the_side_whose_round_it_began
     assert (direct["head_s"], direct["tail_s"]) == pytest.approx((0.01, 0.01))
     assert (pipeline["head_s"], pipeline["tail_s"]) == pytest.approx((0.03, 0.05))
     assert split["outside_extra_pct"] == pytest.approx(100 * 0.06 / 0.22, abs=0.01)
+
+
+def test_paired_splits_each_side_of_a_round_into_head_and_tail_and_the_pipelines_head_into_parts(
+    tmp_path: Path,
+) -> None:
+    # `--paired`: both sides in one round, on one engine. Two rounds: the first is the bench's warm-up (skipped).
+    # Round 2, the pipeline first, from 20.0 (wall clock = perf_counter + 1000): its submit returns at 20.003, the
+    # worker's read at 20.002, its two requests are called at 20.004 and 20.005 and return at 21.000 and 21.001;
+    # the direct side starts at 20.006, calls at 20.007 and 20.0075, gets its results at 21.0 and 21.0005 and ends
+    # at 21.001. The client's last read makes the last group whole at 21.004 (wall 1021.004), its samples finished at
+    # 21.0012; the pipeline side ends at 21.006.
+    lines: list[list[Any]] = []
+    for base in (10.0, 20.0):
+        lines += [["pipeline", base, base + 1.006, 1000.0], ["direct", base + 0.006, base + 1.001, 1000.0]]
+        lines += [["submitted", base + 0.003], ["read", base + 0.002, 2]]
+        lines += [
+            ["request", "pipeline", base + 0.004, base + 1.0],
+            ["request", "pipeline", base + 0.005, base + 1.001],
+        ]
+        lines += [["request", "direct", base + 0.007, base + 1.0], ["request", "direct", base + 0.0075, base + 1.0005]]
+        lines += [["take", 1000 + base + 0.5, 1000 + base + 0.4], ["take", 1000 + base + 1.004, 1000 + base + 1.0012]]
+    (tmp_path / "bench-rounds.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    (tmp_path / "bench.json").write_text(json.dumps({"paired": True, "ratio": 0.99, "direct": {"seconds": [0.995]}}))
+    script = PROBE_DIR / "paired.py"
+    result = subprocess.run(
+        [sys.executable, str(script), str(tmp_path), str(tmp_path / "bench.json")], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+    split = json.loads(result.stdout)
+    assert set(split) == {"all", "pipeline_first", "ratio"}  # no round had the direct side first
+    got = split["pipeline_first"]
+    assert got["rounds"] == 1 and got["requests_pipeline"] == got["requests_direct"] == 2
+    expected = {
+        "pipeline_head_ms": 5.0, "direct_head_ms": 1.5, "head_extra_ms": 3.5,
+        "pipeline_tail_ms": 5.0, "direct_tail_ms": 0.5, "tail_extra_ms": 4.5,
+        "submit_ms": 3.0, "read_ms": 2.0, "to_engine_ms": 3.0,
+        "last_in_gap_ms": -2.5, "last_out_gap_ms": 0.5,
+        "tail_worker_ms": 0.2, "tail_delivery_ms": 2.8, "tail_return_ms": 2.0,
+    }  # fmt: skip
+    assert {key: got[key] for key in expected} == pytest.approx(expected, abs=1e-3)
+
+
+def test_paired_refuses_a_run_that_was_not_paired(tmp_path: Path) -> None:
+    (tmp_path / "bench.json").write_text(json.dumps({"ratio": 0.99}))
+    script = PROBE_DIR / "paired.py"
+    result = subprocess.run(
+        [sys.executable, str(script), str(tmp_path), str(tmp_path / "bench.json")], capture_output=True, text=True
+    )
+    assert result.returncode == 1 and "not a `rollouts bench --paired` run" in result.stderr
+
+
+def test_the_probe_records_a_paired_synthetic_bench_that_paired_splits(tmp_path: Path) -> None:
+    # The probe in the bench's processes (the bench with its worker, the trainer), on the synthetic engine: every
+    # request of both sides is recorded, and each side's round splits into parts that add up to it.
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    env = os.environ | {"STEP_PROBE": str(probe), "PYTHONPATH": os.pathsep.join([str(PROBE_DIR), str(ROOT)])}
+    bench = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "bench", "--engine", "synthetic", "--paired", "--rounds", "2",
+         "--prompts", "8", "--n", "2", "--max-tokens", "8", "--engine-args", '{"steps_per_s": 100}'],
+        capture_output=True, text=True, env=env, timeout=300, cwd=ROOT,
+    )  # fmt: skip
+    assert bench.returncode == 0, bench.stderr[-2000:]
+    (tmp_path / "bench.json").write_text(bench.stdout)
+    result = subprocess.run(
+        [sys.executable, str(PROBE_DIR / "paired.py"), str(probe), str(tmp_path / "bench.json")],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    split = json.loads(result.stdout)
+    got = split["all"]
+    assert got["rounds"] == 2 and got["requests_pipeline"] == got["requests_direct"] == 4 * 2
+    for side in ("pipeline", "direct"):  # 8 tokens at 100 a second: 80 ms between the head and the tail
+        assert 1000 * got[f"{side}_s"] == pytest.approx(got[f"{side}_head_ms"] + 80 + got[f"{side}_tail_ms"], abs=15)
+    assert 0 < got["read_ms"] < got["pipeline_head_ms"] and got["submit_ms"] > 0

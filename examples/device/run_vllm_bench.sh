@@ -6,7 +6,8 @@
 # threads are bound to cores 0-3 (VLLM_CPU_OMP_THREADS_BIND), leaving the other 12 to everything else; with
 # OTHERS_BIND (a taskset list, e.g. 4-7), the bench and all it starts (the worker, Redis, vLLM's engine cores) run
 # there, so that none lands on a core, or a core's hyperthread sibling, where vLLM's threads run. PROBE=1
-# also times every engine step (examples/step_probe) and prints each run's split from step_probe/rounds.py.
+# also times every engine step (examples/step_probe) and prints each run's split from step_probe/rounds.py (with
+# --paired: step_probe/paired.py, also to $OUT/paired_N.json).
 #   OUT=/tmp/out RUNS=3 PROBE=1 bash examples/device/run_vllm_bench.sh --rounds 9
 set -euo pipefail
 OUT="${OUT:-$(mktemp -d)}"
@@ -25,7 +26,9 @@ d = json.load(open(sys.argv[1]))
 print(sys.argv[1], "ratio", d["ratio"], "direct", d["direct"].get("rollouts_per_s"), "pipeline",
       d["pipeline"].get("rollouts_per_s"), "same_tokens", d["same_tokens"], "extra_cpu_s", d["pipeline_extra_cpu_s"],
       "by_first", d.get("ratio_by_first"), "ratios", d["ratios"])' "$OUT/vllm_$i.json"
-  if [ -n "${PROBE:-}" ]; then python3 examples/step_probe/rounds.py "$OUT/probe_$i" "$OUT/vllm_$i.json" \
+  if [ -n "${PROBE:-}" ] && grep -q '"paired": true' "$OUT/vllm_$i.json"; then
+    python3 examples/step_probe/paired.py "$OUT/probe_$i" "$OUT/vllm_$i.json" | tee "$OUT/paired_$i.json"
+  elif [ -n "${PROBE:-}" ]; then python3 examples/step_probe/rounds.py "$OUT/probe_$i" "$OUT/vllm_$i.json" \
     | python3 -c 'import json, sys; d = json.load(sys.stdin); [v.pop("per_round") for v in d.values() if type(v) is dict]
 print(json.dumps(d))'; fi
 done

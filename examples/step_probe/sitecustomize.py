@@ -176,8 +176,60 @@ def _probe_client(client: ModuleType) -> None:
     client.RolloutClient._take = timed_take
 
 
+def _probe_requests(engine: ModuleType) -> None:
+    """Each request of an engine that `create_engine` made: `["request", side, called, returned]` (`perf_counter`;
+    side `pipeline` for the worker's ids, `prompt@entry:sample`, else `direct`), for `paired.py`."""
+    create = engine.create_engine
+
+    def created(*args: Any, **kwargs: Any) -> Any:
+        made = create(*args, **kwargs)
+        generate = made.generate
+
+        async def timed(request_id: str, *more: Any, **named: Any) -> Any:
+            called = time.perf_counter()
+            try:
+                return await generate(request_id, *more, **named)
+            finally:
+                side = "pipeline" if "@" in request_id else "direct"
+                _bench_line(["request", side, round(called, 6), round(time.perf_counter(), 6)])
+
+        made.generate = timed
+        return made
+
+    engine.create_engine = created
+
+
+def _probe_streams(streams: ModuleType) -> None:
+    """The worker's reads of work that brought some: `["read", perf_counter, entries]`, for `paired.py`."""
+    read_work = streams.Streams.read_work
+
+    def timed_read(self: Any, *args: Any, **kwargs: Any) -> Any:
+        entries = read_work(self, *args, **kwargs)
+        if entries:
+            _bench_line(["read", round(time.perf_counter(), 6), len(entries)])
+        return entries
+
+    streams.Streams.read_work = timed_read
+
+
+def _probe_submit(client: ModuleType) -> None:
+    """The trainer's submits: `["submitted", perf_counter]` once `submit_prompts` returns, for `paired.py`."""
+    submit = client.RolloutClient.submit_prompts
+
+    def timed_submit(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return submit(self, *args, **kwargs)
+        finally:
+            _bench_line(["submitted", round(time.perf_counter(), 6)])
+
+    client.RolloutClient.submit_prompts = timed_submit
+
+
 if os.environ.get("STEP_PROBE"):
     after_import("pipeline.cli.bench", _probe_bench)
     after_import("producers.client", _probe_client)
+    after_import("producers.client", _probe_submit)
+    after_import("consumers.engine", _probe_requests)
+    after_import("pipeline.streams", _probe_streams)
     after_import("consumers.torch_engine", _probe_torch)
     after_import("vllm.v1.engine.core", _probe_vllm)
