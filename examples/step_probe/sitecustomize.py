@@ -1,4 +1,4 @@
-"""A probe for `examples/bench_ab.py` and `rounds.py`: times every engine step in each process.
+"""A probe for `examples/bench_ab.py`, `rounds.py` and `paired.py`: times every engine step in each process.
 
 Put this folder on `PYTHONPATH` and `STEP_PROBE=DIR` in the environment. Nothing happens without `STEP_PROBE`.
 A measuring tool, not part of the product.
@@ -18,6 +18,10 @@ A measuring tool, not part of the product.
   its last. The trainer's client adds `["take", wall time, finished]` for each read that made groups whole
   (`finished`: the latest of their samples' `timing["finished"]`, when the worker had each sample), which splits
   the time after the last step into the worker's part and the delivery's.
+
+- **requests, for `paired.py`**: every request of an engine that `create_engine` made, both sides' (`["request",
+  side, called, returned]`), the trainer's `submit_prompts` returning (`["submitted", t]`) and each read of work by
+  the worker that brought some (`["read", t, entries]`), all on `perf_counter`, in the same file.
 
 `after_import` is also what `examples/device/vllm026/sitecustomize.py` patches vLLM 0.26 with.
 """
