@@ -63,11 +63,6 @@ _EMPTY_TOKENS = np.zeros(0, dtype=np.int32)
 _EMPTY_LOGPROBS = np.zeros(0, dtype=np.float32)
 
 
-def _partials_in(entries: list[Entry], partials: str) -> int:
-    """How many of `entries` are partial rollouts (a read that came back full of them reads them alone again)."""
-    return sum(entry.stream == partials for entry in entries)
-
-
 def default_worker_name() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
@@ -307,8 +302,7 @@ class Worker:
                 left = len(entries) + len(more)
                 log.info("%s: %d entries read as it stopped stay pending for other workers", self.name, left)
                 break
-            if self._partials_first:  # until a read of them comes back short
-                self._partials_first = _partials_in(entries, self.streams.keys.partials) >= count
+            self._partials_first = self._still_partials_first(entries, count)
             for entry in entries[count:]:  # more than there was room for: taken now, started when there is room
                 self._inflight[entry.stream, entry.id] = entry
                 self._held.append(entry)
@@ -344,8 +338,14 @@ class Worker:
         free = self.settings.max_inflight - self._inflight_samples - round(count * self._mean_n)
         if free <= 0:
             return []
-        partials_first = self._partials_first and _partials_in(entries, self.streams.keys.partials) >= count
-        return self.streams.read_work(self.name, self._entries_for(free), None, partials_first)
+        return self.streams.read_work(
+            self.name, self._entries_for(free), None, self._still_partials_first(entries, count)
+        )
+
+    def _still_partials_first(self, entries: list[Entry], count: int) -> bool:
+        """Whether the next read takes partials alone first: until a read of them comes back short."""
+        partials = self.streams.keys.partials
+        return self._partials_first and sum(entry.stream == partials for entry in entries) >= count
 
     def _entries_for(self, free: int) -> int:
         """How many entries to take for `free` samples of room."""

@@ -72,5 +72,7 @@ class SyncMetrics:
                 self._stall.observe(max(0.0, command.ts - begun))
 
     def abandoned(self) -> None:
-        """This manager finished a sync whose driver died (its evictions show up on the control stream)."""
+        """This manager finished a sync whose driver died. Its evictions and its resume are on the control stream
+        already: they are read first, so that a scrape that shows the abandoned sync shows them too."""
+        self.poll()
         self._abandoned.inc()

@@ -14,13 +14,16 @@ from pathlib import Path
 
 import pytest
 import redis
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
+from pipeline.cli import open_streams
 from pipeline.cli.processes import start_command, stop_process
 from pipeline.local import RedisServer, free_port
-from pipeline.wire import Keys
+from pipeline.wire import Control, Keys
 from producers.client import RolloutClient
+from staleness.metrics import SyncMetrics
 from tests.conftest import StartWorker, wait_until
 from tests.test_cli import assert_clean_error, rollouts
 
@@ -264,3 +267,17 @@ def test_wrong_redis_or_a_taken_port_is_one_line(redis_server: RedisServer, ns: 
         worker = ("worker", "--redis", url, "--ns", ns, "--model", str(tiny_model_dir), "--metrics-port", taken)
         assert_clean_error(rollouts(*worker), "cannot serve metrics", "Pass another port")
         assert_clean_error(rollouts("manager", "--redis", url, "--metrics-port", taken), "cannot serve metrics")
+
+
+def test_an_abandoned_sync_is_counted_with_its_evictions_and_resume(redis_server: RedisServer, ns: str) -> None:
+    # The manager finished a sync whose driver died: it evicted a worker and resumed the rest (the control stream
+    # has both), then counts the sync as abandoned. The counters move together, not one scrape apart.
+    streams = open_streams(redis_server.url, ns)
+    syncs = SyncMetrics(streams)
+    streams.send_control(Control(cmd="stop", worker="stuck"), ring=False)
+    streams.send_control(Control(cmd="resume", epoch=1, version=1, uri="/w"), ring=False)
+    syncs.abandoned()
+    samples = [s for f in text_string_to_metric_families(generate_latest(syncs.registry).decode()) for s in f.samples]
+    assert value(samples, "rollouts_manager_abandoned_syncs_total") == 1
+    assert value(samples, "rollouts_manager_evictions_total") == 1
+    assert value(samples, "rollouts_manager_syncs_total") == 1

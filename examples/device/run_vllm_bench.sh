@@ -26,7 +26,7 @@ d = json.load(open(sys.argv[1]))
 print(sys.argv[1], "ratio", d["ratio"], "direct", d["direct"].get("rollouts_per_s"), "pipeline",
       d["pipeline"].get("rollouts_per_s"), "same_tokens", d["same_tokens"], "extra_cpu_s", d["pipeline_extra_cpu_s"],
       "by_first", d.get("ratio_by_first"), "ratios", d["ratios"])' "$OUT/vllm_$i.json"
-  if [ -n "${PROBE:-}" ] && grep -q '"paired": true' "$OUT/vllm_$i.json"; then
+  if [ -n "${PROBE:-}" ] && python3 -c 'import json, sys; sys.exit(not json.load(open(sys.argv[1])).get("paired"))' "$OUT/vllm_$i.json"; then
     python3 examples/step_probe/paired.py "$OUT/probe_$i" "$OUT/vllm_$i.json" | tee "$OUT/paired_$i.json"
   elif [ -n "${PROBE:-}" ]; then python3 examples/step_probe/rounds.py "$OUT/probe_$i" "$OUT/vllm_$i.json" \
     | python3 -c 'import json, sys; d = json.load(sys.stdin); [v.pop("per_round") for v in d.values() if type(v) is dict]

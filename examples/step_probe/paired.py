@@ -70,7 +70,7 @@ def round_parts(pipeline: Line, direct: Line, lines: list[Line]) -> dict[str, An
         "last_in_gap_ms": _ms(p_in - d_in),
         "last_out_gap_ms": _ms(p_out - d_out),
     }
-    takes = [t for t in _within(lines, "take", p_start + offset, p_end + offset)]
+    takes = _within(lines, "take", p_start + offset, p_end + offset)
     if takes:
         taken, finished = max(line[1:3] for line in takes)
         parts["tail_worker_ms"] = _ms(finished - offset - p_out)

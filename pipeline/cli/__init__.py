@@ -398,8 +398,7 @@ def manager(
                     if adapter not in keepers:
                         keepers[adapter] = Manager(streams, ack_timeout_s=ack_timeout_s, adapter=adapter)
                     report = keepers[adapter].finish_abandoned(abandoned_after_s)
-                    if report is not None:  # its stops and resume first: a scrape that shows it shows its evictions
-                        syncs.poll()
+                    if report is not None:
                         syncs.abandoned()
                         of = f" of adapter {adapter}" if adapter else ""
                         console.print(f"finished an abandoned sync{of}: {json.dumps(_report(report))}")
