@@ -13,7 +13,7 @@ import redis.asyncio.connection
 
 from pipeline.connections import async_retry, async_twin, connect, socket_timeout_s
 from pipeline.local import RedisServer
-from pipeline.pipelined import PipelinedConnection
+from pipeline.pipelined import PipelinedConnection, writes
 from pipeline.publisher import Publisher
 from pipeline.wire import GENERATORS
 from tests.conftest import REDIS_VERSIONS
@@ -207,6 +207,37 @@ def test_the_publisher_rides_out_a_script_flush_and_a_lost_connection_with_batch
     monkeypatch.setattr(PipelinedConnection, "_read", staticmethod(lose_the_first_replies))
     results = asyncio.run(publish(pairs[4:]))
     assert lost and set(results) <= {2, -1} and results[:2] == [-1, -1], results
+    ids = [fields[b"id"] for _, fields in client.xrange(streams.keys.rollouts)]
+    assert sorted(ids) == sorted(f"{p.id}:{k}".encode() for p in prompts for k in range(2))
+    assert client.xpending(streams.keys.prompts, GENERATORS)["pending"] == 0
+    client.close()
+
+
+def test_small_commands_share_a_write_and_large_ones_go_alone() -> None:
+    """Runs of small commands are joined up to the limit, in order; one past it is written by itself."""
+    small, large = [b"a" * 10, b"b" * 10, b"c" * 10, b"d" * 10, b"e" * 10], b"L" * 100
+    assert writes([*small, large, b"f" * 10], limit=30) == [b"a" * 10 + b"b" * 10 + b"c" * 10, b"d" * 10 + b"e" * 10,
+                                                         large, b"f" * 10]  # fmt: skip
+    assert writes([large], limit=30) == [large] and writes([], limit=30) == []
+
+
+@pytest.mark.parametrize("redis_server", REDIS_VERSIONS, indirect=True)
+def test_a_burst_that_finds_the_wire_idle_goes_out_in_even_pieces(redis_server: RedisServer, ns: str) -> None:
+    """28 prompts finished at once, nothing on the wire: one piece a sender (4 of 7), so the first is on Redis while
+    the worker encodes the rest, not 16 then 12. Every rollout is there once and nothing is left pending."""
+    client = connect(redis_server.url)
+    streams, prompts, entries = taken(client, ns, 28)
+    publisher = Publisher(streams)  # 16 a batch at most, 4 senders
+
+    async def burst() -> list[int]:
+        try:
+            calls = [publisher.publish(rollouts_for(p), e) for p, e in zip(prompts, entries, strict=True)]
+            return await asyncio.wait_for(asyncio.gather(*calls), timeout=30)
+        finally:
+            await publisher.close()
+
+    assert asyncio.run(burst()) == [2] * 28
+    assert publisher.batches == 4
     ids = [fields[b"id"] for _, fields in client.xrange(streams.keys.rollouts)]
     assert sorted(ids) == sorted(f"{p.id}:{k}".encode() for p in prompts for k in range(2))
     assert client.xpending(streams.keys.prompts, GENERATORS)["pending"] == 0

@@ -22,6 +22,10 @@ A measuring tool, not part of the product.
 - **requests, for `paired.py`**: every request of an engine that `create_engine` made, both sides' (`["request",
   side, called, returned]`), the trainer's `submit_prompts` returning (`["submitted", t]`) and each read of work by
   the worker that brought some (`["read", t, entries]`), all on `perf_counter`, in the same file.
+- **the pipeline's tail, for `paired.py`**: each batch the worker's publisher sends (`["publish", called, returned,
+  prompts]`), each read of rollouts that brought some, in whichever process reads them (`["rread", called, returned,
+  entries]`), and every garbage collection over 0.2 ms in a process that runs our code (`["gc", pid, generation,
+  start, seconds]`), all on `perf_counter` (the host's monotonic clock: the same in every process).
 
 `after_import` is also what `examples/device/vllm026/sitecustomize.py` patches vLLM 0.26 with.
 """
@@ -229,8 +233,55 @@ def _probe_submit(client: ModuleType) -> None:
     client.RolloutClient.submit_prompts = timed_submit
 
 
+def _probe_publisher(publisher: ModuleType) -> None:
+    """Each batch the worker publishes: `["publish", called, returned, prompts]` (`perf_counter`)."""
+    publish_many = publisher.Publisher._publish_many
+
+    async def timed(self: Any, publishes: list[Any]) -> Any:
+        called = time.perf_counter()
+        try:
+            return await publish_many(self, publishes)
+        finally:
+            _bench_line(["publish", round(called, 6), round(time.perf_counter(), 6), len(publishes)])
+
+    publisher.Publisher._publish_many = timed
+
+
+def _probe_rollout_reads(streams: ModuleType) -> None:
+    """Each read of rollouts that brought some: `["rread", called, returned, entries]` (`perf_counter`)."""
+    read_rollouts = streams.Streams.read_rollouts
+
+    def timed(self: Any, *args: Any, **kwargs: Any) -> Any:
+        called = time.perf_counter()
+        entries = read_rollouts(self, *args, **kwargs)
+        if entries:
+            _bench_line(["rread", round(called, 6), round(time.perf_counter(), 6), len(entries)])
+        return entries
+
+    streams.Streams.read_rollouts = timed
+
+
+def _probe_gc(_: ModuleType) -> None:
+    """Every garbage collection over 0.2 ms in this process: `["gc", pid, generation, start, seconds]`."""
+    import gc
+
+    started = [0.0]
+
+    def timed(phase: str, info: dict[str, int]) -> None:
+        now = time.perf_counter()
+        if phase == "start":
+            started[0] = now
+        elif now - started[0] > 0.0002:
+            _bench_line(["gc", os.getpid(), info["generation"], round(started[0], 6), round(now - started[0], 6)])
+
+    gc.callbacks.append(timed)
+
+
 if os.environ.get("STEP_PROBE"):
     after_import("pipeline.cli.bench", _probe_bench)
+    after_import("pipeline.publisher", _probe_publisher)
+    after_import("pipeline.streams", _probe_rollout_reads)
+    after_import("pipeline.streams", _probe_gc)  # the processes that run our code, not vLLM's engine cores
     after_import("producers.client", _probe_client)
     after_import("producers.client", _probe_submit)
     after_import("consumers.engine", _probe_requests)
