@@ -118,6 +118,31 @@ def test_paired_splits_each_side_of_a_round_into_head_and_tail_and_the_pipelines
     assert {key: got[key] for key in expected} == pytest.approx(expected, abs=1e-3)
 
 
+def test_paired_timeline_lists_a_rounds_tail_batch_by_batch(tmp_path: Path) -> None:
+    # One measured round (the first is the warm-up): the pipeline's two results return at 21.000 and 21.001 (both
+    # within 5 ms of the last: the burst), its publisher sends one batch of 2 prompts at 21.0015 (answered at
+    # 21.0025), the trainer's read returns 4 rollouts at 21.003, a collection of 0.5 ms starts at 21.0032, the read
+    # that makes the groups whole is done at 21.004 (wall 1021.004) and the side ends at 21.006.
+    lines: list[list[Any]] = []
+    for base in (10.0, 20.0):
+        lines += [["pipeline", base, base + 1.006, 1000.0], ["direct", base + 0.006, base + 1.001, 1000.0]]
+        lines += [["request", "pipeline", base + 0.004, base + 1.0]]
+        lines += [["request", "pipeline", base + 0.005, base + 1.001]]
+        lines += [["request", "direct", base + 0.007, base + 1.0]]
+        lines += [["publish", base + 1.0015, base + 1.0025, 2], ["rread", base + 0.9, base + 1.003, 4]]
+        lines += [["gc", 77, 1, base + 1.0032, 0.0005], ["take", 1000 + base + 1.004, 1000 + base + 1.0012]]
+    (tmp_path / "bench-rounds.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    (tmp_path / "bench.json").write_text(json.dumps({"paired": True, "ratio": 0.99, "direct": {"seconds": [0.995]}}))
+    result = subprocess.run(
+        [sys.executable, str(PROBE_DIR / "paired.py"), str(tmp_path), str(tmp_path / "bench.json"), "--timeline", "5"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        "-101.00 rr> +0.00 2 ended +0.50 pub2> +1.50 <pub2 +2.00 <rr4 +2.20 gc 77:1:0.50 +3.00 take +5.00 END"
+    ]
+
+
 def test_paired_refuses_a_run_that_was_not_paired(tmp_path: Path) -> None:
     (tmp_path / "bench.json").write_text(json.dumps({"ratio": 0.99}))
     script = PROBE_DIR / "paired.py"
@@ -151,3 +176,12 @@ def test_the_probe_records_a_paired_synthetic_bench_that_paired_splits(tmp_path:
     for side in ("pipeline", "direct"):  # 8 tokens at 100 a second: 80 ms between the head and the tail
         assert 1000 * got[f"{side}_s"] == pytest.approx(got[f"{side}_head_ms"] + 80 + got[f"{side}_tail_ms"], abs=15)
     assert 0 < got["read_ms"] < got["pipeline_head_ms"] and got["submit_ms"] > 0
+    timeline = subprocess.run(
+        [sys.executable, str(PROBE_DIR / "paired.py"), str(probe), str(tmp_path / "bench.json"), "--timeline", "2"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert timeline.returncode == 0, timeline.stderr
+    tails = timeline.stdout.splitlines()
+    assert len(tails) == 2  # each round's tail: its burst, the publisher's batches, the trainer's reads, its end
+    for tail in tails:
+        assert "+0.00 " in tail and " ended" in tail and "pub" in tail and "<rr" in tail and tail.endswith(" END")

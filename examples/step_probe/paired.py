@@ -23,6 +23,14 @@ Per round, on top of head and tail:
 
 Rounds are grouped by which side went first (`rollouts bench --paired` alternates); JSON on stdout: medians in ms
 by kind of round and over all rounds, and the difference pipeline - direct in head and tail.
+
+    python examples/step_probe/paired.py DIR bench.json --timeline 3
+
+prints instead the pipeline's tail of the last 3 rounds as a line of events each, in ms after its last result: how
+many results came in the burst that ended it (`N ended`: within `BURST_S` of the last), each batch the worker's
+publisher sent (`pub7>` called with 7 prompts, `<pub7` answered), each read of rollouts (`rr>` called, `<rr28`
+returned with 28), each read that made groups whole (`take`), each collection in our processes (`gc PID:GEN:MS`)
+and the side's end (`END`): where a burst's milliseconds went, batch by batch.
 """
 
 from __future__ import annotations
@@ -79,6 +87,30 @@ def round_parts(pipeline: Line, direct: Line, lines: list[Line]) -> dict[str, An
     return parts
 
 
+BURST_S = 0.005
+"""Results within this of the pipeline's last one count as the burst that ended its round (one engine step's)."""
+
+
+def tail_events(pipeline: Line, lines: list[Line]) -> str:
+    """The pipeline's tail in round `pipeline` (`[side, start, end, offset]`), one line: see the module's doc."""
+    _, start, end, offset = pipeline
+    returned = [line[3] for line in _within(lines, "request", start, end, at=2) if line[1] == "pipeline"]
+    last = max(returned)
+    events = [(last, f"{sum(last - t <= BURST_S for t in returned)} ended")]
+    for line in lines:
+        kind = line[0]
+        if kind == "publish" and last <= line[1] <= end:
+            events += [(line[1], f"pub{line[3]}>"), (line[2], f"<pub{line[3]}")]
+        elif kind == "rread" and last <= line[2] <= end:
+            events += [(line[1], "rr>"), (line[2], f"<rr{line[3]}")]
+        elif kind == "take" and last <= line[1] - offset <= end:
+            events.append((line[1] - offset, "take"))
+        elif kind == "gc" and last <= line[3] <= end:
+            events.append((line[3], f"gc {line[1]}:{line[2]}:{line[4] * 1000:.2f}"))
+    events.append((end, "END"))
+    return " ".join(f"{(t - last) * 1000:+.2f} {what}" for t, what in sorted(events))
+
+
 def pair_rounds(lines: list[Line]) -> list[tuple[Line, Line]]:
     """Each pipeline round with the direct round that overlaps it (the two sides of one paired round)."""
     directs = [line for line in lines if line[0] == "direct"]
@@ -98,13 +130,18 @@ def medians(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     return {"rounds": len(rounds)} | found
 
 
-def main(probe_dir: str, bench_json: str) -> None:
+def main(probe_dir: str, bench_json: str, timeline: int | None = None) -> None:
     bench = json.loads(Path(bench_json).read_text())
     if not bench.get("paired"):
         sys.exit(f"{bench_json} is not a `rollouts bench --paired` run: use rounds.py for it")
     lines = [json.loads(line) for line in Path(probe_dir, "bench-rounds.jsonl").read_text().splitlines()]
     measured = len(bench["direct"]["seconds"])  # the rounds before them warmed up (their sides may not overlap)
-    rounds = [round_parts(p, d, lines) for p, d in pair_rounds(lines)][-measured:]
+    pairs = pair_rounds(lines)[-measured:]
+    if timeline is not None:
+        for pipeline, _ in pairs[-timeline:]:
+            print(tail_events(pipeline, lines))
+        return
+    rounds = [round_parts(p, d, lines) for p, d in pairs]
     result: dict[str, Any] = {"all": medians(rounds)}
     for first in ("pipeline", "direct"):
         kind = [r for r in rounds if r["first"] == first]
@@ -115,4 +152,6 @@ def main(probe_dir: str, bench_json: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    if len(sys.argv) not in (3, 5) or (len(sys.argv) == 5 and sys.argv[3] != "--timeline"):
+        sys.exit("usage: paired.py PROBE_DIR BENCH_JSON [--timeline ROUNDS]")
+    main(sys.argv[1], sys.argv[2], int(sys.argv[4]) if len(sys.argv) == 5 else None)
