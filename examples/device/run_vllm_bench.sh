@@ -7,7 +7,7 @@
 # OTHERS_BIND (a taskset list, e.g. 4-7), the bench and all it starts (the worker, Redis, vLLM's engine cores) run
 # there, so that none lands on a core, or a core's hyperthread sibling, where vLLM's threads run. PROBE=1
 # also times every engine step (examples/step_probe) and prints each run's split from step_probe/rounds.py (with
-# --paired: step_probe/paired.py, also to $OUT/paired_N.json).
+# --paired: step_probe/paired.py, also to $OUT/paired_N.json, then the last 3 rounds' tails, `--timeline 3`).
 #   OUT=/tmp/out RUNS=3 PROBE=1 bash examples/device/run_vllm_bench.sh --rounds 9
 set -euo pipefail
 OUT="${OUT:-$(mktemp -d)}"
@@ -28,6 +28,7 @@ print(sys.argv[1], "ratio", d["ratio"], "direct", d["direct"].get("rollouts_per_
       "by_first", d.get("ratio_by_first"), "ratios", d["ratios"])' "$OUT/vllm_$i.json"
   if [ -n "${PROBE:-}" ] && python3 -c 'import json, sys; sys.exit(not json.load(open(sys.argv[1])).get("paired"))' "$OUT/vllm_$i.json"; then
     python3 examples/step_probe/paired.py "$OUT/probe_$i" "$OUT/vllm_$i.json" | tee "$OUT/paired_$i.json"
+    python3 examples/step_probe/paired.py "$OUT/probe_$i" "$OUT/vllm_$i.json" --timeline 3  # the last rounds' tails
   elif [ -n "${PROBE:-}" ]; then python3 examples/step_probe/rounds.py "$OUT/probe_$i" "$OUT/vllm_$i.json" \
     | python3 -c 'import json, sys; d = json.load(sys.stdin); [v.pop("per_round") for v in d.values() if type(v) is dict]
 print(json.dumps(d))'; fi
