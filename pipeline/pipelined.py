@@ -38,18 +38,15 @@ WRITE_BYTES = 64 * 1024
 
 def writes(commands: list[bytes], limit: int = WRITE_BYTES) -> list[bytes]:
     """`commands` as the writes that send them, in order: runs of small ones joined, each large one alone."""
-    out: list[bytes] = []
-    run: list[bytes] = []
+    runs: list[list[bytes]] = []
     size = 0
     for command in commands:
-        if run and size + len(command) > limit:
-            out.append(b"".join(run) if len(run) > 1 else run[0])
-            run, size = [], 0
-        run.append(command)
+        if not runs or size + len(command) > limit:
+            runs.append([])
+            size = 0
+        runs[-1].append(command)
         size += len(command)
-    if run:
-        out.append(b"".join(run) if len(run) > 1 else run[0])
-    return out
+    return [b"".join(run) for run in runs]  # a run of one is that command itself, not a copy
 
 
 class PipelinedConnection:

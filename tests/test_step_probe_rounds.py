@@ -185,3 +185,21 @@ def test_the_probe_records_a_paired_synthetic_bench_that_paired_splits(tmp_path:
     assert len(tails) == 2  # each round's tail: its burst, the publisher's batches, the trainer's reads, its end
     for tail in tails:
         assert "+0.00 " in tail and " ended" in tail and "pub" in tail and "<rr" in tail and tail.endswith(" END")
+
+
+@pytest.mark.parametrize("run", ["run1", "run2", "run3", "run4"])
+def test_the_stored_device_runs_read_again_as_the_readme_says(tmp_path: Path, run: str) -> None:
+    # docs/device_runs/2026-11-28-paired: the probe's files, gunzipped, give the `paired.py` JSON stored beside them
+    # (the README's figures), and the ratio is the bench's own.
+    import gzip
+
+    stored = ROOT / "docs" / "device_runs" / "2026-11-28-paired" / run
+    for packed in stored.glob("*.gz"):
+        (tmp_path / packed.stem).write_bytes(gzip.decompress(packed.read_bytes()))
+    result = subprocess.run(
+        [sys.executable, str(PROBE_DIR / "paired.py"), str(tmp_path), str(stored / "bench.json")],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == json.loads((stored / "paired.json").read_text())
+    assert json.loads(result.stdout)["ratio"] == json.loads((stored / "bench.json").read_text())["ratio"]

@@ -35,6 +35,7 @@ and the side's end (`END`): where a burst's milliseconds went, batch by batch.
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
@@ -152,6 +153,9 @@ def main(probe_dir: str, bench_json: str, timeline: int | None = None) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) not in (3, 5) or (len(sys.argv) == 5 and sys.argv[3] != "--timeline"):
-        sys.exit("usage: paired.py PROBE_DIR BENCH_JSON [--timeline ROUNDS]")
-    main(sys.argv[1], sys.argv[2], int(sys.argv[4]) if len(sys.argv) == 5 else None)
+    parser = argparse.ArgumentParser(description="Where the pipeline's time goes in `rollouts bench --paired`.")
+    parser.add_argument("probe_dir", help="the probe's folder (STEP_PROBE)")
+    parser.add_argument("bench_json", help="the bench's JSON")
+    parser.add_argument("--timeline", type=int, metavar="ROUNDS", help="print the last ROUNDS rounds' tails instead")
+    args = parser.parse_args()
+    main(args.probe_dir, args.bench_json, args.timeline)
