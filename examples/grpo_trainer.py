@@ -40,7 +40,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
-from pipeline.cli.processes import start_command, start_worker, stop_processes, wait_for_worker
+from pipeline.processes import start_command, start_worker, stop_processes, wait_for_worker
 from pipeline.wire import Rollout
 from producers.client import Batch, RolloutClient
 from producers.grpo import grpo_step
@@ -186,7 +186,7 @@ def generation_side(
     try:
         for i in range(workers):
             name, log = f"rl-worker-{i}", log_dir / f"rl-worker-{i}.log"
-            extra = ["--engine", engine, "--log-level", "warning", "--heartbeat-s", "0.2"]  # fresh busy_s for bench_rl
+            extra = ["--engine", engine, "--log-level", "warning", "--heartbeat-s", "0.2"]  # a fresh busy_s per mode
             extra += ["--num-threads", "1"] if engine == "torch" else []
             extra += list(worker_args)
             processes[name] = start_worker(url, ns, model, name, *extra, log_file=log), log

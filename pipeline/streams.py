@@ -351,7 +351,7 @@ class Streams:
         once Redis has served what those workers do next, `per_worker_s` each (`wave_gap`: 2 ms for a wave of 32;
         8 ms for a sync that pauses in `abort` mode, `ABORT_COST_S`). The clients waiting meanwhile (a publish, a
         heartbeat) are served between two waves: they wait for one wave at most, never for the whole fleet. 1,000
-        workers are woken in 32 waves over ~90 ms (~0.25 s for an abort pause; `examples/bench_wake.py`,
+        workers are woken in 32 waves over ~90 ms (~0.25 s for an abort pause; `benchmarks/probes/bench_wake.py`,
         `rollouts scale`). `cmd` only labels the ring for a person reading `{ns}:bell:K`."""
         fleet = int(self.redis.scard(self.keys.workers))
         gap = wave_gap(fleet, per_worker_s)

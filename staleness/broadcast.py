@@ -367,7 +367,7 @@ def _grouped(backend: str) -> bool:
 def _broadcast_parts(group: dist.ProcessGroup, buffers: list[torch.Tensor]) -> list[dist.Work]:
     """Broadcast a bucket's parts from rank 0, as one NCCL group (one launch, one work) where the backend has groups.
     On two H100s the 195 tensors of a 2.5 GiB model so went at 0.94 of one bare broadcast of its bytes, against 0.87
-    packed into buckets and 0.74 a broadcast each (`examples/device/probe_strategies.py`)."""
+    packed into buckets and 0.74 a broadcast each (`benchmarks/device/probe_strategies.py`)."""
     if len(buffers) == 1 or not getattr(group, "supports_coalescing", False):
         return [_broadcast_async(group, b) for b in buffers]
     group._start_coalescing()

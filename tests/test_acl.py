@@ -18,11 +18,11 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from pipeline.cli.processes import start_worker, stop_process, wait_for_worker
 from pipeline.local import RedisServer, TlsFiles
+from pipeline.processes import start_worker, stop_process, wait_for_worker
 from pipeline.wire import Keys, Rollout
 from producers.client import RolloutClient
-from tests.conftest import FAST
+from tests.fixtures import FAST
 
 SECRETS = {"worker": "w-s3cret-1", "trainer": "t-s3cret-2", "inspector": "i-s3cret-3"}
 

@@ -18,7 +18,7 @@ from pipeline.wire import GENERATORS, TRAINER, Prompt, Rollout
 from producers.client import Group, RolloutClient
 from staleness.admission import AdmissionTimeout, StaleRollouts, SubmissionTooLarge
 from staleness.manager import Manager
-from tests.conftest import StartWorker, wait_until
+from tests.fixtures import StartWorker, wait_until
 
 
 class Background:

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import redis
 
-from pipeline.cli.processes import start_worker, stop_process, wait_for_worker
 from pipeline.connections import connect, namespace_slot, slot_owner
 from pipeline.local import RedisServer, bundled_server, find_redis_server
+from pipeline.processes import start_worker, stop_process, wait_for_worker
 from producers.client import RolloutClient
-from tests.conftest import FAST, REDIS_VERSIONS, wait_until
+from tests.fixtures import FAST, REDIS_VERSIONS, wait_until
 
 SLOTS = 16384
 PACE = '{"steps_per_s": 200, "lengths": "uniform:40-80"}'

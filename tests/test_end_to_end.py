@@ -16,7 +16,7 @@ import pytest
 from pipeline.local import RedisServer, find_redis_cli
 from pipeline.wire import GENERATORS, Keys, Prompt, Sampling
 from producers.client import RolloutClient
-from tests.conftest import ENGINES_ON_BOTH_REDIS, REDIS_VERSIONS, StartWorker, holds_work, wait_until
+from tests.fixtures import ENGINES_ON_BOTH_REDIS, REDIS_VERSIONS, StartWorker, holds_work, wait_until
 from tests.reference import forward_logprobs
 
 

@@ -23,7 +23,7 @@ import pytest
 from pipeline.connections import UnsupportedRedisError, connect, parse_version, server_version
 from pipeline.local import SERVER_ENV, RedisServer, bundled_server, find_redis_cli, find_redis_server
 from producers.client import RolloutClient
-from tests.conftest import REDIS_VERSIONS
+from tests.fixtures import REDIS_VERSIONS
 from tests.test_cli import assert_clean_error, rollouts
 
 OLD_VERSION_LINE = "Redis server v=5.0.7 sha=00000000:0 malloc=jemalloc-5.2.1 bits=64 build=66bd629f924ac924"

@@ -19,14 +19,14 @@ import pytest
 import redis
 from transformers import AutoTokenizer
 
-from pipeline.cli.processes import start_command, stop_processes
 from pipeline.local import RedisServer, free_port
+from pipeline.processes import start_command, stop_processes
 from pipeline.streams import Streams
 from pipeline.wire import Keys
 from producers.client import Batch, RolloutClient
 from staleness.manager import Manager
 from staleness.transports import open_transport
-from tests.conftest import StartWorker, wait_until
+from tests.fixtures import StartWorker, wait_until
 from tests.reference import forward_logprobs
 
 StartGateway = Callable[..., str]

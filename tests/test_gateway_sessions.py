@@ -14,7 +14,7 @@ from producers.client import RolloutClient
 from producers.gateway.openai_api import FinishRequest, OpenAIError
 from producers.gateway.placement import candidates, place
 from producers.gateway.sessions import SessionStore, Trajectory
-from tests.conftest import wait_until
+from tests.fixtures import wait_until
 
 
 def reply(tokens: list[int], version: int = 0) -> Rollout:

@@ -20,15 +20,15 @@ import httpx
 import pytest
 import redis
 
-from pipeline.cli.cpu import command_line, descendants
+from benchmarks.cpu import command_line, descendants
 from pipeline.local import RedisServer
 from pipeline.wire import Keys
 from producers.client import RolloutClient
-from tests.conftest import StartWorker, wait_until
+from tests.fixtures import StartWorker, wait_until
 from tests.vllm_server import vllm_server
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "grpo_trainer.py"
-BENCH = EXAMPLE.with_name("bench_rl.py")
+ASYNC_VS_SYNC = EXAMPLE.with_name("async_vs_sync.py")
 
 
 def run_trainer(redis_server: RedisServer, ns: str, *args: str, timeout: float = 600) -> list[dict[str, Any]]:
@@ -167,10 +167,10 @@ def test_bad_arguments_say_what_to_fix(bad: list[str]) -> None:
     assert "error:" in result.stderr
 
 
-def test_when_its_worker_dies_bench_rl_stops_and_says_so(tmp_path: Path) -> None:
-    """`bench_rl` runs its modes on the same `generation_side` as the trainer: a worker killed once it has generated
+def test_when_its_worker_dies_async_vs_sync_stops_and_says_so(tmp_path: Path) -> None:
+    """`async_vs_sync` runs its modes on the same `generation_side` as the trainer: a worker killed once it generated
     ends the benchmark with exit code 1 and a line that names it, and nothing it started is left running."""
-    args = [str(BENCH), "--steps", "1000", "--etas", "1", "--groups-per-step", "4"]
+    args = [str(ASYNC_VS_SYNC), "--steps", "1000", "--etas", "1", "--groups-per-step", "4"]
     process = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                start_new_session=True)  # fmt: skip
     try:
@@ -184,7 +184,7 @@ def test_when_its_worker_dies_bench_rl_stops_and_says_so(tmp_path: Path) -> None
             os.killpg(process.pid, signal.SIGKILL)
         process.wait()
     assert process.returncode == 1, stderr[-3000:]
-    assert "bench_rl: a process of the run stopped: rl-worker-0 was killed by signal 9" in stderr, stderr[-3000:]
+    assert "async_vs_sync: a process of the run stopped: rl-worker-0 was killed by signal 9" in stderr, stderr[-3000:]
     assert "Traceback" not in stderr
 
 
@@ -208,10 +208,10 @@ def wait_for_generating_worker(root: int, name: str, timeout_s: float) -> int:
     return found[0]
 
 
-def test_bench_rl_accounts_for_every_generated_token(tmp_path: Path) -> None:
-    """A short `bench_rl` run: sync and async side by side, every token trained, left over or thrown away."""
+def test_async_vs_sync_accounts_for_every_generated_token(tmp_path: Path) -> None:
+    """A short `async_vs_sync` run: sync and async side by side, every token trained, left over or thrown away."""
     args = ["--steps", "4", "--etas", "1", "--groups-per-step", "4", "--plot", str(tmp_path / "bench.png")]
-    result = subprocess.run([sys.executable, str(BENCH), *args], capture_output=True, text=True, timeout=600)
+    result = subprocess.run([sys.executable, str(ASYNC_VS_SYNC), *args], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout)
     sync, async_1 = report["results"]

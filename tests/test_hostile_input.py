@@ -56,7 +56,7 @@ from pipeline.wire import (
 )
 from producers.client import Batch, Group, RolloutClient
 from producers.prompts_file import read_prompts_file
-from tests.conftest import StartWorker, wait_until
+from tests.fixtures import StartWorker, wait_until
 
 PROMPT_FIELDS = ("v", "id", "n", "tokens", "sampling", "meta", "submitted_version", "ts", "reward_fn")
 PARTIAL_FIELDS = (*PROMPT_FIELDS, "sample", "generated", "logprobs", "spans")

@@ -26,17 +26,15 @@ import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
 from consumers.torch_engine import TorchEngine
-from pipeline.cli.bench_sync import cannot_run
-from pipeline.cli.engine_spec import EngineSpec
-from pipeline.cli.processes import start_worker, stop_process
 from pipeline.local import RedisServer
+from pipeline.processes import start_worker, stop_process
 from pipeline.wire import Keys
 from producers.client import RolloutClient
 from staleness import ipc
 from staleness.broadcast import TensorMeta
 from staleness.ipc import Handle, IpcTransport, Manifest, manifest_key
 from staleness.transports import WeightsUri, fetch_weights, load_version, open_transport, parse_uri, state_dict_of
-from tests.conftest import FAST, StartWorker, wait_until
+from tests.fixtures import FAST, StartWorker, wait_until
 from tests.reference import check_spans_and_logprobs
 
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a GPU (run on the device machine)")
@@ -154,18 +152,6 @@ def test_a_worker_on_another_gpu_is_told_which_gpus_differ(monkeypatch: pytest.M
     with pytest.raises(ValueError, match=rf"{SAME_GPU}: version 3 lies on GPU GPU-1234 of trainer-host, this "
                        r"worker's cuda:1 is GPU-other on .*; use nccl:// or fs://"):  # fmt: skip
         ipc.check_same_gpu(parsed, torch.device("cuda", 1))
-
-
-def test_bench_sync_says_which_transports_cannot_run_on_the_devices_given() -> None:
-    def spec(device: str, kind: str = "torch") -> EngineSpec:
-        return EngineSpec(kind=kind, model=Path("m"), device=device)
-
-    assert "NCCL cannot put two ranks on one GPU" in (cannot_run("nccl", spec("cuda:0"), "cuda") or "")
-    assert cannot_run("nccl", spec("cuda:1"), "cuda:0") is None
-    assert cannot_run("ipc", spec("cuda"), "cuda:0") is None
-    for worker, trainer, kind in [("cuda:1", "cuda:0", "torch"), ("cpu", "cpu", "torch"), ("cuda:0", "cuda:0", "vllm")]:
-        assert "same GPU" in (cannot_run("ipc", spec(worker, kind), trainer) or ""), (worker, trainer, kind)
-    assert cannot_run("fs", spec("cuda:0"), "cuda:0") is None
 
 
 # -- the trainer's bookkeeping (the CUDA export replaced) -----------------------------------------
@@ -305,12 +291,3 @@ def test_a_handle_opens_in_another_process_on_the_same_gpu(tmp_path: Path) -> No
         export.close()
     for name, tensor in tensors.items():
         assert got[name] == [str(tensor.dtype), list(tensor.shape), expected[name]], name
-
-
-def test_the_plot_leaves_out_the_transports_that_did_not_run(tmp_path: Path) -> None:
-    from pipeline.cli.bench_sync import plot_bench_sync
-
-    ran = {"size": "tiny", "transport": "ipc", "bytes": 592_640, "stall_s": 0.036}
-    skipped = {"size": "tiny", "transport": "nccl", "bytes": 592_640, "skipped": "NCCL cannot put two ranks on one GPU"}
-    plot_bench_sync({"engine": "torch", "mode": "abort", "results": [ran, skipped]}, tmp_path / "sync.png")
-    assert (tmp_path / "sync.png").read_bytes()[:4] == b"\x89PNG"

@@ -17,7 +17,7 @@ from rich.console import Console
 from pipeline.local import RedisServer, free_port
 from pipeline.top import render, snapshot
 from producers.client import RolloutClient
-from tests.conftest import StartWorker, wait_until
+from tests.fixtures import StartWorker, wait_until
 from tests.reference import check_spans_and_logprobs
 from tests.test_metrics import scrape, value
 

@@ -25,14 +25,14 @@ import torch
 
 from consumers.lora import save_adapter
 from consumers.tiny_model import make_adapter
-from pipeline.cli.processes import start_command
 from pipeline.local import RedisServer, free_port
+from pipeline.processes import start_command
 from pipeline.wire import GENERATORS, Sampling, ack_field
 from producers.client import Group, RolloutClient
 from staleness.manager import Manager
 from staleness.state import read_state
 from staleness.transports import open_transport
-from tests.conftest import StartWorker, wait_until
+from tests.fixtures import StartWorker, wait_until
 from tests.reference import check_spans_and_logprobs, merged_model_dir, random_prompts
 
 Adapter = tuple[dict[str, torch.Tensor], dict]

@@ -18,13 +18,13 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from pipeline.cli import open_streams
-from pipeline.cli.processes import start_command, stop_process
+from pipeline.cli.app import open_streams
 from pipeline.local import RedisServer, free_port
+from pipeline.processes import start_command, stop_process
 from pipeline.wire import Control, Keys
 from producers.client import RolloutClient
 from staleness.metrics import SyncMetrics
-from tests.conftest import StartWorker, wait_until
+from tests.fixtures import StartWorker, wait_until
 from tests.test_cli import assert_clean_error, rollouts
 
 Scrape = Callable[[], list[Sample]]

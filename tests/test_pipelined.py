@@ -16,7 +16,7 @@ from pipeline.local import RedisServer
 from pipeline.pipelined import PipelinedConnection, writes
 from pipeline.publisher import Publisher
 from pipeline.wire import GENERATORS
-from tests.conftest import REDIS_VERSIONS
+from tests.fixtures import REDIS_VERSIONS
 from tests.test_streams import rollouts_for, taken
 
 

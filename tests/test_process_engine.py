@@ -23,7 +23,7 @@ from pipeline.local import RedisServer, free_port
 from pipeline.wire import GENERATORS, Sampling
 from producers.client import RolloutClient
 from staleness.ipc import ipc_device
-from tests.conftest import StartWorker, holds_work, wait_until
+from tests.fixtures import StartWorker, holds_work, wait_until
 from tests.reference import check_spans_and_logprobs, forward_logprobs, random_prompts
 from tests.test_torch_engine import LONG_PROMPT, LONG_SEED
 

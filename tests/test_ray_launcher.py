@@ -27,7 +27,7 @@ from pipeline.local import RedisServer, free_port
 from pipeline.streams import GENERATORS
 from pipeline.wire import Keys
 from producers.client import RolloutClient
-from tests.conftest import FAST, wait_until
+from tests.fixtures import FAST, wait_until
 from tests.test_cli import assert_clean_error
 
 RAY_ENV = {"RAY_AUTH_MODE": "disabled"}

@@ -15,8 +15,8 @@ import pyarrow.parquet as pq
 import pytest
 import redis
 
-from pipeline.cli.processes import start_command, stop_process
 from pipeline.local import RedisServer
+from pipeline.processes import start_command, stop_process
 from pipeline.recording import (
     SCHEMA,
     Recorder,
@@ -31,7 +31,7 @@ from pipeline.top import render, snapshot
 from pipeline.wire import RECORDER, TRAINER, Keys, Rollout
 from producers.client import Batch, RolloutClient
 from producers.replay import Recording
-from tests.conftest import ENGINES_ON_BOTH_REDIS, REDIS_VERSIONS, StartWorker, wait_until
+from tests.fixtures import ENGINES_ON_BOTH_REDIS, REDIS_VERSIONS, StartWorker, wait_until
 from tests.test_cli import assert_clean_error, rollouts
 
 WITNESS = "witness"

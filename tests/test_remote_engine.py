@@ -18,16 +18,16 @@ import httpx
 import numpy as np
 import pytest
 
+from benchmarks.chaos_proxy import Proxy
 from consumers.engine import EngineInputError
 from consumers.remote_engine import RemoteVllmEngine
 from consumers.vllm_engine import VllmEngine
-from pipeline.cli.chaos_proxy import Proxy
-from pipeline.cli.processes import start_worker, stop_process, wait_for_worker
 from pipeline.local import RedisServer, free_port
+from pipeline.processes import start_worker, stop_process, wait_for_worker
 from pipeline.wire import GENERATORS, Prompt, Sampling
 from producers.client import RolloutClient
-from tests.conftest import StartWorker, holds_work, wait_until
 from tests.engine_loop import Served
+from tests.fixtures import StartWorker, holds_work, wait_until
 from tests.reference import check_spans_and_logprobs, forward_logprobs, random_prompts
 from tests.test_lazy import heartbeat, serve_one
 from tests.vllm_server import Server, vllm_server

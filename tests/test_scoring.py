@@ -27,13 +27,13 @@ from consumers.scoring.backend import Outcome
 from consumers.scoring.inline import InlineBackend
 from consumers.scoring.job import load_reward_fn, score_group
 from consumers.scoring.rq_backend import RQBackend
-from pipeline.cli.processes import start_command, stop_process
 from pipeline.local import RedisServer
+from pipeline.processes import start_command, stop_process
 from pipeline.wire import Keys, Prompt, Rollout, WireError
 from producers.client import Group, RolloutClient
 from producers.prompts_file import read_prompts_file
 from tests import rewards
-from tests.conftest import StartWorker, wait_until
+from tests.fixtures import StartWorker, wait_until
 
 StartScoring = Callable[..., subprocess.Popen[bytes]]
 """`start(command, *args, name=...)`: `rollouts scorer` or `rollouts score-worker` in a process of its own."""

@@ -40,7 +40,7 @@ from producers.client import READ_BYTES, RolloutClient
 from producers.gateway.sessions import SCRIPTS as gateway_scripts
 from staleness.admission import SCRIPTS as staleness_scripts
 from staleness.manager import Manager
-from tests.conftest import REDIS_VERSIONS, wait_until
+from tests.fixtures import REDIS_VERSIONS, wait_until
 
 
 def prompt(pid: str, n: int = 2) -> Prompt:

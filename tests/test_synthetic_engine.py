@@ -24,8 +24,8 @@ from consumers.synthetic_engine import SyntheticEngine, parse_lengths
 from pipeline.local import RedisServer, free_port
 from pipeline.wire import Sampling
 from producers.client import RolloutClient
-from tests.conftest import StartWorker, wait_until
 from tests.engine_loop import wait_until_async
+from tests.fixtures import StartWorker, wait_until
 
 PROMPT = np.array([5, 6, 7], dtype=np.int32)
 

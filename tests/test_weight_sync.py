@@ -22,7 +22,7 @@ from pipeline.wire import GENERATORS, Control, Partial
 from producers.client import Group, RolloutClient
 from staleness.manager import Manager, SyncError
 from staleness.state import read_state
-from tests.conftest import ENGINES_ON_BOTH_REDIS, StartWorker, wait_until
+from tests.fixtures import ENGINES_ON_BOTH_REDIS, StartWorker, wait_until
 from tests.reference import check_spans_and_logprobs
 
 

@@ -1,5 +1,5 @@
 """The opt-in two-worker run (`python -m pytest -n 2 --dist loadgroup`, README) keeps its groups: every `vllm` test in
-one xdist group, the Ray module in another, the rest in none, as `tests/conftest.py`'s hook marks them."""
+one xdist group, the Ray module in another, the rest in none, as `tests/fixtures.py`'s hook marks them."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_under_two_xdist_workers_vllm_tests_and_the_ray_module_each_run_as_one_group(tmp_path: Path) -> None:
     """A real xdist run of stand-in tests under this suite's hook; xdist names each test's group in its node id."""
-    (tmp_path / "conftest.py").write_text("from tests.conftest import pytest_collection_modifyitems  # noqa: F401\n")
+    (tmp_path / "conftest.py").write_text("from tests.fixtures import pytest_collection_modifyitems  # noqa: F401\n")
     (tmp_path / "tests").mkdir()
     (tmp_path / "tests" / "test_ray_launcher.py").write_text("def test_ray_one():\n    pass\n")
     (tmp_path / "test_mixed.py").write_text(

