@@ -8,7 +8,6 @@ seconds and the tokens, in prompt order. Lines of JSON on a pipe: nothing here i
 
 from __future__ import annotations
 
-import importlib
 import json
 import sys
 
@@ -16,12 +15,13 @@ from producers.client import RolloutClient
 
 
 def main(redis_url: str) -> None:
-    bench = importlib.import_module("benchmarks.bench")  # the module: `benchmarks.bench` is also a command
+    from benchmarks import bench  # the module: its functions are looked up at each call, where a probe may wrap them
+
     client = RolloutClient(redis_url, bench.NS)
     for line in sys.stdin:
         ask = json.loads(line)
         batch = bench.make_prompts(ask["prompts"], ask["n"], ask["max_tokens"], ask["vocab"], ask["tag"])
-        seconds, tokens = bench.pipeline_round(client, batch)  # looked up here: a probe may wrap it (step_probe)
+        seconds, tokens = bench.pipeline_round(client, batch)
         sys.stdout.write(json.dumps({"seconds": seconds, "tokens": tokens}) + "\n")
         sys.stdout.flush()
 

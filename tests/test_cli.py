@@ -201,3 +201,40 @@ def test_a_remote_worker_needs_the_url_of_its_server(tiny_model_dir: Path) -> No
     """`--engine remote` without `--url` is refused in one line, before anything connects."""
     result = rollouts("worker", "--engine", "remote", "--model", str(tiny_model_dir), timeout=60)
     assert_clean_error(result, "--engine remote needs --url")
+
+
+def test_help_lists_the_user_commands_and_the_lab_runs_hidden_beside_them() -> None:
+    """`rollouts --help` shows what a user runs and points to `rollouts-bench`; the lab's commands still run under
+    `rollouts` (hidden), registered through the `rollouts.commands` entry point."""
+    shown = rollouts("--help", timeout=60)
+    assert shown.returncode == 0, shown.stderr
+    commands = set(re.findall(r"^│ ([a-z][a-z-]+) ", shown.stdout, re.MULTILINE))
+    assert {"worker", "manager", "submit", "top", "publish-weights", "demo", "gateway"} <= commands, commands
+    assert not commands & {"bench", "bench-sync", "bench-broker", "soak", "scale", "chaos"}, commands
+    assert "rollouts-bench --help" in " ".join(shown.stdout.split())
+    bench = rollouts("bench", "--help", timeout=60)
+    assert bench.returncode == 0 and "--paired" in bench.stdout, bench.stderr
+
+
+def test_a_plugin_that_fails_to_load_is_skipped_and_named_under_debug_logging(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import importlib
+    from importlib.metadata import EntryPoint
+
+    import typer
+
+    shell = importlib.import_module("pipeline.cli.app")  # the module: `pipeline.cli`'s attribute `app` is the app
+
+    broken = EntryPoint(name="broken", value="no_such_plugin_module:register", group=shell.PLUGINS)
+    monkeypatch.setattr(shell, "entry_points", lambda group: [broken])
+    monkeypatch.setattr(shell, "skipped_plugins", [])
+    target = typer.Typer()
+    shell.load_plugins(target)  # no exception: `rollouts` runs without it
+    assert shell.skipped_plugins == [
+        ("no_such_plugin_module:register", "ModuleNotFoundError: No module named 'no_such_plugin_module'")
+    ]
+    caplog.set_level("DEBUG", logger=shell.log.name)
+    shell.setup_logging("debug")
+    assert "commands of no_such_plugin_module:register left out: ModuleNotFoundError" in caplog.text
+
