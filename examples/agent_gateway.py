@@ -39,7 +39,10 @@ def main() -> None:
     ]
     for turn in range(2):
         reply = client.chat.completions.create(
-            model=model, messages=messages, max_tokens=16, extra_headers=session  # type: ignore[arg-type]
+            model=model,
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=16,
+            extra_headers=session,
         )
         text = reply.choices[0].message.content or ""
         print(f"turn {turn}: {text!r}")

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 # Models are local directories: never reach for a hub, and keep load/save progress bars out of logs.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-# vLLM logs to stdout by default; stdout is for results (`bench`, `top --json`).
+# vLLM logs to stdout by default; stdout is for results (`top --json`, `publish-weights`, the lab's reports).
 os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
 
 app = typer.Typer(
@@ -199,7 +199,6 @@ def sync_report(report: object) -> dict[str, object]:
     fields = asdict(report)  # type: ignore[call-overload]
     fields["stall_s"] = round(fields["stall_s"], 4)
     return fields
-
 
 
 def main() -> NoReturn:

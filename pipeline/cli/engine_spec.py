@@ -1,4 +1,4 @@
-"""Engine flags shared by `rollouts worker` and `rollouts bench`, and what each engine takes of them."""
+"""Engine flags shared by `rollouts worker`, `rollouts launch` and the lab's benchmarks, and what each engine takes."""
 
 from __future__ import annotations
 
