@@ -30,7 +30,7 @@ import numpy as np
 import redis
 
 from consumers.adapters import WorkerAdapters
-from consumers.engine import Engine, EngineClosedError, EngineInputError, Generation
+from consumers.engines.base import Engine, EngineClosedError, EngineInputError, Generation
 from consumers.lifecycle import EngineFactory, EngineSlot, WorkerStatus, receive_copy
 from consumers.metrics import WorkerMetrics
 from pipeline.publisher import Publisher
@@ -47,10 +47,10 @@ from pipeline.wire import (
     join_spans,
 )
 from staleness.state import read_state, weights_command
-from staleness.transports import is_stored, join_version, load_joined, load_version
+from staleness.weights import is_stored, join_version, load_joined, load_version
 
 if TYPE_CHECKING:
-    from staleness.broadcast import BroadcastLink
+    from staleness.weights.nccl import BroadcastLink
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

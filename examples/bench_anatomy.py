@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from consumers.tiny_model import build_tiny_model
-from consumers.torch_engine import TorchEngine
+from consumers.engines.tiny_model import build_tiny_model
+from consumers.engines.torch_engine import TorchEngine
 from consumers.worker import Worker, WorkerSettings
 from pipeline.cli.bench import _direct_round, make_prompts, pipeline_round
 from pipeline.cli.cpu import cpu_seconds

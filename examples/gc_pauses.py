@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from consumers.tiny_model import build_tiny_model
+from consumers.engines.tiny_model import build_tiny_model
 from pipeline.cli.bench import make_prompts, pipeline_round
 from pipeline.cli.processes import start_worker, stop_process, wait_for_worker
 from pipeline.local import RedisServer

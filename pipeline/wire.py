@@ -109,7 +109,8 @@ class Keys:
         self.admitted_prefix = f"{tag}:admitted:"
         self.weights_prefix = f"{tag}:weights:"
         self.server_prefix = f"{tag}:server:"
-        """`{ns}:server:ID:pausers` (set) and `:lock`: workers sharing one vLLM server (`consumers.shared_server`)."""
+        """`{ns}:server:ID:pausers` (set) and `:lock`: workers sharing one vLLM server
+        (`consumers.engines.shared_server`)."""
         self.adapters = f"{tag}:adapters"
         """Set: every adapter that was ever published (its state hash exists), for `top` and the manager."""
         self.adapter_prefix = f"{tag}:adapter:"

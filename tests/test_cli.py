@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from matplotlib.image import imread
 
-from consumers.synthetic_engine import SyntheticEngine
+from consumers.engines.synthetic_engine import SyntheticEngine
 from pipeline.cli.bench import SharedEngine, balanced_ratio, room_for_both
 from pipeline.cli.engine_spec import EngineSpec
 from pipeline.cli.processes import start_worker, stop_process, wait_for_worker

@@ -32,11 +32,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from consumers.engine import Generation, check_request
+from consumers.engines.base import Generation, check_request
+from consumers.engines.torch_engine import sampling_uniform
 from consumers.scoring.inline import InlineBackend
 from consumers.scoring.job import rollout_view, score_group
 from consumers.scoring.stage import ScoringStage, StageSettings
-from consumers.torch_engine import sampling_uniform
 from consumers.worker import Worker
 from pipeline.codec import encode_float32, encode_int32
 from pipeline.local import RedisServer

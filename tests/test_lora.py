@@ -23,15 +23,15 @@ import numpy as np
 import pytest
 import torch
 
-from consumers.lora import save_adapter
-from consumers.tiny_model import make_adapter
+from consumers.engines.lora import save_adapter
+from consumers.engines.tiny_model import make_adapter
 from pipeline.cli.processes import start_command
 from pipeline.local import RedisServer, free_port
 from pipeline.wire import GENERATORS, Sampling, ack_field
 from producers.client import Group, RolloutClient
 from staleness.manager import Manager
 from staleness.state import read_state
-from staleness.transports import open_transport
+from staleness.weights import open_transport
 from tests.conftest import StartWorker, wait_until
 from tests.reference import check_spans_and_logprobs, merged_model_dir, random_prompts
 

@@ -198,7 +198,7 @@ def test_a_worker_that_cannot_load_a_broadcast_stops_and_its_work_finishes_elsew
     redis_server: RedisServer, ns: str, tiny_model_dir: Path, tiny_model_dir_v1: Path, workers: StartWorker,
     tmp_path: Path,
 ) -> None:  # fmt: skip
-    from consumers.tiny_model import build_tiny_model
+    from consumers.engines.tiny_model import build_tiny_model
 
     wide_model = build_tiny_model(tmp_path / "wide", seed=2, hidden_size=128)
     wide = workers("wide", "--model", str(wide_model))  # the last --model wins: another architecture

@@ -130,7 +130,7 @@ def open_streams(redis_url: str, ns: str) -> Streams:
 
 def check_engine(spec: EngineSpec) -> None:
     """Refuse an unknown engine or a missing model before anything heavy is imported."""
-    from consumers.engine import ENGINES
+    from consumers.engines import ENGINES
 
     if spec.kind not in ENGINES:
         fail(f"unknown engine {spec.kind!r}; choose one of {', '.join(ENGINES)}")
@@ -194,7 +194,7 @@ def tiny_model(
     seed: Annotated[int, typer.Option(help="Weight seed: different seeds give different policy weights.")] = 0,
 ) -> None:
     """Build the tiny local Qwen2 model and its byte-level BPE tokenizer (nothing is downloaded)."""
-    from consumers.tiny_model import build_tiny_model
+    from consumers.engines.tiny_model import build_tiny_model
 
     with user_errors():
         path = build_tiny_model(out, seed=seed)

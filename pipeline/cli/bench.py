@@ -41,9 +41,10 @@ import numpy as np
 from rich.console import Console
 from rich.progress import Progress
 
-from consumers.engine import Engine, create_engine
+from consumers.engines import create_engine
+from consumers.engines.base import Engine
+from consumers.engines.tiny_model import build_tiny_model
 from consumers.lifecycle import WorkerStatus, freeze_heap
-from consumers.tiny_model import build_tiny_model
 from consumers.worker import Worker, WorkerSettings
 from pipeline.cli.cpu import CpuRoles, descendants
 from pipeline.cli.engine_spec import EngineSpec

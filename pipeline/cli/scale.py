@@ -741,7 +741,7 @@ def scale(
         fail(f"--workers must be comma-separated integers, not {workers!r}")
     if any(s < 1 for s in sizes):
         fail("every fleet size must be at least 1")
-    from consumers.synthetic_engine import parse_lengths
+    from consumers.engines.synthetic_engine import parse_lengths
 
     if pause_mode not in ("abort", "keep"):
         fail(f"--pause-mode must be abort or keep, not {pause_mode!r}")
