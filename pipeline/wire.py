@@ -94,8 +94,8 @@ class Keys:
         self.scorer_lease = f"{tag}:scorer:lease"
         self.control = f"{tag}:control"
         self.bell_prefix = f"{tag}:bell:"
-        """`{ns}:bell:K`: the doorbells workers block on instead of `control` (`Streams.ring`): a write to `control`
-        wakes each reader at once; rung a few bells at a time, 1,000 workers wake in waves."""
+        """`{ns}:bell:K`: the doorbells workers block on instead of `control` (`ControlStream.ring`): a write to
+        `control` wakes each reader at once; rung a few bells at a time, 1,000 workers wake in waves."""
         self.state = f"{tag}:state"
         self.dead = f"{tag}:dead"
         self.stale = f"{tag}:stale"
@@ -120,7 +120,7 @@ class Keys:
         return self.worker_prefix + name
 
     def bell(self, index: int) -> str:
-        """Doorbell stream `index` (of `pipeline.streams.BELLS`): rung after control commands, read by its workers."""
+        """Doorbell stream `index` (of `pipeline.control.BELLS`): rung after control commands, read by its workers."""
         return f"{self.bell_prefix}{index}"
 
     def inbox(self, worker: str) -> str:

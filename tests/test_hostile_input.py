@@ -706,6 +706,6 @@ def test_hostile_entries_on_every_stream_end_to_end(
     assert recorder_stats.bad == sum(c.startswith(b"rollouts") for c in plan.errors)
     recorded = {row.rollout.id for row in read_recording(tmp_path / "rec")}
     assert recorded == {x.id for g in got.values() for x in g.rollouts}
-    streams.send_control(Control(cmd="stop"))
+    streams.control.send(Control(cmd="stop"))
     wait_until(lambda: proc.poll() is not None, 60, "the worker to obey a stop sent after the junk")
     assert proc.returncode == 0

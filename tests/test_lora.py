@@ -162,7 +162,7 @@ def test_many_adapters_share_few_slots_and_an_unpublished_one_is_an_error_rollou
         for rollout in group.rollouts:
             assert rollout.finish_reason != "error", rollout.error
             assert share(rollout.tokens, keys[rollout.adapter or ""]) > 0.7, (rollout.adapter, rollout.tokens)
-    held = client.streams.live_workers()["w1"].get("adapters", "")
+    held = client.streams.registry.live_workers()["w1"].get("adapters", "")
     assert 1 <= len(held.split(",")) <= 2, held
     scraped = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text  # what Prometheus sees
     lines = scraped.splitlines()

@@ -272,7 +272,7 @@ def _wait_for_single_worker(redis_url: str, name: str, timeout_s: float = 30) ->
 
     streams = Streams(redis.Redis.from_url(redis_url), NS)
     deadline = time.monotonic() + timeout_s
-    while set(candidates(streams.live_workers())) != {name}:
+    while set(candidates(streams.registry.live_workers())) != {name}:
         if time.monotonic() > deadline:
             raise TimeoutError(f"workers other than {name} still take sessions after {timeout_s:.0f}s")
         time.sleep(0.1)

@@ -304,7 +304,7 @@ def wait_for_fleet(client: RolloutClient, load: Load, fleet: list[tuple[subproce
     budget_s = 60 + load.workers * 0.1
     deadline = time.monotonic() + budget_s
     while True:
-        live = client.streams.live_workers()
+        live = client.streams.registry.live_workers()
         if sum(1 for beat in live.values() if beat.get("status") == "serving") >= load.workers:
             return
         for process, out in fleet:
