@@ -160,9 +160,8 @@ class Manager:
         """Wait for acks of `report.epoch` until `deadline`, evict who did not ack, then resume everyone (rung at
         `pace`: an abort pause's resume in a fleet that hands off sends it to read back the samples it interrupted)."""
         while waiting:
-            epochs = self.streams.registry.heartbeat_field(
-                waiting, self._ack_field
-            )  # only the field, of those not acked yet
+            # only the field, of those not acked yet
+            epochs = self.streams.registry.heartbeat_field(waiting, self._ack_field)
             for name, epoch in epochs.items():
                 if epoch is None:
                     report.gone.append(name)

@@ -178,9 +178,8 @@ def test_a_fresh_worker_takes_one_entry_before_it_knows_how_many_samples_one_hol
     wait_until(
         lambda: client.streams.registry.live_workers()["w1"].get("inflight") not in (None, "0"), 30, "w1 to generate"
     )
-    assert (
-        client.streams.registry.live_workers()["w1"]["inflight"] == "4"
-    )  # its first samples take 20 s: still the first
+    # its first samples take 20 s: still the first
+    assert client.streams.registry.live_workers()["w1"]["inflight"] == "4"
     pending = client.streams.redis.xpending(client.streams.keys.prompts, GENERATORS)
     assert pending["pending"] == 1, pending  # one entry of 4 samples fills its room; the other 9 wait in Redis
     w1.kill()  # not drained: its 400-token samples would take the teardown 20 s (a synthetic engine has no children)

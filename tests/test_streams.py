@@ -329,9 +329,8 @@ def test_abandoned_work_is_claimed_but_touched_work_is_not(any_redis: redis.Redi
     if how == "touch":  # w1 still works on `alive`: its idle time starts again
         streams.touch("w1", [alive])
     else:
-        assert (
-            streams.registry.heartbeat("w1", {"status": "serving"}, ttl_s=5, touch=[alive]) == 1
-        )  # one worker registered
+        registered = streams.registry.heartbeat("w1", {"status": "serving"}, ttl_s=5, touch=[alive])
+        assert registered == 1  # one worker registered
         assert any_redis.hget(streams.keys.worker("w1"), "status") == b"serving"
     assert [e.id for e in streams.claim_abandoned("w2", min_idle_ms=300, count=10)] == [dead.id]
     assert streams.delivery_count(dead) == 2
@@ -683,9 +682,8 @@ def test_a_departed_workers_inbox_goes_back_to_the_shared_prompts(any_redis: red
     read yet moves to `{ns}:prompts`, and a late publish by the presumed-dead worker writes nothing."""
     streams = Streams(any_redis, ns)
     streams.ensure_groups()
-    assert (
-        streams.registry.heartbeat("w1", {"status": "serving"}, ttl_s=60) == 1
-    )  # the fleet's size, for `sweep_chance`
+    # the fleet's size, for `sweep_chance`
+    assert streams.registry.heartbeat("w1", {"status": "serving"}, ttl_s=60) == 1
     assert streams.registry.heartbeat("w2", {"status": "serving", "epoch": 3}, ttl_s=60) == 2
     assert set(streams.registry.live_workers()) == {"w1", "w2"} and streams.registry.live_worker_names() == ["w1", "w2"]
     assert streams.registry.heartbeat_field(["w1", "w2", "w9"], "epoch") == {"w1": "", "w2": "3", "w9": None}
