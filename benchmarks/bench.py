@@ -42,9 +42,10 @@ from rich.console import Console
 from rich.progress import Progress
 
 from benchmarks.cpu import CpuRoles, descendants
-from consumers.engine import Engine, create_engine
+from consumers.engines import create_engine
+from consumers.engines.base import Engine
+from consumers.engines.tiny_model import build_tiny_model
 from consumers.lifecycle import WorkerStatus, freeze_heap
-from consumers.tiny_model import build_tiny_model
 from consumers.worker import Worker, WorkerSettings
 from pipeline.cli.engine_spec import EngineSpec
 from pipeline.connections import connect

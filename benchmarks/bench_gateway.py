@@ -43,7 +43,7 @@ import numpy as np
 import redis
 import typer
 
-from consumers.engine import ENGINES
+from consumers.engines import ENGINES
 from pipeline.cli.app import check_engine, console, fail, user_errors
 from pipeline.cli.engine_spec import (
     DeviceOpt,
@@ -64,7 +64,7 @@ if TYPE_CHECKING:
     import openai
     from rich.console import Console
 
-    from consumers.engine import Engine
+    from consumers.engines.base import Engine
 
 NS = "bench-gateway"
 SERVED = "bench"
@@ -92,7 +92,7 @@ class Workload:
 
     @classmethod
     def build(cls, sessions: int, turns: int, max_tokens: int) -> Workload:
-        from consumers.tiny_model import corpus
+        from consumers.engines.tiny_model import corpus
 
         lines = corpus(500, seed=20261122)
         messages = []
@@ -112,7 +112,7 @@ class Workload:
         """Refuse, before any process starts, sessions whose last turn cannot fit the model's context."""
         from transformers import AutoTokenizer
 
-        from consumers.engine import read_model_limits
+        from consumers.engines.model_files import read_model_limits
         from producers.gateway.chat import ChatRenderer
 
         limit = read_model_limits(model, max_model_len).max_model_len
@@ -272,7 +272,7 @@ def _wait_for_single_worker(redis_url: str, name: str, timeout_s: float = 30) ->
 
     streams = Streams(redis.Redis.from_url(redis_url), NS)
     deadline = time.monotonic() + timeout_s
-    while set(candidates(streams.live_workers())) != {name}:
+    while set(candidates(streams.registry.live_workers())) != {name}:
         if time.monotonic() > deadline:
             raise TimeoutError(f"workers other than {name} still take sessions after {timeout_s:.0f}s")
         time.sleep(0.1)
@@ -374,7 +374,7 @@ def run_bench_gateway(
     rounds: int,
 ) -> dict[str, Any]:
     """Start a private Redis, the workers and one gateway per policy; run both comparisons; stop all by PID."""
-    from consumers.tiny_model import build_tiny_model
+    from consumers.engines.tiny_model import build_tiny_model
     from pipeline.local import RedisServer
 
     tmp = Path(tempfile.mkdtemp(prefix="rollouts-bench-gateway-"))
@@ -510,7 +510,7 @@ class _Bench:
             self.clients[policy] = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0, timeout=600)
 
     def _start_engine(self) -> None:
-        from consumers.engine import create_engine
+        from consumers.engines import create_engine
 
         self.engine = create_engine(self.spec.kind, str(self.spec.model), **self.spec.options())
         self.loop.run_until_complete(self.engine.start())

@@ -63,7 +63,7 @@ FAVOURED = {"a1": range(100, 140), "a2": range(200, 240), "b": range(300, 340)}
 """The tokens each adapter version is trained to prefer: `a1`/`a2` are adapter a's two versions, published in turn."""
 PROMPT_TOKENS = 8
 TINY_MAX_POSITIONS = 512
-"""The tiny model's longest sequence (`consumers.tiny_model.build_tiny_model`): prompt + tokens must fit."""
+"""The tiny model's longest sequence (`consumers.engines.tiny_model.build_tiny_model`): prompt + tokens must fit."""
 COLLECT_TIMEOUT_S = 300.0
 """Give up on a phase when no rollout arrived for this long (the worker's log says why)."""
 
@@ -246,7 +246,7 @@ def _side(index: int, work: Work) -> str:
 
 def build_adapters(model: Path) -> dict[str, Adapter]:
     """Adapter b, and adapter a's two versions (each trained towards its own tokens: a real change each publish)."""
-    from consumers.tiny_model import make_adapter
+    from consumers.engines.tiny_model import make_adapter
 
     return {key: make_adapter(model, list(tokens), seed=i) for i, (key, tokens) in enumerate(FAVOURED.items())}
 
@@ -260,7 +260,7 @@ def run_bench_lora(out: Console, settings: Settings, work: Work) -> dict[str, An
     try:
         model = settings.model
         if model is None:
-            from consumers.tiny_model import build_tiny_model
+            from consumers.engines.tiny_model import build_tiny_model
 
             model = build_tiny_model(tmp / "model", seed=0)
         adapters = build_adapters(model)
@@ -484,7 +484,7 @@ def _check_options(settings: Settings, b_prompts: int, a_prompts: int, n: int, t
     if settings.mode not in ("keep", "abort"):
         fail(f"--mode must be keep or abort, not {settings.mode!r}")
     if settings.model is None:
-        from consumers.tiny_model import VOCAB_SIZE
+        from consumers.engines.tiny_model import VOCAB_SIZE
 
         return VOCAB_SIZE, TINY_MAX_POSITIONS
     if not (settings.model / "config.json").is_file():

@@ -41,12 +41,13 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.progress import Progress
 
-from consumers.tiny_model import build_tiny_model
+from consumers.engines.tiny_model import build_tiny_model
 from pipeline.cli.engine_spec import EngineSpec
 from pipeline.local import RedisServer, free_port
 from pipeline.processes import start_worker, stop_process, wait_for_worker
 from producers.client import RolloutClient
-from staleness.transports import open_transport, read_checkpoint
+from staleness.weights import open_transport
+from staleness.weights.base import read_checkpoint
 
 NS = "bench-sync"
 SIZES = {"tiny": (64, 2), "small": (256, 4), "medium": (512, 8), "large": (1024, 8), "xl": (2048, 16)}
@@ -209,7 +210,7 @@ def _forget_exports(client: RolloutClient, transport: str) -> dict[str, Any]:
     """For ipc: how much GPU memory the trainer held for the worker, then free it (the next run starts at v1)."""
     if not transport.startswith("ipc://"):
         return {}
-    from staleness.ipc import held_bytes
+    from staleness.weights.ipc import held_bytes
 
     held = {"trainer_held_mib": round(held_bytes() / 2**20, 1)}
     exports = open_transport(transport, redis_client=client.streams.redis, ns=NS)

@@ -303,7 +303,7 @@ def wait_for_fleet(client: RolloutClient, load: Load, fleet: list[tuple[subproce
     budget_s = 60 + load.workers * 0.1
     deadline = time.monotonic() + budget_s
     while True:
-        live = client.streams.live_workers()
+        live = client.streams.registry.live_workers()
         if sum(1 for beat in live.values() if beat.get("status") == "serving") >= load.workers:
             return
         for process, out in fleet:
@@ -739,7 +739,7 @@ def scale(
         fail(f"--workers must be comma-separated integers, not {workers!r}")
     if any(s < 1 for s in sizes):
         fail("every fleet size must be at least 1")
-    from consumers.synthetic_engine import parse_lengths
+    from consumers.engines.synthetic_engine import parse_lengths
 
     if pause_mode not in ("abort", "keep"):
         fail(f"--pause-mode must be abort or keep, not {pause_mode!r}")

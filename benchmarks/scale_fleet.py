@@ -38,7 +38,7 @@ THREAD_STACK = 256 * 1024
 
 async def run_fleet(url: str, ns: str, names: list[str], engine_args: dict[str, Any], max_inflight: int) -> list:
     """Run a worker per name until SIGTERM; returns every worker's publishes."""
-    from consumers.engine import create_engine
+    from consumers.engines import create_engine
     from consumers.worker import Worker, WorkerSettings
 
     loop = asyncio.get_running_loop()

@@ -30,12 +30,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
-from consumers.engine import Engine, EngineInputError
+from consumers.engines.base import Engine, EngineInputError
 from consumers.metrics import WorkerMetrics
 from pipeline.streams import Streams
 from pipeline.wire import Control, ack_field
 from staleness.state import adapter_names, read_state, weights_command
-from staleness.transports import fetch_adapter, is_stored, join_adapter, receive_adapter
+from staleness.weights import fetch_adapter, is_stored, join_adapter, receive_adapter
 
 log = logging.getLogger(__name__)
 

@@ -27,8 +27,9 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
-from consumers.engine import Engine, create_engine
-from staleness.transports import join_adapter
+from consumers.engines import create_engine
+from consumers.engines.base import Engine
+from staleness.weights import join_adapter
 
 if TYPE_CHECKING:
     import torch
@@ -44,9 +45,9 @@ def engine_factory(
 ) -> EngineFactory:
     """The worker's engine factory (`rollouts worker`, a Ray actor): `create_engine` with these options, each time
     the engine starts again. A `remote` engine also gets the pause holders of the server it may share with the
-    namespace's other workers (`consumers.shared_server`), which live in Redis, not in the options."""
+    namespace's other workers (`consumers.engines.shared_server`), which live in Redis, not in the options."""
     if kind == "remote":
-        from consumers.shared_server import SharedPause
+        from consumers.engines.shared_server import SharedPause
 
         options = options | {"pauses": SharedPause(client, ns, str(options["url"]), member)}
     return functools.partial(create_engine, kind, model, **options)
@@ -150,7 +151,7 @@ class EngineSlot:
 
     def _forget_groups(self) -> None:
         """The processes that held our broadcast groups are gone (or new): the trainer must build them anew."""
-        from staleness.broadcast import forget_group
+        from staleness.weights.nccl import forget_group
 
         for uri in self.nccl_uris:
             forget_group(uri, self.member)
@@ -172,7 +173,7 @@ def freeze_heap() -> None:
 
 async def receive_copy(uri: str, version: int, epoch: int, member: str) -> Received:
     """Join sync `epoch`'s broadcast as one rank of this process (no engine needed) and keep CPU copies."""
-    from staleness.broadcast import receive_broadcast
+    from staleness.weights.nccl import receive_broadcast
 
     link = await join_adapter(uri, version, epoch, member=member)  # one rank of this process: what an adapter takes
 

@@ -168,7 +168,7 @@ class RayWorker:
         `rollouts top` show it, since the actor's own log is on its node."""
         status = {"status": FAILED, "failure": self.failure, "host": socket.gethostname(), "pid": os.getpid()}
         try:
-            streams.heartbeat(self.name, status | {"ts": round(time.time(), 3)}, settings.heartbeat_ttl_s)
+            streams.registry.heartbeat(self.name, status | {"ts": round(time.time(), 3)}, settings.heartbeat_ttl_s)
         except Exception:
             log.exception("%s: could not report the failure to Redis", self.name)
 

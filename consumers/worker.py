@@ -30,11 +30,13 @@ import numpy as np
 import redis
 
 from consumers.adapters import WorkerAdapters
-from consumers.engine import Engine, EngineClosedError, EngineInputError, Generation
+from consumers.engines.base import Engine, EngineClosedError, EngineInputError, Generation
 from consumers.lifecycle import EngineFactory, EngineSlot, WorkerStatus, receive_copy
 from consumers.metrics import WorkerMetrics
+from pipeline.control import CONTROL_BATCH, CONTROL_RECHECK_S
 from pipeline.publisher import Publisher
-from pipeline.streams import CONTROL_BATCH, CONTROL_RECHECK_S, Entry, Streams, sweep_chance
+from pipeline.registry import sweep_chance
+from pipeline.streams import Entry, Streams
 from pipeline.wire import (
     CONTINUE_HERE,
     HAND_OFF,
@@ -47,10 +49,10 @@ from pipeline.wire import (
     join_spans,
 )
 from staleness.state import read_state, weights_command
-from staleness.transports import is_stored, join_version, load_joined, load_version
+from staleness.weights import is_stored, join_version, load_joined, load_version
 
 if TYPE_CHECKING:
-    from staleness.broadcast import BroadcastLink
+    from staleness.weights.nccl import BroadcastLink
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -233,7 +235,7 @@ class Worker:
             except Exception as exc:
                 self._could_not_start(exc)
                 await self._slot.shutdown()
-                await asyncio.to_thread(self.streams.forget_worker, self.name)
+                await asyncio.to_thread(self.streams.registry.forget_worker, self.name)
                 return
         control_from = await self._catch_up()
         if self._slot.started:
@@ -255,7 +257,7 @@ class Worker:
                 task.cancel()
             await self._slot.shutdown()
             await self.publisher.close()
-            await asyncio.to_thread(self.streams.forget_worker, self.name)
+            await asyncio.to_thread(self.streams.registry.forget_worker, self.name)
 
     # -- reading ------------------------------------------------------------------------------
 
@@ -507,7 +509,7 @@ class Worker:
         A version that was broadcast (nccl) is nowhere to fetch: the worker then waits, taking no work,
         for the next sync. Without an engine (`lazy`) nothing loads yet (`_load_current`).
         """
-        control_from = await asyncio.to_thread(self.streams.last_control_id)
+        control_from = await asyncio.to_thread(self.streams.control.last_id)
         await self._adapters.catch_up()  # adapters sync on their own: ack any sync of one under way
         async with self._slot.lock:
             await self._load_current()
@@ -569,24 +571,24 @@ class Worker:
         )
 
     async def _follow_control(self, after: bytes) -> None:
-        """Obey the commands on `control` after `after`: read when this worker's bell rings (`Streams.ring`), and at
-        least every `CONTROL_RECHECK_S` besides. Blocking on the bell, not on `control`, lets a manager wake a fleet
+        """Obey the commands on `control` after `after`: read when this worker's bell rings (`ControlStream.ring`), and
+        at least every `CONTROL_RECHECK_S` besides. Blocking on the bell, not on `control`, lets a manager wake a fleet
         in waves: 1,000 workers blocked on `control` would all be served in the same instant by Redis."""
         bell: bytes | None = None
         read, read_at = True, 0.0
         while not self._stopping.is_set():
             if bell is None:  # where the bell stood before the first read: a ring after it is not missed
-                bell = await self._control_call(self.streams.bell_id, self.name)
+                bell = await self._control_call(self.streams.control.bell_id, self.name)
                 continue
             if read:
-                entries = await self._control_call(self.streams.read_control, after, None)
+                entries = await self._control_call(self.streams.control.read, after, None)
                 if entries is None:
                     continue
                 read_at = time.monotonic()
                 after = await self._obey_entries(entries, after)
                 if len(entries) >= CONTROL_BATCH:
                     continue  # there may be more: read again before waiting
-            rang = await self._control_call(self.streams.wait_for_bell, self.name, bell, self.settings.block_ms)
+            rang = await self._control_call(self.streams.control.wait_for_bell, self.name, bell, self.settings.block_ms)
             read = rang is None or rang != bell or time.monotonic() - read_at >= CONTROL_RECHECK_S
             bell = rang or bell
 
@@ -800,7 +802,7 @@ class Worker:
             try:
                 self._fleet = await self._beat(touch=True)
                 if not self._stopping.is_set() and random.random() < sweep_chance(self._fleet):
-                    await asyncio.to_thread(self.streams.rehome_departed)
+                    await asyncio.to_thread(self.streams.registry.rehome_departed)
                 if now - last_trim > self.settings.trim_every_s:
                     last_trim = now
                     keys = self.streams.keys
@@ -841,7 +843,7 @@ class Worker:
         }
         entries = list(self._inflight.values()) if touch else []
         ttl_s = self.settings.heartbeat_ttl_s
-        return await asyncio.to_thread(self.streams.heartbeat, self.name, status, ttl_s, entries)
+        return await asyncio.to_thread(self.streams.registry.heartbeat, self.name, status, ttl_s, entries)
 
     async def _claim_abandoned(self) -> int:
         """Claim work idle past `claim_idle_ms` (its worker died or hangs) while there is room; returns how many."""

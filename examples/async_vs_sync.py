@@ -43,7 +43,7 @@ import numpy as np
 import torch
 from grpo_trainer import GenerationSideDied, StepLog, TrainConfig, generation_side, train
 
-from consumers.tiny_model import build_tiny_model
+from consumers.engines.tiny_model import build_tiny_model
 from pipeline.local import RedisServer
 from pipeline.wire import GENERATORS, TRAINER, Keys
 from producers.client import RolloutClient

@@ -1,16 +1,17 @@
 """The stream layer: consumer groups, reading, claiming, publishing, dead letters, trimming.
 
-Every Redis command that touches a stream of the wire contract lives here, so that
-workers, the trainer client and the CLI share one implementation. It is synchronous;
-the asyncio worker calls it from a thread, which keeps one code path for both sides.
+`Streams` is the facade every side uses for the streams of the wire contract (reads, claims, acks, publishes), so
+that workers, the trainer client and the CLI share one implementation; the worker registry (`streams.registry`,
+`pipeline.registry`) and the control stream with its doorbells (`streams.control`, `pipeline.control`) are
+mechanisms of their own, reached through it. It is synchronous; the asyncio worker calls it from a thread, which
+keeps one code path for both sides.
 """
 
 from __future__ import annotations
 
 import math
 import time
-import zlib
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -18,13 +19,14 @@ import hiredis
 import redis
 
 from pipeline.connections import socket_timeout_s
+from pipeline.control import ControlStream
 from pipeline.lua import register_all
+from pipeline.registry import Registry, touch_pending
 from pipeline.wire import (
     GENERATORS,
     SCORER,
     SCORERS,
     TRAINER,
-    Control,
     Fields,
     Keys,
     Partial,
@@ -37,65 +39,16 @@ SCRIPTS = Path(__file__).with_name("lua")
 """Where `publish.lua`, `claim.lua`, `forward.lua`, `rehome.lua` and `dead_letter.lua` live."""
 DEDUPE_BUCKETS = 8
 """The dedupe TTL is cut into this many time buckets (one hash each): a publish checks ~9 `HGET`s per prompt."""
-SWEEPS_PER_HEARTBEAT = 2
-"""How many workers of a fleet sweep departed workers' inboxes per heartbeat period, on average (`sweep_chance`)."""
-BELLS = 64
-"""Doorbells of a namespace (`{ns}:bell:K`). A worker blocks on its own (`bell_index`), never on `control`: a write
-to a stream wakes every client blocked on it in one go, and Redis spends ~15-20 µs a woken read (its reply and
-write), so one control command read by 1,000 blocked workers held every other client up ~20 ms."""
-WAKE_WAVE = 32
-"""At most about this many workers are woken together by a ring; a fleet of up to `BELLS * WAKE_WAVE` workers is rung
-in waves of this size, a larger one a bell a wave. A wave's wake holds other clients up ~0.5-1 ms, and what its
-workers do next (read `control`, ack or resume, read work: ~60 µs of Redis each) ~2 ms more."""
-WAKE_COST_S = 60e-6
-"""What a woken worker costs Redis next: it reads `control`, acks or resumes, reads work. A ring leaves that much per
-worker of a wave before the next (`wave_gap`): ~2 ms for a wave of 32, so that a client that arrives meanwhile (a
-publish) waits behind one wave at most. 1,000 workers: 32 waves, ~90 ms a ring."""
-ABORT_COST_S = 250e-6
-"""What a woken worker costs Redis in a sync that pauses in `abort` mode: the above, plus the publish of its interrupted
-samples and, after the resume, their reading back by whoever continues them. Measured at 1,000 workers (4 samples of
-~600 tokens each in flight, Redis 6.2, `rollouts scale`'s `redis_during_syncs`): ~140 µs more than `keep`; paced for
-~190 µs more, because a fleet's workers do not react at an even pace (8 ms between waves of 32)."""
 TRIM_CHUNK = 500
 """Entries one `XTRIM` of `trim_consumed` frees at most (~4 MB of 1k-token rollouts, ~1 ms of Redis)."""
 BLOCK_MARGIN_MS = 1000
 """A blocking read waits at least this much less than its client's socket timeout (`Streams._block`)."""
-CONTROL_BATCH = 100
-"""Control entries one read returns at most."""
-CONTROL_RECHECK_S = 5.0
-"""A worker reads `control` at least this often without a ring: a ring that never came (its sender died between
-writing the command and ringing) is then late by this much at most, not lost."""
 
 
 class Entry(NamedTuple):
     stream: str
     id: bytes
     fields: Fields
-
-
-def sweep_chance(fleet: int) -> float:
-    """The chance that one worker of a fleet of `fleet` sweeps this heartbeat: `SWEEPS_PER_HEARTBEAT` sweeps a period
-    in all, whatever the size (always, for a fleet of that many or fewer). A departed worker's inbox is rehomed
-    within a few heartbeats (the chance that none of the fleet swept in k periods is about e^-2k), and Redis checks
-    ~2N heartbeats a period rather than N²."""
-    return min(1.0, SWEEPS_PER_HEARTBEAT / max(fleet, 1))
-
-
-def bell_index(worker: str) -> int:
-    """The doorbell a worker blocks on: the same for a name in every process (CRC-32, not Python's salted hash)."""
-    return zlib.crc32(worker.encode()) % BELLS
-
-
-def waves(fleet: int) -> list[range]:
-    """The bells rung together, wave by wave, for a fleet of `fleet` workers: ~`WAKE_WAVE` workers a wave, so one
-    wave (one pipeline) for a fleet of up to 32 and 32 waves for 1,000."""
-    per_wave = max(1, BELLS * WAKE_WAVE // max(fleet, 1))
-    return [range(first, min(first + per_wave, BELLS)) for first in range(0, BELLS, per_wave)]
-
-
-def wave_gap(fleet: int, per_worker_s: float) -> float:
-    """The pause after each wave of a ring: the Redis time that a wave's workers cost next (`per_worker_s` each)."""
-    return per_worker_s * fleet / len(waves(fleet))
 
 
 def entries_from_reply(reply: Any) -> list[Entry]:
@@ -128,10 +81,14 @@ class Streams:
         """The dedupe buckets' clock (a test moves it)."""
         scripts = register_all(client, SCRIPTS)
         self._publish, self._claim, self._forward = scripts["publish"], scripts["claim"], scripts["forward"]
-        self._rehome, self._dead_letter = scripts["rehome"], scripts["dead_letter"]
+        self._dead_letter = scripts["dead_letter"]
         timeout_s = socket_timeout_s(client)
         self._max_block_ms = None if timeout_s is None else max(1, int(timeout_s * 1000) - BLOCK_MARGIN_MS)
         """The longest a blocking read may wait on this client (`_block`); None: any."""
+        self.registry = Registry(client, self.keys, scripts["rehome"])
+        """The workers: heartbeats, who lives, rehoming a departed worker's inbox."""
+        self.control = ControlStream(self)
+        """The control stream and the workers' doorbells."""
 
     def ensure_groups(self) -> None:
         """Create the consumer groups (and their streams) if missing; safe to call from every process."""
@@ -216,16 +173,8 @@ class Streams:
     def touch(self, consumer: str, entries: Iterable[Entry]) -> None:
         """Reset the idle time of work still in progress, so that nobody claims it from a live worker."""
         pipe = self.redis.pipeline(transaction=False)
-        self._touch(pipe, consumer, entries)
+        touch_pending(pipe, consumer, entries)
         pipe.execute()
-
-    @staticmethod
-    def _touch(pipe: redis.client.Pipeline, consumer: str, entries: Iterable[Entry]) -> None:
-        by_stream: dict[str, list[bytes]] = {}
-        for entry in entries:
-            by_stream.setdefault(entry.stream, []).append(entry.id)
-        for stream, ids in by_stream.items():
-            pipe.xclaim(stream, GENERATORS, consumer, 0, ids, justid=True)
 
     def delivery_count(self, entry: Entry) -> int:
         """How many times the group has handed this entry out (1 on first delivery)."""
@@ -336,34 +285,9 @@ class Streams:
         span = math.ceil(self.dedupe_ttl_s / size)
         return [self.keys.published(size, b) for b in range(current - span, current + 1)], (span + 2) * size
 
-    def send_control(self, command: Control, ring: bool = True) -> bytes:
-        """Append a command to `control` and ring the workers' bells (`ring=False`: a caller that sends several and
-        rings once after them)."""
-        entry_id = self.redis.xadd(self.keys.control, command.to_fields())
-        if ring:
-            self.ring(command.cmd)
-        return entry_id
-
-    def ring(self, cmd: str, per_worker_s: float = WAKE_COST_S) -> int:
-        """Wake the workers to read `control` after a command was written there, a wave at a time; returns the waves.
-
-        Each wave is one pipeline, whose reply comes back once Redis has served the reads it woke; the next goes
-        once Redis has served what those workers do next, `per_worker_s` each (`wave_gap`: 2 ms for a wave of 32;
-        8 ms for a sync that pauses in `abort` mode, `ABORT_COST_S`). The clients waiting meanwhile (a publish, a
-        heartbeat) are served between two waves: they wait for one wave at most, never for the whole fleet. 1,000
-        workers are woken in 32 waves over ~90 ms (~0.25 s for an abort pause; `benchmarks/probes/bench_wake.py`,
-        `rollouts scale`). `cmd` only labels the ring for a person reading `{ns}:bell:K`."""
-        fleet = int(self.redis.scard(self.keys.workers))
-        gap = wave_gap(fleet, per_worker_s)
-        plan = waves(fleet)
-        for number, wave in enumerate(plan):
-            if number:
-                time.sleep(gap)  # the last wave's workers read control, ack, read work: let Redis serve that
-            pipe = self.redis.pipeline(transaction=False)
-            for index in wave:
-                pipe.xadd(self.keys.bell(index), {"cmd": cmd}, maxlen=1, approximate=False)
-            pipe.execute()
-        return len(plan)
+    def read(self, after: Mapping[str, bytes], count: int, block_ms: int | None) -> list[Entry]:
+        """Entries of these streams after the ids given (`XREAD`, no consumer group), blocking up to `block_ms`."""
+        return entries_from_reply(self.redis.xread(dict(after), count=count, block=self._block(block_ms)))
 
     def _block(self, block_ms: int | None) -> int | None:
         """How long a blocking read may wait: `block_ms`, kept `BLOCK_MARGIN_MS` under the client's socket timeout.
@@ -376,29 +300,6 @@ class Streams:
             return block_ms
         return self._max_block_ms if block_ms == 0 else min(block_ms, self._max_block_ms)
 
-    def bell_id(self, worker: str) -> bytes:
-        """The last ring of `worker`'s bell (`0-0` if never rung): where its `wait_for_bell` starts."""
-        last = self.redis.xrevrange(self.keys.bell(bell_index(worker)), count=1)
-        return last[0][0] if last else b"0-0"
-
-    def wait_for_bell(self, worker: str, after: bytes, block_ms: int) -> bytes:
-        """Block until `worker`'s bell rings after `after` (or `block_ms` passes); returns the last ring's id (`after`
-        if none). A ring between the worker's last read of `control` and this call returns at once: none is missed."""
-        bell = self.keys.bell(bell_index(worker))
-        entries = entries_from_reply(self.redis.xread({bell: after}, count=1, block=self._block(block_ms)))
-        return entries[-1].id if entries else after
-
-    def last_control_id(self) -> bytes:
-        """Where a reader that starts now picks up the control stream (`0-0` when it is empty)."""
-        last = self.redis.xrevrange(self.keys.control, count=1)
-        return last[0][0] if last else b"0-0"
-
-    def read_control(self, after: bytes, block_ms: int | None) -> list[Entry]:
-        """Control commands after `after` (every worker reads all of them: no consumer group). Workers read without
-        blocking, when their bell rings (`wait_for_bell`); a few other readers (admission) block here."""
-        reply = self.redis.xread({self.keys.control: after}, count=CONTROL_BATCH, block=self._block(block_ms))
-        return entries_from_reply(reply)
-
     def dead_letter(self, entry: Entry, error: str, stage: str) -> bool:
         """Move a bad entry to `{ns}:dead` with the reason and ack it, in one step (`lua/dead_letter.lua`), if it
         is still pending; returns whether it was (an entry dead-lettered already is not dead-lettered twice)."""
@@ -408,102 +309,11 @@ class Streams:
             args += [name, value]
         return bool(self._dead_letter(keys=[entry.stream, self.keys.dead], args=args))
 
-    def heartbeat(self, name: str, status: dict[str, Any], ttl_s: float, touch: Iterable[Entry] = ()) -> int:
-        """Write the worker's heartbeat hash (expiring) and keep it on the registry `{ns}:workers`; returns how many
-        workers the registry holds (departed ones not yet rehomed included), for the sweep's share (`sweep_chance`).
-
-        `touch`: work still in progress, whose idle time is reset in the same round trip (as `touch` does): a fleet's
-        upkeep is then one round trip a worker a period, not two."""
-        key = self.keys.worker(name)
-        pipe = self.redis.pipeline(transaction=True)
-        self._touch(pipe, name, touch)
-        pipe.hset(key, mapping={k: str(v) for k, v in status.items()})
-        pipe.pexpire(key, int(ttl_s * 1000))
-        pipe.sadd(self.keys.workers, name)
-        pipe.scard(self.keys.workers)
-        return int(pipe.execute()[-1])
-
-    def heartbeat_field(self, names: Iterable[str], field: str) -> dict[str, str | None]:
-        """One field of each named worker's heartbeat (None for a worker whose heartbeat expired): what a weight sync
-        polls for its acks, a field per worker rather than every heartbeat whole. One round trip, and a second only
-        for the workers whose field is missing (to tell a live worker without it from one that is gone)."""
-        names = list(names)
-        pipe = self.redis.pipeline(transaction=False)
-        for name in names:
-            pipe.hget(self.keys.worker(name), field)
-        values = dict(zip(names, pipe.execute(), strict=True))
-        # A field present says the heartbeat is there: only the others need a second look (a command a worker per
-        # poll, not two: a sync with 1,000 workers polls every 20 ms).
-        missing = [name for name, value in values.items() if value is None]
-        for name in missing:
-            pipe.exists(self.keys.worker(name))
-        alive = dict(zip(missing, pipe.execute(), strict=True)) if missing else {}
-        return {
-            name: _text(value) if value is not None else ("" if alive[name] else None) for name, value in values.items()
-        }
-
-    def forget_worker(self, name: str) -> None:
-        """A worker leaves: its heartbeat goes, and whatever is still in its inbox goes back to the shared prompts."""
-        self.redis.delete(self.keys.worker(name))
-        self.rehome(name, leaving=True)
-
-    def live_workers(self) -> dict[str, dict[str, str]]:
-        """Workers on the registry whose heartbeat has not expired, with their heartbeat fields."""
-        names = self._registered()
-        pipe = self.redis.pipeline(transaction=False)
-        for name in names:
-            pipe.hgetall(self.keys.worker(name))
-        return {
-            name: {_text(k): _text(v) for k, v in fields.items()}
-            for name, fields in zip(names, pipe.execute(), strict=True)
-            if fields
-        }
-
-    def rehome(self, worker: str, leaving: bool = False) -> int:
-        """Move what waits in a departed worker's inbox to `{ns}:prompts` (`lua/rehome.lua`); -1 while it lives."""
-        keys = [self.keys.worker(worker), self.keys.inbox(worker), self.keys.prompts, self.keys.workers]
-        return int(self._rehome(keys=keys, args=[worker, GENERATORS, int(leaving)]))
-
-    def rehome_departed(self) -> int:
-        """Rehome the inbox of every registered worker whose heartbeat expired; returns the entries moved.
-
-        It reads the whole registry (a check per worker), so a fleet shares the sweep out (`sweep_chance`)
-        rather than have every worker run it every heartbeat: N workers sweeping N each is N² checks a second."""
-        return sum(max(0, self.rehome(name)) for name in self._registry()[1])
-
-    def live_worker_names(self) -> list[str]:
-        """The registered workers whose heartbeat has not expired, by name only: an `EXISTS` each where
-        `live_workers` reads every heartbeat whole (at 1,000 workers, 1,000 `HGETALL`s in one go, which held other
-        clients up at the start of every sync)."""
-        return self._registry()[0]
-
-    def live_workers_with(self, field: str) -> dict[str, str]:
-        """The registered workers whose heartbeat has not expired, each with one field of its heartbeat ("" where it
-        has none): `live_worker_names` and that field in the same round trip (`heartbeat_field`'s `HGET`s tell a
-        live heartbeat from a gone one too)."""
-        fields = self.heartbeat_field(self._registered(), field)
-        return {name: value for name, value in fields.items() if value is not None}
-
-    def _registered(self) -> list[str]:
-        """Every worker on the registry (`{ns}:workers`), live or not, sorted."""
-        return sorted(_text(n) for n in self.redis.smembers(self.keys.workers))
-
-    def _registry(self) -> tuple[list[str], list[str]]:
-        """The workers on the registry, split into those whose heartbeat lives and those whose heartbeat expired."""
-        names = self._registered()
-        pipe = self.redis.pipeline(transaction=False)
-        for name in names:
-            pipe.exists(self.keys.worker(name))
-        live = dict(zip(names, pipe.execute(), strict=True))
-        return [n for n in names if live[n]], [n for n in names if not live[n]]
-
     # -- gateway side: replies to the prompts it queued ------------------------------------------
 
     def read_replies(self, gateway: str, after: bytes, block_ms: int | None) -> list[Entry]:
         """Rollouts on `gateway`'s reply stream after `after` (read without a group: one reader, it deletes them)."""
-        key = self.keys.replies(gateway)
-        reply = self.redis.xread({key: after}, count=512, block=self._block(block_ms))
-        return [e for e in entries_from_reply(reply) if e.fields]
+        return [e for e in self.read({self.keys.replies(gateway): after}, 512, block_ms) if e.fields]
 
     def delete_replies(self, gateway: str, ids: Sequence[bytes]) -> None:
         if ids:
@@ -667,10 +477,6 @@ def _append_rollouts(args: list[Any], rollouts: Sequence[Rollout]) -> None:
     for rollout in rollouts:
         args += [rollout.prompt_id, rollout.sample]
         _append_fields(args, rollout.to_fields(shared))
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
 
 
 def _parse_id(entry_id: bytes | str) -> tuple[int, int]:

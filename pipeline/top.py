@@ -66,7 +66,7 @@ def snapshot(streams: Streams) -> dict[str, Any]:
                 for g in groups
             },
         }
-    result["workers"] = streams.live_workers()
+    result["workers"] = streams.registry.live_workers()
     pipe = client.pipeline(transaction=False)
     for name in result["workers"]:
         pipe.zcount(keys.pins(name), result["ts"], "+inf")

@@ -94,8 +94,8 @@ class Keys:
         self.scorer_lease = f"{tag}:scorer:lease"
         self.control = f"{tag}:control"
         self.bell_prefix = f"{tag}:bell:"
-        """`{ns}:bell:K`: the doorbells workers block on instead of `control` (`Streams.ring`): a write to `control`
-        wakes each reader at once; rung a few bells at a time, 1,000 workers wake in waves."""
+        """`{ns}:bell:K`: the doorbells workers block on instead of `control` (`ControlStream.ring`): a write to
+        `control` wakes each reader at once; rung a few bells at a time, 1,000 workers wake in waves."""
         self.state = f"{tag}:state"
         self.dead = f"{tag}:dead"
         self.stale = f"{tag}:stale"
@@ -109,7 +109,8 @@ class Keys:
         self.admitted_prefix = f"{tag}:admitted:"
         self.weights_prefix = f"{tag}:weights:"
         self.server_prefix = f"{tag}:server:"
-        """`{ns}:server:ID:pausers` (set) and `:lock`: workers sharing one vLLM server (`consumers.shared_server`)."""
+        """`{ns}:server:ID:pausers` (set) and `:lock`: workers sharing one vLLM server
+        (`consumers.engines.shared_server`)."""
         self.adapters = f"{tag}:adapters"
         """Set: every adapter that was ever published (its state hash exists), for `top` and the manager."""
         self.adapter_prefix = f"{tag}:adapter:"
@@ -119,7 +120,7 @@ class Keys:
         return self.worker_prefix + name
 
     def bell(self, index: int) -> str:
-        """Doorbell stream `index` (of `pipeline.streams.BELLS`): rung after control commands, read by its workers."""
+        """Doorbell stream `index` (of `pipeline.control.BELLS`): rung after control commands, read by its workers."""
         return f"{self.bell_prefix}{index}"
 
     def inbox(self, worker: str) -> str:

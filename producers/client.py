@@ -47,7 +47,7 @@ from staleness.admission import Admission, AdmissionLimits, StaleRollouts, Usage
 from staleness.manager import Manager, SyncError, SyncReport
 
 if TYPE_CHECKING:
-    from staleness.broadcast import BroadcastStats
+    from staleness.weights.nccl import BroadcastStats
 
 log = logging.getLogger(__name__)
 
@@ -406,8 +406,9 @@ class RolloutClient:
         to load and ack, evicts one that does not within `ack_timeout_s`, and resumes them. Older
         versions are deleted from the transport once every live worker has moved on.
         """
-        from staleness.broadcast import NcclTransport  # torch: only trainers that publish need it
-        from staleness.transports import open_transport, read_adapter, remove_published
+        from staleness.weights import open_transport, remove_published
+        from staleness.weights.base import read_adapter
+        from staleness.weights.nccl import NcclTransport  # torch: only trainers that publish need it
 
         if adapter is not None:
             source, adapter_config = read_adapter(source, adapter_config)

@@ -9,8 +9,8 @@
 3. a worker that has not acked by the deadline is evicted (`stop` for it; its pending work is
    claimed by the others); a worker that died is simply no longer waited for;
 4. finish (atomic): the state moves to `version`, unpaused, and `resume(epoch)` goes out.
-After steps 1 and 4 the manager rings the workers' bells (`Streams.ring`), a wave of ~32 workers every ~2 ms (~8 ms
-when the pause aborts): workers block on their bell, not on `control`, so that 1,000 of them do not wake (and ack, and
+After steps 1 and 4 the manager rings the workers' bells (`ControlStream.ring`), a wave of ~32 workers at a time:
+workers block on their bell, not on `control`, so that 1,000 of them do not wake (and ack, and
 read work) in one instant. The resume's ring goes on in a thread of the manager's while the trainer goes back to work:
 the state has moved and the command is written, so the ring only wakes the workers sooner (`Manager.settle`).
 A worker that joins later loads the state's version before it takes work.
@@ -33,8 +33,9 @@ from pathlib import Path
 
 import redis
 
+from pipeline.control import ABORT_COST_S, WAKE_COST_S
 from pipeline.lua import register_all
-from pipeline.streams import ABORT_COST_S, WAKE_COST_S, Streams
+from pipeline.streams import Streams
 from pipeline.wire import ADAPTER_PATTERN, HAND_OFF, PARTIALS_FIELD, Control, PauseMode, ack_field
 from staleness.state import PolicyState, read_state, weights_command
 
@@ -85,7 +86,7 @@ class Manager:
 
     def live_workers(self) -> dict[str, dict[str, str]]:
         """Workers whose heartbeat has not expired, with their heartbeat fields."""
-        return self.streams.live_workers()
+        return self.streams.registry.live_workers()
 
     def sync(
         self,
@@ -112,7 +113,7 @@ class Manager:
             raise SyncError(str(exc)) from None
         waiting, hand_off = self._fleet(mode)
         pace = ring_pace(mode, hand_off)
-        self.streams.ring("weights", pace)  # the workers, a wave at a time (`Streams.ring`)
+        self.streams.control.ring("weights", pace)  # the workers, a wave at a time (`ControlStream.ring`)
         report = SyncReport(version=version, epoch=epoch)
         try:
             if transfer is not None:
@@ -151,15 +152,16 @@ class Manager:
         (`--hand-off-partials`, in its heartbeat). For an abort sync both come from one `HGET` a worker; a keep sync
         needs only the names (`EXISTS`)."""
         if mode != "abort":
-            return set(self.streams.live_worker_names()), False
-        fields = self.streams.live_workers_with(PARTIALS_FIELD)
+            return set(self.streams.registry.live_worker_names()), False
+        fields = self.streams.registry.live_workers_with(PARTIALS_FIELD)
         return set(fields), HAND_OFF in fields.values()
 
     def _conclude(self, report: SyncReport, uri: str, waiting: set[str], deadline: float, pace: float) -> None:
         """Wait for acks of `report.epoch` until `deadline`, evict who did not ack, then resume everyone (rung at
         `pace`: an abort pause's resume in a fleet that hands off sends it to read back the samples it interrupted)."""
         while waiting:
-            epochs = self.streams.heartbeat_field(waiting, self._ack_field)  # only the field, of those not acked yet
+            # only the field, of those not acked yet
+            epochs = self.streams.registry.heartbeat_field(waiting, self._ack_field)
             for name, epoch in epochs.items():
                 if epoch is None:
                     report.gone.append(name)
@@ -182,7 +184,7 @@ class Manager:
 
     def _ring_resume(self, pace: float) -> None:
         try:
-            self.streams.ring("resume", pace)
+            self.streams.control.ring("resume", pace)
         except redis.RedisError as exc:  # the command is written: workers find it within `CONTROL_RECHECK_S` anyway
             log.warning("ringing the workers after a sync failed (%s); they will read the resume unrung", exc)
 
@@ -195,13 +197,13 @@ class Manager:
 
     def evict(self, name: str, ring: bool = True) -> None:
         """Tell a worker to stop and forget it: its pending work goes to the others once it idles."""
-        self.streams.send_control(Control(cmd="stop", worker=name), ring=ring)
-        self.streams.forget_worker(name)
+        self.streams.control.send(Control(cmd="stop", worker=name), ring=ring)
+        self.streams.registry.forget_worker(name)
 
 
 def ring_pace(mode: PauseMode, hand_off: bool) -> float:
-    """What each worker woken by a sync's rings costs Redis next (`Streams.ring`). An abort pause in a fleet that hands
-    its interrupted samples off publishes them, and the fleet reads them back after the resume; one whose workers
+    """What each worker woken by a sync's rings costs Redis next (`ControlStream.ring`). An abort pause in a fleet that
+    hands its interrupted samples off publishes them, and the fleet reads them back after the resume; one whose workers
     continue them in place (the default) costs what a `keep` pause does."""
     return ABORT_COST_S if mode == "abort" and hand_off else WAKE_COST_S
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from pipeline.streams import CONTROL_BATCH, Streams
+from pipeline.control import CONTROL_BATCH
+from pipeline.streams import Streams
 from pipeline.wire import Control, WireError
 from staleness.state import weights_command
 
@@ -38,14 +39,14 @@ class SyncMetrics:
             "rollouts_manager_sync_stall_seconds", "Weight sync stall: the weights command to the resume.", ["ns"],
             registry=self.registry, buckets=SYNC_BUCKETS,
         ).labels(ns)  # fmt: skip
-        self._after = streams.last_control_id()
+        self._after = streams.control.last_id()
         self._begun: dict[tuple[str, int], float] = {}
         """`weights` command time by (adapter, epoch) (each adapter counts its own epochs), until its resume comes."""
 
     def poll(self) -> None:
         """Observe the control commands that came since the last poll."""
         while True:
-            entries = self.streams.read_control(self._after, None)
+            entries = self.streams.control.read(self._after, None)
             for entry in entries:
                 self._after = entry.id
                 try:

@@ -120,7 +120,7 @@ def any_redis(request: pytest.FixtureRequest) -> Iterator[redis.Redis]:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny local model, weights seed 0 (policy version 0 in the tests)."""
-    from consumers.tiny_model import build_tiny_model
+    from consumers.engines.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-v0"), seed=0)
 
@@ -128,7 +128,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_model_dir_v1(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Same architecture and tokenizer, other weights (seed 1): a second policy version."""
-    from consumers.tiny_model import build_tiny_model
+    from consumers.engines.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-v1"), seed=1)
 

@@ -1,4 +1,4 @@
-"""The `nccl://` broadcast protocol (`staleness.broadcast`) between a trainer and receivers, here over gloo.
+"""The `nccl://` broadcast protocol (`staleness.weights.nccl`) between a trainer and receivers, here over gloo.
 
 The same code runs NCCL when the trainer's tensors are on a GPU (measured on the device machine, see
 README); here receivers are threads of this process, each with its own store client and group, so
@@ -16,16 +16,14 @@ import pytest
 import torch
 
 from pipeline.local import free_port
-from staleness.broadcast import (
-    ALIGN,
+from staleness.weights.buckets import ALIGN, TensorMeta, plan_buckets
+from staleness.weights.nccl import (
     BroadcastLink,
     BroadcastStats,
     NcclTransport,
-    TensorMeta,
     drop_groups,
     groups_built,
     join_broadcast,
-    plan_buckets,
     receive_broadcast,
 )
 
@@ -85,13 +83,13 @@ def test_plan_buckets_packs_in_order_aligned_and_gives_big_tensors_their_own() -
 
 @pytest.mark.parametrize("copy_from", [0, 64, 10**9], ids=["each-copied", "mixed", "all-concatenated"])
 def test_a_bucket_packs_the_same_bytes_by_copies_or_by_concatenation(copy_from: int) -> None:
-    from staleness.broadcast import _bucket_size, pack_bucket
+    from staleness.weights.buckets import bucket_size, pack_bucket
 
     named = sample_tensors()
     tensors = list(named.values())
     metas = [TensorMeta(k, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for k, t in named.items()]
     for bucket in plan_buckets(metas, bucket_bytes=4096):
-        payload = torch.full((_bucket_size(metas, bucket),), 255, dtype=torch.uint8)
+        payload = torch.full((bucket_size(metas, bucket),), 255, dtype=torch.uint8)
         pack_bucket(bucket, tensors, payload, torch.zeros(ALIGN, dtype=torch.uint8), copy_from=copy_from)
         for index, offset in bucket:
             raw = tensors[index].reshape(-1).view(torch.uint8)
@@ -99,7 +97,7 @@ def test_a_bucket_packs_the_same_bytes_by_copies_or_by_concatenation(copy_from: 
 
 
 def test_a_bucket_goes_as_its_big_tensors_alone_and_its_runs_of_small_ones_when_grouped() -> None:
-    from staleness.broadcast import bucket_parts
+    from staleness.weights.buckets import bucket_parts
 
     metas = [
         TensorMeta("s1", "float32", (3,)),  # 12 bytes
@@ -131,7 +129,7 @@ def test_a_bucket_goes_as_its_big_tensors_alone_and_its_runs_of_small_ones_when_
 def test_every_tensor_arrives_bit_exact_when_buckets_go_as_parts(monkeypatch: pytest.MonkeyPatch) -> None:
     """NCCL's layout (big tensors from their own memory, runs of small ones packed, each part a broadcast of its own)
     over gloo, which has no NCCL groups, so each part is a call: the bytes land where the receiver's views are."""
-    import staleness.broadcast as broadcast
+    import staleness.weights.nccl as broadcast
 
     monkeypatch.setattr(broadcast, "_grouped", lambda backend: True)
     monkeypatch.setattr(broadcast, "COPY_FROM", 1000)  # "embed" (3,200 bytes) and "big" (1,200) go alone
@@ -162,7 +160,7 @@ def test_over_nccl_every_tensor_arrives_bit_exact_sync_after_sync(
     """The NCCL layout for real: each bucket's parts (big tensors from their own memory, packed runs) in one NCCL
     group, from `cuda:0` to a receiver on `cuda:1` that posted its receives first; twice, the second on the kept
     group."""
-    import staleness.broadcast as broadcast
+    import staleness.weights.nccl as broadcast
 
     monkeypatch.setattr(broadcast, "COPY_FROM", copy_from)
     sent = {k: t.to("cuda:0") for k, t in sample_tensors().items()}
@@ -217,7 +215,7 @@ def test_every_tensor_arrives_bit_exact(receivers: int) -> None:
 def test_a_prepared_receiver_gets_every_byte_before_it_asks_for_them() -> None:
     """A worker posts its receives before it pauses (`prepare_receiver`): the trainer's broadcast completes while
     the worker has not yet called `receive_broadcast` (it still generates), and the tensors are then there."""
-    from staleness.broadcast import prepare_receiver
+    from staleness.weights.nccl import prepare_receiver
 
     sent = many_tensors(3)
     trainer = NcclTransport("127.0.0.1", free_port(), bucket_bytes=256, timeout_s=20)
@@ -244,7 +242,7 @@ def test_a_prepared_receiver_gets_every_byte_before_it_asks_for_them() -> None:
 
 
 def test_receives_posted_but_never_taken_are_freed_when_the_worker_forgets_the_group() -> None:
-    from staleness import broadcast
+    from staleness.weights import nccl as broadcast
 
     trainer = NcclTransport("127.0.0.1", free_port(), bucket_bytes=256, timeout_s=20)
     uri = trainer.publish(many_tensors(1), version=1)
@@ -358,7 +356,7 @@ def test_the_group_is_kept_across_syncs_while_the_workers_stay_and_rebuilt_when_
 
 
 def test_a_worker_that_lost_its_group_or_is_new_under_an_old_name_makes_the_trainer_rebuild() -> None:
-    from staleness.broadcast import forget_group
+    from staleness.weights.nccl import forget_group
 
     trainer = NcclTransport("127.0.0.1", free_port(), bucket_bytes=256, timeout_s=20)
     sync_once(trainer, epoch=1, version=1, count=2)

@@ -40,7 +40,7 @@ def test_a_worker_and_the_trainer_ride_out_a_redis_crash_on_appendonly_data(tmp_
             assert sorted(g.prompt_id for g in got) == sorted(f"p{i}" for i in range(16))
             assert client.stats["duplicates"] == 0
             assert worker.poll() is None, (tmp_path / "w1.log").read_text()[-3000:]
-            wait_until(lambda: "w1" in client.streams.live_workers(), 30, "w1 to beat again")
+            wait_until(lambda: "w1" in client.streams.registry.live_workers(), 30, "w1 to beat again")
         finally:
             stop_process(worker)
 
@@ -134,8 +134,11 @@ def test_a_fresh_worker_takes_one_entry_before_it_knows_how_many_samples_one_hol
     for i in range(10):
         client.submit(tokens=[5, 6, 8 + i], n=4, max_tokens=400, seed=i, id=f"p{i}")
     w1 = workers("w1", "--engine", "synthetic", "--engine-args", '{"steps_per_s": 20}', "--max-inflight", "4")
-    wait_until(lambda: client.streams.live_workers()["w1"].get("inflight") not in (None, "0"), 30, "w1 to generate")
-    assert client.streams.live_workers()["w1"]["inflight"] == "4"  # its first samples take 20 s: still the first
+    wait_until(
+        lambda: client.streams.registry.live_workers()["w1"].get("inflight") not in (None, "0"), 30, "w1 to generate"
+    )
+    # its first samples take 20 s: still the first
+    assert client.streams.registry.live_workers()["w1"]["inflight"] == "4"
     pending = client.streams.redis.xpending(client.streams.keys.prompts, GENERATORS)
     assert pending["pending"] == 1, pending  # one entry of 4 samples fills its room; the other 9 wait in Redis
     w1.kill()  # not drained: its 400-token samples would take the teardown 20 s (a synthetic engine has no children)

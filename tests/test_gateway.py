@@ -25,7 +25,7 @@ from pipeline.streams import Streams
 from pipeline.wire import Keys
 from producers.client import Batch, RolloutClient
 from staleness.manager import Manager
-from staleness.transports import open_transport
+from staleness.weights import open_transport
 from tests.fixtures import StartWorker, wait_until
 from tests.reference import forward_logprobs
 
@@ -389,7 +389,7 @@ def test_the_model_names_a_lora_adapter_and_a_session_stays_on_it(
 ) -> None:
     """As on vLLM's server with LoRA modules: `model` is the base model's served name or an adapter's name; a
     session's turns and its finished trajectory are that adapter's (its tokens, its version)."""
-    from consumers.tiny_model import make_adapter
+    from consumers.engines.tiny_model import make_adapter
 
     favoured = range(100, 140)
     tensors, config = make_adapter(tiny_model_dir, list(favoured))

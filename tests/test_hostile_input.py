@@ -32,11 +32,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from consumers.engine import Generation, check_request
+from consumers.engines.base import Generation, check_request
+from consumers.engines.torch_engine import sampling_uniform
 from consumers.scoring.inline import InlineBackend
 from consumers.scoring.job import rollout_view, score_group
 from consumers.scoring.stage import ScoringStage, StageSettings
-from consumers.torch_engine import sampling_uniform
 from consumers.worker import Worker
 from pipeline.codec import encode_float32, encode_int32
 from pipeline.local import RedisServer
@@ -706,6 +706,6 @@ def test_hostile_entries_on_every_stream_end_to_end(
     assert recorder_stats.bad == sum(c.startswith(b"rollouts") for c in plan.errors)
     recorded = {row.rollout.id for row in read_recording(tmp_path / "rec")}
     assert recorded == {x.id for g in got.values() for x in g.rollouts}
-    streams.send_control(Control(cmd="stop"))
+    streams.control.send(Control(cmd="stop"))
     wait_until(lambda: proc.poll() is not None, 60, "the worker to obey a stop sent after the junk")
     assert proc.returncode == 0

@@ -1,4 +1,4 @@
-"""`ipc://` (`staleness.ipc`): colocated handoff over CUDA IPC handles.
+"""`ipc://` (`staleness.weights.ipc`): colocated handoff over CUDA IPC handles.
 
 On any machine: the uri, the handle and manifest encoding (JSON, no pickle) and its checks, the arguments given to
 torch's `rebuild_cuda_tensor`, the refusals (tensors off the GPU, adapters, a CPU worker, the vLLM engine) and the
@@ -25,15 +25,15 @@ import redis
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-from consumers.torch_engine import TorchEngine
+from consumers.engines.torch_engine import TorchEngine
 from pipeline.local import RedisServer
 from pipeline.processes import start_worker, stop_process
 from pipeline.wire import Keys
 from producers.client import RolloutClient
-from staleness import ipc
-from staleness.broadcast import TensorMeta
-from staleness.ipc import Handle, IpcTransport, Manifest, manifest_key
-from staleness.transports import WeightsUri, fetch_weights, load_version, open_transport, parse_uri, state_dict_of
+from staleness.weights import fetch_weights, ipc, load_version, open_transport
+from staleness.weights.base import WeightsUri, parse_uri, state_dict_of
+from staleness.weights.buckets import TensorMeta
+from staleness.weights.ipc import Handle, IpcTransport, Manifest, manifest_key
 from tests.fixtures import FAST, StartWorker, wait_until
 from tests.reference import check_spans_and_logprobs
 
@@ -276,7 +276,7 @@ def test_a_handle_opens_in_another_process_on_the_same_gpu(tmp_path: Path) -> No
         expected = {name: t.cpu().view(-1).view(torch.uint8).tolist() for name, t in tensors.items()}
         reader = (
             "import json, sys, torch\n"
-            "from staleness.ipc import Manifest, open_tensors\n"
+            "from staleness.weights.ipc import Manifest, open_tensors\n"
             "m = Manifest.from_json(sys.stdin.read(), 'stdin', 1)\n"
             "got = open_tensors(m, torch.device('cuda:0'))\n"
             "print(json.dumps({n: [str(t.dtype), list(t.shape), t.cpu().reshape(-1).view(torch.uint8).tolist()]"

@@ -140,7 +140,7 @@ def test_a_lazy_worker_receives_an_nccl_broadcast_without_an_engine_and_serves_i
 FREEZES = """
 import asyncio, gc, json, sys, time, weakref
 from consumers.lifecycle import WorkerStatus
-from consumers.synthetic_engine import SyntheticEngine
+from consumers.engines.synthetic_engine import SyntheticEngine
 from consumers.worker import Worker, WorkerSettings
 from pipeline.connections import connect
 from pipeline.streams import Streams

@@ -23,15 +23,15 @@ import numpy as np
 import pytest
 import torch
 
-from consumers.lora import save_adapter
-from consumers.tiny_model import make_adapter
+from consumers.engines.lora import save_adapter
+from consumers.engines.tiny_model import make_adapter
 from pipeline.local import RedisServer, free_port
 from pipeline.processes import start_command
 from pipeline.wire import GENERATORS, Sampling, ack_field
 from producers.client import Group, RolloutClient
 from staleness.manager import Manager
 from staleness.state import read_state
-from staleness.transports import open_transport
+from staleness.weights import open_transport
 from tests.fixtures import StartWorker, wait_until
 from tests.reference import check_spans_and_logprobs, merged_model_dir, random_prompts
 
@@ -162,7 +162,7 @@ def test_many_adapters_share_few_slots_and_an_unpublished_one_is_an_error_rollou
         for rollout in group.rollouts:
             assert rollout.finish_reason != "error", rollout.error
             assert share(rollout.tokens, keys[rollout.adapter or ""]) > 0.7, (rollout.adapter, rollout.tokens)
-    held = client.streams.live_workers()["w1"].get("adapters", "")
+    held = client.streams.registry.live_workers()["w1"].get("adapters", "")
     assert 1 <= len(held.split(",")) <= 2, held
     scraped = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text  # what Prometheus sees
     lines = scraped.splitlines()

@@ -22,10 +22,10 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from consumers.engine import EngineClosedError, EngineInputError, Generation
-from consumers.lora import linear_shapes, merged_state_dict, parse_adapter, save_adapter
-from consumers.tiny_model import make_adapter
-from consumers.torch_engine import TorchEngine
+from consumers.engines.base import EngineClosedError, EngineInputError, Generation
+from consumers.engines.lora import linear_shapes, merged_state_dict, parse_adapter, save_adapter
+from consumers.engines.tiny_model import make_adapter
+from consumers.engines.torch_engine import TorchEngine
 from pipeline.wire import Sampling
 from tests.engine_loop import wait_until_async
 from tests.reference import load_model, random_prompts

@@ -274,8 +274,8 @@ def test_an_abandoned_sync_is_counted_with_its_evictions_and_resume(redis_server
     # has both), then counts the sync as abandoned. The counters move together, not one scrape apart.
     streams = open_streams(redis_server.url, ns)
     syncs = SyncMetrics(streams)
-    streams.send_control(Control(cmd="stop", worker="stuck"), ring=False)
-    streams.send_control(Control(cmd="resume", epoch=1, version=1, uri="/w"), ring=False)
+    streams.control.send(Control(cmd="stop", worker="stuck"), ring=False)
+    streams.control.send(Control(cmd="resume", epoch=1, version=1, uri="/w"), ring=False)
     syncs.abandoned()
     samples = [s for f in text_string_to_metric_families(generate_latest(syncs.registry).decode()) for s in f.samples]
     assert value(samples, "rollouts_manager_abandoned_syncs_total") == 1

@@ -1,5 +1,5 @@
-"""The engine in a process of its own (`--engine-process`, `consumers.process_engine`): the same engine, the same
-answers, across the channel; its process lives and dies with its worker."""
+"""The engine in a process of its own (`--engine-process`, `consumers.engines.process_engine`): the same engine, the
+same answers, across the channel; its process lives and dies with its worker."""
 
 from __future__ import annotations
 
@@ -15,14 +15,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from consumers.engine import EngineClosedError, EngineInputError, Generation, create_engine
-from consumers.process_engine import ProcessEngine
-from consumers.tiny_model import make_adapter
-from consumers.torch_engine import TorchEngine
+from consumers.engines import create_engine
+from consumers.engines.base import EngineClosedError, EngineInputError, Generation
+from consumers.engines.process_engine import ProcessEngine
+from consumers.engines.tiny_model import make_adapter
+from consumers.engines.torch_engine import TorchEngine
 from pipeline.local import RedisServer, free_port
 from pipeline.wire import GENERATORS, Sampling
 from producers.client import RolloutClient
-from staleness.ipc import ipc_device
+from staleness.weights.ipc import ipc_device
 from tests.fixtures import StartWorker, holds_work, wait_until
 from tests.reference import check_spans_and_logprobs, forward_logprobs, random_prompts
 from tests.test_torch_engine import LONG_PROMPT, LONG_SEED
@@ -76,7 +77,7 @@ def test_it_gives_the_in_process_engines_tokens_and_true_logprobs(tiny_model_dir
 def test_errors_keep_their_kind_and_the_engine_goes_on(
     tiny_model_dir: Path, tiny_model_dir_v1: Path, tmp_path: Path
 ) -> None:
-    from consumers.tiny_model import build_tiny_model
+    from consumers.engines.tiny_model import build_tiny_model
 
     wide = build_tiny_model(tmp_path / "wide", seed=2, hidden_size=128)
 
@@ -217,7 +218,8 @@ def test_a_worker_with_its_engine_apart_syncs_by_nccl_and_redis_and_its_engine_d
     redis_server: RedisServer, ns: str, tiny_model_dir: Path, tiny_model_dir_v1: Path, workers: StartWorker
 ) -> None:
     worker = workers("apart", "--engine-process")
-    (engine,) = [p for p in psutil.Process(worker.pid).children() if "consumers.engine_host" in " ".join(p.cmdline())]
+    children = psutil.Process(worker.pid).children()
+    (engine,) = [p for p in children if "consumers.engines.engine_host" in " ".join(p.cmdline())]
     client = RolloutClient(redis_server.url, ns)
     ids = [client.submit(tokens=[6 + i, 50, 51], n=2, max_tokens=200, seed=i) for i in range(12)]
     wait_until(
@@ -244,7 +246,7 @@ def test_a_worker_whose_engine_process_dies_exits_and_its_work_finishes_elsewher
     ids = [client.submit(tokens=[4 + i, 20, 30], n=2, max_tokens=400, seed=i) for i in range(4)]
     wait_until(holds_work(client, "doomed"), 60, "the worker to take prompts")
     for child in psutil.Process(doomed.pid).children():
-        if "consumers.engine_host" in " ".join(child.cmdline()):
+        if "consumers.engines.engine_host" in " ".join(child.cmdline()):
             child.kill()
     assert doomed.wait(timeout=60) == 1, "a worker whose engine died must exit with code 1"
 
@@ -268,7 +270,7 @@ def test_an_engine_that_cannot_start_leaves_no_process_and_says_why(tiny_model_d
         await engine.shutdown()
 
     asyncio.run(go())
-    hosts = [p for p in psutil.Process().children() if "consumers.engine_host" in command_line(p)]
+    hosts = [p for p in psutil.Process().children() if "consumers.engines.engine_host" in command_line(p)]
     assert hosts == [], "the engine's process outlived its failed start"
 
 

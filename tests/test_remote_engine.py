@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 
 from benchmarks.chaos_proxy import Proxy
-from consumers.engine import EngineInputError
-from consumers.remote_engine import RemoteVllmEngine
-from consumers.vllm_engine import VllmEngine
+from consumers.engines.base import EngineInputError
+from consumers.engines.remote_engine import RemoteVllmEngine
+from consumers.engines.vllm_engine import VllmEngine
 from pipeline.local import RedisServer, free_port
 from pipeline.processes import start_worker, stop_process, wait_for_worker
 from pipeline.wire import GENERATORS, Prompt, Sampling
@@ -95,7 +95,7 @@ def test_the_engine_drops_an_idle_connection_before_the_vllm_server_does() -> No
     engine's pool must expire idle connections sooner than vLLM's keep-alive (`VLLM_HTTP_TIMEOUT_KEEP_ALIVE`)."""
     import vllm.envs
 
-    from consumers.remote_engine import http_client
+    from consumers.engines.remote_engine import http_client
 
     client = http_client("http://127.0.0.1:1", {})
     try:

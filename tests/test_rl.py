@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from consumers.torch_engine import TorchEngine
+from consumers.engines.torch_engine import TorchEngine
 from pipeline.wire import Rollout, Sampling
 from producers.client import Batch, Group
 from producers.rl import group_advantages, kl_behaviour_current, policy_loss, staleness_stats, token_logprobs

@@ -1,4 +1,4 @@
-"""Workers sharing one vLLM server: its pause holders in a real Redis (`consumers.shared_server`)."""
+"""Workers sharing one vLLM server: its pause holders in a real Redis (`consumers.engines.shared_server`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Awaitable, Callable
 
 import redis
 
-from consumers.shared_server import SharedPause
+from consumers.engines.shared_server import SharedPause
 from pipeline.wire import Keys
 
 URL = "http://10.0.0.7:8000"

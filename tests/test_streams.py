@@ -15,26 +15,12 @@ import pytest
 import redis
 
 from pipeline.connections import connect, retried_failures, socket_timeout_s
+from pipeline.control import ABORT_COST_S, BELLS, WAKE_COST_S, WAKE_WAVE, bell_index, wave_gap, waves
 from pipeline.local import RedisServer
 from pipeline.lua import register_all, sources
 from pipeline.publisher import Publisher
-from pipeline.streams import (
-    ABORT_COST_S,
-    BELLS,
-    BLOCK_MARGIN_MS,
-    SCRIPTS,
-    TRIM_CHUNK,
-    WAKE_COST_S,
-    WAKE_WAVE,
-    Entry,
-    Publish,
-    Streams,
-    bell_index,
-    entries_from_reply,
-    sweep_chance,
-    wave_gap,
-    waves,
-)
+from pipeline.registry import sweep_chance
+from pipeline.streams import BLOCK_MARGIN_MS, SCRIPTS, TRIM_CHUNK, Entry, Publish, Streams, entries_from_reply
 from pipeline.wire import GENERATORS, HAND_OFF, PARTIALS_FIELD, TRAINER, Control, Prompt, Rollout
 from producers.client import READ_BYTES, RolloutClient
 from producers.gateway.sessions import SCRIPTS as gateway_scripts
@@ -343,7 +329,8 @@ def test_abandoned_work_is_claimed_but_touched_work_is_not(any_redis: redis.Redi
     if how == "touch":  # w1 still works on `alive`: its idle time starts again
         streams.touch("w1", [alive])
     else:
-        assert streams.heartbeat("w1", {"status": "serving"}, ttl_s=5, touch=[alive]) == 1  # one worker registered
+        registered = streams.registry.heartbeat("w1", {"status": "serving"}, ttl_s=5, touch=[alive])
+        assert registered == 1  # one worker registered
         assert any_redis.hget(streams.keys.worker("w1"), "status") == b"serving"
     assert [e.id for e in streams.claim_abandoned("w2", min_idle_ms=300, count=10)] == [dead.id]
     assert streams.delivery_count(dead) == 2
@@ -508,7 +495,7 @@ def test_a_ring_rings_every_bell_once_in_waves_of_about_64_workers() -> None:
     # A worker's bell is the same in every process (not Python's salted `hash`).
     names = [f"host-{i}" for i in range(200)]
     here = [bell_index(name) for name in names]
-    code = f"from pipeline.streams import bell_index; print([bell_index(n) for n in {names!r}])"
+    code = f"from pipeline.control import bell_index; print([bell_index(n) for n in {names!r}])"
     there = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert eval(there) == here and len(set(here)) > BELLS // 2  # and they spread over the bells
 
@@ -522,19 +509,21 @@ def test_workers_blocked_on_their_bells_wake_on_a_ring_and_miss_none(real_redis:
     for i in range(2000):  # one reader per bell
         names.setdefault(bell_index(f"reader-{i}"), f"reader-{i}")
     assert len(names) == BELLS
-    starts = {name: streams.bell_id(name) for name in names.values()}
+    starts = {name: streams.control.bell_id(name) for name in names.values()}
     with ThreadPoolExecutor(BELLS) as pool:
-        woken = {name: pool.submit(streams.wait_for_bell, name, starts[name], 20_000) for name in names.values()}
+        woken = {
+            name: pool.submit(streams.control.wait_for_bell, name, starts[name], 20_000) for name in names.values()
+        }
         wait_until(lambda: real_redis.info("clients")["blocked_clients"] >= BELLS, 20, "every reader to block")
         assert not any(future.done() for future in woken.values())
-        assert streams.ring("weights") == len(waves(200)) == 7
+        assert streams.control.ring("weights") == len(waves(200)) == 7
         after = {name: future.result(timeout=20) for name, future in woken.items()}
     assert all(after[name] != starts[name] for name in after), "every bell rang"
     # Rung before the wait (after the reader's last read): the wait returns at once with that ring.
     name = names[0]
-    streams.send_control(Control(cmd="resume", epoch=1, version=1))
+    streams.control.send(Control(cmd="resume", epoch=1, version=1))
     started = time.monotonic()
-    assert streams.wait_for_bell(name, after[name], 20_000) != after[name]
+    assert streams.control.wait_for_bell(name, after[name], 20_000) != after[name]
     assert time.monotonic() - started < 5
     for index in range(BELLS):
         assert [fields for _, fields in real_redis.xrange(streams.keys.bell(index))] == [{b"cmd": b"resume"}]
@@ -693,21 +682,24 @@ def test_a_departed_workers_inbox_goes_back_to_the_shared_prompts(any_redis: red
     read yet moves to `{ns}:prompts`, and a late publish by the presumed-dead worker writes nothing."""
     streams = Streams(any_redis, ns)
     streams.ensure_groups()
-    assert streams.heartbeat("w1", {"status": "serving"}, ttl_s=60) == 1  # the fleet's size, for `sweep_chance`
-    assert streams.heartbeat("w2", {"status": "serving", "epoch": 3}, ttl_s=60) == 2
-    assert set(streams.live_workers()) == {"w1", "w2"} and streams.live_worker_names() == ["w1", "w2"]
-    assert streams.heartbeat_field(["w1", "w2", "w9"], "epoch") == {"w1": "", "w2": "3", "w9": None}
+    # the fleet's size, for `sweep_chance`
+    assert streams.registry.heartbeat("w1", {"status": "serving"}, ttl_s=60) == 1
+    assert streams.registry.heartbeat("w2", {"status": "serving", "epoch": 3}, ttl_s=60) == 2
+    assert set(streams.registry.live_workers()) == {"w1", "w2"} and streams.registry.live_worker_names() == ["w1", "w2"]
+    assert streams.registry.heartbeat_field(["w1", "w2", "w9"], "epoch") == {"w1": "", "w2": "3", "w9": None}
     streams.add_to_inbox("w1", prompt("held"))
     streams.add_to_inbox("w1", prompt("unread"))
     held = streams.read_work("w1", count=1, block_ms=None)
     assert [e.stream for e in held] == [streams.keys.inbox("w1")]
     assert streams.read_work("w2", count=10, block_ms=None) == []  # another worker's inbox is not read
-    assert streams.rehome("w1") == -1 and streams.rehome_departed() == 0  # alive: untouched
+    assert streams.registry.rehome("w1") == -1 and streams.registry.rehome_departed() == 0  # alive: untouched
     any_redis.delete(streams.keys.worker("w1"))  # its heartbeat expired
-    assert set(streams.live_workers()) == {"w2"} and streams.live_worker_names() == ["w2"]  # still registered
-    assert streams.live_workers_with("epoch") == {"w2": "3"}  # the live ones, with one field each
-    assert streams.rehome_departed() == 2
-    assert streams.rehome_departed() == 0  # once
+    assert set(streams.registry.live_workers()) == {"w2"} and streams.registry.live_worker_names() == [
+        "w2"
+    ]  # still registered
+    assert streams.registry.live_workers_with("epoch") == {"w2": "3"}  # the live ones, with one field each
+    assert streams.registry.rehome_departed() == 2
+    assert streams.registry.rehome_departed() == 0  # once
     moved = streams.read_work("w2", count=10, block_ms=None)
     assert sorted(Prompt.from_fields(e.fields).id for e in moved) == ["held", "unread"]
     assert all(e.stream == streams.keys.prompts for e in moved)
@@ -716,7 +708,7 @@ def test_a_departed_workers_inbox_goes_back_to_the_shared_prompts(any_redis: red
     assert streams.publish_rollouts(rollouts_for(prompt("held")), by_id["held"]) == 2
     assert any_redis.smembers(streams.keys.workers) == {b"w2"}
     streams.add_to_inbox("w2", prompt("left"))
-    streams.forget_worker("w2")  # a worker that stops hands its inbox back on the way out
+    streams.registry.forget_worker("w2")  # a worker that stops hands its inbox back on the way out
     assert [Prompt.from_fields(e.fields).id for e in streams.read_work("w3", 10, None)] == ["left"]
     assert not any_redis.exists(streams.keys.inbox("w2"))
 

@@ -18,9 +18,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import consumers.engine as engine_module
-from consumers.engine import EngineInputError, _plain_text_config, create_engine, read_model_limits
-from consumers.synthetic_engine import SyntheticEngine, parse_lengths
+import consumers.engines.model_files as model_files
+from consumers.engines import create_engine
+from consumers.engines.base import EngineInputError
+from consumers.engines.model_files import _plain_text_config, read_model_limits
+from consumers.engines.synthetic_engine import SyntheticEngine, parse_lengths
 from pipeline.local import RedisServer, free_port
 from pipeline.wire import Sampling
 from producers.client import RolloutClient
@@ -139,7 +141,7 @@ def test_model_limits_come_from_the_config_file_as_transformers_reads_them(
     (which took ~5 s of its start), and gets what transformers would say; a config the file alone cannot answer
     (an aliased field, a class default, a composite model) goes to transformers."""
     probe = (
-        "import sys; from pathlib import Path; from consumers.engine import read_model_limits; "
+        "import sys; from pathlib import Path; from consumers.engines.model_files import read_model_limits; "
         f"print(repr(read_model_limits(Path({str(tiny_model_dir)!r}), None))); print('transformers' in sys.modules)"
     )
     run_probe = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
@@ -160,5 +162,5 @@ def test_model_limits_come_from_the_config_file_as_transformers_reads_them(
     nested = read_model_limits(composite, None)
     assert (nested.max_model_len, nested.vocab_size) == (96, 512)
 
-    monkeypatch.setattr(engine_module, "_plain_text_config", lambda model_dir: None)  # every field from transformers
+    monkeypatch.setattr(model_files, "_plain_text_config", lambda model_dir: None)  # every field from transformers
     assert from_file == repr(read_model_limits(tiny_model_dir, None))

@@ -19,9 +19,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from consumers.engine import EngineClosedError, EngineInputError, Generation
-from consumers.tiny_model import EOS
-from consumers.torch_engine import TorchEngine
+from consumers.engines.base import EngineClosedError, EngineInputError, Generation
+from consumers.engines.tiny_model import EOS
+from consumers.engines.torch_engine import TorchEngine
 from pipeline.wire import Sampling
 from tests.engine_loop import wait_until_async
 from tests.reference import forward_logprobs, load_model, random_prompts

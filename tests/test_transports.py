@@ -1,4 +1,4 @@
-"""Weight transports (`staleness.transports`): fs and redis round trips, atomic publish, chunking and
+"""Weight transports (`staleness.weights`): fs and redis round trips, atomic publish, chunking and
 checksums, removal, `state_dict_of`, and new weights reaching real engines through `load_version`.
 
 Redis tests run on a real `redis-server` (and on fakeredis where the commands are plain GET/SET);
@@ -23,21 +23,15 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from consumers.engine import Generation
-from consumers.torch_engine import TorchEngine
+from consumers.engines.base import Generation
+from consumers.engines.torch_engine import TorchEngine
 from pipeline.wire import Sampling
-from staleness import transports
-from staleness.broadcast import NcclTransport
-from staleness.transports import (
-    FsTransport,
-    RedisTransport,
-    WeightsUri,
-    fetch_weights,
-    load_version,
-    open_transport,
-    parse_uri,
-    state_dict_of,
-)
+from staleness.weights import fetch_weights, load_version, open_transport
+from staleness.weights import fs as fs_module
+from staleness.weights.base import WeightsUri, parse_uri, state_dict_of
+from staleness.weights.fs import FsTransport
+from staleness.weights.nccl import NcclTransport
+from staleness.weights.redis_store import RedisTransport
 from tests.engine_loop import Served, wait_until_async
 from tests.reference import forward_logprobs
 
@@ -217,7 +211,7 @@ def test_fs_publish_appears_only_with_the_final_rename(tmp_path: Path, monkeypat
     weights = small_tensors(0)
     final = tmp_path / "v4"
     events: list[str] = []
-    real_rename, real_fsync = transports.os.rename, transports.fsync_path
+    real_rename, real_fsync = fs_module.os.rename, fs_module.fsync_path
 
     def fsync(path: Path) -> None:
         events.append(f"fsync {Path(path).name}")
@@ -231,8 +225,8 @@ def test_fs_publish_appears_only_with_the_final_rename(tmp_path: Path, monkeypat
         events.append(f"rename {dst.name}")
         real_rename(src, dst)
 
-    monkeypatch.setattr(transports, "fsync_path", fsync)
-    monkeypatch.setattr(transports.os, "rename", rename)
+    monkeypatch.setattr(fs_module, "fsync_path", fsync)
+    monkeypatch.setattr(fs_module.os, "rename", rename)
     transport.publish(weights, 4)
     assert events[-1] == f"fsync {tmp_path.name}" and events[-2] == "rename v4"
     assert events[0] == "fsync model.safetensors" and events[1].startswith("fsync .partial-v4-")  # file, then dir
@@ -242,7 +236,7 @@ def test_fs_publish_appears_only_with_the_final_rename(tmp_path: Path, monkeypat
         Path(filename).write_bytes(b"half a file")
         raise OSError("No space left on device")
 
-    monkeypatch.setattr(transports, "save_file", failing_save)
+    monkeypatch.setattr(fs_module, "save_file", failing_save)
     with pytest.raises(OSError, match="No space left"):
         transport.publish(weights, 5)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["v4"]
@@ -251,9 +245,9 @@ def test_fs_publish_appears_only_with_the_final_rename(tmp_path: Path, monkeypat
 def test_fs_writer_killed_before_the_rename_leaves_no_version(tmp_path: Path) -> None:
     script = (
         "import os, torch\n"
-        "from staleness import transports\n"
-        "transports.os.rename = lambda *args: os._exit(9)  # killed after writing, before the rename\n"
-        f"transports.FsTransport({str(tmp_path)!r}).publish({{'w': torch.ones(64, 64)}}, 2)\n"
+        "from staleness.weights import fs\n"
+        "fs.os.rename = lambda *args: os._exit(9)  # killed after writing, before the rename\n"
+        f"fs.FsTransport({str(tmp_path)!r}).publish({{'w': torch.ones(64, 64)}}, 2)\n"
     )
     done = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, timeout=120, cwd=Path(__file__).parent.parent
@@ -509,7 +503,7 @@ def test_vllm_engine_loads_through_both_transports(
 ) -> None:
     import psutil
 
-    from consumers.vllm_engine import VllmEngine
+    from consumers.engines.vllm_engine import VllmEngine
 
     before = {proc.pid for proc in psutil.Process().children(recursive=True)}
     fs = FsTransport(tmp_path)

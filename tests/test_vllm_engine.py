@@ -21,10 +21,11 @@ import pytest
 import torch
 import vllm  # noqa: F401  (not importorskip: without vLLM this module must fail)
 
-from consumers.engine import EngineClosedError, EngineInputError, Generation, create_engine
-from consumers.tiny_model import EOS, SPECIAL_TOKENS
-from consumers.torch_engine import TorchEngine
-from consumers.vllm_engine import VllmEngine
+from consumers.engines import create_engine
+from consumers.engines.base import EngineClosedError, EngineInputError, Generation
+from consumers.engines.tiny_model import EOS, SPECIAL_TOKENS
+from consumers.engines.torch_engine import TorchEngine
+from consumers.engines.vllm_engine import VllmEngine
 from pipeline.wire import Sampling
 from tests.engine_loop import Served, wait_until_async
 from tests.reference import forward_logprobs, random_prompts

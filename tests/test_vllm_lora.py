@@ -23,10 +23,10 @@ import pytest
 import torch
 import vllm  # noqa: F401  (not importorskip: without vLLM this module must fail)
 
-from consumers.engine import EngineClosedError, EngineInputError, Generation
-from consumers.tiny_model import make_adapter
-from consumers.torch_engine import TorchEngine
-from consumers.vllm_engine import VllmEngine
+from consumers.engines.base import EngineClosedError, EngineInputError, Generation
+from consumers.engines.tiny_model import make_adapter
+from consumers.engines.torch_engine import TorchEngine
+from consumers.engines.vllm_engine import VllmEngine
 from pipeline.wire import Sampling
 from tests.engine_loop import Served, wait_until_async
 from tests.reference import forward_logprobs, merged_model_dir, random_prompts

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 
 from consumers.worker import AWAITING_WEIGHTS
+from pipeline.control import CONTROL_RECHECK_S, bell_index
 from pipeline.local import RedisServer, free_port
-from pipeline.streams import CONTROL_RECHECK_S, bell_index
 from pipeline.wire import GENERATORS, Control, Partial
 from producers.client import Group, RolloutClient
 from staleness.manager import Manager, SyncError
@@ -198,7 +198,7 @@ def test_a_worker_that_cannot_load_a_broadcast_stops_and_its_work_finishes_elsew
     redis_server: RedisServer, ns: str, tiny_model_dir: Path, tiny_model_dir_v1: Path, workers: StartWorker,
     tmp_path: Path,
 ) -> None:  # fmt: skip
-    from consumers.tiny_model import build_tiny_model
+    from consumers.engines.tiny_model import build_tiny_model
 
     wide_model = build_tiny_model(tmp_path / "wide", seed=2, hidden_size=128)
     wide = workers("wide", "--model", str(wide_model))  # the last --model wins: another architecture
@@ -351,7 +351,7 @@ def test_publish_weights_returns_before_the_resume_is_rung_and_settle_waits_for_
     next `publish_weights` starts only then."""
     import torch
 
-    from pipeline.streams import BELLS, WAKE_COST_S, wave_gap
+    from pipeline.control import BELLS, WAKE_COST_S, wave_gap
 
     client = RolloutClient(redis_server.url, ns)
     fleet = 1000  # registered, none heartbeating: nobody to wait for, the rings are the whole sync
@@ -398,7 +398,7 @@ def test_an_abort_sync_continues_interrupted_samples_where_they_were_unless_hand
     went_through_redis = client.streams.redis.xinfo_stream(client.streams.keys.partials)["last-generated-id"] != b"0-0"
     assert went_through_redis == hand_off
     # ... and the heartbeat says which, for the manager's pacing of abort syncs.
-    assert client.streams.live_workers_with("partials") == {"w": "hand-off" if hand_off else "here"}
+    assert client.streams.registry.live_workers_with("partials") == {"w": "hand-off" if hand_off else "here"}
 
 
 def test_a_worker_that_stops_before_the_resume_hands_its_interrupted_samples_to_the_others(

@@ -11,9 +11,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from consumers.engine import Generation
-from consumers.synthetic_engine import SyntheticEngine
-from consumers.torch_engine import TorchEngine, _Request
+from consumers.engines.base import Generation
+from consumers.engines.synthetic_engine import SyntheticEngine
+from consumers.engines.torch_engine import TorchEngine, _Request
 from consumers.worker import Worker, WorkerSettings
 from pipeline.connections import connect
 from pipeline.local import RedisServer

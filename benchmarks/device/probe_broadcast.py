@@ -22,10 +22,10 @@ from typing import Any
 import torch
 
 from benchmarks.bench_sync import SIZES, bare_broadcast_gb_per_s
-from consumers.tiny_model import build_tiny_model
+from consumers.engines.tiny_model import build_tiny_model
 from pipeline.local import free_port
-from staleness import broadcast as nccl
-from staleness.transports import read_checkpoint
+from staleness.weights import buckets, nccl
+from staleness.weights.base import read_checkpoint
 
 
 def transfer(named: dict[str, torch.Tensor], bucket_bytes: int, target: str, rounds: int) -> dict[str, float]:
@@ -58,18 +58,18 @@ def transfer(named: dict[str, torch.Tensor], bucket_bytes: int, target: str, rou
 def packing(named: dict[str, torch.Tensor], bucket_bytes: int, rounds: int) -> dict[str, float]:
     """Host time to launch every bucket's packing, and until the GPU finished it (medians)."""
     device = next(iter(named.values())).device
-    metas = [nccl.TensorMeta(k, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for k, t in named.items()]
+    metas = [buckets.TensorMeta(k, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for k, t in named.items()]
     tensors = list(named.values())
     buffer = torch.empty(bucket_bytes, dtype=torch.uint8, device=device)
-    padding = torch.zeros(nccl.ALIGN, dtype=torch.uint8, device=device)
+    padding = torch.zeros(buckets.ALIGN, dtype=torch.uint8, device=device)
     launched, finished = [], []
     for _ in range(rounds):
         torch.cuda.synchronize(device)
         started = time.perf_counter()
-        for bucket in nccl.plan_buckets(metas, bucket_bytes):
+        for bucket in buckets.plan_buckets(metas, bucket_bytes):
             if len(bucket) > 1:  # a tensor alone in its bucket is sent as it is
-                size = nccl._bucket_size(metas, bucket)
-                nccl.pack_bucket(bucket, tensors, buffer[:size], padding)
+                size = buckets.bucket_size(metas, bucket)
+                buckets.pack_bucket(bucket, tensors, buffer[:size], padding)
         launched.append(time.perf_counter() - started)
         torch.cuda.synchronize(device)
         finished.append(time.perf_counter() - started)

@@ -34,10 +34,10 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.bench_sync import SIZES
-from consumers.tiny_model import build_tiny_model
+from consumers.engines.tiny_model import build_tiny_model
 from pipeline.local import free_port
-from staleness import broadcast as nccl
-from staleness.transports import read_checkpoint
+from staleness.weights import buckets, nccl
+from staleness.weights.base import read_checkpoint
 
 Plan = list[list[tuple[int, int]]]
 
@@ -51,8 +51,8 @@ def flat(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(-1).view(torch.uint8)
 
 
-def receiver_buffers(metas: list[nccl.TensorMeta], plan: Plan, device: str) -> list[torch.Tensor]:
-    return [torch.empty(nccl._bucket_size(metas, b), dtype=torch.uint8, device=device) for b in plan]
+def receiver_buffers(metas: list[buckets.TensorMeta], plan: Plan, device: str) -> list[torch.Tensor]:
+    return [torch.empty(buckets.bucket_size(metas, b), dtype=torch.uint8, device=device) for b in plan]
 
 
 def post(group: dist.ProcessGroup, tensors: list[torch.Tensor], grouped: bool, device: str) -> list[dist.Work]:
@@ -69,11 +69,11 @@ def run_mode(
     mode: str, rank: int, group: dist.ProcessGroup, named: dict[str, torch.Tensor], device: str
 ) -> Callable[[], list[dist.Work]]:
     """A function that launches this rank's side of `mode` once and returns what to wait on."""
-    metas = [nccl.TensorMeta(k, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for k, t in named.items()]
+    metas = [buckets.TensorMeta(k, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for k, t in named.items()]
     nbytes = sum(m.nbytes for m in metas)
     kind, _, size = mode.partition("_")
     bucket = (int(size) << 20) if size.isdigit() else nccl.DEFAULT_BUCKET_BYTES
-    plan = nccl.plan_buckets(metas, bucket)
+    plan = buckets.plan_buckets(metas, bucket)
     if kind in ("bare", "chunks"):
         buffer = torch.ones(nbytes, dtype=torch.uint8, device=device)
         step = nbytes if kind == "bare" else bucket
@@ -91,7 +91,7 @@ def run_mode(
         def receive() -> list[dist.Work]:
             works = []
             for buffer, b in zip(buffers, plan, strict=True):
-                parts = nccl.bucket_parts(metas, b, grouped, nccl.COPY_FROM)
+                parts = buckets.bucket_parts(metas, b, grouped, buckets.COPY_FROM)
                 works += nccl._broadcast_parts(group, [buffer[p.start : p.end] for p in parts])
             return works
 
@@ -100,7 +100,7 @@ def run_mode(
         tensors = [named[m.name] for m in metas]
         if kind == "packed":
             buffers = [torch.empty(bucket, dtype=torch.uint8, device=device) for _ in range(2)]
-            padding = torch.zeros(nccl.ALIGN, dtype=torch.uint8, device=device)
+            padding = torch.zeros(buckets.ALIGN, dtype=torch.uint8, device=device)
 
             def packed() -> list[dist.Work]:
                 works: list[dist.Work | None] = [None, None]
@@ -111,8 +111,8 @@ def run_mode(
                     if len(b) == 1:
                         payload = flat(tensors[b[0][0]])
                     else:
-                        payload = buffers[slot][: nccl._bucket_size(metas, b)]
-                        nccl.pack_bucket(b, tensors, payload, padding)
+                        payload = buffers[slot][: buckets.bucket_size(metas, b)]
+                        buckets.pack_bucket(b, tensors, payload, padding)
                     works[slot] = group.broadcast([payload], dist.BroadcastOptions())
                 return [w for w in works if w is not None]
 
@@ -123,7 +123,7 @@ def run_mode(
         if kind == "packed":
             return lambda: post(group, buffers, False, device)
         per_bucket = [
-            [nccl._view(buf, metas[i], off).reshape(-1).view(torch.uint8) for i, off in b]
+            [buckets.tensor_view(buf, metas[i], off).reshape(-1).view(torch.uint8) for i, off in b]
             for buf, b in zip(buffers, plan, strict=True)
         ]
     if kind == "per":

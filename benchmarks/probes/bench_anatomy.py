@@ -26,8 +26,8 @@ from typing import Any
 
 from benchmarks.bench import _direct_round, make_prompts, pipeline_round
 from benchmarks.cpu import cpu_seconds
-from consumers.tiny_model import build_tiny_model
-from consumers.torch_engine import TorchEngine
+from consumers.engines.tiny_model import build_tiny_model
+from consumers.engines.torch_engine import TorchEngine
 from consumers.worker import Worker, WorkerSettings
 from pipeline.connections import connect
 from pipeline.local import RedisServer

@@ -24,7 +24,7 @@ from typing import Any
 
 import redis
 
-from consumers.tiny_model import build_tiny_model
+from consumers.engines.tiny_model import build_tiny_model
 from pipeline.local import RedisServer
 from pipeline.processes import start_worker, stop_process, wait_for_worker
 from producers.client import RolloutClient

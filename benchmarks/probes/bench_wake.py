@@ -4,8 +4,8 @@
 
 `readers` connections stand for a fleet's workers, each blocked in an `XREAD BLOCK` as a worker waits for control:
 - `control`: all of them on `{ns}:control` (how workers waited until 2026-11-25); the command is one `XADD` there;
-- `bells`: each on its doorbell (`{ns}:bell:K` of its name, `pipeline.streams.bell_index`), registered as a worker;
-  the command is `Streams.send_control`: the `XADD` to `control`, then `Streams.ring`, a wave of bells at a time.
+- `bells`: each on its doorbell (`{ns}:bell:K` of its name, `pipeline.control.bell_index`), registered as a worker;
+  the command is `ControlStream.send`: the `XADD` to `control`, then `ControlStream.ring`, a wave of bells at a time.
 Meanwhile a probe connection sends `PING`s one after another, as any other client (a publishing worker) would send
 its commands, and every reader's reply is timestamped as it arrives. Per trial: the probe's slowest and p99 round
 trip in the window (from the command until every reader was answered, plus 20 ms), and when the first and the last
@@ -27,8 +27,9 @@ import redis
 from rich.console import Console
 from rich.progress import Progress
 
+from pipeline.control import bell_index
 from pipeline.local import RedisServer
-from pipeline.streams import Streams, bell_index
+from pipeline.streams import Streams
 from pipeline.wire import Control
 
 MODES = ("control", "bells")
@@ -91,7 +92,7 @@ def trial(fleet: Fleet, probe: redis.Redis, mode: str, readers: int) -> dict[str
     done = threading.Event()
     watcher = fleet.watch(done)
     command = Control(cmd="resume", epoch=1, version=1)
-    sender = threading.Thread(target=fleet.streams.send_control, args=(command, mode == "bells"))
+    sender = threading.Thread(target=fleet.streams.control.send, args=(command, mode == "bells"))
     pings: list[float] = []
     started = time.perf_counter()
     sender.start()

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from benchmarks.bench import make_prompts, pipeline_round
-from consumers.tiny_model import build_tiny_model
+from consumers.engines.tiny_model import build_tiny_model
 from pipeline.local import RedisServer
 from pipeline.processes import start_worker, stop_process, wait_for_worker
 from producers.client import RolloutClient

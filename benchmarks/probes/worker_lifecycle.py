@@ -21,7 +21,7 @@ import redis
 from rich.console import Console
 from rich.progress import Progress
 
-from consumers.tiny_model import build_tiny_model
+from consumers.engines.tiny_model import build_tiny_model
 from pipeline.local import RedisServer
 from pipeline.processes import start_worker, stop_process, wait_for_worker
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from benchmarks.bench import SharedEngine, balanced_ratio, room_for_both
-from consumers.synthetic_engine import SyntheticEngine
+from consumers.engines.synthetic_engine import SyntheticEngine
 from pipeline.cli.engine_spec import EngineSpec
 from pipeline.local import RedisServer
 from tests.test_cli import rollouts

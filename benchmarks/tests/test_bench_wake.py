@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pipeline.streams import waves
+from pipeline.control import waves
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -115,7 +115,7 @@ def open_streams(redis_url: str, ns: str) -> Streams:
 
 def check_engine(spec: EngineSpec) -> None:
     """Refuse an unknown engine or a missing model before anything heavy is imported."""
-    from consumers.engine import ENGINES
+    from consumers.engines import ENGINES
 
     if spec.kind not in ENGINES:
         fail(f"unknown engine {spec.kind!r}; choose one of {', '.join(ENGINES)}")

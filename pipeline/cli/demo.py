@@ -27,7 +27,7 @@ from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from consumers.tiny_model import build_tiny_model
+from consumers.engines.tiny_model import build_tiny_model
 from pipeline.local import RedisServer, find_redis_cli
 from pipeline.processes import start_worker, stop_process, wait_for_worker
 from producers.client import Group, RolloutClient

@@ -75,7 +75,7 @@ class EngineSpec:
     url: str | None = None
     """remote: the vLLM server's URL."""
     engine_process: bool = False
-    """Run the engine in a process of its own (`consumers.process_engine`)."""
+    """Run the engine in a process of its own (`consumers.engines.process_engine`)."""
     engine_args: dict[str, Any] = field(default_factory=dict)
 
     @classmethod

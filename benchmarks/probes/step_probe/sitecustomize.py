@@ -3,7 +3,7 @@
 Put this folder on `PYTHONPATH` and `STEP_PROBE=DIR` in the environment. Nothing happens without `STEP_PROBE`.
 A measuring tool, not part of the product.
 
-- **torch**: every process that imports `consumers.torch_engine` wraps `TorchEngine._step` and writes
+- **torch**: every process that imports `consumers.engines.torch_engine` wraps `TorchEngine._step` and writes
   `DIR/PID.json` at exit (`argv`, and `[wall_s, cpu_s, admitted]` per step). The direct side of `rollouts bench`
   and its worker process both get it, so their engines' steps can be compared: the same steps taking more wall
   time in the worker, for the same CPU time, is time the engine thread stood off the CPU (the GIL, or the
@@ -284,7 +284,7 @@ if os.environ.get("STEP_PROBE"):
     after_import("pipeline.streams", _probe_gc)  # the processes that run our code, not vLLM's engine cores
     after_import("producers.client", _probe_client)
     after_import("producers.client", _probe_submit)
-    after_import("consumers.engine", _probe_requests)
+    after_import("consumers.engines", _probe_requests)
     after_import("pipeline.streams", _probe_streams)
-    after_import("consumers.torch_engine", _probe_torch)
+    after_import("consumers.engines.torch_engine", _probe_torch)
     after_import("vllm.v1.engine.core", _probe_vllm)

@@ -1,7 +1,7 @@
 """`ipc://`: colocated handoff, for a trainer and torch workers that share one GPU.
 
 No byte of the weights crosses the network or the disk. The trainer copies a version's tensors into one
-flat GPU buffer that it owns (each tensor 16-byte aligned, in the layout of `staleness.broadcast`'s buckets),
+flat GPU buffer that it owns (each tensor 16-byte aligned, in the layout of `staleness.weights.buckets`),
 exports one CUDA IPC handle of that buffer (`storage._share_cuda_()`, what `torch.multiprocessing` sends)
 and stores a small JSON manifest in Redis, `{ns}:weights:ipc:{v}`: the handle's fields (bytes as base64),
 the GPU's UUID, the trainer's host and pid, and `[name, dtype, shape, offset]` per tensor. The uri is
@@ -40,17 +40,17 @@ import redis
 import torch
 
 from pipeline.wire import Keys
-from staleness.broadcast import ALIGN, TensorMeta, _dtype, _dtype_name, plan_buckets
-from staleness.transports import (
+from staleness.weights.base import (
     LoadsWeights,
     NamedTensors,
     Scheme,
     WeightsUri,
-    _release,
     check_version,
     parse_uri,
+    release_older,
     state_dict_of,
 )
+from staleness.weights.buckets import ALIGN, TensorMeta, dtype_from_name, dtype_name, plan_buckets
 
 MANIFEST_V = 1
 FORMAT = "cuda-ipc"
@@ -192,7 +192,7 @@ def _tensor_entry(entry: Any) -> tuple[TensorMeta, int]:
     try:
         name, dtype, shape, offset = entry
         meta = TensorMeta(str(name), str(dtype), tuple(int(d) for d in shape))
-        _dtype(meta.dtype)  # raises ValueError for a dtype torch does not know
+        dtype_from_name(meta.dtype)  # raises ValueError for a dtype torch does not know
         return meta, int(offset)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"bad tensor entry {entry!r}: {exc}") from None
@@ -230,7 +230,7 @@ _HELD: dict[tuple[str, int], Export] = {}
 def export_tensors(named: Mapping[str, torch.Tensor], version: int) -> Export:
     """Copy the tensors into one new buffer on their GPU (they must all be on the same one) and export it."""
     device = _source_device(named)
-    metas = [TensorMeta(name, _dtype_name(t.dtype), tuple(t.shape)) for name, t in named.items()]
+    metas = [TensorMeta(name, dtype_name(t.dtype), tuple(t.shape)) for name, t in named.items()]
     placed = dict(next(iter(plan_buckets(metas, sys.maxsize)), []))  # one bucket: tensor index -> byte offset
     size = max((offset + metas[i].nbytes for i, offset in placed.items()), default=0)
     buffer = torch.empty(max(size, ALIGN), dtype=torch.uint8, device=device)
@@ -308,9 +308,9 @@ class IpcTransport:
 
     def versions(self) -> list[int]:
         """The versions this process exports (others' manifests name handles of no use to it)."""
-        return sorted(self._stored())
+        return sorted(self.stored())
 
-    def _stored(self) -> set[int]:
+    def stored(self) -> set[int]:
         return {version for ns, version in _HELD if ns == self.ns}
 
     def remove(self, version: int) -> bool:
@@ -322,7 +322,7 @@ class IpcTransport:
         return deleted or export is not None
 
     def release(self, keep: Iterable[int]) -> list[int]:
-        return _release(self, keep)
+        return release_older(self, keep)
 
 
 def held_bytes() -> int:
@@ -382,7 +382,7 @@ def open_tensors(manifest: Manifest, device: torch.device) -> dict[str, torch.Te
         ) from None
     tensors = {}
     for meta, offset in manifest.tensors:
-        dtype = _dtype(meta.dtype)
+        dtype = dtype_from_name(meta.dtype)
         if offset < 0:
             tensors[meta.name] = torch.empty(meta.shape, dtype=dtype, device=device)
             continue

@@ -194,7 +194,7 @@ def make_adapter(
     import torch
     from transformers import AutoModelForCausalLM
 
-    from consumers.lora import is_target
+    from consumers.engines.lora import is_target
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval().requires_grad_(False)
     generator = torch.Generator().manual_seed(seed)

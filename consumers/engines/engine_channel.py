@@ -1,4 +1,5 @@
-"""The channel between a worker and its engine's process (`consumers.process_engine`, `consumers.engine_host`).
+"""The channel between a worker and its engine's process (`consumers.engines.process_engine`,
+`consumers.engines.engine_host`).
 
 One Unix socket pair, msgpack messages back to back (msgpack needs no framing), no pickle:
 - a call is `[call_id, method, args]`, its answer `[call_id, True, value]` or `[call_id, False, [error, message]]`;
@@ -21,7 +22,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from consumers.engine import EngineClosedError, EngineInputError, Generation
+from consumers.engines.base import EngineClosedError, EngineInputError, Generation
 
 READ_CHUNK = 1 << 20
 MAX_MESSAGE = 2**32 - 1
@@ -128,7 +129,7 @@ def pack_tensors(named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]]) -
     """Named torch tensors or numpy arrays as one safetensors blob (`ValueError` past msgpack's 4 GiB)."""
     from safetensors.torch import save
 
-    from consumers.engine import as_cpu_tensors
+    from consumers.engines.model_files import as_cpu_tensors
 
     blob = save(as_cpu_tensors(named_tensors))
     if len(blob) > MAX_MESSAGE:

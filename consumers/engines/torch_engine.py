@@ -10,7 +10,7 @@ the thread resolves with `loop.call_soon_threadsafe`, so the event loop never wa
 Rows of one batch never influence each other's tokens: each request samples with its own
 `torch.Generator`, so a seeded request gives the same tokens alone or in any batch.
 
-LoRA adapters (up to `max_loras`, PEFT format, `consumers.lora`) are served side by side in one batch,
+LoRA adapters (up to `max_loras`, PEFT format, `consumers.engines.lora`) are served side by side in one batch,
 as vLLM's multi-LoRA does: the base weights stay as they are, and during a model call that has rows of
 some adapter, forward hooks on the adapted `nn.Linear` layers add each row's own `scale * B(A x)`.
 Base rows get nothing added, and a step without adapter rows runs with no hook at all.
@@ -33,19 +33,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from consumers.engine import (
-    EngineClosedError,
-    EngineInputError,
-    EngineLifecycle,
-    Generation,
-    PauseMode,
-    WeightLayout,
-    check_request,
-    read_model_limits,
-)
-from consumers.lora import LoraModule, ParsedAdapter, linear_shapes, module_types, parse_adapter
-from pipeline.wire import FinishReason, Sampling
-from staleness.broadcast import BroadcastLink, prepare_receiver, receive_broadcast
+from consumers.engines.base import EngineClosedError, EngineInputError, EngineLifecycle, Generation, check_request
+from consumers.engines.lora import LoraModule, ParsedAdapter, linear_shapes, module_types, parse_adapter
+from consumers.engines.model_files import WeightLayout, read_model_limits
+from pipeline.wire import FinishReason, PauseMode, Sampling
+from staleness.weights.nccl import BroadcastLink, prepare_receiver, receive_broadcast
 
 log = logging.getLogger(__name__)
 
@@ -427,7 +419,7 @@ class TorchEngine(EngineLifecycle):
         await asyncio.to_thread(self._load_weights_sync, Path(path), version)
 
     def _load_weights_sync(self, path: Path, version: int) -> None:
-        from staleness.transports import read_checkpoint
+        from staleness.weights.base import read_checkpoint
 
         self._require_model()
         self._load_tensors_sync(read_checkpoint(path), version, path)
@@ -451,7 +443,7 @@ class TorchEngine(EngineLifecycle):
         await asyncio.to_thread(prepare_receiver, link, 0, self.device)
 
     async def load_broadcast(self, link: BroadcastLink) -> None:
-        """Receive an `nccl://` broadcast onto this engine's device (`staleness.broadcast`), then load it."""
+        """Receive an `nccl://` broadcast onto this engine's device (`staleness.weights.nccl`), then load it."""
 
         def receive() -> dict[str, torch.Tensor]:
             return dict(receive_broadcast(link, 0, self.device))

@@ -1,5 +1,6 @@
-"""The engine's own process (`python -m consumers.engine_host --fd N`): it builds the engine its worker asks for and
-serves the `Engine` protocol over the channel (`consumers.engine_channel`), as vLLM's `EngineCore` serves its client.
+"""The engine's own process (`python -m consumers.engines.engine_host --fd N`): it builds the engine its worker asks
+for and serves the `Engine` protocol over the channel (`consumers.engines.engine_channel`), as vLLM's `EngineCore`
+serves its client.
 
 Only the engine's work runs here: the worker's reads, rollout building, encoding and Redis I/O stay in the worker, so
 they never take the GIL the engine's steps need. It lives as long as its channel: when the worker closes it or dies
@@ -17,13 +18,14 @@ from typing import Any
 
 import numpy as np
 
-from consumers.engine import Engine, create_engine
-from consumers.engine_channel import Channel, error_to_wire, generation_to_wire, unpack_tensors
+from consumers.engines import create_engine
+from consumers.engines.base import Engine
+from consumers.engines.engine_channel import Channel, error_to_wire, generation_to_wire, unpack_tensors
 from pipeline.fast_exit import leave
 from pipeline.wire import Sampling
-from staleness.broadcast import BroadcastLink
+from staleness.weights.nccl import BroadcastLink
 
-log = logging.getLogger("consumers.engine_host")
+log = logging.getLogger("consumers.engines.engine_host")
 
 
 class Host:

@@ -1,11 +1,11 @@
 """An engine in a process of its own (`create_engine(kind, model, process=True)`, `rollouts worker --engine-process`).
 
 The torch engine runs its steps on a thread of the worker's process, so every bit of Python the worker runs beside
-it (reading work, building and encoding rollouts, Redis I/O, heartbeats) holds the GIL its steps need: measured, the
-engine stood off the CPU for ~5 % of its steps in a worker against ~1.4 % alone (README, item 5 of "Fast at scale").
-Here the engine runs in `consumers.engine_host`, as vLLM's `EngineCore` runs apart from its `AsyncLLM` client, and
-this class is the worker's narrow client of it: the same `Engine` protocol, each call a message on the channel
-(`consumers.engine_channel`).
+it (reading work, building and encoding rollouts, Redis I/O, heartbeats) holds the GIL its steps need, and the
+engine stands off the CPU for more of its steps than it does alone. Here the engine runs in
+`consumers.engines.engine_host`, as vLLM's `EngineCore` runs apart from its `AsyncLLM` client, and this class is the
+worker's narrow client of it: the same `Engine` protocol, each call a message on the channel
+(`consumers.engines.engine_channel`).
 
 What stays here: the engine's name and limits (from an unstarted copy of it built here, which reads only the model's
 config and checks the options, so a bad option fails at once and a lazy worker knows its limits before any start),
@@ -30,20 +30,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from consumers.engine import (
-    Engine,
-    EngineClosedError,
-    EngineLifecycle,
-    Generation,
-    PauseMode,
-    WeightLayout,
-    check_request,
-)
-from consumers.engine_channel import Channel, error_from_wire, generation_from_wire, pack_tensors
-from pipeline.wire import Sampling
+from consumers.engines.base import Engine, EngineClosedError, EngineLifecycle, Generation, check_request
+from consumers.engines.engine_channel import Channel, error_from_wire, generation_from_wire, pack_tensors
+from consumers.engines.model_files import WeightLayout
+from pipeline.wire import PauseMode, Sampling
 
 if TYPE_CHECKING:
-    from staleness.broadcast import BroadcastLink
+    from staleness.weights.nccl import BroadcastLink
 
 log = logging.getLogger(__name__)
 
@@ -58,10 +51,10 @@ class ProcessEngine(EngineLifecycle):
     """The `Engine` protocol, served by engine `kind` in a child process (see the module)."""
 
     in_process = False
-    """Its weights live in another process (`staleness.ipc` refuses it by this)."""
+    """Its weights live in another process (`staleness.weights.ipc` refuses it by this)."""
 
     def __init__(self, kind: str, model: str, options: Mapping[str, Any]) -> None:
-        from consumers.engine import create_engine
+        from consumers.engines import create_engine
 
         self.kind, self.model = kind, model
         self.options = {k: _plain(v) for k, v in options.items()}
@@ -95,7 +88,7 @@ class ProcessEngine(EngineLifecycle):
                 return
             ours, theirs = socket.socketpair()
             with theirs:
-                command = [sys.executable, "-m", "consumers.engine_host", "--fd", str(theirs.fileno())]
+                command = [sys.executable, "-m", "consumers.engines.engine_host", "--fd", str(theirs.fileno())]
                 self._process = subprocess.Popen(
                     [*command, "--log-level", _level()],
                     pass_fds=[theirs.fileno()],

@@ -49,14 +49,13 @@ import subprocess
 import tempfile
 from collections import Counter
 from collections.abc import Iterable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load, save
+from safetensors.torch import save
 from vllm import SamplingParams
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.exceptions import VLLMClientError
@@ -68,25 +67,20 @@ from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 
-from consumers.engine import (
-    VLLM_FINISH_REASONS,
+from consumers.engines.base import (
     EngineClosedError,
     EngineInputError,
     EngineLifecycle,
     Generation,
-    PauseMode,
-    as_cpu_tensors,
-    check_checkpoint_fits,
     check_request,
-    checkpoint_shapes,
-    read_model_limits,
     refuse_adapter,
-    vllm_spans,
 )
-from consumers.lora import parse_adapter, save_adapter
+from consumers.engines.lora import parse_adapter, save_adapter
+from consumers.engines.model_files import as_cpu_tensors, check_checkpoint_fits, checkpoint_shapes, read_model_limits
+from consumers.engines.vllm_common import VLLM_FINISH_REASONS, vllm_spans
 from consumers.orphans import reap_on_death
-from pipeline.wire import FinishReason, Sampling
-from staleness.broadcast import BroadcastLink, prepare_receiver, receive_broadcast
+from pipeline.wire import FinishReason, PauseMode, Sampling
+from staleness.weights.nccl import BroadcastLink
 
 log = logging.getLogger(__name__)
 
@@ -96,8 +90,9 @@ DEFAULT_KV_CACHE_BYTES = 256 << 20
 CPU_BATCHED_TOKENS = 8192
 """Prompt tokens one CPU engine step may prefill (chunked prefill is off there, see `__init__`)."""
 
-EXTENSION = "consumers.vllm_engine.RolloutsWorkerExtension"
-"""Qualified name vLLM imports in its worker processes (`worker_extension_cls`)."""
+EXTENSION = "consumers.engines.vllm_extension.RolloutsWorkerExtension"
+"""Qualified name vLLM imports in its worker processes (`worker_extension_cls`): a small module of its own, so that
+those processes do not import this one."""
 
 DEATH_CHECK_S = 1.0
 """How often the engine's monitor looks whether vLLM died."""
@@ -774,76 +769,6 @@ class VllmEngine(EngineLifecycle):
     def stats(self) -> dict[str, int]:
         """Counters for heartbeats and metrics (`running`: requests in flight, queued ones included)."""
         return {"running": len(self._live), "generated_tokens": self.generated_tokens, "version": self.version}
-
-
-class RolloutsWorkerExtension:
-    """Mixed into vLLM's worker class in every worker process (`worker_extension_cls`).
-
-    Method names carry a `rollouts_` prefix: vLLM refuses an extension that shadows a worker attribute.
-    """
-
-    def rollouts_load_safetensors(self, blob: bytes) -> int:
-        """Load weights (checkpoint names) from a safetensors blob in place; returns how many tensors."""
-        tensors = load(blob)
-        self.reload_weights(weights_iterator=iter(tensors.items()))  # type: ignore[attr-defined]
-        return len(tensors)
-
-    def rollouts_mask_base_lora_rows(self) -> int:
-        """Make vLLM's CPU LoRA ops leave base-model rows alone in a batch with adapter rows (vLLM 0.32).
-
-        `vllm.lora.ops.torch_ops` selects each row's adapter weights as `stacked[index]`, and a row without an
-        adapter has index -1: Python indexing gives it the last slot's adapter, silently (a base request batched
-        with requests of `max_loras` adapters was served under one of them). Zeroing those rows' shrink output
-        (`x @ A.T`) zeroes their whole LoRA term, since every CPU LoRA path (linear, logits) expands that
-        output next. Idempotent; returns 1 once patched.
-        """
-        from vllm.lora.ops.torch_ops import lora_ops
-        from vllm.lora.punica_wrapper import punica_cpu
-
-        if not getattr(lora_ops.bgmv_shrink, "_rollouts_masked", False):
-            masked = _mask_base_rows(lora_ops.bgmv_shrink)
-            lora_ops.bgmv_shrink = masked  # `sgmv_shrink` calls it through the module
-            punica_cpu.bgmv_shrink = masked  # imported by name there
-        return 1
-
-    def rollouts_prepare_broadcast(self, link: dict[str, Any]) -> int:
-        """Build this process's group of the broadcast on a thread, and return at once (vLLM's steps go on)."""
-        pool = ThreadPoolExecutor(1, thread_name_prefix="rollouts-broadcast")
-        rank, device = self.rank, self.device  # type: ignore[attr-defined]
-        self._rollouts_prepared = pool.submit(prepare_receiver, BroadcastLink.from_dict(link), rank, device)
-        pool.shutdown(wait=False)
-        return 0
-
-    def rollouts_receive_broadcast(self, link: dict[str, Any]) -> int:
-        """Take this process's rank in the trainer's broadcast (`staleness.broadcast`) and load what arrives."""
-        prepared: Future[Any] | None = getattr(self, "_rollouts_prepared", None)
-        self._rollouts_prepared = None
-        if prepared is not None:
-            prepared.result()  # the group is built (or its error raised here)
-        rank = self.rank  # type: ignore[attr-defined]
-        device = self.device  # type: ignore[attr-defined]
-        tensors = dict(receive_broadcast(BroadcastLink.from_dict(link), rank, device))
-        self.reload_weights(weights_iterator=iter(tensors.items()))  # type: ignore[attr-defined]
-        return len(tensors)
-
-
-def _mask_base_rows(shrink: Any) -> Any:
-    """`shrink` (vLLM's `bgmv_shrink`), with the output of rows without an adapter (index < 0) set to zero."""
-
-    def run(
-        inputs: torch.Tensor,
-        lora_a_weights: torch.Tensor,
-        output_tensor: torch.Tensor,
-        lora_indices_tensor: torch.Tensor,
-        scaling: float = 1.0,
-    ) -> None:
-        shrink(inputs, lora_a_weights, output_tensor, lora_indices_tensor, scaling)
-        base_rows = lora_indices_tensor < 0
-        n = min(base_rows.shape[0], output_tensor.shape[0])
-        output_tensor[:n][base_rows[:n]] = 0
-
-    run._rollouts_masked = True  # type: ignore[attr-defined]
-    return run
 
 
 def _continuation_seed(seed: int | None, done: int) -> int | None:

@@ -17,8 +17,8 @@ unchanged:
   processes, which vLLM's own NCCL weight transfer provides on GPUs (not wired here).
 
 Several workers may share one server. A pause, a load or a resume acts on the whole server: each worker records its
-pause in Redis (`consumers.shared_server`), and the server resumes only when no live worker holds it paused, so a
-slow worker's late resume of one sync cannot run the server while another worker loads the next. A worker that
+pause in Redis (`consumers.engines.shared_server`), and the server resumes only when no live worker holds it paused,
+so a slow worker's late resume of one sync cannot run the server while another worker loads the next. A worker that
 finds the server already labelled with the version it is asked to load (another worker loaded it) loads nothing.
 
 The server checks little: an out-of-vocabulary token id kills vLLM 0.32's engine core. Every request is checked here
@@ -45,23 +45,18 @@ from typing import Any, Protocol
 import httpx
 import numpy as np
 
-from consumers.engine import (
-    VLLM_FINISH_REASONS,
+from consumers.engines.base import (
     EngineClosedError,
     EngineInputError,
     EngineLifecycle,
     Generation,
-    PauseMode,
     ServesNoAdapters,
-    as_cpu_tensors,
-    check_checkpoint_fits,
     check_request,
-    checkpoint_shapes,
-    read_model_limits,
     refuse_adapter,
-    vllm_spans,
 )
-from pipeline.wire import Sampling
+from consumers.engines.model_files import as_cpu_tensors, check_checkpoint_fits, checkpoint_shapes, read_model_limits
+from consumers.engines.vllm_common import VLLM_FINISH_REASONS, vllm_spans
+from pipeline.wire import PauseMode, Sampling
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +95,7 @@ NO_BROADCAST = (
 
 
 class PauseHolders(Protocol):
-    """Who holds a shared server paused (`consumers.shared_server.SharedPause` keeps them in Redis)."""
+    """Who holds a shared server paused (`consumers.engines.shared_server.SharedPause` keeps them in Redis)."""
 
     async def pause(self, call: Callable[[], Awaitable[object]]) -> None:
         """Record this worker as a holder, then pause the server (`call`)."""
@@ -138,7 +133,7 @@ class RemoteVllmEngine(ServesNoAdapters, EngineLifecycle):
             temporary directory, which works when the server runs on this host).
         start_timeout_s: how long `start` waits for the server to answer.
         api_key: the server's `--api-key`, if it has one.
-        pauses: the pause holders of a server shared with other workers (`consumers.shared_server`; the worker
+        pauses: the pause holders of a server shared with other workers (`consumers.engines.shared_server`; the worker
             command passes one): the server resumes only when no worker holds it paused.
     """
 

@@ -30,21 +30,20 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from consumers.engine import (
+from consumers.engines.base import (
     EngineClosedError,
     EngineInputError,
     EngineLifecycle,
     Generation,
-    PauseMode,
     ServesNoAdapters,
     check_request,
-    read_model_limits,
     refuse_adapter,
 )
-from pipeline.wire import FinishReason, Sampling, Span
+from consumers.engines.model_files import read_model_limits
+from pipeline.wire import FinishReason, PauseMode, Sampling, Span
 
 if TYPE_CHECKING:
-    from staleness.broadcast import BroadcastLink
+    from staleness.weights.nccl import BroadcastLink
 
 
 @dataclass(eq=False)
@@ -215,12 +214,12 @@ class SyntheticEngine(ServesNoAdapters, EngineLifecycle):
         self.version = version
 
     async def prepare_broadcast(self, link: BroadcastLink) -> None:
-        from staleness.broadcast import prepare_receiver
+        from staleness.weights.nccl import prepare_receiver
 
         await asyncio.to_thread(prepare_receiver, link, 0, "cpu")
 
     async def load_broadcast(self, link: BroadcastLink) -> None:
-        from staleness.broadcast import receive_broadcast
+        from staleness.weights.nccl import receive_broadcast
 
         def receive() -> None:
             for _ in receive_broadcast(link, 0, "cpu"):  # a collective: every rank drains it

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import socket
 import threading
@@ -57,35 +56,32 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from staleness.transports import NamedTensors, Scheme, check_version, parse_uri, state_dict_of
+from staleness.weights.base import NamedTensors, Scheme, check_version, parse_uri, state_dict_of
+from staleness.weights.buckets import (
+    ALIGN,
+    COPY_FROM,
+    Part,
+    TensorMeta,
+    bucket_parts,
+    bucket_size,
+    dtype_from_name,
+    dtype_name,
+    pack_bucket,
+    plan_buckets,
+    raw_bytes,
+    tensor_view,
+)
 
 META_V = 4
 """2 -> 3: receivers post a ready barrier (a one-element all-reduce) before the buckets. 3 -> 4: over NCCL a bucket
 goes as its parts (`bucket_parts`) in one NCCL group, the meta names `copy_from`."""
 DEFAULT_BUCKET_BYTES = 256 << 20
 """Bytes per broadcast: big enough to run near link speed, small enough for two buffers on the GPU."""
-ALIGN = 16
-COPY_FROM = 8 << 20
-"""A tensor of at least this many bytes travels on its own (over NCCL, from its own memory; packed by its own copy
-where a bucket goes whole); smaller ones are packed by a `torch.cat` a run: 8 MiB take ~23 µs on an NVLink at
-360 GB/s, about what launching a copy costs the host."""
-"""Every tensor starts at a multiple of this in its bucket, so that a byte slice views as any dtype."""
 NO_GROUP = -1
 """The generation a worker that holds no group reports."""
 
 _SERVERS: dict[int, dist.TCPStore] = {}
 """The trainer's rendezvous stores, by port: one per process, kept across syncs."""
-
-
-@dataclass(frozen=True)
-class TensorMeta:
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * _dtype(self.dtype).itemsize
 
 
 @dataclass
@@ -175,118 +171,6 @@ GROUPS_BUILT = {"trainer": 0, "receiver": 0}
 """Process groups built in this process, per side: a kept group builds none."""
 
 
-def _dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown tensor dtype {name!r} in the broadcast's meta")
-    return dtype
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def plan_buckets(tensors: list[TensorMeta], bucket_bytes: int) -> list[list[tuple[int, int]]]:
-    """Split tensors (in order) into buckets: per bucket, `(tensor index, byte offset)`; a big tensor gets its own."""
-    buckets: list[list[tuple[int, int]]] = []
-    used = bucket_bytes  # forces a new bucket for the first tensor
-    for index, meta in enumerate(tensors):
-        if meta.nbytes == 0:
-            continue
-        offset = -(-used // ALIGN) * ALIGN
-        if offset + meta.nbytes > bucket_bytes:
-            buckets.append([])
-            offset = 0
-        buckets[-1].append((index, offset))
-        used = offset + meta.nbytes
-    return buckets
-
-
-@dataclass(frozen=True)
-class Part:
-    """A byte range `[start, end)` of a bucket that goes as one broadcast, and the tensors it carries (`(index, byte
-    offset)`). `alone`: one tensor sent from its own memory (never packed): one of `copy_from` bytes or more, or
-    the only one in its bucket."""
-
-    start: int
-    end: int
-    members: tuple[tuple[int, int], ...]
-    alone: bool
-
-
-def bucket_parts(
-    tensors: list[TensorMeta], bucket: list[tuple[int, int]], grouped: bool, copy_from: int = COPY_FROM
-) -> list[Part]:
-    """How a bucket goes on the wire, the same on both sides. `grouped` (NCCL, whose group runs all of a bucket's
-    broadcasts as one launch): each tensor of `copy_from` bytes or more on its own, from its own memory, and each
-    run of smaller ones packed with the zeros that align them (a run of one goes alone: a copy would not save a
-    call); nothing big is copied. Otherwise (gloo: a call each) the whole bucket as one part. A bucket of one tensor
-    (one bigger than a bucket has its own) is that tensor."""
-    if len(bucket) == 1:
-        return [_alone(tensors, bucket[0])]
-    if not grouped:
-        return [Part(0, _bucket_size(tensors, bucket), tuple(bucket), False)]
-    parts: list[Part] = []
-    run: list[tuple[int, int]] = []
-    run_start = end = 0
-
-    def close_run() -> None:
-        parts.append(_alone(tensors, run[0]) if len(run) == 1 else Part(run_start, end, tuple(run), False))
-        run.clear()
-
-    for index, offset in bucket:
-        nbytes = tensors[index].nbytes
-        if nbytes >= copy_from:
-            if run:
-                close_run()
-            parts.append(_alone(tensors, (index, offset)))
-        else:
-            if not run:
-                run_start = end
-            run.append((index, offset))
-        end = offset + nbytes
-    if run:
-        close_run()
-    return parts
-
-
-def _alone(tensors: list[TensorMeta], member: tuple[int, int]) -> Part:
-    index, offset = member
-    return Part(offset, offset + tensors[index].nbytes, (member,), True)
-
-
-def pack_bucket(
-    bucket: list[tuple[int, int]] | tuple[tuple[int, int], ...],
-    tensors: list[torch.Tensor],
-    payload: torch.Tensor,
-    padding: torch.Tensor,
-    copy_from: int = COPY_FROM,
-    start: int = 0,
-) -> None:
-    """Write the bytes of `bucket`'s tensors (`(index, offset)`; a bucket's or a part's, from byte `start`) into
-    `payload` at their offsets: a tensor of `copy_from` bytes or more by its own copy (at memcpy speed), each run
-    of smaller ones, with the zeros that align them, by one `torch.cat` (a copy costs the host ~25 µs, more than
-    the wire takes for a tensor of a few MB)."""
-    run: list[torch.Tensor] = []
-    run_start = end = start
-    for index, offset in bucket:
-        raw = _raw(tensors[index])
-        if raw.numel() >= copy_from:
-            if run:
-                torch.cat(run, out=payload[run_start:end])
-                run = []
-            payload[offset : offset + raw.numel()].copy_(raw)
-        else:
-            if not run:
-                run_start = end
-            if offset > end:
-                run.append(padding[: offset - end])
-            run.append(raw)
-        end = offset + raw.numel()
-    if run:
-        torch.cat(run, out=payload[run_start:end])
-
-
 @dataclass(frozen=True)
 class _Outgoing:
     """A staged version laid out for the wire once, when it is published (while the workers still generate), not in
@@ -304,31 +188,16 @@ class _Outgoing:
     @classmethod
     def of(cls, named: Mapping[str, torch.Tensor], bucket_bytes: int, backend: str | None = None) -> _Outgoing:
         """`named` laid out in buckets of `bucket_bytes`, for the backend of their device (or `backend`)."""
-        metas = [TensorMeta(k, _dtype_name(t.dtype), tuple(t.shape)) for k, t in named.items()]
+        metas = [TensorMeta(k, dtype_name(t.dtype), tuple(t.shape)) for k, t in named.items()]
         tensors = list(named.values())
         device = next((t.device for t in tensors), torch.device("cpu"))
         backend = backend or ("nccl" if device.type == "cuda" else "gloo")
         buckets, nbytes = [], 0
         for bucket in plan_buckets(metas, bucket_bytes):
             parts = bucket_parts(metas, bucket, _grouped(backend), COPY_FROM)
-            buckets.append([(p, _raw(tensors[p.members[0][0]]) if p.alone else None) for p in parts])
-            nbytes += _bucket_size(metas, bucket)
+            buckets.append([(p, raw_bytes(tensors[p.members[0][0]]) if p.alone else None) for p in parts])
+            nbytes += bucket_size(metas, bucket)
         return cls(metas, tensors, buckets, nbytes, device, backend)
-
-
-def _raw(tensor: torch.Tensor) -> torch.Tensor:
-    """A tensor's bytes, as a flat uint8 view."""
-    return tensor.reshape(-1).view(torch.uint8)
-
-
-def _view(buffer: torch.Tensor, meta: TensorMeta, offset: int) -> torch.Tensor:
-    """The tensor `meta` at `offset` in a bucket's bytes."""
-    return buffer[offset : offset + meta.nbytes].view(_dtype(meta.dtype)).view(meta.shape)
-
-
-def _bucket_size(tensors: list[TensorMeta], bucket: list[tuple[int, int]]) -> int:
-    index, offset = bucket[-1]
-    return offset + tensors[index].nbytes
 
 
 def _store(host: str, port: int, timeout_s: float, server: bool) -> dist.TCPStore:
@@ -746,7 +615,7 @@ def receive_broadcast(
             yield from views
         for m in metas:
             if m.nbytes == 0:
-                yield m.name, torch.empty(m.shape, dtype=_dtype(m.dtype), device=target)
+                yield m.name, torch.empty(m.shape, dtype=dtype_from_name(m.dtype), device=target)
         if target.type == "cuda":
             torch.cuda.synchronize(target)  # every broadcast landed before the tensors are used elsewhere
     except BaseException:
@@ -796,8 +665,8 @@ def prepare_receiver(
         ready = _barrier(group, target)
         buckets = []
         for bucket in plan_buckets(metas, int(meta["bucket_bytes"])):
-            buffer = torch.empty(_bucket_size(metas, bucket), dtype=torch.uint8, device=target)
-            views = [(metas[i].name, _view(buffer, metas[i], offset)) for i, offset in bucket]
+            buffer = torch.empty(bucket_size(metas, bucket), dtype=torch.uint8, device=target)
+            views = [(metas[i].name, tensor_view(buffer, metas[i], offset)) for i, offset in bucket]
             parts = bucket_parts(metas, bucket, grouped, copy_from)
             buckets.append((_broadcast_parts(group, [buffer[p.start : p.end] for p in parts]), views))
     except BaseException:

@@ -1,0 +1,201 @@
+"""The one protocol every generation engine implements (`Engine`), its errors, what it returns (`Generation`), the
+mixins the engines share, and the checks every engine makes before it accepts a request (`check_request`).
+
+The worker only ever talks to an engine through `Engine`; an engine knows nothing of
+Redis, versions policy or staleness. Like vLLM's v1 engine client/core split, the seam
+is narrow: token ids in, token ids + per-token logprobs + version spans out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, Self
+
+import numpy as np
+
+from pipeline.wire import FinishReason, PauseMode, Sampling, Span
+
+if TYPE_CHECKING:
+    from staleness.weights.nccl import BroadcastLink
+
+
+class EngineInputError(ValueError):
+    """The engine cannot serve this request (too long, bad sampling values, unknown tokens).
+
+    The worker turns it into rollouts with `finish_reason=error`, so the trainer is never
+    left waiting for a prompt that will not generate.
+    """
+
+
+class EngineClosedError(RuntimeError):
+    """The engine was shut down or died: it serves nothing more, and the worker must stop."""
+
+
+@dataclass
+class Generation:
+    """What an engine produced for one request (one sample)."""
+
+    tokens: np.ndarray
+    """Generated token ids, int32."""
+    logprobs: np.ndarray
+    """Log-probability of each generated token under the raw model distribution, float32."""
+    finish_reason: FinishReason
+    spans: list[Span] = field(default_factory=list)
+    """`[(version, start, end), ...]` covering `[0, len(tokens))` in order."""
+    cached_tokens: int | None = None
+    """Prompt tokens found in the engine's prefix cache (vLLM reports it; None: the engine does not say)."""
+
+
+class Engine(Protocol):
+    name: str
+    version: int
+    """Policy version of the weights loaded now."""
+    max_model_len: int
+    """Longest prompt + generation the engine accepts, in tokens."""
+    vocab_size: int
+    weight_receivers: int
+    """Processes that hold the weights and each take a rank in an nccl broadcast."""
+    max_loras: int
+    """LoRA adapters it holds at once (0: it serves the base model only)."""
+
+    async def start(self) -> None: ...
+
+    async def generate(
+        self, request_id: str, prompt_tokens: np.ndarray, sampling: Sampling, adapter: str | None = None
+    ) -> Generation:
+        """Generate one sample, under LoRA `adapter` if given (it must be loaded: `load_adapter`); its spans are
+        then in that adapter's versions. A request of a paused adapter waits until `resume_adapter`. Raises
+        `EngineInputError` for a request it cannot serve (an adapter that is not loaded among them)."""
+        ...
+
+    def adapters(self) -> dict[str, int]:
+        """The adapters loaded now, name -> version."""
+        ...
+
+    async def load_adapter(
+        self, name: str, tensors: Mapping[str, Any], config: Mapping[str, Any], version: int
+    ) -> None:
+        """Load LoRA adapter `name` at `version` (PEFT tensor names and `adapter_config.json` fields: `r`,
+        `lora_alpha`, `target_modules`), or replace the one of that name in place. Raises `ValueError` saying
+        what is wrong (tensors that do not fit the model, every one of `max_loras` slots taken), loading nothing."""
+        ...
+
+    async def remove_adapter(self, name: str) -> None:
+        """Free adapter `name`'s slot; `ValueError` while requests of it are in flight."""
+        ...
+
+    async def pause_adapter(self, name: str, mode: PauseMode) -> None:
+        """Stop generating for adapter `name` only; returns once no step runs with it. `abort`: its requests end
+        now with the tokens so far (`finish_reason="abort"`); `keep`: they stay, frozen, and go on after
+        `resume_adapter`. Either way new requests of it wait. Other adapters and the base model go on."""
+        ...
+
+    async def resume_adapter(self, name: str) -> None: ...
+
+    async def abort(self, request_ids: list[str]) -> None:
+        """End these requests now; their `generate` calls return the tokens so far with `abort`."""
+        ...
+
+    async def pause(self, mode: PauseMode) -> None: ...
+
+    async def resume(self) -> None: ...
+
+    async def load_weights(self, path: str, version: int) -> None:
+        """Load a safetensors checkpoint directory in place and tag what follows with `version`."""
+        ...
+
+    async def load_tensors(self, named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]], version: int) -> None:
+        """Load weights from memory (torch tensors or numpy arrays, in checkpoint names) in place and tag
+        what follows with `version`: for transports that deliver tensors, not files (`redis://`)."""
+        ...
+
+    async def prepare_broadcast(self, link: BroadcastLink) -> None:
+        """Find or build the group of `link` in every receiving process while generation goes on (the worker calls
+        it before it pauses: `staleness.weights.nccl.prepare_receiver`)."""
+        ...
+
+    async def load_broadcast(self, link: BroadcastLink) -> None:
+        """Receive a version the trainer broadcasts (`nccl://`, `staleness.weights.nccl`) and load it in place."""
+        ...
+
+    def check_fits(self, shapes: Mapping[str, tuple[int, ...]], source: object) -> None:
+        """Raise `ValueError` if tensors of these names and shapes cannot be loaded into the model."""
+        ...
+
+    async def reset_prefix_cache(self) -> None: ...
+
+    async def shutdown(self) -> None: ...
+
+
+class EngineLifecycle:
+    """`async with engine:` starts it and shuts it down: the one copy every engine inherits."""
+
+    async def start(self) -> None:
+        raise NotImplementedError
+
+    async def shutdown(self) -> None:
+        raise NotImplementedError
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.shutdown()
+
+
+class ServesNoAdapters:
+    """The adapter half of `Engine` for an engine without LoRA support (`max_loras = 0`): the one copy.
+
+    Such an engine's `generate` refuses a request that names an adapter (`refuse_adapter`), so the worker turns it
+    into an error rollout that says so."""
+
+    name: str
+    max_loras = 0
+
+    def adapters(self) -> dict[str, int]:
+        return {}
+
+    async def load_adapter(
+        self, name: str, tensors: Mapping[str, Any], config: Mapping[str, Any], version: int
+    ) -> None:
+        raise ValueError(f"the {self.name} engine serves no LoRA adapters")
+
+    async def remove_adapter(self, name: str) -> None:
+        return None
+
+    async def pause_adapter(self, name: str, mode: PauseMode) -> None:
+        return None  # it runs no request of any adapter
+
+    async def resume_adapter(self, name: str) -> None:
+        return None
+
+
+def refuse_adapter(engine: str, adapter: str | None) -> None:
+    """`EngineInputError` for a request under an adapter on an engine that serves none."""
+    if adapter is not None:
+        raise EngineInputError(f"the {engine} engine serves no LoRA adapters (asked for adapter {adapter!r})")
+
+
+def check_request(prompt_tokens: np.ndarray, sampling: Sampling, max_model_len: int, vocab_size: int) -> None:
+    """The checks every engine makes before it accepts a request, with messages that say what to fix."""
+    if prompt_tokens.ndim != 1 or (prompt_tokens.size and prompt_tokens.dtype.kind not in "iu"):
+        raise EngineInputError(
+            f"prompt must be a 1-D array of integer token ids, got {prompt_tokens.dtype}{prompt_tokens.shape}"
+        )
+    problems = sampling.problems()
+    if len(prompt_tokens) == 0:
+        problems.append("prompt has no tokens")
+    elif len(prompt_tokens) >= max_model_len:
+        problems.append(
+            f"prompt has {len(prompt_tokens)} tokens; the model's context is {max_model_len}, "
+            f"so at most {max_model_len - 1} prompt tokens leave room to generate"
+        )
+    if len(prompt_tokens) and (prompt_tokens.min() < 0 or prompt_tokens.max() >= vocab_size):
+        problems.append(f"token ids must be in [0, {vocab_size}), got [{prompt_tokens.min()}, {prompt_tokens.max()}]")
+    bad_stops = [t for t in sampling.stop_token_ids if not 0 <= t < vocab_size]
+    if bad_stops:
+        problems.append(f"stop_token_ids {bad_stops} are outside the vocabulary [0, {vocab_size})")
+    if problems:
+        raise EngineInputError("; ".join(problems))
