@@ -28,6 +28,7 @@ from urllib.parse import urlsplit, urlunsplit
 import redis
 import redis.asyncio.connection
 import redis.asyncio.retry
+import redis.exceptions
 from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
 from redis.crc import key_slot
 from redis.retry import Retry
@@ -130,7 +131,8 @@ def socket_timeout_s(client: redis.Redis) -> float | None:
     if kwargs is None:
         return None  # not a redis-py client with a pool (a cluster client, a stand-in)
     if "socket_timeout" in kwargs:
-        return kwargs["socket_timeout"]
+        timeout: float | None = kwargs["socket_timeout"]
+        return timeout
     import redis.connection
 
     return getattr(redis.connection, "DEFAULT_SOCKET_TIMEOUT", None)
@@ -197,7 +199,9 @@ def slot_owner(client: redis.Redis, slot: int) -> tuple[str, int] | None:
         if int(start) <= slot <= int(end):
             host = primary[0].decode() if isinstance(primary[0], bytes) else str(primary[0])
             return host or client.connection_pool.connection_kwargs.get("host", "localhost"), int(primary[1])
-    raise redis.ClusterDownError(f"no node of the cluster serves slot {slot} (not every slot is assigned yet?)")
+    raise redis.exceptions.ClusterDownError(
+        f"no node of the cluster serves slot {slot} (not every slot is assigned yet?)"
+    )
 
 
 def _at(url: str, host: str, port: int) -> str:
