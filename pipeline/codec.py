@@ -27,7 +27,7 @@ def _c_encoder() -> Any:
     of the call for a rollout's `timing` (~1 µs a rollout). None where there is none, or where it does not give
     `_ENCODER`'s bytes (another Python's signature)."""
     try:
-        made = json.encoder.c_make_encoder(  # type: ignore[attr-defined]
+        made = json.encoder.c_make_encoder(  # type: ignore[attr-defined]  # CPython-only, not in typeshed
             None, _ENCODER.default, json.encoder.encode_basestring, None, ":", ",", False, False, True
         )
         probe = {"a": [1, 2.5, None, True, "é\n"], "b": {"c": 1e300, "d": -0.0}}

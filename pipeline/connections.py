@@ -156,11 +156,12 @@ def async_twin(client: redis.Redis) -> Callable[[], redis.asyncio.connection.Abs
     TLS, connect timeout), unconnected, never retrying and never timing a reply by themselves (the caller applies
     `socket_timeout_s(client)` and `async_retry(client)`); None for a client whose connections are not redis-py's
     own (fakeredis, a stand-in). For asyncio code that must not hand each call to a thread (`pipeline.pipelined`)."""
-    pool = getattr(client, "connection_pool", None)
-    twin = ASYNC_CONNECTIONS.get(getattr(pool, "connection_class", None))  # type: ignore[arg-type]
+    pool: Any = getattr(client, "connection_pool", None)  # duck-typed: a stand-in client may have none
+    connection_class: Any = getattr(pool, "connection_class", None)
+    twin = ASYNC_CONNECTIONS.get(connection_class)
     if twin is None:
         return None
-    kwargs = pool.connection_kwargs  # type: ignore[union-attr]
+    kwargs = pool.connection_kwargs
     settings = {k: v for k, v in kwargs.items() if k in ASYNC_SETTINGS or k.startswith("ssl_")}
     # No socket timeout: the caller times a whole batch (redis-py's asyncio would time each write with a task).
     return lambda: twin(**settings, socket_timeout=None, retry=redis.asyncio.retry.Retry(NoBackoff(), 0))
