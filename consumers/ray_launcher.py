@@ -31,7 +31,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlparse
 
 import ray
@@ -244,15 +244,16 @@ def connect_ray(address: str, ns: str, log_level: str = "warning") -> None:
     logging.getLogger("ray.actor").addFilter(_QuietPlacementWarning())
     if address not in ("auto", "local"):
         _reachable(address)
+    refused: tuple[type[Exception], ...] = (ConnectionError, *_AUTH_ERRORS)
     try:
         ray.init(
             address=address,
             namespace=ray_namespace(ns),
-            logging_level=log_level.upper(),
+            logging_level=log_level.upper(),  # type: ignore[arg-type]  # ray says int; its default is "info"
             log_to_driver=False,
             include_dashboard=False if address == "local" else None,
         )
-    except (ConnectionError, *_AUTH_ERRORS) as exc:
+    except refused as exc:
         raise LaunchError(
             f"cannot connect to Ray at {address}: {str(exc).splitlines()[0]}. If the cluster uses token auth, "
             "set RAY_AUTH_MODE=token and its token (RAY_AUTH_TOKEN, or a file at RAY_AUTH_TOKEN_PATH) here too"
@@ -313,7 +314,7 @@ def launch(spec: LaunchSpec, workers: int, timeout_s: float) -> tuple[dict[str, 
                 f"Ray could not place {name} ({bundles(spec.gpus, spec.cpus)}, on one node) within {timeout_s:g} s; "
                 f"free now: {ray.available_resources()}"
             )
-        started[name] = remote.options(  # type: ignore[attr-defined]
+        started[name] = remote.options(
             name=name,
             lifetime="detached",
             max_restarts=spec.max_restarts,
@@ -377,7 +378,8 @@ def wait_serving(spec: LaunchSpec, actors: dict[str, Any], streams: Streams, tim
     while waiting:
         for name in list(waiting):
             worker = spec.worker_name(int(name.removeprefix(ACTOR_PREFIX)))
-            status, failure = streams.redis.hmget(keys.worker(worker), ["status", "failure"])
+            reply = streams.redis.hmget(keys.worker(worker), ["status", "failure"])
+            status, failure = cast("list[bytes | None]", reply)  # bytes: no decode_responses
             if status is not None and status.decode() in READY_STATUSES:
                 del waiting[name]
             elif status is not None and status.decode() == FAILED:

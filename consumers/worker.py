@@ -381,6 +381,7 @@ class Worker:
         the entry stops being held here (`_start` took it); if it was not acked, it stays pending.
         """
         counted = 0
+        samples: list[tuple[int, Partial | None]]
         try:
             try:
                 if entry.stream == self.streams.keys.partials:

@@ -33,8 +33,8 @@ WRITER_COMMANDS += ["+cluster|slots"]
 READER_COMMANDS = ["+@read", "+@connection", "-@dangerous", "-@admin", "+info", "+ping", "+cluster|slots"]
 """Later rules win: `INFO` (the version check) is in `@dangerous`, so it is allowed again after; `CLUSTER SLOTS`
 finds the node of a namespace on a Redis Cluster (`connections.connect`)."""
-WORKER_WRITES = ("prompts", "partials", "inbox:*", "scoring", "rollouts", "replies:*", "published:*", "dead")
-WORKER_WRITES += ("worker:*", "workers", "server:*")
+WORKER_WRITES: tuple[str, ...] = ("prompts", "partials", "inbox:*", "scoring", "rollouts", "replies:*", "published:*")
+WORKER_WRITES += ("dead", "worker:*", "workers", "server:*")
 WORKER_READS = ("state", "control", "bell:*", "weights:*", "adapters", "adapter:*")
 """Each LoRA adapter's state and weights (`{ns}:adapter:NAME:...`) are read-only to workers, as the base model's."""
 

@@ -9,8 +9,8 @@ Nothing is ever pickled.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, cast
 
 import numpy as np
 
@@ -27,7 +27,7 @@ def _c_encoder() -> Any:
     of the call for a rollout's `timing` (~1 µs a rollout). None where there is none, or where it does not give
     `_ENCODER`'s bytes (another Python's signature)."""
     try:
-        made = json.encoder.c_make_encoder(  # type: ignore[attr-defined]
+        made = json.encoder.c_make_encoder(  # type: ignore[attr-defined]  # CPython-only, not in typeshed
             None, _ENCODER.default, json.encoder.encode_basestring, None, ":", ",", False, False, True
         )
         probe = {"a": [1, 2.5, None, True, "é\n"], "b": {"c": 1e300, "d": -0.0}}
@@ -94,3 +94,26 @@ def decode_text(raw: bytes, field: str) -> str:
         return raw.decode()
     except UnicodeDecodeError:
         raise CodecError(f"{field}: not UTF-8 text") from None
+
+
+# redis-py types its replies for both kinds of client, `bytes | str`; ours never set `decode_responses`, so every
+# reply is bytes. These helpers say so once, where a reply is read, instead of a check or a cast at each use.
+
+RawFields = dict[bytes, bytes]
+"""A hash's or a stream entry's fields as our clients read them (the wire's `Fields`)."""
+
+
+def as_text(value: bytes | str) -> str:
+    """A reply's value (a hash field, a set member, a status) as text."""
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def as_fields(reply: Mapping[bytes | str, bytes | str]) -> RawFields:
+    """An `HGETALL` reply (or a stream entry's fields) as bytes to bytes: what our clients get."""
+    return cast(RawFields, reply)
+
+
+def as_entries(reply: object) -> list[tuple[bytes, RawFields]]:
+    """An `XRANGE`/`XREVRANGE` reply: `(id, fields)` pairs in bytes. These commands never return a deleted entry
+    (only `XCLAIM` and `XAUTOCLAIM` do, as an id with no fields), and never None."""
+    return cast(list[tuple[bytes, RawFields]], reply)

@@ -28,6 +28,7 @@ from urllib.parse import urlsplit, urlunsplit
 import redis
 import redis.asyncio.connection
 import redis.asyncio.retry
+import redis.exceptions
 from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
 from redis.crc import key_slot
 from redis.retry import Retry
@@ -130,7 +131,8 @@ def socket_timeout_s(client: redis.Redis) -> float | None:
     if kwargs is None:
         return None  # not a redis-py client with a pool (a cluster client, a stand-in)
     if "socket_timeout" in kwargs:
-        return kwargs["socket_timeout"]
+        timeout: float | None = kwargs["socket_timeout"]
+        return timeout
     import redis.connection
 
     return getattr(redis.connection, "DEFAULT_SOCKET_TIMEOUT", None)
@@ -154,11 +156,12 @@ def async_twin(client: redis.Redis) -> Callable[[], redis.asyncio.connection.Abs
     TLS, connect timeout), unconnected, never retrying and never timing a reply by themselves (the caller applies
     `socket_timeout_s(client)` and `async_retry(client)`); None for a client whose connections are not redis-py's
     own (fakeredis, a stand-in). For asyncio code that must not hand each call to a thread (`pipeline.pipelined`)."""
-    pool = getattr(client, "connection_pool", None)
-    twin = ASYNC_CONNECTIONS.get(getattr(pool, "connection_class", None))  # type: ignore[arg-type]
+    pool: Any = getattr(client, "connection_pool", None)  # duck-typed: a stand-in client may have none
+    connection_class: Any = getattr(pool, "connection_class", None)
+    twin = ASYNC_CONNECTIONS.get(connection_class)
     if twin is None:
         return None
-    kwargs = pool.connection_kwargs  # type: ignore[union-attr]
+    kwargs = pool.connection_kwargs
     settings = {k: v for k, v in kwargs.items() if k in ASYNC_SETTINGS or k.startswith("ssl_")}
     # No socket timeout: the caller times a whole batch (redis-py's asyncio would time each write with a task).
     return lambda: twin(**settings, socket_timeout=None, retry=redis.asyncio.retry.Retry(NoBackoff(), 0))
@@ -197,7 +200,9 @@ def slot_owner(client: redis.Redis, slot: int) -> tuple[str, int] | None:
         if int(start) <= slot <= int(end):
             host = primary[0].decode() if isinstance(primary[0], bytes) else str(primary[0])
             return host or client.connection_pool.connection_kwargs.get("host", "localhost"), int(primary[1])
-    raise redis.ClusterDownError(f"no node of the cluster serves slot {slot} (not every slot is assigned yet?)")
+    raise redis.exceptions.ClusterDownError(
+        f"no node of the cluster serves slot {slot} (not every slot is assigned yet?)"
+    )
 
 
 def _at(url: str, host: str, port: int) -> str:

@@ -76,7 +76,7 @@ class _Families:
 
     def __init__(self, ns: str) -> None:
         self.ns = ns
-        self._families: dict[str, Metric] = {}
+        self._families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {}
 
     def add(self, kind: str, name: str, doc: str, value: float | None, **labels: str) -> None:
         if value is None:

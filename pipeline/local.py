@@ -37,7 +37,8 @@ SERVER_ENV = "ROLLOUTS_REDIS_SERVER"
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        port: int = sock.getsockname()[1]
+        return port
 
 
 CLUSTER_BUS_OFFSET = 10_000

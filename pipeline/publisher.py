@@ -108,7 +108,7 @@ class Publisher:
                 done.cancel()
             raise
         finally:
-            self._sending.discard(me)  # type: ignore[arg-type]
+            self._sending.discard(me)
 
     def _batch_size(self, waiting: int) -> int:
         """The next batch: what waits shared evenly among the senders with no batch on the wire, at most `max_batch`.

@@ -129,8 +129,8 @@ def render(snap: dict[str, Any]) -> RichGroup:
                 str(g["consumers"]),
             )
     workers = Table(title=f"workers ({len(snap['workers'])} live)", expand=True)
-    columns = ("worker", "status", "engine", "starts", "version", "adapters", "inflight", "sessions", "published")
-    columns += ("tokens/s",)
+    columns: tuple[str, ...] = ("worker", "status", "engine", "starts", "version", "adapters", "inflight", "sessions")
+    columns += ("published", "tokens/s")
     for column in columns:
         workers.add_column(column, justify="left" if column in ("worker", "status", "engine", "adapters") else "right")
     for name, w in sorted(snap["workers"].items()):

@@ -11,7 +11,8 @@ raw little-endian float32, small maps as JSON.
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Literal
+from collections.abc import Callable
+from typing import Annotated, Any, Literal, TypeVar
 
 import numpy as np
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
@@ -591,7 +592,10 @@ class _FieldReader:
         return decode_json(self.fields[name], name.decode()) if name in self.fields else default
 
 
-def _decode(fields: Fields, parse: Any) -> Any:
+_Decoded = TypeVar("_Decoded", bound=BaseModel)
+
+
+def _decode(fields: Fields, parse: Callable[[_FieldReader], _Decoded]) -> _Decoded:
     """Check `v`, run the parser, and turn every failure into a `WireError` with one message."""
     version = fields.get(b"v")
     if version != WIRE_VERSION.encode():

@@ -110,7 +110,7 @@ class Batch:
         rollouts = self.rollouts
         width = max(len(r.prompt_tokens) + len(r.tokens) for r in rollouts)
         shape = (len(rollouts), width)
-        arrays = {
+        arrays: dict[str, np.ndarray] = {
             "input_ids": np.zeros(shape, np.int64),
             "attention_mask": np.zeros(shape, np.int64),
             "loss_mask": np.zeros(shape, np.int64),

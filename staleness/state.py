@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import redis
 
+from pipeline.codec import as_entries, as_text
 from pipeline.wire import Control, Keys
 
 
@@ -27,7 +28,7 @@ class PolicyState:
 
 def read_state(client: redis.Redis, keys: Keys, adapter: str | None = None) -> PolicyState:
     """The base model's state, or adapter `adapter`'s (all zeros for one never published)."""
-    fields = {k.decode(): v.decode() for k, v in client.hgetall(keys.state_of(adapter)).items()}
+    fields = {as_text(k): as_text(v) for k, v in client.hgetall(keys.state_of(adapter)).items()}
     pending = fields.get("pending_version", "")
     return PolicyState(
         version=int(fields.get("version", 0)),
@@ -43,7 +44,7 @@ def weights_command(
 ) -> Control | None:
     """The `weights` command of `epoch` (of the base model, or of `adapter`), searched back from the end of
     `{ns}:control` (a joiner's catch-up)."""
-    for _id, fields in client.xrevrange(keys.control, count=scan):
+    for _id, fields in as_entries(client.xrevrange(keys.control, count=scan)):
         command = Control.from_fields(fields)
         if command.cmd == "weights" and command.epoch == epoch and command.adapter == (adapter or ""):
             return command
@@ -52,4 +53,4 @@ def weights_command(
 
 def adapter_names(client: redis.Redis, keys: Keys) -> list[str]:
     """Every adapter ever published in this namespace (`{ns}:adapters`), sorted."""
-    return sorted(name.decode() for name in client.smembers(keys.adapters))
+    return sorted(as_text(name) for name in client.smembers(keys.adapters))

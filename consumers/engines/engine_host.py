@@ -66,7 +66,11 @@ class Host:
                     continue
                 task = asyncio.create_task(self._answer(call_id, method, args))
                 self._calls[call_id] = task
-                task.add_done_callback(lambda _, c=call_id: self._calls.pop(c, None))
+
+                def forget(_: asyncio.Task[None], c: int = call_id) -> None:
+                    self._calls.pop(c, None)
+
+                task.add_done_callback(forget)
             log.info("the worker closed the channel: shutting the engine down")
         finally:
             for task in list(self._calls.values()):

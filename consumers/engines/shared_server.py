@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from collections.abc import Awaitable, Callable
+from typing import cast
 
 import redis
 
@@ -60,7 +61,7 @@ class SharedPause:
 
     def _live_holders(self) -> list[str]:
         """Holders whose worker still heartbeats; the others are dropped from the set."""
-        holders = [h.decode() for h in self._redis.smembers(self.pausers)]
+        holders = [h.decode() for h in cast("set[bytes]", self._redis.smembers(self.pausers))]  # no decode_responses
         dead = [h for h in holders if not self._redis.exists(self._keys.worker(h))]
         if dead:
             self._redis.srem(self.pausers, *dead)

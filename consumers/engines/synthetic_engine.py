@@ -127,10 +127,11 @@ class SyntheticEngine(ServesNoAdapters, EngineLifecycle):
             raise EngineInputError(f"request id {request_id!r} is already in flight on this engine")
         if self._slots is None:
             await self.start()
+        assert self._slots is not None  # start() made them
         run = self._draw(sampling, room=self.max_model_len - len(prompt))
         self._runs[request_id] = run
         try:
-            async with self._slots:  # type: ignore[union-attr]
+            async with self._slots:
                 await self._advance(run)
         finally:
             del self._runs[request_id]

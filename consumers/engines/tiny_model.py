@@ -17,11 +17,11 @@ import json
 import random
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
     import torch
-    from transformers import PreTrainedTokenizerFast
+    from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 PAD, BOS, EOS = "<|endoftext|>", "<|bos|>", "<|eos|>"
 ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
@@ -121,7 +121,7 @@ def build_tiny_model(out_dir: Path, seed: int = 0, hidden_size: int = 64, num_la
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
-    ids = tokenizer.convert_tokens_to_ids([PAD, BOS, EOS])
+    ids = cast(list[int], tokenizer.convert_tokens_to_ids([PAD, BOS, EOS]))  # a list of tokens: a list of ids
     config = Qwen2Config(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
@@ -141,7 +141,7 @@ def build_tiny_model(out_dir: Path, seed: int = 0, hidden_size: int = 64, num_la
     config.dtype = torch.float32
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config).to(torch.float32)
+        model = Qwen2ForCausalLM(config).to(torch.float32)  # type: ignore[arg-type]  # transformers mistypes .to()
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if param.ndim == 2:
@@ -242,7 +242,7 @@ def _lora_training_hook(a: torch.Tensor, b: torch.Tensor, scale: float) -> Any:
 
 
 def _train_towards(
-    model: torch.nn.Module,
+    model: PreTrainedModel,
     params: dict[str, tuple[torch.Tensor, torch.Tensor]],
     favoured: torch.Tensor,
     steps: int,

@@ -206,7 +206,7 @@ class TorchEngine(EngineLifecycle):
             model = AutoModelForCausalLM.from_pretrained(
                 self.model_dir, dtype=self.dtype, attn_implementation=self.attn_implementation
             )
-            model.to(self.device).eval().requires_grad_(False)
+            model.to(self.device).eval().requires_grad_(False)  # type: ignore[arg-type]  # transformers mistypes .to()
             self._linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
             self._module_types = module_types(model)
             if self.num_threads is None and self.device.type == "cpu":
@@ -593,6 +593,7 @@ class TorchEngine(EngineLifecycle):
             admitted = self._rows + admitted
             self._rows, self._cache, self._mask, self._stale = [], None, None, False
         if self._rows:
+            assert self._mask is not None  # a running batch has its attention mask
             batch = len(self._rows)
             mask = torch.cat([self._mask, self._mask.new_ones(batch, 1)], dim=1)
             with self._lora_hooks(self._rows):
@@ -716,6 +717,7 @@ class TorchEngine(EngineLifecycle):
         if not self._rows:
             self._rows, self._cache, self._mask = list(new_rows), cache, mask
             return
+        assert self._mask is not None  # a running batch has its attention mask
         old_len, new_len = self._mask.shape[1], mask.shape[1]
         width = max(old_len, new_len)
         for old_layer, new_layer in zip(self._cache.layers, cache.layers, strict=True):
@@ -730,6 +732,7 @@ class TorchEngine(EngineLifecycle):
         if not self._rows:
             self._cache = self._mask = None
             return
+        assert self._mask is not None  # a running batch has its attention mask
         index = torch.tensor(keep, device=self.device)
         mask = self._mask.index_select(0, index)
         start = int(mask.any(dim=0).int().argmax())

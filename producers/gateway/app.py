@@ -107,7 +107,7 @@ def _stream(answer: dict[str, Any], chat: bool) -> StreamingResponse:
         for choice in answer["choices"]:
             text = {"delta": dict(choice["message"])} if chat else {"text": choice["text"]}
             out.append(head | {"choices": [{"index": choice["index"], **text, "finish_reason": None}]})
-            end = {"delta": {}} if chat else {"text": ""}
+            end: dict[str, Any] = {"delta": {}} if chat else {"text": ""}
             done = {"index": choice["index"], **end, "finish_reason": choice["finish_reason"]}
             out.append(head | {"choices": [done | {"spans": choice["spans"]}]})
         out.append(head | {"choices": [], "usage": answer["usage"]})

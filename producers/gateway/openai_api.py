@@ -56,7 +56,7 @@ class Message(BaseModel):
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        fields = {"role": self.role, "content": content or "", "name": self.name}
+        fields: dict[str, Any] = {"role": self.role, "content": content or "", "name": self.name}
         fields |= {"tool_call_id": self.tool_call_id, "tool_calls": self.tool_calls}
         return {k: v for k, v in fields.items() if v is not None}
 

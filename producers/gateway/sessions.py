@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import redis
 
-from pipeline.codec import FLOAT32, INT32, encode_float32, encode_int32
+from pipeline.codec import FLOAT32, INT32, as_fields, encode_float32, encode_int32
 from pipeline.lua import register_all
 from pipeline.streams import Streams
 from pipeline.wire import Rollout, Span, join_spans
@@ -111,7 +111,7 @@ class SessionStore:
         with self.redis.pipeline(transaction=True) as pipe:
             try:
                 pipe.watch(key)
-                fields = pipe.hgetall(key)
+                fields = as_fields(pipe.hgetall(key))
                 session = _decode(session_id, fields)
                 if session.finished:
                     raise OpenAIError(409, f"session {session_id!r} is finished; start a new one", code="session_done")
@@ -214,7 +214,7 @@ class SessionStore:
         `version` (default: its model's, from the state) labels a trajectory that has no spans.
         """
         key = self.keys.session(session_id)
-        fields = self.redis.hgetall(key)
+        fields = as_fields(self.redis.hgetall(key))
         if not fields:
             raise OpenAIError(
                 404, f"no session {session_id!r} (never started, or idle past its TTL)", code="no_session"
@@ -256,7 +256,7 @@ def trajectory_rollout(session: Session, group: str, sample: int, request: Finis
         n=request.group_size,
         version=spans[0][0] if spans else version,
         version_end=spans[-1][0] if spans else version,
-        finish_reason=session.finish_reason,  # type: ignore[arg-type]
+        finish_reason=session.finish_reason,
         worker=session.workers[-1] if session.workers else "",
         prompt_tokens=t.prompt_tokens,
         tokens=t.tokens,
@@ -288,8 +288,8 @@ def _decode(session_id: str, fields: dict[bytes, bytes]) -> Session:
         prompt_tokens=np.frombuffer(get["prompt_tokens"], INT32).astype(np.int32),
         tokens=np.frombuffer(get["tokens"], INT32).astype(np.int32),
         logprobs=np.frombuffer(get["logprobs"], FLOAT32).astype(np.float32),
-        spans=[tuple(s) for s in json.loads(get["spans"])],  # type: ignore[misc]
-        mask=[tuple(m) for m in json.loads(get["mask"])],  # type: ignore[misc]
+        spans=[tuple(s) for s in json.loads(get["spans"])],
+        mask=[tuple(m) for m in json.loads(get["mask"])],
     )
     session.last_stop = int(get["last_stop"]) if get.get("last_stop") else None
     session.finish_reason = _text(get.get("finish_reason", b"stop"))
