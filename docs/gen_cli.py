@@ -46,10 +46,8 @@ def _render_here() -> str:
             raise RuntimeError(f"rollouts {' '.join(args)} --help exited {result.exit_code}: {result.output}")
         return "\n".join(line.rstrip() for line in result.output.strip("\n").splitlines())
 
-    import click
-
-    ctx = click.Context(group, info_name="rollouts")
-    names = [n for n in group.list_commands(ctx) if not group.get_command(ctx, n).hidden]  # type: ignore[attr-defined,union-attr]
+    commands = getattr(group, "commands", {})  # in the order the app registered them, as `rollouts --help` lists
+    names = [name for name, command in commands.items() if not command.hidden]
     parts = [HEADER, "## `rollouts`\n", "```text", help_of([]), "```\n"]
     for name in names:
         parts += [f"## `rollouts {name}`\n", "```text", help_of([name]), "```\n"]
@@ -58,7 +56,8 @@ def _render_here() -> str:
 
 def render() -> str:
     """The page as the app prints it now, rendered in a child process with a fixed width and no colour."""
-    env = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "PY_COLORS", "GITHUB_ACTIONS", "CLICOLOR_FORCE")}
+    forcing = ("FORCE_COLOR", "PY_COLORS", "GITHUB_ACTIONS", "CLICOLOR_FORCE")  # would turn colour on
+    env = {k: v for k, v in os.environ.items() if k not in forcing}
     env.update(
         COLUMNS=str(WIDTH),
         TERMINAL_WIDTH=str(WIDTH),

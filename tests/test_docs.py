@@ -33,7 +33,9 @@ def doc_files() -> list[Path]:
 
 def split_code(text: str) -> tuple[list[tuple[int, str]], list[tuple[int, str]]]:
     """(prose lines, fenced code lines), each with its 1-based line number."""
-    prose, code, fenced = [], [], False
+    prose: list[tuple[int, str]] = []
+    code: list[tuple[int, str]] = []
+    fenced = False
     for number, line in enumerate(text.splitlines(), 1):
         if FENCE.match(line):
             fenced = not fenced
