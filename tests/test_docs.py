@@ -85,20 +85,20 @@ def known_commands() -> frozenset[str]:
     def add(typer_app: typer.Typer) -> None:
         names.update(getattr(typer.main.get_command(typer_app), "commands", {}))
 
-    add(app)
     try:
         lab = importlib.import_module("benchmarks.cli")
     except ModuleNotFoundError as e:
         if e.name not in ("benchmarks", "benchmarks.cli"):
             raise
-    else:
-        if isinstance(getattr(lab, "app", None), typer.Typer):
-            add(lab.app)
+    else:  # the lab's commands, as its entry point registers them (before reading `app`, in case it adds there)
         register = getattr(lab, "register", None)
         if callable(register):
             scratch = typer.Typer()
             register(scratch)
             add(scratch)
+        if isinstance(getattr(lab, "app", None), typer.Typer):
+            add(lab.app)
+    add(app)
     return frozenset(names)
 
 
