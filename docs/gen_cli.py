@@ -57,7 +57,8 @@ def _render_here() -> str:
 def render() -> str:
     """The page as the app prints it now, rendered in a child process with a fixed width and no colour."""
     forcing = ("FORCE_COLOR", "PY_COLORS", "GITHUB_ACTIONS", "CLICOLOR_FORCE")  # would turn colour on
-    env = {k: v for k, v in os.environ.items() if k not in forcing}
+    # ROLLOUTS_*: options read them as defaults, and the page must not depend on who generates it.
+    env = {k: v for k, v in os.environ.items() if k not in forcing and not k.startswith("ROLLOUTS_")}
     env.update(
         COLUMNS=str(WIDTH),
         TERMINAL_WIDTH=str(WIDTH),
