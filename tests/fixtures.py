@@ -133,6 +133,38 @@ def tiny_model_dir_v1(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-v1"), seed=1)
 
 
+@pytest.fixture(scope="session")
+def vllm_served(tiny_model_dir: Path) -> Iterator[Any]:
+    """One in-process `VllmEngine(tiny_model_dir)` (vLLM's default options) on a loop thread of its own (`Served`),
+    for every test file that builds this same engine (test_transports, test_vllm_engine): it takes ~20-40 s to start
+    on 2 cores. `engine_pids`: the processes it started. Tests leave it serving, at any version (a user loads the
+    version it needs); test_vllm_engine's last test shuts it down."""
+    import psutil
+
+    from consumers.engines.vllm_engine import VllmEngine
+    from tests.engine_loop import Served
+
+    def children() -> set[int]:
+        found = set()
+        for proc in psutil.Process().children(recursive=True):
+            try:
+                if "resource_tracker" not in " ".join(proc.cmdline()):
+                    found.add(proc.pid)
+            except psutil.Error:
+                continue
+        return found
+
+    before = children()
+    served = Served(VllmEngine(tiny_model_dir))
+    try:
+        served.run(served.engine.start(), timeout=240)
+        served.engine_pids = children() - before
+        yield served
+    finally:
+        served.run(served.engine.shutdown(), timeout=60)
+        served.close()
+
+
 @pytest.fixture
 def workers(redis_server: RedisServer, ns: str, tiny_model_dir: Path, tmp_path: Path) -> Iterator[StartWorker]:
     """Start named `rollouts worker` processes on this test's namespace; all are stopped by PID at the end."""

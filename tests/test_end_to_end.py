@@ -7,24 +7,85 @@ import re
 import signal
 import subprocess
 import time
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import psutil
 import pytest
+import redis
 
+from pipeline.cli.processes import start_worker, stop_processes, wait_for_worker
 from pipeline.local import RedisServer, find_redis_cli
 from pipeline.wire import GENERATORS, Keys, Prompt, Sampling
 from producers.client import RolloutClient
-from tests.fixtures import ENGINES_ON_BOTH_REDIS, REDIS_VERSIONS, StartWorker, holds_work, wait_until
+from tests.fixtures import ENGINES_ON_BOTH_REDIS, FAST, REDIS_VERSIONS, StartWorker, holds_work, wait_until
 from tests.reference import forward_logprobs
+
+SYNTHETIC = ("--engine", "synthetic")
+"""For tests of the protocol (fields, claims, dedup, heartbeats), not of the engine's numbers: a synthetic worker
+serves after ~3.5 s, a torch one after ~10 s. True logprobs are checked above, on torch and vLLM."""
+
+
+class SharedVllmWorker:
+    """One `rollouts worker --engine vllm` named `w1` on a namespace of its own, shared by this module's vLLM tests
+    that leave it running (a vLLM worker takes ~50 s to serve on 2 cores). They key on their own prompt ids; the
+    namespace is fresh for the first of them. A test that kills it takes it last; one after that starts another."""
+
+    def __init__(self, server: RedisServer, model: Path, logs: Path) -> None:
+        self.server, self.model, self.logs = server, model, logs
+        self.ns = f"t{uuid.uuid4().hex[:10]}"
+        self.started: list[subprocess.Popen[bytes]] = []
+
+    def serving(self) -> tuple[str, subprocess.Popen[bytes]]:
+        """The namespace and the process of a live, serving `w1` (started on first use)."""
+        if self.started and self.started[-1].poll() is None:
+            return self.ns, self.started[-1]
+        self.ns = f"t{uuid.uuid4().hex[:10]}"  # a new worker, a new namespace: nothing of the killed one's is left
+        log = self.logs / f"w1-{len(self.started)}.log"
+        proc = start_worker(self.server.url, self.ns, self.model, "w1", *FAST, "--engine", "vllm", log_file=log)
+        self.started.append(proc)
+        client = redis.Redis.from_url(self.server.url)
+        try:
+            wait_for_worker(client, self.ns, "w1", proc, timeout_s=240)
+        except Exception:
+            print(log.read_text())
+            raise
+        finally:
+            client.close()
+        return self.ns, proc
+
+
+@pytest.fixture(scope="module")
+def shared_vllm(
+    installed_redis: RedisServer, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[SharedVllmWorker]:
+    shared = SharedVllmWorker(installed_redis, tiny_model_dir, tmp_path_factory.mktemp("shared-vllm"))
+    yield shared
+    stop_processes(shared.started)
+
+
+def serve_w1(
+    request: pytest.FixtureRequest, engine: str, ns: str, workers: StartWorker
+) -> tuple[str, subprocess.Popen[bytes]]:
+    """A worker `w1` serving with `engine`, and its namespace: for vLLM the module's shared one (on the installed
+    Redis, which is the vLLM params' `redis_server`), else one of this test's own on `ns`."""
+    if engine == "vllm":
+        return request.getfixturevalue("shared_vllm").serving()
+    return ns, workers("w1", "--engine", engine)
 
 
 @pytest.mark.parametrize(("engine", "redis_server"), ENGINES_ON_BOTH_REDIS, indirect=["redis_server"])
 def test_every_sample_delivered_once_with_true_logprobs(
-    redis_server: RedisServer, ns: str, tiny_model_dir: Path, workers: StartWorker, engine: str
+    request: pytest.FixtureRequest,
+    redis_server: RedisServer,
+    ns: str,
+    tiny_model_dir: Path,
+    workers: StartWorker,
+    engine: str,
 ) -> None:
-    workers("w1", "--engine", engine)
+    ns, _ = serve_w1(request, engine, ns, workers)
     client = RolloutClient(redis_server.url, ns, tokenizer=tiny_model_dir, trim_every_s=0)
     ids = [client.submit(f"what is {i} + {i}?", n=3, max_tokens=24, seed=i, meta={"i": i}) for i in range(6)]
     ids += [client.submit(tokens=[5 + i, 17, 33, 8], n=3, max_tokens=24, temperature=0.8) for i in range(6)]
@@ -67,7 +128,7 @@ def redis_cli_fields(port: int, key: str) -> dict[str, str]:
 
 @pytest.mark.parametrize("redis_server", REDIS_VERSIONS, indirect=True)
 def test_rollouts_are_readable_in_redis_cli(redis_server: RedisServer, ns: str, workers: StartWorker) -> None:
-    workers("w1")
+    workers("w1", *SYNTHETIC)
     client = RolloutClient(redis_server.url, ns)
     client.submit(tokens=[3, 4, 5], n=2, max_tokens=5, temperature=0, id="cli-check")
     client.collect(1, timeout=60)
@@ -81,9 +142,9 @@ def test_rollouts_are_readable_in_redis_cli(redis_server: RedisServer, ns: str, 
 
 @pytest.mark.parametrize(("engine", "redis_server"), ENGINES_ON_BOTH_REDIS, indirect=["redis_server"])
 def test_bad_input_is_dead_lettered_or_errored_and_the_worker_goes_on(
-    redis_server: RedisServer, ns: str, workers: StartWorker, engine: str
+    request: pytest.FixtureRequest, redis_server: RedisServer, ns: str, workers: StartWorker, engine: str
 ) -> None:
-    proc = workers("w1", "--engine", engine)
+    ns, proc = serve_w1(request, engine, ns, workers)
     client = RolloutClient(redis_server.url, ns)
     keys = client.streams.keys
     r = client.streams.redis
@@ -121,7 +182,7 @@ def test_a_killed_workers_prompts_finish_on_another_worker(
     redis_server: RedisServer, ns: str, workers: StartWorker
 ) -> None:
     fast = ("--claim-idle-ms", "1500", "--heartbeat-s", "0.3", "--max-inflight", "16")
-    doomed = workers("doomed", *fast)
+    doomed = workers("doomed", *SYNTHETIC, *fast)
     client = RolloutClient(redis_server.url, ns)
     r = client.streams.redis
     ids = [client.submit(tokens=[4 + i, 20, 30], n=2, max_tokens=200, seed=i) for i in range(24)]
@@ -135,7 +196,7 @@ def test_a_killed_workers_prompts_finish_on_another_worker(
         Prompt.from_fields(r.xrange(prompts_key, p["message_id"], p["message_id"])[0][1]).id for p in orphaned
     }
     assert orphaned_ids, "the killed worker held no prompts"
-    workers("rescuer", *fast)
+    workers("rescuer", *SYNTHETIC, *fast)
 
     groups = client.collect(len(ids), timeout=180)
     rollouts = [x for g in groups for x in g.rollouts]
@@ -147,8 +208,8 @@ def test_a_killed_workers_prompts_finish_on_another_worker(
 
 
 @pytest.mark.vllm
-def test_a_killed_vllm_worker_leaves_no_engine_process_behind(ns: str, workers: StartWorker) -> None:
-    worker = workers("doomed", "--engine", "vllm")
+def test_a_killed_vllm_worker_leaves_no_engine_process_behind(shared_vllm: SharedVllmWorker) -> None:
+    _, worker = shared_vllm.serving()  # the shared worker's last test: it kills it
     engine_processes = psutil.Process(worker.pid).children(recursive=True)
     assert any("EngineCore" in " ".join(p.cmdline()) or p.name().startswith("VLLM") for p in engine_processes)
     os.kill(worker.pid, signal.SIGKILL)
@@ -161,7 +222,7 @@ def test_a_killed_vllm_worker_leaves_no_engine_process_behind(ns: str, workers: 
 
 
 def test_a_prompt_submitted_twice_is_delivered_once(redis_server: RedisServer, ns: str, workers: StartWorker) -> None:
-    workers("w1")
+    workers("w1", *SYNTHETIC)
     client = RolloutClient(redis_server.url, ns)
     for _ in range(2):  # a trainer retrying a submit it thought had failed: the same submission, queued once
         client.submit(tokens=[6, 7, 8], n=2, max_tokens=16, seed=3, id="retried")
@@ -210,7 +271,7 @@ def test_the_heartbeat_counts_generated_tokens_and_busy_time(
     redis_server: RedisServer, ns: str, workers: StartWorker
 ) -> None:
     started = time.monotonic()
-    workers("w1")
+    workers("w1", *SYNTHETIC)
     client = RolloutClient(redis_server.url, ns)
     key = client.streams.keys.worker("w1")
     for i in range(8):

@@ -203,8 +203,8 @@ def test_sessions_stick_to_the_least_loaded_worker_and_replicas_share_the_pins(
 ) -> None:
     """Four sessions start on gateway A and spread 2 + 2 over two workers; their later turns through gateway B go to
     the same workers; finished on B as one group of 4, the trainer gets one group whose every trajectory stayed put."""
-    workers("w1")
-    workers("w2")
+    workers("w1", "--engine", "synthetic")  # the routing is tested, not the engine's numbers: they serve sooner
+    workers("w2", "--engine", "synthetic")
     a, b = openai_client(gateways("gw-a")), gateways("gw-b")
     sessions = [f"task-7-{k}" for k in range(4)]
     histories: dict[str, list[dict[str, Any]]] = {}
@@ -303,7 +303,7 @@ def test_a_call_during_a_pause_waits_for_the_resume_and_runs_on_the_new_weights(
 ) -> None:
     """Nothing is queued while the policy is paused (so no request runs on half-loaded weights); the call then
     runs on the new version. A replica with a short pause timeout answers 503 with the reason instead."""
-    workers("w1")
+    workers("w1", "--engine", "synthetic")  # the pause is tested, not the weights: it serves sooner
     patient, impatient = gateways("gw-patient"), gateways("gw-impatient", "--pause-timeout-s", "0.5")
     streams = Streams(redis.Redis.from_url(redis_server.url), ns)
     uri = open_transport("redis://", redis_client=streams.redis, ns=ns).publish(tiny_model_dir_v1, 1)

@@ -607,7 +607,11 @@ def test_hostile_entries_on_every_stream_end_to_end(
     """Hundreds of hostile entries, raw, onto prompts, partials, control and rollouts, mixed with valid prompts;
     a real worker (torch, tiny model), the trainer client, the scoring stage and the recorder read them."""
     monkeypatch.setenv("COLUMNS", "1000")  # the worker's log (rich) on one line a message, to search it
-    proc = workers("w1")
+    # A worker's Redis replies time out after redis-py's 5 s, and a publish batch that outlives that leaves its prompt
+    # pending for a claim (and a traceback in the log). Beside another test on 2 busy cores one did, so this worker
+    # waits up to 30 s for a reply: the test is about hostile entries, not about a slow machine (its log must still
+    # be clean). Its `--redis`, given again, is the one the worker takes.
+    proc = workers("w1", "--redis", f"{redis_server.url}?socket_timeout=30")
     plan = Plan(E2E_SEED)
     for stream, count in (("prompts", 170), ("partials", 80), ("control", 60), ("rollouts", 130)):
         plan.draw(stream, count)

@@ -183,7 +183,7 @@ def test_the_exporter_worker_and_manager_endpoints_report_what_happened(
 
     # A driver that dies mid-sync and a worker that never acks: the manager finishes the sync and evicts it.
     # Its heartbeat (TTL 5 x 10 s) outlives the SIGSTOP below, even on a loaded machine: evicted, not gone.
-    stuck = workers("stuck", "--heartbeat-s", "10")
+    stuck = workers("stuck", "--engine", "synthetic", "--heartbeat-s", "10")  # never acks: its engine is moot
     os.kill(stuck.pid, signal.SIGSTOP)
     args = ("--redis", url, "--ns", ns, "--from", str(tiny_model_dir), "--ack-timeout-s", "600")
     driver = start_command("publish-weights", *args, log_file=tmp_path / "driver.log")

@@ -4,6 +4,9 @@ What a user notices: every group reaches the trainer scored (`reward` on every r
 `redis-cli`), with the value their function gives; a function that raises, hangs or returns junk
 gives the group a `reward_error` and the loop goes on; a scorer (an RQ worker, or the stage itself)
 killed mid-job loses nothing; and nothing is pickled on the way.
+
+The workers run the synthetic engine: rewards are computed from whatever tokens arrive, so the engine's numbers are
+not what is tested, and a synthetic worker serves after ~3.5 s (torch: ~10 s).
 """
 
 from __future__ import annotations
@@ -168,7 +171,7 @@ def collect(client: RolloutClient, count: int, timeout: float = 90) -> dict[str,
 def test_inline_scoring_sets_the_reward_every_reader_sees(
     redis_server: RedisServer, ns: str, workers: StartWorker, scoring: StartScoring
 ) -> None:
-    workers("w0")
+    workers("w0", "--engine", "synthetic")
     scoring("scorer", name="scorer-a")
     client = RolloutClient(redis_server.url, ns)
     scored = submit(client, "scored", 4, "tests.rewards:even_share")
@@ -203,7 +206,7 @@ def test_rq_scoring_with_json_jobs_and_reward_errors_that_never_stall_the_loop(
     redis_server: RedisServer, ns: str, workers: StartWorker, scoring: StartScoring
 ) -> None:
     queue = f"rewards-{ns}"
-    workers("w0")
+    workers("w0", "--engine", "synthetic")
     scoring("scorer", "--rq", "--queue", queue, "--timeout-s", "2", name="scorer-rq")
     scoring("score-worker", "--queue", queue, name="rq-a")
     scoring("score-worker", "--queue", queue, name="rq-b")
@@ -235,7 +238,7 @@ def test_a_score_worker_killed_mid_job_loses_no_group(
     redis_server: RedisServer, ns: str, workers: StartWorker, scoring: StartScoring, tmp_path: Path
 ) -> None:
     queue = f"rewards-{ns}"
-    workers("w0")
+    workers("w0", "--engine", "synthetic")
     scoring("scorer", "--rq", "--queue", queue, "--timeout-s", "6", name="scorer-rq")
     doomed = scoring("score-worker", "--queue", queue, name="rq-doomed")
     client = RolloutClient(redis_server.url, ns)
@@ -261,7 +264,7 @@ def test_a_score_worker_killed_mid_job_loses_no_group(
 def test_a_scorer_killed_mid_run_is_replaced_and_every_group_arrives_once(
     redis_server: RedisServer, ns: str, workers: StartWorker, scoring: StartScoring
 ) -> None:
-    workers("w0")
+    workers("w0", "--engine", "synthetic")
     first = scoring("scorer", "--lease-s", "1", "--threads", "1", name="scorer-first")
     connection = redis.Redis.from_url(redis_server.url)
     keys = Keys(ns)

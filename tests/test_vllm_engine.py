@@ -1,9 +1,10 @@
 """The `vllm` engine against the `torch` engine and an independent reference (plain transformers forward passes).
 
 One real vLLM engine (its own processes) serves the whole module: it takes ~20-40 s to start on a
-2-core machine. It runs on an event loop in a thread of its own, so its output handler keeps going
-between the calls of a test. Tests that change the weights leave it at version 1; the `engine`
-fixture loads the seed-0 weights back as version 0 before each test.
+2-core machine, so it is the session's (`vllm_served`, shared with test_transports). It runs on an
+event loop in a thread of its own, so its output handler keeps going between the calls of a test.
+Tests that change the weights leave it at another version; the `engine` fixture loads the seed-0
+weights back as version 0 before each test.
 
 A missing or broken vLLM fails this module (the import below), it never skips it.
 """
@@ -61,16 +62,9 @@ def children() -> dict[int, str]:
 
 
 @pytest.fixture(scope="module")
-def served(tiny_model_dir: Path) -> Iterator[Served]:
-    before = set(children())
-    served = Served(VllmEngine(tiny_model_dir))
-    try:
-        served.run(served.engine.start(), timeout=240)
-        served.engine_pids = set(children()) - before
-        yield served
-    finally:
-        served.run(served.engine.shutdown(), timeout=60)
-        served.close()
+def served(vllm_served: Served) -> Served:
+    """The session's shared `VllmEngine(tiny_model_dir)` (tests/fixtures.py: test_transports uses it too)."""
+    return vllm_served
 
 
 @pytest.fixture
@@ -401,7 +395,8 @@ def test_many_seeded_requests_with_long_prompts_are_all_served(served: Served, e
 
 
 def test_shutdown_fails_pending_requests_and_leaves_no_process(served: Served, engine: VllmEngine) -> None:
-    """Last in the module: it stops the shared engine (the fixture's own shutdown is then a no-op)."""
+    """Last in the module: it stops the shared engine (the fixture's own shutdown is then a no-op); the session's
+    other users of it (test_transports) run before this module."""
     assert served.engine_pids, "the engine started no process of its own?"
     assert any("EngineCore" in cmd for pid, cmd in children().items() if pid in served.engine_pids), children()
 

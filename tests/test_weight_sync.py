@@ -254,7 +254,7 @@ def test_publish_weights_command_and_the_manager_finishing_a_sync_whose_driver_d
     tmp_path: Path,
 ) -> None:  # fmt: skip
     url = redis_server.url
-    healthy = workers("healthy")
+    healthy = workers("healthy", "--engine", "synthetic")  # the sync protocol is tested here, not the weights
     done = rollouts_cli("publish-weights", "--redis", url, "--ns", ns, "--from", str(tiny_model_dir_v1),
                         "--transport", f"fs://{tmp_path / 'w'}", "--mode", "keep")  # fmt: skip
     assert done.returncode == 0, done.stderr
@@ -263,7 +263,7 @@ def test_publish_weights_command_and_the_manager_finishing_a_sync_whose_driver_d
 
     # Its heartbeat must outlive the freeze (TTL 5 heartbeats: 150 s), or the manager finds it gone, not late: on a
     # busy machine the freeze below (two CLI starts and a sync) outlasted the 5 s TTL of the tests' 0.3 s heartbeat.
-    stuck = workers("stuck", "--heartbeat-s", "30")
+    stuck = workers("stuck", "--engine", "synthetic", "--heartbeat-s", "30")
     os.kill(stuck.pid, signal.SIGSTOP)
     driver = subprocess.Popen(
         [sys.executable, "-m", "pipeline.cli", "publish-weights", "--redis", url, "--ns", ns,
