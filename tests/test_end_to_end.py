@@ -15,8 +15,8 @@ import numpy as np
 import psutil
 import pytest
 import redis
-
 from pipeline.cli.processes import start_worker, stop_processes, wait_for_worker
+
 from pipeline.local import RedisServer, find_redis_cli
 from pipeline.wire import GENERATORS, Keys, Prompt, Sampling
 from producers.client import RolloutClient
