@@ -15,9 +15,9 @@ import numpy as np
 import psutil
 import pytest
 import redis
-from pipeline.cli.processes import start_worker, stop_processes, wait_for_worker
 
 from pipeline.local import RedisServer, find_redis_cli
+from pipeline.processes import start_worker, stop_processes, wait_for_worker
 from pipeline.wire import GENERATORS, Keys, Prompt, Sampling
 from producers.client import RolloutClient
 from tests.fixtures import ENGINES_ON_BOTH_REDIS, FAST, REDIS_VERSIONS, StartWorker, holds_work, wait_until
