@@ -64,7 +64,7 @@ ROLLOUT_FIELDS = (
     "v", "id", "prompt_id", "sample", "n", "version", "version_end", "n_tokens", "finish_reason", "worker",
     "prompt_tokens", "tokens", "logprobs", "spans", "meta", "timing", "reward", "error", "reward_fn", "reward_error",
 )  # fmt: skip
-CONTROL_FIELDS = ("v", "cmd", "epoch", "version", "uri", "mode", "worker", "ts")
+CONTROL_FIELDS = ("v", "cmd", "epoch", "version", "uri", "mode", "worker", "adapter", "ts")
 CONTEXT, VOCAB = 512, 1000
 """The limits the generation path is checked against (the tiny model's context; any vocabulary)."""
 REWARD_FNS = ("tests.rewards:even_share", "sys:exit", "builtins:exit", "os:getcwd", "builtins:len", "no.such:f")
