@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 import numpy as np
+from redis.typing import EncodableT, FieldT, KeyT, StreamIdT
 
 INT32 = np.dtype("<i4")
 FLOAT32 = np.dtype("<f4")
@@ -117,3 +118,13 @@ def as_entries(reply: object) -> list[tuple[bytes, RawFields]]:
     """An `XRANGE`/`XREVRANGE` reply: `(id, fields)` pairs in bytes. These commands never return a deleted entry
     (only `XCLAIM` and `XAUTOCLAIM` do, as an id with no fields), and never None."""
     return cast(list[tuple[bytes, RawFields]], reply)
+
+
+def for_redis(fields: RawFields) -> dict[FieldT, EncodableT]:
+    """Our fields as redis-py's `XADD` types them (its dict is invariant in its key and value types): the same map."""
+    return cast("dict[FieldT, EncodableT]", fields)
+
+
+def stream_ids(after: Mapping[str, bytes] | Mapping[str, str]) -> dict[KeyT, StreamIdT]:
+    """Streams and the ids to read after, as redis-py's `XREAD`/`XREADGROUP` type them: the same pairs, in a dict."""
+    return cast("dict[KeyT, StreamIdT]", dict(after))

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import time
 import zlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
+from pipeline.codec import as_entries, for_redis
 from pipeline.wire import Control
 
 if TYPE_CHECKING:
@@ -66,7 +67,7 @@ class ControlStream:
     def send(self, command: Control, ring: bool = True) -> bytes:
         """Append a command to `control` and ring the workers' bells (`ring=False`: a caller that sends several and
         rings once after them)."""
-        entry_id = self._streams.redis.xadd(self._streams.keys.control, command.to_fields())
+        entry_id = cast(bytes, self._streams.redis.xadd(self._streams.keys.control, for_redis(command.to_fields())))
         if ring:
             self.ring(command.cmd)
         return entry_id
@@ -94,7 +95,7 @@ class ControlStream:
 
     def bell_id(self, worker: str) -> bytes:
         """The last ring of `worker`'s bell (`0-0` if never rung): where its `wait_for_bell` starts."""
-        last = self._streams.redis.xrevrange(self._streams.keys.bell(bell_index(worker)), count=1)
+        last = as_entries(self._streams.redis.xrevrange(self._streams.keys.bell(bell_index(worker)), count=1))
         return last[0][0] if last else b"0-0"
 
     def wait_for_bell(self, worker: str, after: bytes, block_ms: int) -> bytes:
@@ -106,7 +107,7 @@ class ControlStream:
 
     def last_id(self) -> bytes:
         """Where a reader that starts now picks up the control stream (`0-0` when it is empty)."""
-        last = self._streams.redis.xrevrange(self._streams.keys.control, count=1)
+        last = as_entries(self._streams.redis.xrevrange(self._streams.keys.control, count=1))
         return last[0][0] if last else b"0-0"
 
     def read(self, after: bytes, block_ms: int | None) -> list[Entry]:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 from redis.commands.core import Script
+from redis.typing import StreamIdT
 
 from pipeline.wire import GENERATORS, Keys
 
@@ -34,7 +35,7 @@ def touch_pending(pipe: redis.client.Pipeline, consumer: str, entries: Iterable[
     for entry in entries:
         by_stream.setdefault(entry.stream, []).append(entry.id)
     for stream, ids in by_stream.items():
-        pipe.xclaim(stream, GENERATORS, consumer, 0, ids, justid=True)
+        pipe.xclaim(stream, GENERATORS, consumer, 0, list[StreamIdT](ids), justid=True)
 
 
 class Registry:

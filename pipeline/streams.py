@@ -13,11 +13,12 @@ import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import hiredis
 import redis
 
+from pipeline.codec import for_redis, stream_ids
 from pipeline.connections import socket_timeout_s
 from pipeline.control import ControlStream
 from pipeline.lua import register_all
@@ -61,7 +62,7 @@ def entries_from_reply(reply: Any) -> list[Entry]:
     if not reply:
         return []
     pairs = reply.items() if isinstance(reply, dict) else reply
-    entries = []
+    entries: list[Entry] = []
     for stream, items in pairs:
         if items and isinstance(items[0], list):  # RESP3 wraps the entries once more
             items = items[0]
@@ -108,7 +109,7 @@ class Streams:
     def add_prompts(self, prompts: Sequence[Prompt]) -> list[bytes]:
         pipe = self.redis.pipeline(transaction=False)
         for prompt in prompts:
-            pipe.xadd(self.keys.prompts, prompt.to_fields())
+            pipe.xadd(self.keys.prompts, for_redis(prompt.to_fields()))
         return pipe.execute()
 
     # -- worker side ---------------------------------------------------------------------------
@@ -142,7 +143,7 @@ class Streams:
 
     def _read_group_new(self, consumer: str, streams: dict[str, str], count: int, block_ms: int | None) -> list[Entry]:
         def read() -> Any:
-            return self.redis.xreadgroup(GENERATORS, consumer, streams, count=count, block=block_ms)
+            return self.redis.xreadgroup(GENERATORS, consumer, stream_ids(streams), count=count, block=block_ms)
 
         try:
             reply = read()
@@ -155,7 +156,7 @@ class Streams:
         return [entry for entry in entries_from_reply(reply) if entry.fields]
 
     def add_to_inbox(self, worker: str, prompt: Prompt) -> bytes:
-        return self.redis.xadd(self.keys.inbox(worker), prompt.to_fields())
+        return cast(bytes, self.redis.xadd(self.keys.inbox(worker), for_redis(prompt.to_fields())))
 
     def claim_abandoned(self, consumer: str, min_idle_ms: int, count: int) -> list[Entry]:
         """Take over work whose owner stopped touching it (a dead or hung worker), partials first.
@@ -179,7 +180,7 @@ class Streams:
     def delivery_count(self, entry: Entry) -> int:
         """How many times the group has handed this entry out (1 on first delivery)."""
         pending = self.redis.xpending_range(entry.stream, GENERATORS, min=entry.id, max=entry.id, count=1)
-        return pending[0]["times_delivered"] if pending else 0
+        return int(pending[0]["times_delivered"]) if pending else 0
 
     def publish_rollouts(
         self,
@@ -227,7 +228,7 @@ class Streams:
         return commands
 
     def _publish_command(self, keys: list[str], args: list[Any]) -> bytes:
-        return hiredis.pack_command(("EVALSHA", self._publish.sha, len(keys), *keys, *args))
+        return cast(bytes, hiredis.pack_command(("EVALSHA", self._publish.sha, len(keys), *keys, *args)))
 
     def load_publish(self) -> None:
         """Load the publish script into Redis again (a restarted Redis, or `SCRIPT FLUSH`)."""
@@ -287,7 +288,7 @@ class Streams:
 
     def read(self, after: Mapping[str, bytes], count: int, block_ms: int | None) -> list[Entry]:
         """Entries of these streams after the ids given (`XREAD`, no consumer group), blocking up to `block_ms`."""
-        return entries_from_reply(self.redis.xread(dict(after), count=count, block=self._block(block_ms)))
+        return entries_from_reply(self.redis.xread(stream_ids(after), count=count, block=self._block(block_ms)))
 
     def _block(self, block_ms: int | None) -> int | None:
         """How long a blocking read may wait: `block_ms`, kept `BLOCK_MARGIN_MS` under the client's socket timeout.
