@@ -218,9 +218,9 @@ class Export:
     def close(self) -> None:
         """Return the trainer's count (the only one: workers open without one), so the buffer is freed with it."""
         handle, slot = self.ref_counter
-        torch.UntypedStorage._release_ipc_counter(handle, slot, device=self.buffer.device)  # type: ignore[attr-defined]
+        torch.UntypedStorage._release_ipc_counter(handle, slot, device=self.buffer.device)  # type: ignore[no-untyped-call]  # torch's CUDA IPC internals are unannotated
         del self.buffer
-        torch.cuda.ipc_collect()
+        torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]  # torch's CUDA IPC internals are unannotated
 
 
 _HELD: dict[tuple[str, int], Export] = {}
@@ -238,7 +238,7 @@ def export_tensors(named: Mapping[str, torch.Tensor], version: int) -> Export:
         if i in placed:
             buffer[placed[i] : placed[i] + metas[i].nbytes].copy_(tensor.reshape(-1).view(torch.uint8))
     torch.cuda.synchronize(device)  # the worker reads what is there when it opens the handle
-    _, handle, storage_size, storage_offset, counter, slot, event, event_sync = buffer.untyped_storage()._share_cuda_()
+    _, handle, storage_size, storage_offset, counter, slot, event, event_sync = buffer.untyped_storage()._share_cuda_()  # type: ignore[no-untyped-call]  # torch's CUDA IPC internals are unannotated
     manifest = Manifest(
         version=version,
         gpu=gpu_uuid(device),
@@ -374,7 +374,7 @@ def open_tensors(manifest: Manifest, device: torch.device) -> dict[str, torch.Te
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     try:
-        flat = rebuild_cuda_tensor(*manifest.handle.rebuild_args(device.index or 0))
+        flat = rebuild_cuda_tensor(*manifest.handle.rebuild_args(device.index or 0))  # type: ignore[no-untyped-call]  # torch's CUDA IPC internals are unannotated
     except RuntimeError as exc:
         raise ValueError(
             f"could not open the CUDA IPC handle of version {manifest.version} (exported by pid {manifest.pid} on "
