@@ -23,7 +23,7 @@ import re
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -476,7 +476,7 @@ class RolloutClient:
 
     def batches(
         self, groups_per_batch: int, timeout: float | None = None, max_staleness: int | None = None
-    ) -> Iterator[Batch]:
+    ) -> Generator[Batch, None, None]:
         """Yield batches of whole groups; a batch is acked when the caller comes back for the next.
 
         With a bound (`max_staleness`, default the client's), the trainer version is read once per

@@ -14,7 +14,7 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 from importlib.metadata import entry_points
-from typing import TYPE_CHECKING, Annotated, NoReturn
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import redis
 import typer
@@ -96,14 +96,15 @@ def fail(message: str) -> NoReturn:
 @contextlib.contextmanager
 def user_errors(redis_url: str | None = None) -> Iterator[None]:
     """Report the errors a user can fix in one line each."""
+    where = None if redis_url is None else redact(redis_url)
     try:
         yield
     except redis.AuthenticationError as exc:  # a ConnectionError too: first
-        fail(f"Redis at {redact(redis_url)} refused the credentials: {exc}. Check the user and password in --redis.")
+        fail(f"Redis at {where} refused the credentials: {exc}. Check the user and password in --redis.")
     except (redis.ConnectionError, redis.TimeoutError) as exc:
-        fail(f"cannot reach Redis at {redact(redis_url)}: {exc}. Is redis-server running there? Pass --redis URL.")
+        fail(f"cannot reach Redis at {where}: {exc}. Is redis-server running there? Pass --redis URL.")
     except redis.ResponseError as exc:
-        fail(f"Redis at {redact(redis_url)} refused a command: {exc}")
+        fail(f"Redis at {where} refused a command: {exc}")
     except (FileNotFoundError, NotADirectoryError, ValueError, WireError, UnsupportedRedisError) as exc:
         fail(str(exc))
 
@@ -160,7 +161,7 @@ def serve_metrics(registry: CollectorRegistry, port: int, addr: str) -> int:
 
     from pipeline.exporter import serve
 
-    disable_created_metrics()
+    disable_created_metrics()  # type: ignore[no-untyped-call]  # prometheus_client leaves it unannotated
     try:
         server = serve(registry, port, addr)
     except OSError as exc:
@@ -196,7 +197,7 @@ def sync_report(report: object) -> dict[str, object]:
     """A weight sync's report (`SyncReport`) as JSON fields, its stall rounded."""
     from dataclasses import asdict
 
-    fields = asdict(report)  # type: ignore[call-overload]
+    fields: dict[str, Any] = asdict(report)  # type: ignore[call-overload]  # a SyncReport, typed object here
     fields["stall_s"] = round(fields["stall_s"], 4)
     return fields
 

@@ -65,13 +65,13 @@ def gateway(
     from producers.gateway.chat import ChatRenderer
     from producers.gateway.service import Gateway, GatewaySettings
 
-    disable_created_metrics()  # the `_created` series are only noise in the text format
+    disable_created_metrics()  # type: ignore[no-untyped-call]  # unannotated; the `_created` series are noise
     with user_errors(redis_url):
         renderer = ChatRenderer(AutoTokenizer.from_pretrained(str(model)))
         settings = GatewaySettings(
             served_model_name=served_model_name or model.resolve().name,
             name=name or f"gateway-{default_worker_name()}",
-            placement=placement,  # type: ignore[arg-type]
+            placement=placement,
             session_ttl_s=session_ttl_s,
             pause_timeout_s=pause_timeout_s,
             request_timeout_s=request_timeout_s,

@@ -49,6 +49,7 @@ from pipeline.cli.engine_spec import (
     TpOpt,
     UrlOpt,
 )
+from pipeline.codec import as_text
 from pipeline.connections import redact
 from pipeline.streams import Streams
 
@@ -209,7 +210,7 @@ def _warn_loopback(redis_url: str) -> None:
     import ray
 
     host = urlparse(redis_url).hostname or ""
-    nodes = [node for node in ray.nodes() if node.get("Alive")]
+    nodes = [node for node in ray.nodes() if node.get("Alive")]  # type: ignore[no-untyped-call]  # ray: unannotated
     if host in ("127.0.0.1", "localhost", "::1") and len(nodes) > 1:
         console.print(
             f"[yellow]warning:[/] --redis {redact(redis_url)} is loopback, but the cluster has {len(nodes)} nodes: "
@@ -228,7 +229,7 @@ def _watch(streams: Streams, actors: list[str], name_prefix: str) -> None:
         for actor, info in actor_info(actor_names() or actors).items():
             name = name_prefix + actor.removeprefix(ACTOR_PREFIX)
             raw = streams.redis.hgetall(streams.keys.worker(name))
-            beat = {key.decode(): value.decode() for key, value in raw.items()}
+            beat = {as_text(key): as_text(value) for key, value in raw.items()}
             state = info["actor"] + (" (restarted)" if info.get("restarted") else "")
             view.add_row(
                 name,
