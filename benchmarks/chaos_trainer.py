@@ -114,11 +114,12 @@ class Run:
     """One incarnation of the chaos trainer."""
 
     def __init__(self, url: str, ns: str, ledger: Ledger, settings: dict[str, Any]) -> None:
-        from producers.client import RolloutClient
+        from producers.client import ParkingBound, RolloutClient
 
         self.ledger, self.s = ledger, settings
         limits = {"max_staleness": settings["max_staleness"], "batch_size": settings["batch_groups"] * settings["n"]}
-        self.client = RolloutClient(url, ns, consumer="trainer", submit_timeout_s=3600, **limits)
+        park = ParkingBound(settings["max_staleness"])  # the bound the chaos run checks is held through a fault
+        self.client = RolloutClient(url, ns, consumer="trainer", submit_timeout_s=3600, park=park, **limits)
         self.producer_client = RolloutClient(url, ns, consumer="producer", submit_timeout_s=3600, **limits)
         self.client.mark_seen(ledger.trained)
         self.stop_file: Path | None = settings["stop_file"]

@@ -4,10 +4,12 @@
 sample once), holds rollouts until their group is whole, and acks entries only once it has
 handed them over, so that a trainer that dies re-reads what it never got to use.
 
-With `max_staleness` (η) it also bounds staleness from both ends (see `staleness.admission`):
-`submit` holds the producer back while the samples in use would exceed (η + v + 1) * `batch_size`
-at policy version v, and `groups`/`batches` never hand over a rollout more than η versions old;
-groups that are over it go whole to `{ns}:stale`, counted.
+With `max_staleness` (η) and `batch_size` it bounds staleness where it is cheap, at admission (see
+`staleness.admission`): `submit` holds the producer back while the samples in use would exceed
+(η + v + 1) * `batch_size` at policy version v. Nothing admitted is thrown away by default: a sample that
+outlived a weight sync carries tokens of several versions (its `spans`), and the trainer corrects each token
+by importance weights (`producers.rl`). Parking is an opt-in bound the caller names (`ParkingBound`, e.g. on
+the share of a sample's tokens older than k versions): groups over it go whole to `{ns}:stale`, counted.
 
 Prompts may name a LoRA adapter (`submit(..., adapter="a")`): each adapter has its own policy version
 (`publish_weights(tensors, adapter="a", adapter_config=...)` moves only it), its own admission count and its own
@@ -84,9 +86,62 @@ class Group:
         return self.rollouts[0].adapter
 
     def staleness(self, trainer_version: int) -> int:
-        """How many versions its oldest sample is behind `trainer_version` (the base model's, or the group's
-        adapter's): the group passes a bound η when <= η."""
+        """How many versions its oldest sample's first token is behind `trainer_version` (the base model's, or the
+        group's adapter's)."""
         return max(trainer_version - r.version for r in self.rollouts)
+
+    def stale_share(self, trainer_version: int, max_age: int) -> float:
+        """The largest share, over its samples, of a sample's tokens more than `max_age` versions behind
+        `trainer_version` (0 for a sample with no tokens)."""
+        return max(
+            (sum(end - start for version, start, end in r.spans if trainer_version - version > max_age) / r.n_tokens)
+            if r.n_tokens
+            else 0.0
+            for r in self.rollouts
+        )
+
+
+@dataclass(frozen=True)
+class ParkingBound:
+    """Park a group, whole, when one of its samples has more than `max_share` of its tokens more than `max_age` policy
+    versions behind the trainer; opt-in (`RolloutClient(park=...)`, or per call). `ParkingBound(k)` parks a group
+    with any token older than k versions, i.e. whose oldest sample's first token is: what `max_staleness=k` meant
+    before nothing was parked by default. What it parks goes to `{ns}:stale`, counted (`client.stats["stale"]`).
+
+    Raises `ValueError` on a negative age or a share outside [0, 1).
+    """
+
+    max_age: int
+    max_share: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.max_age < 0:
+            raise ValueError(f"a parking bound's max_age must be >= 0 versions, got {self.max_age}")
+        if not 0.0 <= self.max_share < 1.0:
+            raise ValueError(f"a parking bound's max_share must be in [0, 1), got {self.max_share}")
+
+    def parks(self, group: Group, trainer_version: int) -> bool:
+        if self.max_share == 0.0:
+            return group.staleness(trainer_version) > self.max_age
+        return group.stale_share(trainer_version, self.max_age) > self.max_share
+
+
+@dataclass(frozen=True)
+class SampleStaleness:
+    """How many policy versions a sample's tokens are behind the trainer's: its first token's, its last's, and the
+    mean over its tokens (from its `spans`)."""
+
+    first: int
+    last: int
+    mean: float
+
+    @classmethod
+    def of(cls, rollout: Rollout, trainer_version: int) -> SampleStaleness:
+        spans = rollout.spans or [(rollout.version, 0, rollout.n_tokens)]
+        tokens = sum(end - start for _, start, end in spans)
+        weighted = sum((trainer_version - version) * (end - start) for version, start, end in spans)
+        first = trainer_version - rollout.version
+        return cls(first=first, last=trainer_version - rollout.version_end, mean=weighted / tokens if tokens else first)
 
 
 @dataclass
@@ -98,6 +153,21 @@ class Batch:
     @property
     def rollouts(self) -> list[Rollout]:
         return [r for g in self.groups for r in g.rollouts]
+
+    def staleness(self, trainer_version: int) -> dict[str, float]:
+        """Staleness against `trainer_version`, for a step's log: each sample's first, last and mean (over its tokens)
+        averaged over the batch's samples, the mean over all its tokens, and the largest of any token."""
+        samples = [SampleStaleness.of(r, trainer_version) for r in self.rollouts]
+        if not samples:
+            return {"first": 0.0, "last": 0.0, "sample_mean": 0.0, "token_mean": 0.0, "max": 0.0}
+        tokens = [r.n_tokens for r in self.rollouts]
+        return {
+            "first": float(np.mean([s.first for s in samples])),
+            "last": float(np.mean([s.last for s in samples])),
+            "sample_mean": float(np.mean([s.mean for s in samples])),
+            "token_mean": float(np.average([s.mean for s in samples], weights=tokens)) if sum(tokens) else 0.0,
+            "max": float(max(s.first for s in samples)),
+        }
 
     def to_arrays(self) -> dict[str, np.ndarray]:
         """Right-padded arrays for a trainer (`torch.from_numpy` takes them as they are).
@@ -197,10 +267,12 @@ class RolloutClient:
         max_staleness: int | None = None,
         batch_size: int | None = None,
         submit_timeout_s: float = 300.0,
+        park: ParkingBound | None = None,
     ) -> None:
-        """`max_staleness` (η, in policy versions) with `batch_size` (B, samples per training step) turn on
-        admission control in `submit` (which then waits up to `submit_timeout_s`); `max_staleness` is also
-        the default bound of `groups`/`batches`/`collect`. Without them nothing is limited."""
+        """`max_staleness` (η, in policy versions) with `batch_size` (B, samples per policy version: per training
+        step, or per sync when the trainer publishes every k steps) turn on admission control in `submit` (which then
+        waits up to `submit_timeout_s`). `park` is the default parking bound of `groups`/`batches`/`collect` (None:
+        nothing is parked). Without them nothing is limited."""
         if (max_staleness is None) != (batch_size is None):
             raise ValueError(
                 "admission control needs both max_staleness and batch_size (samples per training step), or neither"
@@ -212,6 +284,7 @@ class RolloutClient:
         self.read_count = read_count
         self.stats = {"received": 0, "duplicates": 0, "dead": 0, "groups": 0, "stale": 0}
         self.max_staleness = max_staleness
+        self.park = park
         self.submit_timeout_s = submit_timeout_s
         limits = None
         if max_staleness is not None and batch_size is not None:
@@ -457,15 +530,17 @@ class RolloutClient:
         for rollout_id in rollout_ids:
             self._groups.remember(rollout_id)
 
-    def groups(self, timeout: float | None = None, max_staleness: int | None = None) -> Iterator[Group]:
+    def groups(
+        self, timeout: float | None = None, max_staleness: int | None = None, park: ParkingBound | None = None
+    ) -> Iterator[Group]:
         """Yield each prompt's group once all its samples arrived; each sample exactly once.
 
         A group's entries are acked when the caller comes back for the next one (or stops).
-        Raises `TimeoutError` when no new rollout arrived for `timeout` seconds. With a bound
-        (`max_staleness`, default the client's), a group with a sample more than that many versions
-        behind the trainer is parked on `{ns}:stale` instead (the version is read once per group).
+        Raises `TimeoutError` when no new rollout arrived for `timeout` seconds. With a parking bound
+        (`park`, default the client's; `max_staleness=k` is `park=ParkingBound(k)`), a group over it is parked on
+        `{ns}:stale` instead (the trainer version is read once per group).
         """
-        bound = self._bound(max_staleness)
+        bound = self._bound(max_staleness, park)
         for group in self._whole_groups(timeout):
             if bound is not None and not self._fresh([group], bound):
                 continue
@@ -475,15 +550,19 @@ class RolloutClient:
                 self._ack(group.entry_ids)
 
     def batches(
-        self, groups_per_batch: int, timeout: float | None = None, max_staleness: int | None = None
+        self,
+        groups_per_batch: int,
+        timeout: float | None = None,
+        max_staleness: int | None = None,
+        park: ParkingBound | None = None,
     ) -> Generator[Batch, None, None]:
         """Yield batches of whole groups; a batch is acked when the caller comes back for the next.
 
-        With a bound (`max_staleness`, default the client's), the trainer version is read once per
-        batch, when it is full: groups with an over-stale sample are parked on `{ns}:stale` and the
-        batch is filled up with the next groups, so every rollout handed over has staleness <= bound.
+        Nothing is parked unless a parking bound is named (`park`, default the client's; `max_staleness=k` is
+        `park=ParkingBound(k)`). With one, the trainer version is read once per batch, when it is full: groups over
+        the bound are parked on `{ns}:stale` and the batch is filled up with the next groups.
         """
-        bound = self._bound(max_staleness)
+        bound = self._bound(max_staleness, park)
         fresh = None if bound is None else lambda groups: self._fresh(groups, bound)
         for batch in whole_batches(self._whole_groups(timeout), groups_per_batch, fresh):
             try:
@@ -491,7 +570,13 @@ class RolloutClient:
             finally:
                 self._ack([e for g in batch.groups for e in g.entry_ids])
 
-    def collect(self, n_groups: int, timeout: float | None = 60.0, max_staleness: int | None = None) -> list[Group]:
+    def collect(
+        self,
+        n_groups: int,
+        timeout: float | None = 60.0,
+        max_staleness: int | None = None,
+        park: ParkingBound | None = None,
+    ) -> list[Group]:
         """The next `n_groups` whole groups, all acked in one round trip once they are here; a convenience for scripts
         and tests. (Through `groups()`, each group's ack was a round trip of its own: a burst of groups finishing
         together, as vLLM's last step of a batch makes, waited ~0.1 ms a group for them.) A timeout leaves the groups
@@ -499,7 +584,7 @@ class RolloutClient:
         got: list[Group] = []
         if n_groups <= 0:
             return got
-        bound = self._bound(max_staleness)
+        bound = self._bound(max_staleness, park)
         for group in self._whole_groups(timeout):
             if bound is not None and not self._fresh([group], bound):
                 continue
@@ -509,14 +594,17 @@ class RolloutClient:
         self._ack([entry for group in got for entry in group.entry_ids])
         return got
 
-    def _bound(self, max_staleness: int | None) -> int | None:
-        bound = self.max_staleness if max_staleness is None else max_staleness
-        if bound is not None and bound < 0:
-            raise ValueError(f"max_staleness must be >= 0, got {bound}")
-        return bound
+    def _bound(self, max_staleness: int | None, park: ParkingBound | None) -> ParkingBound | None:
+        if max_staleness is not None and park is not None:
+            raise ValueError("give a parking bound as park=ParkingBound(...) or max_staleness=k, not both")
+        if max_staleness is not None:
+            if max_staleness < 0:
+                raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
+            return ParkingBound(max_staleness)
+        return self.park if park is None else park
 
-    def _fresh(self, groups: list[Group], bound: int) -> list[Group]:
-        """Keep the groups whose every sample is within `bound` versions of the trainer; park the others whole.
+    def _fresh(self, groups: list[Group], bound: ParkingBound) -> list[Group]:
+        """Keep the groups within `bound`; park the others whole.
 
         One read of the trainer version (of the base model, and of each adapter the groups name) for all of
         `groups`; it is stamped on the groups kept.
@@ -528,7 +616,7 @@ class RolloutClient:
             if group.adapter not in versions:
                 versions[group.adapter] = self._stale.trainer_version(group.adapter)
             version = versions[group.adapter]
-            if group.staleness(version) > bound:
+            if bound.parks(group, version):
                 parked.setdefault(group.adapter, []).extend(
                     (e, version - r.version) for r, e in zip(group.rollouts, group.entry_ids, strict=True)
                 )
@@ -539,7 +627,7 @@ class RolloutClient:
             moved = self._stale.park(versions[adapter], rollouts, adapter)
             self.stats["stale"] += moved
             log.info(
-                "parked %d rollouts%s on %s: older than %d versions behind trainer version %d",
+                "parked %d rollouts%s on %s: over %s at trainer version %d",
                 moved,
                 f" of adapter {adapter}" if adapter else "",
                 self.streams.keys.stale,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -15,7 +16,7 @@ import pytest
 
 from pipeline.local import RedisServer
 from pipeline.wire import GENERATORS, TRAINER, Prompt, Rollout
-from producers.client import Group, RolloutClient
+from producers.client import Group, ParkingBound, RolloutClient, SampleStaleness
 from staleness.admission import AdmissionTimeout, StaleRollouts, SubmissionTooLarge
 from staleness.manager import Manager
 from tests.fixtures import StartWorker, wait_until
@@ -55,21 +56,26 @@ def queued_samples(client: RolloutClient) -> int:
     return sum(Prompt.from_fields(f).n for _, f in client.streams.redis.xrange(client.streams.keys.prompts))
 
 
-def fake_rollouts(client: RolloutClient, prompt_id: str, versions: list[int]) -> None:
-    """A group's rollouts written straight onto `{ns}:rollouts`, as a worker (or another language) would."""
+def fake_rollouts(
+    client: RolloutClient, prompt_id: str, versions: list[int], spans: list[list[tuple[int, int, int]]] | None = None
+) -> None:
+    """A group's rollouts written straight onto `{ns}:rollouts`, as a worker (or another language) would: sample k
+    begins at `versions[k]`, its tokens of one version (two tokens), or of `spans[k]`."""
     for sample, version in enumerate(versions):
+        its_spans = spans[sample] if spans else [(version, 0, 2)]
+        length = its_spans[-1][2]
         rollout = Rollout(
             prompt_id=prompt_id,
             sample=sample,
             n=len(versions),
-            version=version,
-            version_end=version,
+            version=its_spans[0][0],
+            version_end=its_spans[-1][0],
             finish_reason="length",
             worker="fake",
             prompt_tokens=[1, 2, 3],
-            tokens=[4, 5],
-            logprobs=[-0.5, -1.5],
-            spans=[(version, 0, 2)],
+            tokens=[4 + i % 9 for i in range(length)],
+            logprobs=[-0.5] * length,
+            spans=its_spans,
         )
         client.streams.redis.xadd(client.streams.keys.rollouts, rollout.to_fields())
 
@@ -225,7 +231,7 @@ def test_over_stale_rollouts_are_parked_not_trained_on(
 
 
 def test_a_group_with_one_over_stale_sample_is_parked_whole(redis_server: RedisServer, ns: str) -> None:
-    client = RolloutClient(redis_server.url, ns, max_staleness=1, batch_size=4)
+    client = RolloutClient(redis_server.url, ns, max_staleness=1, batch_size=4, park=ParkingBound(1))
     client.submit_prompts([client.make_prompt(tokens=[1], n=2, id=pid) for pid in ("mixed", "old", "ok")])
     manager = Manager(client.streams, ack_timeout_s=1)
     for version in (1, 2):
@@ -234,7 +240,7 @@ def test_a_group_with_one_over_stale_sample_is_parked_whole(redis_server: RedisS
     fake_rollouts(client, "old", [0, 0])
     fake_rollouts(client, "ok", [1, 2])
 
-    (group,) = client.collect(1, timeout=10)  # the client's max_staleness is the default bound
+    (group,) = client.collect(1, timeout=10)  # the client's parking bound is the default
     assert group.prompt_id == "ok" and group.trainer_version == 2
     parked = [(f[b"id"], f[b"staleness"]) for _, f in client.streams.redis.xrange(client.streams.keys.stale)]
     assert parked == [(b"mixed:0", b"0"), (b"mixed:1", b"2"), (b"old:0", b"2"), (b"old:1", b"2")]
@@ -250,10 +256,53 @@ def test_a_group_with_one_over_stale_sample_is_parked_whole(redis_server: RedisS
     assert client.streams.redis.xlen(client.streams.keys.stale) == 4
 
 
+def test_nothing_is_parked_unless_a_parking_bound_is_named(redis_server: RedisServer, ns: str) -> None:
+    """Admission bounds staleness; what it admitted reaches the trainer however many syncs a sample outlived."""
+    client = RolloutClient(redis_server.url, ns, max_staleness=0, batch_size=4)
+    client.submit_prompts([client.make_prompt(tokens=[1], n=2, id=pid) for pid in ("long", "old")])
+    manager = Manager(client.streams, ack_timeout_s=1)
+    for version in (1, 2, 3):
+        manager.sync(version, f"redis://{ns}/v{version}")
+    fake_rollouts(client, "long", [0, 0], spans=[[(0, 0, 1), (1, 1, 2), (3, 2, 8)], [(0, 0, 4)]])
+    fake_rollouts(client, "old", [0, 0])
+    batch = next(client.batches(groups_per_batch=2, timeout=10))
+    assert {g.prompt_id for g in batch.groups} == {"long", "old"} and client.stats["stale"] == 0
+    assert client.streams.redis.xlen(client.streams.keys.stale) == 0
+    staleness = batch.staleness(trainer_version=3)
+    # long:0 is 3 versions old at its first token, 0 at its last, (3 + 2 + 0 x 6) / 8 on average over its tokens
+    assert SampleStaleness.of(batch.groups[0].rollouts[0], 3) == SampleStaleness(first=3, last=0, mean=5 / 8)
+    assert staleness["first"] == 3 and staleness["last"] == pytest.approx(9 / 4) and staleness["max"] == 3
+    assert staleness["token_mean"] == pytest.approx((5 + 3 * 4 + 3 * 2 + 3 * 2) / 16)
+
+
+@pytest.mark.parametrize(("bound", "parked"), [(ParkingBound(1, max_share=0.5), False), (ParkingBound(1, 0.2), True)])
+def test_a_parking_bound_on_the_share_of_old_tokens(
+    redis_server: RedisServer, ns: str, bound: ParkingBound, parked: bool
+) -> None:
+    """A sample 2 of whose 8 tokens are more than 1 version old: kept under a 50 % bound, parked under 20 %."""
+    client = RolloutClient(redis_server.url, ns, park=bound)
+    client.submit_prompts([client.make_prompt(tokens=[1], n=2, id=pid) for pid in ("long", "ok")])
+    manager = Manager(client.streams, ack_timeout_s=1)
+    for version in (1, 2, 3):
+        manager.sync(version, f"redis://{ns}/v{version}")
+    fake_rollouts(client, "long", [0, 3], spans=[[(0, 0, 2), (2, 2, 5), (3, 5, 8)], [(3, 0, 2)]])
+    fake_rollouts(client, "ok", [3, 3])
+    got = client.collect(1 if parked else 2, timeout=10)
+    assert [g.prompt_id for g in got] == (["ok"] if parked else ["long", "ok"])
+    assert client.stats["stale"] == (2 if parked else 0)
+
+
+@pytest.mark.parametrize(("age", "share", "fix"), [(-1, 0.0, "max_age must be >= 0"), (1, 1.0, "in [0, 1)")])
+def test_a_parking_bound_it_cannot_keep_says_what_to_fix(age: int, share: float, fix: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(fix)):
+        ParkingBound(age, share)
+
+
 def test_a_fully_async_loop_keeps_every_bound(
     redis_server: RedisServer, ns: str, tiny_model_dir: Path, tiny_model_dir_v1: Path, workers: StartWorker
 ) -> None:
-    """Producer thread and trainer loop at once, weights published mid-generation: no bound is ever broken."""
+    """Producer thread and trainer loop at once, weights published mid-generation, a parking bound named: no bound is
+    ever broken."""
     workers("w1", "--engine", "synthetic")  # the bounds are tested, not the engine's numbers: it serves sooner
     eta, batch_size, n, prompts = 1, 4, 2, 16
     client = RolloutClient(redis_server.url, ns, max_staleness=eta, batch_size=batch_size, submit_timeout_s=120)
@@ -269,7 +318,7 @@ def test_a_fully_async_loop_keeps_every_bound(
     producer = Background(produce)
     trained: list[Group] = []
     models = [tiny_model_dir_v1, tiny_model_dir]
-    groups = client.groups(timeout=15)  # a timeout here means the loop is stuck: the count below fails
+    groups = client.groups(timeout=15, park=ParkingBound(eta))  # a timeout means the loop is stuck: the count fails
     while len(trained) + client.stats["stale"] // n < prompts:
         try:
             group = next(groups)
@@ -294,7 +343,7 @@ def test_a_fully_async_loop_keeps_every_bound(
 
 
 def test_top_shows_the_stale_stream_and_the_counters(redis_server: RedisServer, ns: str) -> None:
-    client = RolloutClient(redis_server.url, ns, max_staleness=1, batch_size=4)
+    client = RolloutClient(redis_server.url, ns, max_staleness=1, batch_size=4, park=ParkingBound(1))
     client.submit_prompts([client.make_prompt(tokens=[1], n=2, id=pid) for pid in ("a", "b")])
     manager = Manager(client.streams, ack_timeout_s=1)
     for version in (1, 2, 3):
