@@ -144,9 +144,82 @@ def bench_sync(
     print(json.dumps(result, indent=2))
 
 
+def bench_rl(
+    modes: Annotated[
+        str, typer.Option(help="Modes, comma-separated: sync, one-step-off, async:η (async:2).")
+    ] = "sync,one-step-off,async:1,async:2,async:4",
+    seeds: Annotated[str, typer.Option(help="Seeds, comma-separated: every mode runs once per seed.")] = "0,1,2",
+    steps: Annotated[int, typer.Option(help="Trainer steps of each run.")] = 60,
+    target: Annotated[float, typer.Option(help="The eval reward of the current policy to reach.")] = 0.3,
+    eval_every: Annotated[int, typer.Option(help="Steps between two snapshots evaluated (off the clock).")] = 1,
+    eval_prompts: Annotated[int, typer.Option(help="Held-out prompts each snapshot is evaluated on.")] = 32,
+    groups_per_step: Annotated[int, typer.Option(help="Prompts a step.")] = 16,
+    n: Annotated[int, typer.Option(help="Samples a prompt (the GRPO group).")] = 4,
+    max_tokens: Annotated[int, typer.Option(help="The shortest response; the tail goes 16x further.")] = 16,
+    length_alpha: Annotated[float, typer.Option(help="Pareto exponent of response lengths (0: all max_tokens).")] = 1.5,
+    length_sets: Annotated[
+        bool, typer.Option(help="The set a prompt names follows its length: the longest quarter is one set.")
+    ] = True,
+    lr: Annotated[float, typer.Option(help="AdamW's learning rate.")] = 1e-3,
+    objective: Annotated[str, typer.Option(help="decoupled or ppo (producers.grpo).")] = "decoupled",
+    is_cap: Annotated[float, typer.Option(help="The importance weight's cap (decoupled).")] = 2.0,
+    minibatches: Annotated[int, typer.Option(help="Optimizer steps a batch.")] = 1,
+    sync_every: Annotated[int, typer.Option(help="Async modes: publish weights every this many steps.")] = 1,
+    park_max_age: Annotated[int, typer.Option(help="Async modes: park groups older than this (-1: never).")] = -1,
+    pause_mode: Annotated[str, typer.Option(help="How workers pause for a sync: abort or keep.")] = "abort",
+    transport: Annotated[
+        str, typer.Option(help="Weights transport: redis://, fs://DIR, nccl://HOST:PORT.")
+    ] = "redis://",
+    engine: Annotated[str, typer.Option(help="The worker's engine: torch or vllm.")] = "torch",
+    trainer_device: Annotated[str, typer.Option(help="The trainer's policy and step (cuda:0).")] = "cpu",
+    worker_device: Annotated[str, typer.Option(help="The worker's engine device (cuda:1).")] = "cpu",
+    max_batch: Annotated[int | None, typer.Option(help="The worker's largest decode batch.")] = None,
+    hidden_size: Annotated[int, typer.Option(help="Of the random Qwen2 policy (multiple of 32).")] = 64,
+    num_layers: Annotated[int, typer.Option(help="Of the random Qwen2 policy.")] = 2,
+    plot: Annotated[Path | None, typer.Option(help="Draw the eval reward against wall time to this PNG.")] = None,
+) -> None:
+    """Wall time to a target reward of the current policy: sync, one-step-off and async side by side; JSON out."""
+    from benchmarks.bench_rl import Mode, Settings, load_trainer, plot_bench_rl, run_bench_rl, trainer_errors
+
+    with user_errors():
+        chosen = tuple(Mode.parse(m) for m in modes.split(",") if m)
+        seed_list = tuple(int(s) for s in seeds.split(",") if s)
+        if not chosen or not seed_list or steps < 1 or eval_every < 1:
+            fail("bench-rl needs at least one mode and one seed, and --steps and --eval-every >= 1")
+        trainer = load_trainer()
+        base = trainer.TrainConfig(
+            steps=steps, groups_per_step=groups_per_step, n=n, max_tokens=max_tokens, length_alpha=length_alpha,
+            length_sets=length_sets, lr=lr, objective=objective, is_cap=is_cap, minibatches=minibatches,
+            sync_every=sync_every, park_max_age=park_max_age, pause_mode=pause_mode, transport=transport,
+            device=trainer_device,
+        )  # fmt: skip
+        worker_args = ("--device", worker_device) if engine == "torch" else ()
+        worker_args += ("--max-batch", str(max_batch)) if max_batch else ()
+        settings = Settings(
+            modes=chosen, seeds=seed_list, steps=steps, target=target, eval_every=eval_every,
+            eval_prompts=eval_prompts, engine=engine, worker_args=worker_args, hidden_size=hidden_size,
+            num_layers=num_layers,
+        )  # fmt: skip
+        torch_threads()
+        with trainer_errors():
+            report = run_bench_rl(console, settings, base)
+        if plot is not None:
+            plot_bench_rl(report, plot)
+            console.print(f"plot written to {plot}")
+    print(json.dumps(report, indent=2))
+
+
+def torch_threads() -> None:
+    """The trainer on one core, the worker on the other (as the reference trainer runs)."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
 COMMANDS: list[tuple[str, Callable[..., Any], bool]] = [
     ("bench", bench, False),
     ("bench-sync", bench_sync, False),
+    ("bench-rl", bench_rl, False),
     ("bench-broker", bench_broker.bench_broker, False),
     ("bench-gateway", bench_gateway.bench_gateway, False),
     ("bench-lora", bench_lora.bench_lora, False),

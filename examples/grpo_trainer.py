@@ -12,11 +12,17 @@ at a namespace whose workers you run yourself and pass `--workers 0`).
     python examples/grpo_trainer.py --engine remote --url http://127.0.0.1:8000 --model MODEL  # a vLLM server
 
 Modes. `sync`: submit a step's prompts, wait for all of them, train, publish; every sample is of
-the current policy. `async`: a producer thread keeps submitting (admission holds it to
-(η + v + 1) x B samples in use at version v), the trainer takes whole groups no more than η versions
-old, trains, publishes; generation never waits for training.
+the current policy. `one-step-off`: the next step's prompts are generated while the trainer steps on
+this one's, and weights are published between batches (nothing is in flight then): every sample is one
+version old. `async`: a producer thread keeps submitting (admission holds it to (η + v + 1) x B samples
+in use at version v), the trainer takes the next whole groups, trains, and publishes every
+`--sync-every` steps; generation never waits for training, and a sample in flight across a sync carries
+tokens of several versions. Nothing admitted is thrown away unless `--park-max-age` names a bound.
 
-Every step prints one JSON line (`StepLog`), and the run ends with a `summary` line.
+The update is decoupled PPO (`--objective`, `--is-level`, `--is-mode`, `--is-cap`, `--minibatches`:
+`producers.grpo.grpo_step`). Every step prints one JSON line (`StepLog`), and the run ends with a
+`summary` line: steps, reward, and `trained_share`, the share of the tokens generated for the run's
+groups that it trained on (parked groups are the rest).
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -42,8 +48,9 @@ from transformers import AutoModelForCausalLM
 
 from pipeline.processes import start_command, start_worker, stop_processes, wait_for_worker
 from pipeline.wire import Rollout
-from producers.client import Batch, RolloutClient
+from producers.client import Batch, ParkingBound, RolloutClient
 from producers.grpo import grpo_step
+from producers.rl import ImportanceWeights
 from producers.tasks import TokenSetTask, token_set_reward
 
 
@@ -51,9 +58,10 @@ from producers.tasks import TokenSetTask, token_set_reward
 class TrainConfig:
     steps: int = 60
     mode: str = "async"
-    """`sync` or `async`."""
+    """`sync`, `one-step-off` or `async`."""
     max_staleness: int = 2
-    """η, for `async` (sync runs at 0)."""
+    """η, for `async`: admission keeps at most (η + v + 1) x B samples in use at version v (sync runs at 0,
+    one-step-off at 1)."""
     groups_per_step: int = 16
     n: int = 4
     """Samples per prompt (the GRPO group)."""
@@ -61,10 +69,27 @@ class TrainConfig:
     length_alpha: float = 0.0
     """0: every prompt asks for `max_tokens`. > 0: `max_tokens` times a Pareto(alpha) draw, at most 16x as
     many: heavy-tailed response lengths, as reasoning traces have (the tiny model seldom stops early)."""
+    length_sets: bool = False
+    """With `length_alpha`: the set a prompt names follows its length (the quarter of the length law it falls in),
+    so the longest quarter of the prompts is one set: a trainer that skips long samples cannot learn it."""
     temperature: float = 1.0
     lr: float = 1e-3
     clip_low: float = 0.2
     clip_high: float = 0.28
+    objective: str = "decoupled"
+    """`decoupled` (PPO clipped around the policy as the step starts, importance-weighted to the behaviour policy)
+    or `ppo` (clipped around the behaviour policy): `producers.grpo`."""
+    is_level: str = "token"
+    is_mode: str = "truncate"
+    is_cap: float = 2.0
+    minibatches: int = 1
+    """Optimizer steps a batch (the proximal policy is the policy as the step starts)."""
+    sync_every: int = 1
+    """`async`: publish weights every this many steps (admission's B is then the samples of that many steps)."""
+    park_max_age: int = -1
+    """-1: nothing is parked. k >= 0: park a group with a sample of which more than `park_max_share` of the tokens
+    are more than k versions old (`producers.client.ParkingBound`)."""
+    park_max_share: float = 0.0
     pause_mode: str = "abort"
     transport: str = "redis://"
     seed: int = 0
@@ -78,6 +103,19 @@ class TrainConfig:
     def batch_size(self) -> int:
         return self.groups_per_step * self.n
 
+    def problems(self) -> list[str]:
+        """What a user must fix before the run can start, one line each."""
+        out = []
+        if self.mode not in ("sync", "one-step-off", "async"):
+            out.append(f"--mode {self.mode}: use sync, one-step-off or async")
+        if self.sync_every < 1:
+            out.append(f"--sync-every must be >= 1, got {self.sync_every}")
+        elif self.sync_every > 1 and self.mode != "async":
+            out.append("--sync-every is for --mode async (for several optimizer steps on one batch: --minibatches)")
+        if self.park_max_age >= 0 and self.mode != "async":
+            out.append("--park-max-age is for --mode async (nothing in sync or one-step-off is older than it must be)")
+        return out
+
 
 @dataclass
 class StepLog:
@@ -88,20 +126,32 @@ class StepLog:
     kl: float
     """KL(behaviour || current) over the batch, before the update."""
     clip_fraction: float
-    staleness_mean: float
-    """Trainer version - rollout version (that of its first token), over the batch's samples."""
+    is_weight_mean: float
+    """Mean importance weight proximal / behaviour over the tokens trained (1 when nothing is stale)."""
+    is_capped_fraction: float
+    """Share of tokens whose importance weight was over `is_cap`."""
+    staleness_first: float
+    """Trainer version - the version of a sample's first token, averaged over the batch's samples."""
+    staleness_last: float
+    """The same for a sample's last token."""
+    staleness_token: float
+    """Trainer version - the version that wrote a token, over the batch's tokens."""
     staleness_max: int
+    """The most of any sample's first token."""
     multi_version: int
     """Samples whose tokens came from more than one policy version (a weight sync mid-sample)."""
     wait_s: float
     """The trainer waiting for its batch (idle)."""
     train_s: float
     sync_stall_s: float
-    """How long the workers stood still in this step's weight sync."""
+    """How long the workers stood still in this step's weight sync (0 in a step that did not publish)."""
     publish_s: float
     """`publish_weights` as the trainer waited for it (tensors into the transport + the sync)."""
     samples: int
     tokens: int
+    """Tokens trained on in this step."""
+    parked: int
+    """Samples parked (over `--park-max-age`) while this step's batch was filled."""
     elapsed_s: float
     reward_errors: int = 0
     """Samples the scoring stage gave a `reward_error` (trained on with reward 0: no gradient from their group)."""
@@ -204,13 +254,21 @@ def generation_side(
         stop_processes([process for process, _ in processes.values()])
 
 
+def prompt_length(config: TrainConfig, rng: random.Random) -> tuple[int, int | None]:
+    """A prompt's `max_tokens`, and with `length_sets` the set it names (the quarter of the length law it is in)."""
+    if config.length_alpha <= 0:
+        return config.max_tokens, None
+    u = 1.0 - rng.random()  # in (0, 1]: the Pareto draw is u^(-1/alpha), longer for smaller u
+    max_tokens = min(16 * config.max_tokens, round(config.max_tokens * u ** (-1.0 / config.length_alpha)))
+    n_sets = TokenSetTask().n_sets
+    return max_tokens, min(n_sets - 1, int((1.0 - u) * n_sets)) if config.length_sets else None
+
+
 def submit_next(client: RolloutClient, task: TokenSetTask, config: TrainConfig, rng: random.Random, index: int,
                 timeout: float | None = None) -> None:  # fmt: skip
-    """Make prompt `index` of the run (the same sequence in both modes, for one seed) and submit it."""
-    tokens, meta = task.prompt(rng)
-    max_tokens = config.max_tokens
-    if config.length_alpha > 0:
-        max_tokens = min(16 * config.max_tokens, round(config.max_tokens * rng.paretovariate(config.length_alpha)))
+    """Make prompt `index` of the run (the same sequence in every mode, for one seed) and submit it."""
+    max_tokens, named_set = prompt_length(config, rng)
+    tokens, meta = task.prompt(rng, named_set)
     client.submit(
         tokens=tokens, n=config.n, max_tokens=max_tokens, temperature=config.temperature,
         seed=config.seed * 1_000_000 + index, meta=meta, id=f"s{config.seed}-p{index}", timeout=timeout,
@@ -231,62 +289,134 @@ def produce(client: RolloutClient, task: TokenSetTask, config: TrainConfig, stop
             rng.setstate(state)  # full: the trainer has not published yet; look at `stop`, then the same prompt again
 
 
-def batches_of(client: RolloutClient, task: TokenSetTask, config: TrainConfig) -> Iterator[Batch]:
-    """The batches the trainer steps on, in either mode."""
+def batches_of(
+    client: RolloutClient, task: TokenSetTask, config: TrainConfig, publish: Callable[[], None]
+) -> Iterator[Batch]:
+    """The batches the trainer steps on. In `one-step-off` mode this also publishes (`publish`): between batches,
+    once the next one is generated and before its successor is submitted, so that no sample spans a sync."""
     if config.mode == "async":
-        yield from client.batches(groups_per_batch=config.groups_per_step, max_staleness=config.max_staleness)
+        yield from client.batches(groups_per_batch=config.groups_per_step)
         return
     rng = random.Random(config.seed)
-    for step in range(config.steps):
+
+    def submit_step(step: int) -> None:
         for g in range(config.groups_per_step):
             submit_next(client, task, config, rng, step * config.groups_per_step + g)
-        yield Batch(client.collect(config.groups_per_step, timeout=300, max_staleness=0), trainer_version=step)
+
+    submit_step(0)
+    for step in range(config.steps):
+        if config.mode == "sync":
+            if step:
+                submit_step(step)
+            yield Batch(client.collect(config.groups_per_step, timeout=300))
+            continue
+        groups = client.collect(config.groups_per_step, timeout=300)  # generated while the trainer stepped
+        if step:
+            publish()  # the previous step's weights, with nothing in flight
+        if step + 1 < config.steps:
+            submit_step(step + 1)
+        yield Batch(groups)
 
 
-def train(config: TrainConfig, url: str, ns: str, model: Path) -> Iterator[StepLog]:
-    """The loop: a batch of whole groups → rewards → advantages → one clipped policy step → publish."""
+def stale_tokens(client: RolloutClient) -> int:
+    """Tokens of the samples parked on `{ns}:stale` so far."""
+    entries: list[tuple[bytes, dict[bytes, bytes]]] = client.streams.redis.xrange(client.streams.keys.stale)  # type: ignore[assignment]  # redis-py types replies loosely
+    return sum(int(fields[b"n_tokens"]) for _, fields in entries)
+
+
+OnStep = Callable[[int, torch.nn.Module, float], None]
+"""Called after each step with (step, the policy, the run's elapsed seconds): e.g. to keep a snapshot that is
+evaluated after the run. Its own time is taken off the run's clock."""
+
+
+def train(config: TrainConfig, url: str, ns: str, model: Path, on_step: OnStep | None = None) -> Iterator[StepLog]:
+    """The loop: a batch of whole groups → rewards → advantages → decoupled PPO step(s) → publish."""
+    problems = config.problems()
+    if problems:
+        raise ValueError("; ".join(problems))
     torch.manual_seed(config.seed)
     device = torch.device(config.device)
     policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).to(device)
     policy.train()
     optimizer = torch.optim.AdamW(policy.parameters(), lr=config.lr)
+    importance = ImportanceWeights(config.is_level, config.is_mode, config.is_cap)  # type: ignore[arg-type]  # argparse checked the names
     task = TokenSetTask()
-    limits = {"max_staleness": config.max_staleness, "batch_size": config.batch_size} if config.mode == "async" else {}
-    client = RolloutClient(url, ns, **limits)  # type: ignore[arg-type]
+    park = ParkingBound(config.park_max_age, config.park_max_share) if config.park_max_age >= 0 else None
+    samples_per_version = config.batch_size * config.sync_every
+    limits = (
+        {"max_staleness": config.max_staleness, "batch_size": samples_per_version} if config.mode == "async" else {}
+    )
+    client = RolloutClient(url, ns, park=park, **limits)  # type: ignore[arg-type]  # int values for int parameters
+    version = client.admission_usage().version
+    published: dict[str, float] = {}
+
+    def publish() -> None:
+        nonlocal version
+        t = time.monotonic()
+        version = client.publish_weights(policy, transport=config.transport, mode=config.pause_mode)  # type: ignore[arg-type]  # argparse checked the mode
+        published.update(s=time.monotonic() - t, stall_s=client.last_sync.stall_s if client.last_sync else 0.0)
+
     stop = threading.Event()
     if config.mode == "async":
         threading.Thread(target=produce, args=(client, task, config, stop), daemon=True).start()
     started = time.monotonic()
+    off_clock = 0.0
     waited_from = time.monotonic()
+    parked_before = 0
     try:
-        for step, batch in enumerate(batches_of(client, task, config)):
-            wait_s = time.monotonic() - waited_from
+        for step, batch in enumerate(batches_of(client, task, config, publish)):
+            wait_s = time.monotonic() - waited_from - published.get("s", 0.0)  # one-step-off published meanwhile
+            trainer_version = version
             t0 = time.monotonic()
             rollouts = batch.rollouts
-            clip = {"clip_low": config.clip_low, "clip_high": config.clip_high}
             reward = token_set_reward if config.scoring == "trainer" else stage_reward
-            out = grpo_step(policy, optimizer, batch, reward, **clip)  # rewards → advantages → loss → step
+            out = grpo_step(
+                policy, optimizer, batch, reward, objective=config.objective, importance=importance,  # type: ignore[arg-type]  # argparse checked it
+                clip_low=config.clip_low, clip_high=config.clip_high, minibatches=config.minibatches,
+            )  # fmt: skip
             if device.type == "cuda":
                 torch.cuda.synchronize(device)  # else the step's kernels would be timed as part of the publish
             t1 = time.monotonic()
-            version = client.publish_weights(policy, transport=config.transport, mode=config.pause_mode)  # type: ignore[arg-type]
-            t2 = time.monotonic()
-            trainer_version = batch.trainer_version if batch.trainer_version is not None else version - 1
-            staleness = [trainer_version - r.version for r in rollouts]
+            if config.mode != "one-step-off" and (step + 1) % config.sync_every == 0:
+                publish()
+            staleness = batch.staleness(trainer_version)
+            elapsed = time.monotonic() - started - off_clock
             yield StepLog(
-                step=step, version=version, reward=out.reward,
-                kl=out.kl, clip_fraction=out.clip_fraction, staleness_mean=float(np.mean(staleness)),
-                staleness_max=int(max(staleness)), multi_version=sum(len(r.spans) > 1 for r in rollouts),
-                wait_s=wait_s, train_s=t1 - t0, sync_stall_s=client.last_sync.stall_s if client.last_sync else 0.0,
-                publish_s=t2 - t1, samples=len(rollouts), tokens=sum(r.n_tokens for r in rollouts),
-                elapsed_s=t2 - started, reward_errors=sum(r.reward_error is not None for r in rollouts),
+                step=step, version=version, reward=out.reward, kl=out.kl, clip_fraction=out.clip_fraction,
+                is_weight_mean=out.is_weight_mean, is_capped_fraction=out.is_capped_fraction,
+                staleness_first=staleness["first"], staleness_last=staleness["last"],
+                staleness_token=staleness["token_mean"], staleness_max=int(staleness["max"]),
+                multi_version=sum(len(r.spans) > 1 for r in rollouts), wait_s=wait_s, train_s=t1 - t0,
+                sync_stall_s=published.get("stall_s", 0.0), publish_s=published.get("s", 0.0), samples=len(rollouts),
+                tokens=sum(r.n_tokens for r in rollouts), parked=client.stats["stale"] - parked_before,
+                elapsed_s=elapsed, reward_errors=sum(r.reward_error is not None for r in rollouts),
                 ids=[r.id for r in rollouts],
             )  # fmt: skip
+            parked_before = client.stats["stale"]
+            if on_step is not None:
+                t2 = time.monotonic()
+                on_step(step, policy, elapsed)
+                off_clock += time.monotonic() - t2
+            published.clear()
             waited_from = time.monotonic()
             if step + 1 >= config.steps:
                 break
     finally:
         stop.set()
+
+
+def summarize(config: TrainConfig, logs: list[StepLog], url: str, ns: str) -> dict[str, object]:
+    """The run's `summary` line."""
+    trained = sum(log.tokens for log in logs)
+    parked_tokens = stale_tokens(RolloutClient(url, ns))
+    return {
+        "summary": True, "mode": config.mode, "steps": len(logs), "samples": sum(log.samples for log in logs),
+        "unique": len({i for log in logs for i in log.ids}), "first_reward": logs[0].reward,
+        "final_reward": float(np.mean([s.reward for s in logs[-5:]])), "elapsed_s": logs[-1].elapsed_s,
+        "max_staleness": max(s.staleness_max for s in logs), "parked": sum(s.parked for s in logs),
+        "trained_tokens": trained, "parked_tokens": parked_tokens,
+        "trained_share": trained / max(trained + parked_tokens, 1),
+    }  # fmt: skip
 
 
 def plot(logs: list[StepLog], path: Path, title: str) -> None:
@@ -308,7 +438,11 @@ def plot(logs: list[StepLog], path: Path, title: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     defaults = TrainConfig()
-    choices = {"mode": ["sync", "async"], "pause_mode": ["abort", "keep"], "scoring": ["trainer", "inline", "rq"]}
+    choices = {
+        "mode": ["sync", "one-step-off", "async"], "pause_mode": ["abort", "keep"],
+        "scoring": ["trainer", "inline", "rq"], "objective": ["decoupled", "ppo"],
+        "is_level": ["token", "sequence", "geometric"], "is_mode": ["truncate", "mask"],
+    }  # fmt: skip
     for name, value in asdict(defaults).items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value, choices=choices.get(name))
     parser.add_argument("--redis", help="Redis URL (default: a private redis-server, started here).")
@@ -324,6 +458,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.engine == "remote" and (args.url is None or args.model is None):
         parser.error("--engine remote needs --url http://HOST:PORT of a running vLLM server and --model, its model")
     config = TrainConfig(**{name: getattr(args, name) for name in asdict(defaults)})
+    for problem in config.problems():
+        parser.error(problem)
     torch.set_num_threads(1)  # the trainer on one core, the worker on the other
     with contextlib.ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="grpo-")))
@@ -344,20 +480,15 @@ def main(argv: list[str] | None = None) -> None:
                     url, args.ns, model, args.engine, args.workers, tmp, worker_args, config.scoring, args.score_workers
                 )
             )
-        logs, seen = [], set()
+        logs: list[StepLog] = []
         try:
             for log in train(config, url, args.ns, model):
                 logs.append(log)
-                seen.update(log.ids)
                 print(json.dumps({k: v for k, v in asdict(log).items() if k != "ids"}), flush=True)
         except GenerationSideDied as exc:
             stack.close()  # the others, stopped by PID before we go
             sys.exit(f"grpo_trainer: the run stopped after {len(logs)} steps: {exc}")
-        trained = sum(log.samples for log in logs)
-        summary = {"summary": True, "mode": config.mode, "steps": len(logs), "samples": trained, "unique": len(seen)}
-        summary |= {"first_reward": logs[0].reward, "final_reward": float(np.mean([s.reward for s in logs[-5:]]))}
-        summary |= {"elapsed_s": logs[-1].elapsed_s, "max_staleness": max(s.staleness_max for s in logs)}
-        print(json.dumps(summary), flush=True)
+        print(json.dumps(summarize(config, logs, url, args.ns)), flush=True)
         if args.plot:
             plot(logs, args.plot, f"GRPO on the token-set task ({config.mode})")
 

@@ -39,9 +39,12 @@ class TokenSetTask:
         start = self.first_set_id + k * self.set_size
         return list(range(start, start + self.set_size))
 
-    def prompt(self, rng: random.Random) -> tuple[list[int], dict[str, Any]]:
-        """Token ids of one prompt and the `meta` its rollouts carry (which set, and its ids)."""
-        k = rng.randrange(self.n_sets)
+    def prompt(self, rng: random.Random, named_set: int | None = None) -> tuple[list[int], dict[str, Any]]:
+        """Token ids of one prompt and the `meta` its rollouts carry (which set, and its ids): of set `named_set`, or
+        of one drawn from `rng`."""
+        k = rng.randrange(self.n_sets) if named_set is None else named_set
+        if not 0 <= k < self.n_sets:
+            raise ValueError(f"set {k}: the task has sets 0 to {self.n_sets - 1}")
         filler = [rng.randrange(*self.filler_ids) for _ in range(rng.randint(*self.prompt_tokens))]
         return [*filler, self.first_marker_id + k], {"task": "token-set", "set": k, "ids": self.set_ids(k)}
 

@@ -1,0 +1,427 @@
+"""`rollouts bench-rl`: how much sooner fully-async RL reaches a reward than sync RL, as a user judges it.
+
+The same task, engine, seeds and hyper-parameters in each mode (`sync`, `one-step-off`, `async:η`), each run the
+reference trainer (`examples/grpo_trainer.py`'s `train`) against a fresh `rollouts worker` and `rollouts manager` on
+a fresh namespace. The task is the token-set task with long-tailed lengths (`--length-alpha`): a prompt's
+`max_tokens` is a Pareto draw up to 16x the shortest, and with `--length-sets` (the default) the set a prompt names
+is the quarter of the length law it falls in, so a trainer that skips long samples never learns the longest quarter.
+
+The metric is **wall time to a target reward of the current policy**: after every `--eval-every` steps the
+trainer's weights are copied (off the clock), and after the run each copy is evaluated on held-out prompts (each
+with its own length and set, as in training): the expected share of set tokens along continuations the policy
+samples itself (at each position, the probability mass the policy puts on the set: the reward's expectation,
+without the noise of the token drawn). Per mode, over the seeds: the median and spread of time to target, beside
+steps to target, steps/s, trained tokens/s, tokens generated and trained (`trained_share`: trained over generated
+for the groups the run used or parked, left-overs at the stop aside), token staleness, clip fraction, capped
+importance weights, the sync stall, and the ideal overlap bound of the setting (the sync step over the larger of
+the trainer's step and the generator's time for a step's tokens at full batching). JSON on stdout; `--plot` draws
+the eval reward against wall time, every mode and seed in one figure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import math
+import random
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import torch
+from rich.console import Console
+from rich.progress import Progress
+
+from consumers.engines.tiny_model import build_tiny_model
+from pipeline.local import RedisServer
+from pipeline.wire import GENERATORS, TRAINER, Keys
+from producers.client import RolloutClient
+from producers.tasks import TokenSetTask
+
+REPO = Path(__file__).resolve().parent.parent
+TRAINER_FILE = REPO / "examples" / "grpo_trainer.py"
+WORKER = "rl-worker-0"
+COUNTERS = (b"busy_s", b"generated_tokens", b"inflight", b"ts")
+
+
+def load_trainer() -> ModuleType:
+    """The reference trainer, `examples/grpo_trainer.py`, as a module: the benchmark runs what users copy.
+
+    Raises `FileNotFoundError` when this is not a clone of the repository (the examples are not installed)."""
+    if "grpo_trainer" in sys.modules:
+        return sys.modules["grpo_trainer"]
+    if not TRAINER_FILE.exists():
+        raise FileNotFoundError(f"bench-rl runs the reference trainer {TRAINER_FILE}: run it from a clone of the repo")
+    spec = importlib.util.spec_from_file_location("grpo_trainer", TRAINER_FILE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["grpo_trainer"] = module  # its dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str
+    """`sync`, `one-step-off` or `async:η`."""
+    trainer_mode: str
+    max_staleness: int
+
+    @classmethod
+    def parse(cls, text: str) -> Mode:
+        """`sync`, `one-step-off`, `async:2`; raises `ValueError` saying what to write."""
+        if text in ("sync", "one-step-off"):
+            return cls(text, text, 0 if text == "sync" else 1)
+        name, _, eta = text.partition(":")
+        if name == "async" and eta.isdigit():
+            return cls(text, "async", int(eta))
+        raise ValueError(f"mode {text!r}: use sync, one-step-off or async:η (async:2)")
+
+    def config(self, base: Any, seed: int) -> Any:
+        """The trainer's config of this mode's run: `base`, whose async-only options (`sync_every`, parking) apply
+        to the async modes alone. Raises `ValueError` with what to fix."""
+        is_async = self.trainer_mode == "async"
+        config = replace(
+            base, mode=self.trainer_mode, max_staleness=self.max_staleness, seed=seed,
+            sync_every=base.sync_every if is_async else 1, park_max_age=base.park_max_age if is_async else -1,
+        )  # fmt: skip
+        if problems := config.problems():
+            raise ValueError("; ".join(problems))
+        return config
+
+
+@dataclass(frozen=True)
+class Settings:
+    modes: tuple[Mode, ...]
+    seeds: tuple[int, ...]
+    steps: int
+    target: float
+    eval_every: int = 1
+    eval_prompts: int = 32
+    engine: str = "torch"
+    worker_args: tuple[str, ...] = ()
+    hidden_size: int = 64
+    num_layers: int = 2
+
+
+# -- the generator's counters -------------------------------------------------------------------
+
+
+def heartbeat(client: RolloutClient, ns: str, newer_than: float = 0.0) -> dict[str, float]:
+    """The worker's counters, from a heartbeat written after `newer_than` (unix time): beats are periodic."""
+    deadline = time.monotonic() + 30
+    while True:
+        fields = client.streams.redis.hgetall(Keys(ns).worker(WORKER))
+        beat = {k.decode(): float(v) for k, v in fields.items() if k in COUNTERS}
+        if beat.get("ts", 0.0) > newer_than:
+            return beat
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no heartbeat of {WORKER} since {newer_than}")
+        time.sleep(0.02)
+
+
+def wait_idle(client: RolloutClient, ns: str, timeout_s: float = 300) -> None:
+    """Until nothing is waiting on prompts or partials and the worker has nothing in flight."""
+    keys, r = Keys(ns), client.streams.redis
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        waiting = 0
+        for stream in (keys.prompts, keys.partials):
+            delivered = next((g["last-delivered-id"].decode() for g in r.xinfo_groups(stream)), "0-0")
+            waiting += r.xpending(stream, GENERATORS)["pending"] + len(r.xrange(stream, f"({delivered}", "+", count=1))
+        if waiting == 0 and heartbeat(client, ns, newer_than=time.time()).get("inflight", 1) == 0:
+            return
+        time.sleep(0.2)
+    raise TimeoutError("the worker did not finish its work")
+
+
+def leftover_tokens(url: str, ns: str) -> tuple[int, int]:
+    """Tokens of rollouts the trainer never trained on (left over at the stop: groups filling a batch or not yet
+    whole, pending under its consumer, and what it never read), and of those parked on `{ns}:stale`."""
+    client = RolloutClient(url, ns)
+    left = 0
+    for consumer, pending in ((TRAINER, True), ("bench-drain", False)):
+        while entries := client.streams.read_rollouts(consumer, 1000, None, pending=pending):
+            left += sum(int(e.fields[b"n_tokens"]) for e in entries)
+            client.streams.ack_rollouts([e.id for e in entries])
+    stale = sum(int(fields[b"n_tokens"]) for _, fields in client.streams.redis.xrange(Keys(ns).stale))
+    return left, stale
+
+
+def calibrate(trainer: ModuleType, url: str, config: Any, model: Path, logs: Path, settings: Settings) -> float:
+    """The worker's tokens per busy second at full batching: equal-length samples, many more than a batch; in a
+    namespace of its own, so that admission's counts of the runs measured after are not touched."""
+    ns = "bench-rl-calibration"
+    with trainer.generation_side(url, ns, model, settings.engine, 1, logs, list(settings.worker_args)):
+        client = RolloutClient(url, ns)
+        before = heartbeat(client, ns)
+        for i in range(4 * config.groups_per_step):
+            client.submit(tokens=[300 + i % 100, 16], n=config.n, max_tokens=4 * config.max_tokens, seed=i)
+        client.collect(4 * config.groups_per_step, timeout=600)
+        wait_idle(client, ns)
+        after = heartbeat(client, ns, newer_than=time.time())
+    return (after["generated_tokens"] - before["generated_tokens"]) / (after["busy_s"] - before["busy_s"])
+
+
+# -- evaluation, off the clock ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HeldOut:
+    """Prompts the trainer never sees, each with the length and set the training law gives it."""
+
+    prompts: list[list[int]]
+    lengths: list[int]
+    sets: list[list[int]]
+
+    @classmethod
+    def make(cls, trainer: ModuleType, config: Any, count: int) -> HeldOut:
+        rng, task = random.Random(f"held-out-{config.seed}"), TokenSetTask()
+        prompts, lengths, sets = [], [], []
+        for _ in range(count):
+            max_tokens, named_set = trainer.prompt_length(config, rng)
+            tokens, meta = task.prompt(rng, named_set)
+            prompts.append(tokens)
+            lengths.append(max_tokens)
+            sets.append(meta["ids"])
+        return cls(prompts, lengths, sets)
+
+
+@torch.no_grad()
+def expected_reward(policy: torch.nn.Module, held_out: HeldOut, temperature: float, seed: int) -> float:
+    """The token-set reward's expectation under `policy` on `held_out`: along a continuation it samples (at
+    `temperature`, up to each prompt's length), the mean over positions of the probability of a set token."""
+    device = next(policy.parameters()).device
+    rows, width = len(held_out.prompts), max(len(p) for p in held_out.prompts)
+    ids = torch.zeros(rows, width, dtype=torch.long, device=device)
+    mask = torch.zeros(rows, width, dtype=torch.long, device=device)
+    for i, prompt in enumerate(held_out.prompts):  # left-padded: every row's next token is at the end
+        ids[i, width - len(prompt) :] = torch.tensor(prompt)
+        mask[i, width - len(prompt) :] = 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    lengths = torch.tensor(held_out.lengths, device=device)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    out = policy(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+    in_set = torch.zeros(rows, out.logits.shape[-1], device=device)
+    for i, ids_of_set in enumerate(held_out.sets):
+        in_set[i, ids_of_set] = 1.0
+    total = torch.zeros(rows, device=device)
+    for step in range(int(lengths.max())):
+        probs = torch.softmax(out.logits[:, -1].float() / temperature, dim=-1)
+        total += (probs * in_set).sum(-1) * (step < lengths)
+        token = torch.multinomial(probs, 1, generator=generator)
+        mask = torch.cat([mask, torch.ones_like(token)], dim=-1)
+        positions = positions[:, -1:] + 1
+        out = policy(
+            input_ids=token, attention_mask=mask, position_ids=positions, past_key_values=out.past_key_values,
+            use_cache=True,
+        )  # fmt: skip
+    return float((total / lengths).mean())
+
+
+# -- one run ------------------------------------------------------------------------------------
+
+
+def run_one(
+    trainer: ModuleType, url: str, config: Any, mode: Mode, model: Path, logs: Path, settings: Settings
+) -> dict[str, Any]:
+    """One mode and seed: the trainer's run, then its snapshots evaluated."""
+    ns = f"bench-rl-{mode.name.replace(':', '')}-{config.seed}"
+    snapshots: list[tuple[int, float, dict[str, torch.Tensor]]] = []
+
+    def keep(step: int, policy: torch.nn.Module, elapsed: float) -> None:
+        if (step + 1) % settings.eval_every == 0 or step + 1 == config.steps:
+            snapshots.append(
+                (step, elapsed, {k: v.detach().to("cpu", copy=True) for k, v in policy.state_dict().items()})
+            )
+
+    with trainer.generation_side(url, ns, model, settings.engine, 1, logs, list(settings.worker_args)):
+        watcher = RolloutClient(url, ns)
+        before = heartbeat(watcher, ns, newer_than=time.time())
+        started = time.monotonic()
+        steps = list(trainer.train(config, url, ns, model, on_step=keep))
+        wall = time.monotonic() - started
+        during = heartbeat(watcher, ns, newer_than=time.time())  # at most one beat (0.2 s) late
+        wait_idle(watcher, ns)
+        after = heartbeat(watcher, ns, newer_than=time.time())
+        left, parked = leftover_tokens(url, ns)
+    held_out = HeldOut.make(trainer, config, settings.eval_prompts)
+    policy = load_policy(model, config.device)
+    curve = []
+    for step, elapsed, state in snapshots:
+        policy.load_state_dict(state)
+        curve.append((step + 1, elapsed, expected_reward(policy, held_out, config.temperature, seed=config.seed)))
+    generated = int(after["generated_tokens"] - before["generated_tokens"])
+    trained = sum(s.tokens for s in steps)
+    reached = next(((n, t) for n, t, reward in curve if reward >= settings.target), None)
+    synced = [s.sync_stall_s for s in steps if s.publish_s > 0]
+    return {
+        "mode": mode.name,
+        "seed": config.seed,
+        "steps": len(steps),
+        "wall_s": round(wall, 3),
+        "time_to_target_s": round(reached[1], 3) if reached else None,
+        "steps_to_target": reached[0] if reached else None,
+        "final_eval_reward": round(curve[-1][2], 4),
+        "steps_per_s": round(len(steps) / steps[-1].elapsed_s, 4),
+        "trained_tokens_per_s": round(trained / steps[-1].elapsed_s, 1),
+        "trainer_idle": round(sum(s.wait_s for s in steps) / wall, 4),
+        "generator_idle": round(1 - (during["busy_s"] - before["busy_s"]) / (during["ts"] - before["ts"]), 4),
+        "tokens": {
+            "generated": generated,
+            "trained": trained,
+            "left_over": left,
+            "parked": parked,
+            "trained_share": round(trained / max(generated - left, 1), 4),
+        },
+        "tokens_per_step": round(trained / len(steps), 1),
+        "step_s_median": round(statistics.median(np.diff([0.0, *[s.elapsed_s for s in steps]])), 4),
+        "trainer_step_s_median": round(statistics.median(s.train_s + s.publish_s for s in steps), 4),
+        "staleness_token_mean": round(float(np.mean([s.staleness_token for s in steps])), 3),
+        "staleness_first_max": max(s.staleness_max for s in steps),
+        "clip_fraction_mean": round(float(np.mean([s.clip_fraction for s in steps])), 4),
+        "is_capped_fraction_mean": round(float(np.mean([s.is_capped_fraction for s in steps])), 4),
+        "sync_stall_s_median": round(statistics.median(synced), 4) if synced else 0.0,
+        "curve": [[n, round(t, 3), round(r, 4)] for n, t, r in curve],
+    }
+
+
+def load_policy(model: Path, device: str) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).to(device).eval()
+
+
+# -- the whole comparison -----------------------------------------------------------------------
+
+
+def spread(values: list[float]) -> dict[str, float] | None:
+    """Median, min and max; None when a value is missing (a seed that never reached the target)."""
+    if not values:
+        return None
+    return {"median": round(statistics.median(values), 3), "min": round(min(values), 3), "max": round(max(values), 3)}
+
+
+def median_or_none(values: list[float | None]) -> float | None:
+    """The median, a missing value (a seed that never reached the target) counting as later than any; None when the
+    median itself is missing (half the seeds or more never reached it)."""
+    if not values:
+        return None
+    middle = statistics.median(math.inf if v is None else v for v in values)
+    return None if math.isinf(middle) else round(middle, 3)
+
+
+def summarize(runs: list[dict[str, Any]], settings: Settings, full_batch_tokens_per_s: float) -> dict[str, Any]:
+    """Per mode over the seeds; `speedup` is sync's median time to target over the mode's."""
+    by_mode: dict[str, dict[str, Any]] = {}
+    for mode in settings.modes:
+        rows = [r for r in runs if r["mode"] == mode.name]
+        reached = [r["time_to_target_s"] for r in rows if r["time_to_target_s"] is not None]
+        by_mode[mode.name] = {
+            "seeds": len(rows),
+            "reached": len(reached),
+            "time_to_target_s": median_or_none([r["time_to_target_s"] for r in rows]),
+            "time_to_target_s_range": spread(reached),
+            "steps_to_target": median_or_none([r["steps_to_target"] for r in rows]),
+            "final_eval_reward": spread([r["final_eval_reward"] for r in rows]),
+            "steps_per_s": spread([r["steps_per_s"] for r in rows]),
+            "trained_tokens_per_s": spread([r["trained_tokens_per_s"] for r in rows]),
+            "trained_share": spread([r["tokens"]["trained_share"] for r in rows]),
+            "staleness_token_mean": spread([r["staleness_token_mean"] for r in rows]),
+            "clip_fraction_mean": spread([r["clip_fraction_mean"] for r in rows]),
+            "sync_stall_s_median": spread([r["sync_stall_s_median"] for r in rows]),
+        }
+    base = by_mode["sync"]["time_to_target_s"] if "sync" in by_mode else None
+    for row in by_mode.values():
+        ttt = row["time_to_target_s"]
+        row["speedup"] = round(base / ttt, 3) if base and ttt else None
+    sync_runs = [r for r in runs if r["mode"] == "sync"]
+    bound = None
+    if sync_runs:
+        generator_s = statistics.median(r["tokens_per_step"] for r in sync_runs) / full_batch_tokens_per_s
+        trainer_s = statistics.median(r["trainer_step_s_median"] for r in runs)
+        sync_step = statistics.median(r["step_s_median"] for r in sync_runs)
+        bound = {
+            "full_batch_tokens_per_s": round(full_batch_tokens_per_s, 1),
+            "generator_step_s": round(generator_s, 4),
+            "trainer_step_s": round(trainer_s, 4),
+            "sync_step_s": round(sync_step, 4),
+            "ideal_overlap_bound": round(sync_step / max(trainer_s, generator_s), 3),
+        }
+    return {"modes": by_mode, "bound": bound}
+
+
+def run_bench_rl(console: Console, settings: Settings, base: Any) -> dict[str, Any]:
+    """Every mode for every seed, on one Redis and one model; the report (JSON-ready)."""
+    trainer = load_trainer()
+    for mode in settings.modes:
+        mode.config(base, settings.seeds[0])  # what a user must fix, before anything starts
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="bench-rl-") as tmp, RedisServer() as server:
+        model, logs = Path(tmp) / "model", Path(tmp)
+        build_tiny_model(model, seed=0, hidden_size=settings.hidden_size, num_layers=settings.num_layers)
+        with Progress(console=console, transient=True) as progress:
+            task = progress.add_task("calibrating the worker", total=1 + len(settings.modes) * len(settings.seeds))
+            rate = calibrate(trainer, server.url, base, model, logs, settings)
+            progress.advance(task)
+            for seed in settings.seeds:
+                for mode in settings.modes:
+                    progress.update(task, description=f"seed {seed}, {mode.name}")
+                    config = mode.config(base, seed)
+                    runs.append(run_one(trainer, server.url, config, mode, model, logs, settings))
+                    progress.advance(task)
+    summary = summarize(runs, settings, rate)
+    return {
+        "settings": asdict(settings) | {"trainer": {k: v for k, v in asdict(base).items() if k != "seed"}},
+        "env": environment(),
+        "summary": summary,
+        "runs": runs,
+    }
+
+
+def environment() -> dict[str, Any]:
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return {"torch": torch.__version__, "python": sys.version.split()[0], "gpus": gpus, "date": time.strftime("%F")}
+
+
+def plot_bench_rl(report: dict[str, Any], path: Path) -> None:
+    """Eval reward against wall time: one colour a mode, one line a seed, the target dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4))
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    names = [m["name"] for m in report["settings"]["modes"]]
+    for run in report["runs"]:
+        colour = colours[names.index(run["mode"]) % len(colours)]
+        steps, times, rewards = zip(*run["curve"], strict=True)
+        label = run["mode"] if run["seed"] == report["settings"]["seeds"][0] else None
+        left.plot(times, rewards, color=colour, alpha=0.8, label=label)
+        right.plot(steps, rewards, color=colour, alpha=0.8, label=label)
+    for axis, xlabel in ((left, "seconds (evaluation off the clock)"), (right, "step")):
+        axis.axhline(report["settings"]["target"], color="k", linestyle="--", linewidth=0.8)
+        axis.set(xlabel=xlabel, ylabel="eval reward of the current policy", ylim=(0, 1.02))
+        axis.legend()
+    left.set_title("against wall time")
+    right.set_title("against steps")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+@contextlib.contextmanager
+def trainer_errors() -> Any:
+    """The trainer's `GenerationSideDied` (a `BaseException`) as a one-line exit."""
+    trainer = load_trainer()
+    try:
+        yield
+    except trainer.GenerationSideDied as exc:
+        sys.exit(f"bench-rl: a process of the run stopped: {exc}")
