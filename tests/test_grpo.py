@@ -1,8 +1,9 @@
 """The reference trainer (`examples/grpo_trainer.py`) learns through the pipeline, run as a user runs it.
 
 It starts `rollouts worker` and `rollouts manager` itself, trains on the token-set task and syncs
-weights every step. Each step's JSON line says what it trained on, so the tests check the staleness
-bound in every batch and that every sample was trained on once.
+weights every step. Each step's JSON line says what it trained on, so the tests check that every sample
+was trained on once and nothing admitted was thrown away. How soon each mode reaches a reward is
+`rollouts bench-rl`'s (benchmarks/tests/test_bench_rl.py).
 """
 
 from __future__ import annotations
@@ -18,9 +19,7 @@ from typing import Any
 
 import httpx
 import pytest
-import redis
 
-from benchmarks.cpu import command_line, descendants
 from pipeline.local import RedisServer
 from pipeline.wire import Keys
 from producers.client import RolloutClient
@@ -28,7 +27,6 @@ from tests.fixtures import StartWorker, wait_until
 from tests.vllm_server import vllm_server
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "grpo_trainer.py"
-ASYNC_VS_SYNC = EXAMPLE.with_name("async_vs_sync.py")
 
 
 def run_trainer(redis_server: RedisServer, ns: str, *args: str, timeout: float = 600) -> list[dict[str, Any]]:
@@ -66,13 +64,14 @@ def test_the_trainer_learns_the_task_in_sync_mode(redis_server: RedisServer, ns:
     assert (tmp_path / "curve.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_the_async_trainer_holds_the_bound_trains_each_sample_once_and_learns(
+def test_the_async_trainer_trains_each_sample_once_throws_nothing_away_and_learns(
     redis_server: RedisServer, ns: str
 ) -> None:
     *steps, summary = run_trainer(redis_server, ns, "--mode", "async", "--max-staleness", "1", "--steps", "120")
     assert summary["samples"] == summary["unique"] == 120 * 64, "every sample trained on once"
-    assert all(s["staleness_max"] <= 1 for s in steps), [s["staleness_max"] for s in steps]
-    assert any(s["staleness_max"] == 1 for s in steps), "fully async: some batches were generated a version back"
+    assert summary["parked"] == 0 and summary["trained_share"] == 1.0, "nothing admitted is thrown away"
+    assert any(s["staleness_max"] >= 1 for s in steps), "fully async: some batches were generated a version back"
+    assert all(s["staleness_token"] <= s["staleness_first"] <= s["staleness_max"] for s in steps)
     assert any(s["multi_version"] > 0 for s in steps), "samples continued across a weight sync (partials)"
     assert summary["final_reward"] > steps[0]["reward"] + 0.15, [round(s["reward"], 2) for s in steps]
 
@@ -133,8 +132,7 @@ def test_when_its_worker_dies_the_trainer_stops_and_says_so_instead_of_waiting_f
 def test_with_vllm_workers_paused_in_keep_mode_the_async_trainer_learns(redis_server: RedisServer, ns: str) -> None:
     args = ["--engine", "vllm", "--mode", "async", "--max-staleness", "1", "--pause-mode", "keep", "--steps", "100"]
     *steps, summary = run_trainer(redis_server, ns, *args)
-    assert summary["samples"] == summary["unique"] == 100 * 64
-    assert all(s["staleness_max"] <= 1 for s in steps)
+    assert summary["samples"] == summary["unique"] == 100 * 64 and summary["parked"] == 0
     assert any(s["multi_version"] > 0 for s in steps), "frozen requests continued under the new weights"
     assert summary["final_reward"] > steps[0]["reward"] + 0.15, [round(s["reward"], 2) for s in steps]
 
@@ -153,75 +151,18 @@ def test_with_a_vllm_server_as_the_engine_paused_in_keep_mode_the_async_trainer_
         args += ["--max-staleness", "1", "--pause-mode", "keep", "--steps", "60"]
         *steps, summary = run_trainer(redis_server, ns, *args)
         label = httpx.get(f"{server.url}/weight_info", timeout=10).json()["weight_version"]
-    assert summary["samples"] == summary["unique"] == 60 * 64
-    assert all(s["staleness_max"] <= 1 for s in steps)
+    assert summary["samples"] == summary["unique"] == 60 * 64 and summary["parked"] == 0
     assert any(s["multi_version"] > 0 for s in steps), "frozen requests continued under the new weights"
     assert summary["final_reward"] > steps[0]["reward"] + 0.15, [round(s["reward"], 2) for s in steps]
     assert label == str(steps[-1]["version"]), "the server serves the last weights the trainer published"
 
 
-@pytest.mark.parametrize("bad", [["--mode", "both"], ["--steps", "many"], ["--engine", "remote"]])
+@pytest.mark.parametrize(
+    "bad",
+    [["--mode", "both"], ["--steps", "many"], ["--engine", "remote"], ["--mode", "sync", "--sync-every", "2"],
+     ["--mode", "sync", "--park-max-age", "1"], ["--is-level", "word"]],
+)  # fmt: skip
 def test_bad_arguments_say_what_to_fix(bad: list[str]) -> None:
     result = subprocess.run([sys.executable, str(EXAMPLE), *bad], capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "error:" in result.stderr
-
-
-def test_when_its_worker_dies_async_vs_sync_stops_and_says_so(tmp_path: Path) -> None:
-    """`async_vs_sync` runs its modes on the same `generation_side` as the trainer: a worker killed once it generated
-    ends the benchmark with exit code 1 and a line that names it, and nothing it started is left running."""
-    args = [str(ASYNC_VS_SYNC), "--steps", "1000", "--etas", "1", "--groups-per-step", "4"]
-    process = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               start_new_session=True)  # fmt: skip
-    try:
-        worker = wait_for_generating_worker(process.pid, "rl-worker-0", timeout_s=180)
-        os.kill(worker, signal.SIGKILL)
-        _, stderr = process.communicate(timeout=60)
-        with pytest.raises(ProcessLookupError):  # its Redis, manager and worker were stopped: the group is empty
-            os.killpg(process.pid, 0)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
-    assert process.returncode == 1, stderr[-3000:]
-    assert "async_vs_sync: a process of the run stopped: rl-worker-0 was killed by signal 9" in stderr, stderr[-3000:]
-    assert "Traceback" not in stderr
-
-
-def wait_for_generating_worker(root: int, name: str, timeout_s: float) -> int:
-    """The PID of worker `name` among `root`'s descendants, once its heartbeat counts generated tokens (its own
-    arguments name its Redis and namespace: the benchmark starts a Redis of its own)."""
-    found: list[int] = []
-
-    def generating() -> bool:
-        for pid in descendants(root):
-            argv = command_line(pid)
-            if {"worker", "--redis", "--ns", name} <= set(argv):
-                url, ns = argv[argv.index("--redis") + 1], argv[argv.index("--ns") + 1]
-                with redis.Redis.from_url(url) as client:
-                    if int(client.hget(Keys(ns).worker(name), "generated_tokens") or 0) > 0:
-                        found.append(pid)
-                        return True
-        return False
-
-    wait_until(generating, timeout_s, f"{name} to generate")
-    return found[0]
-
-
-def test_async_vs_sync_accounts_for_every_generated_token(tmp_path: Path) -> None:
-    """A short `async_vs_sync` run: sync and async side by side, every token trained, left over or thrown away."""
-    args = ["--steps", "4", "--etas", "1", "--groups-per-step", "4", "--plot", str(tmp_path / "bench.png")]
-    result = subprocess.run([sys.executable, str(ASYNC_VS_SYNC), *args], capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout)
-    sync, async_1 = report["results"]
-    assert (sync["mode"], async_1["mode"]) == ("sync", "async η=1")
-    for row in (sync, async_1):
-        tokens = row["tokens"]
-        assert tokens["generated"] == tokens["trained"] + tokens["left_over"] + tokens["thrown_away"], row
-        assert row["steps"] == 4 and 0 <= row["trainer_idle"] <= 1 and 0 <= row["generator_idle"] <= 1
-    assert sync["speedup"] == 1.0 and sync["staleness_max"] == 0 and sync["tokens"]["trained_share"] == 1.0
-    assert sync["tokens"]["left_over"] == sync["tokens"]["thrown_away"] == 0
-    assert async_1["staleness_max"] <= 1
-    assert report["bound"]["ideal_overlap_bound"] > 0 and report["bound"]["full_batch_tokens_per_s"] > 0
-    assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
