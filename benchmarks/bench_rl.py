@@ -106,6 +106,8 @@ class Settings:
     eval_prompts: int = 32
     engine: str = "torch"
     worker_args: tuple[str, ...] = ()
+    worker_device: str = "cpu"
+    """The worker's device: a torch worker's `--device`, a vLLM worker's only visible GPU."""
     hidden_size: int = 64
     num_layers: int = 2
 
@@ -158,7 +160,7 @@ def calibrate(trainer: ModuleType, url: str, config: Any, model: Path, logs: Pat
     """The worker's tokens per busy second at full batching: equal-length samples, many more than a batch; in a
     namespace of its own, so that admission's counts of the runs measured after are not touched."""
     ns = "bench-rl-calibration"
-    with trainer.generation_side(url, ns, model, settings.engine, 1, logs, list(settings.worker_args)):
+    with generation_side(trainer, url, ns, model, logs, settings):
         client = RolloutClient(url, ns)
         before = heartbeat(client, ns)
         for i in range(4 * config.groups_per_step):
@@ -167,6 +169,14 @@ def calibrate(trainer: ModuleType, url: str, config: Any, model: Path, logs: Pat
         wait_idle(client, ns)
         after = heartbeat(client, ns, newer_than=time.time())
     return (after["generated_tokens"] - before["generated_tokens"]) / (after["busy_s"] - before["busy_s"])
+
+
+def generation_side(trainer: ModuleType, url: str, ns: str, model: Path, logs: Path, settings: Settings) -> Any:
+    """The trainer's `generation_side`: `rollouts manager` and one `rollouts worker` of the settings' engine."""
+    worker_args = list(settings.worker_args)
+    worker_args += ["--device", settings.worker_device] if settings.engine == "torch" else []
+    env = trainer.gpu_of(settings.worker_device) if settings.engine == "vllm" else None
+    return trainer.generation_side(url, ns, model, settings.engine, 1, logs, worker_args, worker_env=env)
 
 
 # -- evaluation, off the clock ------------------------------------------------------------------
@@ -241,7 +251,7 @@ def run_one(
                 (step, elapsed, {k: v.detach().to("cpu", copy=True) for k, v in policy.state_dict().items()})
             )
 
-    with trainer.generation_side(url, ns, model, settings.engine, 1, logs, list(settings.worker_args)):
+    with generation_side(trainer, url, ns, model, logs, settings):
         watcher = RolloutClient(url, ns)
         before = heartbeat(watcher, ns, newer_than=time.time())
         started = time.monotonic()

@@ -172,7 +172,12 @@ def bench_rl(
     ] = "redis://",
     engine: Annotated[str, typer.Option(help="The worker's engine: torch or vllm.")] = "torch",
     trainer_device: Annotated[str, typer.Option(help="The trainer's policy and step (cuda:0).")] = "cpu",
-    worker_device: Annotated[str, typer.Option(help="The worker's engine device (cuda:1).")] = "cpu",
+    worker_device: Annotated[
+        str, typer.Option(help="The worker's device (cuda:1): a torch worker's --device, a vLLM worker's only GPU.")
+    ] = "cpu",
+    engine_args: Annotated[
+        str | None, typer.Option(help="The worker's --engine-args (JSON), e.g. a vLLM worker's memory share.")
+    ] = None,
     max_batch: Annotated[int | None, typer.Option(help="The worker's largest decode batch.")] = None,
     hidden_size: Annotated[int, typer.Option(help="Of the random Qwen2 policy (multiple of 32).")] = 64,
     num_layers: Annotated[int, typer.Option(help="Of the random Qwen2 policy.")] = 2,
@@ -193,11 +198,12 @@ def bench_rl(
             sync_every=sync_every, park_max_age=park_max_age, pause_mode=pause_mode, transport=transport,
             device=trainer_device,
         )  # fmt: skip
-        worker_args = ("--device", worker_device) if engine == "torch" else ()
-        worker_args += ("--max-batch", str(max_batch)) if max_batch else ()
+        worker_args = ("--max-batch", str(max_batch)) if max_batch else ()
+        worker_args += ("--engine-args", engine_args) if engine_args else ()
         settings = Settings(
             modes=chosen, seeds=seed_list, steps=steps, target=target, eval_every=eval_every,
-            eval_prompts=eval_prompts, engine=engine, worker_args=worker_args, hidden_size=hidden_size,
+            eval_prompts=eval_prompts, engine=engine, worker_args=worker_args, worker_device=worker_device,
+            hidden_size=hidden_size,
             num_layers=num_layers,
         )  # fmt: skip
         torch_threads()

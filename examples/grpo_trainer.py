@@ -206,10 +206,12 @@ def generation_side(
     worker_args: Sequence[str] = (),
     scoring: str = "trainer",
     score_workers: int = 1,
+    worker_env: dict[str, str] | None = None,
 ) -> Iterator[None]:
     """`rollouts manager` and `workers` x `rollouts worker`, as a user starts them; stopped by PID at the end.
 
-    `worker_args`: more `rollouts worker` flags, e.g. `--device cuda:1` for a worker on a GPU of its own.
+    `worker_args`: more `rollouts worker` flags, e.g. `--device cuda:1` for a torch worker on a GPU of its own;
+    `worker_env`: variables for the workers alone, e.g. `CUDA_VISIBLE_DEVICES=1` for a vLLM worker.
     `scoring` `inline` or `rq` also starts `rollouts scorer` (and, for `rq`, `score_workers` x
     `rollouts score-worker` on a queue of this namespace's own).
     """
@@ -239,7 +241,7 @@ def generation_side(
             extra = ["--engine", engine, "--log-level", "warning", "--heartbeat-s", "0.2"]  # a fresh busy_s per mode
             extra += ["--num-threads", "1"] if engine == "torch" else []
             extra += list(worker_args)
-            processes[name] = start_worker(url, ns, model, name, *extra, log_file=log), log
+            processes[name] = start_worker(url, ns, model, name, *extra, log_file=log, env=worker_env), log
             try:
                 wait_for_worker(client.streams.redis, ns, name, processes[name][0], timeout_s=300)
             except (RuntimeError, TimeoutError) as exc:
@@ -262,6 +264,13 @@ def prompt_length(config: TrainConfig, rng: random.Random) -> tuple[int, int | N
     max_tokens = min(16 * config.max_tokens, round(config.max_tokens * u ** (-1.0 / config.length_alpha)))
     n_sets = TokenSetTask().n_sets
     return max_tokens, min(n_sets - 1, int((1.0 - u) * n_sets)) if config.length_sets else None
+
+
+def gpu_of(device: str) -> dict[str, str] | None:
+    """The environment that gives a vLLM worker GPU `cuda:N` alone (vLLM takes the first GPU it sees); None for cpu
+    or a bare `cuda`."""
+    kind, _, index = device.partition(":")
+    return {"CUDA_VISIBLE_DEVICES": index} if kind == "cuda" and index else None
 
 
 def submit_next(client: RolloutClient, task: TokenSetTask, config: TrainConfig, rng: random.Random, index: int,
@@ -451,7 +460,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--engine", default="torch", choices=["torch", "vllm", "remote"])
     parser.add_argument("--url", help="--engine remote: the vLLM server the workers drive (it serves --model).")
     parser.add_argument("--workers", type=int, default=1, help="Workers to start here (0: yours are running).")
-    parser.add_argument("--worker-device", default="cpu", help="torch engine: the workers' device (cuda:1).")
+    parser.add_argument(
+        "--worker-device", default="cpu", help="The workers' device (cuda:1; for vLLM, the GPU they may see)."
+    )
     parser.add_argument("--score-workers", type=int, default=1, help="--scoring rq: RQ score-workers to start here.")
     parser.add_argument("--plot", type=Path, help="Write the learning curve to this PNG.")
     args = parser.parse_args(argv)
@@ -475,11 +486,11 @@ def main(argv: list[str] | None = None) -> None:
         if args.workers:
             engine_flags = {"torch": ["--device", args.worker_device], "remote": ["--url", args.url]}
             worker_args = engine_flags.get(args.engine, [])
-            stack.enter_context(
-                generation_side(
-                    url, args.ns, model, args.engine, args.workers, tmp, worker_args, config.scoring, args.score_workers
-                )
-            )
+            side = generation_side(
+                url, args.ns, model, args.engine, args.workers, tmp, worker_args, config.scoring, args.score_workers,
+                worker_env=gpu_of(args.worker_device) if args.engine == "vllm" else None,
+            )  # fmt: skip
+            stack.enter_context(side)
         logs: list[StepLog] = []
         try:
             for log in train(config, url, args.ns, model):

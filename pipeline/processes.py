@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import redis
@@ -16,25 +16,34 @@ import redis
 from pipeline.wire import Keys
 
 
-def start_command(*args: str, log_file: Path | None = None, new_session: bool = False) -> subprocess.Popen[bytes]:
+def start_command(
+    *args: str, log_file: Path | None = None, new_session: bool = False, env: Mapping[str, str] | None = None
+) -> subprocess.Popen[bytes]:
     """`rollouts ARGS...` in its own process, as a user would run it (`new_session`: its own process group,
-    so that a test can kill it with its children, as a machine that dies would)."""
+    so that a test can kill it with its children, as a machine that dies would; `env`: variables set for it alone,
+    e.g. `CUDA_VISIBLE_DEVICES` for a vLLM worker on a GPU of its own)."""
     out = open(log_file, "ab") if log_file else subprocess.DEVNULL  # noqa: SIM115 - the child owns it
     return subprocess.Popen(
         [sys.executable, "-m", "pipeline.cli", *args],
         stdout=out,
         stderr=subprocess.STDOUT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         start_new_session=new_session,
     )
 
 
 def start_worker(
-    redis_url: str, ns: str, model: Path, name: str, *extra: str, log_file: Path | None = None
+    redis_url: str,
+    ns: str,
+    model: Path,
+    name: str,
+    *extra: str,
+    log_file: Path | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> subprocess.Popen[bytes]:
     """`rollouts worker` in its own process, as a user would run it."""
     args = ["worker", "--redis", redis_url, "--ns", ns, "--model", str(model), "--name", name, *extra]
-    return start_command(*args, log_file=log_file)
+    return start_command(*args, log_file=log_file, env=env)
 
 
 def wait_for_worker(
