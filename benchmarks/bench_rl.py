@@ -108,6 +108,9 @@ class Settings:
     worker_args: tuple[str, ...] = ()
     worker_device: str = "cpu"
     """The worker's device: a torch worker's `--device`, a vLLM worker's only visible GPU."""
+    logs: Path | None = None
+    """Keep the processes' logs here (the worker's: `rl-worker-0.log`, every run appended); None: a temporary
+    folder."""
     hidden_size: int = 64
     num_layers: int = 2
 
@@ -374,7 +377,8 @@ def run_bench_rl(console: Console, settings: Settings, base: Any) -> dict[str, A
         mode.config(base, settings.seeds[0])  # what a user must fix, before anything starts
     runs = []
     with tempfile.TemporaryDirectory(prefix="bench-rl-") as tmp, RedisServer() as server:
-        model, logs = Path(tmp) / "model", Path(tmp)
+        model, logs = Path(tmp) / "model", settings.logs or Path(tmp)
+        logs.mkdir(parents=True, exist_ok=True)
         build_tiny_model(model, seed=0, hidden_size=settings.hidden_size, num_layers=settings.num_layers)
         with Progress(console=console, transient=True) as progress:
             task = progress.add_task("calibrating the worker", total=1 + len(settings.modes) * len(settings.seeds))

@@ -181,6 +181,10 @@ def bench_rl(
     max_batch: Annotated[int | None, typer.Option(help="The worker's largest decode batch.")] = None,
     hidden_size: Annotated[int, typer.Option(help="Of the random Qwen2 policy (multiple of 32).")] = 64,
     num_layers: Annotated[int, typer.Option(help="Of the random Qwen2 policy.")] = 2,
+    logs: Annotated[Path | None, typer.Option(help="Keep the worker's and manager's logs in this folder.")] = None,
+    worker_log_level: Annotated[
+        str, typer.Option(help="The worker's --log-level (info: every sync's parts).")
+    ] = "warning",
     plot: Annotated[Path | None, typer.Option(help="Draw the eval reward against wall time to this PNG.")] = None,
 ) -> None:
     """Wall time to a target reward of the current policy: sync, one-step-off and async side by side; JSON out."""
@@ -200,10 +204,11 @@ def bench_rl(
         )  # fmt: skip
         worker_args = ("--max-batch", str(max_batch)) if max_batch else ()
         worker_args += ("--engine-args", engine_args) if engine_args else ()
+        worker_args += ("--log-level", worker_log_level)
         settings = Settings(
             modes=chosen, seeds=seed_list, steps=steps, target=target, eval_every=eval_every,
             eval_prompts=eval_prompts, engine=engine, worker_args=worker_args, worker_device=worker_device,
-            hidden_size=hidden_size,
+            logs=logs, hidden_size=hidden_size,
             num_layers=num_layers,
         )  # fmt: skip
         torch_threads()

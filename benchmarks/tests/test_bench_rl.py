@@ -22,6 +22,7 @@ from tests.fixtures import wait_until
 from tests.reference import load_model
 
 BENCH = [sys.executable, "-m", "benchmarks", "bench-rl"]
+SUMMARY = Path(__file__).resolve().parents[1] / "device" / "bench_rl_summary.py"
 
 
 def run_bench(*args: str, timeout: float = 600) -> dict[str, Any]:
@@ -50,6 +51,9 @@ def test_every_generated_token_is_trained_left_over_or_parked_and_each_mode_is_a
     assert runs["one-step-off"]["staleness_token_mean"] == 0.75 and runs["one-step-off"]["staleness_first_max"] == 1
     assert report["summary"]["bound"]["ideal_overlap_bound"] > 0
     assert (tmp_path / "rl.png").read_bytes()[:4] == b"\x89PNG"
+    (tmp_path / "rl.json").write_text(json.dumps(report))  # what a device call prints of it
+    summary = subprocess.run([sys.executable, str(SUMMARY), str(tmp_path / "rl.json")], capture_output=True, text=True)
+    assert summary.returncode == 0 and summary.stdout.count("\n") == 1 + 3 + 3, summary.stderr
 
 
 def test_the_eval_reward_is_the_probability_of_a_set_token_under_the_policy(tiny_model_dir: Path) -> None:
