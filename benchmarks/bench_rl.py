@@ -392,7 +392,7 @@ def run_bench_rl(console: Console, settings: Settings, base: Any) -> dict[str, A
                     progress.advance(task)
     summary = summarize(runs, settings, rate)
     return {
-        "settings": asdict(settings) | {"trainer": {k: v for k, v in asdict(base).items() if k != "seed"}},
+        "settings": asdict(settings) | {"logs": str(settings.logs)} | {"trainer": {k: v for k, v in asdict(base).items() if k != "seed"}},
         "env": environment(),
         "summary": summary,
         "runs": runs,
