@@ -391,8 +391,9 @@ def run_bench_rl(console: Console, settings: Settings, base: Any) -> dict[str, A
                     runs.append(run_one(trainer, server.url, config, mode, model, logs, settings))
                     progress.advance(task)
     summary = summarize(runs, settings, rate)
+    trainer_settings = {k: v for k, v in asdict(base).items() if k != "seed"}
     return {
-        "settings": asdict(settings) | {"logs": str(settings.logs)} | {"trainer": {k: v for k, v in asdict(base).items() if k != "seed"}},
+        "settings": asdict(settings) | {"logs": str(settings.logs), "trainer": trainer_settings},
         "env": environment(),
         "summary": summary,
         "runs": runs,
