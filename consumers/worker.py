@@ -30,7 +30,7 @@ import numpy as np
 import redis
 
 from consumers.adapters import WorkerAdapters
-from consumers.engines.base import Engine, EngineClosedError, EngineInputError, Generation
+from consumers.engines.base import Engine, EngineClosedError, EngineInputError, Generation, continuation_seed
 from consumers.lifecycle import EngineFactory, EngineSlot, WorkerStatus, receive_copy
 from consumers.metrics import WorkerMetrics
 from pipeline.control import CONTROL_BATCH, CONTROL_RECHECK_S
@@ -65,14 +65,25 @@ _EMPTY_TOKENS = np.zeros(0, dtype=np.int32)
 _EMPTY_LOGPROBS = np.zeros(0, dtype=np.float32)
 
 
+DEFAULT_MAX_INFLIGHT = 256
+"""Samples a worker takes at once when neither its settings nor its engine say (`WorkerSettings.max_inflight`)."""
+
+
 def default_worker_name() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
 @dataclass
 class WorkerSettings:
-    max_inflight: int = 256
-    """Samples in flight on the engine at once."""
+    max_inflight: int | None = None
+    """Samples in flight on the engine at once. None: as many as the engine decodes at once (`Engine.max_batch`: the
+    torch and synthetic engines' rows, vLLM's `max_num_seqs`), or 256 where it does not say. Taking more only queues
+    them inside the engine: they finish no sooner, and an abort pause ends and queues them all again. An entry of more
+    samples than this runs alone."""
+    max_inflight_tokens: int | None = None
+    """Tokens in flight at once, each sample counted as its prompt + `max_tokens` (the most it can hold), so that long
+    samples do not oversubscribe the engine. None: the engine's (`Engine.max_batch_tokens`: vLLM's KV cache in tokens,
+    once started; no limit on the other engines); 0: no limit. An entry larger than this runs alone."""
     block_ms: int = 1000
     """How long one read waits for new work."""
     heartbeat_s: float = 1.0
@@ -157,6 +168,10 @@ class Worker:
         self.generated_tokens = 0
         self._inflight: dict[tuple[str, bytes], Entry] = {}
         self._inflight_samples = 0
+        self._inflight_tokens = 0
+        """Prompt + `max_tokens` of each sample in `_inflight_samples`, summed (`max_inflight_tokens`)."""
+        self._waiting_for_room = 0
+        """Entries taken and decoded that wait for room under the caps (`_wait_for_room`): none is read meanwhile."""
         self._partials_first = True
         """Read `{ns}:partials` alone before the rest (`Streams.read_work`) until it runs short."""
         self._held: deque[Entry] = deque()
@@ -165,6 +180,8 @@ class Worker:
         self._mean_n: float | None = None
         """Samples per entry (an average): how many entries fit the room. None until the first entry: until
         then the worker reads one at a time, since a fresh worker that guessed 1 would take n times too many."""
+        self._mean_tokens: float | None = None
+        """Prompt + `max_tokens` per sample (an average): how many samples fit the token budget."""
         self._room = asyncio.Event()
         self._stopping = asyncio.Event()
         self._serving = asyncio.Event()
@@ -198,6 +215,53 @@ class Worker:
     def inflight_samples(self) -> int:
         """Samples of the work taken that are not yet published (what the heartbeat's `inflight` says)."""
         return self._inflight_samples
+
+    @property
+    def max_inflight(self) -> int:
+        """Samples this worker takes at once: its settings', else its engine's `max_batch`, else 256."""
+        if self.settings.max_inflight is not None:
+            return self.settings.max_inflight
+        return self.engine.max_batch or DEFAULT_MAX_INFLIGHT
+
+    @property
+    def max_inflight_tokens(self) -> int | None:
+        """Prompt + `max_tokens` of the samples this worker takes at once: its settings', else its engine's; None: no
+        limit."""
+        budget = self.settings.max_inflight_tokens
+        if budget is None:
+            budget = self.engine.max_batch_tokens
+        return budget or None
+
+    def _free_samples(self) -> int:
+        """Samples of room left under both caps (the token budget as samples of the mean size seen so far)."""
+        free = self.max_inflight - self._inflight_samples
+        budget = self.max_inflight_tokens
+        if budget is not None and self._mean_tokens is not None:
+            free = min(free, int((budget - self._inflight_tokens) / self._mean_tokens))
+        return free
+
+    def _fits(self, samples: int, tokens: int) -> bool:
+        """Whether an entry of `samples` samples and `tokens` tokens fits beside the work in flight (alone, it does)."""
+        if self._inflight_samples == 0:
+            return True
+        budget = self.max_inflight_tokens
+        return self._inflight_samples + samples <= self.max_inflight and (
+            budget is None or self._inflight_tokens + tokens <= budget
+        )
+
+    async def _wait_for_room(self, samples: int, tokens: int) -> bool:
+        """Wait until an entry fits (`_fits`): room is counted at the mean entry, so one larger than the rest may have
+        been read past it. False if the worker stops meanwhile (the entry then stays pending, for another worker)."""
+        self._waiting_for_room += 1
+        try:
+            while not self._fits(samples, tokens):
+                if self._stopping.is_set():
+                    return False
+                self._room.clear()
+                await self._room.wait()
+        finally:
+            self._waiting_for_room -= 1
+        return True
 
     def _account(self) -> None:
         """Called after every change of in-flight work, and by `_set_serving` (see `BusyClock`)."""
@@ -275,11 +339,12 @@ class Worker:
             if self._inflight and not self._slot.ready:
                 await self._engine_ready()  # no engine (lazy, released): take no more until it serves what it holds
                 continue
-            free = self.settings.max_inflight - self._inflight_samples
-            if free <= 0:
+            free = self._free_samples()
+            if self._waiting_for_room or (free <= 0 and self._inflight_samples):
                 self._room.clear()
                 await self._room.wait()
                 continue
+            free = max(free, 1)  # nothing in flight: an entry larger than a cap runs alone
             if self._held:
                 for _ in range(min(self._entries_for(free), len(self._held))):
                     self._start(self._held.popleft())
@@ -337,7 +402,7 @@ class Worker:
         nor after a read of more than `count` (two streams each gave some): the rest is held, not topped up."""
         if len(entries) != count or self._mean_n is None or self._stopping.is_set():
             return []  # it took all there was, or more, or it cannot tell what more would fit
-        free = self.settings.max_inflight - self._inflight_samples - round(count * self._mean_n)
+        free = self._free_samples() - round(count * self._mean_n)
         if free <= 0:
             return []
         return self.streams.read_work(
@@ -380,7 +445,7 @@ class Worker:
         hands them off (`hand_off_partials`) or stops. However it ends,
         the entry stops being held here (`_start` took it); if it was not acked, it stays pending.
         """
-        counted = 0
+        counted = tokens = 0
         samples: list[tuple[int, Partial | None]]
         try:
             try:
@@ -396,13 +461,19 @@ class Worker:
                 self.metrics.dead_letter("decode")
                 return
             self._mean_n = len(samples) if self._mean_n is None else 0.9 * self._mean_n + 0.1 * len(samples)
-            counted = len(samples)
+            size = min(len(prompt.tokens) + prompt.sampling.max_tokens, self.engine.max_model_len)
+            self._mean_tokens = size if self._mean_tokens is None else 0.9 * self._mean_tokens + 0.1 * size
+            if not await self._wait_for_room(len(samples), len(samples) * size):
+                return
+            counted, tokens = len(samples), len(samples) * size
             self._inflight_samples += counted
+            self._inflight_tokens += tokens
             self._account()
             await self._generate_and_publish(entry, prompt, samples)
         finally:
             del self._inflight[entry.stream, entry.id]
             self._inflight_samples -= counted
+            self._inflight_tokens -= tokens
             self._slot.last_work = time.monotonic()
             self._account()
             self._room.set()
@@ -453,8 +524,8 @@ class Worker:
         """Generate one sample, or the rest of `done`: a Rollout, or a Partial if a pause aborted it."""
         so_far = done.generated if done is not None else np.zeros(0, dtype=np.int32)
         sampling = prompt.sampling.model_copy(update={"max_tokens": prompt.sampling.max_tokens - len(so_far)})
-        if sampling.seed is not None:
-            sampling.seed += sample
+        if sampling.seed is not None:  # a continuation's own: the engine draws from the seed's start again
+            sampling.seed = continuation_seed(sampling.seed + sample, len(so_far))
         started = time.time()
         version = self.engine.version
         error = None
@@ -829,6 +900,7 @@ class Worker:
             "epoch": self._epoch,
             "stall_s": round(self._last_stall_s, 6),
             "inflight": self._inflight_samples,
+            "inflight_tokens": self._inflight_tokens,
             "published": self.published,
             "tokens_per_s": round(self._tokens_per_s, 1),
             "generated_tokens": self.generated_tokens,
@@ -848,7 +920,7 @@ class Worker:
 
     async def _claim_abandoned(self) -> int:
         """Claim work idle past `claim_idle_ms` (its worker died or hangs) while there is room; returns how many."""
-        free = self.settings.max_inflight - self._inflight_samples
+        free = self._free_samples()
         if free <= 0 or not self._serving.is_set():
             return 0
         count = self._entries_for(free)

@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from consumers.engines.base import EngineClosedError, EngineInputError, Generation
 from consumers.engines.tiny_model import EOS
-from consumers.engines.torch_engine import TorchEngine
+from consumers.engines.torch_engine import TorchEngine, _Request
 from pipeline.wire import Sampling
 from tests.engine_loop import wait_until_async
 from tests.reference import forward_logprobs, load_model, random_prompts
@@ -285,6 +285,54 @@ def test_pause_abort_ends_running_and_queued_requests(tiny_model_dir: Path) -> N
     for gen in ended[:2]:
         assert_matches_forward(tiny_model_dir, LONG_PROMPT, gen)
     assert len(later.tokens) == 3
+
+
+class AdmittingEngine(TorchEngine):
+    """The torch engine, keeping the ids of the requests in the order they got rows (instrumented, not replaced)."""
+
+    admitted: list[str]
+
+    def _admit(self, room: int) -> list[_Request]:
+        taken = super()._admit(room)
+        self.admitted.extend(r.id for r in taken)
+        return taken
+
+
+def test_after_an_abort_pause_the_samples_that_had_rows_get_rows_first(tiny_model_dir: Path) -> None:
+    """Two rows, five requests: p0 and p1 run, p2-p4 wait. An abort pause ends all five; a caller that continues
+    each after the resume in the order they ended (the worker does) must give p0 and p1 rows before the three that
+    never started, which follow in their order. (Ended waiting-first, the running ones queued behind them.)"""
+
+    async def go(engine: AdmittingEngine) -> tuple[list[str], list[str]]:
+        sampling = Sampling(max_tokens=500, temperature=1.0, seed=LONG_SEED)
+        ended: list[str] = []
+        resumed = asyncio.Event()
+
+        async def sample(request_id: str) -> Generation:
+            cut = await engine.generate(request_id, LONG_PROMPT, sampling)
+            ended.append(request_id)
+            await resumed.wait()  # as the worker: continue it after the resume, prompt + its tokens so far
+            rest = sampling.model_copy(update={"max_tokens": 3})
+            return await engine.generate(f"{request_id}+", np.concatenate([LONG_PROMPT, cut.tokens]), rest)
+
+        tasks = [asyncio.ensure_future(sample(f"p{i}")) for i in range(5)]
+        await wait_until_async(lambda: engine.generated_tokens >= 4)  # p0 and p1 have rows (max_batch=2)
+        await engine.pause("abort")
+        await wait_until_async(lambda: len(ended) == 5)
+        engine.admitted = []
+        await engine.resume()
+        resumed.set()
+        await asyncio.gather(*tasks)
+        return ended, engine.admitted
+
+    async def main() -> tuple[list[str], list[str]]:
+        async with AdmittingEngine(tiny_model_dir, num_threads=1, max_batch=2) as engine:
+            engine.admitted = []
+            return await go(engine)
+
+    ended, admitted = asyncio.run(main())
+    assert ended == ["p0", "p1", "p2", "p3", "p4"]
+    assert admitted == ["p0+", "p1+", "p2+", "p3+", "p4+"]
 
 
 def test_bad_checkpoint_is_refused_and_old_weights_keep_serving(tiny_model_dir: Path, tmp_path: Path) -> None:

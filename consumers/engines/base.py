@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol, Self
 
 import numpy as np
 
-from pipeline.wire import FinishReason, PauseMode, Sampling, Span
+from pipeline.wire import MAX_SAMPLES, FinishReason, PauseMode, Sampling, Span
 
 if TYPE_CHECKING:
     from staleness.weights.nccl import BroadcastLink
@@ -58,6 +58,18 @@ class Engine(Protocol):
     """Processes that hold the weights and each take a rank in an nccl broadcast."""
     max_loras: int
     """LoRA adapters it holds at once (0: it serves the base model only)."""
+
+    @property
+    def max_batch(self) -> int | None:
+        """Samples it decodes at once (torch and synthetic: their rows; vLLM: its `max_num_seqs`); None: it does not
+        say. A worker takes no more samples than this unless told otherwise (`WorkerSettings.max_inflight`)."""
+        ...
+
+    @property
+    def max_batch_tokens(self) -> int | None:
+        """Tokens the samples it runs may hold at once (vLLM: its KV cache, once started); None: no limit it knows.
+        A worker counts each sample it takes as its prompt + `max_tokens` against it (`max_inflight_tokens`)."""
+        ...
 
     async def start(self) -> None: ...
 
@@ -170,6 +182,19 @@ class ServesNoAdapters:
 
     async def resume_adapter(self, name: str) -> None:
         return None
+
+
+SEED_MIX = 0x9E3779B97F4A7C15
+"""Mixes a seed with a token count into the seed of a continuation (`continuation_seed`)."""
+
+
+def continuation_seed(seed: int | None, done: int) -> int | None:
+    """The seed of a sample's continuation after `done` tokens: a pure function of both, so a seeded sample cut at the
+    same point continues the same way, and never with the draws of its first tokens (an engine restarts a seed's
+    random stream at a request's first token). `done == 0` keeps the seed: nothing was drawn yet."""
+    if seed is None or done == 0:
+        return seed
+    return (seed * SEED_MIX + done + 1) % ((1 << 63) - MAX_SAMPLES)  # a seed any request takes (`Sampling`)
 
 
 def refuse_adapter(engine: str, adapter: str | None) -> None:

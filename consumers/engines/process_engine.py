@@ -65,6 +65,8 @@ class ProcessEngine(EngineLifecycle):
         self.vocab_size = local.vocab_size
         self.weight_receivers = local.weight_receivers
         self.max_loras = local.max_loras
+        self.max_batch = local.max_batch
+        self.max_batch_tokens = local.max_batch_tokens
         self.generated_tokens = 0
         self._layout: WeightLayout | None = None
         self._adapters: dict[str, int] = {}

@@ -135,6 +135,10 @@ class RemoteVllmEngine(ServesNoAdapters, EngineLifecycle):
         api_key: the server's `--api-key`, if it has one.
         pauses: the pause holders of a server shared with other workers (`consumers.engines.shared_server`; the worker
             command passes one): the server resumes only when no worker holds it paused.
+        max_batch: the server's `--max-num-seqs` (workers sharing a server: each its share), if the worker is to take no
+            more samples than that (the server does not say it; None: unknown, and the worker takes its default).
+        max_batch_tokens: a token budget for the samples this worker sends the server at once (prompt + `max_tokens`
+            each; None: none).
     """
 
     name = "remote"
@@ -152,6 +156,8 @@ class RemoteVllmEngine(ServesNoAdapters, EngineLifecycle):
         start_timeout_s: float = START_TIMEOUT_S,
         api_key: str | None = None,
         pauses: PauseHolders | None = None,
+        max_batch: int | None = None,
+        max_batch_tokens: int | None = None,
     ) -> None:
         del seed, dtype  # the server's own
         if not url.startswith(("http://", "https://")):
@@ -164,6 +170,7 @@ class RemoteVllmEngine(ServesNoAdapters, EngineLifecycle):
         self.vocab_size = limits.vocab_size
         self._eos_ids = limits.eos_ids
         self.weight_receivers = 1
+        self.max_batch, self.max_batch_tokens = max_batch, max_batch_tokens
         self._staging_dir = Path(staging_dir) if staging_dir is not None else None
         self._start_timeout_s = start_timeout_s
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}

@@ -69,6 +69,8 @@ class _Run:
 class SyntheticEngine(ServesNoAdapters, EngineLifecycle):
     name = "synthetic"
     weight_receivers = 1
+    max_batch_tokens: int | None = None
+    """It holds no cache: only `max_batch` bounds what it runs."""
 
     def __init__(
         self,

@@ -115,6 +115,8 @@ class TorchEngine(EngineLifecycle):
     name = "torch"
     weight_receivers = 1
     """Processes that take a rank in an nccl broadcast: this one."""
+    max_batch_tokens: int | None = None
+    """No token limit: its cache grows with the rows it runs (`max_batch` bounds them)."""
 
     def __init__(
         self,
@@ -569,18 +571,21 @@ class TorchEngine(EngineLifecycle):
         return admitted
 
     def _apply_aborts(self) -> None:
-        """End aborted requests, waiting, held or running (caller holds `_step_lock`)."""
+        """End aborted requests, running, held or waiting (caller holds `_step_lock`), and resolve them in that order:
+        a caller that continues each after a pause (the worker) then queues the samples that had rows ahead of those
+        that never started, so that they get rows first again."""
         with self._cv:
             aborts, self._aborts = self._aborts, set()
             if not aborts:
                 return
-            ended = [r for r in self._waiting if r in aborts]
-            for req in ended:
-                self._waiting.remove(req)
+            ended = [r for r in self._rows if r in aborts]
             ended += [r for r in self._held if r in aborts]
             self._held = [r for r in self._held if r not in aborts]
+            waiting = [r for r in self._waiting if r in aborts]
+            for req in waiting:
+                self._waiting.remove(req)
+            ended += waiting
         keep = [i for i, r in enumerate(self._rows) if r not in aborts]
-        ended += [r for r in self._rows if r in aborts]
         if len(keep) < len(self._rows):
             self._select_rows(keep)
         self._finish([(r, "abort") for r in ended])

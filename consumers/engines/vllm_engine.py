@@ -73,6 +73,7 @@ from consumers.engines.base import (
     EngineLifecycle,
     Generation,
     check_request,
+    continuation_seed,
     refuse_adapter,
 )
 from consumers.engines.lora import parse_adapter, save_adapter
@@ -107,9 +108,6 @@ _EMPTY_LOGPROBS = np.zeros(0, dtype=np.float32)
 PAUSE_ABORT_RETRY_S = 0.05
 """How often `pause_adapter` aborts again a request of the adapter that is still in vLLM: an abort that reaches
 vLLM before the request itself (just submitted) is a no-op there."""
-
-SEED_MIX = 0x9E3779B97F4A7C15
-"""Mixes a kept request's seed with its token count into the seed of its continuation (`_continuation_seed`)."""
 
 
 @dataclass(eq=False)
@@ -237,6 +235,24 @@ class VllmEngine(EngineLifecycle):
         """LoRA ids of replaced or removed versions, removed from vLLM once no request of them runs."""
         self._lora_dir: Path | None = None
         self._linears: dict[str, tuple[int, int]] | None = None
+
+    # -- capacity (what a worker takes at once) ----------------------------------------------------
+
+    @property
+    def max_batch(self) -> int | None:
+        """vLLM's `max_num_seqs`: as started, else as asked in the engine args (None: vLLM picks it at start)."""
+        if self._llm is not None:
+            return int(self._llm.vllm_config.scheduler_config.max_num_seqs)
+        asked = self.args.get("max_num_seqs")
+        return int(asked) if asked else None
+
+    @property
+    def max_batch_tokens(self) -> int | None:
+        """Tokens vLLM's KV cache holds (its blocks times their size), known once started; None before."""
+        if self._llm is None:
+            return None
+        cache = self._llm.vllm_config.cache_config
+        return int(cache.num_gpu_blocks * cache.block_size) if cache.num_gpu_blocks else None
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -382,7 +398,7 @@ class VllmEngine(EngineLifecycle):
 
         Each stretch runs under the adapter's version current when it starts; its tokens get that version's span.
         A continuation is prompt + tokens so far with the remaining `max_tokens` and, for a seeded request, a seed
-        derived from the seed and the tokens so far (`_continuation_seed`), so it stays reproducible.
+        derived from the seed and the tokens so far (`continuation_seed`), so it stays reproducible.
         """
         if name not in self._adapters:
             raise EngineInputError(f"adapter {name!r} is not loaded; loaded: {sorted(self._adapters)}")
@@ -409,7 +425,7 @@ class VllmEngine(EngineLifecycle):
                     sampling
                     if not done
                     else sampling.model_copy(
-                        update={"max_tokens": left, "seed": _continuation_seed(sampling.seed, done)}
+                        update={"max_tokens": left, "seed": continuation_seed(sampling.seed, done)}
                     )
                 )
                 params = self._sampling_params(len(seg_prompt), seg_sampling)
@@ -771,14 +787,6 @@ class VllmEngine(EngineLifecycle):
     def stats(self) -> dict[str, int]:
         """Counters for heartbeats and metrics (`running`: requests in flight, queued ones included)."""
         return {"running": len(self._live), "generated_tokens": self.generated_tokens, "version": self.version}
-
-
-def _continuation_seed(seed: int | None, done: int) -> int | None:
-    """The seed of a kept request's continuation after `done` tokens: a pure function of both, so a seeded request
-    cut at the same point continues the same way (vLLM would restart the seed's random stream from its start)."""
-    if seed is None:
-        return None
-    return (seed * SEED_MIX + done + 1) % (1 << 63)
 
 
 def _add_span(spans: list[tuple[int, int, int]], version: int, start: int, end: int) -> None:

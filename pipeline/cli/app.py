@@ -57,7 +57,22 @@ MetricsPortOpt = Annotated[
 ]
 MetricsAddrOpt = Annotated[str, typer.Option(help="Address the metrics endpoint listens on.")]
 # The worker loop's flags, shared by `rollouts worker` and `rollouts launch` (Ray).
-MaxInflightOpt = Annotated[int, typer.Option(help="Samples in flight on the engine at once.")]
+MaxInflightOpt = Annotated[
+    int | None,
+    typer.Option(
+        min=1,
+        help="Samples in flight on the engine at once. Default: as many as the engine decodes at once (torch and "
+        "synthetic: --max-batch; vLLM: its max_num_seqs; 256 where the engine does not say); a value given here wins.",
+    ),
+]
+MaxInflightTokensOpt = Annotated[
+    int | None,
+    typer.Option(
+        min=0,
+        help="Tokens in flight at once, each sample counted as prompt + max_tokens. Default: the engine's (vLLM: its "
+        "KV cache; none on the others); a value given here wins; 0: no limit.",
+    ),
+]
 ClaimIdleOpt = Annotated[int, typer.Option(help="Claim work untouched this long (a dead worker's).")]
 HeartbeatOpt = Annotated[float, typer.Option(help="Heartbeat period in seconds.")]
 LogLevelOpt = Annotated[str, typer.Option(help="debug, info, warning.")]
@@ -127,13 +142,14 @@ def check_engine(spec: EngineSpec) -> None:
 
 
 def worker_settings(
-    max_inflight: int,
+    max_inflight: int | None,
     claim_idle_ms: int,
     heartbeat_s: float,
     dedupe_ttl_s: int = 86_400,
     lazy: bool = False,
     release_after_s: float | None = None,
     hand_off_partials: bool = False,
+    max_inflight_tokens: int | None = None,
 ) -> WorkerSettings:
     """The worker loop's settings from its flags; a heartbeat lives at least 5 periods, and a blocking read waits at
     most one (a worker asked to beat every 0.3 s stops within 0.3 s, not the default read's 1 s)."""
@@ -141,6 +157,7 @@ def worker_settings(
 
     settings = WorkerSettings(
         max_inflight=max_inflight,
+        max_inflight_tokens=max_inflight_tokens,
         claim_idle_ms=claim_idle_ms,
         heartbeat_s=heartbeat_s,
         dedupe_ttl_s=dedupe_ttl_s,

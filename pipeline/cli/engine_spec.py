@@ -26,7 +26,10 @@ UrlOpt = Annotated[
 ]
 DtypeOpt = Annotated[str, typer.Option(help="Weights dtype: float32, bfloat16, float16.")]
 DeviceOpt = Annotated[str, typer.Option(help="torch engine: device (cpu, cuda, cuda:1).")]
-MaxBatchOpt = Annotated[int, typer.Option(help="torch engine: largest decode batch.")]
+MaxBatchOpt = Annotated[
+    int,
+    typer.Option(help="torch and synthetic engines: largest decode batch (and the worker's default --max-inflight)."),
+]
 ThreadsOpt = Annotated[int | None, typer.Option(help="torch engine: CPU threads (default 1 for small CPU models).")]
 MaxLenOpt = Annotated[int | None, typer.Option(help="Longest prompt + generation (default: the model's).")]
 KvCacheOpt = Annotated[int | None, typer.Option(help="vllm engine: KV cache size in bytes.")]
@@ -50,9 +53,9 @@ SeedOpt = Annotated[int | None, typer.Option(help="Engine seed, for requests tha
 EngineArgsOpt = Annotated[
     str | None,
     typer.Option(
-        help="vllm: extra AsyncEngineArgs as JSON, e.g. '{\"block_size\": 32}'; remote: '{\"staging_dir\": DIR, "
-        "\"start_timeout_s\": 600, \"api_key\": KEY}'; synthetic: its pace and lengths, "
-        "e.g. '{\"steps_per_s\": 100, \"lengths\": \"pareto:1.5\", \"min_tokens\": 16}'."
+        help='vllm: extra AsyncEngineArgs as JSON, e.g. \'{"block_size": 32}\'; remote: \'{"staging_dir": DIR, '
+        '"start_timeout_s": 600, "api_key": KEY}\'; synthetic: its pace and lengths, '
+        'e.g. \'{"steps_per_s": 100, "lengths": "pareto:1.5", "min_tokens": 16}\'.'
     ),
 ]
 

@@ -21,6 +21,7 @@ from pipeline.cli.app import (
     LazyOpt,
     LogLevelOpt,
     MaxInflightOpt,
+    MaxInflightTokensOpt,
     MetricsAddrOpt,
     MetricsPortOpt,
     NsOpt,
@@ -76,7 +77,8 @@ def worker(
     url: UrlOpt = None,
     engine_args: EngineArgsOpt = None,
     engine_process: EngineProcessOpt = False,
-    max_inflight: MaxInflightOpt = 256,
+    max_inflight: MaxInflightOpt = None,
+    max_inflight_tokens: MaxInflightTokensOpt = None,
     claim_idle_ms: ClaimIdleOpt = 10_000,
     heartbeat_s: HeartbeatOpt = 1.0,
     log_level: LogLevelOpt = "info",
@@ -101,7 +103,14 @@ def worker(
     check_engine(spec)
     streams = open_streams(redis_url, ns)
     settings = worker_settings(
-        max_inflight, claim_idle_ms, heartbeat_s, dedupe_ttl_s, lazy, release_after_s, hand_off_partials
+        max_inflight,
+        claim_idle_ms,
+        heartbeat_s,
+        dedupe_ttl_s,
+        lazy,
+        release_after_s,
+        hand_off_partials,
+        max_inflight_tokens,
     )
     name = name or default_worker_name()
     metrics = WorkerMetrics(ns, name, process_registry())
