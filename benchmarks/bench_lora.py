@@ -159,7 +159,7 @@ class AdapterSyncs:
         try:
             while True:
                 tensors, config = self.versions[self.published % len(self.versions)]
-                self.client.publish_weights(tensors, adapter="a", adapter_config=config, mode=self.mode)  # type: ignore[arg-type]
+                self.client.publish_weights(tensors, adapter="a", adapter_config=config, mode=self.mode)  # type: ignore[arg-type]  # a checked pause mode
                 self.published += 1
                 self._stalls.append(self.client.last_sync.stall_s if self.client.last_sync else 0.0)
                 if self._stop.wait(self.gap_s):  # 0: no wait at all

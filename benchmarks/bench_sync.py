@@ -168,7 +168,7 @@ def _measure(
             heartbeat = client.streams.keys.worker("bench-sync-worker")
             for r in range(rounds):
                 started = time.perf_counter()
-                version = client.publish_weights(weights[(r + 1) % 2], transport=transport, mode=mode)  # type: ignore[arg-type]
+                version = client.publish_weights(weights[(r + 1) % 2], transport=transport, mode=mode)  # type: ignore[arg-type]  # a checked pause mode
                 published = time.perf_counter()
                 while True:
                     status, served, stall = client.streams.redis.hmget(heartbeat, "status", "version", "stall_s")

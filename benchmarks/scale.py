@@ -192,7 +192,7 @@ class Syncer(threading.Thread):
             while not self._halt.wait(self.every_s):
                 before = server_counters(client.streams.redis)
                 began, began_wall = time.monotonic(), time.time()
-                client.publish_weights(weights, transport=f"fs://{self.weights_dir}", mode=self.mode)  # type: ignore[arg-type]
+                client.publish_weights(weights, transport=f"fs://{self.weights_dir}", mode=self.mode)  # type: ignore[arg-type]  # a checked pause mode
                 client.settle()  # the window of a sync ends once its resume has been rung to the whole fleet
                 ended = time.monotonic()
                 sync = client.last_sync

@@ -40,7 +40,7 @@ def main() -> None:
     for turn in range(2):
         reply = client.chat.completions.create(
             model=model,
-            messages=messages,  # type: ignore[arg-type]
+            messages=messages,  # type: ignore[arg-type]  # OpenAI's TypedDicts for plain dicts
             max_tokens=16,
             extra_headers=session,
         )

@@ -167,7 +167,7 @@ def test_connect_accepts_the_supported_versions(redis_server: RedisServer) -> No
 
 
 def _read_lines(stream: object, lines: queue.Queue[str]) -> None:
-    for line in stream:  # type: ignore[attr-defined]
+    for line in stream:
         lines.put(line)
 
 

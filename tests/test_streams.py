@@ -546,7 +546,7 @@ def test_a_sync_paces_its_waves_by_what_its_pause_costs_redis(real_redis: redis.
         if hand_off:  # one worker of the fleet hands its interrupted samples off: its heartbeat says so
             real_redis.hset(streams.keys.worker("w7"), PARTIALS_FIELD, HAND_OFF)
         gap = wave_gap(fleet, per_worker_s)
-        report = manager.sync(version, f"redis://{ns}/v{version}", mode=mode)  # type: ignore[arg-type]
+        report = manager.sync(version, f"redis://{ns}/v{version}", mode=mode)
         returned = time.monotonic()
         manager.settle()  # the resume is rung in a thread of the manager's after `sync` returns ...
         assert time.monotonic() - returned >= 0.8 * (len(plan) - 1) * gap  # ... while the trainer goes back to work
@@ -658,7 +658,7 @@ def test_collect_acks_its_groups_together_and_a_timeout_leaves_them_for_the_next
     client = RolloutClient(any_redis, ns, consumer="t")
     acks: list[int] = []
     ack = streams.ack_rollouts
-    client.streams.ack_rollouts = lambda ids: (ids and acks.append(len(ids)), ack(ids))[1]  # type: ignore[method-assign]
+    client.streams.ack_rollouts = lambda ids: (ids and acks.append(len(ids)), ack(ids))[1]
     assert [g.prompt_id for g in client.collect(2, timeout=5)] == ["a", "b"]
     assert acks == [4] and any_redis.xpending(streams.keys.rollouts, TRAINER)["pending"] == 2  # c's: read, not used
     with pytest.raises(TimeoutError):

@@ -31,7 +31,7 @@ def per_call_us(r: redis.Redis, calls: int, send: object) -> dict[str, float]:
     r.config_resetstat()
     pipe = r.pipeline(transaction=False)
     for _ in range(calls):
-        send(pipe)  # type: ignore[operator]
+        send(pipe)  # type: ignore[operator]  # the probe's callable
     pipe.execute()
     return command_us(r)
 
@@ -72,7 +72,7 @@ def publish_ways(r: redis.Redis, calls: int) -> dict[str, dict[str, float]]:
         keys = [streams.keys.rollouts, source.stream, streams.keys.partials, *buckets]
         transaction = r.pipeline(transaction=True)
         for partial in partials:
-            transaction.xadd(streams.keys.partials, partial.to_fields())  # type: ignore[arg-type]
+            transaction.xadd(streams.keys.partials, partial.to_fields())  # type: ignore[arg-type]  # redis-py's narrow field types
         transaction.evalsha(publish_sha, len(keys), *keys, GENERATORS, source.id, expiry_s, 0)
         transaction.execute()
 

@@ -26,17 +26,17 @@ def create_engine(kind: str, model: str, *, process: bool = False, **options: ob
     if kind == "torch":
         from consumers.engines.torch_engine import TorchEngine
 
-        return TorchEngine(model, **options)  # type: ignore[arg-type]
+        return TorchEngine(model, **options)  # type: ignore[arg-type]  # this engine's own options (EngineSpec)
     if kind == "vllm":
         from consumers.engines.vllm_engine import VllmEngine
 
-        return VllmEngine(model, **options)  # type: ignore[arg-type]
+        return VllmEngine(model, **options)  # type: ignore[arg-type]  # this engine's own options (EngineSpec)
     if kind == "synthetic":
         from consumers.engines.synthetic_engine import SyntheticEngine
 
-        return SyntheticEngine(model, **options)  # type: ignore[arg-type]
+        return SyntheticEngine(model, **options)  # type: ignore[arg-type]  # this engine's own options (EngineSpec)
     if kind == "remote":
         from consumers.engines.remote_engine import RemoteVllmEngine
 
-        return RemoteVllmEngine(model, **options)  # type: ignore[arg-type]
+        return RemoteVllmEngine(model, **options)  # type: ignore[arg-type]  # this engine's own options (EngineSpec)
     raise ValueError(f"unknown engine {kind!r}; choose one of {', '.join(ENGINES)}")

@@ -37,7 +37,7 @@ def read_model_limits(model_dir: Path, max_model_len: int | None) -> ModelLimits
     with contextlib.suppress(OSError, ValueError):  # no generation_config.json, or not one transformers reads
         eos += _as_ids(json.loads((Path(model_dir) / "generation_config.json").read_text()).get("eos_token_id"))
     return ModelLimits(
-        max_model_len=min(context or max_model_len, max_model_len or context),  # type: ignore[type-var]
+        max_model_len=min(v for v in (context, max_model_len) if v),  # the smaller of those given (one is: above)
         vocab_size=int(config["vocab_size"]),
         eos_ids=frozenset(eos),
         pad_id=int(config.get("pad_token_id") or 0),

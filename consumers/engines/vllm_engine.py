@@ -380,7 +380,8 @@ class VllmEngine(EngineLifecycle):
             tracked.segment = stream
         try:
             assert self._died is not None  # set with `_llm`
-            await asyncio.wait({stream, self._died}, return_when=asyncio.FIRST_COMPLETED)
+            either: set[asyncio.Future[Any]] = {stream, self._died}
+            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
             if not stream.done():
                 raise EngineClosedError(f"the vLLM engine died while request {request_id!r} was in flight")
             tokens, logprobs, last, cached = stream.result()
@@ -473,7 +474,8 @@ class VllmEngine(EngineLifecycle):
             assert self._died is not None
             waits = {asyncio.ensure_future(resumed.wait()), asyncio.ensure_future(tracked.ended.wait())}
             try:
-                await asyncio.wait({*waits, self._died}, return_when=asyncio.FIRST_COMPLETED)
+                any_of: set[asyncio.Future[Any]] = {*waits, self._died}
+                await asyncio.wait(any_of, return_when=asyncio.FIRST_COMPLETED)
             finally:
                 for wait in waits:
                     wait.cancel()

@@ -20,10 +20,13 @@ class RolloutsWorkerExtension:
     Method names carry a `rollouts_` prefix: vLLM refuses an extension that shadows a worker attribute.
     """
 
+    _rollouts_prepared: Future[Any] | None
+    """The group of a broadcast being built on a thread of its own (`rollouts_prepare_broadcast`)."""
+
     def rollouts_load_safetensors(self, blob: bytes) -> int:
         """Load weights (checkpoint names) from a safetensors blob in place; returns how many tensors."""
         tensors = load(blob)
-        self.reload_weights(weights_iterator=iter(tensors.items()))  # type: ignore[attr-defined]
+        self.reload_weights(weights_iterator=iter(tensors.items()))  # type: ignore[attr-defined]  # vLLM's Worker, which this extends at run time
         return len(tensors)
 
     def rollouts_mask_base_lora_rows(self) -> int:
@@ -47,7 +50,7 @@ class RolloutsWorkerExtension:
     def rollouts_prepare_broadcast(self, link: dict[str, Any]) -> int:
         """Build this process's group of the broadcast on a thread, and return at once (vLLM's steps go on)."""
         pool = ThreadPoolExecutor(1, thread_name_prefix="rollouts-broadcast")
-        rank, device = self.rank, self.device  # type: ignore[attr-defined]
+        rank, device = self.rank, self.device  # type: ignore[attr-defined]  # vLLM's Worker, which this extends at run time
         self._rollouts_prepared = pool.submit(prepare_receiver, BroadcastLink.from_dict(link), rank, device)
         pool.shutdown(wait=False)
         return 0
@@ -58,10 +61,10 @@ class RolloutsWorkerExtension:
         self._rollouts_prepared = None
         if prepared is not None:
             prepared.result()  # the group is built (or its error raised here)
-        rank = self.rank  # type: ignore[attr-defined]
-        device = self.device  # type: ignore[attr-defined]
+        rank = self.rank  # type: ignore[attr-defined]  # vLLM's Worker, which this extends at run time
+        device = self.device  # type: ignore[attr-defined]  # vLLM's Worker, which this extends at run time
         tensors = dict(receive_broadcast(BroadcastLink.from_dict(link), rank, device))
-        self.reload_weights(weights_iterator=iter(tensors.items()))  # type: ignore[attr-defined]
+        self.reload_weights(weights_iterator=iter(tensors.items()))  # type: ignore[attr-defined]  # vLLM's Worker, which this extends at run time
         return len(tensors)
 
 
@@ -80,5 +83,5 @@ def _mask_base_rows(shrink: Any) -> Any:
         n = min(base_rows.shape[0], output_tensor.shape[0])
         output_tensor[:n][base_rows[:n]] = 0
 
-    run._rollouts_masked = True  # type: ignore[attr-defined]
+    run._rollouts_masked = True  # type: ignore[attr-defined]  # vLLM's Worker, which this extends at run time
     return run

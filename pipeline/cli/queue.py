@@ -115,7 +115,7 @@ def publish_weights(
         version = client.publish_weights(
             source,
             transport=spec,
-            mode=mode,  # type: ignore[arg-type]
+            mode=mode,  # type: ignore[arg-type]  # typer checked it is abort or keep
             ack_timeout_s=ack_timeout_s,
             adapter=adapter,
         )

@@ -71,7 +71,7 @@ class _Patcher(importlib.abc.MetaPathFinder):
                     for patch in _PATCHES.pop(module.__name__, []):
                         patch(module)
 
-                spec.loader.exec_module = exec_module  # type: ignore[method-assign]
+                spec.loader.exec_module = exec_module  # type: ignore[method-assign]  # the probe's hook
                 return spec
         return None
 
