@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--n", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=16, help="The shortest response; the tail goes 16x further.")
     parser.add_argument("--length-alpha", type=float, default=1.5, help="Pareto exponent of response lengths.")
-    parser.add_argument("--pause-mode", default="abort", choices=["abort", "keep"])
+    parser.add_argument("--pause-mode", default="abort", choices=["abort", "keep", "inflight"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lr", type=float, default=TrainConfig.lr)
     parser.add_argument("--trainer-device", default="cpu", help="The trainer's policy and step (cuda:0).")

@@ -308,7 +308,11 @@ def plot(logs: list[StepLog], path: Path, title: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     defaults = TrainConfig()
-    choices = {"mode": ["sync", "async"], "pause_mode": ["abort", "keep"], "scoring": ["trainer", "inline", "rq"]}
+    choices = {
+        "mode": ["sync", "async"],
+        "pause_mode": ["abort", "keep", "inflight"],
+        "scoring": ["trainer", "inline", "rq"],
+    }
     for name, value in asdict(defaults).items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value, choices=choices.get(name))
     parser.add_argument("--redis", help="Redis URL (default: a private redis-server, started here).")
