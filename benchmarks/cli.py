@@ -110,7 +110,7 @@ def bench_sync(
         str, typer.Option(help="Transports, comma-separated: redis, fs, nccl, ipc.")
     ] = "redis,fs,nccl",
     rounds: Annotated[int, typer.Option(help="Publishes per size and transport; medians are reported.")] = 3,
-    mode: Annotated[str, typer.Option(help="Pause mode: abort or keep.")] = "abort",
+    mode: Annotated[str, typer.Option(help="Pause mode: abort, keep or inflight.")] = "abort",
     dtype: DtypeOpt = "float32",
     device: DeviceOpt = "cpu",
     max_batch: MaxBatchOpt = 64,
@@ -133,8 +133,8 @@ def bench_sync(
         fail(f"unknown sizes {unknown}; choose from {', '.join(SIZES)}")
     if unknown := [t for t in paths if t not in TRANSPORTS]:
         fail(f"unknown transports {unknown}; choose from {', '.join(TRANSPORTS)}")
-    if mode not in ("abort", "keep"):
-        fail(f"--mode must be abort or keep, not {mode!r}")
+    if mode not in ("abort", "keep", "inflight"):
+        fail(f"--mode must be abort, keep or inflight, not {mode!r}")
     spec = EngineSpec.from_flags(ctx.params, Path("per-size"))
     with user_errors():
         result = run_bench_sync(console, spec, chosen, paths, rounds, mode, trainer_device, logs, idle)
@@ -166,7 +166,7 @@ def bench_rl(
     minibatches: Annotated[int, typer.Option(help="Optimizer steps a batch.")] = 1,
     sync_every: Annotated[int, typer.Option(help="Async modes: publish weights every this many steps.")] = 1,
     park_max_age: Annotated[int, typer.Option(help="Async modes: park groups older than this (-1: never).")] = -1,
-    pause_mode: Annotated[str, typer.Option(help="How workers pause for a sync: abort or keep.")] = "abort",
+    pause_mode: Annotated[str, typer.Option(help="How workers pause for a sync: abort, keep or inflight.")] = "abort",
     transport: Annotated[
         str, typer.Option(help="Weights transport: redis://, fs://DIR, nccl://HOST:PORT.")
     ] = "redis://",

@@ -27,11 +27,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--target", type=float, default=0.3, help="The eval reward of the current policy to reach.")
     parser.add_argument("--length-alpha", type=float, default=1.5, help="Pareto exponent of response lengths.")
+    parser.add_argument("--pause-mode", default="abort", choices=["abort", "keep", "inflight"])
     parser.add_argument("--out", type=Path, help="Write the whole report (JSON) here.")
     parser.add_argument("--plot", type=Path, help="Draw eval reward against wall time to this PNG.")
     args = parser.parse_args(argv)
     trainer = load_trainer()
-    base = trainer.TrainConfig(steps=args.steps, length_alpha=args.length_alpha, length_sets=True)
+    base = trainer.TrainConfig(
+        steps=args.steps, length_alpha=args.length_alpha, length_sets=True, pause_mode=args.pause_mode
+    )
     try:
         modes = tuple(Mode.parse(m) for m in args.modes.split(","))
     except ValueError as exc:

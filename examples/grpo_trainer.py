@@ -448,7 +448,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     defaults = TrainConfig()
     choices = {
-        "mode": ["sync", "one-step-off", "async"], "pause_mode": ["abort", "keep"],
+        "mode": ["sync", "one-step-off", "async"], "pause_mode": ["abort", "keep", "inflight"],
         "scoring": ["trainer", "inline", "rq"], "objective": ["decoupled", "ppo"],
         "is_level": ["token", "sequence", "geometric"], "is_mode": ["truncate", "mask"],
     }  # fmt: skip

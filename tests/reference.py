@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from functools import cache
 from pathlib import Path
 
@@ -25,6 +26,48 @@ def forward_logprobs(model_dir: Path, prompt: list[int], tokens: list[int]) -> n
     logprobs = torch.log_softmax(logits, dim=-1)
     positions = torch.arange(len(prompt) - 1, len(prompt) + len(tokens) - 1)
     return logprobs[positions, torch.tensor(tokens, dtype=torch.long)].numpy()
+
+
+def kept_cache_log_softmax(
+    weights: Mapping[int, Path], prompt: list[int], tokens: list[int], spans: Sequence[tuple[int, int, int]]
+) -> torch.Tensor:
+    """The next-token distributions (log_softmax, one row per token) of an engine that swaps weights between decode
+    steps and keeps its KV cache (`pause("inflight")`), written out without any engine code.
+
+    The model call that samples token i runs under token i's version (its span's) and feeds token i-1 (the whole
+    prompt, for token 0) over the keys and values that the earlier calls wrote under their own versions. So each
+    input position is run by the version of the token predicted from it, the prompt by the first token's, and a
+    model of each version continues the `DynamicCache` the one before built: one pass per stretch of one version.
+    """
+    from transformers import DynamicCache
+
+    version_of = [v for v, start, end in spans for _ in range(start, end)]
+    assert len(version_of) == len(tokens), (spans, len(tokens))
+    ids = list(prompt) + list(tokens[:-1])
+    run_by = [version_of[0]] * len(prompt) + version_of[1:]  # position j of `ids` feeds the call predicting j + 1
+    cache = DynamicCache()
+    logits: list[torch.Tensor] = []
+    start = 0
+    with torch.inference_mode():
+        while start < len(ids):
+            end = start
+            while end < len(ids) and run_by[end] == run_by[start]:
+                end += 1
+            out = load_model(Path(weights[run_by[start]]))(
+                input_ids=torch.tensor([ids[start:end]]), past_key_values=cache, use_cache=True
+            )
+            cache = out.past_key_values
+            logits.append(out.logits[0].float())
+            start = end
+    return torch.log_softmax(torch.cat(logits)[len(prompt) - 1 :], dim=-1)
+
+
+def recomputed_log_softmax(model_dir: Path, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """The next-token distributions of `tokens` under one version over the whole prefix (a full recompute)."""
+    ids = torch.tensor([list(prompt) + list(tokens)])
+    with torch.inference_mode():
+        logits = load_model(Path(model_dir))(ids).logits[0].float()
+    return torch.log_softmax(logits[len(prompt) - 1 : len(prompt) + len(tokens) - 1], dim=-1)
 
 
 def random_prompts(lengths: list[int], seed: int = 0) -> list[np.ndarray]:
@@ -60,3 +103,15 @@ def check_spans_and_logprobs(rollout: Rollout, weights: dict[int, Path]) -> None
     for version, start, end in rollout.spans:
         expected = forward_logprobs(weights[version], prompt, tokens[:end])[start:end]
         np.testing.assert_allclose(rollout.logprobs[start:end], expected, atol=1e-4, err_msg=f"span {version}")
+
+
+def check_kept_cache_spans(rollout: Rollout, weights: dict[int, Path]) -> None:
+    """For samples of `inflight` syncs: spans cover every token in order, versions never go back, and the logprobs
+    are those of each token's version over a KV cache that each earlier version wrote for its own stretch."""
+    assert rollout.spans[0][1] == 0 and rollout.spans[-1][2] == rollout.n_tokens
+    for (v1, _, e1), (v2, s2, _) in zip(rollout.spans, rollout.spans[1:], strict=False):
+        assert e1 == s2 and v1 < v2
+    tokens = rollout.tokens.tolist()
+    mixed = kept_cache_log_softmax(weights, rollout.prompt_tokens.tolist(), tokens, rollout.spans)
+    expected = mixed.gather(1, torch.tensor(tokens)[:, None])[:, 0].numpy()
+    np.testing.assert_allclose(rollout.logprobs, expected, atol=1e-4, err_msg=f"spans {rollout.spans}")

@@ -114,7 +114,7 @@ def test_a_bad_prompts_file_queues_nothing_and_names_every_bad_line(
         (["worker", "--model", "/no/such/model"], ["no model at /no/such/model", "rollouts tiny-model"]),
         (["worker", "--model", "/tmp", "--engine", "tensorflow"], ["unknown engine 'tensorflow'"]),
         (["worker", "--model", "/tmp", "--engine-args", "[1, 2]"], ["--engine-args must be a JSON object"]),
-        (["publish-weights", "--from", "/tmp", "--mode", "pause"], ["--mode must be abort or keep"]),
+        (["publish-weights", "--from", "/tmp", "--mode", "pause"], ["--mode must be one of abort, keep, inflight"]),
         (["top", "--once", "--ns", "a:b", "--redis", "{url}"], ["namespace 'a:b'"]),
         (["demo", "--plot", "/no/such/dir/curve.png"], ["--plot /no/such/dir/curve.png: there is no directory"]),
     ],

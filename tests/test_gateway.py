@@ -265,7 +265,7 @@ def test_a_session_whose_worker_is_killed_mid_turn_finishes_on_another(
     beat.close()
 
 
-@pytest.mark.parametrize("mode", ["abort", "keep"])
+@pytest.mark.parametrize("mode", ["abort", "keep", "inflight"])
 def test_a_weight_sync_mid_turn_returns_one_complete_answer_spanning_both_versions(
     redis_server: RedisServer,
     ns: str,

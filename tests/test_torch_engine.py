@@ -24,7 +24,13 @@ from consumers.engines.tiny_model import EOS
 from consumers.engines.torch_engine import TorchEngine, _Request
 from pipeline.wire import Sampling
 from tests.engine_loop import wait_until_async
-from tests.reference import forward_logprobs, load_model, random_prompts
+from tests.reference import (
+    forward_logprobs,
+    kept_cache_log_softmax,
+    load_model,
+    random_prompts,
+    recomputed_log_softmax,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -264,6 +270,91 @@ def test_pause_keep_load_weights_resume_splits_spans(tiny_model_dir: Path, tiny_
     assert_matches_forward(tiny_model_dir_v1, LONG_PROMPT, kept, k, n)  # new weights over the whole prefix
     assert fresh.spans == [(1, 0, len(fresh.tokens))]
     assert_matches_forward(tiny_model_dir_v1, LONG_PROMPT, fresh)
+
+
+def test_pause_inflight_load_resume_splits_spans_and_keeps_the_kv_cache(
+    tiny_model_dir: Path, tiny_model_dir_v1: Path
+) -> None:
+    """`inflight`: the sample goes on over the cache v0 wrote; its tokens after the load are sampled by v1 over it.
+
+    Span 0 equals a forward pass of v0; span 1 equals a pass where v0 ran the prompt and the tokens before the
+    swap and v1 ran the rest over v0's keys and values (`kept_cache_log_softmax`, no engine code); and it is not
+    what a full v1 recompute gives (the off-policyness the mode costs, printed)."""
+
+    async def go(engine: TorchEngine) -> tuple[Generation, int, dict[str, int], dict[str, int]]:
+        request = asyncio.ensure_future(
+            engine.generate("inflight", LONG_PROMPT, Sampling(max_tokens=80, temperature=1.0, seed=LONG_SEED))
+        )
+        await wait_until_async(lambda: engine.generated_tokens >= 5)
+        await engine.pause("inflight")
+        frozen = engine.generated_tokens
+        await engine.load_weights(str(tiny_model_dir_v1), version=1)
+        assert engine.generated_tokens == frozen and not request.done()  # nothing moved while paused
+        before = engine.stats()
+        await engine.resume()
+        return await request, frozen, before, engine.stats()
+
+    kept, frozen, before, after = run(go, tiny_model_dir)
+    assert len(kept.spans) == 2, kept.spans
+    (v0, s0, k), (v1, k1, n) = kept.spans
+    assert (v0, s0, v1, k1, n) == (0, 0, 1, k, len(kept.tokens)) and k == frozen and 5 <= k < n
+    assert_matches_forward(tiny_model_dir, LONG_PROMPT, kept, 0, k)  # exactly a forward pass of v0
+    prompt, tokens = LONG_PROMPT.tolist(), kept.tokens.tolist()
+    index = torch.tensor(tokens)[:, None]
+    weights = {0: tiny_model_dir, 1: tiny_model_dir_v1}
+    mixed = kept_cache_log_softmax(weights, prompt, tokens, kept.spans)
+    np.testing.assert_allclose(kept.logprobs, mixed.gather(1, index)[:, 0].numpy(), rtol=0, atol=ATOL)
+    # Against a full recompute under v1 (what `keep` would have sampled from): the price of keeping the cache.
+    recomputed = recomputed_log_softmax(tiny_model_dir_v1, prompt, tokens)
+    gap = np.abs(kept.logprobs[k:] - recomputed.gather(1, index)[k:, 0].numpy())
+    kl = (mixed[k:].exp() * (mixed[k:] - recomputed[k:])).sum(-1)
+    assert gap.max() > 100 * ATOL  # the reference tells the two apart: span 1 is not a v1 recompute
+    assert after["recomputed_tokens"] == before["recomputed_tokens"] == 0
+    assert after["prefill_tokens"] == len(prompt)  # the prompt, once: the sync prefilled nothing again
+    print(
+        f"inflight: spans {kept.spans}; span 1 vs a full v1 recompute: sampled-token logprob |diff| max "
+        f"{gap.max():.3f} mean {gap.mean():.3f}, KL(inflight || recompute) mean {kl.mean():.4f} max {kl.max():.4f} nats"
+    )
+
+
+def test_an_inflight_sync_prefills_nothing_again_and_a_keep_sync_recomputes_every_running_row(
+    tiny_model_dir: Path, tiny_model_dir_v1: Path
+) -> None:
+    """Three running rows through an `inflight` sync, then a `keep` sync: the engine's prefill counters show the
+    first recomputed nothing and the second ran each row's prompt and tokens so far again."""
+    prompts = random_prompts([7, 12, 9], seed=4)  # with LONG_SEED, 120 tokens each under v0 (no eos)
+
+    async def go(engine: TorchEngine) -> tuple[list[Generation], dict[str, int], dict[str, int]]:
+        sampling = Sampling(max_tokens=120, temperature=1.0, seed=LONG_SEED)
+        tasks = [asyncio.ensure_future(engine.generate(f"r{i}", p, sampling)) for i, p in enumerate(prompts)]
+        await wait_until_async(lambda: engine.generated_tokens >= 3 * 5)
+        await engine.pause("inflight")
+        await engine.load_weights(str(tiny_model_dir_v1), version=1)
+        await engine.resume()
+        resumed = engine.generated_tokens
+        await wait_until_async(lambda: engine.generated_tokens >= resumed + 3 * 5 or all(t.done() for t in tasks))
+        after_inflight = engine.stats()
+        await engine.pause("keep")
+        await engine.load_weights(str(tiny_model_dir), version=2)
+        await engine.resume()
+        return list(await asyncio.gather(*tasks)), after_inflight, engine.stats()
+
+    gens, after_inflight, end = run(go, tiny_model_dir)
+    prompt_tokens = sum(len(p) for p in prompts)
+    assert after_inflight["recomputed_tokens"] == 0 and after_inflight["prefill_tokens"] == prompt_tokens
+    # The keep sync recomputed every row still running then: its prompt and its tokens before the v2 span.
+    running = [len(p) + spans[-1][1] for p, g in zip(prompts, gens, strict=True) if (spans := g.spans)[-1][0] == 2]
+    assert running, [g.spans for g in gens]
+    assert end["recomputed_tokens"] == sum(running)
+    assert end["prefill_tokens"] == prompt_tokens + sum(running)
+    for p, g in zip(prompts, gens, strict=True):
+        assert [v for v, _, _ in g.spans][:2] == [0, 1]
+        tokens = g.tokens.tolist()
+        index = torch.tensor(tokens)[:, None]
+        k2 = g.spans[2][1] if len(g.spans) == 3 else len(tokens)
+        mixed = kept_cache_log_softmax({0: tiny_model_dir, 1: tiny_model_dir_v1}, p.tolist(), tokens[:k2], g.spans[:2])
+        np.testing.assert_allclose(g.logprobs[:k2], mixed.gather(1, index[:k2])[:, 0].numpy(), rtol=0, atol=ATOL)
+        assert_matches_forward(tiny_model_dir, p, g, k2)  # after keep: v2 (the seed-0 weights) over everything
 
 
 def test_pause_abort_ends_running_and_queued_requests(tiny_model_dir: Path) -> None:

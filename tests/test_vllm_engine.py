@@ -29,7 +29,7 @@ from consumers.engines.torch_engine import TorchEngine
 from consumers.engines.vllm_engine import VllmEngine
 from pipeline.wire import Sampling
 from tests.engine_loop import Served, wait_until_async
-from tests.reference import forward_logprobs, random_prompts
+from tests.reference import forward_logprobs, kept_cache_log_softmax, random_prompts
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("one_thread")]
 
@@ -314,6 +314,57 @@ def test_pause_keep_load_resume_splits_spans(
     assert fresh.spans == [(1, 0, len(fresh.tokens))]
     assert_matches_forward(tiny_model_dir_v1, LONG_PROMPT, fresh)
     print(f"pause keep: spans {kept.spans}, max diff v0 span {d0:.2e}, v1 span {d1:.2e}")
+
+
+# -- pause("inflight"): the running request keeps its KV cache across the load ----------------
+
+
+def test_pause_inflight_load_resume_keeps_running_requests_with_their_kv_cache(
+    served: Served, engine: VllmEngine, tiny_model_dir: Path, tiny_model_dir_v1: Path
+) -> None:
+    """vLLM paused with `keep` and `clear_cache=False` (PipelineRL's way): the request goes on over the KV blocks v0
+    wrote, so span 1's logprobs are those of v1 over v0's cache (`kept_cache_log_softmax`), not of a v1 recompute.
+    Blocks v0 computed stay in the prefix cache (it cannot be reset while the request holds blocks), and a request
+    that starts after the load finds none of them: their hashes are salted with the version."""
+    cached_prompt = random_prompts([140], seed=7)[0]  # one full KV block (128 tokens on CPU) and then some
+
+    async def go() -> tuple[Generation, Generation, Generation, int]:
+        await engine.generate("f-warm", cached_prompt, Sampling(max_tokens=2, seed=1))
+        again = await engine.generate("f-again", cached_prompt, Sampling(max_tokens=2, seed=1))
+        base = engine.generated_tokens
+        request = asyncio.ensure_future(
+            engine.generate("f-kept", LONG_PROMPT, Sampling(max_tokens=200, temperature=1.0, seed=LONG_SEED))
+        )
+        await wait_until_async(lambda: engine.generated_tokens >= base + 40)  # 3 full KV blocks of 16 tokens
+        await engine.pause("inflight")
+        await engine.load_weights(str(tiny_model_dir_v1), version=1)
+        frozen = engine.generated_tokens - base
+        assert not request.done()
+        await engine.resume()
+        kept = await request
+        fresh = await engine.generate("f-fresh", cached_prompt, Sampling(max_tokens=20, temperature=1.0, seed=3))
+        return again, kept, fresh, frozen
+
+    again, kept, fresh, frozen = served.run(go())
+    assert again.cached_tokens == 128  # the prefix cache is on: v0's block is found under v0
+    assert engine.version == 1
+    assert len(kept.spans) == 2, kept.spans
+    (v0, s0, k), (v1, k1, n) = kept.spans
+    assert (v0, s0, v1, k1, n) == (0, 0, 1, k, len(kept.tokens)) and 40 <= k == frozen < n
+    d0 = assert_matches_forward(tiny_model_dir, LONG_PROMPT, kept, 0, k)  # old weights for the old span
+    prompt, tokens = LONG_PROMPT.tolist(), kept.tokens.tolist()
+    index = torch.tensor(tokens)[:, None]
+    mixed = kept_cache_log_softmax({0: tiny_model_dir, 1: tiny_model_dir_v1}, prompt, tokens, kept.spans)
+    d1 = float(np.abs(kept.logprobs[k:] - mixed.gather(1, index)[k:, 0].numpy()).max())
+    assert d1 <= ATOL, f"span 1 differs from v1 over v0's cache by up to {d1:.2e}"
+    recompute_gap = max_forward_diff(tiny_model_dir_v1, LONG_PROMPT, kept, k, n)
+    assert recompute_gap > 100 * ATOL  # not recomputed: a v1 pass over the whole prefix gives other logprobs
+    assert fresh.cached_tokens == 0 and fresh.spans == [(1, 0, len(fresh.tokens))]
+    assert_matches_forward(tiny_model_dir_v1, cached_prompt, fresh)
+    print(
+        f"pause inflight: spans {kept.spans}, max diff v0 span {d0:.2e}, v1-over-v0-cache span {d1:.2e}, "
+        f"vs a full v1 recompute {recompute_gap:.2f}"
+    )
 
 
 # -- weight loads: checks, one file, tensors from memory ---------------------------------------

@@ -23,7 +23,7 @@ from producers.client import Group, RolloutClient
 from staleness.manager import Manager, SyncError
 from staleness.state import read_state
 from tests.fixtures import ENGINES_ON_BOTH_REDIS, StartWorker, wait_until
-from tests.reference import check_spans_and_logprobs
+from tests.reference import check_kept_cache_spans, check_spans_and_logprobs
 
 
 def generating(client: RolloutClient, at_least: int) -> Callable[[], bool]:
@@ -87,6 +87,34 @@ def test_weights_published_mid_generation_reach_every_sample_exactly_once(
         # Only the current version is kept, and it was broadcast: the stored ones are gone.
         assert not list(client.streams.redis.scan_iter(match=client.streams.keys.weights_prefix + f"{v + 1}:*"))
         assert not [p.name for p in (tmp_path / "weights").iterdir() if p.name.startswith("v")]
+
+
+def test_inflight_syncs_mid_generation_reach_every_sample_once_with_spans_over_the_kept_cache(
+    redis_server: RedisServer, ns: str, tiny_model_dir: Path, tiny_model_dir_v1: Path, workers: StartWorker
+) -> None:
+    """`publish_weights(..., mode="inflight")` twice while two torch workers generate: every sample arrives once,
+    nothing is interrupted (no partials), and each token's logprob is its version's over the cache the earlier
+    versions wrote (the running samples were neither ended nor prefilled again)."""
+    workers("w1", "--engine", "torch")
+    workers("w2", "--engine", "torch")
+    client = RolloutClient(redis_server.url, ns)
+    prompts = [client.submit(tokens=[5 + i, 40, 41, 42], n=2, max_tokens=300, seed=i) for i in range(16)]
+    wait_until(generating(client, 8), 60, "generation to start")
+    assert client.publish_weights(tiny_model_dir_v1, transport="redis://", mode="inflight") == 1
+    assert sorted(client.last_sync.acked) == ["w1", "w2"] and client.last_sync.evicted == []
+    assert client.publish_weights(tiny_model_dir, transport="redis://", mode="inflight") == 2
+    assert sorted(client.last_sync.acked) == ["w1", "w2"] and client.last_sync.evicted == []
+
+    groups: list[Group] = client.collect(len(prompts), timeout=240)
+    rollouts = [r for g in groups for r in g.rollouts]
+    assert sorted(r.id for r in rollouts) == sorted(f"{p}:{k}" for p in prompts for k in range(2))
+    assert client.stats["duplicates"] == 0
+    assert all(r.finish_reason in ("stop", "length") for r in rollouts)
+    weights = {0: tiny_model_dir, 1: tiny_model_dir_v1, 2: tiny_model_dir}
+    for rollout in rollouts:
+        check_kept_cache_spans(rollout, weights)
+    assert any(len(r.spans) >= 2 for r in rollouts), "some rollouts must span two or more versions"
+    assert client.streams.redis.xinfo_stream(client.streams.keys.partials)["last-generated-id"] == b"0-0"
 
 
 def test_a_worker_stuck_between_pause_and_ack_is_evicted_and_its_work_finishes_elsewhere(

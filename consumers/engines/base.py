@@ -103,7 +103,8 @@ class Engine(Protocol):
     async def pause_adapter(self, name: str, mode: PauseMode) -> None:
         """Stop generating for adapter `name` only; returns once no step runs with it. `abort`: its requests end
         now with the tokens so far (`finish_reason="abort"`); `keep`: they stay, frozen, and go on after
-        `resume_adapter`. Either way new requests of it wait. Other adapters and the base model go on."""
+        `resume_adapter`; `inflight`: as `keep` (no engine keeps an adapter's KV cache across its versions). Either
+        way new requests of it wait. Other adapters and the base model go on."""
         ...
 
     async def resume_adapter(self, name: str) -> None: ...
@@ -112,7 +113,11 @@ class Engine(Protocol):
         """End these requests now; their `generate` calls return the tokens so far with `abort`."""
         ...
 
-    async def pause(self, mode: PauseMode) -> None: ...
+    async def pause(self, mode: PauseMode) -> None:
+        """Stop generating between two steps; returns once none runs. `abort`: every request ends now with its tokens
+        so far; `keep`: requests freeze, and after a load go on with their KV cache recomputed by the new weights;
+        `inflight`: requests freeze, and after a load go on with the KV cache they have (no recompute)."""
+        ...
 
     async def resume(self) -> None: ...
 

@@ -56,7 +56,7 @@ from consumers.engines.base import (
 )
 from consumers.engines.model_files import as_cpu_tensors, check_checkpoint_fits, checkpoint_shapes, read_model_limits
 from consumers.engines.vllm_common import VLLM_FINISH_REASONS, vllm_spans
-from pipeline.wire import PauseMode, Sampling
+from pipeline.wire import PAUSE_MODES, PauseMode, Sampling
 
 log = logging.getLogger(__name__)
 
@@ -355,12 +355,13 @@ class RemoteVllmEngine(ServesNoAdapters, EngineLifecycle):
 
     async def pause(self, mode: PauseMode) -> None:
         """Pause the server: `abort` ends every request now with its partial tokens, `keep` freezes them. Requests
-        that arrive while paused wait for `resume` on the server."""
-        if mode not in ("abort", "keep"):
-            raise ValueError(f"pause mode must be 'abort' or 'keep', got {mode!r}")
+        that arrive while paused wait for `resume` on the server. `inflight` pauses as `keep` here (the KV cache is
+        recomputed after a load): keeping it on a server is not wired yet."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {', '.join(PAUSE_MODES)}; got {mode!r}")
         http = await self._started()
         self._paused = True
-        await self._pause_server(http, mode)
+        await self._pause_server(http, "keep" if mode == "inflight" else mode)
 
     async def resume(self) -> None:
         async with self._load_lock:

@@ -1,7 +1,7 @@
 """The `synthetic` engine: tokens and logprobs from a seeded generator, at a set pace, with no model.
 
 Soak, chaos and scale runs should measure the pipeline (Redis, the worker loop, the trainer client,
-weight syncs), not a model: this engine speaks the whole engine protocol (abort, both pause modes,
+weight syncs), not a model: this engine speaks the whole engine protocol (abort, every pause mode,
 loading a version from any transport, per-token version spans) and costs almost no CPU.
 
 How it paces: like a batched engine, it makes one token per running request per step, at
@@ -40,7 +40,7 @@ from consumers.engines.base import (
     refuse_adapter,
 )
 from consumers.engines.model_files import read_model_limits
-from pipeline.wire import FinishReason, PauseMode, Sampling, Span
+from pipeline.wire import PAUSE_MODES, FinishReason, PauseMode, Sampling, Span
 
 if TYPE_CHECKING:
     from staleness.weights.nccl import BroadcastLink
@@ -194,7 +194,10 @@ class SyntheticEngine(ServesNoAdapters, EngineLifecycle):
                 run.wake.set()
 
     async def pause(self, mode: PauseMode) -> None:
-        """`abort`: every request in flight ends now with its tokens so far. `keep`: they freeze in place."""
+        """`abort`: every request in flight ends now with its tokens so far. `keep` and `inflight`: they freeze in
+        place (there is no cache to keep or recompute: both continue alike, each token tagged with its version)."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {', '.join(PAUSE_MODES)}; got {mode!r}")
         self._serving.clear()
         for run in self._runs.values():
             run.aborted = run.aborted or mode == "abort"

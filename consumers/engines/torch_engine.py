@@ -36,7 +36,7 @@ import torch
 from consumers.engines.base import EngineClosedError, EngineInputError, EngineLifecycle, Generation, check_request
 from consumers.engines.lora import LoraModule, ParsedAdapter, linear_shapes, module_types, parse_adapter
 from consumers.engines.model_files import WeightLayout, read_model_limits
-from pipeline.wire import FinishReason, PauseMode, Sampling
+from pipeline.wire import PAUSE_MODES, FinishReason, PauseMode, Sampling
 from staleness.weights.nccl import BroadcastLink, prepare_receiver, receive_broadcast
 
 log = logging.getLogger(__name__)
@@ -181,6 +181,8 @@ class TorchEngine(EngineLifecycle):
         self._mask: torch.Tensor | None = None
         self._stale = False
         """Weights changed under the running rows: their cache is recomputed before the next token."""
+        self._keep_cache = False
+        """Set by `pause("inflight")` until `resume` (under `_cv`): a load leaves the running rows' cache as it is."""
         # Adapters: `_adapters` changes under both locks (read under either); `_paused_adapters` and `_held`
         # (rows of adapters paused with "keep", out of the batch with their tokens) under `_cv`.
         self._adapters: dict[str, _Adapter] = {}
@@ -190,6 +192,10 @@ class TorchEngine(EngineLifecycle):
         self._module_types: dict[str, str] = {}
         self.generated_tokens = 0
         """Tokens sampled since start (a counter for throughput metrics)."""
+        self.prefill_tokens = 0
+        """Tokens run through a prefill since start: new requests' prompts (and tokens so far), and recomputes."""
+        self.recomputed_tokens = 0
+        """Of those, the tokens of running rows whose cache a weight load made stale (`keep` mode's re-prefill)."""
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -289,11 +295,14 @@ class TorchEngine(EngineLifecycle):
             self._cv.notify_all()
 
     async def pause(self, mode: PauseMode) -> None:
-        """Stop decoding between steps; returns once no step runs. `abort` also ends every request now."""
-        if mode not in ("abort", "keep"):
-            raise ValueError(f"pause mode must be 'abort' or 'keep', got {mode!r}")
+        """Stop decoding between steps; returns once no step runs. `abort` also ends every request now; `keep`
+        holds them, and a load then recomputes their cache; `inflight` holds them, and they keep their cache across
+        a load (tokens after it are sampled by the new weights over keys and values partly of the old ones)."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {', '.join(PAUSE_MODES)}; got {mode!r}")
         with self._cv:
             self._paused = True
+            self._keep_cache = mode == "inflight"
             self._cv.notify_all()
         await asyncio.to_thread(self._wait_step, mode == "abort")
 
@@ -306,9 +315,10 @@ class TorchEngine(EngineLifecycle):
                 self._apply_aborts()
 
     async def resume(self) -> None:
-        """Continue decoding (requests kept by `pause("keep")` go on where they stopped)."""
+        """Continue decoding (requests kept by `pause("keep")` or `pause("inflight")` go on where they stopped)."""
         with self._cv:
             self._paused = False
+            self._keep_cache = False
             self._cv.notify_all()
 
     # -- LoRA adapters ---------------------------------------------------------------------------
@@ -380,11 +390,12 @@ class TorchEngine(EngineLifecycle):
         """Stop generating for adapter `name` only (loaded or not); returns once no step runs with it.
 
         `abort` ends its requests now (waiting, running or held) with their tokens so far; `keep` takes
-        its running rows out of the batch, tokens and spans kept, until `resume_adapter`. Either way its
-        new requests wait, without holding up the requests queued behind them.
+        its running rows out of the batch, tokens and spans kept, until `resume_adapter`; `inflight` does as
+        `keep` (an adapter's rows are prefilled again under its new version). Either way its new requests wait,
+        without holding up the requests queued behind them.
         """
-        if mode not in ("abort", "keep"):
-            raise ValueError(f"pause mode must be 'abort' or 'keep', got {mode!r}")
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {', '.join(PAUSE_MODES)}; got {mode!r}")
         with self._cv:
             self._paused_adapters.add(name)
             self._cv.notify_all()
@@ -416,7 +427,8 @@ class TorchEngine(EngineLifecycle):
 
         Tensors are read and checked before the model is touched: a bad checkpoint raises
         `ValueError` and leaves the old weights serving. Running requests continue under the
-        new weights with their cache recomputed, so every token is exactly of one version.
+        new weights with their cache recomputed, so every token is exactly of one version; after
+        `pause("inflight")` they keep their cache instead (no recompute).
         """
         await asyncio.to_thread(self._load_weights_sync, Path(path), version)
 
@@ -482,7 +494,10 @@ class TorchEngine(EngineLifecycle):
             for name, tensor in tensors.items():
                 targets[name].copy_(tensor)
             self.version = version
-            self._stale = bool(self._rows)
+            with self._cv:
+                keep_cache = self._keep_cache
+            if not keep_cache:  # `inflight`: the next step feeds each row's last token to the new weights, cache kept
+                self._stale = bool(self._rows)
         log.info("loaded weights version %d from %s", version, source)
 
     async def reset_prefix_cache(self) -> None:
@@ -498,6 +513,8 @@ class TorchEngine(EngineLifecycle):
                 "version": self.version,
                 "adapters": len(self._adapters),
                 "held": len(self._held),
+                "prefill_tokens": self.prefill_tokens,
+                "recomputed_tokens": self.recomputed_tokens,
             }
 
     # -- scheduler thread ------------------------------------------------------------------------
@@ -595,6 +612,7 @@ class TorchEngine(EngineLifecycle):
         model = self._model
         logits = []
         if self._stale:
+            self.recomputed_tokens += sum(r.length for r in self._rows)
             admitted = self._rows + admitted
             self._rows, self._cache, self._mask, self._stale = [], None, None, False
         if self._rows:
@@ -612,6 +630,7 @@ class TorchEngine(EngineLifecycle):
             self._mask = mask
             logits.append(out.logits[:, -1])
         if admitted:
+            self.prefill_tokens += sum(r.length for r in admitted)
             width = max(r.length for r in admitted)
             ids = torch.full((len(admitted), width), self._pad_id, dtype=torch.long)
             mask = torch.zeros((len(admitted), width), dtype=torch.long)

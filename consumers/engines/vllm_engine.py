@@ -34,7 +34,10 @@ tokens with `finish_reason="stop"`.
   `load_tensors` sends tensors through `RolloutsWorkerExtension` (vLLM's `worker_extension_cls`).
   Both check names and shapes against the model's own checkpoint first, since a reload that fails
   half way leaves vLLM's model unusable. Loads happen while the scheduler is paused (`keep`), with
-  the KV and prefix caches dropped, so every token is exactly of one version.
+  the KV and prefix caches dropped, so every token is exactly of one version; after `pause("inflight")`
+  (PipelineRL's `pause_generation(mode="keep", clear_cache=False)`) running requests keep their KV blocks and
+  go on over them under the new weights. A request's prefix-cache hashes are salted with the policy version it
+  was submitted at (`cache_salt`), so no request started later finds blocks another version computed.
 """
 
 from __future__ import annotations
@@ -80,7 +83,7 @@ from consumers.engines.lora import parse_adapter, save_adapter
 from consumers.engines.model_files import as_cpu_tensors, check_checkpoint_fits, checkpoint_shapes, read_model_limits
 from consumers.engines.vllm_common import VLLM_FINISH_REASONS, vllm_spans
 from consumers.orphans import reap_on_death
-from pipeline.wire import FinishReason, PauseMode, Sampling
+from pipeline.wire import PAUSE_MODES, FinishReason, PauseMode, Sampling
 from staleness.weights.nccl import BroadcastLink
 
 log = logging.getLogger(__name__)
@@ -218,6 +221,8 @@ class VllmEngine(EngineLifecycle):
         """Resolved once vLLM is gone (`_watch_engine`): requests waiting on it stop waiting."""
         self._monitor: asyncio.Task[None] | None = None
         self._paused = False
+        self._keep_cache = False
+        """Paused with `inflight` (until `resume`): a load keeps the running requests' KV blocks."""
         self._closing = False
         self._reference: dict[str, tuple[int, ...]] | None = None
         """Tensor names and shapes of the model's own checkpoint: what a new one must match."""
@@ -496,7 +501,8 @@ class VllmEngine(EngineLifecycle):
         last = None
         cached = None
         try:
-            inputs = tokens_input(prompt.astype(np.int64).tolist())
+            # Salted with the version: a later version never reuses blocks of this one (kept by `inflight` syncs).
+            inputs = tokens_input(prompt.astype(np.int64).tolist(), cache_salt=f"v{self.version}")
             async for out in llm.generate(inputs, params, request_id, lora_request=lora):
                 cached = out.num_cached_tokens if out.num_cached_tokens is not None else cached
                 last = out.outputs[0]
@@ -549,17 +555,20 @@ class VllmEngine(EngineLifecycle):
     async def pause(self, mode: PauseMode) -> None:
         """Stop scheduling; returns once no step runs. `abort` ends every request now with its partial tokens;
         `keep` freezes them (their KV cache is dropped by the next load and recomputed on resume, under the weights
-        loaded then). Requests that arrive while paused wait for `resume`."""
-        if mode not in ("abort", "keep"):
-            raise ValueError(f"pause mode must be 'abort' or 'keep', got {mode!r}")
+        loaded then); `inflight` freezes them with their KV cache, which they go on with after a load (not
+        recomputed). Requests that arrive while paused wait for `resume`."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {', '.join(PAUSE_MODES)}; got {mode!r}")
         llm = await self._started()
         self._paused = True
+        self._keep_cache = mode == "inflight"
         if mode == "abort":  # adapter requests waiting for `resume_adapter` end as well
             for request in self._adapter_requests.values():
                 request.ended.set()
-        # The KV and prefix caches are dropped once, by the load that follows (`_load`): resetting them walks the
-        # whole block pool, ~0.3-0.5 s a reset on an H200 with vLLM's default cache (study 2026-11-28-async-rl).
-        await llm.pause_generation(mode=mode, clear_cache=False)
+        # The KV and prefix caches are dropped once, by the load that follows (`_load`; never for `inflight`):
+        # resetting them walks the whole block pool, ~0.3-0.5 s a reset on an H200 with vLLM's default cache
+        # (study 2026-11-28-async-rl).
+        await llm.pause_generation(mode="keep" if mode == "inflight" else mode, clear_cache=False)
 
     # -- LoRA adapters ---------------------------------------------------------------------------
 
@@ -666,10 +675,11 @@ class VllmEngine(EngineLifecycle):
 
         vLLM has no per-adapter pause, so its running requests are aborted in vLLM. `abort`: their `generate`
         calls return the tokens so far; `keep`: they wait for `resume_adapter` and then go on as new vLLM requests
-        (see `_generate_adapter`). Either way its new requests wait in `generate`.
+        (see `_generate_adapter`); `inflight` does as `keep` (vLLM cannot swap an adapter under a running request).
+        Either way its new requests wait in `generate`.
         """
-        if mode not in ("abort", "keep"):
-            raise ValueError(f"pause mode must be 'abort' or 'keep', got {mode!r}")
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {', '.join(PAUSE_MODES)}; got {mode!r}")
         self._adapter_pauses.setdefault(name, asyncio.Event())
         mine = [(rid, r) for rid, r in self._adapter_requests.items() if r.adapter == name]
         for _, request in mine:
@@ -690,9 +700,10 @@ class VllmEngine(EngineLifecycle):
             resumed.set()
 
     async def resume(self) -> None:
-        """Continue scheduling (requests kept by `pause("keep")` go on where they stopped)."""
+        """Continue scheduling (requests kept by `pause("keep")` or `pause("inflight")` go on where they stopped)."""
         async with self._load_lock:  # a load in progress finishes first
             self._paused = False
+            self._keep_cache = False
             if self._llm is not None:
                 await self._llm.resume_generation()
 
@@ -742,7 +753,9 @@ class VllmEngine(EngineLifecycle):
         await self._load(link.version, "rollouts_receive_broadcast", args=(link.to_dict(),))
 
     async def _load(self, version: int, method: str, **rpc: Any) -> None:
-        """Run a reload on every worker while paused (pausing with `keep` if not paused), then relabel."""
+        """Run a reload on every worker while paused (pausing with `keep` if not paused), then relabel. Paused with
+        `inflight`, running requests keep their KV blocks (the prefix cache cannot be reset while they hold blocks;
+        later requests miss them anyway, their hashes salted with the new version)."""
         llm = await self._started()
         async with self._load_lock:
             if not self._paused:
@@ -751,8 +764,9 @@ class VllmEngine(EngineLifecycle):
                 await llm.collective_rpc(method, **rpc)
                 await llm.update_weight_version(str(version))
                 self.version = version
-                # Nothing computed under the old weights may be reused: the one reset of a sync (`pause` leaves it).
-                await llm.reset_prefix_cache(reset_running_requests=True)
+                if not (self._paused and self._keep_cache):
+                    # Nothing computed under the old weights may be reused: the one reset of a sync.
+                    await llm.reset_prefix_cache(reset_running_requests=True)
             finally:
                 if not self._paused:  # paused here, not by the caller (who may also have paused meanwhile)
                     await llm.resume_generation()

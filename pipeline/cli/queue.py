@@ -23,6 +23,7 @@ from pipeline.cli.app import (
     sync_report,
     user_errors,
 )
+from pipeline.wire import PAUSE_MODES
 
 
 @app.command()
@@ -90,7 +91,13 @@ def publish_weights(
             "this process, which the workers reach at HOST:PORT)."
         ),
     ] = "redis",
-    mode: Annotated[str, typer.Option(help="Pause mode: abort (partials continue anywhere) or keep.")] = "abort",
+    mode: Annotated[
+        str,
+        typer.Option(
+            help="Pause mode: abort (samples end and continue as new requests), keep (they freeze; their KV cache is "
+            "recomputed by the new weights) or inflight (they freeze and go on with the KV cache they have)."
+        ),
+    ] = "abort",
     ack_timeout_s: Annotated[float, typer.Option(help="Evict a worker that has not loaded it by then.")] = 60.0,
     adapter: Annotated[
         str | None,
@@ -103,8 +110,8 @@ def publish_weights(
     """Make a checkpoint the next policy version on every worker (pause → load → ack → resume); JSON out."""
     from producers.client import RolloutClient
 
-    if mode not in ("abort", "keep"):
-        fail(f"--mode must be abort or keep, not {mode!r}")
+    if mode not in PAUSE_MODES:
+        fail(f"--mode must be one of {', '.join(PAUSE_MODES)}, not {mode!r}")
     if not any(source.glob("*.safetensors")):
         fail(f"no safetensors checkpoint in {source}")
     if adapter is not None and not (source / "adapter_config.json").is_file():
@@ -115,7 +122,7 @@ def publish_weights(
         version = client.publish_weights(
             source,
             transport=spec,
-            mode=mode,  # type: ignore[arg-type]  # typer checked it is abort or keep
+            mode=mode,
             ack_timeout_s=ack_timeout_s,
             adapter=adapter,
         )
