@@ -155,8 +155,7 @@ def leftover_tokens(url: str, ns: str) -> tuple[int, int]:
         while entries := client.streams.read_rollouts(consumer, 1000, None, pending=pending):
             left += sum(int(e.fields[b"n_tokens"]) for e in entries)
             client.streams.ack_rollouts([e.id for e in entries])
-    stale = sum(int(fields[b"n_tokens"]) for _, fields in client.streams.redis.xrange(Keys(ns).stale))
-    return left, stale
+    return left, load_trainer().stale_tokens(client)
 
 
 def calibrate(trainer: ModuleType, url: str, config: Any, model: Path, logs: Path, settings: Settings) -> float:

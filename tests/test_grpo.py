@@ -29,6 +29,13 @@ from tests.vllm_server import vllm_server
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "grpo_trainer.py"
 
 
+def load_example() -> Any:
+    """`examples/grpo_trainer.py` as a module (the lab loads it the same way)."""
+    from benchmarks.bench_rl import load_trainer
+
+    return load_trainer()
+
+
 def run_trainer(redis_server: RedisServer, ns: str, *args: str, timeout: float = 600) -> list[dict[str, Any]]:
     """The trainer in a process group of its own, whatever is left of which (the manager and workers it started) is
     killed when the test ends, however it ends: a timeout (`subprocess.run`'s, or pytest's) killed the trainer
@@ -155,6 +162,20 @@ def test_with_a_vllm_server_as_the_engine_paused_in_keep_mode_the_async_trainer_
     assert any(s["multi_version"] > 0 for s in steps), "frozen requests continued under the new weights"
     assert summary["final_reward"] > steps[0]["reward"] + 0.15, [round(s["reward"], 2) for s in steps]
     assert label == str(steps[-1]["version"]), "the server serves the last weights the trainer published"
+
+
+def test_with_sync_every_2_the_async_trainer_publishes_every_other_step(redis_server: RedisServer, ns: str) -> None:
+    args = ["--mode", "async", "--sync-every", "2", "--steps", "4", "--groups-per-step", "4"]
+    *steps, summary = run_trainer(redis_server, ns, *args)
+    assert [s["version"] for s in steps] == [0, 1, 1, 2], "a publish after steps 1 and 3 only"
+    assert [s["publish_s"] > 0 for s in steps] == [False, True, False, True]
+    assert summary["samples"] == summary["unique"] == 4 * 16 and summary["parked"] == 0
+
+
+def test_a_vllm_worker_on_cuda_n_sees_that_gpu_alone() -> None:
+    trainer = load_example()
+    assert trainer.gpu_of("cuda:1") == {"CUDA_VISIBLE_DEVICES": "1"}
+    assert trainer.gpu_of("cpu") is None and trainer.gpu_of("cuda") is None
 
 
 @pytest.mark.parametrize(
