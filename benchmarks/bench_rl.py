@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import math
 import random
 import statistics
@@ -40,7 +41,7 @@ from rich.progress import Progress
 
 from consumers.engines.tiny_model import build_tiny_model
 from pipeline.local import RedisServer
-from pipeline.wire import GENERATORS, TRAINER, Keys
+from pipeline.wire import GENERATORS, PAUSE_MODES, TRAINER, Keys
 from producers.client import RolloutClient
 from producers.tasks import TokenSetTask
 
@@ -69,19 +70,25 @@ def load_trainer() -> ModuleType:
 @dataclass(frozen=True)
 class Mode:
     name: str
-    """`sync`, `one-step-off` or `async:η`."""
+    """`sync`, `one-step-off` or `async:η`, with `@PAUSE` for a pause mode of its own (`async:1@inflight`)."""
     trainer_mode: str
     max_staleness: int
+    pause_mode: str | None = None
+    """How workers pause for this mode's syncs; None: the settings' `--pause-mode`."""
 
     @classmethod
     def parse(cls, text: str) -> Mode:
-        """`sync`, `one-step-off`, `async:2`; raises `ValueError` saying what to write."""
-        if text in ("sync", "one-step-off"):
-            return cls(text, text, 0 if text == "sync" else 1)
-        name, _, eta = text.partition(":")
+        """`sync`, `one-step-off`, `async:2`, `async:1@inflight`; raises `ValueError` saying what to write."""
+        head, at, pause = text.partition("@")
+        if at and pause not in PAUSE_MODES:
+            raise ValueError(f"mode {text!r}: the pause mode after @ is one of {', '.join(PAUSE_MODES)}")
+        pause_mode = pause if at else None
+        if head in ("sync", "one-step-off"):
+            return cls(text, head, 0 if head == "sync" else 1, pause_mode)
+        name, _, eta = head.partition(":")
         if name == "async" and eta.isdigit():
-            return cls(text, "async", int(eta))
-        raise ValueError(f"mode {text!r}: use sync, one-step-off or async:η (async:2)")
+            return cls(text, "async", int(eta), pause_mode)
+        raise ValueError(f"mode {text!r}: use sync, one-step-off or async:η (async:2), optionally @abort|keep|inflight")
 
     def config(self, base: Any, seed: int) -> Any:
         """The trainer's config of this mode's run: `base`, whose async-only options (`sync_every`, parking) apply
@@ -90,6 +97,7 @@ class Mode:
         config = replace(
             base, mode=self.trainer_mode, max_staleness=self.max_staleness, seed=seed,
             sync_every=base.sync_every if is_async else 1, park_max_age=base.park_max_age if is_async else -1,
+            pause_mode=self.pause_mode or base.pause_mode,
         )  # fmt: skip
         if problems := config.problems():
             raise ValueError("; ".join(problems))
@@ -109,8 +117,8 @@ class Settings:
     worker_device: str = "cpu"
     """The worker's device: a torch worker's `--device`, a vLLM worker's only visible GPU."""
     logs: Path | None = None
-    """Keep the processes' logs here (the worker's: `rl-worker-0.log`, every run appended); None: a temporary
-    folder."""
+    """Keep the processes' logs here (the worker's: `rl-worker-0.log`, every run appended) and each run's result as
+    it ends (`runs.jsonl`); None: a temporary folder."""
     hidden_size: int = 64
     num_layers: int = 2
 
@@ -244,7 +252,7 @@ def run_one(
     trainer: ModuleType, url: str, config: Any, mode: Mode, model: Path, logs: Path, settings: Settings
 ) -> dict[str, Any]:
     """One mode and seed: the trainer's run, then its snapshots evaluated."""
-    ns = f"bench-rl-{mode.name.replace(':', '')}-{config.seed}"
+    ns = f"bench-rl-{mode.name.replace(':', '').replace('@', '-')}-{config.seed}"
     snapshots: list[tuple[int, float, dict[str, torch.Tensor]]] = []
 
     def keep(step: int, policy: torch.nn.Module, elapsed: float) -> None:
@@ -388,6 +396,8 @@ def run_bench_rl(console: Console, settings: Settings, base: Any) -> dict[str, A
                     progress.update(task, description=f"seed {seed}, {mode.name}")
                     config = mode.config(base, seed)
                     runs.append(run_one(trainer, server.url, config, mode, model, logs, settings))
+                    with (logs / "runs.jsonl").open("a") as kept:  # what a run cut short still leaves
+                        kept.write(json.dumps(runs[-1]) + "\n")
                     progress.advance(task)
     summary = summarize(runs, settings, rate)
     trainer_settings = {k: v for k, v in asdict(base).items() if k != "seed"}

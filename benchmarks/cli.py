@@ -146,7 +146,11 @@ def bench_sync(
 
 def bench_rl(
     modes: Annotated[
-        str, typer.Option(help="Modes, comma-separated: sync, one-step-off, async:η (async:2).")
+        str,
+        typer.Option(
+            help="Modes, comma-separated: sync, one-step-off, async:η (async:2); a pause mode of its own after @ "
+            "(async:1@inflight)."
+        ),
     ] = "sync,one-step-off,async:1,async:2,async:4",
     seeds: Annotated[str, typer.Option(help="Seeds, comma-separated: every mode runs once per seed.")] = "0,1,2",
     steps: Annotated[int, typer.Option(help="Trainer steps of each run.")] = 60,

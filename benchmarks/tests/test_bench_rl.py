@@ -74,6 +74,13 @@ def test_modes_and_medians() -> None:
     assert Mode.parse("async:2") == Mode("async:2", "async", 2) and Mode.parse("sync").max_staleness == 0
     with pytest.raises(ValueError, match="use sync, one-step-off or async:η"):
         Mode.parse("async")
+    inflight = Mode.parse("async:1@inflight")
+    assert (inflight.trainer_mode, inflight.max_staleness, inflight.pause_mode) == ("async", 1, "inflight")
+    with pytest.raises(ValueError, match="one of abort, keep, inflight"):
+        Mode.parse("async:1@wait")
+    base = load_trainer().TrainConfig(pause_mode="keep")
+    assert inflight.config(base, seed=0).pause_mode == "inflight"
+    assert Mode.parse("sync").config(base, seed=0).pause_mode == "keep", "no @: the settings' pause mode"
     assert median_or_none([3.0, None, 1.0]) == 3.0, "a seed that never reached the target counts as the latest"
     assert median_or_none([3.0, None, None]) is None
 
