@@ -168,15 +168,21 @@ def leftover_tokens(url: str, ns: str) -> tuple[int, int]:
 
 def calibrate(trainer: ModuleType, url: str, config: Any, model: Path, logs: Path, settings: Settings) -> float:
     """The worker's tokens per busy second at full batching: equal-length samples, many more than a batch; in a
-    namespace of its own, so that admission's counts of the runs measured after are not touched."""
+    namespace of its own, so that admission's counts of the runs measured after are not touched. One batch first,
+    unmeasured: an engine's first requests pay for its warm-up (vLLM's CUDA graphs, compiled kernels)."""
     ns = "bench-rl-calibration"
+
+    def submit(count: int) -> None:
+        for i in range(count):
+            client.submit(tokens=[300 + i % 100, 16], n=config.n, max_tokens=4 * config.max_tokens, seed=i)
+        client.collect(count, timeout=600)
+        wait_idle(client, ns)
+
     with generation_side(trainer, url, ns, model, logs, settings):
         client = RolloutClient(url, ns)
-        before = heartbeat(client, ns)
-        for i in range(4 * config.groups_per_step):
-            client.submit(tokens=[300 + i % 100, 16], n=config.n, max_tokens=4 * config.max_tokens, seed=i)
-        client.collect(4 * config.groups_per_step, timeout=600)
-        wait_idle(client, ns)
+        submit(config.groups_per_step)
+        before = heartbeat(client, ns, newer_than=time.time())
+        submit(4 * config.groups_per_step)
         after = heartbeat(client, ns, newer_than=time.time())
     return (after["generated_tokens"] - before["generated_tokens"]) / (after["busy_s"] - before["busy_s"])
 
@@ -194,11 +200,15 @@ def generation_side(trainer: ModuleType, url: str, ns: str, model: Path, logs: P
 
 @dataclass(frozen=True)
 class HeldOut:
-    """Prompts the trainer never sees, each with the length and set the training law gives it."""
+    """Prompts the trainer never sees, each with the length and set the training law gives it; where the policy
+    decides its own length (`stop_set`), the length is the demand, `cap` the most a sample may go on and `stops`
+    the ids that end it."""
 
     prompts: list[list[int]]
     lengths: list[int]
     sets: list[list[int]]
+    cap: int | None = None
+    stops: tuple[int, ...] = ()
 
     @classmethod
     def make(cls, trainer: ModuleType, config: Any, count: int) -> HeldOut:
@@ -210,13 +220,17 @@ class HeldOut:
             prompts.append(tokens)
             lengths.append(max_tokens)
             sets.append(meta["ids"])
-        return cls(prompts, lengths, sets)
+        if not config.stop_set:
+            return cls(prompts, lengths, sets)
+        return cls(prompts, lengths, sets, cap=16 * config.max_tokens, stops=tuple(task.stop_ids(config.stop_set)))
 
 
 @torch.no_grad()
 def expected_reward(policy: torch.nn.Module, held_out: HeldOut, temperature: float, seed: int) -> float:
-    """The token-set reward's expectation under `policy` on `held_out`: along a continuation it samples (at
-    `temperature`, up to each prompt's length), the mean over positions of the probability of a set token."""
+    """The token-set reward's expectation under `policy` on `held_out`, along a continuation it samples (at
+    `temperature`): the probabilities of a set token summed over the positions the sample reaches, over the larger
+    of its length and the prompt's. Fixed lengths: every sample goes on to its prompt's length. Where the policy
+    decides its own (`held_out.stops`): until it samples a stop id or the model's EOS, or reaches the cap."""
     device = next(policy.parameters()).device
     rows, width = len(held_out.prompts), max(len(p) for p in held_out.prompts)
     ids = torch.zeros(rows, width, dtype=torch.long, device=device)
@@ -225,24 +239,33 @@ def expected_reward(policy: torch.nn.Module, held_out: HeldOut, temperature: flo
         ids[i, width - len(prompt) :] = torch.tensor(prompt)
         mask[i, width - len(prompt) :] = 1
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    lengths = torch.tensor(held_out.lengths, device=device)
+    demand = torch.tensor(held_out.lengths, device=device)
+    cap = held_out.cap if held_out.stops else int(demand.max())
+    caps = torch.full_like(demand, cap) if held_out.stops else demand
+    stops = torch.tensor([*held_out.stops, policy.config.eos_token_id] if held_out.stops else [], device=device)
     generator = torch.Generator(device=device).manual_seed(seed)
     out = policy(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
     in_set = torch.zeros(rows, out.logits.shape[-1], device=device)
     for i, ids_of_set in enumerate(held_out.sets):
         in_set[i, ids_of_set] = 1.0
-    total = torch.zeros(rows, device=device)
-    for step in range(int(lengths.max())):
+    hits, reached = torch.zeros(rows, device=device), torch.zeros(rows, device=device)
+    alive = torch.ones(rows, dtype=torch.bool, device=device)
+    for step in range(cap):
+        alive &= step < caps
+        if not alive.any():
+            break
         probs = torch.softmax(out.logits[:, -1].float() / temperature, dim=-1)
-        total += (probs * in_set).sum(-1) * (step < lengths)
+        hits += (probs * in_set).sum(-1) * alive
         token = torch.multinomial(probs, 1, generator=generator)
+        alive &= ~torch.isin(token[:, 0], stops)
+        reached += alive
         mask = torch.cat([mask, torch.ones_like(token)], dim=-1)
         positions = positions[:, -1:] + 1
         out = policy(
             input_ids=token, attention_mask=mask, position_ids=positions, past_key_values=out.past_key_values,
             use_cache=True,
         )  # fmt: skip
-    return float((total / lengths).mean())
+    return float((hits / torch.maximum(reached, demand)).mean())
 
 
 # -- one run ------------------------------------------------------------------------------------

@@ -164,6 +164,13 @@ def bench_rl(
     length_sets: Annotated[
         bool, typer.Option(help="The set a prompt names follows its length: the longest quarter is one set.")
     ] = True,
+    stop_set: Annotated[
+        int,
+        typer.Option(
+            help="0: samples are as long as their prompts ask. k: the policy decides its own length (k stop ids; "
+            "the length draw is what the reward demands, 16x --max-tokens the cap)."
+        ),
+    ] = 0,
     lr: Annotated[float, typer.Option(help="AdamW's learning rate.")] = 1e-3,
     objective: Annotated[str, typer.Option(help="decoupled or ppo (producers.grpo).")] = "decoupled",
     is_cap: Annotated[float, typer.Option(help="The importance weight's cap (decoupled).")] = 2.0,
@@ -202,9 +209,9 @@ def bench_rl(
         trainer = load_trainer()
         base = trainer.TrainConfig(
             steps=steps, groups_per_step=groups_per_step, n=n, max_tokens=max_tokens, length_alpha=length_alpha,
-            length_sets=length_sets, lr=lr, objective=objective, is_cap=is_cap, minibatches=minibatches,
-            sync_every=sync_every, park_max_age=park_max_age, pause_mode=pause_mode, transport=transport,
-            device=trainer_device,
+            length_sets=length_sets, stop_set=stop_set, lr=lr, objective=objective, is_cap=is_cap,
+            minibatches=minibatches, sync_every=sync_every, park_max_age=park_max_age, pause_mode=pause_mode,
+            transport=transport, device=trainer_device,
         )  # fmt: skip
         worker_args = ("--max-batch", str(max_batch)) if max_batch else ()
         worker_args += ("--engine-args", engine_args) if engine_args else ()

@@ -72,6 +72,11 @@ class TrainConfig:
     length_sets: bool = False
     """With `length_alpha`: the set a prompt names follows its length (the quarter of the length law it falls in),
     so the longest quarter of the prompts is one set: a trainer that skips long samples cannot learn it."""
+    stop_set: int = 0
+    """0: a sample is as long as its prompt asks (`max_tokens`). k > 0: the policy decides its own length: any of k
+    stop ids ends a sample (`producers.tasks.TokenSetTask.stop_ids`), `max_tokens` is only the cap (16x the
+    shortest), and the reward counts set tokens over the larger of the sample's length and the prompt's demanded
+    length (the length draw above), so stopping early costs reward and the policy learns how long to go on."""
     temperature: float = 1.0
     lr: float = 1e-3
     clip_low: float = 0.2
@@ -112,6 +117,8 @@ class TrainConfig:
             out.append(f"--sync-every must be >= 1, got {self.sync_every}")
         elif self.sync_every > 1 and self.mode != "async":
             out.append("--sync-every is for --mode async (for several optimizer steps on one batch: --minibatches)")
+        if not 0 <= self.stop_set <= TokenSetTask().max_stop_ids:
+            out.append(f"--stop-set {self.stop_set}: use 0 (off) to {TokenSetTask().max_stop_ids} stop ids")
         if self.park_max_age >= 0 and self.mode != "async":
             out.append("--park-max-age is for --mode async (nothing in sync or one-step-off is older than it must be)")
         return out
@@ -278,8 +285,11 @@ def submit_next(client: RolloutClient, task: TokenSetTask, config: TrainConfig, 
     """Make prompt `index` of the run (the same sequence in every mode, for one seed) and submit it."""
     max_tokens, named_set = prompt_length(config, rng)
     tokens, meta = task.prompt(rng, named_set)
+    stop_ids = task.stop_ids(config.stop_set)
+    if config.stop_set:  # the policy decides its length: the draw is what the reward demands, 16x it the cap
+        meta, max_tokens = meta | {"length": max_tokens}, 16 * config.max_tokens
     client.submit(
-        tokens=tokens, n=config.n, max_tokens=max_tokens, temperature=config.temperature,
+        tokens=tokens, n=config.n, max_tokens=max_tokens, temperature=config.temperature, stop_token_ids=stop_ids,
         seed=config.seed * 1_000_000 + index, meta=meta, id=f"s{config.seed}-p{index}", timeout=timeout,
         reward_fn=REWARD_FN if config.scoring != "trainer" else None,
     )  # fmt: skip

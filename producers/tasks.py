@@ -34,10 +34,19 @@ class TokenSetTask:
     """Random tokens before the marker: between these two counts."""
     filler_ids: tuple[int, int] = (200, 500)
     """Random tokens are drawn from this id range (no marker, no set member, no special token)."""
+    first_stop_id: int = 100
+    """Where a policy decides its own length, stop id `j` is `first_stop_id + j` (no marker, set member or filler)."""
+    max_stop_ids: int = 64
 
     def set_ids(self, k: int) -> list[int]:
         start = self.first_set_id + k * self.set_size
         return list(range(start, start + self.set_size))
+
+    def stop_ids(self, count: int) -> list[int]:
+        """The `count` ids that end a sample where the policy decides its length (the engine's EOS ends it too)."""
+        if not 0 <= count <= self.max_stop_ids:
+            raise ValueError(f"{count} stop ids: the task has 0 to {self.max_stop_ids}")
+        return list(range(self.first_stop_id, self.first_stop_id + count))
 
     def prompt(self, rng: random.Random, named_set: int | None = None) -> tuple[list[int], dict[str, Any]]:
         """Token ids of one prompt and the `meta` its rollouts carry (which set, and its ids): of set `named_set`, or
@@ -50,7 +59,9 @@ class TokenSetTask:
 
 
 def token_set_reward(rollout: Rollout | dict[str, Any]) -> float:
-    """The fraction of generated tokens in `meta["ids"]`; a final stop token does not count, empty gives 0.
+    """The fraction of generated tokens in `meta["ids"]`; a final stop token does not count, empty gives 0. Where the
+    prompt demands a length (`meta["length"]`, the policy deciding its own), the set tokens over the larger of the
+    sample's length and that one: a sample that stops early scores at most its share of the demand.
 
     Takes a `Rollout` (in the trainer) or the dict a scoring stage passes (`rollouts scorer`, with
     `reward_fn="producers.tasks:token_set_reward"`), so the same reward runs in either place.
@@ -59,6 +70,6 @@ def token_set_reward(rollout: Rollout | dict[str, Any]) -> float:
     tokens = np.asarray(view["tokens"])
     if view["finish_reason"] == "stop" and len(tokens):
         tokens = tokens[:-1]
-    if not len(tokens):
-        return 0.0
-    return float(np.isin(tokens, np.asarray(view["meta"]["ids"])).mean())
+    hits = int(np.isin(tokens, np.asarray(view["meta"]["ids"])).sum())
+    length = max(len(tokens), int(view["meta"].get("length", 0)))
+    return hits / length if length else 0.0

@@ -172,6 +172,17 @@ def test_with_sync_every_2_the_async_trainer_publishes_every_other_step(redis_se
     assert summary["samples"] == summary["unique"] == 4 * 16 and summary["parked"] == 0
 
 
+def test_where_the_policy_decides_its_length_stop_ids_end_its_samples(redis_server: RedisServer, ns: str) -> None:
+    """`--stop-set 8`: 8 ids (and EOS) end a sample, 256 tokens is only the cap. The random policy draws one of them
+    with probability 9/512 a token, so samples end after ~57 tokens on average, at lengths of their own."""
+    args = ["--mode", "async", "--stop-set", "8", "--steps", "4", "--groups-per-step", "4"]
+    *steps, summary = run_trainer(redis_server, ns, *args)
+    assert summary["samples"] == summary["unique"] == 4 * 16 and summary["parked"] == 0
+    per_sample = [s["tokens"] / 16 for s in steps]
+    assert all(8 < t < 160 for t in per_sample), f"tokens a sample, not the 256 cap: {per_sample}"
+    assert len(set(per_sample)) > 1, "lengths the samples chose, not one fixed length"
+
+
 def test_a_vllm_worker_on_cuda_n_sees_that_gpu_alone() -> None:
     trainer = load_example()
     assert trainer.gpu_of("cuda:1") == {"CUDA_VISIBLE_DEVICES": "1"}
@@ -181,7 +192,7 @@ def test_a_vllm_worker_on_cuda_n_sees_that_gpu_alone() -> None:
 @pytest.mark.parametrize(
     "bad",
     [["--mode", "both"], ["--steps", "many"], ["--engine", "remote"], ["--mode", "sync", "--sync-every", "2"],
-     ["--mode", "sync", "--park-max-age", "1"], ["--is-level", "word"]],
+     ["--mode", "sync", "--park-max-age", "1"], ["--is-level", "word"], ["--stop-set", "65"]],
 )  # fmt: skip
 def test_bad_arguments_say_what_to_fix(bad: list[str]) -> None:
     result = subprocess.run([sys.executable, str(EXAMPLE), *bad], capture_output=True, text=True, timeout=60)

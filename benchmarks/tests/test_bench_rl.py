@@ -70,6 +70,25 @@ def test_the_eval_reward_is_the_probability_of_a_set_token_under_the_policy(tiny
     assert expected_reward(policy, held_out, temperature=1.0, seed=0) == pytest.approx(sum(want) / len(want), rel=1e-4)
 
 
+def test_where_the_policy_decides_its_length_a_sample_that_stops_early_scores_its_share_of_the_demand(
+    tiny_model_dir: Path,
+) -> None:
+    """One position to go (cap 1) on prompts that demand 4: the expected reward is the set's probability there
+    over 4, whether the sample then stops or not."""
+    trainer = load_trainer()
+    config = trainer.TrainConfig(max_tokens=4, stop_set=8)
+    made = HeldOut.make(trainer, config, 6)
+    assert made.cap == 64 and made.stops == tuple(range(100, 108)) and made.lengths == [4] * 6
+    held_out = HeldOut(made.prompts, made.lengths, made.sets, cap=1, stops=made.stops)
+    policy = load_model(tiny_model_dir)
+    with torch.no_grad():
+        want = [
+            float(torch.softmax(policy(torch.tensor([prompt])).logits[0, -1].float(), -1)[ids].sum()) / 4
+            for prompt, ids in zip(held_out.prompts, held_out.sets, strict=True)
+        ]
+    assert expected_reward(policy, held_out, temperature=1.0, seed=0) == pytest.approx(sum(want) / len(want), rel=1e-4)
+
+
 def test_modes_and_medians() -> None:
     assert Mode.parse("async:2") == Mode("async:2", "async", 2) and Mode.parse("sync").max_staleness == 0
     with pytest.raises(ValueError, match="use sync, one-step-off or async:η"):
