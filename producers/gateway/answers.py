@@ -97,7 +97,7 @@ def answer(call: Call, replies: list[list[Reply]], renderer: ChatRenderer, chat:
             choice: dict[str, Any] = {"index": index, "finish_reason": reply.rollout.finish_reason}
             if chat:
                 choice["message"] = {"role": "assistant", "content": reply.text}
-                logprobs = _token_logprobs(reply.rollout, renderer, call.ids_as_tokens) if call.logprobs else None
+                logprobs = token_logprobs(reply.rollout, renderer, call.ids_as_tokens) if call.logprobs else None
                 choice["logprobs"] = {"content": logprobs} if logprobs is not None else None
             else:
                 choice["text"] = reply.text
@@ -131,7 +131,7 @@ def token_string(token: int, renderer: ChatRenderer, as_id: bool) -> str:
     return f"token_id:{token}" if as_id else renderer.token_text(token)
 
 
-def _token_logprobs(rollout: Rollout, renderer: ChatRenderer, as_id: bool) -> list[dict[str, Any]]:
+def token_logprobs(rollout: Rollout, renderer: ChatRenderer, as_id: bool) -> list[dict[str, Any]]:
     out = []
     for token, logprob in zip(rollout.tokens, rollout.logprobs, strict=True):
         text = token_string(int(token), renderer, as_id)

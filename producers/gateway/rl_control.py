@@ -29,6 +29,7 @@ import base64
 import json
 import struct
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -138,10 +139,19 @@ DTYPES = (
 )  # fmt: skip
 
 
-def _refuse_foreign(info: dict[str, Any], known: list[tuple[frozenset[str], str]], what: str) -> None:
-    for keys, why in known:
+def _check_info(
+    info: dict[str, Any], foreign: list[tuple[frozenset[str], str]], fields: Iterable[str], what: str, takes: str
+) -> None:
+    """Refuse another backend's `init_info`/`update_info` (saying why it cannot reach our workers), then any field
+    this gateway does not take."""
+    for keys, why in foreign:
         if keys & set(info):
             raise OpenAIError(400, f"{what}: {why} (see {GUIDE})", code="unsupported_weight_transfer", param=what)
+    unknown = sorted(set(info) - set(fields))
+    if unknown:
+        raise OpenAIError(
+            400, f"{what}: unknown field(s) {', '.join(unknown)}; this gateway takes {takes} (see {GUIDE})", param=what
+        )
 
 
 def decode_tensors(info: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -236,15 +246,13 @@ class WeightUpdates:
 
     def init(self, info: dict[str, Any]) -> None:
         """`/init_weight_transfer_engine`: refuse other backends' rendezvous; take our transport's settings."""
-        _refuse_foreign(info, FOREIGN_INIT, "init_info")
-        unknown = sorted(set(info) - set(INIT_FIELDS))
-        if unknown:
-            raise OpenAIError(
-                400,
-                f"init_info: unknown field(s) {', '.join(unknown)}; this gateway takes `transport` (redis://, "
-                f"fs:///DIR, nccl://HOST:PORT) and `ack_timeout_s` (see {GUIDE})",
-                param="init_info",
-            )
+        _check_info(
+            info,
+            FOREIGN_INIT,
+            INIT_FIELDS,
+            "init_info",
+            "`transport` (redis://, fs:///DIR, nccl://HOST:PORT) and `ack_timeout_s`",
+        )
         transport = info.get("transport", self.transport)
         if not isinstance(transport, str) or transport.split("://")[0] not in ("redis", "fs", "nccl"):
             raise OpenAIError(
@@ -267,15 +275,8 @@ class WeightUpdates:
         async with self._lock:
             if self._tensors is None:
                 raise OpenAIError(409, "no weight update is open: call /start_weight_update first", code="no_update")
-            _refuse_foreign(info, FOREIGN_UPDATE, "update_info")
-            unknown = sorted(set(info) - set(UPDATE_FIELDS))
-            if unknown:
-                raise OpenAIError(
-                    400,
-                    f"update_info: unknown field(s) {', '.join(unknown)}; this gateway takes names, dtype_names, "
-                    f"shapes and data (the tensors), or weights_path (a checkpoint directory) (see {GUIDE})",
-                    param="update_info",
-                )
+            takes = "names, dtype_names, shapes and data (the tensors), or weights_path (a checkpoint directory)"
+            _check_info(info, FOREIGN_UPDATE, UPDATE_FIELDS, "update_info", takes)
             if info.get("weights_path") is not None:
                 return self._set_path(info)
             tensors = await asyncio.to_thread(decode_tensors, info)

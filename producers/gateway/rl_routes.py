@@ -67,6 +67,9 @@ def add_vllm_routes(app: FastAPI, gateway: Gateway) -> None:
 
     @app.post("/detokenize")
     async def detokenize(request: DetokenizeRequest) -> dict[str, Any]:
+        vocab = len(gateway.renderer.tokenizer)
+        if any(not 0 <= t < vocab for t in request.tokens):
+            raise OpenAIError(400, f"tokens must be ids of the model's vocabulary (0 to {vocab - 1})", param="tokens")
         return {"prompt": gateway.renderer.decode(request.tokens)}
 
     @app.post("/finish_session")

@@ -17,7 +17,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from pipeline.wire import INT64_MAX, MAX_SAMPLES
-from producers.gateway.answers import Reply, _token_logprobs, usage
+from producers.gateway.answers import Reply, token_logprobs, usage
 from producers.gateway.chat import ChatRenderer
 from producers.gateway.openai_api import OpenAIError
 from producers.gateway.sampling import Ask, check_fields, check_logprobs, check_min_tokens, check_token_ids
@@ -120,7 +120,7 @@ def generate_answer(
         }
         if request.output_mode == "text":
             choice["text"] = reply.text
-            choice["logprobs"] = {"content": _token_logprobs(rollout, renderer, False)} if logprobs else None
+            choice["logprobs"] = {"content": token_logprobs(rollout, renderer, False)} if logprobs else None
         else:
             content: list[dict[str, Any]] = [
                 {"token_id": int(t), "logprob": float(lp), "rank": None, "top_logprobs": []}
