@@ -248,3 +248,41 @@ def test_pause_modes_and_weight_transfers_that_cannot_reach_the_workers_are_refu
     assert http.post("/shutdown_weight_transfer_engine").status_code == 200
     assert error(http.post("/finish_weight_update"), 409)["code"] == "no_update"
     assert http.get("/weight_info").json() == {"weight_version": "0"}
+
+
+def test_a_checkpoint_path_through_the_weight_routes_is_published_once_in_the_held_mode(
+    redis_server: RedisServer,
+    ns: str,
+    tiny_model_dir: Path,
+    tiny_model_dir_v1: Path,
+    workers: StartWorker,
+    gateways: StartGateway,
+    one_thread: None,
+) -> None:
+    """`update_info.weights_path` (a checkpoint the gateway reads) after `/pause?mode=abort`: one sync in abort mode,
+    acked by the worker, which then serves the new weights; a second replica cannot open an update meanwhile, and a
+    caller's own version label is refused (the update stays open for a finish without it)."""
+    workers("w1")
+    a = httpx.Client(base_url=root(gateways("gw-a", "--rl-control")), timeout=120)
+    b = httpx.Client(base_url=root(gateways("gw-b", "--rl-control")), timeout=120)
+    assert a.post("/pause", params={"mode": "abort"}).json()["mode"] == "abort"
+    assert b.get("/is_paused").json() == {"is_paused": True}  # the hold is the namespace's, not one replica's
+    assert a.post("/start_weight_update").status_code == 200
+    other = b.post("/start_weight_update")
+    assert other.status_code == 409 and other.json()["error"]["code"] == "weight_update_elsewhere"
+    path = {"weights_path": str(tiny_model_dir_v1)}
+    assert a.post("/update_weights", json={"update_info": path}).json()["tensors"] == 1
+    label = a.post("/finish_weight_update", json={"weight_version": "v7"})
+    assert label.status_code == 400 and label.json()["error"]["param"] == "weight_version"
+    done = a.post("/finish_weight_update", json={"weight_version": "1"}).json()
+    assert (done["version"], done["mode"], done["acked"], done["evicted"]) == (1, "abort", ["w1"], [])
+    assert b.post("/resume").json() == {"status": "resumed"}
+    prompt = [5, 6, 7, 8]
+    answer = b.post(
+        "/inference/v1/generate", json={"token_ids": prompt, "sampling_params": {"max_tokens": 8, "logprobs": 0}}
+    )
+    choice = answer.json()["choices"][0]
+    assert choice["weight_versions"][0]["version"] == "1"
+    got = [c["logprob"] for c in choice["logprobs"]["content"]]
+    np.testing.assert_allclose(got, forward_logprobs(tiny_model_dir_v1, prompt, choice["token_ids"]), atol=2e-4)
+    assert a.get("/weight_info").json() == {"weight_version": "1"}
