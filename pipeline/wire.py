@@ -120,6 +120,11 @@ class Keys:
         self.adapters = f"{tag}:adapters"
         """Set: every adapter that was ever published (its state hash exists), for `top` and the manager."""
         self.adapter_prefix = f"{tag}:adapter:"
+        self.gateway_hold = f"{tag}:gateway:hold"
+        """Hash, expiring: a pause some caller asked a gateway for (vLLM's `POST /pause`): `mode`, `by`, `ts`. While it
+        exists every gateway replica queues nothing new (`producers.gateway.rl_control`)."""
+        self.gateway_weights = f"{tag}:gateway:weights"
+        """String, expiring: the gateway replica whose weight update (vLLM's weight-transfer routes) is open."""
 
     def worker(self, name: str) -> str:
         """Heartbeat hash of one worker; it expires when the worker stops beating."""

@@ -190,6 +190,48 @@ def workers(redis_server: RedisServer, ns: str, tiny_model_dir: Path, tmp_path: 
     client.close()
 
 
+StartGateway = Callable[..., str]
+
+
+@pytest.fixture
+def gateways(redis_server: RedisServer, ns: str, tiny_model_dir: Path, tmp_path: Path) -> Iterator[StartGateway]:
+    """Start `rollouts gateway` replicas (model name `tiny`); returns each one's base URL. Stopped by PID at the end."""
+    import httpx
+
+    from pipeline.local import free_port
+    from pipeline.processes import start_command
+
+    started: list[subprocess.Popen[bytes]] = []
+
+    def start(name: str, *extra: str) -> str:
+        port, log = free_port(), tmp_path / f"{name}.log"
+        args = ["gateway", "--redis", redis_server.url, "--ns", ns, "--model", str(tiny_model_dir)]
+        args += ["--port", str(port), "--served-model-name", "tiny", "--name", name, "--log-level", "warning", *extra]
+        proc = start_command(*args, log_file=log)
+        started.append(proc)
+
+        def listening() -> bool:
+            if proc.poll() is not None:
+                raise AssertionError(f"gateway {name} exited: {log.read_text()}")
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_until(listening, 90, f"gateway {name} to listen")
+        return f"http://127.0.0.1:{port}/v1"
+
+    yield start
+    stop_processes(started)
+
+
+def openai_client(base: str) -> Any:
+    """The official `openai` client on a gateway (no retries: a test sees each answer)."""
+    import openai
+
+    return openai.OpenAI(base_url=base, api_key="unused", max_retries=0, timeout=120)
+
+
 @pytest.fixture
 def one_thread() -> Iterator[None]:
     """Reference passes on one thread: the tiny model gains nothing from more, and on a busy

@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import threading
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,50 +17,17 @@ import pytest
 import redis
 from transformers import AutoTokenizer
 
-from pipeline.local import RedisServer, free_port
-from pipeline.processes import start_command, stop_processes
+from pipeline.local import RedisServer
 from pipeline.streams import Streams
 from pipeline.wire import Keys
 from producers.client import Batch, RolloutClient
 from staleness.manager import Manager
 from staleness.weights import open_transport
-from tests.fixtures import StartWorker, wait_until
+from tests.fixtures import StartGateway, StartWorker, openai_client, wait_until
 from tests.reference import forward_logprobs
 
-StartGateway = Callable[..., str]
 SLOW = ("--engine", "synthetic", "--engine-args", '{"steps_per_s": 20}')
 """A worker that makes 20 tokens a second: a turn of 40 tokens is in flight for 2 s."""
-
-
-@pytest.fixture
-def gateways(redis_server: RedisServer, ns: str, tiny_model_dir: Path, tmp_path: Path) -> Iterator[StartGateway]:
-    """Start `rollouts gateway` replicas (model name `tiny`); returns each one's base URL. Stopped by PID at the end."""
-    started: list[subprocess.Popen[bytes]] = []
-
-    def start(name: str, *extra: str) -> str:
-        port, log = free_port(), tmp_path / f"{name}.log"
-        args = ["gateway", "--redis", redis_server.url, "--ns", ns, "--model", str(tiny_model_dir)]
-        args += ["--port", str(port), "--served-model-name", "tiny", "--name", name, "--log-level", "warning", *extra]
-        proc = start_command(*args, log_file=log)
-        started.append(proc)
-
-        def listening() -> bool:
-            if proc.poll() is not None:
-                raise AssertionError(f"gateway {name} exited: {log.read_text()}")
-            try:
-                return httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        wait_until(listening, 90, f"gateway {name} to listen")
-        return f"http://127.0.0.1:{port}/v1"
-
-    yield start
-    stop_processes(started)
-
-
-def openai_client(base: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=base, api_key="unused", max_retries=0, timeout=120)
 
 
 def turn(client: openai.OpenAI, session: str, messages: list[dict[str, Any]], **kwargs: Any) -> Any:

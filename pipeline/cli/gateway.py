@@ -44,15 +44,39 @@ def gateway(
         int | None, typer.Option(help="Longest prompt + reply; default the smallest the live workers report.")
     ] = None,
     name: Annotated[str | None, typer.Option(help="This replica's name (its reply stream); default host-pid.")] = None,
+    rl_control: Annotated[
+        bool,
+        typer.Option(
+            "--rl-control",
+            help="Serve vLLM's RL control routes: /pause, /resume, /reset_prefix_cache and the weight-transfer routes "
+            "(they hold every call and publish weights for the namespace).",
+        ),
+    ] = False,
+    rl_pause_ttl_s: Annotated[
+        float, typer.Option(help="A POST /pause not resumed within this long is lifted (its caller died).")
+    ] = 600.0,
+    weights_transport: Annotated[
+        str, typer.Option(help="How the weight-transfer routes publish: redis://, fs:///DIR or nccl://HOST:PORT.")
+    ] = "redis://",
+    weights_mode: Annotated[
+        str, typer.Option(help="Pause mode of a weight update finished without POST /pause: abort, keep, inflight.")
+    ] = "abort",
     log_level: LogLevelOpt = "info",
 ) -> None:
     """Serve /v1/chat/completions, /v1/completions and /v1/models over the queue; X-Session-ID makes a call a turn
-    of a session pinned to one worker, POST /v1/sessions/{id}/finish sends its trajectory to the trainer."""
+    of a session pinned to one worker, POST /v1/sessions/{id}/finish sends its trajectory to the trainer. vLLM's RL
+    routes too: POST /inference/v1/generate (token ids in and out), /tokenize, /detokenize, /finish_session, GET
+    /get_world_size, /is_paused, /weight_info; with --rl-control /pause, /resume and the weight-transfer routes."""
     from consumers.worker import default_worker_name
+    from pipeline.wire import PAUSE_MODES
     from producers.gateway.placement import PLACEMENTS
 
     if placement not in PLACEMENTS:
         fail(f"--placement must be one of {', '.join(PLACEMENTS)}, not {placement!r}")
+    if weights_mode not in PAUSE_MODES:
+        fail(f"--weights-mode must be one of {', '.join(PAUSE_MODES)}, not {weights_mode!r}")
+    if weights_transport.split("://")[0] not in ("redis", "fs", "nccl"):
+        fail(f"--weights-transport must be redis://, fs:///DIR or nccl://HOST:PORT, not {weights_transport!r}")
     if not (model / "config.json").is_file() and not (model / "tokenizer_config.json").is_file():
         fail(f"no model at {model} (no config.json or tokenizer_config.json). Build one: rollouts tiny-model {model}")
     setup_logging(log_level)
@@ -76,6 +100,11 @@ def gateway(
             pause_timeout_s=pause_timeout_s,
             request_timeout_s=request_timeout_s,
             max_model_len=max_model_len,
+            rl_control=rl_control,
+            rl_pause_ttl_s=rl_pause_ttl_s,
+            weights_transport=weights_transport,
+            weights_mode=weights_mode,
+            model_dir=model,
         )
         streams.redis.ping()
     console.print(f"gateway {settings.name}: model {settings.served_model_name!r} on http://{host}:{port}/v1 ({ns})")

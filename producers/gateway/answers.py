@@ -25,6 +25,8 @@ class Reply:
     text: str
     stop_token: int | None
     """The stop token that ended the reply (kept in its tokens), None when it ran out of tokens or hit a stop string."""
+    stop_string: str | None = None
+    """The stop string that cut the reply, if one did."""
 
 
 def apply_stops(rollout: Rollout, stops: list[str], renderer: ChatRenderer) -> Reply:
@@ -34,8 +36,9 @@ def apply_stops(rollout: Rollout, stops: list[str], renderer: ChatRenderer) -> R
     if stops:
         for k in range(1, len(tokens) + 1):
             text = renderer.reply_text(tokens[:k])
-            at = min((text.find(s) for s in stops if s in text), default=-1)
-            if at >= 0:
+            found = [(text.find(s), s) for s in stops if s in text]
+            if found:
+                at, matched = min(found)
                 cut = rollout.model_copy(
                     update={
                         "tokens": tokens[:k],
@@ -44,7 +47,7 @@ def apply_stops(rollout: Rollout, stops: list[str], renderer: ChatRenderer) -> R
                         "finish_reason": "stop",
                     }
                 )
-                return Reply(cut, text[:at], None)
+                return Reply(cut, text[:at], None, matched)
     stop_token = int(tokens[-1]) if rollout.finish_reason == "stop" and len(tokens) else None
     return Reply(rollout, renderer.reply_text(tokens), stop_token)
 
@@ -53,13 +56,16 @@ def clip_spans(spans: list[Span], end: int) -> list[Span]:
     return [(v, s, min(e, end)) for v, s, e in spans if s < end]
 
 
-def usage(prompt_len: int, replies: list[Reply]) -> dict[str, Any]:
-    completion = sum(len(r.rollout.tokens) for r in replies)
-    cached = max((r.rollout.cached_tokens or 0 for r in replies), default=0)
+def usage(prompt_lens: list[int], replies: list[list[Reply]]) -> dict[str, Any]:
+    """Tokens of every prompt and every reply of a call; cached: the prompt tokens the engines found in their prefix
+    caches (the most any sample of a prompt did, summed over the prompts)."""
+    prompt = sum(prompt_lens)
+    completion = sum(len(r.rollout.tokens) for group in replies for r in group)
+    cached = sum(max((r.rollout.cached_tokens or 0 for r in group), default=0) for group in replies)
     return {
-        "prompt_tokens": prompt_len,
+        "prompt_tokens": prompt,
         "completion_tokens": completion,
-        "total_tokens": prompt_len + completion,
+        "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
     }
 
@@ -70,54 +76,71 @@ class Call:
 
     id: str
     model: str
-    prompt: np.ndarray
+    prompts: list[np.ndarray]
+    """The call's prompts: one, or a completions batch."""
     logprobs: bool
     token_ids: bool
-    """vLLM's `return_token_ids`: `prompt_token_ids` on the answer, `token_ids` on each choice."""
+    """vLLM's `return_token_ids`: `prompt_token_ids` on the answer (and on each completion choice), `token_ids` on
+    each choice."""
     session_id: str | None
+    ids_as_tokens: bool = False
+    """vLLM's `return_tokens_as_token_ids`: each logprob's token is `token_id:{id}`."""
 
 
-def answer(call: Call, replies: list[Reply], renderer: ChatRenderer, chat: bool) -> dict[str, Any]:
-    """A `chat.completion` (`chat`) or a `text_completion`, one choice per reply."""
-    choices = []
-    for index, reply in enumerate(replies):
-        choice: dict[str, Any] = {"index": index, "finish_reason": reply.rollout.finish_reason}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": reply.text}
-            choice["logprobs"] = {"content": _token_logprobs(reply.rollout, renderer)} if call.logprobs else None
-        else:
-            choice["text"] = reply.text
-            choice["logprobs"] = _legacy_logprobs(reply.rollout, renderer) if call.logprobs else None
-        choice["spans"] = [list(s) for s in reply.rollout.spans]
-        if call.token_ids:
-            choice["token_ids"] = reply.rollout.tokens.tolist()
-        choices.append(choice)
+def answer(call: Call, replies: list[list[Reply]], renderer: ChatRenderer, chat: bool) -> dict[str, Any]:
+    """A `chat.completion` (`chat`) or a `text_completion`: one choice per reply, prompt by prompt (choice `i * n + k`
+    is sample `k` of prompt `i`, as vLLM orders a batch)."""
+    choices: list[dict[str, Any]] = []
+    for prompt, group in zip(call.prompts, replies, strict=True):
+        for reply in group:
+            index = len(choices)
+            choice: dict[str, Any] = {"index": index, "finish_reason": reply.rollout.finish_reason}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": reply.text}
+                logprobs = token_logprobs(reply.rollout, renderer, call.ids_as_tokens) if call.logprobs else None
+                choice["logprobs"] = {"content": logprobs} if logprobs is not None else None
+            else:
+                choice["text"] = reply.text
+                choice["logprobs"] = (
+                    _legacy_logprobs(reply.rollout, renderer, call.ids_as_tokens) if call.logprobs else None
+                )
+            choice["spans"] = [list(s) for s in reply.rollout.spans]
+            if call.token_ids:
+                choice["token_ids"] = reply.rollout.tokens.tolist()
+                if not chat:
+                    choice["prompt_token_ids"] = prompt.tolist()
+            choices.append(choice)
+    first = replies[0][0].rollout.version if replies and replies[0] else None
     body: dict[str, Any] = {
         "id": call.id,
         "object": "chat.completion" if chat else "text_completion",
         "created": int(time.time()),
         "model": call.model,
         "choices": choices,
-        "usage": usage(len(call.prompt), replies),
-        "policy_version": replies[0].rollout.version if replies else None,
+        "usage": usage([len(p) for p in call.prompts], replies),
+        "policy_version": first,
     }
     if call.session_id is not None:
         body["session_id"] = call.session_id
-    if call.token_ids:
-        body["prompt_token_ids"] = call.prompt.tolist()
+    if call.token_ids and len(call.prompts) == 1:
+        body["prompt_token_ids"] = call.prompts[0].tolist()
     return body
 
 
-def _token_logprobs(rollout: Rollout, renderer: ChatRenderer) -> list[dict[str, Any]]:
+def token_string(token: int, renderer: ChatRenderer, as_id: bool) -> str:
+    return f"token_id:{token}" if as_id else renderer.token_text(token)
+
+
+def token_logprobs(rollout: Rollout, renderer: ChatRenderer, as_id: bool) -> list[dict[str, Any]]:
     out = []
     for token, logprob in zip(rollout.tokens, rollout.logprobs, strict=True):
-        text = renderer.token_text(int(token))
+        text = token_string(int(token), renderer, as_id)
         out.append({"token": text, "logprob": float(logprob), "bytes": list(text.encode()), "top_logprobs": []})
     return out
 
 
-def _legacy_logprobs(rollout: Rollout, renderer: ChatRenderer) -> dict[str, Any]:
-    texts = [renderer.token_text(int(t)) for t in rollout.tokens]
+def _legacy_logprobs(rollout: Rollout, renderer: ChatRenderer, as_id: bool) -> dict[str, Any]:
+    texts = [token_string(int(t), renderer, as_id) for t in rollout.tokens]
     offsets = np.cumsum([0, *(len(t) for t in texts)])[:-1]
     return {
         "tokens": texts,

@@ -2,8 +2,9 @@
 
 Routes: `GET /v1/models`, `POST /v1/chat/completions`, `POST /v1/completions` (header `X-Session-ID`
 makes a call a turn of a session), `POST /v1/sessions/{id}/finish`, `GET /health`, `GET /metrics`
-(Prometheus). Every error is a JSON body in OpenAI's shape with a 4xx/5xx status, never a traceback;
-`stream: true` is answered as server-sent events (the whole reply in one chunk: rollouts arrive whole).
+(Prometheus), and vLLM's RL routes (`producers.gateway.rl_routes`). Every error is a JSON body in OpenAI's
+shape with a 4xx/5xx status, never a traceback; `stream: true` is answered as server-sent events (the whole reply
+in one chunk: rollouts arrive whole).
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ from fastapi import FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
 
 from producers.gateway.openai_api import ChatRequest, CompletionRequest, FinishRequest, OpenAIError
+from producers.gateway.rl_routes import NOT_SERVED, add_vllm_routes
 from producers.gateway.service import Gateway
 
 log = logging.getLogger(__name__)
@@ -47,6 +50,17 @@ def create_app(gateway: Gateway) -> FastAPI:
         first = exc.errors()[0]["loc"] if exc.errors() else ()
         error = OpenAIError(400, "; ".join(problems) or "invalid request", param=".".join(map(str, first[1:2])) or None)
         return JSONResponse(error.body(), status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        """No such route (or method), in OpenAI's shape; a vLLM route the gateway does not serve says why."""
+        path = request.url.path
+        message = f"{request.method} {path}: {exc.detail}"
+        if exc.status_code == 404:
+            why = NOT_SERVED.get(path)
+            message = f"{request.method} {path} is not served here" + (f": {why}" if why else " (see GET /docs)")
+        error = OpenAIError(exc.status_code, message, code="not_found" if exc.status_code == 404 else None)
+        return JSONResponse(error.body(), status_code=exc.status_code)
 
     @app.exception_handler(Exception)
     async def unexpected(_request: Request, exc: Exception) -> JSONResponse:
@@ -93,6 +107,8 @@ def create_app(gateway: Gateway) -> FastAPI:
     @app.post("/v1/sessions/{session_id}/finish")
     async def finish(session_id: str, request: FinishRequest | None = None) -> dict[str, Any]:
         return await gateway.finish(session_id, request or FinishRequest())
+
+    add_vllm_routes(app, gateway)
 
     return app
 

@@ -1,9 +1,8 @@
 """The OpenAI request shapes the gateway accepts, and its errors in OpenAI's shape.
 
-Only what a rollout can honour is modelled; other OpenAI parameters are accepted and ignored (as
-vLLM's server does), except where ignoring them would change the answer silently: `top_logprobs`
-and completions' `logprobs` above 0 ask for alternatives the engines do not report, `echo` for text
-the gateway does not return; those are refused.
+What a rollout honours is modelled here; every other field a request carries is checked against the table in
+`producers.gateway.sampling` (inert, accepted at its default only, or refused with a 400 that names it), so no
+parameter is ever dropped silently.
 """
 
 from __future__ import annotations
@@ -62,9 +61,10 @@ class Message(BaseModel):
 
 
 class Sampled(BaseModel):
-    """What chat and completions share."""
+    """What chat and completions share. Fields not modelled land in `model_extra` and are checked there
+    (`producers.gateway.sampling.check_fields`)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     model: str
     n: int = Field(default=1, ge=1, le=MAX_SAMPLES)
@@ -72,10 +72,16 @@ class Sampled(BaseModel):
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    """vLLM's extension: token ids that end a sample (besides the model's end of sequence), kept in its tokens."""
+    min_tokens: int | None = Field(default=None, ge=0)
+    """vLLM's extension: 0 or 1 (a sample that stops at its first token is drawn again); more is refused."""
     seed: int | None = Field(default=None, ge=0, le=INT64_MAX - MAX_SAMPLES)
     stream: bool = False
     return_token_ids: bool = False
     """vLLM's extension: `prompt_token_ids` on the answer and `token_ids` on each choice."""
+    return_tokens_as_token_ids: bool = False
+    """vLLM's extension: each logprob's token as `token_id:{id}` rather than its text."""
 
     def stops(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -96,10 +102,28 @@ class ChatRequest(Sampled):
 
 
 class CompletionRequest(Sampled):
-    prompt: str | list[int] = Field(min_length=1)
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(min_length=1)
+    """One prompt (text or token ids) or a batch of them (as TRL sends): each is queued on its own, and the answer's
+    choices come prompt by prompt, `n` each (choice `i * n + k` is sample `k` of prompt `i`), as vLLM orders them."""
     max_tokens: int | None = Field(default=16, ge=1)
-    logprobs: int | None = Field(default=None, ge=0, le=0)
+    logprobs: bool | int | None = None
+    """`true` or `0`: the sampled token's logprob (`token_logprobs`); 1 or more asks for alternatives: refused."""
     echo: Literal[False] = False
+
+    def prompts(self) -> list[str | list[int]]:
+        """The batch: one prompt alone, or each of a list of prompts (texts, or token id lists); none may be empty."""
+        if isinstance(self.prompt, str):
+            return [self.prompt]
+        ids: list[int] = []
+        batch: list[str | list[int]] = []
+        for item in self.prompt:
+            if isinstance(item, int):
+                ids.append(item)
+            else:
+                batch.append(item)
+        if any(len(p) == 0 for p in batch):
+            raise OpenAIError(400, "a prompt of the batch is empty", param="prompt")
+        return [ids] if ids else batch
 
 
 class FinishRequest(BaseModel):

@@ -19,22 +19,29 @@ import asyncio
 import re
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, TypeVar
 
 import numpy as np
 
 from pipeline.streams import Streams
-from pipeline.wire import NAME_PATTERN, Prompt, Sampling
+from pipeline.wire import INT64_MAX, MAX_SAMPLES, NAME_PATTERN, PauseMode, Prompt, Rollout, Sampling
 from producers.gateway.answers import Call, Reply, answer, apply_stops
 from producers.gateway.chat import ChatRenderer, TemplateError
 from producers.gateway.metrics import GatewayMetrics
-from producers.gateway.openai_api import ChatRequest, CompletionRequest, FinishRequest, OpenAIError, Sampled
+from producers.gateway.openai_api import ChatRequest, CompletionRequest, FinishRequest, OpenAIError
 from producers.gateway.placement import Placement, candidates, place
 from producers.gateway.replies import Replies
+from producers.gateway.rl_control import WeightUpdates, read_hold
+from producers.gateway.sampling import MAX_REDRAWS, Ask, ask_of, check_logprobs
 from producers.gateway.sessions import Session, SessionStore, Trajectory
+from producers.gateway.vllm_api import GenerateRequest, TokenizeRequest, generate_answer
 from staleness.state import adapter_names, read_state
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -54,6 +61,16 @@ class GatewaySettings:
     poll_s: float = 0.05
     threads: int = 64
     """Redis calls in flight at once (each on a thread)."""
+    rl_control: bool = False
+    """Serve vLLM's RL control routes (`/pause`, `/resume`, the weight-transfer routes): `--rl-control`."""
+    rl_pause_ttl_s: float = 600.0
+    """A `POST /pause` not resumed within this long is lifted (its caller died)."""
+    weights_transport: str = "redis://"
+    """How the weight-transfer routes publish (`init_info.transport` may name another)."""
+    weights_mode: PauseMode = "abort"
+    """The pause mode of a weight update finished with no `POST /pause` in force."""
+    model_dir: Path | None = None
+    """The served model's directory: the weight routes check tensor names and shapes against its checkpoint."""
 
 
 class Gateway:
@@ -64,6 +81,7 @@ class Gateway:
         self.sessions = SessionStore(streams, settings.session_ttl_s, busy_timeout_s=settings.request_timeout_s + 30)
         self.replies = Replies(streams, settings.name)
         self.metrics = GatewayMetrics(streams.keys.ns, settings.name)
+        self.weights = WeightUpdates(streams, settings.name, settings.weights_transport, settings.model_dir)
 
     async def start(self) -> None:
         # Every Redis call runs on a thread (the stream layer is synchronous), one of them always blocked on the
@@ -79,14 +97,23 @@ class Gateway:
         """The base model and every LoRA adapter published in the namespace (its `parent` the base model)."""
         base = self.settings.served_model_name
         adapters = await asyncio.to_thread(adapter_names, self.streams.redis, self.streams.keys)
-        model = {"object": "model", "created": 0, "owned_by": "rollout-streams"}
-        data = [{"id": base, **model}] + [{"id": a, **model, "parent": base} for a in adapters]
+        live = await asyncio.to_thread(self.streams.registry.live_workers)
+        try:
+            limit: int | None = self._max_model_len(live)
+        except OpenAIError:  # no worker yet: the context is not known
+            limit = None
+        model = {"object": "model", "created": 0, "owned_by": "rollout-streams", "max_model_len": limit}
+        data = [{"id": base, **model, "root": base}] + [
+            {"id": a, **model, "root": base, "parent": base} for a in adapters
+        ]
         return {"object": "list", "data": data}
 
     # -- the endpoints -------------------------------------------------------------------------------
 
     async def chat(self, request: ChatRequest, session_id: str | None) -> dict[str, Any]:
-        adapter = await self._check_call(request, session_id)
+        adapter = await self._adapter_of(request.model)
+        ask = ask_of(request, request.completion_limit())
+        _check_session(session_id, ask.n)
         messages = [m.for_template() for m in request.messages]
         if messages[-1]["role"] == "assistant":
             raise OpenAIError(400, "the last message is the assistant's: nothing to answer", param="messages")
@@ -97,7 +124,7 @@ class Gateway:
                 prompt, between = self._continue_chat(session, messages, request.tools)
             else:
                 prompt, between = np.asarray(self._render(messages, request.tools), np.int32), []
-            replies = await self._generate(prompt, request, request.completion_limit(), session, adapter)
+            [replies] = await self._generate([prompt], ask, session, adapter)
             if session is not None:
                 session.messages = [*messages, {"role": "assistant", "content": replies[0].text}]
                 await self._extend(session, call, prompt, between, replies[0])
@@ -105,25 +132,89 @@ class Gateway:
             if session is not None:
                 await asyncio.to_thread(self.sessions.release, session.id, call)
             raise
-        asked = Call(call, request.model, prompt, request.logprobs, request.return_token_ids, session_id)
-        return answer(asked, replies, self.renderer, chat=True)
+        asked = Call(call, request.model, [prompt], request.logprobs, request.return_token_ids, session_id)
+        asked.ids_as_tokens = request.return_tokens_as_token_ids
+        return answer(asked, [replies], self.renderer, chat=True)
 
     async def complete(self, request: CompletionRequest, session_id: str | None) -> dict[str, Any]:
-        adapter = await self._check_call(request, session_id)
+        adapter = await self._adapter_of(request.model)
+        ask = ask_of(request, request.max_tokens)
+        logprobs = check_logprobs(request.logprobs, "logprobs")
+        _check_session(session_id, ask.n)
+        batch = request.prompts()
+        if session_id is not None and len(batch) > 1:
+            raise OpenAIError(400, "a session's turn has one prompt: send a batch without X-Session-ID", param="prompt")
         call = f"cmpl-{uuid.uuid4().hex}"
         session = await self._begin(session_id, call, adapter)
         try:
-            prompt, between = self._completion_prompt(request.prompt, session)
-            replies = await self._generate(prompt, request, request.max_tokens, session, adapter)
             if session is not None:
-                await self._extend(session, call, prompt, between, replies[0])
+                prompt, between = self._completion_prompt(batch[0], session)
+                prompts = [prompt]
+            else:
+                prompts = [self._completion_prompt(p, None)[0] for p in batch]
+            replies = await self._generate(prompts, ask, session, adapter)
+            if session is not None:
+                await self._extend(session, call, prompt, between, replies[0][0])
         except BaseException:
             if session is not None:
                 await asyncio.to_thread(self.sessions.release, session.id, call)
             raise
-        logprobs = request.logprobs is not None
-        asked = Call(call, request.model, prompt, logprobs, request.return_token_ids, session_id)
+        asked = Call(call, request.model, prompts, logprobs, request.return_token_ids, session_id)
+        asked.ids_as_tokens = request.return_tokens_as_token_ids
         return answer(asked, replies, self.renderer, chat=False)
+
+    async def generate_tokens(self, request: GenerateRequest, session_id: str | None) -> dict[str, Any]:
+        """vLLM's `POST /inference/v1/generate`: token ids in, token ids (and their logprobs, versions) out. A session
+        here is routing only: its calls go to the worker it is pinned to, and no trajectory is kept (the caller
+        assembles its own); `POST /finish_session` releases the pin."""
+        adapter = await self._adapter_of(request.model) if request.model else None
+        ask, logprobs = request.ask()
+        session = None
+        if session_id is not None:
+            _check_session(session_id, 1)
+            session = Session(id=session_id, routing_only=True)
+        prompt = np.asarray(request.token_ids, np.int32)
+        [replies] = await self._generate([prompt], ask, session, adapter)
+        return generate_answer(request, self.served_name(adapter), prompt, replies, ask, logprobs, self.renderer)
+
+    def served_name(self, adapter: str | None) -> str:
+        return adapter or self.settings.served_model_name
+
+    async def tokenize(self, request: TokenizeRequest) -> dict[str, Any]:
+        """vLLM's `/tokenize`: a text prompt, or chat messages through the template."""
+        if (request.prompt is None) == (request.messages is None):
+            raise OpenAIError(400, "send one of prompt (text) or messages", param="prompt")
+        if request.messages is not None:
+            text = self.renderer.render(request.messages, None, prompt=request.add_generation_prompt)
+            ids = self.renderer.encode(text)
+        else:
+            assert request.prompt is not None
+            ids = list(self.renderer.tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens))
+        live = await self.live_workers()
+        try:
+            limit: int | None = self._max_model_len(live)
+        except OpenAIError:
+            limit = None
+        strs = [self.renderer.token_text(t) for t in ids] if request.return_token_strs else None
+        return {"count": len(ids), "max_model_len": limit, "tokens": ids, "token_strs": strs}
+
+    async def live_workers(self) -> dict[str, dict[str, str]]:
+        return await asyncio.to_thread(self.streams.registry.live_workers)
+
+    async def is_paused(self) -> bool:
+        return await asyncio.to_thread(self._paused, None) is not None
+
+    async def policy_version(self) -> int:
+        return (await asyncio.to_thread(read_state, self.streams.redis, self.streams.keys)).version
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """A blocking (Redis) call, off the event loop."""
+        return await asyncio.to_thread(fn, *args)
+
+    async def finish_session(self, session_id: str) -> bool:
+        """Release a session's pin (SkyRL's `/finish_session`, best effort): its worker no longer counts it."""
+        _check_session_id(session_id)
+        return await asyncio.to_thread(self.sessions.release_pin, session_id)
 
     async def finish(self, session_id: str, request: FinishRequest) -> dict[str, Any]:
         _check_session_id(session_id)
@@ -145,26 +236,20 @@ class Gateway:
 
     # -- checks ---------------------------------------------------------------------------------------
 
-    async def _check_call(self, request: Sampled, session_id: str | None) -> str | None:
-        """Check the call; returns the LoRA adapter its `model` names (None: the base model)."""
-        adapter = None
-        if request.model != self.settings.served_model_name:
-            adapters = await asyncio.to_thread(adapter_names, self.streams.redis, self.streams.keys)
-            if request.model not in adapters:
-                served = ", ".join(f"`{m}`" for m in [self.settings.served_model_name, *adapters])
-                raise OpenAIError(
-                    404,
-                    f"The model `{request.model}` does not exist; this gateway serves {served}",
-                    code="model_not_found",
-                    param="model",
-                )
-            adapter = request.model
-        request.stops()
-        if session_id is not None:
-            _check_session_id(session_id)
-            if request.n != 1:
-                raise OpenAIError(400, "a session's turn has one reply: n must be 1 with X-Session-ID", param="n")
-        return adapter
+    async def _adapter_of(self, model: str) -> str | None:
+        """The LoRA adapter a call's `model` names (None: the base model); 404 for a model not served."""
+        if model == self.settings.served_model_name:
+            return None
+        adapters = await asyncio.to_thread(adapter_names, self.streams.redis, self.streams.keys)
+        if model not in adapters:
+            served = ", ".join(f"`{m}`" for m in [self.settings.served_model_name, *adapters])
+            raise OpenAIError(
+                404,
+                f"The model `{model}` does not exist; this gateway serves {served}",
+                code="model_not_found",
+                param="model",
+            )
+        return model
 
     def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
         try:
@@ -194,6 +279,8 @@ class Gateway:
 
     def _completion_prompt(self, prompt: str | list[int], session: Session | None) -> tuple[np.ndarray, list[int]]:
         """Token ids (as given, or the text's); a session's turn must extend the session's tokens."""
+        if isinstance(prompt, list) and any(t < 0 for t in prompt):
+            raise OpenAIError(400, "prompt token ids must be >= 0", param="prompt")
         if session is None or not session.turns:
             ids = prompt if isinstance(prompt, list) else self.renderer.encode(prompt)
             return np.asarray(ids, np.int32), []
@@ -234,15 +321,35 @@ class Gateway:
         return await asyncio.to_thread(self.sessions.begin, session_id, call, adapter)
 
     async def _generate(
-        self,
-        prompt: np.ndarray,
-        request: Sampled,
-        max_tokens: int | None,
-        session: Session | None,
-        adapter: str | None = None,
-    ) -> list[Reply]:
+        self, prompts: list[np.ndarray], ask: Ask, session: Session | None, adapter: str | None = None
+    ) -> list[list[Reply]]:
+        """Queue each prompt (`ask.n` samples) and wait for their rollouts; the replies per prompt, in sample order.
+        Nothing is queued unless every prompt fits the context."""
         live = await asyncio.to_thread(self.streams.registry.live_workers)  # one read for the limit and the placement
         limit = self._max_model_len(live)
+        items = [
+            self._item(prompt, self._room(prompt, ask.max_tokens, limit), ask, session, adapter) for prompt in prompts
+        ]
+        await self._wait_unpaused(None)
+        if adapter is not None:
+            await self._wait_unpaused(adapter)
+        batches = await asyncio.gather(*(self._run(item, session, live) for item in items))
+        if ask.min_tokens:
+            pairs = zip(items, batches, strict=True)
+            batches = [await self._redraw(item, rollouts, session, live) for item, rollouts in pairs]
+        errors = [r.error for rollouts in batches for r in rollouts if r.finish_reason == "error"]
+        if errors:
+            raise OpenAIError(400, f"the engine refused this request: {errors[0]}", code="engine_refused")
+        for prompt, rollouts in zip(prompts, batches, strict=True):
+            self.metrics.prompt_tokens.inc(len(prompt))
+            self.metrics.cached_tokens.inc(rollouts[0].cached_tokens or 0)
+        if session is not None:
+            session.workers.append(batches[0][0].worker)
+            session.cached_tokens += batches[0][0].cached_tokens or 0
+        return [[apply_stops(r, ask.stops, self.renderer) for r in rollouts] for rollouts in batches]
+
+    def _room(self, prompt: np.ndarray, max_tokens: int | None, limit: int) -> int:
+        """The completion's length (`max_tokens`, or the rest of the context); 400 when the prompt does not fit."""
         room = limit - len(prompt)
         wanted = max_tokens if max_tokens is not None else room
         if room < 1 or wanted > room:
@@ -256,30 +363,36 @@ class Gateway:
                 code="context_length_exceeded",
                 param="messages",
             )
+        return wanted
+
+    def _item(
+        self, prompt: np.ndarray, max_tokens: int, ask: Ask, session: Session | None, adapter: str | None
+    ) -> Prompt:
         sampling = Sampling(
-            max_tokens=wanted,
-            temperature=1.0 if request.temperature is None else request.temperature,
-            top_p=1.0 if request.top_p is None else request.top_p,
-            seed=request.seed,
+            max_tokens=max_tokens,
+            temperature=1.0 if ask.temperature is None else ask.temperature,
+            top_p=1.0 if ask.top_p is None else ask.top_p,
+            stop_token_ids=ask.stop_token_ids,
+            seed=ask.seed,
         )
-        item = Prompt(
+        return Prompt(
             id=f"turn-{uuid.uuid4().hex}",
-            n=request.n,
+            n=ask.n,
             tokens=prompt,
             sampling=sampling,
             meta={"gateway": self.settings.name, "session": session.id if session else None},
             reply_to=self.settings.name,
             adapter=adapter,
         )
-        await self._wait_unpaused(None)
-        if adapter is not None:
-            await self._wait_unpaused(adapter)
+
+    async def _run(self, item: Prompt, session: Session | None, live: dict[str, dict[str, str]]) -> list[Rollout]:
+        """Queue one prompt and wait for its `n` rollouts (a 504 after `request_timeout_s`)."""
         future = self.replies.expect(item.id, item.n)
         try:
             worker = await self._queue(item, session, live)
             try:
                 with self.metrics.wait("answer").track_inprogress():
-                    rollouts = await asyncio.wait_for(future, self.settings.request_timeout_s)
+                    return await asyncio.wait_for(future, self.settings.request_timeout_s)
             except TimeoutError:
                 raise OpenAIError(
                     504,
@@ -290,35 +403,68 @@ class Gateway:
                 ) from None
         finally:
             self.replies.forget(item.id)
-        errors = [r.error for r in rollouts if r.finish_reason == "error"]
-        if errors:
-            raise OpenAIError(400, f"the engine refused this request: {errors[0]}", code="engine_refused")
-        self.metrics.prompt_tokens.inc(len(prompt))
-        self.metrics.cached_tokens.inc(rollouts[0].cached_tokens or 0)
-        if session is not None:
-            session.workers.append(rollouts[0].worker)
-            session.cached_tokens += rollouts[0].cached_tokens or 0
-        return [apply_stops(r, request.stops(), self.renderer) for r in rollouts]
+
+    async def _redraw(
+        self, item: Prompt, rollouts: list[Rollout], session: Session | None, live: dict[str, dict[str, str]]
+    ) -> list[Rollout]:
+        """`min_tokens=1`: draw again (with another seed) each sample that stopped at its first token, so the first
+        token is sampled from the distribution with the stop tokens masked, as vLLM does (rejection sampling: the
+        same distribution, exactly, for one step)."""
+        out = list(rollouts)
+        for k, rollout in enumerate(rollouts):
+            attempt = 0
+            while out[k].finish_reason == "stop" and len(out[k].tokens) == 1:
+                attempt += 1
+                if attempt > MAX_REDRAWS:
+                    raise OpenAIError(
+                        400,
+                        f"min_tokens=1: sample {k} stopped at its first token in {MAX_REDRAWS} draws (the model all "
+                        "but always stops here); send min_tokens=0 to take such samples",
+                        code="min_tokens_unmet",
+                        param="min_tokens",
+                    )
+                seed = item.sampling.seed
+                if seed is not None:  # reproducible, and not a seed another sample of the prompt drew with
+                    seed = (seed + attempt * MAX_SAMPLES + k) % (INT64_MAX - MAX_SAMPLES)
+                again = item.model_copy(
+                    update={
+                        "id": f"turn-{uuid.uuid4().hex}",
+                        "n": 1,
+                        "sampling": item.sampling.model_copy(update={"seed": seed}),
+                    }
+                )
+                [drawn] = await self._run(again, session, live)
+                out[k] = drawn.model_copy(update={"prompt_id": rollout.prompt_id, "sample": rollout.sample})
+        return out
 
     async def _wait_unpaused(self, adapter: str | None) -> None:
-        """Queue nothing while a weight sync (of the base model, or of the call's adapter) is under way; give up
-        with a 503 after `pause_timeout_s`."""
-        state = await asyncio.to_thread(read_state, self.streams.redis, self.streams.keys, adapter)
-        if not state.paused:
+        """Queue nothing while a weight sync (of the base model, or of the call's adapter) is under way, or while a
+        caller holds the gateway paused (`POST /pause`); give up with a 503 after `pause_timeout_s`."""
+        reason = await asyncio.to_thread(self._paused, adapter)
+        if reason is None:
             return
         deadline = time.monotonic() + self.settings.pause_timeout_s
         with self.metrics.wait("resume").track_inprogress():
-            while state.paused:
+            while reason is not None:
                 if time.monotonic() > deadline:
                     raise OpenAIError(
                         503,
-                        f"the policy is paused for a weight sync (version {state.version} -> {state.pending_version})"
-                        f" and did not resume within {self.settings.pause_timeout_s:g} s; retry later",
+                        f"{reason} and did not resume within {self.settings.pause_timeout_s:g} s; retry later",
                         "service_unavailable",
                         "policy_paused",
                     )
                 await asyncio.sleep(self.settings.poll_s)
-                state = await asyncio.to_thread(read_state, self.streams.redis, self.streams.keys, adapter)
+                reason = await asyncio.to_thread(self._paused, adapter)
+
+    def _paused(self, adapter: str | None) -> str | None:
+        """Why calls wait now (None: they need not). Blocking."""
+        state = read_state(self.streams.redis, self.streams.keys, adapter)
+        if state.paused:
+            return f"the policy is paused for a weight sync (version {state.version} -> {state.pending_version})"
+        hold = read_hold(self.streams) if adapter is None else None
+        if hold is not None:
+            return f"the gateway is paused by POST /pause (mode {hold.mode}, by {hold.by})"
+        return None
 
     async def _queue(self, item: Prompt, session: Session | None, live: dict[str, dict[str, str]]) -> str | None:
         """A session's turn to its worker's inbox; a call without one to the shared prompts (any worker)."""
@@ -331,6 +477,8 @@ class Gateway:
             await asyncio.to_thread(self.streams.add_prompts, [item])
             return None
         worker = await asyncio.to_thread(place, self.settings.placement, self.sessions, session.id, workers)
+        if session.routing_only:  # no turn marks it: its pin's hash expires when idle all the same
+            await asyncio.to_thread(self.sessions.touch, session.id)
         session.worker = worker
         await asyncio.to_thread(self.streams.add_to_inbox, worker, item)
         return worker
@@ -348,6 +496,13 @@ class Gateway:
             await asyncio.to_thread(self.sessions.place, session.id, served)
             session.worker = served
         await asyncio.to_thread(self.sessions.commit, session, call)
+
+
+def _check_session(session_id: str | None, n: int) -> None:
+    if session_id is not None:
+        _check_session_id(session_id)
+        if n != 1:
+            raise OpenAIError(400, "a session's turn has one reply: n must be 1 with X-Session-ID", param="n")
 
 
 def _check_session_id(session_id: str) -> None:

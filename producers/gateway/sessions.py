@@ -87,6 +87,8 @@ class Session:
     finished: bool = False
     adapter: str | None = None
     """The LoRA adapter of its first turn (the call's `model`): every turn and its trajectory stay on it."""
+    routing_only: bool = False
+    """A session of vLLM's `/inference/v1/generate`: a pin to a worker and nothing more (no turns, no trajectory)."""
 
 
 class SessionStore:
@@ -153,6 +155,26 @@ class SessionStore:
         for name in names:
             args += [name, candidates[name]]
         return _text(self._pin(keys=keys, args=args))
+
+    def touch(self, session_id: str) -> None:
+        """Renew the session's idle TTL (a routing-only session's hash has no turn to do it)."""
+        self.redis.expire(self.keys.session(session_id), int(self.idle_ttl_s))
+
+    def release_pin(self, session_id: str) -> bool:
+        """Free the session's pin (vLLM routers' `/finish_session`): its worker no longer counts it. A routing-only
+        session (no turns) is forgotten; a session with turns keeps them, for its finish. False if it had no pin."""
+        key = self.keys.session(session_id)
+        worker, turns = self.redis.hmget(key, ["worker", "turns"])
+        if not worker:
+            return False
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.zrem(self.keys.pins(_text(worker)), session_id)
+        if not turns:
+            pipe.delete(key)
+        else:
+            pipe.hdel(key, "worker")
+        pipe.execute()
+        return True
 
     def place(self, session_id: str, worker: str) -> None:
         """Pin the session to `worker` (placement other than sticky least-loaded: hash, random; or a move)."""

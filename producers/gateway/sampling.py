@@ -1,0 +1,210 @@
+"""Every sampling field a caller may send the gateway, and what becomes of it: nothing is dropped silently.
+
+A field is either **honoured** (carried on the wire's `Sampling` to the workers, or applied by the gateway: `n`,
+`max_tokens`, `temperature`, `top_p`, `seed`, `stop_token_ids`, `stop`, `logprobs` of the sampled token, and
+`min_tokens` up to 1), **inert** (it changes nothing in the answer: `user`, `metadata`, the prefix-cache salt, ...),
+or **default only**: the wire and the engines have no such knob, so its default ("off") is accepted and any other
+value is refused with OpenAI's 400 shape, naming the field and saying why. A field in none of these lists is
+refused as OpenAI refuses it ("Unrecognized request argument supplied").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from producers.gateway.openai_api import OpenAIError, Sampled
+
+NO_KNOB = "the wire's sampling carries temperature, top_p, seed and stop tokens only, and no engine has this knob"
+
+
+@dataclass(frozen=True)
+class DefaultOnly:
+    """A field whose default (each of `allowed` means "off") is accepted and any other value refused, because `why`."""
+
+    allowed: tuple[Any, ...]
+    why: str = NO_KNOB
+
+
+DEFAULT_ONLY: dict[str, DefaultOnly] = {
+    # What samplers do that ours do not: the wire's `Sampling` would have to carry them, and every engine honour them.
+    "top_k": DefaultOnly((None, 0, -1)),
+    "min_p": DefaultOnly((None, 0)),
+    "repetition_penalty": DefaultOnly((None, 1)),
+    "presence_penalty": DefaultOnly((None, 0)),
+    "frequency_penalty": DefaultOnly((None, 0)),
+    "length_penalty": DefaultOnly((None, 1)),
+    "logit_bias": DefaultOnly((None, {})),
+    "allowed_token_ids": DefaultOnly((None,)),
+    "bad_words": DefaultOnly((None, [])),
+    "ignore_eos": DefaultOnly((None, False)),
+    "best_of": DefaultOnly((None, 1)),
+    "use_beam_search": DefaultOnly((None, False)),
+    "watermarking": DefaultOnly((None,)),
+    "thinking_token_budget": DefaultOnly((None,)),
+    "repetition_detection": DefaultOnly((None,)),
+    "extra_args": DefaultOnly((None, {})),
+    "truncate_prompt_tokens": DefaultOnly((None,), "a prompt is never truncated: one too long is refused"),
+    # Constrained decoding.
+    "structured_outputs": DefaultOnly((None,), "no engine constrains decoding (structured outputs, guided decoding)"),
+    "guided_json": DefaultOnly((None,), "no engine constrains decoding (structured outputs, guided decoding)"),
+    "guided_regex": DefaultOnly((None,), "no engine constrains decoding (structured outputs, guided decoding)"),
+    "guided_choice": DefaultOnly((None,), "no engine constrains decoding (structured outputs, guided decoding)"),
+    "guided_grammar": DefaultOnly((None,), "no engine constrains decoding (structured outputs, guided decoding)"),
+    "response_format": DefaultOnly((None, {"type": "text"}), "no engine constrains decoding (JSON mode, schemas)"),
+    # Logprobs beyond the sampled token's.
+    "top_logprobs": DefaultOnly((None, 0), "the engines report the sampled token's logprob, no alternatives"),
+    "prompt_logprobs": DefaultOnly((None,), "the engines report no logprobs of the prompt"),
+    "prompt_logprob_token_ids": DefaultOnly((None,), "the engines report no logprobs of the prompt"),
+    "prompt_logprob_start": DefaultOnly((None,), "the engines report no logprobs of the prompt"),
+    "logprob_token_ids": DefaultOnly((None,), "the engines report the sampled token's logprob, no others"),
+    "flat_logprobs": DefaultOnly((None, False), "logprobs come in OpenAI's (or vLLM's) shape"),
+    # Answers the gateway does not give.
+    "echo": DefaultOnly((None, False), "the answer holds the completion, not the prompt"),
+    "suffix": DefaultOnly((None,), "there is no insertion mode"),
+    "audio": DefaultOnly((None,), "text only"),
+    "modalities": DefaultOnly((None, ["text"]), "text only"),
+    "prediction": DefaultOnly((None,), "no speculative decoding from a predicted output"),
+    "web_search_options": DefaultOnly((None,), "no tools run in the gateway"),
+    "functions": DefaultOnly((None,), "pass tools as `tools` (they go to the chat template)"),
+    "function_call": DefaultOnly((None,), "pass tools as `tools` (they go to the chat template)"),
+    "tool_choice": DefaultOnly((None, "auto"), "the model chooses (tools are not parsed or forced)"),
+    "reasoning_effort": DefaultOnly((None,), "the chat template renders the messages as they are"),
+    "continue_final_message": DefaultOnly((None, False), "the last message must not be the assistant's"),
+    "add_generation_prompt": DefaultOnly((None, True), "every chat prompt ends with the template's generation prompt"),
+    "chat_template": DefaultOnly((None,), "the model's own chat template renders every session"),
+    "chat_template_kwargs": DefaultOnly((None, {}), "the model's own chat template renders every session"),
+    "documents": DefaultOnly((None,), "the model's own chat template renders every session"),
+    "mm_processor_kwargs": DefaultOnly((None,), "text only"),
+    "stream_interval": DefaultOnly((None, 1), "a reply streams as one chunk (rollouts arrive whole)"),
+    "output_text_buffer_length": DefaultOnly((None, 0), "a reply streams as one chunk (rollouts arrive whole)"),
+    "skip_clone": DefaultOnly((None, False), "an engine-internal flag"),
+    "skip_reading_prefix_cache": DefaultOnly((None, False), "the workers' engines manage their prefix caches"),
+    "routed_experts_prompt_start": DefaultOnly((None, 0), "routed experts are not reported"),
+    "trace_decode_token_ids": DefaultOnly((None,), "no decode traces are reported"),
+    "priority": DefaultOnly((None, 0), "the queue is first in, first out"),
+    "kv_transfer_params": DefaultOnly((None,), "no disaggregated prefill"),
+    "ec_transfer_params": DefaultOnly((None,), "no disaggregated prefill"),
+    "spaces_between_special_tokens": DefaultOnly((None, True), "text is decoded as the tokenizer does by default"),
+    "skip_special_tokens": DefaultOnly(
+        (None, True), "a reply's text leaves out special tokens (its token ids keep them)"
+    ),
+    "include_stop_str_in_output": DefaultOnly((None, False), "a reply's text ends before its stop string"),
+}
+"""Fields accepted at their default only, with the reason any other value is refused."""
+
+INERT = frozenset(
+    {
+        "user", "metadata", "store", "service_tier", "stream_options", "parallel_tool_calls", "safety_identifier",
+        "prompt_cache_key", "verbosity", "request_id", "cache_salt", "output_kind", "detokenize",
+    }
+)  # fmt: skip
+"""Accepted and without effect on the answer: identifiers, storage and service hints, stream options (a reply streams
+as one chunk), `cache_salt` (workers never serve one version's prefix cache to another: a sync resets it, or salts it by
+version in `inflight`), vLLM's `output_kind` (the server sets it) and `detokenize` (text is decoded where a route
+returns text)."""
+
+
+def check_fields(fields: dict[str, Any], where: str = "") -> None:
+    """Refuse, in OpenAI's 400 shape, a field of `fields` (the request's extras, or vLLM's `sampling_params` less the
+    honoured ones) that is neither inert nor at its default. `where`: the parameter's prefix (`sampling_params.`)."""
+    for name, value in fields.items():
+        if name in INERT:
+            continue
+        rule = DEFAULT_ONLY.get(name)
+        if rule is None:
+            raise OpenAIError(
+                400,
+                f"Unrecognized request argument supplied: {where}{name}",
+                code="unknown_parameter",
+                param=where + name,
+            )
+        if not any(_same(value, allowed) for allowed in rule.allowed):
+            off = " or ".join("null" if a is None else repr(a) for a in rule.allowed)
+            raise OpenAIError(
+                400,
+                f"{where}{name}={value!r} is not supported: {rule.why}; leave it out (or send {off})",
+                code="unsupported_parameter",
+                param=where + name,
+            )
+
+
+def _same(value: Any, allowed: Any) -> bool:
+    """`value` is `allowed` (`True` is not 1, `0` is not `False`, `null` only `None`)."""
+    if value is None or allowed is None or isinstance(value, bool) or isinstance(allowed, bool):
+        return value is allowed
+    return bool(value == allowed)
+
+
+@dataclass(frozen=True)
+class Ask:
+    """What one prompt of a call asks the workers for, checked: its samples, their sampling, and what the gateway
+    applies to them (stop strings, at least `min_tokens` before a stop)."""
+
+    n: int = 1
+    max_tokens: int | None = None
+    """None: the rest of the context."""
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    stops: list[str] = field(default_factory=list)
+    min_tokens: int = 0
+    """0 or 1. A sample whose first token is a stop token is drawn again (another seed): exactly sampling with stop
+    tokens masked at the first step, as vLLM's `min_tokens=1` does. More than 1 is refused: redrawing whole samples
+    is not the same distribution as masking step by step."""
+
+
+MAX_REDRAWS = 8
+"""How often a sample that stopped at its first token is drawn again for `min_tokens=1` before the call fails."""
+
+
+def check_min_tokens(value: int | None, param: str) -> int:
+    if value is None or value == 0:
+        return 0
+    if value == 1:
+        return 1
+    raise OpenAIError(
+        400,
+        f"{param}={value} is not supported: no engine masks stop tokens step by step; 0 and 1 are honoured "
+        "(1: a sample that stops at its first token is drawn again)",
+        code="unsupported_parameter",
+        param=param,
+    )
+
+
+def check_logprobs(value: int | bool | None, param: str) -> bool:
+    """Whether the sampled tokens' logprobs are asked for: `true`, `0` (vLLM's "the sampled token only") yes; `null`,
+    `false` no; an integer of 1 or more asks for alternatives the engines do not report: refused."""
+    if value is None or value is False:
+        return False
+    if value is True or value == 0:
+        return True
+    raise OpenAIError(
+        400,
+        f"{param}={value} asks for the {value} most likely alternatives of each token, which the engines do not "
+        "report; send 0 or true for the sampled token's logprob (what SkyRL and TRL read)",
+        code="unsupported_parameter",
+        param=param,
+    )
+
+
+def ask_of(request: Sampled, max_tokens: int | None) -> Ask:
+    """A chat or completions request's `Ask`, after checking its other fields (`check_fields`)."""
+    check_fields(dict(request.model_extra or {}))
+    return Ask(
+        n=request.n,
+        max_tokens=max_tokens,
+        temperature=request.temperature,
+        top_p=request.top_p,
+        seed=request.seed,
+        stop_token_ids=check_token_ids(request.stop_token_ids, "stop_token_ids"),
+        stops=request.stops(),
+        min_tokens=check_min_tokens(request.min_tokens, "min_tokens"),
+    )
+
+
+def check_token_ids(ids: list[int] | None, param: str) -> list[int]:
+    if ids and any(t < 0 for t in ids):
+        raise OpenAIError(400, f"{param} must be token ids (>= 0)", param=param)
+    return sorted(set(ids or []))
