@@ -1,14 +1,16 @@
 """TRL's GRPOTrainer, generating on Rollout Streams workers: what a TRL user adds is three lines (marked below).
 
     pip install torch==2.13.0 -e '.[torch,trl]'
-    python examples/trl_grpo.py --steps 30                 # a private Redis, a tiny local model, manager + worker
-    python examples/trl_grpo.py --steps 30 --look-ahead    # the next batch generated while the trainer steps
+    python examples/trl_grpo.py --steps 40                 # a private Redis, a tiny local model, manager + worker
+    python examples/trl_grpo.py --steps 40 --look-ahead    # the next batch generated while the trainer steps
     python examples/trl_grpo.py --redis redis://HOST:6379/0 --ns exp1 --model DIR --workers 0   # your fleet
 
 Without `--redis` it starts everything on this machine, on CPU: a private `redis-server` on a free port, a tiny model
 built locally (nothing is downloaded), `rollouts manager` and `--workers` torch workers; all are stopped by PID at
-the end. The task is a toy one: each prompt names a letter, and the reward is the share of the completion's
-characters that are that letter (a dataset column, `letter`, reaches the reward function as TRL passes columns).
+the end. The task is a toy one: each prompt names a letter (`--letters`, one of them at random), and the reward is
+the share of the completion's characters that are that letter (a dataset column, `letter`, reaches the reward
+function as TRL passes columns). With the default, one letter, the reward rose from ~0.05 to ~0.29 in 40 steps here;
+with several, the tiny model has to read the prompt, and learns more slowly.
 Each step prints one JSON line; the run ends with a `summary` line. docs/guide/trl.md explains the integration.
 """
 
@@ -36,7 +38,8 @@ from pipeline.processes import start_command, start_worker, stop_processes, wait
 from producers.client import RolloutClient  # (1) the client of the namespace your workers serve
 from producers.integrations.trl import TrlRollouts  # (2) TRL's rollout_func on Rollout Streams
 
-LETTERS = "aeost"
+LETTERS = "e"
+"""The letters a prompt may name (`--letters`)."""
 
 
 def letter_share(completions: list[Any], letter: list[str], **kwargs: Any) -> list[float]:
@@ -48,10 +51,11 @@ def letter_share(completions: list[Any], letter: list[str], **kwargs: Any) -> li
     return rewards
 
 
-def letters_dataset(size: int, seed: int, chat: bool = True) -> Dataset:
-    """Prompts that name a letter each: conversations (the chat template is applied to them) or, `chat=False`, text."""
+def letters_dataset(size: int, seed: int, chat: bool = True, choices: str = "aeost") -> Dataset:
+    """Prompts that name a letter each (of `choices`): conversations (the chat template is applied to them) or,
+    `chat=False`, text."""
     rng = random.Random(seed)
-    letters = [rng.choice(LETTERS) for _ in range(size)]
+    letters = [rng.choice(choices) for _ in range(size)]
     texts = [f"write the letter {x}, again and again" for x in letters]
     prompts = [[{"role": "user", "content": text}] for text in texts] if chat else texts
     return Dataset.from_dict({"prompt": prompts, "letter": letters})
@@ -88,7 +92,7 @@ def train(args: argparse.Namespace, url: str, model_dir: Path, out_dir: Path) ->
     rollouts = TrlRollouts(RolloutClient(url, args.ns), look_ahead=args.look_ahead)
     trainer = GRPOTrainer(
         model=model, reward_funcs=letter_share, args=config, processing_class=tokenizer,
-        train_dataset=letters_dataset(args.steps * args.groups, args.seed),
+        train_dataset=letters_dataset(args.steps * args.groups, args.seed, choices=args.letters),
         rollout_func=rollouts,  # (3) generate on the workers; weights published each step
         callbacks=[PrintSteps(rollouts)],
     )  # fmt: skip
@@ -108,11 +112,12 @@ def train(args: argparse.Namespace, url: str, model_dir: Path, out_dir: Path) ->
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--groups", type=int, default=4, help="GRPO groups (prompts) a step")
     parser.add_argument("--n", type=int, default=4, help="completions a prompt (num_generations)")
     parser.add_argument("--max-tokens", type=int, default=16, help="max_completion_length")
-    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--letters", default=LETTERS, help="the letters a prompt may name")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--look-ahead", action="store_true", help="generate the next batch while the trainer steps")
     parser.add_argument("--redis", help="a Redis URL (default: a private redis-server, started here)")
@@ -122,6 +127,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.steps < 1 or args.groups < 1 or args.n < 2:
         parser.error("--steps and --groups must be >= 1, --n >= 2 (GRPO compares the completions of a prompt)")
+    if not args.letters or not args.letters.isalpha():
+        parser.error(f"--letters {args.letters!r}: give one or more letters, e.g. --letters aeo")
     if args.redis is None and args.workers == 0:
         parser.error(
             "--workers 0 serves nobody on a private Redis: give --redis URL of the namespace your workers serve"

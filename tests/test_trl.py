@@ -279,6 +279,36 @@ def test_with_look_ahead_the_next_batch_is_generated_while_the_trainer_steps_one
     check_namespace_is_clean(fleet)
 
 
+def test_look_ahead_stops_where_trls_batches_cannot_be_predicted_and_generates_on_demand(
+    fleet: Fleet, tmp_path: Path, one_thread: None
+) -> None:
+    """Prompts that change on every read of the dataset (numbered reads, as a random augmentation would make them):
+    the batch TRL asks for is not in its sampler's order as read again, so look-ahead stops at the first call, with a
+    warning, and every batch is generated on demand, on-policy; nothing predicted, nothing dropped."""
+    reads = itertools.count()
+
+    def numbered(batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
+        """One number a read: a dataloader batch is one read (a group's copies stay equal), a prediction reads one
+        item at a time."""
+        read = next(reads)
+        said = [[{**m[0], "content": f"{m[0]['content']} (read {read})"}] for m in batch["prompt"]]
+        return {"prompt": said, "letter": batch["letter"]}
+
+    data = example().letters_dataset(8 * 3, seed=0)
+    data.set_transform(numbered)
+    rollouts = TrlRollouts(fleet.client(), look_ahead=True, ack_timeout_s=30)
+    trainer = build_trainer(fleet.model_dir, tmp_path, Recorder(rollouts), 3, data)
+    trainer.train()
+    calls = rollouts.calls
+    assert [c.look_ahead for c in calls] == ["first", "off", "off"] and rollouts.look_ahead is False
+    assert all(set(c.versions) == {c.trainer_version} for c in calls), "on demand: on-policy"
+    assert rollouts.stats == {"groups": 6, "look_ahead_hits": 0, "look_ahead_misses": 0, "dropped_groups": 0}
+    ids = [i for c in calls for i in c.rollout_ids]
+    assert len(ids) == len(set(ids)) == 3 * 2 * 4 and rollouts.client.stats["duplicates"] == 0
+    assert check_logprobs(fleet, trainer.rollout_func) == 3 * 2 * 4
+    check_namespace_is_clean(fleet)
+
+
 def test_a_worker_killed_mid_step_loses_nothing_and_the_step_completes_once(
     fleet: Fleet, tmp_path: Path, one_thread: None
 ) -> None:

@@ -434,8 +434,8 @@ def groups_of(prompts: Sequence[Any], k: int) -> list[Any]:
     for g, prompt in enumerate(unique):
         if any(p != prompt for p in prompts[g * k : (g + 1) * k]):
             raise ValueError(
-                f"TRL's prompts {g * k}..{(g + 1) * k - 1} are not one prompt repeated num_generations={k} times: "
-                "this rollout_func runs in one trainer process (TRL's RepeatSampler order)"
+                f"TRL's prompts {g * k}..{(g + 1) * k - 1} are not one prompt repeated num_generations={k} times "
+                "(TRL's RepeatSampler order): a dataset whose items change on each read, or several trainer processes"
             )
     return unique
 
