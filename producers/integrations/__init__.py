@@ -1,0 +1,6 @@
+"""Rollout Streams behind the trainers people already use.
+
+Each module adapts one framework's generation hook to `producers.client.RolloutClient` and imports that framework
+only when it is used, so that `import producers` never needs it: `producers.integrations.trl` (TRL's
+`GRPOTrainer(rollout_func=...)`, docs/guide/trl.md).
+"""
