@@ -54,8 +54,13 @@ class Engine(Protocol):
     max_model_len: int
     """Longest prompt + generation the engine accepts, in tokens."""
     vocab_size: int
-    weight_receivers: int
-    """Processes that hold the weights and each take a rank in an nccl broadcast."""
+
+    @property
+    def weight_receivers(self) -> int:
+        """Processes that hold the weights and each take a rank in an nccl broadcast (read-only: vLLM's is a
+        property)."""
+        ...
+
     max_loras: int
     """LoRA adapters it holds at once (0: it serves the base model only)."""
 

@@ -37,7 +37,7 @@ def read_model_limits(model_dir: Path, max_model_len: int | None) -> ModelLimits
     with contextlib.suppress(OSError, ValueError):  # no generation_config.json, or not one transformers reads
         eos += _as_ids(json.loads((Path(model_dir) / "generation_config.json").read_text()).get("eos_token_id"))
     return ModelLimits(
-        max_model_len=min(context or max_model_len, max_model_len or context),  # type: ignore[type-var]
+        max_model_len=context if max_model_len is None else min(context or max_model_len, max_model_len),
         vocab_size=int(config["vocab_size"]),
         eos_ids=frozenset(eos),
         pad_id=int(config.get("pad_token_id") or 0),

@@ -364,7 +364,7 @@ class VllmEngine(EngineLifecycle):
             tracked.segment = stream
         try:
             assert self._died is not None  # set with `_llm`
-            await asyncio.wait({stream, self._died}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait((stream, self._died), return_when=asyncio.FIRST_COMPLETED)
             if not stream.done():
                 raise EngineClosedError(f"the vLLM engine died while request {request_id!r} was in flight")
             tokens, logprobs, last, cached = stream.result()
@@ -457,7 +457,7 @@ class VllmEngine(EngineLifecycle):
             assert self._died is not None
             waits = {asyncio.ensure_future(resumed.wait()), asyncio.ensure_future(tracked.ended.wait())}
             try:
-                await asyncio.wait({*waits, self._died}, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait(waits | {self._died}, return_when=asyncio.FIRST_COMPLETED)
             finally:
                 for wait in waits:
                     wait.cancel()

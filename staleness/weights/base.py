@@ -39,8 +39,10 @@ VERSION_DIR = re.compile(r"v(\d+)")
 class LoadsWeights(Protocol):
     """What a transport needs of an engine (`consumers.engines.base.Engine` has it all)."""
 
-    weight_receivers: int
-    """Processes that hold the weights and take a rank in an nccl broadcast (vLLM: one per GPU)."""
+    @property
+    def weight_receivers(self) -> int:
+        """Processes that hold the weights and take a rank in an nccl broadcast (vLLM: one per GPU)."""
+        ...
 
     async def load_weights(self, path: str, version: int) -> None: ...
 
