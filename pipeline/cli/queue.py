@@ -23,6 +23,7 @@ from pipeline.cli.app import (
     sync_report,
     user_errors,
 )
+from pipeline.wire import is_pause_mode
 
 
 @app.command()
@@ -103,7 +104,7 @@ def publish_weights(
     """Make a checkpoint the next policy version on every worker (pause → load → ack → resume); JSON out."""
     from producers.client import RolloutClient
 
-    if mode not in ("abort", "keep"):
+    if not is_pause_mode(mode):
         fail(f"--mode must be abort or keep, not {mode!r}")
     if not any(source.glob("*.safetensors")):
         fail(f"no safetensors checkpoint in {source}")
@@ -115,7 +116,7 @@ def publish_weights(
         version = client.publish_weights(
             source,
             transport=spec,
-            mode=mode,  # type: ignore[arg-type]
+            mode=mode,
             ack_timeout_s=ack_timeout_s,
             adapter=adapter,
         )
