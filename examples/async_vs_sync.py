@@ -44,6 +44,7 @@ import torch
 from grpo_trainer import GenerationSideDied, StepLog, TrainConfig, generation_side, train
 
 from consumers.engines.tiny_model import build_tiny_model
+from pipeline.codec import as_entries
 from pipeline.local import RedisServer
 from pipeline.wire import GENERATORS, TRAINER, Keys
 from producers.client import RolloutClient
@@ -73,7 +74,8 @@ def wait_idle(client: RolloutClient, ns: str, timeout_s: float = 300) -> None:
         waiting = 0
         for stream in (keys.prompts, keys.partials):
             delivered = next((g["last-delivered-id"].decode() for g in r.xinfo_groups(stream)), "0-0")
-            waiting += r.xpending(stream, GENERATORS)["pending"] + len(r.xrange(stream, f"({delivered}", "+", count=1))
+            undelivered = as_entries(r.xrange(stream, f"({delivered}", "+", count=1))
+            waiting += r.xpending(stream, GENERATORS)["pending"] + len(undelivered)
         if waiting == 0 and heartbeat(client, ns, newer_than=time.time()).get("inflight", 1) == 0:
             return
         time.sleep(0.2)
@@ -110,7 +112,7 @@ def leftover_tokens(url: str, ns: str) -> tuple[int, int]:
         while entries := client.streams.read_rollouts(consumer, 1000, None, pending=pending):
             left += sum(int(e.fields[b"n_tokens"]) for e in entries)
             client.streams.ack_rollouts([e.id for e in entries])
-    stale = sum(int(fields[b"n_tokens"]) for _, fields in client.streams.redis.xrange(Keys(ns).stale))
+    stale = sum(int(fields[b"n_tokens"]) for _, fields in as_entries(client.streams.redis.xrange(Keys(ns).stale)))
     return left, stale
 
 

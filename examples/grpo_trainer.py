@@ -41,7 +41,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from pipeline.processes import start_command, start_worker, stop_processes, wait_for_worker
-from pipeline.wire import Rollout
+from pipeline.wire import PauseMode, Rollout
 from producers.client import Batch, RolloutClient
 from producers.grpo import grpo_step
 from producers.tasks import TokenSetTask, token_set_reward
@@ -65,7 +65,7 @@ class TrainConfig:
     lr: float = 1e-3
     clip_low: float = 0.2
     clip_high: float = 0.28
-    pause_mode: str = "abort"
+    pause_mode: PauseMode = "abort"
     transport: str = "redis://"
     seed: int = 0
     scoring: str = "trainer"
@@ -247,12 +247,14 @@ def train(config: TrainConfig, url: str, ns: str, model: Path) -> Iterator[StepL
     """The loop: a batch of whole groups → rewards → advantages → one clipped policy step → publish."""
     torch.manual_seed(config.seed)
     device = torch.device(config.device)
-    policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).to(device)
+    policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).to(device)  # type: ignore[arg-type]  # transformers' @wraps on .to: mypy reads it unbound
     policy.train()
     optimizer = torch.optim.AdamW(policy.parameters(), lr=config.lr)
     task = TokenSetTask()
-    limits = {"max_staleness": config.max_staleness, "batch_size": config.batch_size} if config.mode == "async" else {}
-    client = RolloutClient(url, ns, **limits)  # type: ignore[arg-type]
+    if config.mode == "async":
+        client = RolloutClient(url, ns, max_staleness=config.max_staleness, batch_size=config.batch_size)
+    else:
+        client = RolloutClient(url, ns)
     stop = threading.Event()
     if config.mode == "async":
         threading.Thread(target=produce, args=(client, task, config, stop), daemon=True).start()
@@ -269,7 +271,7 @@ def train(config: TrainConfig, url: str, ns: str, model: Path) -> Iterator[StepL
             if device.type == "cuda":
                 torch.cuda.synchronize(device)  # else the step's kernels would be timed as part of the publish
             t1 = time.monotonic()
-            version = client.publish_weights(policy, transport=config.transport, mode=config.pause_mode)  # type: ignore[arg-type]
+            version = client.publish_weights(policy, transport=config.transport, mode=config.pause_mode)
             t2 = time.monotonic()
             trainer_version = batch.trainer_version if batch.trainer_version is not None else version - 1
             staleness = [trainer_version - r.version for r in rollouts]
