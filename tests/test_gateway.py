@@ -22,7 +22,7 @@ from transformers import AutoTokenizer
 from pipeline.local import RedisServer, free_port
 from pipeline.processes import start_command, stop_processes
 from pipeline.streams import Streams
-from pipeline.wire import Keys
+from pipeline.wire import Keys, PauseMode
 from producers.client import Batch, RolloutClient
 from staleness.manager import Manager
 from staleness.weights import open_transport
@@ -68,7 +68,7 @@ def openai_client(base: str) -> openai.OpenAI:
 def turn(client: openai.OpenAI, session: str, messages: list[dict[str, Any]], **kwargs: Any) -> Any:
     return client.chat.completions.create(
         model="tiny",
-        messages=messages,  # type: ignore[arg-type]
+        messages=messages,  # type: ignore[arg-type]  # plain dicts; openai types messages as TypedDicts
         extra_headers={"X-Session-ID": session},
         extra_body={"return_token_ids": True},
         **kwargs,
@@ -134,7 +134,7 @@ def test_a_three_turn_conversation_with_a_tool_gives_a_token_exact_trajectory(
     ]
     with pytest.raises(openai.BadRequestError) as refused:
         turn(client, "chat-1", edited, max_tokens=4)
-    assert refused.value.body["code"] == "session_history_mismatch"  # type: ignore[index]
+    assert refused.value.body["code"] == "session_history_mismatch"  # type: ignore[index]  # the error's body: object in openai's types, our JSON dict
 
     done = finish(base, "chat-1", reward=0.5).json()
     assert (done["turns"], done["sample"], done["group_size"]) == (3, 0, 1)
@@ -184,8 +184,8 @@ def test_a_three_turn_conversation_with_a_tool_gives_a_token_exact_trajectory(
 
     # Streaming gives the same reply as a plain call with the same seed; completions take token ids.
     ask = [{"role": "user", "content": "Count to three."}]
-    plain = client.chat.completions.create(model="tiny", messages=ask, max_tokens=8, seed=7)  # type: ignore[arg-type]
-    chunks = client.chat.completions.create(model="tiny", messages=ask, max_tokens=8, seed=7, stream=True)  # type: ignore[arg-type]
+    plain = client.chat.completions.create(model="tiny", messages=ask, max_tokens=8, seed=7)  # type: ignore[arg-type]  # plain dicts; openai types messages as TypedDicts
+    chunks = client.chat.completions.create(model="tiny", messages=ask, max_tokens=8, seed=7, stream=True)  # type: ignore[arg-type]  # plain dicts; openai types messages as TypedDicts
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert streamed == plain.choices[0].message.content
     completion = client.completions.create(model="tiny", prompt=first, max_tokens=5, n=2, seed=3)
@@ -272,7 +272,7 @@ def test_a_weight_sync_mid_turn_returns_one_complete_answer_spanning_both_versio
     tiny_model_dir_v1: Path,
     workers: StartWorker,
     gateways: StartGateway,
-    mode: str,
+    mode: PauseMode,
 ) -> None:
     workers("s1", *SLOW)
     client = openai_client(gateways("gw"))
@@ -284,7 +284,7 @@ def test_a_weight_sync_mid_turn_returns_one_complete_answer_spanning_both_versio
     beat = trainer.streams.redis
     # Half a second in flight (its heartbeat's busy_s) at 20 tokens/s: the turn has tokens of version 0 to keep.
     wait_until(lambda: float(beat.hget(Keys(ns).worker("s1"), "busy_s") or 0) >= 0.5, 30, "the turn to generate")
-    assert trainer.publish_weights(tiny_model_dir_v1, transport="redis://", mode=mode) == 1  # type: ignore[arg-type]
+    assert trainer.publish_weights(tiny_model_dir_v1, transport="redis://", mode=mode) == 1
     call.join(timeout=60)
     answer = result["answer"]
     choice = answer.choices[0]
@@ -317,15 +317,15 @@ def test_a_call_during_a_pause_waits_for_the_resume_and_runs_on_the_new_weights(
         ask = [{"role": "user", "content": "Hello?"}]
         call = threading.Thread(
             target=lambda: result.update(
-                answer=openai_client(patient).chat.completions.create(model="tiny", messages=ask, max_tokens=4)  # type: ignore[arg-type]
+                answer=openai_client(patient).chat.completions.create(model="tiny", messages=ask, max_tokens=4)  # type: ignore[arg-type]  # plain dicts; openai types messages as TypedDicts
             )
         )
         call.start()
         wait_until(lambda: metric(patient, "rollouts_gateway_waiting_calls", on="resume") == 1, 30, "a call waiting")
         assert streams.redis.xlen(streams.keys.prompts) == queued, "a call was queued during the pause"
         with pytest.raises(openai.APIStatusError) as paused:
-            openai_client(impatient).chat.completions.create(model="tiny", messages=ask, max_tokens=4)  # type: ignore[arg-type]
-        assert paused.value.status_code == 503 and paused.value.body["code"] == "policy_paused"  # type: ignore[index]
+            openai_client(impatient).chat.completions.create(model="tiny", messages=ask, max_tokens=4)  # type: ignore[arg-type]  # plain dicts; openai types messages as TypedDicts
+        assert paused.value.status_code == 503 and paused.value.body["code"] == "policy_paused"  # type: ignore[index]  # the error's body: object in openai's types, our JSON dict
         assert streams.redis.xlen(streams.keys.prompts) == queued
     finally:
         release.set()
@@ -403,7 +403,7 @@ def test_the_model_names_a_lora_adapter_and_a_session_stays_on_it(
     def ask(model: str, messages: list[dict[str, Any]]) -> Any:
         return client.chat.completions.create(
             model=model,
-            messages=messages,  # type: ignore[arg-type]
+            messages=messages,  # type: ignore[arg-type]  # plain dicts; openai types messages as TypedDicts
             max_tokens=12,
             temperature=0.0,
             extra_headers={"X-Session-ID": "lora-1"},
@@ -420,7 +420,7 @@ def test_the_model_names_a_lora_adapter_and_a_session_stays_on_it(
     second = ask("tenant-a", messages)
     assert all(s[0] == 1 for s in second.choices[0].model_extra["spans"])  # tenant-a's version 1
     with pytest.raises(openai.NotFoundError, match="`tenant-a`"):
-        client.chat.completions.create(model="tenant-b", messages=messages, max_tokens=4)  # type: ignore[arg-type]
+        client.chat.completions.create(model="tenant-b", messages=messages, max_tokens=4)  # type: ignore[arg-type]  # plain dicts; openai types messages as TypedDicts
     assert finish(base, "lora-1", reward=1.0).status_code == 200
     [group] = trainer.collect(1, timeout=30)
     assert group.adapter == "tenant-a" and group.rollouts[0].version == 1 and group.rollouts[0].reward == 1.0

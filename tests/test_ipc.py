@@ -137,10 +137,10 @@ def test_a_cpu_worker_and_the_vllm_engine_refuse_before_opening_anything(
         asyncio.run(load_version(cpu, f"ipc://{ns}/v3", 3, real_redis))
     vllm = SimpleNamespace(name="vllm")
     with pytest.raises(ValueError, match=r"the vllm engine cannot load ipc:// weights: .*needs vLLM's CUDA build"):
-        asyncio.run(load_version(vllm, f"ipc://{ns}/v9", 9, real_redis))  # type: ignore[arg-type]
+        asyncio.run(load_version(vllm, f"ipc://{ns}/v9", 9, real_redis))
     synthetic = SimpleNamespace(name="synthetic")
     with pytest.raises(ValueError, match=rf"{SAME_GPU}, but this synthetic worker runs on no GPU"):
-        asyncio.run(load_version(synthetic, f"ipc://{ns}/v3", 3, real_redis))  # type: ignore[arg-type]
+        asyncio.run(load_version(synthetic, f"ipc://{ns}/v3", 3, real_redis))
     with pytest.raises(ValueError, match=r"names version 3, not 4"):
         asyncio.run(load_version(cpu, f"ipc://{ns}/v3", 4, real_redis))
 

@@ -62,14 +62,14 @@ def test_adapter_versions_round_trip_through_fs_and_redis_in_peft_layout(
 ) -> None:
     tensors = adapter_tensors(0)
     fs = open_transport(f"fs://{tmp_path}", adapter="a")
-    uri = fs.publish(tensors, 1, adapter_config=CONFIG)  # type: ignore[call-arg]
+    uri = fs.publish(tensors, 1, adapter_config=CONFIG)
     assert uri == f"fs://{tmp_path}/adapters/a/v1"
     assert sorted(p.name for p in (tmp_path / "adapters/a/v1").iterdir()) == [
         "adapter_config.json",
         "adapter_model.safetensors",
     ]
     store = open_transport("redis://", redis_client=real_redis, ns=ns, adapter="a")
-    redis_uri = store.publish(tensors, 1, adapter_config=CONFIG)  # type: ignore[call-arg]
+    redis_uri = store.publish(tensors, 1, adapter_config=CONFIG)
     assert redis_uri == f"redis://{ns}/adapters/a/v1" and parse_uri(redis_uri).adapter == "a"
     assert real_redis.exists(f"{{{ns}}}:adapter:a:weights:1:manifest")
     assert not real_redis.exists(f"{{{ns}}}:weights:1:manifest")  # the base model's versions are elsewhere

@@ -32,8 +32,8 @@ from tests.fixtures import StartWorker, wait_until
 PROMPT = np.array([5, 6, 7], dtype=np.int32)
 
 
-def run(coro_fn, **options):  # type: ignore[no-untyped-def]
-    async def main():  # type: ignore[no-untyped-def]
+def run(coro_fn, **options):
+    async def main():
         async with SyntheticEngine(**options) as engine:
             return await coro_fn(engine)
 
@@ -41,7 +41,7 @@ def run(coro_fn, **options):  # type: ignore[no-untyped-def]
 
 
 def test_seeded_samples_are_the_same_alone_and_in_a_batch_and_lengths_follow_the_spec() -> None:
-    async def go(engine: SyntheticEngine):  # type: ignore[no-untyped-def]
+    async def go(engine: SyntheticEngine):
         alone = await engine.generate("a", PROMPT, Sampling(max_tokens=64, seed=7))
         batch = await asyncio.gather(
             *(engine.generate(f"b{i}", PROMPT, Sampling(max_tokens=64, seed=i)) for i in range(20))
@@ -65,7 +65,7 @@ def test_seeded_samples_are_the_same_alone_and_in_a_batch_and_lengths_follow_the
 
 
 def test_it_keeps_its_pace_and_both_pause_modes_keep_every_token_with_its_version() -> None:
-    async def go(engine: SyntheticEngine):  # type: ignore[no-untyped-def]
+    async def go(engine: SyntheticEngine):
         started = time.monotonic()
         paced = await engine.generate("paced", PROMPT, Sampling(max_tokens=50, seed=1))
         took = time.monotonic() - started
@@ -93,7 +93,7 @@ def test_it_keeps_its_pace_and_both_pause_modes_keep_every_token_with_its_versio
 
 
 def test_bad_requests_and_options_are_refused_with_what_to_fix(tmp_path: Path) -> None:
-    async def go(engine: SyntheticEngine):  # type: ignore[no-untyped-def]
+    async def go(engine: SyntheticEngine):
         with pytest.raises(EngineInputError, match="token ids must be in"):
             await engine.generate("x", np.array([5, 10**6]), Sampling())
         with pytest.raises(EngineInputError, match="max_tokens must be >= 1"):
