@@ -90,7 +90,8 @@ async def _loop_turns(turns: int = 4) -> None:
 
 async def _direct_round(engine: Engine, prompts: list[Prompt]) -> Measured:
     def sampling(p: Prompt, k: int) -> Sampling:
-        return p.sampling.model_copy(update={"seed": p.sampling.seed + k})  # the worker's per-sample seed
+        seed = p.sampling.seed  # the worker's per-sample seed: the prompt's + k (None: unseeded)
+        return p.sampling.model_copy(update={"seed": None if seed is None else seed + k})
 
     started = time.perf_counter()
     generations = await asyncio.gather(
@@ -408,7 +409,7 @@ def run_bench(
                 "seconds": [round(t, 6) for t in times[name]],  # a small round takes milliseconds
             } | ({} if paired else {"cpu_s": medians(cpu[name])})
 
-        result = {
+        result: dict[str, Any] = {
             "engine": spec.kind,
             "options": {k: v for k, v in spec.options().items() if v is not None},
             "redis": served_by,

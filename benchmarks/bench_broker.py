@@ -29,9 +29,10 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from types import ModuleType
-from typing import Annotated, Any
+from typing import Annotated, Any, cast
 
 import numpy as np
 import redis
@@ -39,6 +40,7 @@ import typer
 from rich.console import Console
 
 from pipeline.cli.app import MaxInflightOpt, console, fail, user_errors
+from pipeline.codec import RawFields, for_redis
 from pipeline.local import RedisServer
 from pipeline.publisher import Publisher
 from pipeline.streams import Entry, Streams
@@ -194,12 +196,16 @@ def round_raw(client: redis.Redis, shape: Shape, samples: list[Sample]) -> dict[
     for at in range(0, shape.rollouts, RAW_CHUNK):
         pipe = client.pipeline(transaction=False)
         for i in range(at, min(at + RAW_CHUNK, shape.rollouts)):
-            pipe.xadd(stream, fields[i % shape.n])
+            pipe.xadd(stream, for_redis(fields[i % shape.n]))
         pipe.execute()
     publish_s = time.perf_counter() - started
     started, read = time.perf_counter(), 0
     while read < shape.rollouts:
-        reply = client.xreadgroup(TRAINER, "raw", {stream: ">"}, count=512)
+        # RESP2's reply, in bytes: [[stream, [(id, fields), ...]]] (cast, not parsed: this side measures redis-py)
+        reply = cast(
+            "list[tuple[bytes, list[tuple[bytes, RawFields]]]]",
+            client.xreadgroup(TRAINER, "raw", {stream: ">"}, count=512),
+        )
         ids = [entry_id for entry_id, _fields in reply[0][1]]
         client.xack(stream, TRAINER, *ids)
         read += len(ids)
@@ -270,7 +276,9 @@ def run_bench_broker(
 ) -> dict[str, Any]:
     samples = make_samples(shape)
     theirs = load_pipelinerl(pipelinerl_src) if pipelinerl_src is not None else None
-    results: dict[str, list[dict[str, Any]]] = {"raw": [], "ours": []} | ({"pipelinerl": []} if theirs else {})
+    results: dict[str, list[dict[str, Any]]] = {"raw": [], "ours": []}
+    if theirs:
+        results["pipelinerl"] = []
     with RedisServer() as server:
         client = redis.Redis.from_url(server.url)
         if theirs is not None:
@@ -278,10 +286,10 @@ def run_bench_broker(
         for r in range(rounds):
             sides: dict[str, Callable[[], dict[str, Any]]] = {
                 "raw": lambda: round_raw(client, shape, samples),
-                "ours": lambda r=r: round_ours(client, server.url, shape, samples, f"r{r}", in_flight),
+                "ours": partial(round_ours, client, server.url, shape, samples, f"r{r}", in_flight),
             }
             if theirs is not None:
-                sides["pipelinerl"] = lambda r=r: round_pipelinerl(*theirs, shape, samples, f"r{r}")
+                sides["pipelinerl"] = partial(round_pipelinerl, *theirs, shape, samples, f"r{r}")
             for side, run in sides.items():
                 client.flushall()
                 results[side].append(run())
@@ -345,6 +353,7 @@ def bench_broker(
     --pipelinerl-src PipelineRL's own streams and the ratios; JSON out."""
     if rollouts % (n * batch_groups):
         fail(f"--rollouts {rollouts} is not a whole number of batches of {batch_groups} groups of {n}")
+    assert max_inflight is not None  # the option's default here is 256: only a caller in Python could pass None
     with user_errors():
         result = run_bench_broker(
             console, Shape(rollouts, n, tokens, batch_groups), rounds, pipelinerl_src, max_inflight

@@ -164,7 +164,7 @@ async def _session(client: openai.AsyncOpenAI, work: Workload, tag: str, i: int,
         started = time.perf_counter()
         answer = await client.chat.completions.create(
             model=SERVED,
-            messages=messages,  # type: ignore[arg-type]  # OpenAI's TypedDicts for plain dicts
+            messages=messages,  # type: ignore[arg-type]  # plain dicts (Workload.system's too); openai's are TypedDicts
             max_tokens=work.max_tokens,
             temperature=TEMPERATURE,
             seed=work.seed(i, t),

@@ -40,7 +40,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, cast
 
 import typer
 from rich.console import Console
@@ -50,7 +50,7 @@ from benchmarks.cpu import CpuRoles
 from pipeline.cli.app import console, fail, user_errors
 from pipeline.local import RedisServer
 from pipeline.processes import start_worker, stop_process, wait_for_worker
-from pipeline.wire import Sampling
+from pipeline.wire import PauseMode, Sampling
 
 if TYPE_CHECKING:
     import torch
@@ -89,7 +89,7 @@ class Settings:
     model: Path | None
     """The base model; None: a tiny one built for the run."""
     rounds: int
-    mode: str
+    mode: PauseMode
     """Pause mode of adapter a's syncs: keep or abort."""
     max_batch: int
     sync_gap_s: float
@@ -121,7 +121,7 @@ class AdapterSyncs:
     Its own `RolloutClient` (the main thread's one is reading rollouts meanwhile); which of the two versions goes
     next carries over from phase to phase, so that every publish changes the adapter's weights."""
 
-    def __init__(self, url: str, versions: list[Adapter], mode: str, gap_s: float) -> None:
+    def __init__(self, url: str, versions: list[Adapter], mode: PauseMode, gap_s: float) -> None:
         from producers.client import RolloutClient
 
         self.client = RolloutClient(url, NS, consumer="bench-lora-publisher")
@@ -159,7 +159,7 @@ class AdapterSyncs:
         try:
             while True:
                 tensors, config = self.versions[self.published % len(self.versions)]
-                self.client.publish_weights(tensors, adapter="a", adapter_config=config, mode=self.mode)  # type: ignore[arg-type]  # a checked pause mode
+                self.client.publish_weights(tensors, adapter="a", adapter_config=config, mode=self.mode)
                 self.published += 1
                 self._stalls.append(self.client.last_sync.stall_s if self.client.last_sync else 0.0)
                 if self._stop.wait(self.gap_s):  # 0: no wait at all
@@ -457,7 +457,7 @@ def bench_lora(
 ) -> None:
     """Adapter B's tokens/s while adapter A syncs back to back, against no sync (goal >= 0.95), and the stall of
     each adapter sync; one worker, JSON out."""
-    settings = Settings(model, rounds, mode, max_batch, sync_gap_s)
+    settings = Settings(model, rounds, cast(PauseMode, mode), max_batch, sync_gap_s)  # _check_options checks it
     vocab, longest = _check_options(settings, b_prompts, a_prompts, n, tokens)
     if tokens + PROMPT_TOKENS > longest:
         fail(f"--tokens {tokens} + a {PROMPT_TOKENS}-token prompt is longer than the model takes ({longest})")

@@ -32,7 +32,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -40,10 +40,14 @@ from rich.console import Console
 from rich.progress import Progress
 
 from consumers.engines.tiny_model import build_tiny_model
+from pipeline.codec import as_entries
 from pipeline.local import RedisServer
 from pipeline.wire import GENERATORS, PAUSE_MODES, TRAINER, Keys
 from producers.client import RolloutClient
 from producers.tasks import TokenSetTask
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 REPO = Path(__file__).resolve().parent.parent
 TRAINER_FILE = REPO / "examples" / "grpo_trainer.py"
@@ -147,7 +151,8 @@ def wait_idle(client: RolloutClient, ns: str, timeout_s: float = 300) -> None:
         waiting = 0
         for stream in (keys.prompts, keys.partials):
             delivered = next((g["last-delivered-id"].decode() for g in r.xinfo_groups(stream)), "0-0")
-            waiting += r.xpending(stream, GENERATORS)["pending"] + len(r.xrange(stream, f"({delivered}", "+", count=1))
+            undelivered = as_entries(r.xrange(stream, f"({delivered}", "+", count=1))
+            waiting += r.xpending(stream, GENERATORS)["pending"] + len(undelivered)
         if waiting == 0 and heartbeat(client, ns, newer_than=time.time()).get("inflight", 1) == 0:
             return
         time.sleep(0.2)
@@ -241,8 +246,10 @@ def expected_reward(policy: torch.nn.Module, held_out: HeldOut, temperature: flo
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     demand = torch.tensor(held_out.lengths, device=device)
     cap = held_out.cap if held_out.stops else int(demand.max())
+    assert cap is not None, "held-out prompts with stops have a cap (HeldOut.make sets both)"
     caps = torch.full_like(demand, cap) if held_out.stops else demand
-    stops = torch.tensor([*held_out.stops, policy.config.eos_token_id] if held_out.stops else [], device=device)
+    eos = cast("PreTrainedModel", policy).config.eos_token_id if held_out.stops else None  # a transformers model
+    stops = torch.tensor([*held_out.stops, eos] if held_out.stops else [], device=device)
     generator = torch.Generator(device=device).manual_seed(seed)
     out = policy(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
     in_set = torch.zeros(rows, out.logits.shape[-1], device=device)
@@ -338,7 +345,7 @@ def run_one(
 def load_policy(model: Path, device: str) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).to(device).eval()
+    return AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).to(device).eval()  # type: ignore[arg-type]  # transformers' @wraps on .to: mypy reads it unbound
 
 
 # -- the whole comparison -----------------------------------------------------------------------

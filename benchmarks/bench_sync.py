@@ -34,7 +34,7 @@ import threading
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -45,6 +45,7 @@ from consumers.engines.tiny_model import build_tiny_model
 from pipeline.cli.engine_spec import EngineSpec
 from pipeline.local import RedisServer, free_port
 from pipeline.processes import start_worker, stop_process, wait_for_worker
+from pipeline.wire import PauseMode
 from producers.client import RolloutClient
 from staleness.weights import open_transport
 from staleness.weights.base import read_checkpoint
@@ -63,7 +64,7 @@ def run_bench_sync(
     sizes: list[str],
     transports: list[str],
     rounds: int,
-    mode: str,
+    mode: PauseMode,
     trainer_device: str = "cpu",
     logs: Path | None = None,
     idle: bool = False,
@@ -142,7 +143,7 @@ def _measure(
     weights: list[dict[str, torch.Tensor]],
     transport: str,
     rounds: int,
-    mode: str,
+    mode: PauseMode,
     log: Path,
     progress: Progress,
     task: Any,
@@ -168,7 +169,7 @@ def _measure(
             heartbeat = client.streams.keys.worker("bench-sync-worker")
             for r in range(rounds):
                 started = time.perf_counter()
-                version = client.publish_weights(weights[(r + 1) % 2], transport=transport, mode=mode)  # type: ignore[arg-type]  # a checked pause mode
+                version = client.publish_weights(weights[(r + 1) % 2], transport=transport, mode=mode)
                 published = time.perf_counter()
                 while True:
                     status, served, stall = client.streams.redis.hmget(heartbeat, "status", "version", "stall_s")
@@ -223,7 +224,7 @@ def summarize(rounds: dict[str, list[float]]) -> dict[str, Any]:
     """The first sync on its own (`first_*`: it may build what later ones keep), medians of the later ones, and
     every round's stall and setup."""
     later = {name: values[1:] or values for name, values in rounds.items() if values}
-    summary = {name: round(statistics.median(values), 4) for name, values in later.items()}
+    summary: dict[str, Any] = {name: round(statistics.median(values), 4) for name, values in later.items()}
     summary |= {f"first_{name}": round(values[0], 4) for name, values in rounds.items() if values}
     for name in ("stall_s", "publish_to_serving_s", "setup_s"):
         if rounds.get(name):
@@ -244,7 +245,9 @@ def bare_broadcast_gb_per_s(nbytes: int, source: str, target: str, repeats: int 
     def rank(index: int, device: str) -> None:
         torch.cuda.set_device(device)
         client = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=60))
-        group = dist.ProcessGroupNCCL(dist.PrefixStore("bare/", client), index, 2)
+        # torch's stubs type the backend as a Backend, not a ProcessGroup; Options() is the 3-argument default
+        options = dist.ProcessGroupNCCL.Options()
+        group = cast(dist.ProcessGroup, dist.ProcessGroupNCCL(dist.PrefixStore("bare/", client), index, 2, options))
         buffer = torch.ones(nbytes, dtype=torch.uint8, device=device)
         for _ in range(repeats + 1):  # the first builds the communicator
             group.broadcast([buffer], dist.BroadcastOptions()).wait()

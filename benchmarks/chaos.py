@@ -41,7 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import pairwise
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, cast
 
 import redis
 import typer
@@ -294,7 +294,10 @@ class Chaos:
         with contextlib.suppress(redis.RedisError):
             for stream in (self.keys.prompts, self.keys.partials):
                 for worker in workers:
-                    pending = self.redis.xpending_range(stream, GENERATORS, "-", "+", 10_000, consumername=worker)
+                    pending = cast(  # redis-py's dicts: message_id (bytes), times_delivered (int), ...
+                        "list[dict[str, Any]]",
+                        self.redis.xpending_range(stream, GENERATORS, "-", "+", 10_000, consumername=worker),
+                    )
                     held |= {(stream, item["message_id"]): item["times_delivered"] for item in pending}
         return held
 

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from pipeline.cli.app import user_errors
+from pipeline.codec import as_entries
 from pipeline.wire import Partial, Prompt, Rollout, WireError
 
 if TYPE_CHECKING:
@@ -87,10 +88,10 @@ def spans_cover(rollout: Rollout) -> bool:
 def parked_and_dead(streams: Streams) -> tuple[set[str], dict[str, str]]:
     """Prompt ids parked on `{ns}:stale`, and prompt ids dead-lettered on `{ns}:dead` with their reasons."""
     keys, client = streams.keys, streams.redis
-    stale = {dead_prompt_id(fields) for _, fields in client.xrange(keys.stale)}
+    stale = {dead_prompt_id(fields) for _, fields in as_entries(client.xrange(keys.stale))}
     dead = {
         dead_prompt_id(fields): fields.get(b"error", b"").decode(errors="replace")
-        for _, fields in client.xrange(keys.dead)
+        for _, fields in as_entries(client.xrange(keys.dead))
     }
     return stale, dead
 

@@ -30,6 +30,7 @@ from pipeline.cli.engine_spec import (
     TpOpt,
 )
 from pipeline.fast_exit import leave
+from pipeline.wire import is_pause_mode
 
 lab = typer.Typer(
     help="The lab of Rollout Streams: benchmarks, soaks and fault runs, each a JSON report on stdout.",
@@ -133,7 +134,7 @@ def bench_sync(
         fail(f"unknown sizes {unknown}; choose from {', '.join(SIZES)}")
     if unknown := [t for t in paths if t not in TRANSPORTS]:
         fail(f"unknown transports {unknown}; choose from {', '.join(TRANSPORTS)}")
-    if mode not in ("abort", "keep", "inflight"):
+    if not is_pause_mode(mode):
         fail(f"--mode must be abort, keep or inflight, not {mode!r}")
     spec = EngineSpec.from_flags(ctx.params, Path("per-size"))
     with user_errors():
@@ -213,7 +214,7 @@ def bench_rl(
             minibatches=minibatches, sync_every=sync_every, park_max_age=park_max_age, pause_mode=pause_mode,
             transport=transport, device=trainer_device,
         )  # fmt: skip
-        worker_args = ("--max-batch", str(max_batch)) if max_batch else ()
+        worker_args: tuple[str, ...] = ("--max-batch", str(max_batch)) if max_batch else ()
         worker_args += ("--engine-args", engine_args) if engine_args else ()
         worker_args += ("--log-level", worker_log_level)
         settings = Settings(

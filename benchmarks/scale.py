@@ -49,6 +49,7 @@ from pipeline.cli.app import console, fail, user_errors
 from pipeline.lua import register_all
 from pipeline.processes import start_command, stop_process
 from pipeline.streams import SCRIPTS as STREAM_SCRIPTS
+from pipeline.wire import PauseMode, is_pause_mode
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -111,7 +112,7 @@ class Load:
     sync_every_s: float
     sample_s: float = 1.0
     batch_groups: int = 16
-    pause_mode: str = "abort"
+    pause_mode: PauseMode = "abort"
     """How workers pause for a sync: `abort` (in-flight samples go back as partials) or `keep`."""
     lengths: str = "max"
     """The synthetic engine's lengths (`max`: every sample `tokens` long, so a fleet finishes in lockstep;
@@ -168,7 +169,7 @@ class Sampler(threading.Thread):
 class Syncer(threading.Thread):
     """Publishes weights every `every_s` through its own client, as a trainer's step would, and keeps the reports."""
 
-    def __init__(self, url: str, ns: str, every_s: float, weights_dir: Path, mode: str = "abort") -> None:
+    def __init__(self, url: str, ns: str, every_s: float, weights_dir: Path, mode: PauseMode = "abort") -> None:
         super().__init__(name="scale-syncer", daemon=True)
         self.url, self.ns, self.every_s, self.weights_dir, self.mode = url, ns, every_s, weights_dir, mode
         self.reports: list[tuple[float, float, int, int]] = []
@@ -192,7 +193,7 @@ class Syncer(threading.Thread):
             while not self._halt.wait(self.every_s):
                 before = server_counters(client.streams.redis)
                 began, began_wall = time.monotonic(), time.time()
-                client.publish_weights(weights, transport=f"fs://{self.weights_dir}", mode=self.mode)  # type: ignore[arg-type]  # a checked pause mode
+                client.publish_weights(weights, transport=f"fs://{self.weights_dir}", mode=self.mode)
                 client.settle()  # the window of a sync ends once its resume has been rung to the whole fleet
                 ended = time.monotonic()
                 sync = client.last_sync
@@ -551,12 +552,12 @@ def slow_pings(
     """The pinger's publishes slower than `over_ms`, slowest first (at most 40), each as `[ms, since_sync_ms]`: how
     long after the start of the last weight sync begun before it the publish was made (None: before any), which
     places a slow publish in a sync's course (its `weights`, its acks, its `resume`, the fleet's restart after)."""
-    rows = []
+    rows: list[tuple[float, float | None]] = []
     for t, ms in timed:
         if ms > over_ms:
             began = [a for a, _ in syncs if a <= t]
-            rows.append([round(ms, 2), round((t - began[-1]) * 1000, 1) if began else None])
-    return sorted(rows, key=lambda row: -row[0])[:40]
+            rows.append((round(ms, 2), round((t - began[-1]) * 1000, 1) if began else None))
+    return [list(row) for row in sorted(rows, key=lambda row: -row[0])[:40]]
 
 
 def _percentiles(values: list[float], digits: int = 3) -> dict[str, float | None]:
@@ -741,7 +742,7 @@ def scale(
         fail("every fleet size must be at least 1")
     from consumers.engines.synthetic_engine import parse_lengths
 
-    if pause_mode not in ("abort", "keep"):
+    if not is_pause_mode(pause_mode) or pause_mode == "inflight":  # abort or keep: the two this measures
         fail(f"--pause-mode must be abort or keep, not {pause_mode!r}")
 
     try:

@@ -262,8 +262,11 @@ def run_soak(
                         server.url, NS, spec.model, name, *spec.worker_args(), *extra, log_file=log_file
                     )
                     processes.append(worker)
-                options = {} if remember_ids is None else {"remember_ids": remember_ids}
-                client = RolloutClient(server.url, NS, **options)
+                client = (
+                    RolloutClient(server.url, NS)
+                    if remember_ids is None
+                    else RolloutClient(server.url, NS, remember_ids=remember_ids)
+                )
                 for name, process in zip(names, processes, strict=True):
                     try:
                         wait_for_worker(client.streams.redis, NS, name, process, timeout_s=120)

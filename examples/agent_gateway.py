@@ -13,10 +13,10 @@ with a reward (`POST /v1/sessions/{id}/finish`) sends that trajectory to the tra
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 import httpx
 import openai
+from openai.types.chat import ChatCompletionMessageParam
 
 
 def calculator(a: int, b: int) -> str:
@@ -33,14 +33,14 @@ def main() -> None:
     client = openai.OpenAI(base_url=args.base_url, api_key="unused")  # the gateway asks for no key
     model = client.models.list().data[0].id  # the name the gateway serves the workers' model under
     session = {"X-Session-ID": args.session}
-    messages: list[dict[str, Any]] = [
+    messages: list[ChatCompletionMessageParam] = [
         {"role": "system", "content": "You are terse."},
         {"role": "user", "content": "What is 12 + 30?"},
     ]
     for turn in range(2):
         reply = client.chat.completions.create(
             model=model,
-            messages=messages,  # type: ignore[arg-type]  # OpenAI's TypedDicts for plain dicts
+            messages=messages,
             max_tokens=16,
             extra_headers=session,
         )
@@ -49,7 +49,7 @@ def main() -> None:
         messages.append({"role": "assistant", "content": text})
         if turn == 0:
             messages.append({"role": "tool", "content": calculator(12, 30), "tool_call_id": "call-0"})
-    reward = float("42" in messages[-1]["content"])
+    reward = float("42" in text)  # the last reply
     done = httpx.post(f"{args.base_url}/sessions/{args.session}/finish", json={"reward": reward}, timeout=30)
     done.raise_for_status()
     print(f"finished {args.session} with reward {reward}: {done.json()}")

@@ -47,7 +47,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from pipeline.processes import start_command, start_worker, stop_processes, wait_for_worker
-from pipeline.wire import Rollout
+from pipeline.wire import PauseMode, Rollout
 from producers.client import Batch, ParkingBound, RolloutClient
 from producers.grpo import grpo_step
 from producers.rl import ImportanceWeights
@@ -95,7 +95,7 @@ class TrainConfig:
     """-1: nothing is parked. k >= 0: park a group with a sample of which more than `park_max_share` of the tokens
     are more than k versions old (`producers.client.ParkingBound`)."""
     park_max_share: float = 0.0
-    pause_mode: str = "abort"
+    pause_mode: PauseMode = "abort"
     transport: str = "redis://"
     seed: int = 0
     scoring: str = "trainer"
@@ -355,24 +355,24 @@ def train(config: TrainConfig, url: str, ns: str, model: Path, on_step: OnStep |
         raise ValueError("; ".join(problems))
     torch.manual_seed(config.seed)
     device = torch.device(config.device)
-    policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).to(device)
+    policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).to(device)  # type: ignore[arg-type]  # transformers' @wraps on .to: mypy reads it unbound
     policy.train()
     optimizer = torch.optim.AdamW(policy.parameters(), lr=config.lr)
     importance = ImportanceWeights(config.is_level, config.is_mode, config.is_cap)  # type: ignore[arg-type]  # argparse checked the names
     task = TokenSetTask()
     park = ParkingBound(config.park_max_age, config.park_max_share) if config.park_max_age >= 0 else None
     samples_per_version = config.batch_size * config.sync_every
-    limits = (
-        {"max_staleness": config.max_staleness, "batch_size": samples_per_version} if config.mode == "async" else {}
-    )
-    client = RolloutClient(url, ns, park=park, **limits)  # type: ignore[arg-type]  # int values for int parameters
+    if config.mode == "async":
+        client = RolloutClient(url, ns, park=park, max_staleness=config.max_staleness, batch_size=samples_per_version)
+    else:
+        client = RolloutClient(url, ns, park=park)
     version = client.admission_usage().version
     published: dict[str, float] = {}
 
     def publish() -> None:
         nonlocal version
         t = time.monotonic()
-        version = client.publish_weights(policy, transport=config.transport, mode=config.pause_mode)  # type: ignore[arg-type]  # argparse checked the mode
+        version = client.publish_weights(policy, transport=config.transport, mode=config.pause_mode)
         published.update(s=time.monotonic() - t, stall_s=client.last_sync.stall_s if client.last_sync else 0.0)
 
     stop = threading.Event()

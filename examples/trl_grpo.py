@@ -21,6 +21,7 @@ import contextlib
 import json
 import os
 import random
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -42,9 +43,10 @@ LETTERS = "e"
 """The letters a prompt may name (`--letters`)."""
 
 
-def letter_share(completions: list[Any], letter: list[str], **kwargs: Any) -> list[float]:
-    """The reward: the share of a completion's characters that are its prompt's letter (the `letter` column)."""
-    rewards = []
+def letter_share(completions: list[Any], letter: list[str], **kwargs: Any) -> list[float | None]:
+    """The reward: the share of a completion's characters that are its prompt's letter (the `letter` column). Typed
+    as TRL types a reward function (None: no reward for that completion), though this one always gives one."""
+    rewards: list[float | None] = []
     for completion, wanted in zip(completions, letter, strict=True):
         text = completion[-1]["content"] if isinstance(completion, list) else completion
         rewards.append(text.count(wanted) / len(text) if text else 0.0)
@@ -142,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
             from consumers.engines.tiny_model import build_tiny_model
 
             model_dir = build_tiny_model(tmp / "model", seed=args.seed)
-        processes = []
+        processes: list[subprocess.Popen[bytes]] = []
         stack.callback(lambda: stop_processes(processes))
         if args.workers:
             processes.append(start_command("manager", "--redis", url, "--ns", args.ns, log_file=tmp / "manager.log"))

@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import redis
 
@@ -65,7 +66,7 @@ def wait_for_worker(
         time.sleep(0.1)
 
 
-def stop_process(process: subprocess.Popen[bytes], timeout_s: float = 45.0) -> int:
+def stop_process(process: subprocess.Popen[Any], timeout_s: float = 45.0) -> int:
     """SIGTERM (the worker drains), then SIGKILL if it does not exit in time.
 
     The default outwaits a worker's own drain (30 s): a SIGKILLed vLLM worker leaves its
@@ -74,7 +75,7 @@ def stop_process(process: subprocess.Popen[bytes], timeout_s: float = 45.0) -> i
     return stop_processes([process], timeout_s)[0]
 
 
-def stop_processes(processes: Sequence[subprocess.Popen[bytes]], timeout_s: float = 45.0) -> list[int]:
+def stop_processes(processes: Sequence[subprocess.Popen[Any]], timeout_s: float = 45.0) -> list[int]:
     """`stop_process` for several at once: all are sent SIGTERM first, so their drains and exits overlap (a worker
     takes ~0.4-1 s to stop idle, a vLLM worker ~3 s), and each is waited for against one deadline. One already stopped
     is skipped. Returns their exit codes, in order."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeGuard, TypeVar
 
 import numpy as np
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
@@ -188,6 +188,11 @@ class Keys:
         keys = Keys(self.ns)
         keys.weights_prefix = f"{self.adapter_prefix}{adapter}:weights:"
         return keys
+
+
+def is_pause_mode(value: str) -> TypeGuard[PauseMode]:
+    """Whether a command line's `--mode` names a pause mode (then typed as one)."""
+    return value in PAUSE_MODES
 
 
 def ack_field(adapter: str | None) -> str:

@@ -108,7 +108,7 @@ def test_a_pipeline_runs_on_its_roles_credentials_and_no_password_shows(
         ids = [trainer.submit(tokens=[5, 6, 7], n=2, max_tokens=8, seed=k) for k in range(3)]
         assert sorted(g.prompt_id for g in trainer.collect(3, timeout=60)) == sorted(ids)
         assert trainer.publish_weights(tiny_model_dir_v1, transport="redis://", ack_timeout_s=60) == 1
-        assert not trainer.last_sync.evicted
+        assert not trainer.last_sync.evicted  # type: ignore[union-attr]  # publish_weights set it
         later = trainer.submit(tokens=[8, 9], n=1, max_tokens=4)
         [group] = trainer.collect(1, timeout=60)
         assert group.prompt_id == later and group.rollouts[0].version == 1
@@ -130,7 +130,9 @@ def make_ca(folder: Path) -> TlsFiles:
     """A test CA and a server certificate it signed for 127.0.0.1 (EC P-256, valid for a day)."""
     now = datetime.datetime.now(datetime.UTC)
 
-    def certificate(subject: str, key: ec.EllipticCurvePrivateKey, issuer: x509.Name, signer: object, ca: bool):
+    def certificate(
+        subject: str, key: ec.EllipticCurvePrivateKey, issuer: x509.Name, signer: ec.EllipticCurvePrivateKey, ca: bool
+    ):
         builder = (
             x509.CertificateBuilder()
             .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from matplotlib.image import imread
 
+from pipeline.codec import as_entries
 from pipeline.local import RedisServer, free_port
 from pipeline.processes import start_worker, stop_process, wait_for_worker
 from pipeline.wire import Keys, Prompt
@@ -160,7 +161,9 @@ def test_demo_runs_end_to_end_and_its_reward_rises_as_the_weights_change(tmp_pat
     assert all(version == step for step, version, _ in rows), "every step published a version to the worker"
     rewards = [reward for _, _, reward in rows]
     assert rewards[-1] > rewards[0] + 0.3 and max(rewards[:2]) < 0.1, f"the table shows no rise: {rewards}"
-    first, last = map(float, re.search(r"reward ([\d.]+) → ([\d.]+) \(mean of the first and last 5", output).groups())
+    means = re.search(r"reward ([\d.]+) → ([\d.]+) \(mean of the first and last 5", output)
+    assert means is not None, output
+    first, last = map(float, means.groups())
     assert first < 0.1 and last > 0.5, output
 
     curve = tmp_path / "rollouts-demo-curve.png"
@@ -175,7 +178,7 @@ def test_prompt_ids_are_kept_from_the_file(redis_server: RedisServer, ns: str, t
     prompts.write_text('{"id": "mine", "tokens": [4, 5], "n": 2, "seed": 7}\n')
     assert rollouts("submit", "--redis", redis_server.url, "--ns", ns, "--file", str(prompts)).returncode == 0
     client = RolloutClient(redis_server.url, ns)
-    ((_, fields),) = client.streams.redis.xrange(Keys(ns).prompts)
+    ((_, fields),) = as_entries(client.streams.redis.xrange(Keys(ns).prompts))
     prompt = Prompt.from_fields(fields)
     assert (prompt.id, prompt.n, prompt.tokens.tolist(), prompt.sampling.seed) == ("mine", 2, [4, 5], 7)
 
@@ -237,4 +240,3 @@ def test_a_plugin_that_fails_to_load_is_skipped_and_named_under_debug_logging(
     caplog.set_level("DEBUG", logger=shell.log.name)
     shell.setup_logging("debug")
     assert "commands of no_such_plugin_module:register left out: ModuleNotFoundError" in caplog.text
-

@@ -48,7 +48,7 @@ def parse_with_the_cli(args: list[str], env: dict[str, str], monkeypatch: pytest
         monkeypatch.setenv(name, value)
     group = get_command(app)
     parent = group.make_context("rollouts", list(args))
-    command = group.get_command(parent, args[0])
+    command = group.get_command(parent, args[0])  # type: ignore[attr-defined]  # typer's app is a click Group
     assert command is not None, f"rollouts has no command {args[0]!r}"
     return command.make_context(args[0], args[1:], parent=parent)
 

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import fakeredis
@@ -166,7 +166,7 @@ def test_connect_accepts_the_supported_versions(redis_server: RedisServer) -> No
     client.close()
 
 
-def _read_lines(stream: object, lines: queue.Queue[str]) -> None:
+def _read_lines(stream: Iterable[str], lines: queue.Queue[str]) -> None:
     for line in stream:
         lines.put(line)
 

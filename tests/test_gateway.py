@@ -19,7 +19,7 @@ from transformers import AutoTokenizer
 
 from pipeline.local import RedisServer
 from pipeline.streams import Streams
-from pipeline.wire import Keys
+from pipeline.wire import Keys, PauseMode
 from producers.client import Batch, RolloutClient
 from staleness.manager import Manager
 from staleness.weights import open_transport
@@ -33,7 +33,7 @@ SLOW = ("--engine", "synthetic", "--engine-args", '{"steps_per_s": 20}')
 def turn(client: openai.OpenAI, session: str, messages: list[dict[str, Any]], **kwargs: Any) -> Any:
     return client.chat.completions.create(
         model="tiny",
-        messages=messages,
+        messages=messages,  # type: ignore[arg-type]  # plain dicts; openai types messages as TypedDicts
         extra_headers={"X-Session-ID": session},
         extra_body={"return_token_ids": True},
         **kwargs,
@@ -99,7 +99,7 @@ def test_a_three_turn_conversation_with_a_tool_gives_a_token_exact_trajectory(
     ]
     with pytest.raises(openai.BadRequestError) as refused:
         turn(client, "chat-1", edited, max_tokens=4)
-    assert refused.value.body["code"] == "session_history_mismatch"
+    assert refused.value.body["code"] == "session_history_mismatch"  # type: ignore[index]  # the error's body: object in openai's types, our JSON dict
 
     done = finish(base, "chat-1", reward=0.5).json()
     assert (done["turns"], done["sample"], done["group_size"]) == (3, 0, 1)
@@ -237,7 +237,7 @@ def test_a_weight_sync_mid_turn_returns_one_complete_answer_spanning_both_versio
     tiny_model_dir_v1: Path,
     workers: StartWorker,
     gateways: StartGateway,
-    mode: str,
+    mode: PauseMode,
 ) -> None:
     workers("s1", *SLOW)
     client = openai_client(gateways("gw"))
@@ -290,7 +290,7 @@ def test_a_call_during_a_pause_waits_for_the_resume_and_runs_on_the_new_weights(
         assert streams.redis.xlen(streams.keys.prompts) == queued, "a call was queued during the pause"
         with pytest.raises(openai.APIStatusError) as paused:
             openai_client(impatient).chat.completions.create(model="tiny", messages=ask, max_tokens=4)
-        assert paused.value.status_code == 503 and paused.value.body["code"] == "policy_paused"
+        assert paused.value.status_code == 503 and paused.value.body["code"] == "policy_paused"  # type: ignore[index]  # the error's body: object in openai's types, our JSON dict
         assert streams.redis.xlen(streams.keys.prompts) == queued
     finally:
         release.set()

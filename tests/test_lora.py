@@ -196,7 +196,7 @@ def test_an_adapter_syncs_while_the_base_model_syncs(
             assert {v for v, _, _ in rollout.spans} <= allowed and rollout.finish_reason != "error"
     assert read_state(client.streams.redis, client.streams.keys).version == 1
     assert read_state(client.streams.redis, client.streams.keys, "a").version == 2
-    assert not client.last_sync.evicted and not other.last_sync.evicted
+    assert not client.last_sync.evicted and not other.last_sync.evicted  # type: ignore[union-attr]  # publish_weights set them
 
 
 def test_an_adapter_broadcast_over_nccl_reaches_every_worker_and_a_late_one_waits_for_the_next(
@@ -213,7 +213,7 @@ def test_an_adapter_broadcast_over_nccl_reaches_every_worker_and_a_late_one_wait
     workers("w2")
     nccl = f"nccl://127.0.0.1:{free_port()}"
     client.publish_weights(adapters["a1"][0], adapter="a", adapter_config=adapters["a1"][1], transport=nccl)
-    assert sorted(client.last_sync.acked) == ["w1", "w2"]
+    assert sorted(client.last_sync.acked) == ["w1", "w2"]  # type: ignore[union-attr]  # publish_weights set it
     submit(client, [f"a{i}" for i in range(4)], "a", max_tokens=16)
     for group in client.collect(4, timeout=60):
         for rollout in group.rollouts:
@@ -229,7 +229,7 @@ def test_an_adapter_broadcast_over_nccl_reaches_every_worker_and_a_late_one_wait
     with pytest.raises(TimeoutError):  # ...while its request for a waits for a version it can load
         client.collect(1, timeout=3)
     client.publish_weights(adapters["a2"][0], adapter="a", adapter_config=adapters["a2"][1], transport=nccl)
-    assert sorted(client.last_sync.acked) == ["w1", "w2", "w3"]
+    assert sorted(client.last_sync.acked) == ["w1", "w2", "w3"]  # type: ignore[union-attr]  # publish_weights set it
     [late] = client.collect(1, timeout=60)
     rollout = late.rollouts[0]
     assert late.prompt_id == "late-a" and rollout.worker == "w3"

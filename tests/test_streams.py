@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -21,7 +22,7 @@ from pipeline.lua import register_all, sources
 from pipeline.publisher import Publisher
 from pipeline.registry import sweep_chance
 from pipeline.streams import BLOCK_MARGIN_MS, SCRIPTS, TRIM_CHUNK, Entry, Publish, Streams, entries_from_reply
-from pipeline.wire import GENERATORS, HAND_OFF, PARTIALS_FIELD, TRAINER, Control, Prompt, Rollout
+from pipeline.wire import GENERATORS, HAND_OFF, PARTIALS_FIELD, TRAINER, Control, PauseMode, Prompt, Rollout
 from producers.client import READ_BYTES, RolloutClient
 from producers.gateway.sessions import SCRIPTS as gateway_scripts
 from staleness.admission import SCRIPTS as staleness_scripts
@@ -541,7 +542,11 @@ def test_a_sync_paces_its_waves_by_what_its_pause_costs_redis(real_redis: redis.
     real_redis.sadd(streams.keys.workers, *[f"w{i}" for i in range(fleet)])
     manager = Manager(streams, ack_timeout_s=1)
     plan = waves(fleet)
-    runs = (("keep", WAKE_COST_S, False), ("abort", WAKE_COST_S, False), ("abort", ABORT_COST_S, True))
+    runs: tuple[tuple[PauseMode, float, bool], ...] = (
+        ("keep", WAKE_COST_S, False),
+        ("abort", WAKE_COST_S, False),
+        ("abort", ABORT_COST_S, True),
+    )
     for version, (mode, per_worker_s, hand_off) in enumerate(runs, start=1):
         if hand_off:  # one worker of the fleet hands its interrupted samples off: its heartbeat says so
             real_redis.hset(streams.keys.worker("w7"), PARTIALS_FIELD, HAND_OFF)
@@ -658,7 +663,13 @@ def test_collect_acks_its_groups_together_and_a_timeout_leaves_them_for_the_next
     client = RolloutClient(any_redis, ns, consumer="t")
     acks: list[int] = []
     ack = streams.ack_rollouts
-    client.streams.ack_rollouts = lambda ids: (ids and acks.append(len(ids)), ack(ids))[1]
+
+    def counted_ack(ids: Sequence[bytes]) -> None:
+        if ids:
+            acks.append(len(ids))
+        ack(ids)
+
+    client.streams.ack_rollouts = counted_ack  # type: ignore[method-assign]  # the test counts the client's acks
     assert [g.prompt_id for g in client.collect(2, timeout=5)] == ["a", "b"]
     assert acks == [4] and any_redis.xpending(streams.keys.rollouts, TRAINER)["pending"] == 2  # c's: read, not used
     with pytest.raises(TimeoutError):

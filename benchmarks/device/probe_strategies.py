@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -59,10 +60,10 @@ def post(group: dist.ProcessGroup, tensors: list[torch.Tensor], grouped: bool, d
     """Broadcast each of `tensors` (rank 0 sends, others receive), inside one NCCL group if `grouped`."""
     if not grouped:
         return [group.broadcast([t], dist.BroadcastOptions()) for t in tensors]
-    group._start_coalescing()
+    group._start_coalescing()  # type: ignore[call-arg]  # the stub wants a device; the backend's own is used
     for t in tensors:
         group.broadcast([t], dist.BroadcastOptions())
-    return [group._end_coalescing()]
+    return [group._end_coalescing()]  # type: ignore[call-arg]  # as _start_coalescing
 
 
 def run_mode(
@@ -84,7 +85,12 @@ def run_mode(
         if rank == 0:
             sender = nccl.NcclTransport("127.0.0.1", 1, bucket_bytes=bucket)
             outgoing = nccl._Outgoing.of(named, bucket, backend)  # laid out at publish, as staged
-            return lambda: sender._send_buckets(group, outgoing) and []
+
+            def send() -> list[dist.Work]:
+                sender._send_buckets(group, outgoing)
+                return []
+
+            return send
         buffers = receiver_buffers(metas, plan, device)
         grouped = nccl._grouped(backend)
 
@@ -106,8 +112,9 @@ def run_mode(
                 works: list[dist.Work | None] = [None, None]
                 for k, b in enumerate(plan):
                     slot = k % 2
-                    if works[slot] is not None:
-                        works[slot].wait()
+                    pending = works[slot]
+                    if pending is not None:
+                        pending.wait()
                     if len(b) == 1:
                         payload = flat(tensors[b[0][0]])
                     else:
@@ -152,21 +159,27 @@ def measure(
         prefixed = dist.PrefixStore("probe/", client)
         if device.startswith("cuda"):
             torch.cuda.set_device(device)
-            group = dist.ProcessGroupNCCL(prefixed, rank, 2)
+            # torch's stubs type the backends as Backends, not ProcessGroups; Options() is the 3-argument default
+            group = cast(dist.ProcessGroup, dist.ProcessGroupNCCL(prefixed, rank, 2, dist.ProcessGroupNCCL.Options()))
         else:  # gloo on the CPU: only to try this script where there is no GPU
-            group = dist.ProcessGroupGloo(prefixed, rank, 2, timedelta(seconds=60))
+            group = cast(dist.ProcessGroup, dist.ProcessGroupGloo(prefixed, rank, 2, timedelta(seconds=60)))
         group.broadcast([torch.zeros(1, device=device)], dist.BroadcastOptions()).wait()
         sync(device)
         if rank == 0:
-            print(json.dumps({"label": label, "supports_coalescing": group.supports_coalescing}), flush=True)
+            print(
+                json.dumps({"label": label, "supports_coalescing": getattr(group, "supports_coalescing", None)}),
+                flush=True,
+            )
         for mode, key in zip(modes, keys, strict=True):
             try:
-                launch = run_mode(mode, rank, group, named if rank == 0 else receiver_named, device)
+                launch: Callable[[], list[dist.Work]] | None = run_mode(
+                    mode, rank, group, named if rank == 0 else receiver_named, device
+                )
             except Exception as exc:  # a mode this torch cannot run: the others still go
                 errors[key] = f"{type(exc).__name__}: {exc}"
                 launch = None
             done.wait()
-            if key in errors:
+            if key in errors or launch is None:  # None: its error is in errors
                 continue
             for r in range(rounds + 2):
                 sync(device)

@@ -73,8 +73,8 @@ class Probe:
             self.last_end = time.perf_counter()
             return out
 
-        engine._step = timed_step  # type: ignore[method-assign]  # the probe times it
-        engine.generate = marked_generate  # type: ignore[method-assign]  # the probe times it
+        engine._step = timed_step  # type: ignore[method-assign]  # the probe wraps this engine's own
+        engine.generate = marked_generate  # type: ignore[method-assign]  # the probe wraps this engine's own
 
     def snapshot(self) -> tuple[int, int, float]:
         return self.steps, self.prefills, self.step_s

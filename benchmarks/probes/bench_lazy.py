@@ -47,16 +47,26 @@ def first_rollout_s(client: RolloutClient, prompt_id: str, version: int) -> floa
 def sync_s(client: RolloutClient, model: Path) -> tuple[int, float]:
     """Publish `model` as the next version; returns it and the sync's stall (its `weights` command to the resume)."""
     version = client.publish_weights(model, transport="redis://")
-    if client.last_sync.acked != [NAME]:
-        raise RuntimeError(f"sync {version}: acked by {client.last_sync.acked}, evicted {client.last_sync.evicted}")
-    return version, client.last_sync.stall_s
+    report = client.last_sync
+    assert report is not None  # publish_weights sets it
+    if report.acked != [NAME]:
+        raise RuntimeError(f"sync {version}: acked by {report.acked}, evicted {report.evicted}")
+    return version, report.stall_s
+
+
+def heartbeat_field(beats: redis.Redis, key: str, field: str) -> bytes:
+    """A field of the worker's heartbeat, which it must have."""
+    value = beats.hget(key, field)
+    if not isinstance(value, bytes):
+        raise RuntimeError(f"the worker's heartbeat {key} has no {field}")
+    return value
 
 
 def one_round(client: RolloutClient, beats: redis.Redis, key: str, models: list[Path], k: int) -> dict[str, Any]:
-    status = beats.hget(key, "status").decode()
+    status = heartbeat_field(beats, key, "status").decode()
     version, released_sync = sync_s(client, models[k % 2])
     cold = first_rollout_s(client, f"cold{k}", version)
-    cold_start = float(beats.hget(key, "cold_start_s"))
+    cold_start = float(heartbeat_field(beats, key, "cold_start_s"))
     warm = first_rollout_s(client, f"warm{k}", version)
     _, warm_sync = sync_s(client, models[(k + 1) % 2])
     return {

@@ -63,6 +63,7 @@ class Fleet:
         def run() -> None:
             selector = selectors.DefaultSelector()
             for index, connection in enumerate(self.connections):
+                assert connection._sock is not None  # connected: `block` sent its XREAD
                 selector.register(connection._sock, selectors.EVENT_READ, index)  # redis-py's socket: a benchmark may
             pending = len(self.connections)
             while pending and not done.is_set():

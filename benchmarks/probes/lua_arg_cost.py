@@ -13,10 +13,14 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
+from typing import cast
 
 import numpy as np
 import redis
+from redis.client import Pipeline
 
+from pipeline.codec import RawFields, for_redis
 from pipeline.local import RedisServer, find_redis_server
 from pipeline.lua import sources
 from pipeline.streams import SCRIPTS, Entry, Publish, Streams
@@ -26,12 +30,12 @@ XADD_ALL = "for i = 1, #ARGV do redis.call('XADD', KEYS[1], '*', 'p', ARGV[i]) e
 RECEIVE_ONLY = "return 1"
 
 
-def per_call_us(r: redis.Redis, calls: int, send: object) -> dict[str, float]:
+def per_call_us(r: redis.Redis, calls: int, send: Callable[[Pipeline], object]) -> dict[str, float]:
     """Redis's time per call of each command that `send(pipeline)` queued `calls` times."""
     r.config_resetstat()
     pipe = r.pipeline(transaction=False)
     for _ in range(calls):
-        send(pipe)  # type: ignore[operator]  # the probe's callable
+        send(pipe)
     pipe.execute()
     return command_us(r)
 
@@ -60,9 +64,10 @@ def publish_ways(r: redis.Redis, calls: int) -> dict[str, dict[str, float]]:
 
     def taken() -> list[Entry]:
         for _ in range(calls):
-            r.xadd(streams.keys.prompts, prompt.to_fields())
-        (_, entries), *_ = r.xreadgroup(GENERATORS, "c", {streams.keys.prompts: ">"}, count=calls)
-        return [Entry(streams.keys.prompts, entry_id.decode(), {}) for entry_id, _ in entries]
+            r.xadd(streams.keys.prompts, for_redis(prompt.to_fields()))
+        reply = r.xreadgroup(GENERATORS, "c", {streams.keys.prompts: ">"}, count=calls)
+        (_, entries), *_ = cast("list[tuple[bytes, list[tuple[bytes, RawFields]]]]", reply)  # RESP2, bytes
+        return [Entry(streams.keys.prompts, entry_id, {}) for entry_id, _ in entries]
 
     def in_script(source: Entry) -> None:
         streams.publish_many([Publish((), source, partials, None)])
@@ -72,7 +77,7 @@ def publish_ways(r: redis.Redis, calls: int) -> dict[str, dict[str, float]]:
         keys = [streams.keys.rollouts, source.stream, streams.keys.partials, *buckets]
         transaction = r.pipeline(transaction=True)
         for partial in partials:
-            transaction.xadd(streams.keys.partials, partial.to_fields())  # type: ignore[arg-type]  # redis-py's narrow field types
+            transaction.xadd(streams.keys.partials, for_redis(partial.to_fields()))
         transaction.evalsha(publish_sha, len(keys), *keys, GENERATORS, source.id, expiry_s, 0)
         transaction.execute()
 

@@ -18,6 +18,7 @@ import json
 import statistics
 import threading
 import time
+from typing import Any
 
 import httpx
 
@@ -26,7 +27,7 @@ CALLS = ("pause", "weight_info", "reload", "relabel", "reset_cache", "resume")
 
 def one_sync(client: httpx.Client, model: str, label: int) -> dict[str, float]:
     """One sync's calls, in the remote engine's order; milliseconds each."""
-    requests = [
+    requests: list[tuple[str, str, dict[str, Any]]] = [
         ("POST", "/pause", {"params": {"mode": "keep"}}),
         ("GET", "/weight_info", {}),
         ("POST", "/collective_rpc", {"json": {"method": "reload_weights", "kwargs": {"weights_path": model}}}),

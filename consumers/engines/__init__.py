@@ -5,6 +5,8 @@ import path of a worker that runs another engine (and of the CLI)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from consumers.engines.base import Engine
 
 ENGINES = ("torch", "vllm", "synthetic", "remote")
@@ -14,9 +16,11 @@ IN_PROCESS_ONLY = ("vllm", "remote")
 """Engines whose compute already runs outside the worker's process (vLLM's `EngineCore`, a server)."""
 
 
-def create_engine(kind: str, model: str, *, process: bool = False, **options: object) -> Engine:
+def create_engine(kind: str, model: str, *, process: bool = False, **options: Any) -> Engine:
     """Build an engine by name; heavy imports happen only for the engine asked for. `process`: run it in a process
-    of its own (`consumers.engines.process_engine`), so that the worker's Python never holds the GIL its steps need."""
+    of its own (`consumers.engines.process_engine`), so that the worker's Python never holds the GIL its steps need.
+    `options` go to the engine's constructor as they are (its keyword arguments differ by engine: typed there, and
+    one it does not take is its TypeError), hence `Any` here."""
     if process:
         if kind in IN_PROCESS_ONLY:
             raise ValueError(f"the {kind} engine already runs its compute outside the worker: drop --engine-process")
@@ -26,17 +30,17 @@ def create_engine(kind: str, model: str, *, process: bool = False, **options: ob
     if kind == "torch":
         from consumers.engines.torch_engine import TorchEngine
 
-        return TorchEngine(model, **options)  # type: ignore[arg-type]  # this engine's own options (EngineSpec)
+        return TorchEngine(model, **options)
     if kind == "vllm":
         from consumers.engines.vllm_engine import VllmEngine
 
-        return VllmEngine(model, **options)  # type: ignore[arg-type]  # this engine's own options (EngineSpec)
+        return VllmEngine(model, **options)
     if kind == "synthetic":
         from consumers.engines.synthetic_engine import SyntheticEngine
 
-        return SyntheticEngine(model, **options)  # type: ignore[arg-type]  # this engine's own options (EngineSpec)
+        return SyntheticEngine(model, **options)
     if kind == "remote":
         from consumers.engines.remote_engine import RemoteVllmEngine
 
-        return RemoteVllmEngine(model, **options)  # type: ignore[arg-type]  # this engine's own options (EngineSpec)
+        return RemoteVllmEngine(model, **options)
     raise ValueError(f"unknown engine {kind!r}; choose one of {', '.join(ENGINES)}")

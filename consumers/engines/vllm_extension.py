@@ -5,8 +5,9 @@ safetensors blob, receives `nccl://` broadcasts, and masks base-model rows in vL
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import load
@@ -20,13 +21,21 @@ class RolloutsWorkerExtension:
     Method names carry a `rollouts_` prefix: vLLM refuses an extension that shadows a worker attribute.
     """
 
-    _rollouts_prepared: Future[Any] | None
+    # What vLLM's worker (the class this is mixed into) provides, declared for the type checker only: annotations
+    # and a TYPE_CHECKING method define no class attribute, so they shadow nothing of the worker's.
+    rank: int
+    device: torch.device
+    if TYPE_CHECKING:
+
+        def reload_weights(self, weights_iterator: Iterable[tuple[str, torch.Tensor]] | None = None) -> None: ...
+
+    _rollouts_prepared: Future[torch.distributed.ProcessGroup] | None
     """The group of a broadcast being built on a thread of its own (`rollouts_prepare_broadcast`)."""
 
     def rollouts_load_safetensors(self, blob: bytes) -> int:
         """Load weights (checkpoint names) from a safetensors blob in place; returns how many tensors."""
         tensors = load(blob)
-        self.reload_weights(weights_iterator=iter(tensors.items()))  # type: ignore[attr-defined]  # vLLM's Worker, which this extends at run time
+        self.reload_weights(weights_iterator=iter(tensors.items()))
         return len(tensors)
 
     def rollouts_mask_base_lora_rows(self) -> int:
@@ -50,7 +59,7 @@ class RolloutsWorkerExtension:
     def rollouts_prepare_broadcast(self, link: dict[str, Any]) -> int:
         """Build this process's group of the broadcast on a thread, and return at once (vLLM's steps go on)."""
         pool = ThreadPoolExecutor(1, thread_name_prefix="rollouts-broadcast")
-        rank, device = self.rank, self.device  # type: ignore[attr-defined]  # vLLM's Worker, which this extends at run time
+        rank, device = self.rank, self.device
         self._rollouts_prepared = pool.submit(prepare_receiver, BroadcastLink.from_dict(link), rank, device)
         pool.shutdown(wait=False)
         return 0
@@ -61,10 +70,10 @@ class RolloutsWorkerExtension:
         self._rollouts_prepared = None
         if prepared is not None:
             prepared.result()  # the group is built (or its error raised here)
-        rank = self.rank  # type: ignore[attr-defined]  # vLLM's Worker, which this extends at run time
-        device = self.device  # type: ignore[attr-defined]  # vLLM's Worker, which this extends at run time
+        rank = self.rank
+        device = self.device
         tensors = dict(receive_broadcast(BroadcastLink.from_dict(link), rank, device))
-        self.reload_weights(weights_iterator=iter(tensors.items()))  # type: ignore[attr-defined]  # vLLM's Worker, which this extends at run time
+        self.reload_weights(weights_iterator=iter(tensors.items()))
         return len(tensors)
 
 
@@ -83,5 +92,5 @@ def _mask_base_rows(shrink: Any) -> Any:
         n = min(base_rows.shape[0], output_tensor.shape[0])
         output_tensor[:n][base_rows[:n]] = 0
 
-    run._rollouts_masked = True  # type: ignore[attr-defined]  # vLLM's Worker, which this extends at run time
+    run._rollouts_masked = True  # type: ignore[attr-defined]  # a marker on the function object (getattr reads it)
     return run

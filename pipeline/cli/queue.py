@@ -23,7 +23,7 @@ from pipeline.cli.app import (
     sync_report,
     user_errors,
 )
-from pipeline.wire import PAUSE_MODES
+from pipeline.wire import PAUSE_MODES, is_pause_mode
 
 
 @app.command()
@@ -110,7 +110,7 @@ def publish_weights(
     """Make a checkpoint the next policy version on every worker (pause → load → ack → resume); JSON out."""
     from producers.client import RolloutClient
 
-    if mode not in PAUSE_MODES:
+    if not is_pause_mode(mode):
         fail(f"--mode must be one of {', '.join(PAUSE_MODES)}, not {mode!r}")
     if not any(source.glob("*.safetensors")):
         fail(f"no safetensors checkpoint in {source}")

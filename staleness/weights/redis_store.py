@@ -11,7 +11,7 @@ import math
 import re
 import time
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import redis
 import torch
@@ -166,7 +166,7 @@ class RedisTransport:
                 f"weights version {version}: {len(missing)} of {n_chunks} chunks are missing ({shown}, keys "
                 f"{self.keys.weights_chunk(version, missing[0])} ...); was it removed while being read?"
             )
-        blob = b"".join(chunks)  # type: ignore[arg-type]  # no chunk is None: checked above
+        blob = b"".join(cast("list[bytes]", chunks))  # none is None: `missing` is empty
         if len(blob) != manifest["bytes"]:
             raise ValueError(
                 f"weights version {version}: chunks hold {len(blob)} bytes, the manifest says {manifest['bytes']}"

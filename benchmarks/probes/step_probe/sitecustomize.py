@@ -71,7 +71,7 @@ class _Patcher(importlib.abc.MetaPathFinder):
                     for patch in _PATCHES.pop(module.__name__, []):
                         patch(module)
 
-                spec.loader.exec_module = exec_module  # type: ignore[method-assign]  # the probe's hook
+                spec.loader.exec_module = exec_module  # type: ignore[method-assign]  # the hook: patch once it has run
                 return spec
         return None
 
@@ -167,7 +167,7 @@ def _probe_bench(bench: ModuleType) -> None:
         finally:
             record("pipeline", start)
 
-    bench._direct_round, bench.pipeline_round = timed_direct, timed_pipeline
+    bench._direct_round, bench.pipeline_round = timed_direct, timed_pipeline  # type: ignore[attr-defined]  # the probe patches the module
 
 
 def _probe_client(client: ModuleType) -> None:
@@ -204,7 +204,7 @@ def _probe_requests(engine: ModuleType) -> None:
         made.generate = timed
         return made
 
-    engine.create_engine = created
+    engine.create_engine = created  # type: ignore[attr-defined]  # the probe patches the module
 
 
 def _probe_streams(streams: ModuleType) -> None:
