@@ -33,6 +33,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from benchmarks.probes.streamed_weights_memory import MEASURE
 from pipeline.local import RedisServer, free_port
 from pipeline.processes import start_command, stop_process
 from producers.client import RolloutClient
@@ -188,35 +189,6 @@ def test_weights_that_fit_no_worker_fail_in_one_line_and_the_worker_keeps_servin
     # Fixed, it goes through.
     assert client.publish_weights(LazyModel(tiny_model_dir).tensors(), transport=transport, bucket_bytes=BUCKET) == 2
     served_by(client, 2, tiny_model_dir, "fixed")
-
-
-MEASURE = """
-import json, re, sys
-import torch
-from producers.client import RolloutClient
-
-url, ns, target, n, size, bucket = sys.argv[1], sys.argv[2], sys.argv[3], *map(int, sys.argv[4:7])
-
-def status(field):
-    with open("/proc/self/status") as f:
-        return int(re.search(rf"^{field}:\\s+(\\d+) kB", f.read(), re.M).group(1)) << 10
-
-def model():
-    for i in range(n):
-        yield f"layer{i}.weight", torch.full((size // 4,), float(i))  # every page written
-
-client = RolloutClient(url, ns)
-with open("/proc/self/clear_refs", "w") as f:
-    f.write("5")  # the peak starts again from what is resident now
-before = status("VmRSS")
-if target == "control":
-    held = list(model())
-else:
-    client.publish_weights(model(), transport=target, bucket_bytes=bucket)
-stats = client.last_publish
-print(json.dumps({"growth": status("VmHWM") - before,
-                  "buffered": stats.peak_buffered_bytes if stats else None, "bytes": stats.bytes if stats else None}))
-"""
 
 
 @pytest.mark.parametrize("scheme", ["redis", "fs"])

@@ -300,9 +300,10 @@ class _ChunkWriter:
 
     Host memory: the buffer, and whatever copies the client makes to send it (none from `_zero_copy_client`; two by
     hiredis's packer otherwise): `stats.peak_buffered_bytes` counts them. Measured on 256 MiB published in 16 MiB
-    chunks (peak resident memory over what was resident before): 37 MiB; 114 MiB through hiredis's packer; 106 MiB
-    when chunks were queued to send several per round trip (a copy of each queued chunk, and a fragmented heap),
-    which saved a round trip per chunk (~0.1 ms on loopback, against ~10 ms to send 16 MiB)."""
+    chunks (peak resident memory over what was resident before, benchmarks/results/2026-11-29-streamed-weights.md):
+    37-38 MiB; 98 MiB through hiredis's packer; 106 MiB when chunks were queued to send several per round trip (a
+    copy of each queued chunk, and a fragmented heap), which saved a round trip per chunk (~0.1 ms on loopback,
+    against ~10 ms to send 16 MiB)."""
 
     def __init__(self, client: redis.Redis, keys: Keys, version: int, chunk_bytes: int, copies: int) -> None:
         self.client, self.keys, self.version = client, keys, version
