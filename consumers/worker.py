@@ -50,6 +50,7 @@ from pipeline.wire import (
 )
 from staleness.state import read_state, weights_command
 from staleness.weights import is_stored, join_version, load_joined, load_version
+from staleness.weights.layout import LAYOUT_FIELD, advertise, layout_of
 
 if TYPE_CHECKING:
     from staleness.weights.nccl import BroadcastLink
@@ -190,6 +191,8 @@ class Worker:
         self._epoch = 0
         """The last weight-sync epoch this worker acked."""
         self._sync_began = 0.0
+        self._layout: str | None = None
+        """The digest of the model layout this worker advertises (`_advertise_layout`); "" for none, None: not yet."""
         self._last_stall_s = 0.0
         """The last sync as this worker stood still in it: from its pause to its resume (heartbeat `stall_s`)."""
         """When the pause for the current weight sync began (monotonic), for the stall until its resume."""
@@ -892,6 +895,8 @@ class Worker:
     async def _beat(self, touch: bool = False) -> int:
         """Write the heartbeat (`touch`: and reset the idle time of the work in flight, in the same round trip);
         returns the size of the fleet on the registry."""
+        if self._layout is None and self._slot.started:
+            self._layout = await asyncio.to_thread(self._advertise_layout)
         status = {
             "status": self.status,
             "engine": self.engine.name,
@@ -913,10 +918,23 @@ class Worker:
             "host": socket.gethostname(),  # where to look (and what to kill) when a worker is named otherwise
             "pid": os.getpid(),
             **self._adapters.heartbeat_fields(),
+            **({LAYOUT_FIELD: self._layout} if self._layout else {}),
         }
         entries = list(self._inflight.values()) if touch else []
         ttl_s = self.settings.heartbeat_ttl_s
         return await asyncio.to_thread(self.streams.registry.heartbeat, self.name, status, ttl_s, entries)
+
+    def _advertise_layout(self) -> str:
+        """Put the engine's model layout in `{ns}:layouts` (once per distinct model) and return its digest, for the
+        heartbeat: a trainer then refuses weights that fit no worker's model before any worker pauses
+        (`staleness.weights.layout`). "" when the engine cannot say, or the write failed (it is not tried again)."""
+        try:
+            layout = layout_of(self.engine)
+            return "" if layout is None else advertise(self.streams, layout)
+        except Exception:
+            log.exception("%s: could not advertise the model's layout; trainers will not check weights against it",
+                          self.name)  # fmt: skip
+            return ""
 
     async def _claim_abandoned(self) -> int:
         """Claim work idle past `claim_idle_ms` (its worker died or hangs) while there is room; returns how many."""

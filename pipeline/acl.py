@@ -4,9 +4,9 @@ Every role gets its namespace's keys only (`{ns}:*`, never another namespace's),
 command (`FLUSHALL`, `CONFIG`, `KEYS`, `DEBUG`, ...), and no pub/sub channel. Beyond that:
 
 - `worker`: reads and writes its work (prompts, partials, its inbox, scoring, rollouts, replies, publish dedupe,
-  dead letters, heartbeats, the registry); reads **only** `state`, `control` and its doorbells (`bell:*`), `weights:*`
-  and the adapters' (`adapters`, `adapter:*`): a worker must never move a policy version, pause a sync or replace
-  weights.
+  dead letters, heartbeats, the registry, its model's layout in `layouts`); reads **only** `state`, `control` and its
+  doorbells (`bell:*`), `weights:*` and the adapters' (`adapters`, `adapter:*`): a worker must never move a policy
+  version, pause a sync or replace weights.
 - `trainer`, `manager`, `gateway`: the whole namespace (admission writes `state`, syncs write `control`,
   the gateway's trajectories are counted in `state`).
 - `scorer`: the whole namespace and RQ's keys (`rq:*`): the scoring stage, its RQ queue, the score-workers.
@@ -34,7 +34,7 @@ READER_COMMANDS = ["+@read", "+@connection", "-@dangerous", "-@admin", "+info", 
 """Later rules win: `INFO` (the version check) is in `@dangerous`, so it is allowed again after; `CLUSTER SLOTS`
 finds the node of a namespace on a Redis Cluster (`connections.connect`)."""
 WORKER_WRITES: tuple[str, ...] = ("prompts", "partials", "inbox:*", "scoring", "rollouts", "replies:*", "published:*")
-WORKER_WRITES += ("dead", "worker:*", "workers", "server:*")
+WORKER_WRITES += ("dead", "worker:*", "workers", "server:*", "layouts")
 WORKER_READS = ("state", "control", "bell:*", "weights:*", "adapters", "adapter:*")
 """Each LoRA adapter's state and weights (`{ns}:adapter:NAME:...`) are read-only to workers, as the base model's."""
 

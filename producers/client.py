@@ -39,6 +39,7 @@ from pipeline.wire import (
     ADAPTER_PATTERN,
     REWARD_FN_PATTERN,
     TRAINER,
+    LogprobsMode,
     PauseMode,
     Prompt,
     Rollout,
@@ -49,6 +50,7 @@ from staleness.admission import Admission, AdmissionLimits, StaleRollouts, Usage
 from staleness.manager import Manager, SyncError, SyncReport
 
 if TYPE_CHECKING:
+    from staleness.weights.base import PublishStats, WeightSource
     from staleness.weights.nccl import BroadcastStats
 
 log = logging.getLogger(__name__)
@@ -305,6 +307,8 @@ class RolloutClient:
         """What the last `publish_weights` did: who acked, who was evicted, how long workers stood still."""
         self.last_broadcast: BroadcastStats | None = None
         """What the last `nccl://` publish moved, and how fast."""
+        self.last_publish: PublishStats | None = None
+        """What the last `publish_weights` put in its transport: tensors, bytes, the most it held at once."""
         self._manager: Manager | None = None
         """The last sync's manager, whose resume may still be ringing (`Manager.settle`)."""
         self._trim_every_s = trim_every_s
@@ -331,6 +335,7 @@ class RolloutClient:
         reward_fn: str | None = None,
         timeout: float | None = None,
         adapter: str | None = None,
+        logprobs_mode: LogprobsMode = "raw",
     ) -> str:
         """Queue one prompt (text through the tokenizer and its chat template, or token ids); returns its id.
 
@@ -338,6 +343,11 @@ class RolloutClient:
         With `reward_fn` (`module:function`), its rollouts reach `groups`/`batches` scored by the scoring
         stage (`rollouts scorer`): `reward` set, or `reward_error` saying why not. With `adapter`, it is
         generated under that LoRA adapter (published with `publish_weights(..., adapter=...)`).
+
+        `logprobs_mode`: what the rollouts' `logprobs` are (`pipeline.wire.LogprobsMode`): `raw` (the default),
+        log_softmax of the model's logits; `processed`, of the distribution sampled from (temperature and top-p
+        applied). The torch engine serves either per request; a vLLM worker reports the one its engine was started
+        with (vLLM sets it per engine) and answers a prompt that asks for the other with an error rollout.
         """
         item = self.make_prompt(
             prompt,
@@ -349,6 +359,7 @@ class RolloutClient:
                 top_p=top_p,
                 stop_token_ids=list(stop_token_ids),
                 seed=seed,
+                logprobs_mode=logprobs_mode,
             ),
             meta=meta,
             id=id,
@@ -457,16 +468,28 @@ class RolloutClient:
 
     def publish_weights(
         self,
-        source: Any,
+        source: WeightSource,
         *,
         transport: str = "redis://",
         mode: PauseMode = "abort",
         ack_timeout_s: float = 60.0,
         adapter: str | None = None,
         adapter_config: dict[str, Any] | None = None,
+        bucket_bytes: int | None = None,
     ) -> int:
-        """Make `source` (a torch module, a state dict, or a safetensors checkpoint directory) the next
-        policy version on every worker; returns that version.
+        """Make `source` the next policy version on every worker; returns that version.
+
+        `source`: a torch module, a state dict, a safetensors checkpoint directory, or an iterable of `(name,
+        tensor)` pairs in the model's checkpoint names (a generator that gathers one tensor at a time, as FSDP and
+        Megatron trainers do: `((n, gather(p)) for n, p in model.named_parameters())`). An iterable is consumed once,
+        as it comes: over `redis://` and `fs://` the trainer holds about one bucket of it at a time (`bucket_bytes`,
+        see `staleness.weights.open_transport`), never the whole model; `nccl://` and `ipc://` keep the version where
+        its tensors are until the sync (yield them on the GPU). `last_publish` says what was held.
+
+        Before any worker pauses, each tensor's name and shape is checked as it passes against the models of the live
+        workers (each advertises its own): one no worker takes raises `WeightsMismatch` (a `ValueError`, one line
+        that says what to fix), what was written of the version is deleted, no sync begins, and every worker keeps
+        serving the version it has. So does an error the iterable raises itself.
 
         With `adapter`, `source` is LoRA adapter `adapter`'s tensors (PEFT names: `...lora_A.weight`,
         `...lora_B.weight`) with `adapter_config` (`r`, `lora_alpha`, `target_modules`), or a PEFT directory
@@ -475,12 +498,14 @@ class RolloutClient:
 
         The tensors go through `transport` (`redis://`: chunks in this Redis; `fs://DIR`: shared
         storage; `nccl://HOST:PORT`: broadcast from this process, over NCCL from GPU tensors, gloo from
-        CPU ones, during the sync), then the manager pauses every live worker (`mode`), waits for each
-        to load and ack, evicts one that does not within `ack_timeout_s`, and resumes them. Older
-        versions are deleted from the transport once every live worker has moved on.
+        CPU ones, during the sync; `ipc://`: a GPU buffer that workers on the same GPU open), then the manager
+        pauses every live worker (`mode`), waits for each to load and ack, evicts one that does not within
+        `ack_timeout_s`, and resumes them. Older versions are deleted from the transport once every live worker
+        has moved on.
         """
         from staleness.weights import open_transport, remove_published
-        from staleness.weights.base import read_adapter
+        from staleness.weights.base import named_tensors, read_adapter
+        from staleness.weights.layout import LayoutCheck, WeightsMismatch, fleet_layouts
         from staleness.weights.nccl import NcclTransport  # torch: only trainers that publish need it
 
         if adapter is not None:
@@ -501,10 +526,21 @@ class RolloutClient:
             ns=self.streams.keys.ns,
             join_timeout_s=ack_timeout_s,
             adapter=adapter,
+            bucket_bytes=bucket_bytes,
         )
         version = previous.version + 1
         store.remove(version)  # left over by a publish whose sync failed: never announced, safe to replace
-        uri = store.publish(source, version, adapter_config=adapter_config)
+        check = LayoutCheck(fleet_layouts(self.streams)) if adapter is None else None
+        if check:  # checked as they pass: the transport stores what passed, and drops it all if one fails
+            source = check.wrap(named_tensors(source, keep_device=True))
+        refused = ""
+        try:
+            uri = store.publish(source, version, adapter_config=adapter_config)
+        except WeightsMismatch as exc:
+            refused = f"{exc}; nothing was published and every worker keeps serving version {previous.version}"
+        if refused:  # raised here, not in the handler: its traceback would keep the stream's frames (and a tensor)
+            raise WeightsMismatch(refused)
+        self.last_publish = store.last_publish
         broadcast = store if isinstance(store, NcclTransport) else None  # sent during the sync, not before
         self.last_sync = manager.sync(version, uri, mode, transfer=broadcast.broadcast if broadcast else None)
         self.last_broadcast = broadcast.last if broadcast else None

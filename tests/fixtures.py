@@ -107,12 +107,11 @@ def ns() -> str:
 @pytest.fixture(params=["fakeredis", *REDIS_VERSIONS])
 def any_redis(request: pytest.FixtureRequest) -> Iterator[redis.Redis]:
     """The stream layer's unit tests run on fakeredis and on both real servers."""
+    client: redis.Redis
     if request.param == "fakeredis":
         client = fakeredis.FakeRedis()
-        yield client
-        client.close()
-        return
-    client = redis.Redis.from_url(request.getfixturevalue(f"{request.param}_redis").url)
+    else:
+        client = redis.Redis.from_url(request.getfixturevalue(f"{request.param}_redis").url)
     yield client
     client.close()
 

@@ -28,6 +28,28 @@ def forward_logprobs(model_dir: Path, prompt: list[int], tokens: list[int]) -> n
     return logprobs[positions, torch.tensor(tokens, dtype=torch.long)].numpy()
 
 
+def processed_logprobs(
+    model_dir: Path, prompt: list[int], tokens: list[int], temperature: float, top_p: float = 1.0
+) -> np.ndarray:
+    """log p(tokens[i] | prompt + tokens[:i]) under the distribution each token was sampled from, one forward pass:
+    log_softmax(logits / temperature), then top-p (a token is dropped when the probability mass ranked above it already
+    reaches `top_p`; the first always stays) and renormalized over what it kept. Greedy (temperature 0): the raw ones,
+    nothing being applied (as vLLM's `processed_logprobs` reports them)."""
+    if temperature == 0:
+        return forward_logprobs(model_dir, prompt, tokens)
+    ids = torch.tensor([list(prompt) + list(tokens)])
+    with torch.inference_mode():
+        logits = load_model(Path(model_dir))(ids).logits[0].float()
+    logits = logits[len(prompt) - 1 : len(prompt) + len(tokens) - 1]
+    scaled = torch.log_softmax(logits / temperature, dim=-1)
+    if top_p < 1:
+        ranked, order = scaled.exp().sort(dim=-1, descending=True)
+        dropped = torch.zeros_like(ranked, dtype=torch.bool).scatter(1, order, ranked.cumsum(-1) - ranked >= top_p)
+        scaled = scaled.masked_fill(dropped, float("-inf"))
+        scaled = scaled - torch.logsumexp(scaled, dim=-1, keepdim=True)
+    return scaled[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)].numpy()
+
+
 def kept_cache_log_softmax(
     weights: Mapping[int, Path], prompt: list[int], tokens: list[int], spans: Sequence[tuple[int, int, int]]
 ) -> torch.Tensor:

@@ -15,6 +15,7 @@ import inspect
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -117,6 +118,16 @@ def test_the_trainer_refuses_what_it_cannot_hand_over(real_redis: redis.Redis, n
     assert isinstance(transport, IpcTransport) and transport.uri_of(2) == f"ipc://{ns}/v2"
     with pytest.raises(ValueError, match=r"trainer's tensors must all be on one GPU.* \(they are on cpu\).*fs://"):
         transport.publish({"a": torch.zeros(3)}, 1)
+    asked: list[str] = []
+
+    def generator() -> Iterator[tuple[str, torch.Tensor]]:
+        for name in ("a", "b", "c"):
+            asked.append(name)
+            yield name, torch.zeros(3)
+
+    with pytest.raises(ValueError, match=r"trainer's tensors must all be on one GPU.* \(they are on cpu\)"):
+        transport.publish(generator(), 1)
+    assert asked == ["a"], "a tensor off the GPU is refused before the next is asked for"
     with pytest.raises(ValueError, match=r"LoRA adapters travel by fs://, redis:// or nccl://, not ipc://"):
         transport.publish({"a": torch.zeros(3)}, 1, adapter_config={"r": 8})
     with pytest.raises(ValueError, match=r"LoRA adapters travel by fs://, redis:// or nccl://, not ipc://"):
@@ -162,7 +173,8 @@ class FakeExport:
 
     closed: ClassVar[list[int]] = []
 
-    def __init__(self, named: dict[str, torch.Tensor], version: int) -> None:
+    def __init__(self, tensors: dict[str, torch.Tensor] | Iterator[tuple[str, torch.Tensor]], version: int) -> None:
+        named = dict(tensors.items() if isinstance(tensors, dict) else tensors)
         self.version = version
         self.buffer = torch.zeros(sum(t.numel() * t.element_size() for t in named.values()), dtype=torch.uint8)
         tensors = [(TensorMeta(n, "float32", tuple(t.shape)), 0) for n, t in named.items()]
@@ -229,7 +241,7 @@ def test_a_worker_on_the_trainers_gpu_serves_the_weights_it_opened(
     v0 = {name: t.to("cuda:0") for name, t in state_dict_of(tiny_model_dir).items()}
     weights_bytes = torch.cuda.memory_allocated(0) - baseline
 
-    assert client.publish_weights(v1, transport="ipc://") == 1
+    assert client.publish_weights(iter(v1.items()), transport="ipc://") == 1  # a generator of CUDA tensors
     assert client.last_sync.acked == ["gpu"] and client.last_sync.evicted == []
     client.submit(tokens=[7, 8, 9], n=2, max_tokens=24, id="after-v1")
     for rollout in client.collect(1, timeout=120)[0].rollouts:

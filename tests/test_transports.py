@@ -176,7 +176,7 @@ def test_state_dict_of_ties_views_and_bad_input(tmp_path: Path) -> None:
     assert parts["t"].is_contiguous() and torch.equal(parts["t"], buffer.view(3, 4).T)
     uri = FsTransport(tmp_path).publish(parts, 0)
     assert_bitwise_equal(load_file(str(fetch_weights(uri, 0) / "model.safetensors")), parts)  # type: ignore[operator]  # fs versions are stored: a path, not None
-    with pytest.raises(TypeError, match=r"a torch module, a mapping of tensors or a checkpoint path"):
+    with pytest.raises(TypeError, match=r"a torch module, a mapping of tensors, an iterable of \(name, tensor\) pairs"):
         state_dict_of(42)  # type: ignore[arg-type]  # the wrong type on purpose
     with pytest.raises(TypeError, match=r"tensor 'x' is a list"):
         state_dict_of({"x": [1, 2]})  # type: ignore[dict-item]  # the wrong type on purpose
@@ -233,11 +233,11 @@ def test_fs_publish_appears_only_with_the_final_rename(tmp_path: Path, monkeypat
     assert events[0] == "fsync model.safetensors" and events[1].startswith("fsync .partial-v4-")  # file, then dir
 
     # A write that fails half way leaves neither the version nor its temp dir.
-    def failing_save(tensors: Any, filename: str, metadata: Any = None) -> None:
-        Path(filename).write_bytes(b"half a file")
+    def failing_write(tensors: Any, file: Path, metadata: Any) -> None:
+        file.write_bytes(b"half a file")
         raise OSError("No space left on device")
 
-    monkeypatch.setattr(fs_module, "save_file", failing_save)
+    monkeypatch.setattr(fs_module, "write_shard", failing_write)
     with pytest.raises(OSError, match="No space left"):
         transport.publish(weights, 5)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["v4"]
@@ -297,15 +297,22 @@ def test_redis_round_trip(any_redis: redis.Redis, ns: str, tiny_model_dir_v1: Pa
     )  # one 32 MiB chunk holds the tiny model
     assert any_redis.hgetall(f"{tag}:weights:index") == {b"1": b"1"}
     manifest = json.loads(any_redis.get(f"{tag}:weights:1:manifest"))  # type: ignore[arg-type]  # published: the key exists
-    assert {k: manifest[k] for k in ("v", "format", "version", "chunks", "chunk_bytes", "tensors")} == {
-        "v": 1,
-        "format": "safetensors",
+    assert {k: manifest[k] for k in ("v", "format", "version", "chunks", "chunk_bytes", "align")} == {
+        "v": 2,
+        "format": "raw",
         "version": 1,
         "chunks": 1,
         "chunk_bytes": 32 << 20,
-        "tensors": len(weights),
+        "align": 16,
     }
-    assert manifest["bytes"] == any_redis.strlen(f"{tag}:weights:1:0") and len(manifest["sha256"]) == 64
+    # Each tensor's name, dtype, shape and offset, in the order given, each 16-byte aligned after the one before.
+    assert [name for name, *_ in manifest["tensors"]] == list(weights)
+    ends = [0]
+    for name, dtype, shape, offset in manifest["tensors"]:
+        assert (dtype, tuple(shape)) == (str(weights[name].dtype).removeprefix("torch."), tuple(weights[name].shape))
+        assert offset % 16 == 0 and ends[-1] <= offset < ends[-1] + 16
+        ends.append(offset + weights[name].nbytes)
+    assert manifest["bytes"] == ends[-1] == any_redis.strlen(f"{tag}:weights:1:0") and len(manifest["sha256"]) == 64
     got = fetch_weights(uri, 1, any_redis)
     assert isinstance(got, dict)
     assert_bitwise_equal(got, weights)
@@ -350,7 +357,11 @@ def test_redis_many_chunks_and_every_kind_of_damage(any_redis: redis.Redis, ns: 
     for bad, message in [
         ({**manifest, "chunks": 0}, r"lists no chunks"),
         ({**manifest, "version": 4}, r"is of version 4, not 3"),
-        ({**manifest, "v": 2}, r"has v=2, format='safetensors'; this reader knows v=1"),
+        ({**manifest, "v": 3}, r"v=3, format='raw'; this reader knows v=1, format='safetensors', v=2, format='raw'"),
+        ({**manifest, "format": "safetensors"}, r"has v=2, format='safetensors'; this reader knows"),
+        ({**manifest, "tensors": [["a", "float32", [8], manifest["bytes"]]]}, r"tensor 'a' lies outside the \d+ bytes"),
+        ({**manifest, "tensors": [["a", "float99", [8], 0]]}, r"bad tensor entry .*unknown tensor dtype 'float99'"),
+        ({**manifest, "tensors": 27}, r"'tensors' must be a list of \[name, dtype, shape, offset\]"),
         ({k: v for k, v in manifest.items() if k != "sha256"}, r"has no sha256 checksum"),
         ({**manifest, "bytes": "many"}, r"'bytes' must be an integer >= 0, got 'many'"),
     ]:
@@ -365,6 +376,34 @@ def test_redis_many_chunks_and_every_kind_of_damage(any_redis: redis.Redis, ns: 
         transport.fetch(3)
     assert transport.remove(3) is True
     assert weights_keys(any_redis, ns) == []
+
+
+def test_redis_still_reads_versions_written_as_one_safetensors_blob(
+    any_redis: redis.Redis, ns: str, tiny_model_dir_v1: Path
+) -> None:
+    """Manifest v1 (written before 2026-11-29: one safetensors blob cut into chunks) stays readable."""
+    import hashlib
+
+    from safetensors.torch import save
+
+    from pipeline.wire import Keys
+
+    weights = state_dict_of(tiny_model_dir_v1)
+    blob = save(weights)
+    keys, size = Keys(ns), 4096
+    n = -(-len(blob) // size)
+    any_redis.hset(keys.weights_index, "5", n)
+    for i in range(n):
+        any_redis.set(keys.weights_chunk(5, i), blob[i * size : (i + 1) * size])
+    manifest = {"v": 1, "format": "safetensors", "version": 5, "chunks": n, "chunk_bytes": size, "bytes": len(blob),
+                "sha256": hashlib.sha256(blob).hexdigest(), "tensors": len(weights), "ts": time.time()}  # fmt: skip
+    any_redis.set(keys.weights_manifest(5), json.dumps(manifest))
+    transport = RedisTransport(any_redis, ns)
+    assert_bitwise_equal(transport.fetch(5), weights)
+    any_redis.set(keys.weights_manifest(5), json.dumps({**manifest, "tensors": 3}))
+    with pytest.raises(ValueError, match=rf"weights version 5: {len(weights)} tensors, the manifest says 3"):
+        transport.fetch(5)
+    assert transport.remove(5) and weights_keys(any_redis, ns) == []
 
 
 def test_redis_reader_never_sees_half_a_version(real_redis: redis.Redis, ns: str, tiny_model_dir_v1: Path) -> None:
@@ -400,8 +439,9 @@ def test_redis_publish_that_dies_before_its_manifest_is_cleaned_up(
         return real_execute(self, *args, **kwargs)
 
     monkeypatch.setattr(redis.client.Pipeline, "execute", execute)
+    monkeypatch.setattr(RedisTransport, "remove", lambda self, version: False)  # a writer that died cleans nothing up
     with pytest.raises(redis.ConnectionError):
-        transport.publish(small_tensors(0), 6)
+        transport.publish({**small_tensors(0), "big": torch.ones(64, 8)}, 6)  # 2 kB: chunks go ahead of the manifest
     monkeypatch.undo()
     left = weights_keys(real_redis, ns)
     assert len(left) > 3 and not any(k.endswith(b":manifest") for k in left)  # chunks, no manifest
@@ -414,6 +454,25 @@ def test_redis_publish_that_dies_before_its_manifest_is_cleaned_up(
     # Publishing a version again after a crash also starts from a clean slate.
     transport.publish(small_tensors(1), 6)
     assert_bitwise_equal(transport.fetch(6), small_tensors(1))
+
+
+def test_a_source_that_fails_midway_leaves_nothing_stored(
+    real_redis: redis.Redis, ns: str, tmp_path: Path, tiny_model_dir_v1: Path
+) -> None:
+    """An iterator that raises half way (a gather that failed): the writer deletes what it stored of the version,
+    and the error is the iterator's."""
+
+    def failing() -> Any:
+        for i, item in enumerate(state_dict_of(tiny_model_dir_v1).items()):
+            if i == 10:
+                raise RuntimeError("rank 3 did not answer the all-gather")
+            yield item
+
+    for transport in (RedisTransport(real_redis, ns, chunk_bytes=4096, batch_bytes=8192), FsTransport(tmp_path)):
+        with pytest.raises(RuntimeError, match="rank 3 did not answer"):
+            transport.publish(failing(), 2)
+        assert transport.versions() == [] and transport.stored() == set()
+    assert weights_keys(real_redis, ns) == [] and list(tmp_path.iterdir()) == []
 
 
 def test_redis_release_and_remove_delete_every_key(any_redis: redis.Redis, ns: str) -> None:
@@ -509,8 +568,9 @@ def test_vllm_engine_loads_through_both_transports(
 ) -> None:
     """On the session's `VllmEngine(tiny_model_dir)` (tests/fixtures.py), which test_vllm_engine shares: a second
     engine would take another ~20-40 s to start. That its shutdown leaves no vLLM process behind is
-    test_vllm_engine's last test, on this same engine."""
-    fs = FsTransport(tmp_path)
+    test_vllm_engine's last test, on this same engine. Versions 1 and 3 come from generators of `(name, tensor)`
+    pairs, version 1 over fs in shards of 64 KiB (Hugging Face's sharded layout and its index, which vLLM reloads)."""
+    fs = FsTransport(tmp_path, shard_bytes=64 << 10)
     rt = RedisTransport(real_redis, ns)
     served = vllm_served
     engine = served.engine
@@ -519,13 +579,15 @@ def test_vllm_engine_loads_through_both_transports(
         if engine.version != 0:  # another test left other weights: serve the seed-0 ones as version 0 again
             await engine.load_weights(str(tiny_model_dir), version=0)
         gens = [await engine.generate("v0", PROMPT, GREEDY)]
-        uri = await asyncio.to_thread(fs.publish, state_dict_of(tiny_model_dir_v1), 1)
+        uri = await asyncio.to_thread(fs.publish, iter(state_dict_of(tiny_model_dir_v1).items()), 1)
+        shards = sorted(p.name for p in (tmp_path / "v1").iterdir())
+        assert len(shards) > 4 and shards[-1] == "model.safetensors.index.json", shards
         await load_version(engine, uri, 1, real_redis)
         gens.append(await engine.generate("v1-fs", PROMPT, GREEDY))
         uri = await asyncio.to_thread(rt.publish, state_dict_of(tiny_model_dir), 2)  # the seed-0 weights again
         await load_version(engine, uri, 2, real_redis)
         gens.append(await engine.generate("v2-redis", PROMPT, GREEDY))
-        uri = await asyncio.to_thread(rt.publish, state_dict_of(tiny_model_dir_v1), 3)
+        uri = await asyncio.to_thread(rt.publish, iter(state_dict_of(tiny_model_dir_v1).items()), 3)
         await load_version(engine, uri, 3, real_redis)
         gens.append(await engine.generate("v3-redis", PROMPT, GREEDY))
         return gens

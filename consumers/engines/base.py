@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol, Self
 
 import numpy as np
 
-from pipeline.wire import MAX_SAMPLES, FinishReason, PauseMode, Sampling, Span
+from pipeline.wire import LOGPROBS_MODES, MAX_SAMPLES, FinishReason, LogprobsMode, PauseMode, Sampling, Span
 
 if TYPE_CHECKING:
     from staleness.weights.nccl import BroadcastLink
@@ -209,6 +209,30 @@ def refuse_adapter(engine: str, adapter: str | None) -> None:
     """`EngineInputError` for a request under an adapter on an engine that serves none."""
     if adapter is not None:
         raise EngineInputError(f"the {engine} engine serves no LoRA adapters (asked for adapter {adapter!r})")
+
+
+def engine_logprobs_mode(value: str, engine: str) -> LogprobsMode:
+    """An engine's logprobs mode from how it was configured: ours (`raw`, `processed`) or vLLM's own name of it
+    (`raw_logprobs`, `processed_logprobs`); `ValueError` for vLLM's logits modes (rollouts carry log-probabilities)."""
+    mode = value.removesuffix("_logprobs")
+    if mode not in LOGPROBS_MODES:
+        raise ValueError(
+            f"the {engine} engine's logprobs_mode is {value!r}: rollouts carry log-probabilities, so give raw or "
+            "processed (vLLM's raw_logprobs or processed_logprobs)"
+        )
+    return mode
+
+
+def refuse_logprobs_mode(engine: str, mode: LogprobsMode, sampling: Sampling) -> None:
+    """`EngineInputError` for a request whose `logprobs_mode` is not the one an engine reports for every request (vLLM
+    sets it per engine, not per request)."""
+    if sampling.logprobs_mode != mode:
+        raise EngineInputError(
+            f"this {engine} worker reports {mode} logprobs and cannot report {sampling.logprobs_mode} ones (vLLM "
+            f"sets logprobs_mode per engine, not per request): submit with logprobs_mode={mode!r}, or serve these "
+            f"prompts with workers started with --engine-args '{{\"logprobs_mode\": "
+            f"\"{sampling.logprobs_mode}_logprobs\"}}'"
+        )
 
 
 def check_request(prompt_tokens: np.ndarray, sampling: Sampling, max_model_len: int, vocab_size: int) -> None:

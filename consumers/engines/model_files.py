@@ -145,6 +145,27 @@ def checkpoint_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def checkpoint_layout(model_dir: Path) -> WeightLayout | None:
+    """The tensors a model directory's checkpoint takes, from its safetensors headers (None: it has none, so nothing
+    to compare with): what an engine that loads by name checks weights against (vLLM, a remote vLLM server). With
+    `tie_word_embeddings` set in its `config.json` and no `lm_head.weight` of its own, `lm_head.weight` is taken as
+    the input embedding's tied name (a torch module's `state_dict()` has both; vLLM skips it)."""
+    try:
+        shapes = checkpoint_shapes(model_dir)
+    except FileNotFoundError:
+        return None
+    storage = {name: i for i, name in enumerate(shapes)}
+    config: Any = None
+    with contextlib.suppress(OSError, ValueError):
+        config = json.loads((model_dir / "config.json").read_text())
+    embeddings = [name for name in shapes if name.endswith("embed_tokens.weight")]
+    tied = isinstance(config, dict) and config.get("tie_word_embeddings") is True
+    if tied and "lm_head.weight" not in shapes and len(embeddings) == 1:
+        shapes["lm_head.weight"] = shapes[embeddings[0]]
+        storage["lm_head.weight"] = storage[embeddings[0]]
+    return WeightLayout(shapes, storage)
+
+
 def as_cpu_tensors(named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> dict[str, Any]:
     """Named torch tensors or numpy arrays as contiguous CPU torch tensors: what a safetensors blob is made of."""
     import torch

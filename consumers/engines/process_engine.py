@@ -235,6 +235,10 @@ class ProcessEngine(EngineLifecycle):
         if self._layout is not None:
             self._layout.check(shapes, source)
 
+    def weight_layout(self) -> WeightLayout | None:
+        """The layout the engine's process sent at start (None: it has no model)."""
+        return self._layout
+
     # -- adapters --------------------------------------------------------------------------------
 
     def adapters(self) -> dict[str, int]:

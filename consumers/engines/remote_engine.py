@@ -6,7 +6,9 @@ unchanged:
 
 - Generation is token in, token out: `POST /inference/v1/generate` (vLLM's scale-out API: `--enable-scale-out`) with
   prompt token ids, `logprobs=0` (the sampled token's logprob under the raw distribution, as the in-process engine
-  reports), and the server's per-token `weight_versions` spans, which become `Generation.spans`.
+  reports by default; under the processed one when the server runs with `--logprobs-mode processed_logprobs` and this
+  engine is told so, `logprobs_mode`), and the server's per-token `weight_versions` spans, which become
+  `Generation.spans`.
 - Pause, resume and versions are the RL endpoints of vLLM's development mode (`VLLM_SERVER_DEV_MODE=1`): `/pause`
   (`abort` ends requests with their tokens so far, `keep` freezes them), `/resume`, `/update_weight_version`,
   `/weight_info`, `/reset_prefix_cache`; one request is aborted by `/inference/v1/abort_requests`, and its
@@ -52,9 +54,17 @@ from consumers.engines.base import (
     Generation,
     ServesNoAdapters,
     check_request,
+    engine_logprobs_mode,
     refuse_adapter,
+    refuse_logprobs_mode,
 )
-from consumers.engines.model_files import as_cpu_tensors, check_checkpoint_fits, checkpoint_shapes, read_model_limits
+from consumers.engines.model_files import (
+    WeightLayout,
+    as_cpu_tensors,
+    checkpoint_layout,
+    checkpoint_shapes,
+    read_model_limits,
+)
 from consumers.engines.vllm_common import VLLM_FINISH_REASONS, vllm_spans
 from pipeline.wire import PAUSE_MODES, PauseMode, Sampling
 
@@ -139,6 +149,8 @@ class RemoteVllmEngine(ServesNoAdapters, EngineLifecycle):
             more samples than that (the server does not say it; None: unknown, and the worker takes its default).
         max_batch_tokens: a token budget for the samples this worker sends the server at once (prompt + `max_tokens`
             each; None: none).
+        logprobs_mode: the server's `--logprobs-mode` (`raw`, the default, or `processed`; vLLM's names too): what
+            every request's logprobs are. The server does not say; a request that asks for the other is refused.
     """
 
     name = "remote"
@@ -158,8 +170,10 @@ class RemoteVllmEngine(ServesNoAdapters, EngineLifecycle):
         pauses: PauseHolders | None = None,
         max_batch: int | None = None,
         max_batch_tokens: int | None = None,
+        logprobs_mode: str = "raw",
     ) -> None:
         del seed, dtype  # the server's own
+        self.logprobs_mode = engine_logprobs_mode(logprobs_mode, self.name)
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"the remote engine's url must start with http:// or https://, got {url!r}")
         self.url = url.rstrip("/")
@@ -184,7 +198,7 @@ class RemoteVllmEngine(ServesNoAdapters, EngineLifecycle):
         self._live: dict[str, asyncio.Task[httpx.Response]] = {}
         self._paused = False
         self._closing = False
-        self._reference: dict[str, tuple[int, ...]] | None = None
+        self._reference: WeightLayout | bool | None = False
         self._finished_tokens = 0
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -280,6 +294,7 @@ class RemoteVllmEngine(ServesNoAdapters, EngineLifecycle):
         refuse_adapter(self.name, adapter)
         prompt = np.asarray(prompt_tokens)
         check_request(prompt, sampling, self.max_model_len, self.vocab_size)
+        refuse_logprobs_mode(self.name, self.logprobs_mode, sampling)
         http = self._http if self._http is not None else await self._started()
         if request_id in self._live:
             raise EngineInputError(f"request id {request_id!r} is already in flight on this engine")
@@ -498,13 +513,15 @@ class RemoteVllmEngine(ServesNoAdapters, EngineLifecycle):
     def check_fits(self, shapes: Mapping[str, tuple[int, ...]], source: object) -> None:
         """Raise `ValueError` if tensors of these names and shapes do not match the model's checkpoint, when the
         model directory given has one (a directory of config files only: nothing to compare with)."""
-        if self._reference is None:
-            try:
-                self._reference = checkpoint_shapes(self.model_dir)
-            except FileNotFoundError:
-                self._reference = {}
-        if self._reference:
-            check_checkpoint_fits(shapes, self._reference, source)
+        layout = self.weight_layout()
+        if layout is not None:
+            layout.check(shapes, source)
+
+    def weight_layout(self) -> WeightLayout | None:
+        """The tensors of the model directory's checkpoint (`checkpoint_layout`); None when it has none."""
+        if self._reference is False:
+            self._reference = checkpoint_layout(self.model_dir)
+        return self._reference if isinstance(self._reference, WeightLayout) else None
 
     async def reset_prefix_cache(self) -> None:
         if self._http is not None:

@@ -709,23 +709,29 @@ class TorchEngine(EngineLifecycle):
     def _sample(self, logits: torch.Tensor) -> tuple[list[int], list[float]]:
         """Pick each row's token (greedy, or temperature + top-p with noise fixed by the row's seed).
 
-        The logprob is that of the raw model distribution (before temperature and top-p), as
-        vLLM reports by default and as the trainer recomputes.
+        The logprob is the row's `logprobs_mode`'s: `raw`, that of the model's distribution (before temperature and
+        top-p), as vLLM reports by default and as the trainer recomputes; `processed`, that of the distribution the
+        token was drawn from, log_softmax(logits / temperature) renormalized over the tokens top-p kept (vLLM's
+        `processed_logprobs`). A greedy row's are raw either way (as vLLM's: nothing was applied).
         """
         rows = self._rows
         logprobs_all = torch.log_softmax(logits, dim=-1)
         tokens = logits.argmax(dim=-1)
         sampled = [i for i, r in enumerate(rows) if r.sampling.temperature > 0]
+        processed: list[int] = []
+        """Positions in `sampled` of the rows that want processed logprobs."""
         if sampled:
             index = torch.tensor(sampled, device=logits.device)
             temps = torch.tensor([rows[i].sampling.temperature for i in sampled], device=logits.device)
             probs = torch.softmax(logits[index] / temps[:, None], dim=-1)
             top_p = torch.tensor([rows[i].sampling.top_p for i in sampled], device=logits.device)
+            dropped: torch.Tensor | None = None
             if bool((top_p < 1).any()):
                 sorted_probs, order = probs.sort(dim=-1, descending=True)
                 # Drop a token when the mass ranked above it already reaches top_p (the first always stays).
                 drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p[:, None]
-                probs = probs.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), 0.0)
+                dropped = torch.zeros_like(drop).scatter(1, order, drop)
+                probs = probs.masked_fill(dropped, 0.0)
             # Inverse CDF: one uniform draw per row, for all rows at once, each from its own seed and position.
             seeds = torch.tensor([rows[i].seed for i in sampled], device=logits.device)
             steps = torch.tensor([len(rows[i].tokens) for i in sampled], device=logits.device)
@@ -733,7 +739,16 @@ class TorchEngine(EngineLifecycle):
             u = sampling_uniform(seeds, steps) * cdf[:, -1]  # top-p left the rows unnormalized
             picked = torch.searchsorted(cdf, u[:, None], right=True).squeeze(1)
             tokens[index] = picked.clamp(max=probs.shape[1] - 1)
+            processed = [k for k, i in enumerate(sampled) if rows[i].sampling.logprobs_mode == "processed"]
         chosen = logprobs_all.gather(1, tokens[:, None]).squeeze(1)
+        if processed:
+            which = torch.tensor(processed, device=logits.device)
+            at = index[which]
+            scaled = torch.log_softmax(logits[at] / temps[which, None], dim=-1)
+            if dropped is not None:  # renormalized over what top-p kept
+                scaled = scaled.masked_fill(dropped[which], float("-inf"))
+                scaled = scaled - torch.logsumexp(scaled, dim=-1, keepdim=True)
+            chosen[at] = scaled.gather(1, tokens[at][:, None]).squeeze(1)
         return tokens.tolist(), chosen.tolist()
 
     def _merge(self, new_rows: list[_Request], cache: Any, mask: torch.Tensor) -> None:

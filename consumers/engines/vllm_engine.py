@@ -9,7 +9,11 @@ tokens with `finish_reason="stop"`.
 
 - Logprobs are vLLM's default `raw_logprobs`: the log-probability of each sampled token under
   the raw model distribution (before temperature and top-p), read from vLLM's flat per-position
-  lists by the sampled token id. In fp32 they equal a plain transformers forward pass.
+  lists by the sampled token id. In fp32 they equal a plain transformers forward pass. With
+  `logprobs_mode="processed"` (vLLM's `processed_logprobs`) they are those of the distribution sampled
+  from (temperature, then top-p, renormalized). vLLM sets this per engine (`ModelConfig.logprobs_mode`;
+  `SamplingParams` has no such field), so a request that asks for the other mode is refused
+  (`EngineInputError`: an error rollout that says so), never served with the wrong kind.
 - Each request asks for its final output only (`RequestOutputKind.FINAL_ONLY`, `flat_logprobs`):
   the whole sample arrives once, when it ends (aborted or paused-and-aborted ones included). A
   streamed delta per token cost a `RequestOutput`, a `Logprob` per token and a wake-up of the
@@ -77,10 +81,18 @@ from consumers.engines.base import (
     Generation,
     check_request,
     continuation_seed,
+    engine_logprobs_mode,
     refuse_adapter,
+    refuse_logprobs_mode,
 )
 from consumers.engines.lora import parse_adapter, save_adapter
-from consumers.engines.model_files import as_cpu_tensors, check_checkpoint_fits, checkpoint_shapes, read_model_limits
+from consumers.engines.model_files import (
+    WeightLayout,
+    as_cpu_tensors,
+    checkpoint_layout,
+    checkpoint_shapes,
+    read_model_limits,
+)
 from consumers.engines.vllm_common import VLLM_FINISH_REASONS, vllm_spans
 from consumers.orphans import reap_on_death
 from pipeline.wire import PAUSE_MODES, FinishReason, PauseMode, Sampling
@@ -153,6 +165,9 @@ class VllmEngine(EngineLifecycle):
             vLLM keeps twice as many on CPU (`max_cpu_loras`), so a replaced version stays loaded while its
             requests finish.
         max_lora_rank: the largest adapter rank accepted (vLLM's `max_lora_rank`: 1, 8, 16, 32, 64, ...).
+        logprobs_mode: `raw` (vLLM's default `raw_logprobs`) or `processed` (`processed_logprobs`): what every
+            request's logprobs are; a request that asks for the other is refused. `engine_args` may name it too,
+            in vLLM's words.
         engine_args: more `AsyncEngineArgs` fields (e.g. from JSON on the command line); they win
             over the arguments above (`max_model_len` there also sets this object's).
     """
@@ -172,6 +187,7 @@ class VllmEngine(EngineLifecycle):
         seed: int | None = 0,
         max_loras: int = 0,
         max_lora_rank: int = 16,
+        logprobs_mode: str = "raw",
         engine_args: Mapping[str, Any] | None = None,
     ) -> None:
         if max_loras < 0:
@@ -208,7 +224,10 @@ class VllmEngine(EngineLifecycle):
             self.args.update(
                 enable_lora=True, max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=2 * max_loras
             )
+        self.args["logprobs_mode"] = f"{engine_logprobs_mode(logprobs_mode, self.name)}_logprobs"
         self.args.update(extra)
+        self.logprobs_mode = engine_logprobs_mode(str(self.args["logprobs_mode"]), self.name)
+        """What every request's logprobs are (vLLM's `logprobs_mode`, per engine)."""
         self.max_loras = int(self.args.get("max_loras", max_loras)) if self.args.get("enable_lora") else 0
         self.max_lora_rank = int(self.args.get("max_lora_rank", max_lora_rank))
 
@@ -224,7 +243,7 @@ class VllmEngine(EngineLifecycle):
         self._keep_cache = False
         """Paused with `inflight` (until `resume`): a load keeps the running requests' KV blocks."""
         self._closing = False
-        self._reference: dict[str, tuple[int, ...]] | None = None
+        self._reference: WeightLayout | bool | None = False
         """Tensor names and shapes of the model's own checkpoint: what a new one must match."""
         self._finished_tokens = 0
         """Tokens of the requests that ended since start (see `generated_tokens`)."""
@@ -523,7 +542,9 @@ class VllmEngine(EngineLifecycle):
         return tokens, logprobs, last, cached
 
     def _sampling_params(self, prompt_len: int, sampling: Sampling) -> Any:
-        """Our `Sampling` as vLLM `SamplingParams`; values vLLM refuses raise `EngineInputError`."""
+        """Our `Sampling` as vLLM `SamplingParams`; values vLLM refuses raise `EngineInputError`, and so does a
+        `logprobs_mode` other than the engine's."""
+        refuse_logprobs_mode(self.name, self.logprobs_mode, sampling)
         try:
             return SamplingParams(
                 max_tokens=min(sampling.max_tokens, self.max_model_len - prompt_len),
@@ -773,13 +794,16 @@ class VllmEngine(EngineLifecycle):
 
     def check_fits(self, shapes: Mapping[str, tuple[int, ...]], source: object) -> None:
         """Raise `ValueError` if tensors of these names and shapes do not match the model's own checkpoint."""
-        if self._reference is None:
-            try:
-                self._reference = checkpoint_shapes(self.model_dir)
-            except FileNotFoundError:
-                self._reference = {}  # not a safetensors model: nothing to compare with
-        if self._reference:
-            check_checkpoint_fits(shapes, self._reference, source)
+        layout = self.weight_layout()
+        if layout is not None:
+            layout.check(shapes, source)
+
+    def weight_layout(self) -> WeightLayout | None:
+        """The tensors of the model's own checkpoint (`checkpoint_layout`); None when it has none (not safetensors:
+        nothing to compare with)."""
+        if self._reference is False:
+            self._reference = checkpoint_layout(self.model_dir)
+        return self._reference if isinstance(self._reference, WeightLayout) else None
 
     async def reset_prefix_cache(self) -> None:
         """Drop every cached KV block (running requests recompute theirs)."""

@@ -9,12 +9,13 @@ the staleness manager sends that uri in the `weights` command and records it as 
 immutable: publishing one that exists is an error, and `release`/`remove` delete what no worker
 needs any more.
 
-- `fs:///DIR/v{n}`: `DIR/v{n}/model.safetensors` on storage that every machine mounts at the same path;
-  the worker calls `engine.load_weights(dir, n)`.
-- `redis://NS/v{n}`: one safetensors blob in chunks under `{NS}:weights:{n}:{i}` plus a JSON manifest
-  `{NS}:weights:{n}:manifest` (written last), and the hash `{NS}:weights:index` (version -> chunk count,
-  written first, so that a write that crashed can be cleaned up without SCAN); the worker reads them
-  through its own Redis connection, checks the sha256, and calls `engine.load_tensors(tensors, n)`.
+- `fs:///DIR/v{n}`: `DIR/v{n}/model.safetensors` (or Hugging Face's shards and index, for a version bigger than a
+  shard) on storage that every machine mounts at the same path; the worker calls `engine.load_weights(dir, n)`.
+- `redis://NS/v{n}`: the tensors' raw bytes in chunks under `{NS}:weights:{n}:{i}` plus a JSON manifest
+  `{NS}:weights:{n}:manifest` (names, dtypes, shapes, offsets; written last), and the hash `{NS}:weights:index`
+  (version -> chunks written, kept ahead of the chunks, so that a write that crashed can be cleaned up without
+  SCAN); the worker reads them through its own Redis connection, checks the sha256, and calls
+  `engine.load_tensors(tensors, n)`.
 - `nccl://HOST:PORT`: nothing stored; the trainer broadcasts to every worker during the sync
   (`staleness.weights.nccl`); the worker calls `engine.load_broadcast(link, n)`.
 - `ipc://NS/v{n}`: colocated handoff on one GPU; the trainer keeps the tensors in a GPU buffer of its own and
@@ -25,6 +26,12 @@ LoRA adapters travel by the stored transports, each adapter in a place of its ow
 loads): `fs:///DIR/adapters/NAME/v{n}/` holds `adapter_model.safetensors` and `adapter_config.json`;
 `redis://NS/adapters/NAME/v{n}` keeps the blob under `{NS}:adapter:NAME:weights:{n}:{i}` with the config in its
 manifest. The worker calls `fetch_adapter(uri, n)` and `engine.load_adapter(name, tensors, config, n)`.
+
+Every transport takes what a trainer holds (`base.WeightSource`): a module, a state dict, a checkpoint, or an
+iterable of `(name, tensor)` pairs that is consumed once, as it comes. fs and redis stream it a bucket at a time
+(`bucket_bytes`: a shard, a pipeline of chunks), so a generator that gathers one tensor at a time is never held whole
+on the host; nccl and ipc keep the version where its tensors are until the sync (on the GPU for GPU tensors).
+`publish_weights` checks the names and shapes against the live workers' models as they pass (`layout`).
 
 The engine is duck-typed (`LoadsWeights`): this package imports no engine, as the design asks.
 """
@@ -49,6 +56,7 @@ from staleness.weights.base import (
     parse_uri,
     read_adapter,
 )
+from staleness.weights.buckets import ALIGN
 from staleness.weights.fs import FsTransport, version_dir
 from staleness.weights.ipc import IpcTransport, load_ipc
 from staleness.weights.nccl import BroadcastLink, NcclTransport, join_broadcast, prepare_receiver, receive_broadcast
@@ -63,21 +71,30 @@ def open_transport(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     join_timeout_s: float = 60.0,
     adapter: str | None = None,
+    bucket_bytes: int | None = None,
 ) -> WeightTransport:
     """The trainer's transport from a spec: `fs://DIR`, `redis://` (or `redis://NS`) with the pipeline's client,
     `nccl://HOST:PORT` (this process hosts the rendezvous on PORT and broadcasts during each sync,
     waiting up to `join_timeout_s` for the workers to join), or `ipc://` (`ipc://NS`: this process keeps each
     version in a buffer on its GPU for workers on that GPU, the handles' manifest in the pipeline's Redis). With
     `adapter`, the place of that LoRA adapter's versions (`DIR/adapters/NAME`, `{ns}:adapter:NAME:weights:...`;
-    nccl: the broadcast carries its config; ipc carries none)."""
+    nccl: the broadcast carries its config; ipc carries none).
+
+    `bucket_bytes`: the most a publish handles at once (None: each transport's default): fs, the tensors of one shard
+    file (2 GiB); redis, one chunk (`chunk_bytes`, 32 MiB: the one being filled, and redis-py's copy of the one being
+    sent); nccl, one broadcast (256 MiB); ipc takes the version whole, in one GPU buffer."""
     parsed = parse_uri(spec)
+    if bucket_bytes is not None and bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
     if adapter is not None and not re.match(ADAPTER_PATTERN, adapter):
         raise ValueError(f"adapter name {adapter!r} must match {ADAPTER_PATTERN}")
     if parsed.scheme == "fs":
         root = Path(parsed.location)
-        return FsTransport(root if adapter is None else root / ADAPTERS_DIR / adapter)
+        shards = {} if bucket_bytes is None else {"shard_bytes": bucket_bytes}
+        return FsTransport(root if adapter is None else root / ADAPTERS_DIR / adapter, **shards)
     if parsed.scheme == "nccl":
-        return NcclTransport.from_uri(spec, timeout_s=join_timeout_s)
+        buckets = {} if bucket_bytes is None else {"bucket_bytes": max(bucket_bytes, ALIGN)}
+        return NcclTransport.from_uri(spec, timeout_s=join_timeout_s, **buckets)
     if redis_client is None:
         raise ValueError(f"{spec}: the {parsed.scheme} weight transport needs a Redis client (the pipeline's own)")
     if ns is not None and parsed.location and parsed.location != ns:
@@ -89,6 +106,7 @@ def open_transport(
         if adapter is not None or parsed.adapter is not None:
             raise ValueError("LoRA adapters travel by fs://, redis:// or nccl://, not ipc://")
         return IpcTransport(redis_client, name)
+    chunk_bytes = chunk_bytes if bucket_bytes is None else bucket_bytes
     return RedisTransport(redis_client, name, chunk_bytes=chunk_bytes, adapter=adapter or parsed.adapter)
 
 

@@ -1,17 +1,18 @@
 """The vocabulary every weight transport shares: uris (`WeightsUri`, `parse_uri`), tensors in checkpoint names
-(`state_dict_of`, `read_checkpoint`, `read_adapter`), versions (`check_version`, `release_older`), and the two sides'
-protocols: what a transport needs of an engine (`LoadsWeights`) and what the trainer sees of a transport
-(`WeightTransport`). The engine is duck-typed: this package imports no engine, as the design asks."""
+(what a trainer publishes, `WeightSource`, streamed one tensor at a time by `named_tensors`; `state_dict_of`,
+`read_checkpoint`, `read_adapter`), versions (`check_version`, `release_older`), and the two sides' protocols: what a
+transport needs of an engine (`LoadsWeights`) and what the trainer sees of a transport (`WeightTransport`, and what a
+publish held, `PublishStats`). The engine is duck-typed: this package imports no engine, as the design asks."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
 
 import numpy as np
 import torch
@@ -121,22 +122,38 @@ def parse_uri(uri: str) -> WeightsUri:
 # -- tensors -------------------------------------------------------------------------------------
 
 
-def state_dict_of(
-    source: torch.nn.Module | Mapping[str, TensorLike] | str | os.PathLike[str],
-    *,
-    keep_device: bool = False,
-) -> dict[str, torch.Tensor]:
-    """Name -> contiguous tensor, in checkpoint names, from a module, a state dict or a safetensors checkpoint.
+WeightSource = torch.nn.Module | Mapping[str, TensorLike] | Iterable[tuple[str, TensorLike]] | str | os.PathLike[str]
+"""What a trainer publishes: a torch module, a state dict, an iterable of `(name, tensor)` pairs (a generator that
+gathers one tensor at a time: FSDP, Megatron), or a safetensors checkpoint (a directory or one file)."""
+
+
+def is_stream(source: object) -> bool:
+    """Whether `source` is an iterable of `(name, tensor)` pairs rather than a module, a mapping or a path."""
+    return not isinstance(source, (torch.nn.Module, Mapping, str, os.PathLike, bytes)) and isinstance(source, Iterable)
+
+
+def named_tensors(source: WeightSource, *, keep_device: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Name -> contiguous, detached tensor, in checkpoint names, one at a time, from any `WeightSource`.
 
     Tensors are moved to the CPU unless `keep_device` (a GPU broadcast sends them from where they are).
 
-    A module wrapped by `torch.compile` or (Distributed)DataParallel is unwrapped, so names carry no
-    `_orig_mod.`/`module.` prefix. A name whose tensor is another name's (tied weights, e.g. `lm_head.weight`
-    = `model.embed_tokens.weight`) is left out, as `save_pretrained` does: the first name in order stays, and
-    an engine loads the tied ones through it. Other tensors that overlap in memory are copied, since
-    safetensors refuses shared storage. Tensors already in place are not copied otherwise: do not train while
-    publishing.
+    A module, a state dict or a checkpoint is walked as `state_dict_of` describes (wrappers unwrapped, tied names
+    left out, overlapping tensors copied; a checkpoint is read a tensor at a time). An iterable is consumed lazily:
+    each pair is checked and passed on at once, and nothing here keeps a reference to it, so a generator that
+    gathers one tensor at a time is never held whole. Its tied names are not detected (addresses of freed tensors
+    are reused): yield both, or only the one the model loads. A name yielded twice is refused.
     """
+    if isinstance(source, (str, os.PathLike)):
+        yield from _checkpoint_tensors(Path(source))
+        return
+    if is_stream(source):
+        try:
+            yield from _checked_pairs(cast(Iterable[Any], source), keep_device)
+        finally:  # stopped early (an error downstream): let the source clean up (a gather's context) and let go
+            close = getattr(source, "close", None)
+            if callable(close):
+                close()
+        return
     if isinstance(source, torch.nn.Module):
         module = source
         while True:
@@ -149,33 +166,86 @@ def state_dict_of(
         items: Iterable[tuple[str, Any]] = module.state_dict().items()
     elif isinstance(source, Mapping):
         items = source.items()
-    elif isinstance(source, (str, os.PathLike)):
-        items = read_checkpoint(Path(source)).items()
     else:
         raise TypeError(
-            f"state_dict_of takes a torch module, a mapping of tensors or a checkpoint path, got {source!r}"
+            f"weights must be a torch module, a mapping of tensors, an iterable of (name, tensor) pairs or a "
+            f"checkpoint path, got {type(source).__name__}"
         )
-    out: dict[str, torch.Tensor] = {}
-    kept: dict[int, list[torch.Tensor]] = {}  # storage address -> tensors kept on it
+    kept: dict[int, list[torch.Tensor]] = {}  # storage address -> tensors passed on from it
     for name, value in items:
         if not isinstance(name, str):
             raise TypeError(f"tensor names must be strings, got {name!r}")
         tensor = _as_tensor(name, value).detach()
         tensor = (tensor if keep_device else tensor.to("cpu")).contiguous()
         if tensor.numel() == 0:
-            out[name] = tensor
+            yield name, tensor
             continue
         address = tensor.untyped_storage().data_ptr()
         others = kept.setdefault(address, [])
         if any(_same_view(tensor, other) for other in others):
-            continue  # tied: an alias of a tensor already kept
+            continue  # tied: an alias of a tensor already passed on
         if others:
             tensor = tensor.clone()
             kept.setdefault(tensor.untyped_storage().data_ptr(), []).append(tensor)
         else:
             others.append(tensor)
-        out[name] = tensor
-    return out
+        yield name, tensor
+
+
+def _checked_pairs(source: Iterable[Any], keep_device: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    seen: set[str] = set()
+    index = -1  # not enumerate(): it keeps its last (index, item) until the next item has been produced
+    for item in source:
+        index += 1
+        if not isinstance(item, tuple) or len(item) != 2:
+            raise TypeError(
+                f"item {index} of the weights iterator is {type(item).__name__}, not a (name, tensor) pair: "
+                "yield (name, tensor) tuples (e.g. from model.named_parameters() or state_dict().items())"
+            )
+        name, value = item
+        if not isinstance(name, str):
+            raise TypeError(f"item {index} of the weights iterator is named {name!r}: names must be strings")
+        if name in seen:
+            raise ValueError(f"tensor {name!r} was yielded twice by the weights iterator: yield each name once")
+        seen.add(name)
+        tensor = _as_tensor(name, value).detach()
+        del item, value
+        yield name, (tensor if keep_device else tensor.to("cpu")).contiguous()
+        del tensor  # hold nothing of it while the consumer works on the next one
+
+
+def _checkpoint_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """A safetensors checkpoint's tensors (a directory of `*.safetensors`, or one file), read one at a time."""
+    from safetensors import safe_open
+
+    for file in checkpoint_files(path):
+        with safe_open(str(file), framework="pt") as reader:
+            for name in reader.keys():  # noqa: SIM118 - safe_open is not a mapping
+                yield name, reader.get_tensor(name).contiguous()
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    """The `*.safetensors` files of a checkpoint (a directory, or one file); `FileNotFoundError` if none."""
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+    if not files or not all(f.is_file() for f in files):
+        raise FileNotFoundError(f"no safetensors checkpoint at {path}")
+    return files
+
+
+def state_dict_of(source: WeightSource, *, keep_device: bool = False) -> dict[str, torch.Tensor]:
+    """Name -> contiguous tensor, in checkpoint names, from a module, a state dict, a safetensors checkpoint or an
+    iterable of `(name, tensor)` pairs (collected whole: stream it with `named_tensors` instead).
+
+    Tensors are moved to the CPU unless `keep_device` (a GPU broadcast sends them from where they are).
+
+    A module wrapped by `torch.compile` or (Distributed)DataParallel is unwrapped, so names carry no
+    `_orig_mod.`/`module.` prefix. A name whose tensor is another name's (tied weights, e.g. `lm_head.weight`
+    = `model.embed_tokens.weight`) is left out, as `save_pretrained` does: the first name in order stays, and
+    an engine loads the tied ones through it. Other tensors that overlap in memory are copied, since
+    safetensors refuses shared storage. Tensors already in place are not copied otherwise: do not train while
+    publishing.
+    """
+    return dict(named_tensors(source, keep_device=keep_device))
 
 
 def _as_tensor(name: str, value: Any) -> torch.Tensor:
@@ -193,11 +263,8 @@ def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def read_checkpoint(path: Path) -> dict[str, torch.Tensor]:
     """Every tensor of a safetensors checkpoint (a directory of `*.safetensors`, or one file)."""
-    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
-    if not files or not all(f.is_file() for f in files):
-        raise FileNotFoundError(f"no safetensors checkpoint at {path}")
     tensors: dict[str, torch.Tensor] = {}
-    for f in files:
+    for f in checkpoint_files(path):
         tensors.update(load_file(f))
     return tensors
 
@@ -211,20 +278,44 @@ def check_version(version: int) -> int:
 # -- the trainer's side --------------------------------------------------------------------------
 
 
+@dataclass
+class PublishStats:
+    """What one `publish` moved, and the most of it the transport held in host memory at once."""
+
+    tensors: int = 0
+    bytes: int = 0
+    """Bytes of the tensors (alignment padding excluded)."""
+    peak_buffered_bytes: int = 0
+    """The most bytes of the version this transport held at once on the host: what it copied and had not sent yet
+    (redis: chunks queued and the one being filled; fs: the tensors of the shard being gathered), never more than
+    about one bucket (`bucket_bytes`) plus the tensor being taken. nccl and ipc hold the whole version where its
+    tensors are (on their GPU; on the host for CPU tensors over gloo): they count it here."""
+    seconds: float = 0.0
+
+    def hold(self, nbytes: int) -> None:
+        self.peak_buffered_bytes = max(self.peak_buffered_bytes, nbytes)
+
+
+
 class WeightTransport(Protocol):
     """What the trainer (and the manager, to free space) sees of a transport."""
 
     scheme: Scheme
 
+    last_publish: PublishStats | None
+    """What the last `publish` moved and held."""
+
     def publish(
         self,
-        tensors: NamedTensors | torch.nn.Module,
+        tensors: WeightSource,
         version: int,
         *,
         adapter_config: Mapping[str, Any] | None = None,
     ) -> str:
         """Store one version completely, then return the uri that names it (`FileExistsError` if stored). With
-        `adapter_config`, the tensors are a LoRA adapter's (PEFT names) and the config goes with them."""
+        `adapter_config`, the tensors are a LoRA adapter's (PEFT names) and the config goes with them. An iterable of
+        `(name, tensor)` pairs is consumed once, a bucket at a time (see each transport); if it raises, nothing of the
+        version is left stored and the error propagates."""
         ...
 
     def versions(self) -> list[int]:
@@ -261,7 +352,7 @@ class Stored(Protocol):
 
 
 def read_adapter(
-    source: NamedTensors | torch.nn.Module | str | os.PathLike[str], config: Mapping[str, Any] | None = None
+    source: WeightSource, config: Mapping[str, Any] | None = None
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """An adapter's tensors and config: from a PEFT directory (`adapter_model.safetensors` + `adapter_config.json`;
     `config`, if given, overrides the file's), or from tensors and `config`. `ValueError` says what is missing."""

@@ -1,5 +1,11 @@
 """`fs://DIR`: one directory per version on storage every machine mounts at the same path, made visible by one
-`rename` (`FsTransport`), and a stored version's directory as a worker finds it (`version_dir`)."""
+`rename` (`FsTransport`), and a stored version's directory as a worker finds it (`version_dir`).
+
+A version is Hugging Face's checkpoint layout, so that vLLM, transformers and our engines load it as it is: one
+`model.safetensors`, or, when it is bigger than a shard (`shard_bytes`, the transport's bucket), shards
+`model-00001-of-0000N.safetensors` and the index `model.safetensors.index.json`. Shards are written as the tensors
+come (each is a plain safetensors file, written here without copying the tensors' bytes), so the trainer never holds
+more than one shard's tensors."""
 
 from __future__ import annotations
 
@@ -7,47 +13,63 @@ import json
 import os
 import re
 import shutil
+import time
 import uuid
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from pipeline.files import fsync_path
 from staleness.weights.base import (
     ADAPTER_CONFIG,
     VERSION_DIR,
-    NamedTensors,
+    PublishStats,
     Scheme,
+    WeightSource,
     check_version,
+    named_tensors,
     parse_uri,
     release_older,
-    state_dict_of,
 )
+from staleness.weights.buckets import raw_bytes
 
 WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+"""The shards' index, as `save_pretrained` writes it: `{"metadata": {"total_size": N}, "weight_map": {name: file}}`."""
 ADAPTER_FILE = "adapter_model.safetensors"
 """An adapter's tensors, as PEFT's `save_pretrained` writes them (and vLLM's LoRA loader reads them)."""
 PARTIAL_PREFIX = ".partial-"
 """A directory being written; never a version until renamed."""
 REMOVING_PREFIX = ".removing-"
 """A directory being deleted: renamed first, so that no reader sees half a version."""
+DEFAULT_SHARD_BYTES = 2 << 30
+"""Bytes of tensors per shard file (a tensor bigger than that gets a shard of its own): the most a publish holds."""
+_ST_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
+    torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}  # fmt: skip
+"""safetensors' dtype names."""
 
 
 class FsTransport:
-    """`fs://DIR`: one directory per version, `DIR/v{n}/model.safetensors`, made visible by one `rename`.
+    """`fs://DIR`: a directory per version, `DIR/v{n}/model.safetensors` (or its shards), made visible by one `rename`.
 
     For clusters with shared storage: DIR must be mounted at the same path on the trainer and every
-    worker (the uri carries the absolute path). A reader never sees a half-written version: the file is
+    worker (the uri carries the absolute path). A reader never sees a half-written version: the files are
     written and fsynced in `DIR/.partial-v{n}-*`, which is then renamed to `DIR/v{n}`.
     """
 
     scheme: Scheme = "fs"
 
-    def __init__(self, root: str | os.PathLike[str]) -> None:
+    def __init__(self, root: str | os.PathLike[str], *, shard_bytes: int = DEFAULT_SHARD_BYTES) -> None:
+        if shard_bytes < 1:
+            raise ValueError(f"shard_bytes must be >= 1, got {shard_bytes}")
         self.root = Path(root).absolute()
+        self.shard_bytes = shard_bytes
+        self.last_publish: PublishStats | None = None
 
     @classmethod
     def from_uri(cls, uri: str) -> FsTransport:
@@ -61,39 +83,48 @@ class FsTransport:
 
     def publish(
         self,
-        tensors: NamedTensors | torch.nn.Module,
+        tensors: WeightSource,
         version: int,
         *,
         adapter_config: Mapping[str, Any] | None = None,
     ) -> str:
-        """Write `DIR/v{version}` atomically (temp dir, fsync, rename) and return `fs:///DIR/v{version}`.
+        """Write `DIR/v{version}` atomically (temp dir, shards as the tensors come, fsync, rename) and return
+        `fs:///DIR/v{version}`. If the source raises, the temp dir goes and the error propagates.
 
-        With `adapter_config`, the tensors are a LoRA adapter's: PEFT's two files are written instead."""
+        With `adapter_config`, the tensors are a LoRA adapter's: PEFT's two files are written instead (one
+        `adapter_model.safetensors`, whatever its size: adapters are small)."""
         final = self.path_of(version)
         if final.exists():
             raise FileExistsError(
                 f"weights version {version} exists at {final}: versions are immutable, remove it first"
             )
-        named = state_dict_of(tensors)
+        started = time.monotonic()
         self.root.mkdir(parents=True, exist_ok=True)
         for stale in self.root.glob(f"{PARTIAL_PREFIX}v{version}-*"):  # an earlier attempt that crashed
             shutil.rmtree(stale, ignore_errors=True)
         partial = self.root / f"{PARTIAL_PREFIX}v{version}-{uuid.uuid4().hex[:12]}"
         partial.mkdir()  # mode from the umask (mkdtemp's 0700 would lock out workers running as another user)
+        metadata = {"format": "pt", "version": str(version)}
+        stats = PublishStats()
         try:
-            file = partial / (WEIGHTS_FILE if adapter_config is None else ADAPTER_FILE)
-            save_file(named, str(file), metadata={"format": "pt", "version": str(version)})
-            fsync_path(file)
+            shard_bytes = self.shard_bytes if adapter_config is None else None
+            written = _write_shards(named_tensors(tensors), partial, shard_bytes, metadata, stats)
+            single = ADAPTER_FILE if adapter_config is not None else WEIGHTS_FILE
+            files = _name_shards(partial, written, single, stats.bytes)
             if adapter_config is not None:
                 config = partial / ADAPTER_CONFIG
                 config.write_text(json.dumps(dict(adapter_config), indent=2))
-                fsync_path(config)
+                files.append(config)
+            for file in files:
+                fsync_path(file)
             fsync_path(partial)
             os.rename(partial, final)  # atomic: `v{n}` appears complete or not at all
         except BaseException:
             shutil.rmtree(partial, ignore_errors=True)
             raise
         fsync_path(self.root)
+        stats.seconds = time.monotonic() - started
+        self.last_publish = stats
         return self.uri_of(version)
 
     def fetch(self, version: int) -> Path:
@@ -136,3 +167,80 @@ def version_dir(path: Path, version: int) -> Path:
     if not any(path.glob("*.safetensors")):
         raise FileNotFoundError(f"weights version {version}: {path} holds no *.safetensors file")
     return path
+
+
+def _write_shards(
+    stream: Iterable[tuple[str, torch.Tensor]],
+    directory: Path,
+    shard_bytes: int | None,
+    metadata: dict[str, str],
+    stats: PublishStats,
+) -> list[tuple[Path, list[str]]]:
+    """Write the stream as shard files `directory/shard-{k}.safetensors` of up to `shard_bytes` of tensors each (None:
+    one file), holding only the tensors of the shard being gathered; returns each file and its tensors' names."""
+    written: list[tuple[Path, list[str]]] = []
+    shard: list[tuple[str, torch.Tensor]] = []
+    held = 0
+
+    def flush() -> None:
+        nonlocal held
+        file = directory / f"shard-{len(written) + 1:05d}.safetensors"
+        write_shard(shard, file, metadata)
+        written.append((file, [name for name, _ in shard]))
+        shard.clear()
+        held = 0
+
+    for name, tensor in stream:
+        if shard and shard_bytes is not None and held + tensor.nbytes > shard_bytes:
+            flush()
+        shard.append((name, tensor))
+        held += tensor.nbytes
+        stats.tensors += 1
+        stats.bytes += tensor.nbytes
+        stats.hold(held)
+        del tensor
+        if shard_bytes is not None and held >= shard_bytes:
+            flush()  # full: written before the next tensor is asked for
+    if shard or not written:
+        flush()
+    return written
+
+
+def _name_shards(directory: Path, written: list[tuple[Path, list[str]]], single: str, total: int) -> list[Path]:
+    """Give the shards their final names: `single` when there is one, else Hugging Face's
+    `model-0000k-of-0000N.safetensors` and the index that maps each tensor to its shard (`total`: tensor bytes)."""
+    if len(written) == 1:
+        target = directory / single
+        os.replace(written[0][0], target)
+        return [target]
+    stem = single.removesuffix(".safetensors")
+    files, weight_map = [], {}
+    for k, (file, names) in enumerate(written, 1):
+        target = directory / f"{stem}-{k:05d}-of-{len(written):05d}.safetensors"
+        os.replace(file, target)
+        files.append(target)
+        weight_map.update(dict.fromkeys(names, target.name))
+    index = directory / f"{single}.index.json"
+    index.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    return [*files, index]
+
+
+def write_shard(tensors: list[tuple[str, torch.Tensor]], file: Path, metadata: Mapping[str, str]) -> None:
+    """One safetensors file: the header, then each tensor's bytes straight from its memory (no copy). Contiguous
+    CPU tensors, in the order given (safetensors wants their bytes back to back, no gaps)."""
+    header: dict[str, Any] = {"__metadata__": dict(metadata)}
+    offset = 0
+    for name, tensor in tensors:
+        dtype = _ST_DTYPES.get(tensor.dtype)
+        if dtype is None:
+            raise ValueError(f"tensor {name!r} is {tensor.dtype}, which safetensors cannot store: convert it")
+        header[name] = {"dtype": dtype, "shape": list(tensor.shape), "data_offsets": [offset, offset + tensor.nbytes]}
+        offset += tensor.nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-(8 + len(encoded)) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    with open(file, "wb") as out:
+        out.write(len(encoded).to_bytes(8, "little"))
+        out.write(encoded)
+        for _, tensor in tensors:
+            if tensor.nbytes:
+                out.write(raw_bytes(tensor).numpy().data)  # a buffer over the tensor's own memory

@@ -32,7 +32,7 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,13 +42,14 @@ import torch
 from pipeline.wire import Keys
 from staleness.weights.base import (
     LoadsWeights,
-    NamedTensors,
+    PublishStats,
     Scheme,
+    WeightSource,
     WeightsUri,
     check_version,
+    named_tensors,
     parse_uri,
     release_older,
-    state_dict_of,
 )
 from staleness.weights.buckets import ALIGN, TensorMeta, dtype_from_name, dtype_name, plan_buckets
 
@@ -227,8 +228,14 @@ _HELD: dict[tuple[str, int], Export] = {}
 """The exports this process holds, by (namespace, version): what workers may open."""
 
 
-def export_tensors(named: Mapping[str, torch.Tensor], version: int) -> Export:
-    """Copy the tensors into one new buffer on their GPU (they must all be on the same one) and export it."""
+def export_tensors(tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], version: int) -> Export:
+    """Copy the tensors into one new buffer on their GPU (they must all be on the same one) and export it. Pairs are
+    taken as they come: one off the GPU is refused before the next is asked for (nothing piles up on the host)."""
+    named: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items() if isinstance(tensors, Mapping) else tensors:
+        if tensor.device.type != "cuda":
+            _source_device({name: tensor})  # raises: says where the tensors must be
+        named[name] = tensor
     device = _source_device(named)
     metas = [TensorMeta(name, dtype_name(t.dtype), tuple(t.shape)) for name, t in named.items()]
     placed = dict(next(iter(plan_buckets(metas, sys.maxsize)), []))  # one bucket: tensor index -> byte offset
@@ -274,6 +281,7 @@ class IpcTransport:
     def __init__(self, client: redis.Redis, ns: str) -> None:
         self.client = client
         self.keys = Keys(ns)  # raises ValueError for a bad namespace
+        self.last_publish: PublishStats | None = None
 
     @property
     def ns(self) -> str:
@@ -284,12 +292,16 @@ class IpcTransport:
 
     def publish(
         self,
-        tensors: NamedTensors | torch.nn.Module,
+        tensors: WeightSource,
         version: int,
         *,
         adapter_config: Mapping[str, Any] | None = None,
     ) -> str:
         """Export the tensors (copied into a buffer of this process on their GPU) and store the manifest last.
+
+        An iterable of `(name, tensor)` pairs must yield CUDA tensors on the workers' GPU (a CPU tensor is refused as
+        it comes, before more are gathered); they are kept until the copy, so the GPU holds the version twice for a
+        moment (what was yielded, and the buffer), the host none of it.
 
         A manifest left by a trainer process that is gone is replaced: its handles opened nothing any more."""
         version = check_version(version)
@@ -297,13 +309,25 @@ class IpcTransport:
             raise ValueError("LoRA adapters travel by fs://, redis:// or nccl://, not ipc://")
         if (self.ns, version) in _HELD:
             raise FileExistsError(f"weights version {version} is exported by this process already: remove it first")
-        export = export_tensors(state_dict_of(tensors, keep_device=True), version)
+        started = time.monotonic()
+        stats = PublishStats()
+
+        def counted() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in named_tensors(tensors, keep_device=True):
+                stats.tensors += 1
+                stats.bytes += tensor.nbytes
+                yield name, tensor
+                del tensor
+
+        export = export_tensors(counted(), version)
         _HELD[(self.ns, version)] = export
         try:
             self.client.set(manifest_key(self.keys, version), export.manifest.to_json())
         except BaseException:
             _HELD.pop((self.ns, version)).close()
             raise
+        stats.seconds = time.monotonic() - started
+        self.last_publish = stats
         return self.uri_of(version)
 
     def versions(self) -> list[int]:

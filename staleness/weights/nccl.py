@@ -56,7 +56,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
-from staleness.weights.base import NamedTensors, Scheme, check_version, parse_uri, state_dict_of
+from staleness.weights.base import PublishStats, Scheme, WeightSource, check_version, named_tensors, parse_uri
 from staleness.weights.buckets import (
     ALIGN,
     COPY_FROM,
@@ -306,6 +306,7 @@ class NcclTransport:
         """The staged version's LoRA config when it is an adapter's (it travels in the meta)."""
         self.last: BroadcastStats | None = None
         """What the last broadcast moved, and how fast."""
+        self.last_publish: PublishStats | None = None
 
     @classmethod
     def from_uri(cls, uri: str, **kwargs: Any) -> NcclTransport:
@@ -317,14 +318,28 @@ class NcclTransport:
 
     def publish(
         self,
-        tensors: NamedTensors | torch.nn.Module,
+        tensors: WeightSource,
         version: int,
         *,
         adapter_config: Mapping[str, Any] | None = None,
     ) -> str:
         """Stage `version` for the next `broadcast` (on the tensors' GPU, if any); returns its uri. With
-        `adapter_config`, the tensors are a LoRA adapter's (PEFT names) and the config travels in the meta."""
-        named = state_dict_of(tensors, keep_device=True)
+        `adapter_config`, the tensors are a LoRA adapter's (PEFT names) and the config travels in the meta.
+
+        An iterable of `(name, tensor)` pairs is consumed here, before the sync (every name and shape must be in the
+        meta that the workers check before they pause), and its tensors are kept where they are until the broadcast:
+        yield them on the GPU and the host holds none of them; CPU tensors (gloo) are held in host memory, the whole
+        version (`last_publish.peak_buffered_bytes`)."""
+        started = time.monotonic()
+        stats = PublishStats()
+        named: dict[str, torch.Tensor] = {}
+        for name, tensor in named_tensors(tensors, keep_device=True):
+            named[name] = tensor
+            stats.tensors += 1
+            stats.bytes += tensor.nbytes
+            if tensor.device.type == "cpu":
+                stats.hold(stats.peak_buffered_bytes + tensor.nbytes)
+            del tensor
         devices = {t.device for t in named.values() if t.device.type != "cpu"}
         if len(devices) > 1:
             raise ValueError(f"the tensors lie on several devices ({sorted(map(str, devices))}): put them on one")
@@ -334,6 +349,8 @@ class NcclTransport:
         self._staged = (check_version(version), _Outgoing.of(named, self.bucket_bytes))
         self._adapter_config = None if adapter_config is None else dict(adapter_config)
         self._server()  # listening before the workers hear of the version
+        stats.seconds = time.monotonic() - started
+        self.last_publish = stats
         return self.uri_of(version)
 
     def _server(self) -> dist.TCPStore:

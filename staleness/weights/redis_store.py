@@ -1,42 +1,67 @@
-"""`redis://NS`: a version as one safetensors blob in chunks under `{NS}:weights:{n}:{i}`, a JSON manifest written
-last, and an index written first (`RedisTransport`): for one machine and small models, through the Redis every
-worker already talks to."""
+"""`redis://NS`: a version as raw tensor bytes in chunks under `{NS}:weights:{n}:{i}`, a JSON manifest written last,
+and an index written first (`RedisTransport`): for one machine and small models, through the Redis every worker
+already talks to.
+
+Layout (manifest `v: 2`, `format: "raw"`): the tensors' bytes one after another, each starting at a multiple of 16
+(`buckets.ALIGN`; zeros between), cut into chunks of `chunk_bytes`; the manifest lists `[name, dtype, shape, offset]`
+per tensor, the total `bytes` and their `sha256`. So a version is written as it is produced, a chunk at a time, without
+knowing its tensors in advance (a safetensors blob starts with a header of every tensor), and read into one buffer
+that the tensors are views of. Versions written as one safetensors blob (`v: 1`, `format: "safetensors"`, by
+Rollout Streams before 2026-11-29) are still read.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
 import json
-import math
 import re
 import time
-from collections.abc import Iterable, Mapping
-from typing import Any, cast
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
+import numpy as np
 import redis
 import torch
+from redis.connection import PythonRespSerializer
+from redis.utils import HIREDIS_AVAILABLE
 from safetensors import SafetensorError
 from safetensors.torch import load as load_blob
-from safetensors.torch import save
 
 from pipeline.wire import ADAPTER_PATTERN, Keys
-from staleness.weights.base import NamedTensors, Scheme, WeightsUri, check_version, release_older, state_dict_of
+from staleness.weights.base import (
+    PublishStats,
+    Scheme,
+    WeightSource,
+    WeightsUri,
+    check_version,
+    named_tensors,
+    release_older,
+)
+from staleness.weights.buckets import ALIGN, TensorMeta, dtype_from_name, dtype_name, raw_bytes, tensor_view
 
 DEFAULT_CHUNK_BYTES = 32 << 20
-"""Size of one Redis value holding weights: far below Redis's 512 MiB limit, small enough not to stall it."""
+"""Size of one Redis value holding weights (the writer's bucket: it holds one, and redis-py's copy of it on the wire):
+far below Redis's 512 MiB limit, small enough not to stall it."""
 DEFAULT_BATCH_BYTES = 256 << 20
-"""Bytes of chunks sent or read per pipeline round trip: bounds the client's buffered copies."""
-MANIFEST_V = 1
-"""Version of the manifest's layout (a reader refuses one it does not know)."""
+"""Bytes of chunks read per pipeline round trip: bounds the reader's buffered copies."""
+MANIFEST_V = 2
+"""Version of the manifest's layout written (a reader refuses one it does not know). 1: one safetensors blob."""
+READABLE = {1: "safetensors", 2: "raw"}
+"""Manifest versions this reader knows, and the format of each."""
 
 
 class RedisTransport:
-    """`redis://`: one safetensors blob in chunks under `{ns}:weights:{v}:{i}`, then a manifest.
+    """`redis://`: a version's tensors as raw bytes in chunks under `{ns}:weights:{v}:{i}`, then a manifest.
 
     For one machine and small models (the embedded default): the bytes go through the Redis every worker
-    already talks to. Chunks are written with pipelines (`batch_bytes` a round trip) and the manifest last,
-    so a reader that finds the manifest finds every chunk; the manifest's sha256 catches anything else.
-    The client must be a synchronous `redis.Redis` with `decode_responses=False`.
+    already talks to. Each chunk is written as soon as it is full, and the manifest last, so a reader that finds the
+    manifest finds every chunk; the manifest's sha256 catches anything else. Reads are pipelined, `batch_bytes` a
+    round trip. The client must be a synchronous `redis.Redis` with `decode_responses=False`.
+
+    Host memory while publishing: the one chunk being filled, `chunk_bytes` (the bucket; `last_publish` counts it;
+    sent from its own memory, see `_zero_copy_client`), plus whatever the source holds (nothing more than the tensor
+    it is on, for a generator).
     """
 
     scheme: Scheme = "redis"
@@ -60,6 +85,7 @@ class RedisTransport:
         """The LoRA adapter whose versions this transport keeps (`{ns}:adapter:NAME:weights:...`); None: the base."""
         self.chunk_bytes = chunk_bytes
         self.batch_bytes = batch_bytes
+        self.last_publish: PublishStats | None = None
 
     @property
     def ns(self) -> str:
@@ -70,49 +96,63 @@ class RedisTransport:
 
     def publish(
         self,
-        tensors: NamedTensors | torch.nn.Module,
+        tensors: WeightSource,
         version: int,
         *,
         adapter_config: Mapping[str, Any] | None = None,
     ) -> str:
-        """Store the chunks, then the manifest; return `redis://{ns}/v{version}` (an adapter's:
-        `redis://{ns}/adapters/NAME/v{version}`, its `adapter_config` in the manifest)."""
+        """Store the chunks as the tensors come, then the manifest; return `redis://{ns}/v{version}` (an adapter's:
+        `redis://{ns}/adapters/NAME/v{version}`, its `adapter_config` in the manifest). If the source raises, the
+        chunks written so far are deleted and the error propagates."""
         version = check_version(version)
         keys = self.keys
         if self.client.exists(keys.weights_manifest(version)):
             raise FileExistsError(
                 f"weights version {version} exists in Redis ({keys.weights_manifest(version)}): remove it first"
             )
-        named = state_dict_of(tensors)
-        blob = save(named, metadata={"format": "pt", "version": str(version)})
-        n_chunks = max(1, math.ceil(len(blob) / self.chunk_bytes))
-        manifest = {
-            "v": MANIFEST_V,
-            "format": "safetensors",
-            "version": version,
-            "chunks": n_chunks,
-            "chunk_bytes": self.chunk_bytes,
-            "bytes": len(blob),
-            "sha256": hashlib.sha256(blob).hexdigest(),
-            "tensors": len(named),
-            "ts": time.time(),
-        }
-        if adapter_config is not None:
-            manifest["config"] = dict(adapter_config)
         self.remove(version)  # leftovers of a write that crashed before its manifest
-        self.client.hset(keys.weights_index, str(version), n_chunks)
-        view = memoryview(blob)
-        pipe = self.client.pipeline(transaction=False)
-        pending = 0
-        for i in range(n_chunks):
-            piece = view[i * self.chunk_bytes : (i + 1) * self.chunk_bytes]
-            pipe.set(keys.weights_chunk(version, i), piece)
-            pending += len(piece)
-            if pending >= self.batch_bytes:
-                pipe.execute()
-                pending = 0
-        pipe.set(keys.weights_manifest(version), json.dumps(manifest, separators=(",", ":")))
-        pipe.execute()
+        started = time.monotonic()
+        sender = _zero_copy_client(self.client)
+        copies = 0 if sender is not self.client or not HIREDIS_AVAILABLE else 2
+        writer = _ChunkWriter(sender, keys, version, self.chunk_bytes, copies)
+        entries: list[list[Any]] = []
+
+        def manifest(chunks: int, sha256: str) -> tuple[str, str]:
+            fields = {
+                "v": MANIFEST_V,
+                "format": READABLE[MANIFEST_V],
+                "version": version,
+                "chunks": chunks,
+                "chunk_bytes": self.chunk_bytes,
+                "bytes": writer.offset,
+                "sha256": sha256,
+                "align": ALIGN,
+                "tensors": entries,
+                "ts": time.time(),
+            }
+            if adapter_config is not None:
+                fields["config"] = dict(adapter_config)
+            return keys.weights_manifest(version), json.dumps(fields, separators=(",", ":"))
+
+        try:
+            for name, tensor in named_tensors(tensors):
+                offset = writer.align()
+                entries.append([name, dtype_name(tensor.dtype), list(tensor.shape), offset])
+                writer.write(raw_bytes(tensor).numpy())
+                writer.stats.tensors += 1
+                writer.stats.bytes += tensor.nbytes
+                del tensor  # the source's next tensor is produced without this one held
+            writer.close(manifest)  # the manifest last, with the last chunk
+        except BaseException:
+            with contextlib.suppress(redis.RedisError):
+                self.remove(version)
+            raise
+        finally:
+            if sender is not self.client:
+                sender.close()
+                sender.connection_pool.disconnect()
+        writer.stats.seconds = time.monotonic() - started
+        self.last_publish = writer.stats
         return self.uri_of(version)
 
     def manifest(self, version: int) -> dict[str, Any]:
@@ -130,12 +170,15 @@ class RedisTransport:
             raise ValueError(f"weights manifest {key} is not JSON: {exc}") from None
         if not isinstance(manifest, dict):
             raise ValueError(f"weights manifest {key} is not a JSON object: {raw[:100]!r}")
-        if manifest.get("v") != MANIFEST_V or manifest.get("format") != "safetensors":
+        v = manifest.get("v")
+        known = READABLE.get(v) if isinstance(v, int) and not isinstance(v, bool) else None
+        if known is None or manifest.get("format") != known:
             raise ValueError(
                 f"weights manifest {key} has v={manifest.get('v')!r}, format={manifest.get('format')!r}; "
-                f"this reader knows v={MANIFEST_V}, format='safetensors'"
+                f"this reader knows {', '.join(f'v={v}, format={f!r}' for v, f in READABLE.items())}"
             )
-        for field in ("chunks", "bytes", "tensors"):
+        counts = ("chunks", "bytes", "tensors") if manifest["v"] == 1 else ("chunks", "bytes")
+        for field in counts:
             if not isinstance(manifest.get(field), int) or isinstance(manifest[field], bool) or manifest[field] < 0:
                 raise ValueError(
                     f"weights manifest {key}: {field!r} must be an integer >= 0, got {manifest.get(field)!r}"
@@ -146,37 +189,67 @@ class RedisTransport:
             raise ValueError(f"weights manifest {key} is of version {manifest.get('version')!r}, not {version}")
         if manifest["chunks"] == 0:
             raise ValueError(f"weights manifest {key} lists no chunks: nothing to load")
+        if manifest["v"] == 2:
+            _tensor_entries(manifest.get("tensors"), manifest["bytes"], key)  # raises for a bad one
         return manifest
 
     def fetch(self, version: int) -> dict[str, torch.Tensor]:
-        """Read a complete version's chunks (pipelined), check size and sha256, and return its tensors."""
+        """Read a complete version's chunks (pipelined), check size and sha256, and return its tensors (v2: views of
+        one buffer, read a batch of chunks at a time)."""
         manifest = self.manifest(version)
+        if manifest["v"] == 1:
+            return self._fetch_blob(version, manifest)
+        buffer = torch.empty(manifest["bytes"], dtype=torch.uint8)
+        flat = buffer.numpy()
+        position = 0
+        digest = hashlib.sha256()
+        for chunk in self._chunks(version, manifest):
+            end = position + len(chunk)
+            if end <= len(flat):  # more is a size mismatch, said below
+                flat[position:end] = np.frombuffer(chunk, dtype=np.uint8)
+            position = end
+            digest.update(chunk)
+        self._check_size_and_sum(version, manifest, position, digest.hexdigest())
+        entries = _tensor_entries(manifest["tensors"], manifest["bytes"], self.keys.weights_manifest(version))
+        return {meta.name: tensor_view(buffer, meta, offset) for meta, offset in entries}
+
+    def _chunks(self, version: int, manifest: Mapping[str, Any]) -> Iterable[bytes]:
+        """The chunks in order, a pipelined batch of `batch_bytes` at a time; `ValueError` naming the missing ones."""
         n_chunks = manifest["chunks"]
         per_batch = max(1, self.batch_bytes // max(1, int(manifest.get("chunk_bytes") or self.chunk_bytes)))
-        chunks: list[bytes | None] = []
+        missing: list[int] = []
         for start in range(0, n_chunks, per_batch):
             pipe = self.client.pipeline(transaction=False)
             for i in range(start, min(start + per_batch, n_chunks)):
                 pipe.get(self.keys.weights_chunk(version, i))
-            chunks += pipe.execute()
-        missing = [i for i, chunk in enumerate(chunks) if chunk is None]
+            for i, chunk in enumerate(pipe.execute(), start):
+                if chunk is None:
+                    missing.append(i)
+                elif not missing:
+                    yield chunk
         if missing:
             shown = f"{missing[:10]}{'...' if len(missing) > 10 else ''}"
             raise ValueError(
                 f"weights version {version}: {len(missing)} of {n_chunks} chunks are missing ({shown}, keys "
                 f"{self.keys.weights_chunk(version, missing[0])} ...); was it removed while being read?"
             )
-        blob = b"".join(cast("list[bytes]", chunks))  # none is None: `missing` is empty
-        if len(blob) != manifest["bytes"]:
+
+    @staticmethod
+    def _check_size_and_sum(version: int, manifest: Mapping[str, Any], size: int, digest: str) -> None:
+        if size != manifest["bytes"]:
             raise ValueError(
-                f"weights version {version}: chunks hold {len(blob)} bytes, the manifest says {manifest['bytes']}"
+                f"weights version {version}: chunks hold {size} bytes, the manifest says {manifest['bytes']}"
             )
-        digest = hashlib.sha256(blob).hexdigest()
         if digest != manifest["sha256"]:
             raise ValueError(
                 f"weights version {version}: checksum mismatch (sha256 {digest} != {manifest['sha256']} in the "
                 "manifest): a chunk was corrupted or overwritten"
             )
+
+    def _fetch_blob(self, version: int, manifest: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        """A `v: 1` version: one safetensors blob."""
+        blob = b"".join(self._chunks(version, manifest))
+        self._check_size_and_sum(version, manifest, len(blob), hashlib.sha256(blob).hexdigest())
         try:
             tensors = load_blob(blob)
         except (SafetensorError, ValueError) as exc:
@@ -218,3 +291,112 @@ class RedisTransport:
 
     def release(self, keep: Iterable[int]) -> list[int]:
         return release_older(self, keep)
+
+
+class _ChunkWriter:
+    """Cuts a stream of bytes into chunks of `chunk_bytes` and SETs each as soon as it is full, from one buffer that is
+    filled again after each SET (no chunk is queued). The index entry (version -> chunks written) goes in the same
+    pipeline as each chunk, before it, so a write that dies midway leaves nothing `remove` cannot find.
+
+    Host memory: the buffer, and whatever copies the client makes to send it (none from `_zero_copy_client`; two by
+    hiredis's packer otherwise): `stats.peak_buffered_bytes` counts them. Measured on 256 MiB published in 16 MiB
+    chunks (peak resident memory over what was resident before, benchmarks/results/2026-11-29-streamed-weights.md):
+    37-38 MiB; 98 MiB through hiredis's packer; 106 MiB when chunks were queued to send several per round trip (a
+    copy of each queued chunk, and a fragmented heap), which saved a round trip per chunk (~0.1 ms on loopback,
+    against ~10 ms to send 16 MiB)."""
+
+    def __init__(self, client: redis.Redis, keys: Keys, version: int, chunk_bytes: int, copies: int) -> None:
+        self.client, self.keys, self.version = client, keys, version
+        self.chunk_bytes = chunk_bytes
+        self.copies = copies
+        """Copies of a chunk the client makes to send it (0 from `_zero_copy_client`; 2 by hiredis's packer)."""
+        self.chunk = bytearray(chunk_bytes)
+        self.fill = 0
+        self.chunks = 0
+        self.offset = 0
+        """Bytes of the stream so far (padding included)."""
+        self.sha256 = hashlib.sha256()
+        self.stats = PublishStats()
+
+    def align(self) -> int:
+        """Pad with zeros to the next multiple of `ALIGN`; returns that offset (where the next tensor starts)."""
+        pad = -self.offset % ALIGN
+        if pad:
+            self.write(bytes(pad))
+        return self.offset
+
+    def write(self, data: Any) -> None:
+        """Append bytes (anything with the buffer protocol: a numpy array's bytes are copied only into the chunk)."""
+        view = memoryview(data).cast("B")
+        position = 0
+        while position < len(view):
+            take = min(self.chunk_bytes - self.fill, len(view) - position)
+            self.chunk[self.fill : self.fill + take] = view[position : position + take]
+            self.fill += take
+            position += take
+            if self.fill == self.chunk_bytes:
+                self.send()
+        self.offset += len(view)
+
+    def send(self, last: tuple[str, str] | None = None) -> None:
+        """SET the chunk being filled (the index entry first), and `last` (key, value) after it; then fill it again."""
+        piece = memoryview(self.chunk)[: self.fill]
+        self.sha256.update(piece)
+        pipe = self.client.pipeline(transaction=False)
+        pipe.hset(self.keys.weights_index, str(self.version), self.chunks + 1)
+        pipe.set(self.keys.weights_chunk(self.version, self.chunks), piece)
+        if last is not None:
+            pipe.set(*last)
+        pipe.execute()
+        self.stats.hold(self.chunk_bytes + self.copies * self.fill)  # the buffer, and the client's copies of it
+        self.chunks += 1
+        self.fill = 0
+
+    def close(self, last: Callable[[int, str], tuple[str, str]]) -> None:
+        """Send the last chunk (what is being filled, even nothing when no chunk went yet, so that a version has one),
+        with `last(chunks, sha256)` (the manifest: key, value) after it in the same round trip; else just that."""
+        if self.fill or not self.chunks:
+            digest = self.sha256.copy()
+            digest.update(memoryview(self.chunk)[: self.fill])
+            self.send(last(self.chunks + 1, digest.hexdigest()))
+        else:
+            self.client.set(*last(self.chunks, self.sha256.hexdigest()))
+
+
+def _zero_copy_client(client: redis.Redis) -> redis.Redis:
+    """A client of the same server (same address, credentials, TLS, timeouts) whose connection sends a big value from
+    its own memory: with hiredis installed, redis-py packs each command into one new bytes object (after a `bytes()`
+    of a memoryview: two copies of a chunk; a 16 MiB SET raised the peak resident memory by 64 MiB), where its pure
+    Python packer hands a memoryview to the socket as it is. `client` itself when it is not a plain `redis.Redis` over
+    a `ConnectionPool` (fakeredis, a cluster client) or hiredis is not in use."""
+    pool = getattr(client, "connection_pool", None)
+    if (
+        not HIREDIS_AVAILABLE
+        or type(client) is not redis.Redis
+        or type(pool) is not redis.ConnectionPool
+        or not issubclass(pool.connection_class, redis.connection.AbstractConnection)
+    ):
+        return client
+    encoder = pool.get_encoder()
+    packer = PythonRespSerializer(6000, encoder.encode)  # redis-py's own cutoff: bigger values go by reference
+    kwargs = {**pool.connection_kwargs, "command_packer": packer}
+    return redis.Redis(connection_pool=redis.ConnectionPool(connection_class=pool.connection_class, **kwargs))
+
+
+def _tensor_entries(entries: Any, size: int, key: str) -> list[tuple[TensorMeta, int]]:
+    """A `v: 2` manifest's `[name, dtype, shape, offset]`s, checked: known dtypes, each inside the `size` bytes."""
+    if not isinstance(entries, list):
+        raise ValueError(f"weights manifest {key}: 'tensors' must be a list of [name, dtype, shape, offset]")
+    out = []
+    for entry in entries:
+        try:
+            name, dtype, shape, offset = entry
+            meta = TensorMeta(str(name), str(dtype), tuple(int(d) for d in shape))
+            dtype_from_name(meta.dtype)
+            offset = int(offset)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"weights manifest {key}: bad tensor entry {entry!r}: {exc}") from None
+        if offset < 0 or offset + meta.nbytes > size:
+            raise ValueError(f"weights manifest {key}: tensor {meta.name!r} lies outside the {size} bytes listed")
+        out.append((meta, offset))
+    return out
