@@ -123,6 +123,8 @@ def test_vllm_sets_the_mode_per_engine_and_refuses_the_other_before_anything_run
     assert processed._sampling_params(4, Sampling(logprobs_mode="processed")).logprobs == 0
     by_args = VllmEngine(tiny_model_dir, engine_args={"logprobs_mode": "processed_logprobs"})  # vLLM's own words
     assert by_args.logprobs_mode == "processed"
+    ours = VllmEngine(tiny_model_dir, engine_args={"logprobs_mode": "processed"})  # ours, passed on in vLLM's
+    assert (ours.logprobs_mode, ours.args["logprobs_mode"]) == ("processed", "processed_logprobs")
     with pytest.raises(ValueError, match=r"logprobs_mode is 'raw_logits': rollouts carry log-probabilities"):
         VllmEngine(tiny_model_dir, engine_args={"logprobs_mode": "raw_logits"})
 

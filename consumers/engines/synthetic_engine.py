@@ -12,6 +12,8 @@ own generator), so a seeded request gives the same sample on any worker. Lengths
 long tail of reasoning traces) or `uniform:LOW-HIGH`; a request that ends before `max_tokens` ends
 with an eos token (`finish_reason=stop`).
 
+Its logprobs are made up, so a prompt's `logprobs_mode` (raw or processed) changes nothing here.
+
 Options come through `--engine-args` (JSON): `{"steps_per_s": 100, "lengths": "pareto:1.5"}`.
 `--model` may name a model directory, whose context, vocabulary and eos it then takes; any other
 value (say `synthetic`) gives the defaults below.

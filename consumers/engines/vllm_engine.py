@@ -228,6 +228,7 @@ class VllmEngine(EngineLifecycle):
         self.args.update(extra)
         self.logprobs_mode = engine_logprobs_mode(str(self.args["logprobs_mode"]), self.name)
         """What every request's logprobs are (vLLM's `logprobs_mode`, per engine)."""
+        self.args["logprobs_mode"] = f"{self.logprobs_mode}_logprobs"  # vLLM's word, whichever `engine_args` used
         self.max_loras = int(self.args.get("max_loras", max_loras)) if self.args.get("enable_lora") else 0
         self.max_lora_rank = int(self.args.get("max_lora_rank", max_lora_rank))
 
