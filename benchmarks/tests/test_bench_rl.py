@@ -36,9 +36,12 @@ def test_every_generated_token_is_trained_left_over_or_parked_and_each_mode_is_a
     tmp_path: Path,
 ) -> None:
     args = ["--modes", "sync,one-step-off,async:1", "--seeds", "0", "--steps", "4", "--groups-per-step", "4"]
-    report = run_bench(*args, "--eval-prompts", "8", "--plot", str(tmp_path / "rl.png"))
+    args += ["--eval-prompts", "8", "--plot", str(tmp_path / "rl.png"), "--logs", str(tmp_path / "logs")]
+    report = run_bench(*args)
     runs = {run["mode"]: run for run in report["runs"]}
     assert list(runs) == ["sync", "one-step-off", "async:1"]
+    kept = [json.loads(line) for line in (tmp_path / "logs" / "runs.jsonl").read_text().splitlines()]
+    assert kept == report["runs"], "each run kept as it ended, as the report has it"
     for run in runs.values():
         tokens = run["tokens"]
         assert tokens["generated"] == tokens["trained"] + tokens["left_over"] + tokens["parked"], run
