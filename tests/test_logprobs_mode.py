@@ -90,18 +90,25 @@ def test_the_torch_engine_reports_each_request_its_own_kind_in_one_batch(tiny_mo
     assert distance[4] < ATOL, "a greedy sample's processed logprobs are its raw ones"
 
 
+def submit_each_sampling(
+    client: RolloutClient, seed: int, timeout: float
+) -> tuple[dict[str, tuple[np.ndarray, Sampling]], list[Rollout]]:
+    """One prompt of each of `SAMPLINGS` (ids `p0`, `p1`, ...), each as a group of 2; what was asked by id, and every
+    rollout of them (all delivered)."""
+    asked = {}
+    for i, (prompt, sampling) in enumerate(zip(random_prompts([6, 4, 8, 5, 9], seed=seed), SAMPLINGS, strict=True)):
+        asked[f"p{i}"] = (prompt, sampling)
+        submit(client, f"p{i}", prompt, sampling)
+    rollouts = [r for g in client.collect(len(asked), timeout=timeout) for r in g.rollouts]
+    assert len(rollouts) == 2 * len(asked)
+    return asked, rollouts
+
+
 def test_a_torch_worker_serves_each_prompt_the_kind_it_asked_for_through_the_wire(
     redis_server: RedisServer, ns: str, tiny_model_dir: Path, workers: StartWorker
 ) -> None:
     workers("w1", "--engine", "torch")
-    client = RolloutClient(redis_server.url, ns)
-    prompts = random_prompts([6, 4, 8, 5, 9], seed=7)
-    ids = {}
-    for i, (prompt, sampling) in enumerate(zip(prompts, SAMPLINGS, strict=True)):
-        ids[f"p{i}"] = (prompt, sampling)
-        submit(client, f"p{i}", prompt, sampling)
-    rollouts: list[Rollout] = [r for g in client.collect(len(ids), timeout=120) for r in g.rollouts]
-    assert len(rollouts) == 2 * len(ids)
+    ids, rollouts = submit_each_sampling(RolloutClient(redis_server.url, ns), seed=7, timeout=120)
     for rollout in rollouts:
         prompt, sampling = ids[rollout.prompt_id]
         assert rollout.finish_reason in ("stop", "length"), rollout.error
@@ -135,14 +142,7 @@ def test_a_vllm_worker_started_processed_serves_processed_logprobs_and_refuses_r
 ) -> None:
     args = json.dumps({"logprobs_mode": "processed_logprobs"})
     workers("v1", "--engine", "vllm", "--engine-args", args)
-    client = RolloutClient(redis_server.url, ns)
-    prompts = random_prompts([6, 4, 8, 5, 9], seed=11)
-    asked = {}
-    for i, (prompt, sampling) in enumerate(zip(prompts, SAMPLINGS, strict=True)):
-        asked[f"p{i}"] = (prompt, sampling)
-        submit(client, f"p{i}", prompt, sampling)
-    rollouts: list[Rollout] = [r for g in client.collect(len(asked), timeout=240) for r in g.rollouts]
-    assert len(rollouts) == 2 * len(asked)
+    asked, rollouts = submit_each_sampling(RolloutClient(redis_server.url, ns), seed=11, timeout=240)
     distance = []
     for rollout in rollouts:
         prompt, sampling = asked[rollout.prompt_id]
