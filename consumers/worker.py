@@ -192,6 +192,8 @@ class Worker:
         """The last weight-sync epoch this worker acked."""
         self._sync_began = 0.0
         self._layout: str | None = None
+        self._beating = asyncio.Lock()
+        """One heartbeat write at a time: a snapshot taken earlier never lands over a later one."""
         """The digest of the model layout this worker advertises (`_advertise_layout`); "" for none, None: not yet."""
         self._last_stall_s = 0.0
         """The last sync as this worker stood still in it: from its pause to its resume (heartbeat `stall_s`)."""
@@ -895,34 +897,35 @@ class Worker:
     async def _beat(self, touch: bool = False) -> int:
         """Write the heartbeat (`touch`: and reset the idle time of the work in flight, in the same round trip);
         returns the size of the fleet on the registry."""
-        if self._layout is None and self._slot.started:
-            self._layout = await asyncio.to_thread(self._advertise_layout)
-        status = {
-            "status": self.status,
-            "engine": self.engine.name,
-            "max_model_len": self.engine.max_model_len,  # what a gateway may queue for this worker
-            "version": self.engine.version if self._slot.started else self._unstarted_version,
-            "epoch": self._epoch,
-            "stall_s": round(self._last_stall_s, 6),
-            "inflight": self._inflight_samples,
-            "inflight_tokens": self._inflight_tokens,
-            "published": self.published,
-            "tokens_per_s": round(self._tokens_per_s, 1),
-            "generated_tokens": self.generated_tokens,
-            "busy_s": round(self._busy.seconds(), 3),
-            PARTIALS_FIELD: HAND_OFF if self.settings.hand_off_partials else CONTINUE_HERE,
-            "engine_starts": self._slot.starts,  # with --lazy / --release-after-s: how often it started cold
-            "cold_start_s": round(self._slot.cold_start_s, 3),
-            "started": round(self._started, 3),
-            "ts": round(time.time(), 3),
-            "host": socket.gethostname(),  # where to look (and what to kill) when a worker is named otherwise
-            "pid": os.getpid(),
-            **self._adapters.heartbeat_fields(),
-            **({LAYOUT_FIELD: self._layout} if self._layout else {}),
-        }
-        entries = list(self._inflight.values()) if touch else []
-        ttl_s = self.settings.heartbeat_ttl_s
-        return await asyncio.to_thread(self.streams.registry.heartbeat, self.name, status, ttl_s, entries)
+        async with self._beating:
+            if self._layout is None and self._slot.started:
+                self._layout = await asyncio.to_thread(self._advertise_layout)
+            status = {
+                "status": self.status,
+                "engine": self.engine.name,
+                "max_model_len": self.engine.max_model_len,  # what a gateway may queue for this worker
+                "version": self.engine.version if self._slot.started else self._unstarted_version,
+                "epoch": self._epoch,
+                "stall_s": round(self._last_stall_s, 6),
+                "inflight": self._inflight_samples,
+                "inflight_tokens": self._inflight_tokens,
+                "published": self.published,
+                "tokens_per_s": round(self._tokens_per_s, 1),
+                "generated_tokens": self.generated_tokens,
+                "busy_s": round(self._busy.seconds(), 3),
+                PARTIALS_FIELD: HAND_OFF if self.settings.hand_off_partials else CONTINUE_HERE,
+                "engine_starts": self._slot.starts,  # with --lazy / --release-after-s: how often it started cold
+                "cold_start_s": round(self._slot.cold_start_s, 3),
+                "started": round(self._started, 3),
+                "ts": round(time.time(), 3),
+                "host": socket.gethostname(),  # where to look (and what to kill) when a worker is named otherwise
+                "pid": os.getpid(),
+                **self._adapters.heartbeat_fields(),
+                **({LAYOUT_FIELD: self._layout} if self._layout else {}),
+            }
+            entries = list(self._inflight.values()) if touch else []
+            ttl_s = self.settings.heartbeat_ttl_s
+            return await asyncio.to_thread(self.streams.registry.heartbeat, self.name, status, ttl_s, entries)
 
     def _advertise_layout(self) -> str:
         """Put the engine's model layout in `{ns}:layouts` (once per distinct model) and return its digest, for the
