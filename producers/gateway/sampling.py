@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pipeline.wire import LogprobsMode
 from producers.gateway.openai_api import OpenAIError, Sampled
 
 NO_KNOB = "the wire's sampling carries temperature, top_p, seed and stop tokens only, and no engine has this knob"
@@ -149,6 +150,9 @@ class Ask:
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     stops: list[str] = field(default_factory=list)
+    logprobs_mode: LogprobsMode = "raw"
+    """What the samples' logprobs are (`pipeline.wire.LogprobsMode`): vLLM's route takes it in `sampling_params`, by
+    vLLM's engine-wide names (`raw_logprobs`, `processed_logprobs`), because verl and TRL ask for processed ones."""
     min_tokens: int = 0
     """0 or 1. A sample whose first token is a stop token is drawn again (another seed): exactly sampling with stop
     tokens masked at the first step, as vLLM's `min_tokens=1` does. More than 1 is refused: redrawing whole samples

@@ -374,6 +374,7 @@ class Gateway:
             top_p=1.0 if ask.top_p is None else ask.top_p,
             stop_token_ids=ask.stop_token_ids,
             seed=ask.seed,
+            logprobs_mode=ask.logprobs_mode,
         )
         return Prompt(
             id=f"turn-{uuid.uuid4().hex}",

@@ -41,6 +41,8 @@ class VllmSamplingParams(BaseModel):
     stop_token_ids: list[int] | None = None
     logprobs: int | None = None
     min_tokens: int = Field(default=0, ge=0)
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] | None = None
+    """Ours: vLLM sets this per engine (`--logprobs-mode`), so its `SamplingParams` has no such field. None: raw."""
 
 
 class GenerateRequest(BaseModel):
@@ -90,6 +92,7 @@ class GenerateRequest(BaseModel):
             stop_token_ids=check_token_ids(sp.stop_token_ids, "sampling_params.stop_token_ids"),
             stops=stops,
             min_tokens=check_min_tokens(sp.min_tokens, "sampling_params.min_tokens"),
+            logprobs_mode="processed" if sp.logprobs_mode == "processed_logprobs" else "raw",
         )
         return ask, check_logprobs(sp.logprobs, "sampling_params.logprobs")
 
