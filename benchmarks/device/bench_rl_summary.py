@@ -1,6 +1,6 @@
 """One line per mode of a `rollouts bench-rl` report, and one per run: what a device call prints.
 
-    python benchmarks/device/bench_rl_summary.py bench_rl.json
+python benchmarks/device/bench_rl_summary.py bench_rl.json
 """
 
 from __future__ import annotations

@@ -230,8 +230,8 @@ def refuse_logprobs_mode(engine: str, mode: LogprobsMode, sampling: Sampling) ->
         raise EngineInputError(
             f"this {engine} worker reports {mode} logprobs and cannot report {sampling.logprobs_mode} ones (vLLM "
             f"sets logprobs_mode per engine, not per request): submit with logprobs_mode={mode!r}, or serve these "
-            f"prompts with workers started with --engine-args '{{\"logprobs_mode\": "
-            f"\"{sampling.logprobs_mode}_logprobs\"}}'"
+            f'prompts with workers started with --engine-args \'{{"logprobs_mode": '
+            f'"{sampling.logprobs_mode}_logprobs"}}\''
         )
 
 

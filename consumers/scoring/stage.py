@@ -59,9 +59,7 @@ class ScoringStage:
         self.name = name
         self.settings = settings or StageSettings()
         self.leading = False
-        self._lease = Lock(
-            streams.redis, streams.keys.scorer_lease, timeout=self.settings.lease_s, thread_local=False
-        )
+        self._lease = Lock(streams.redis, streams.keys.scorer_lease, timeout=self.settings.lease_s, thread_local=False)
         self._open: dict[str, _OpenGroup] = {}
         self._forwarded: OrderedDict[str, None] = OrderedDict()
         self._last_beat = 0.0

@@ -296,7 +296,6 @@ class PublishStats:
         self.peak_buffered_bytes = max(self.peak_buffered_bytes, nbytes)
 
 
-
 class WeightTransport(Protocol):
     """What the trainer (and the manager, to free space) sees of a transport."""
 
