@@ -6,12 +6,7 @@
 #   OUT=$OUT bash benchmarks/device/run_bench_rl.sh --engine vllm --trainer-device cuda:0 --worker-device cuda:1
 set -euo pipefail
 OUT="${OUT:-$(mktemp -d)}"
-if [ ! -d /tmp/vc-site/vllm ]; then
-  mkdir -p /root/vc && cat /root/vcparts/part.* | tar -xf - -C /root/vc && bash /root/vc/install.sh
-fi
-export PYTHONPATH="$PWD/benchmarks/device/vllm026:$PWD:/tmp/vc-site" PATH="/root/vc/bin:$PATH" \
-  ROLLOUTS_REDIS_SERVER=/root/vc/bin/redis-server VLLM_USE_FLASHINFER_SAMPLER=0 NCCL_NVLS_ENABLE=0 \
-  TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
+source benchmarks/device/vllm_cuda_env.sh
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
 mkdir -p "$OUT/logs"
 python3 -m benchmarks bench-rl --logs "$OUT/logs" --plot "$OUT/bench_rl.png" "$@" > "$OUT/bench_rl.json" \
