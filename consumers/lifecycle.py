@@ -65,6 +65,8 @@ class WorkerStatus(StrEnum):
     """Standing still for a weight sync, between its pause and the manager's resume."""
     AWAITING_WEIGHTS = "awaiting weights"
     """Its version was broadcast (nccl) before it could receive it: it takes no work until the next sync."""
+    ASLEEP = "asleep"
+    """Paused, its engine asleep (`RolloutClient.sleep`: a colocated trainer's step), until a sync or a wake."""
     RELEASED = "released"
     """`--release-after-s`: its engine was shut down after that long without work; work starts it again."""
     STOPPING = "stopping"

@@ -30,7 +30,14 @@ import numpy as np
 import redis
 
 from consumers.adapters import WorkerAdapters
-from consumers.engines.base import Engine, EngineClosedError, EngineInputError, Generation, continuation_seed
+from consumers.engines.base import (
+    Engine,
+    EngineClosedError,
+    EngineInputError,
+    Generation,
+    SleepNotSupported,
+    continuation_seed,
+)
 from consumers.lifecycle import EngineFactory, EngineSlot, WorkerStatus, receive_copy
 from consumers.metrics import WorkerMetrics
 from pipeline.control import CONTROL_BATCH, CONTROL_RECHECK_S
@@ -38,6 +45,7 @@ from pipeline.publisher import Publisher
 from pipeline.registry import sweep_chance
 from pipeline.streams import Entry, Streams
 from pipeline.wire import (
+    ASLEEP_FIELD,
     CONTINUE_HERE,
     HAND_OFF,
     PARTIALS_FIELD,
@@ -192,6 +200,8 @@ class Worker:
         """The last weight-sync epoch this worker acked."""
         self._sync_began = 0.0
         self._layout: str | None = None
+        self._asleep = 0
+        """The level of the sleep its engine is in (`_sleep`); 0: awake."""
         self._beating = asyncio.Lock()
         """One heartbeat write at a time: a snapshot taken earlier never lands over a later one."""
         """The digest of the model layout this worker advertises (`_advertise_layout`); "" for none, None: not yet."""
@@ -700,6 +710,10 @@ class Worker:
                     await self._sync_weights(command)
                 elif command.cmd == "resume" and command.epoch >= self._epoch:
                     await self._resume()
+        elif command.cmd == "sleep":
+            async with self._slot.lock:
+                if command.epoch > self._epoch:
+                    await self._sleep(command)
         elif command.cmd == "stop" and command.worker in ("", self.name):
             if command.worker:
                 self.failure = "evicted by the manager (no ack of a weight sync in time)"
@@ -710,12 +724,40 @@ class Worker:
         if self._serving.is_set() or self.status == AWAITING_WEIGHTS:
             return
         if self._slot.started:
+            await self._wake()
             await self.engine.resume()
             self.status = WorkerStatus.SERVING
         self._set_serving(True)
         self._last_stall_s = time.monotonic() - self._sync_began
         self.metrics.resumed(self._last_stall_s)
         await self._beat()
+
+    async def _sleep(self, command: Control) -> None:
+        """Pause (`command.mode`), put the engine to sleep at `command.level` and ack; stay paused until a sync (which
+        wakes it before it loads) or the manager's resume. An engine that cannot sleep (`SleepNotSupported`) stays
+        paused, awake, and acks all the same, its heartbeat's `asleep` 0: the trainer's report names it. Without an
+        engine there is nothing to free: it acks at once. The caller holds the slot's lock."""
+        self._set_serving(False)
+        self._sync_began = time.monotonic()
+        if self._slot.started:
+            self.status = WorkerStatus.PAUSED
+            await self.engine.pause(command.mode)
+            try:
+                await self.engine.sleep(command.level)
+                self._asleep = command.level
+                self.status = WorkerStatus.ASLEEP
+            except SleepNotSupported as exc:
+                log.error("%s: paused for a sleep, but its engine cannot sleep: %s", self.name, exc)
+        self._epoch = command.epoch
+        await self._beat()
+        log.info("%s: asleep at level %d (epoch %d) in %.3f s", self.name, self._asleep, command.epoch,
+                 time.monotonic() - self._sync_began)  # fmt: skip
+
+    async def _wake(self) -> None:
+        """Take back what the engine's sleep freed (before a load, or at the resume that ends a sleep)."""
+        if self._asleep:
+            await self.engine.wake_up()
+            self._asleep = 0
 
     async def _sync_weights(self, command: Control) -> None:
         """Pause, load `command.version`, ack with the epoch; stay paused until the manager's resume.
@@ -741,6 +783,7 @@ class Worker:
         self.status = WorkerStatus.PAUSED
         started = self._sync_began = time.monotonic()
         await self.engine.pause(command.mode)
+        await self._wake()  # a sleep's end: the weights' memory back before the load fills it
         paused = time.monotonic()
         if command.version != self.engine.version:
             try:
@@ -914,6 +957,7 @@ class Worker:
                 "generated_tokens": self.generated_tokens,
                 "busy_s": round(self._busy.seconds(), 3),
                 PARTIALS_FIELD: HAND_OFF if self.settings.hand_off_partials else CONTINUE_HERE,
+                ASLEEP_FIELD: self._asleep,
                 "engine_starts": self._slot.starts,  # with --lazy / --release-after-s: how often it started cold
                 "cold_start_s": round(self._slot.cold_start_s, 3),
                 "started": round(self._started, 3),

@@ -515,7 +515,7 @@ class RolloutClient:
         self.settle()  # the last sync's resume rung to the whole fleet before the next `weights`
         manager = self._manager = Manager(self.streams, ack_timeout_s=ack_timeout_s, adapter=adapter)
         previous = manager.state()
-        if previous.paused:  # before touching the transport: the sync under way may be loading its next version
+        if previous.paused and not previous.asleep:  # a sync under way may be loading its next version; a sleep waits
             raise SyncError(
                 f"a weight sync is under way (epoch {previous.epoch}, version {previous.pending_version}): publish "
                 "when it is over; if its driver died, `rollouts manager` finishes it"
@@ -548,6 +548,24 @@ class RolloutClient:
         if previous.weights_uri:  # the version before may sit in another transport
             remove_published(previous.weights_uri, self.streams.redis, self.streams.keys.ns)
         return version
+
+    def sleep(self, level: int = 1, mode: PauseMode = "abort", ack_timeout_s: float = 60.0) -> SyncReport:
+        """Put every worker's engine to sleep before a training step on the GPUs they share (colocated), freeing
+        their memory: each pauses (`mode`: `abort` or `keep`), sleeps at `level` (1: KV cache freed, weights offloaded
+        to host memory; 2: both freed) and acks. They stay asleep until `publish_weights` (which wakes each before it
+        loads, the usual way to end a step) or `wake()`. Returns who acked, who was evicted and who could not sleep
+        (`awake`: its engine has no sleep mode; it paused all the same). Raises `ValueError` for a bad level or mode,
+        `SyncError` while a sync or another sleep is under way."""
+        self.settle()
+        self._manager = Manager(self.streams, ack_timeout_s=ack_timeout_s)
+        return self._manager.sleep(level, mode)
+
+    def wake(self) -> SyncReport | None:
+        """End a `sleep` without publishing: the workers wake and go on with the version they have. None if the fleet
+        was not asleep."""
+        self.settle()
+        self._manager = Manager(self.streams)
+        return self._manager.wake()
 
     def settle(self) -> None:
         """Wait until the last `publish_weights`'s resume has been rung to every worker: it returns once the resume is

@@ -15,6 +15,11 @@ read work) in one instant. The resume's ring goes on in a thread of the manager'
 the state has moved and the command is written, so the ring only wakes the workers sooner (`Manager.settle`).
 A worker that joins later loads the state's version before it takes work.
 
+`Manager.sleep(level)` is the first half of a colocated trainer's step: every live worker pauses, puts its engine to
+sleep (its GPU memory freed for the training step) and acks; the state stays paused, `asleep` at the level, with no
+resume. The next `sync` (the step's new weights) wakes each worker before it loads, and its resume ends the sleep;
+`wake()` ends it without a new version. A sleep is never taken for an abandoned sync: the trainer is training.
+
 A manager for one LoRA adapter (`Manager(streams, adapter="a")`) runs the same protocol on that adapter's own
 state (`{ns}:adapter:a:state`), epochs and acks (heartbeat field `epoch@a`): only the adapter's requests pause,
 every other adapter and the base model go on generating.
@@ -36,7 +41,16 @@ import redis
 from pipeline.control import ABORT_COST_S, WAKE_COST_S
 from pipeline.lua import register_all
 from pipeline.streams import Streams
-from pipeline.wire import ADAPTER_PATTERN, HAND_OFF, PARTIALS_FIELD, Control, PauseMode, ack_field
+from pipeline.wire import (
+    ADAPTER_PATTERN,
+    ASLEEP_FIELD,
+    HAND_OFF,
+    PARTIALS_FIELD,
+    SLEEP_LEVELS,
+    Control,
+    PauseMode,
+    ack_field,
+)
 from staleness.state import PolicyState, read_state, weights_command
 
 log = logging.getLogger(__name__)
@@ -59,11 +73,14 @@ class SyncReport:
     """Workers that died during the sync (their heartbeat expired): not waited for."""
     stall_s: float = 0.0
     """From the `weights` command to the `resume`: how long the trainer waited, and about how long each worker stood
-    still (a worker pauses when its wave is rung and resumes when its wave is rung again, at the same pace)."""
+    still (a worker pauses when its wave is rung and resumes when its wave is rung again, at the same pace). For a
+    sleep: from the `sleep` command to the last ack."""
+    awake: list[str] = field(default_factory=list)
+    """A sleep's workers that paused and acked but whose engine could not sleep (the reason is in their log)."""
 
 
 class Manager:
-    """Keeps `{ns}:state` and drives weight syncs; safe to use from the trainer's process or its own."""
+    """Keeps `{ns}:state` and drives weight syncs (and sleeps); safe to use from the trainer's process or its own."""
 
     def __init__(
         self, streams: Streams, ack_timeout_s: float = 60.0, poll_s: float = 0.02, adapter: str | None = None
@@ -77,6 +94,7 @@ class Manager:
         """The LoRA adapter whose syncs this manager drives; None: the base model."""
         scripts = register_all(streams.redis, SCRIPTS)
         self._begin, self._finish = scripts["begin_sync"], scripts["finish_sync"]
+        self._begin_sleep = scripts["begin_sleep"]
         self._keys = [streams.keys.state_of(adapter), streams.keys.control]
         self._ack_field = ack_field(adapter)
         self._ringing: threading.Thread | None = None
@@ -123,6 +141,53 @@ class Manager:
             report.stall_s = time.monotonic() - started
         return report
 
+    def sleep(self, level: int = 1, mode: PauseMode = "abort") -> SyncReport:
+        """Pause every live worker (`mode`: `abort` or `keep`; a sleeping engine keeps no KV cache, so `inflight` is
+        refused) and put its engine to sleep at `level` (`SLEEP_LEVELS`); returns once each acked (a worker that does
+        not ack in time is evicted). The fleet stays paused until the next `sync`, which wakes it, or `wake()`.
+        `SleepReport.awake` names the workers that paused but whose engine cannot sleep (its reason in their log).
+        Raises `ValueError` for a bad level or mode, `SyncError` while a sync or a sleep is under way."""
+        if self.adapter is not None:
+            raise ValueError("a sleep is the whole engine's: use a manager of the base model (adapter=None)")
+        if level not in SLEEP_LEVELS:
+            raise ValueError(f"sleep level must be one of {', '.join(map(str, SLEEP_LEVELS))}, got {level!r}")
+        if mode == "inflight":
+            raise ValueError("a sleeping engine keeps no KV cache: sleep with mode 'abort' or 'keep', not 'inflight'")
+        self.settle()
+        started = time.monotonic()
+        command = Control(cmd="sleep", level=level, mode=mode).to_fields()
+        try:
+            token = uuid.uuid4().hex
+            epoch = int(self._begin_sleep(keys=self._keys, args=[level, token, *_flat(command)]))
+        except Exception as exc:
+            raise SyncError(str(exc)) from None
+        waiting, _ = self._fleet(mode)
+        self.streams.control.ring("sleep", ring_pace(mode, False))
+        report = SyncReport(version=self.state().version, epoch=epoch)
+        self._wait_acks(report, waiting, deadline=time.monotonic() + self.ack_timeout_s)
+        for name in sorted(waiting):
+            self.evict(name)
+            report.evicted.append(name)
+        asleep = self.streams.registry.heartbeat_field(set(report.acked), ASLEEP_FIELD)
+        report.awake = sorted(name for name, value in asleep.items() if not int(value or 0))
+        report.stall_s = time.monotonic() - started
+        return report
+
+    def wake(self) -> SyncReport | None:
+        """End the fleet's sleep without a new version: every worker wakes its engine and goes on (its interrupted
+        samples with it). None if the fleet is not asleep; `ValueError` after a level-2 sleep, which freed the weights
+        (only a sync ends it)."""
+        self.settle()
+        state = self.state()
+        if not state.asleep:
+            return None
+        if state.asleep == 2:
+            raise ValueError("a level-2 sleep freed the weights: end it with publish_weights (a version to load)")
+        report = SyncReport(version=state.version, epoch=state.epoch)
+        _, hand_off = self._fleet("abort")
+        self._conclude(report, state.weights_uri, set(), deadline=time.monotonic(), pace=ring_pace("abort", hand_off))
+        return report
+
     def finish_abandoned(self, older_than_s: float | None = None) -> SyncReport | None:
         """Finish a sync whose driver died (a trainer killed mid-sync leaves every worker paused).
 
@@ -131,7 +196,7 @@ class Manager:
         """
         self.settle()
         state = self.state()
-        if not state.paused:
+        if not state.paused or state.asleep:  # a sleep lasts a training step: its trainer wakes the fleet
             return None
         command = weights_command(self.streams.redis, self.streams.keys, state.epoch, adapter=self.adapter)
         age = time.time() - command.ts if command is not None else float("inf")
@@ -159,6 +224,20 @@ class Manager:
     def _conclude(self, report: SyncReport, uri: str, waiting: set[str], deadline: float, pace: float) -> None:
         """Wait for acks of `report.epoch` until `deadline`, evict who did not ack, then resume everyone (rung at
         `pace`: an abort pause's resume in a fleet that hands off sends it to read back the samples it interrupted)."""
+        self._wait_acks(report, waiting, deadline)
+        for name in sorted(waiting):
+            self.evict(name, ring=False)  # the resume's ring below wakes them
+            report.evicted.append(name)
+        resume = Control(
+            cmd="resume", epoch=report.epoch, version=report.version, uri=uri, adapter=self.adapter or ""
+        ).to_fields()
+        self._finish(keys=self._keys, args=[report.version, uri, *_flat(resume)])
+        self._ringing = threading.Thread(target=self._ring_resume, args=(pace,), name="resume-ring")
+        self._ringing.start()  # not a daemon: a trainer that exits right after a sync still rings every wave
+
+    def _wait_acks(self, report: SyncReport, waiting: set[str], deadline: float) -> None:
+        """Move the workers of `waiting` that ack `report.epoch` into `report.acked` (those that died into
+        `report.gone`) until none is left or `deadline`; who is still in `waiting` then did not ack."""
         while waiting:
             # only the field, of those not acked yet
             epochs = self.streams.registry.heartbeat_field(waiting, self._ack_field)
@@ -172,15 +251,6 @@ class Manager:
             if not waiting or time.monotonic() > deadline:
                 break
             time.sleep(self.poll_s)
-        for name in sorted(waiting):
-            self.evict(name, ring=False)  # the resume's ring below wakes them
-            report.evicted.append(name)
-        resume = Control(
-            cmd="resume", epoch=report.epoch, version=report.version, uri=uri, adapter=self.adapter or ""
-        ).to_fields()
-        self._finish(keys=self._keys, args=[report.version, uri, *_flat(resume)])
-        self._ringing = threading.Thread(target=self._ring_resume, args=(pace,), name="resume-ring")
-        self._ringing.start()  # not a daemon: a trainer that exits right after a sync still rings every wave
 
     def _ring_resume(self, pace: float) -> None:
         try:

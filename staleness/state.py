@@ -2,7 +2,8 @@
 
 Fields (plain text, readable in `redis-cli`): `version` (policy version, 0 at start, +1 per
 publish), `epoch` (+1 per weight sync), `paused` (1 while a sync is under way), `weights_uri`
-(where `version` can be loaded from), `pending_version` (the version being synced while paused).
+(where `version` can be loaded from), `pending_version` (the version being synced while paused), `asleep` (the
+level of the `sleep` the fleet is in, while paused for a colocated trainer's step; 0 or absent: awake).
 Each LoRA adapter has a hash of its own with the same fields, `{ns}:adapter:NAME:state` (`Keys.state_of`),
 and its name in the set `{ns}:adapters`: its versions, epochs and pauses are its own.
 """
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 import redis
 
 from pipeline.codec import as_entries, as_text
-from pipeline.wire import Control, Keys
+from pipeline.wire import Command, Control, Keys
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,8 @@ class PolicyState:
     paused: bool = False
     weights_uri: str = ""
     pending_version: int | None = None
+    asleep: int = 0
+    """The level of the fleet's `sleep` (`Manager.sleep`): paused, engines asleep, until a sync or `wake`."""
 
 
 def read_state(client: redis.Redis, keys: Keys, adapter: str | None = None) -> PolicyState:
@@ -36,17 +39,18 @@ def read_state(client: redis.Redis, keys: Keys, adapter: str | None = None) -> P
         paused=fields.get("paused", "0") == "1",
         weights_uri=fields.get("weights_uri", ""),
         pending_version=int(pending) if pending else None,
+        asleep=int(fields.get("asleep") or 0),
     )
 
 
 def weights_command(
-    client: redis.Redis, keys: Keys, epoch: int, scan: int = 1000, adapter: str | None = None
+    client: redis.Redis, keys: Keys, epoch: int, scan: int = 1000, adapter: str | None = None, cmd: Command = "weights"
 ) -> Control | None:
-    """The `weights` command of `epoch` (of the base model, or of `adapter`), searched back from the end of
-    `{ns}:control` (a joiner's catch-up)."""
+    """The `weights` command (or `cmd`: a `sleep`) of `epoch` (of the base model, or of `adapter`), searched back from
+    the end of `{ns}:control` (a joiner's catch-up)."""
     for _id, fields in as_entries(client.xrevrange(keys.control, count=scan)):
         command = Control.from_fields(fields)
-        if command.cmd == "weights" and command.epoch == epoch and command.adapter == (adapter or ""):
+        if command.cmd == cmd and command.epoch == epoch and command.adapter == (adapter or ""):
             return command
     return None
 

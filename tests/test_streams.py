@@ -589,7 +589,18 @@ def test_every_lua_script_names_its_keys_and_compiles_on_both_versions(redis_ser
     folders = [SCRIPTS, staleness_scripts, gateway_scripts]
     names = {name for folder in folders for name in sources(folder)}
     assert names == {
-        *("publish", "claim", "forward", "rehome", "dead_letter", "admit", "park", "begin_sync", "finish_sync"),
+        *(
+            "publish",
+            "claim",
+            "forward",
+            "rehome",
+            "dead_letter",
+            "admit",
+            "park",
+            "begin_sync",
+            "finish_sync",
+            "begin_sleep",
+        ),
         *("pin", "join_group"),
     }
     for folder in folders:

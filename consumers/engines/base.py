@@ -32,6 +32,11 @@ class EngineClosedError(RuntimeError):
     """The engine was shut down or died: it serves nothing more, and the worker must stop."""
 
 
+class SleepNotSupported(RuntimeError):
+    """`Engine.sleep` of an engine that cannot free its memory this way: the message says why, and what to start the
+    worker with instead. The worker then stays paused, awake, and acks the sleep as such."""
+
+
 @dataclass
 class Generation:
     """What an engine produced for one request (one sample)."""
@@ -144,6 +149,16 @@ class Engine(Protocol):
         ...
 
     async def reset_prefix_cache(self) -> None: ...
+
+    async def sleep(self, level: int) -> None:
+        """Free what the engine holds on its device, paused (a colocated trainer's step is next): its KV cache, and
+        its weights, offloaded to host memory (`level` 1) or dropped (2: the next load fills fresh memory). Requests
+        kept by `pause("keep")` have their cache recomputed after `wake_up`. Raises `SleepNotSupported`."""
+        ...
+
+    async def wake_up(self) -> None:
+        """Take back the memory `sleep` freed (after level 2 the weights are undefined until the next load)."""
+        ...
 
     async def shutdown(self) -> None: ...
 

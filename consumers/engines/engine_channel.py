@@ -22,7 +22,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from consumers.engines.base import EngineClosedError, EngineInputError, Generation
+from consumers.engines.base import EngineClosedError, EngineInputError, Generation, SleepNotSupported
 
 READ_CHUNK = 1 << 20
 MAX_MESSAGE = 2**32 - 1
@@ -33,6 +33,7 @@ ERRORS: dict[str, type[Exception]] = {
     for cls in (
         EngineInputError,
         EngineClosedError,
+        SleepNotSupported,
         ValueError,
         FileNotFoundError,
         TimeoutError,

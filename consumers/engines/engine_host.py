@@ -51,6 +51,8 @@ class Host:
             "pause_adapter": engine.pause_adapter,
             "resume_adapter": engine.resume_adapter,
             "reset_prefix_cache": engine.reset_prefix_cache,
+            "sleep": engine.sleep,
+            "wake_up": engine.wake_up,
         }
 
     async def serve(self) -> None:

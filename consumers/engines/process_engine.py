@@ -213,6 +213,12 @@ class ProcessEngine(EngineLifecycle):
     async def reset_prefix_cache(self) -> None:
         await self._call("reset_prefix_cache")
 
+    async def sleep(self, level: int) -> None:
+        await self._call("sleep", level)
+
+    async def wake_up(self) -> None:
+        await self._call("wake_up")
+
     # -- weights ---------------------------------------------------------------------------------
 
     async def load_weights(self, path: str, version: int) -> None:

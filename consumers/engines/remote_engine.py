@@ -53,6 +53,7 @@ from consumers.engines.base import (
     EngineLifecycle,
     Generation,
     ServesNoAdapters,
+    SleepNotSupported,
     check_request,
     engine_logprobs_mode,
     refuse_adapter,
@@ -526,6 +527,15 @@ class RemoteVllmEngine(ServesNoAdapters, EngineLifecycle):
     async def reset_prefix_cache(self) -> None:
         if self._http is not None:
             await self._call(self._http, "POST", "/reset_prefix_cache", params={"reset_running_requests": "true"})
+
+    async def sleep(self, level: int) -> None:
+        raise SleepNotSupported(
+            "the remote engine does not put its server to sleep (a server may be shared by several workers): run the "
+            "engine in the worker (--engine vllm --engine-args '{\"enable_sleep_mode\": true}') to free its GPU"
+        )
+
+    async def wake_up(self) -> None:
+        """Nothing: it never sleeps."""
 
     @property
     def generated_tokens(self) -> int:

@@ -105,6 +105,8 @@ class SyntheticEngine(ServesNoAdapters, EngineLifecycle):
         self._runs: dict[str, _Run] = {}
         self._slots: asyncio.Semaphore | None = None
         self._serving = asyncio.Event()
+        self.asleep = 0
+        """The level of the `sleep` it was put in (it frees nothing); 0: awake."""
         self._closed = False
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -208,6 +210,13 @@ class SyntheticEngine(ServesNoAdapters, EngineLifecycle):
 
     async def resume(self) -> None:
         self._serving.set()
+
+    async def sleep(self, level: int) -> None:
+        """Nothing to free (it holds no weights or cache): the level is kept, for the tests of the protocol."""
+        self.asleep = level
+
+    async def wake_up(self) -> None:
+        self.asleep = 0
 
     # -- weights: nothing to load, but every path is followed and the version is tagged ----------
 

@@ -36,7 +36,7 @@ import torch
 from consumers.engines.base import EngineClosedError, EngineInputError, EngineLifecycle, Generation, check_request
 from consumers.engines.lora import LoraModule, ParsedAdapter, linear_shapes, module_types, parse_adapter
 from consumers.engines.model_files import WeightLayout, read_model_limits
-from pipeline.wire import PAUSE_MODES, FinishReason, PauseMode, Sampling
+from pipeline.wire import PAUSE_MODES, SLEEP_LEVELS, FinishReason, PauseMode, Sampling
 from staleness.weights.nccl import BroadcastLink, prepare_receiver, receive_broadcast
 
 log = logging.getLogger(__name__)
@@ -181,6 +181,10 @@ class TorchEngine(EngineLifecycle):
         self._mask: torch.Tensor | None = None
         self._stale = False
         """Weights changed under the running rows: their cache is recomputed before the next token."""
+        self._asleep = 0
+        """The level of `sleep` (under `_step_lock`); 0: awake."""
+        self._shapes: list[tuple[torch.nn.Parameter, torch.Size]] = []
+        """A level-2 sleep's emptied parameters and their shapes, for `wake_up`."""
         self._keep_cache = False
         """Set by `pause("inflight")` until `resume` (under `_cv`): a load leaves the running rows' cache as it is."""
         # Adapters: `_adapters` changes under both locks (read under either); `_paused_adapters` and `_held`
@@ -502,6 +506,51 @@ class TorchEngine(EngineLifecycle):
 
     async def reset_prefix_cache(self) -> None:
         """No prefix cache here (every request prefills its own prompt): nothing to reset."""
+
+    async def sleep(self, level: int) -> None:
+        """Free the running rows' KV cache (recomputed after `wake_up`, as after a load) and the weights' device memory:
+        level 1 moves them to host memory, level 2 empties them (`wake_up` gives them fresh, undefined memory of their
+        shapes for the next load to fill). Buffers (rotary tables) stay. Call it paused."""
+        if level not in SLEEP_LEVELS:
+            raise ValueError(f"sleep level must be one of {', '.join(map(str, SLEEP_LEVELS))}, got {level!r}")
+        await asyncio.to_thread(self._sleep_sync, level)
+
+    def _sleep_sync(self, level: int) -> None:
+        self._require_model()
+        with self._between_steps(), torch.no_grad():
+            if self._asleep:
+                return
+            self._cache = self._mask = None
+            self._stale = bool(self._rows)
+            for param in self._model.parameters():  # tied weights are one parameter: moved once
+                if level == 1:
+                    param.data = param.data.to("cpu")
+                else:  # an empty tensor of the same kind (torch refuses another device or dtype under `.data`)
+                    self._shapes.append((param, param.shape))
+                    param.data = param.data.new_empty(0)
+            self._asleep = level
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    async def wake_up(self) -> None:
+        await asyncio.to_thread(self._wake_sync)
+
+    def _wake_sync(self) -> None:
+        with self._between_steps(), torch.no_grad():
+            if not self._asleep or self._model is None:
+                return
+            if self._asleep == 1:
+                for param in self._model.parameters():
+                    param.data = param.data.to(self.device)
+            for param, shape in self._shapes:
+                param.data = param.data.new_empty(shape)
+            self._shapes = []
+            self._asleep = 0
+
+    @property
+    def asleep(self) -> int:
+        """The level of the sleep the engine is in; 0: awake."""
+        return self._asleep
 
     def stats(self) -> dict[str, int]:
         """Counters for heartbeats and metrics."""

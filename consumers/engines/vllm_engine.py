@@ -79,6 +79,7 @@ from consumers.engines.base import (
     EngineInputError,
     EngineLifecycle,
     Generation,
+    SleepNotSupported,
     check_request,
     continuation_seed,
     engine_logprobs_mode,
@@ -728,6 +729,23 @@ class VllmEngine(EngineLifecycle):
             self._keep_cache = False
             if self._llm is not None:
                 await self._llm.resume_generation()
+
+    async def sleep(self, level: int) -> None:
+        """vLLM's sleep (`AsyncLLM.sleep`): level 1 frees the KV cache and offloads the weights to host memory, level 2
+        frees both. Needs vLLM's sleep mode, which is CUDA's (`--engine-args '{"enable_sleep_mode": true}'`)."""
+        if not self.args.get("enable_sleep_mode"):
+            raise SleepNotSupported(
+                "this vLLM engine was started without sleep mode: start the worker with --engine-args "
+                "'{\"enable_sleep_mode\": true}' (vLLM's sleep mode needs CUDA)"
+            )
+        llm = await self._started()
+        async with self._load_lock:
+            await llm.sleep(level)
+
+    async def wake_up(self) -> None:
+        if self._llm is not None and self.args.get("enable_sleep_mode"):
+            async with self._load_lock:
+                await self._llm.wake_up()
 
     async def load_weights(self, path: str, version: int) -> None:
         """Load a safetensors checkpoint (a directory or one file) in place, then tag new tokens `version`.

@@ -1,16 +1,17 @@
 -- KEYS: state, control. ARGV: expected current version, new version, the sync's token (unique per call),
 -- then the `weights` command's fields (name, value, ...) with the epoch left to this script to fill in.
--- Run again with the same token (redis-py retrying after a lost reply), it returns the epoch it began.
-local state = redis.call('HMGET', KEYS[1], 'version', 'paused', 'epoch', 'sync_token')
+-- Run again with the same token (redis-py retrying after a lost reply), it returns the epoch it began. A fleet asleep
+-- (`begin_sleep.lua`) is paused already: its sync begins all the same, and wakes it.
+local state = redis.call('HMGET', KEYS[1], 'version', 'paused', 'epoch', 'sync_token', 'asleep')
 local version = tonumber(state[1] or '0')
 if state[2] == '1' and state[4] == ARGV[3] then return tonumber(state[3]) end
-if state[2] == '1' then return redis.error_reply('a weight sync is already under way') end
+if state[2] == '1' and (state[5] or '0') == '0' then return redis.error_reply('a weight sync is already under way') end
 if version ~= tonumber(ARGV[1]) then
   return redis.error_reply('version conflict: the state is at version ' .. version .. ', not ' .. ARGV[1])
 end
 local epoch = tonumber(state[3] or '0') + 1
 redis.call('HSET', KEYS[1], 'paused', '1', 'epoch', epoch, 'pending_version', ARGV[2], 'version', version,
-  'sync_token', ARGV[3])
+  'sync_token', ARGV[3], 'asleep', '0')
 local command = {}
 for i = 4, #ARGV, 2 do
   command[#command + 1] = ARGV[i]

@@ -1,0 +1,167 @@
+"""A colocated trainer's step: `RolloutClient.sleep` pauses every worker and puts its engine to sleep (its weights and
+KV cache off the device), the fleet stays asleep through the step, and `publish_weights` wakes each worker before it
+loads; `wake()` ends a level-1 sleep without a new version. The engine half on the torch engine in process, the
+protocol with real worker processes, a real redis-server and the manager's own abandoned-sync check."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from consumers.engines.base import Generation, SleepNotSupported
+from consumers.engines.torch_engine import TorchEngine
+from pipeline.local import RedisServer
+from pipeline.wire import Sampling
+from producers.client import RolloutClient
+from staleness.manager import Manager, SyncError, SyncReport
+from staleness.weights.base import state_dict_of
+from tests.fixtures import StartWorker, wait_until
+from tests.reference import check_spans_and_logprobs, forward_logprobs
+from tests.test_torch_engine import LONG_PROMPT, LONG_SEED
+
+LONG = Sampling(max_tokens=500, temperature=1.0, seed=LONG_SEED)
+
+
+async def wait_for(condition: object, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+def matches(model_dir: Path, gen: Generation, start: int, end: int) -> None:
+    expected = forward_logprobs(model_dir, LONG_PROMPT.tolist(), gen.tokens[:end].tolist())[start:end]
+    np.testing.assert_allclose(gen.logprobs[start:end], expected, atol=1e-4)
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_a_sleeping_torch_engine_holds_no_weights_on_its_device_and_a_load_after_waking_serves_the_new_version(
+    tiny_model_dir: Path, tiny_model_dir_v1: Path, level: int, one_thread: None
+) -> None:
+    v1 = state_dict_of(tiny_model_dir_v1)
+
+    async def go() -> tuple[Generation, tuple[list[str], int]]:
+        async with TorchEngine(tiny_model_dir, num_threads=1) as engine:
+            request = asyncio.ensure_future(engine.generate("long", LONG_PROMPT, LONG))
+            await wait_for(lambda: engine.generated_tokens >= 5)
+            await engine.pause("keep")
+            await engine.sleep(level)
+            held = (
+                sorted({p.device.type for p in engine._model.parameters()}),
+                sum(p.numel() for p in engine._model.parameters()),
+            )
+            assert engine.asleep == level
+            await engine.wake_up()
+            await engine.load_tensors(v1, 1)
+            await engine.resume()
+            return await request, held
+
+    gen, (devices, elements) = asyncio.run(go())
+    assert devices == ["cpu"] and (elements > 0) == (level == 1)  # level 2: no weights at all until the wake
+    (v0, s0, k), (v1_, k1, n) = gen.spans
+    assert (v0, s0, v1_, k1, n) == (0, 0, 1, k, len(gen.tokens)) and 5 <= k < n
+    matches(tiny_model_dir, gen, 0, k)
+    matches(tiny_model_dir_v1, gen, k, n)  # a level-2 engine's fresh memory holds exactly what the load wrote
+
+
+def test_a_level_1_sleep_woken_without_a_load_goes_on_with_its_own_weights(
+    tiny_model_dir: Path, one_thread: None
+) -> None:
+    async def go() -> Generation:
+        async with TorchEngine(tiny_model_dir, num_threads=1) as engine:
+            request = asyncio.ensure_future(engine.generate("long", LONG_PROMPT, LONG))
+            await wait_for(lambda: engine.generated_tokens >= 5)
+            await engine.pause("keep")
+            await engine.sleep(1)
+            await engine.wake_up()
+            await engine.resume()
+            return await request
+
+    gen = asyncio.run(go())
+    assert gen.spans == [(0, 0, len(gen.tokens))] and len(gen.tokens) == 500
+    matches(tiny_model_dir, gen, 0, len(gen.tokens))
+
+
+def test_a_vllm_engine_without_sleep_mode_says_how_to_start_one(tiny_model_dir: Path) -> None:
+    from consumers.engines.vllm_engine import VllmEngine
+
+    with pytest.raises(SleepNotSupported, match=r"--engine-args '\{\"enable_sleep_mode\": true\}'"):
+        asyncio.run(VllmEngine(tiny_model_dir).sleep(1))
+
+
+def test_a_fleet_sleeps_through_a_training_step_and_the_publish_after_it_wakes_and_syncs_every_worker(
+    redis_server: RedisServer,
+    ns: str,
+    tiny_model_dir: Path,
+    tiny_model_dir_v1: Path,
+    workers: StartWorker,
+    one_thread: None,
+) -> None:
+    fleet = [workers("w1"), workers("w2")]
+    client = RolloutClient(redis_server.url, ns)
+    beat = lambda name: client.streams.redis.hgetall(client.streams.keys.worker(name))  # noqa: E731
+    for i in range(4):
+        client.submit(tokens=LONG_PROMPT, n=1, max_tokens=500, temperature=1.0, seed=LONG_SEED, id=f"long-{i}")
+    wait_until(lambda: sum(int(beat(w).get(b"inflight", 0)) for w in ("w1", "w2")) == 4, 60, "the samples taken")
+
+    with pytest.raises(ValueError, match="keeps no KV cache"):
+        client.sleep(1, mode="inflight")
+    # The workers are frozen (SIGSTOP) until the sleep has begun, so that the samples are still running when it pauses
+    # them (the tiny model writes 500 tokens in about a second); a few hundred ms, inside their heartbeats' TTL.
+    for process in fleet:
+        os.kill(process.pid, signal.SIGSTOP)
+    reports: list[SyncReport] = []
+    sleeping = threading.Thread(target=lambda: reports.append(client.sleep(2)))
+    try:
+        sleeping.start()
+        wait_until(lambda: client.streams.redis.hget(client.streams.keys.state, "asleep") == b"2", 30, "the sleep")
+    finally:
+        for process in fleet:
+            os.kill(process.pid, signal.SIGCONT)
+    sleeping.join(timeout=120)
+    (report,) = reports
+    assert sorted(report.acked) == ["w1", "w2"] and report.evicted == report.awake == []
+    state = client.streams.redis.hgetall(client.streams.keys.state)
+    assert (state[b"paused"], state[b"asleep"], state[b"version"]) == (b"1", b"2", b"0")
+    for name in ("w1", "w2"):
+        assert (beat(name)[b"status"], beat(name)[b"asleep"]) == (b"asleep", b"2")
+    # Asleep through the step: no token is generated, and the manager does not take the sleep for an abandoned sync.
+    tokens = {name: beat(name)[b"generated_tokens"] for name in ("w1", "w2")}
+    ts = {name: float(beat(name)[b"ts"]) for name in ("w1", "w2")}
+    wait_until(lambda: all(float(beat(n)[b"ts"]) > ts[n] + 0.5 for n in ts), 30, "heartbeats over half a second")
+    assert {name: beat(name)[b"generated_tokens"] for name in ("w1", "w2")} == tokens
+    assert Manager(client.streams, ack_timeout_s=0).finish_abandoned(older_than_s=0) is None
+    with pytest.raises(ValueError, match="level-2 sleep freed the weights"):
+        client.wake()
+    with pytest.raises(SyncError, match="already under way"):
+        client.sleep(1)
+
+    assert client.publish_weights(tiny_model_dir_v1) == 1  # wakes each worker, which loads, acks and resumes
+    assert sorted(client.last_sync.acked) == ["w1", "w2"] and client.last_sync.evicted == []
+    state = client.streams.redis.hgetall(client.streams.keys.state)
+    assert (state[b"paused"], state[b"asleep"], state[b"version"]) == (b"0", b"0", b"1")
+    groups = client.collect(4, timeout=240)
+    weights = {0: tiny_model_dir, 1: tiny_model_dir_v1}
+    interrupted = 0
+    for group in groups:
+        (rollout,) = group.rollouts
+        check_spans_and_logprobs(rollout, weights)  # each span its version's logprobs: v1's from woken memory
+        interrupted += [v for v, _, _ in rollout.spans] == [0, 1]
+    assert interrupted >= 1  # the sleep interrupted samples in flight, and they finished under the new version
+
+    # A level-1 sleep may end without a new version: the workers wake and go on with the weights they kept.
+    client.submit(tokens=LONG_PROMPT, n=1, max_tokens=500, temperature=1.0, seed=LONG_SEED, id="after")
+    wait_until(lambda: beat("w1")[b"status"] == b"serving" and beat("w2")[b"status"] == b"serving", 30, "resumed")
+    assert sorted(client.sleep(1, mode="keep").acked) == ["w1", "w2"]
+    woke = client.wake()
+    assert woke is not None and client.wake() is None  # a second wake finds the fleet awake
+    (group,) = client.collect(1, timeout=240)
+    check_spans_and_logprobs(group.rollouts[0], weights)
+    assert {v for v, _, _ in group.rollouts[0].spans} == {1}
