@@ -1,0 +1,141 @@
+"""A colocated trainer's loop on one device, with and without the fleet asleep through the training step.
+
+A private redis-server, `rollouts manager` and one `rollouts worker` (`--engine torch` on `--device`, or `--engine
+vllm` with sleep mode) serve a random Qwen2 (`--hidden`, `--layers`); the trainer holds the same model on the same
+device. Each round: generate a batch (`--prompts` x `--n`, `--max-tokens`), then (with `--level` 1 or 2)
+`RolloutClient.sleep(level)`, a training step (AdamW, the batch's tokens' negative log-likelihood), then
+`publish_weights` (which wakes the worker, loads and resumes it). `--level 0` is the same loop with no sleep, the
+baseline. Per round: each phase's seconds, the device's free memory before and after the sleep (what it freed), the
+trainer's peak memory in its step, and the worker's status while asleep. JSON on stdout: the rounds, and the medians
+of all but the first (a warm-up).
+
+    python benchmarks/probes/colocated_cycle.py --engine vllm --device cuda:0 --level 1 --rounds 6
+    python benchmarks/probes/colocated_cycle.py --engine torch --device cuda:0 --level 0 --rounds 6
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import redis
+import torch
+from transformers import AutoModelForCausalLM
+
+from consumers.engines.tiny_model import build_tiny_model
+from pipeline.local import RedisServer
+from pipeline.processes import start_command, start_worker, stop_processes, wait_for_worker
+from producers.client import RolloutClient
+
+
+def free_bytes(device: str) -> int | None:
+    """The device's free memory (every process's use counted: the worker's too); None on the CPU."""
+    if not device.startswith("cuda"):
+        return None
+    torch.cuda.synchronize(device)
+    return int(torch.cuda.mem_get_info(torch.device(device))[0])
+
+
+def train_step(model: Any, optimizer: torch.optim.Optimizer, batch: list[list[int]], device: str) -> int | None:
+    """One step on the batch's sequences (their negative log-likelihood); the trainer's peak memory in it."""
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats(device)
+    optimizer.zero_grad(set_to_none=True)
+    for tokens in batch:
+        ids = torch.tensor([tokens], device=device)
+        loss = torch.nn.functional.cross_entropy(model(ids).logits[0, :-1].float(), ids[0, 1:]) / len(batch)
+        loss.backward()
+    optimizer.step()
+    return int(torch.cuda.max_memory_allocated(device)) if device.startswith("cuda") else None
+
+
+def worker_args(args: argparse.Namespace) -> tuple[list[str], dict[str, str] | None]:
+    if args.engine == "torch":
+        return ["--engine", "torch", "--device", args.device], None
+    engine_args = {"enable_sleep_mode": True, **json.loads(args.engine_args)}
+    index = args.device.partition(":")[2] or "0"
+    return ["--engine", "vllm", "--engine-args", json.dumps(engine_args)], {"CUDA_VISIBLE_DEVICES": index}
+
+
+def cycle(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    model_dir = build_tiny_model(work / "model", seed=0, hidden_size=args.hidden, num_layers=args.layers)
+    with RedisServer() as server:
+        ns = "colocated"
+        manager = start_command("manager", "--redis", server.url, "--ns", ns, log_file=work / "manager.log")
+        flags, env = worker_args(args)
+        worker = start_worker(server.url, ns, model_dir, "w0", *flags, log_file=work / "worker.log", env=env)
+        try:
+            beat = redis.Redis.from_url(server.url)
+            wait_for_worker(beat, ns, "w0", worker, timeout_s=600)
+            client = RolloutClient(server.url, ns)
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype)).to(args.device)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+            rounds = []
+            for index in range(args.rounds):
+                row: dict[str, Any] = {"round": index}
+                began = time.perf_counter()
+                for i in range(args.prompts):
+                    client.submit(
+                        tokens=[5 + i % 50, 6, 7, 8], n=args.n, max_tokens=args.max_tokens, seed=index * 1000 + i
+                    )
+                groups = client.collect(args.prompts, timeout=600)
+                row["generate_s"] = time.perf_counter() - began
+                batch = [r.prompt_tokens.tolist() + r.tokens.tolist() for g in groups for r in g.rollouts]
+                row["tokens"] = sum(len(t) for t in batch)
+                row["free_before"] = free_bytes(args.device)
+                if args.level:
+                    started = time.perf_counter()
+                    report = client.sleep(args.level)
+                    row["sleep_s"] = time.perf_counter() - started
+                    row["awake"] = report.awake
+                    row["status_asleep"] = beat.hget(f"{{{ns}}}:worker:w0", "status").decode()  # type: ignore[union-attr]
+                row["free_asleep"] = free_bytes(args.device)
+                started = time.perf_counter()
+                row["trainer_peak"] = train_step(model, optimizer, batch, args.device)
+                row["train_s"] = time.perf_counter() - started
+                started = time.perf_counter()
+                row["version"] = client.publish_weights(model)
+                row["publish_s"] = time.perf_counter() - started
+                row["stall_s"] = client.last_sync.stall_s if client.last_sync else None
+                row["cycle_s"] = time.perf_counter() - began
+                if row["free_before"] is not None and row["free_asleep"] is not None:
+                    row["freed_mib"] = (row["free_asleep"] - row["free_before"]) / 2**20
+                rounds.append(row)
+            beat.close()
+        finally:
+            stop_processes([worker, manager])
+    timed = rounds[1:] or rounds
+    medians = {
+        key: statistics.median(r[key] for r in timed)
+        for key in ("generate_s", "sleep_s", "train_s", "publish_s", "cycle_s", "freed_mib")
+        if all(r.get(key) is not None for r in timed)
+    }
+    settings = {k: getattr(args, k) for k in ("engine", "device", "level", "hidden", "layers", "prompts", "n")}
+    return {"settings": settings | {"max_tokens": args.max_tokens}, "medians": medians, "rounds": rounds}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--engine", choices=["torch", "vllm"], default="torch")
+    parser.add_argument("--engine-args", default="{}", help="vLLM's engine arguments as JSON (sleep mode is added)")
+    parser.add_argument("--device", default="cpu", help="the worker's and the trainer's device")
+    parser.add_argument("--dtype", default="float32", help="the trainer's dtype")
+    parser.add_argument("--level", type=int, choices=[0, 1, 2], default=1, help="0: no sleep (the baseline)")
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--n", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="colocated-") as work:
+        print(json.dumps(cycle(args, Path(work)), indent=2))
+
+
+if __name__ == "__main__":
+    main()
