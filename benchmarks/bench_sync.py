@@ -44,15 +44,23 @@ from rich.progress import Progress
 from consumers.engines.tiny_model import build_tiny_model
 from pipeline.cli.engine_spec import EngineSpec
 from pipeline.local import RedisServer, free_port
-from pipeline.processes import start_worker, stop_process, wait_for_worker
+from pipeline.processes import gpu_of, start_worker, stop_process, wait_for_worker
 from pipeline.wire import PauseMode
 from producers.client import RolloutClient
 from staleness.weights import open_transport
 from staleness.weights.base import read_checkpoint
 
 NS = "bench-sync"
-SIZES = {"tiny": (64, 2), "small": (256, 4), "medium": (512, 8), "large": (1024, 8), "xl": (2048, 16)}
-"""name -> (hidden size, layers) of the random Qwen2 models compared."""
+SIZES = {
+    "tiny": (64, 2),
+    "small": (256, 4),
+    "medium": (512, 8),
+    "large": (1024, 8),
+    "xl": (2048, 16),
+    "7b": (4096, 44),
+}
+"""name -> (hidden size, layers) of the random Qwen2 models compared. `7b`: 7.4 B parameters (an MLP of twice the hidden
+size, a tiny vocabulary), 13.8 GiB in bf16: the size issue 45 names for NCCL into vLLM."""
 
 
 TRANSPORTS = ("redis", "fs", "nccl", "ipc")
@@ -83,9 +91,11 @@ def run_bench_sync(
                     for s in (0, 1)
                 ]
                 params = _parameters(models[0])
-                weights = [{k: t.to(trainer_device) for k, t in read_checkpoint(m).items()} for m in models]
+                dtype = getattr(torch, spec.dtype)  # the trainer publishes in the engine's dtype (bf16: half the bytes)
+                weights = [{k: t.to(trainer_device, dtype) for k, t in read_checkpoint(m).items()} for m in models]
+                nbytes = params * torch.empty(0, dtype=dtype).element_size()
                 for transport in transports:
-                    row = {"size": size, "parameters": params, "bytes": 4 * params, "transport": transport}
+                    row = {"size": size, "parameters": params, "bytes": nbytes, "transport": transport}
                     if reason := cannot_run(transport, spec, trainer_device):
                         results.append(row | {"skipped": reason})
                         progress.advance(task, rounds)
@@ -99,7 +109,7 @@ def run_bench_sync(
                     log = (logs or tmp) / f"{size}-{transport}.log"
                     rows = _measure(spec, models[0], weights, uri, rounds, mode, log, progress, task, idle)
                     if transport == "nccl" and trainer_device.startswith("cuda") and spec.device.startswith("cuda"):
-                        bare = bare_broadcast_gb_per_s(4 * params, trainer_device, spec.device)
+                        bare = bare_broadcast_gb_per_s(nbytes, trainer_device, spec.device)
                         rows |= {"bare_gb_per_s": round(bare, 2), "ratio": round(rows["gb_per_s"] / bare, 3)}
                     results.append(row | rows)
                 del weights
@@ -159,7 +169,8 @@ def _measure(
     }
     with RedisServer() as server:
         url = server.url
-        worker = start_worker(url, NS, model, "bench-sync-worker", *spec.worker_args(), log_file=log)
+        env = gpu_of(spec.device) if spec.kind == "vllm" else None  # vLLM takes the first GPU it sees
+        worker = start_worker(url, NS, model, "bench-sync-worker", *spec.worker_args(), log_file=log, env=env)
         try:
             client = RolloutClient(url, NS)
             wait_for_worker(client.streams.redis, NS, "bench-sync-worker", worker, timeout_s=600)

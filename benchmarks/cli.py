@@ -105,7 +105,7 @@ def bench_sync(
     ctx: typer.Context,
     engine: EngineOpt = "torch",
     sizes: Annotated[
-        str, typer.Option(help="Model sizes, comma-separated: tiny, small, medium, large, xl.")
+        str, typer.Option(help="Model sizes, comma-separated: tiny, small, medium, large, xl, 7b.")
     ] = "tiny,small,medium",
     transports: Annotated[
         str, typer.Option(help="Transports, comma-separated: redis, fs, nccl, ipc.")

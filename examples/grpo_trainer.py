@@ -46,7 +46,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
-from pipeline.processes import start_command, start_worker, stop_processes, wait_for_worker
+from pipeline.processes import gpu_of, start_command, start_worker, stop_processes, wait_for_worker
 from pipeline.wire import PauseMode, Rollout
 from producers.client import Batch, ParkingBound, RolloutClient
 from producers.grpo import grpo_step
@@ -271,13 +271,6 @@ def prompt_length(config: TrainConfig, rng: random.Random) -> tuple[int, int | N
     max_tokens = min(16 * config.max_tokens, round(config.max_tokens * u ** (-1.0 / config.length_alpha)))
     n_sets = TokenSetTask().n_sets
     return max_tokens, min(n_sets - 1, int((1.0 - u) * n_sets)) if config.length_sets else None
-
-
-def gpu_of(device: str) -> dict[str, str] | None:
-    """The environment that gives a vLLM worker GPU `cuda:N` alone (vLLM takes the first GPU it sees); None for cpu
-    or a bare `cuda`."""
-    kind, _, index = device.partition(":")
-    return {"CUDA_VISIBLE_DEVICES": index} if kind == "cuda" and index else None
 
 
 def submit_next(client: RolloutClient, task: TokenSetTask, config: TrainConfig, rng: random.Random, index: int,
