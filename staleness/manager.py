@@ -145,7 +145,7 @@ class Manager:
         """Pause every live worker (`mode`: `abort` or `keep`; a sleeping engine keeps no KV cache, so `inflight` is
         refused) and put its engine to sleep at `level` (`SLEEP_LEVELS`); returns once each acked (a worker that does
         not ack in time is evicted). The fleet stays paused until the next `sync`, which wakes it, or `wake()`.
-        `SleepReport.awake` names the workers that paused but whose engine cannot sleep (its reason in their log).
+        `SyncReport.awake` names the workers that paused but whose engine cannot sleep (its reason in their log).
         Raises `ValueError` for a bad level or mode, `SyncError` while a sync or a sleep is under way."""
         if self.adapter is not None:
             raise ValueError("a sleep is the whole engine's: use a manager of the base model (adapter=None)")

@@ -4,7 +4,11 @@ A pytest plugin, loaded for the whole suite (tests/ and benchmarks/tests/) by th
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
+import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -18,7 +22,7 @@ import pytest
 import redis
 
 from pipeline.local import RedisServer, bundled_server, find_redis_server
-from pipeline.processes import start_worker, stop_processes, wait_for_worker
+from pipeline.processes import start_command, start_worker, stop_processes, wait_for_worker
 
 StartWorker = Callable[..., subprocess.Popen[bytes]]
 FAST = ("--claim-idle-ms", "1500", "--heartbeat-s", "0.3")
@@ -190,6 +194,39 @@ def workers(redis_server: RedisServer, ns: str, tiny_model_dir: Path, tmp_path: 
 
 
 StartGateway = Callable[..., str]
+
+
+@pytest.fixture
+def manager(redis_server: RedisServer, ns: str, tmp_path: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """A real `rollouts manager` on the test's namespace (it finishes syncs whose driver died), stopped by PID."""
+    proc = start_command("manager", "--redis", redis_server.url, "--ns", ns, "--interval", "0.2",
+                         log_file=tmp_path / "manager.log")  # fmt: skip
+    yield proc
+    stop_processes([proc])
+
+
+def cached_venv(name: str, base: str, installs: list[list[str]], system_site_packages: bool = False) -> str:
+    """The Python of a venv built once from `base` with each of `installs` (`pip install` arguments) in turn, cached
+    under `~/.cache/rollout-streams/NAME-KEY` (KEY: of `base` and `installs`); a lock keeps xdist workers apart."""
+    key = hashlib.sha256(json.dumps([base, installs, system_site_packages]).encode()).hexdigest()[:12]
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "rollout-streams"
+    venv = cache / f"{name}-{key}"
+    cache.mkdir(parents=True, exist_ok=True)
+    with open(cache / f"{venv.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (venv / "ready").exists():
+            partial = venv.with_name(venv.name + ".partial")
+            shutil.rmtree(partial, ignore_errors=True)
+            create = [base, "-m", "venv", *(["--system-site-packages"] if system_site_packages else []), str(partial)]
+            pip = [str(partial / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+            for step in (create, *([*pip, *args] for args in installs)):
+                done = subprocess.run(step, capture_output=True, text=True, timeout=600)
+                assert done.returncode == 0, f"building the {name} venv failed at {step[-1]}: {done.stderr[-2000:]}"
+            (partial / "ready").write_text(json.dumps(installs))
+            shutil.rmtree(venv, ignore_errors=True)
+            partial.rename(venv)  # a venv's scripts name their own path, so use its python by path only
+        fcntl.flock(lock, fcntl.LOCK_UN)
+    return str(venv / "bin" / "python")
 
 
 @pytest.fixture

@@ -9,15 +9,12 @@ on a machine without one (it looks at `ROLLOUTS_PYTHON312`, `python3.12` on PATH
 
 from __future__ import annotations
 
-import fcntl
 import glob
-import hashlib
 import json
 import os
 import shutil
 import signal
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +23,8 @@ import pytest
 import redis
 
 from pipeline.local import RedisServer
-from pipeline.processes import start_command, stop_processes
 from pipeline.wire import Keys
-from tests.fixtures import StartGateway, StartWorker, wait_until
+from tests.fixtures import StartGateway, StartWorker, cached_venv, wait_until
 from tests.reference import forward_logprobs
 
 SKYRL = "skyrl==0.4.0"
@@ -58,32 +54,7 @@ def skyrl_python() -> str:
     base = python312()
     if base is None:
         pytest.skip("SkyRL 0.4.0 needs Python >= 3.12 and none was found (set ROLLOUTS_PYTHON312)")
-    key = hashlib.sha256(json.dumps([base, SKYRL, CLIENT_DEPS]).encode()).hexdigest()[:12]
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "rollout-streams"
-    venv = cache / f"skyrl-0.4.0-py312-{key}"
-    cache.mkdir(parents=True, exist_ok=True)
-    with open(cache / f"{venv.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (venv / "ready").exists():
-            partial = venv.with_name(venv.name + ".partial")
-            shutil.rmtree(partial, ignore_errors=True)
-            pip = [str(partial / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-            for step in ([base, "-m", "venv", str(partial)], [*pip, "--no-deps", SKYRL], [*pip, *CLIENT_DEPS]):
-                done = subprocess.run(step, capture_output=True, text=True, timeout=600)
-                assert done.returncode == 0, f"building SkyRL's venv failed at {step[-1]}: {done.stderr[-2000:]}"
-            (partial / "ready").write_text(SKYRL)
-            shutil.rmtree(venv, ignore_errors=True)
-            partial.rename(venv)  # a venv's scripts name their own path, so use its python by path only
-        fcntl.flock(lock, fcntl.LOCK_UN)
-    return str(venv / "bin" / "python")
-
-
-@pytest.fixture
-def manager(redis_server: RedisServer, ns: str, tmp_path: Path) -> Iterator[subprocess.Popen[bytes]]:
-    proc = start_command("manager", "--redis", redis_server.url, "--ns", ns, "--interval", "0.2",
-                         log_file=tmp_path / "manager.log")  # fmt: skip
-    yield proc
-    stop_processes([proc])
+    return cached_venv("skyrl-0.4.0-py312", base, [["--no-deps", SKYRL], CLIENT_DEPS])
 
 
 def span_logprobs(

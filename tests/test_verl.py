@@ -10,14 +10,10 @@ this environment's."""
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
 import json
 import os
-import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +22,8 @@ import pytest
 import redis
 
 from pipeline.local import RedisServer
-from pipeline.processes import start_command, stop_processes
 from pipeline.wire import Keys
-from tests.fixtures import StartGateway, StartWorker
+from tests.fixtures import StartGateway, StartWorker, cached_venv
 from tests.reference import forward_logprobs, processed_logprobs
 from tests.test_layers import RULES, VERL_PLUGIN, import_all
 
@@ -41,35 +36,8 @@ DRIVER = Path(__file__).with_name("verl_driver.py")
 
 @pytest.fixture(scope="session")
 def verl_python() -> str:
-    """The Python of a venv over this one with verl installed (built once, cached; a lock keeps xdist workers apart)."""
-    key = hashlib.sha256(json.dumps([sys.executable, VERL, VERL_DEPS]).encode()).hexdigest()[:12]
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "rollout-streams"
-    venv = cache / f"verl-0.9.1-{key}"
-    cache.mkdir(parents=True, exist_ok=True)
-    with open(cache / f"{venv.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (venv / "ready").exists():
-            partial = venv.with_name(venv.name + ".partial")
-            shutil.rmtree(partial, ignore_errors=True)
-            pip = [str(partial / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-            steps = ([sys.executable, "-m", "venv", "--system-site-packages", str(partial)],
-                     [*pip, "--no-deps", VERL], [*pip, *VERL_DEPS])  # fmt: skip
-            for step in steps:
-                done = subprocess.run(step, capture_output=True, text=True, timeout=600)
-                assert done.returncode == 0, f"building verl's venv failed at {step[-1]}: {done.stderr[-2000:]}"
-            (partial / "ready").write_text(VERL)
-            shutil.rmtree(venv, ignore_errors=True)
-            partial.rename(venv)  # a venv's scripts name their own path, so use its python by path only
-        fcntl.flock(lock, fcntl.LOCK_UN)
-    return str(venv / "bin" / "python")
-
-
-@pytest.fixture
-def manager(redis_server: RedisServer, ns: str, tmp_path: Path) -> Iterator[subprocess.Popen[bytes]]:
-    proc = start_command("manager", "--redis", redis_server.url, "--ns", ns, "--interval", "0.2",
-                         log_file=tmp_path / "manager.log")  # fmt: skip
-    yield proc
-    stop_processes([proc])
+    """The Python of a venv over this one with verl installed."""
+    return cached_venv("verl-0.9.1", sys.executable, [["--no-deps", VERL], VERL_DEPS], system_site_packages=True)
 
 
 def test_verls_plugin_imports_nothing_above_the_producers_layer(verl_python: str) -> None:

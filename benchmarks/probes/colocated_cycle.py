@@ -30,6 +30,7 @@ from transformers import AutoModelForCausalLM
 from consumers.engines.tiny_model import build_tiny_model
 from pipeline.local import RedisServer
 from pipeline.processes import start_command, start_worker, stop_processes, wait_for_worker
+from pipeline.wire import Keys
 from producers.client import RolloutClient
 
 
@@ -93,7 +94,7 @@ def cycle(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                     report = client.sleep(args.level)
                     row["sleep_s"] = time.perf_counter() - started
                     row["awake"] = report.awake
-                    row["status_asleep"] = beat.hget(f"{{{ns}}}:worker:w0", "status").decode()  # type: ignore[union-attr]
+                    row["status_asleep"] = beat.hget(Keys(ns).worker("w0"), "status").decode()  # type: ignore[union-attr]
                 row["free_asleep"] = free_bytes(args.device)
                 started = time.perf_counter()
                 row["trainer_peak"] = train_step(model, optimizer, batch, args.device)
