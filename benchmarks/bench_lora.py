@@ -1,9 +1,9 @@
 """`rollouts bench-lora`: adapter B's generation while adapter A syncs, against no sync at all (issue 14, item 5).
 
-One worker process (torch engine, `--max-loras 2`) serves two LoRA adapters of one base model, `a` and `b`, on a
-private `redis-server`. After an unmeasured warm-up phase (both adapters loaded, the same work run once), each
-round runs two phases, in alternating order (quiet first in even rounds, syncing first in odd ones, so that drift
-on a shared machine hits both sides):
+One worker process (`--engine torch` on the CPU by default, or `--engine vllm` on a GPU; `--max-loras 2`) serves two
+LoRA adapters of one base model, `a` and `b`, on a private `redis-server`. After an unmeasured warm-up phase (both
+adapters loaded, the same work run once), each round runs two phases, in alternating order (quiet first in even
+rounds, syncing first in odd ones, so that drift on a shared machine hits both sides):
 
 - `quiet`: the same fixed work for B (`--b-prompts` prompts) and for A (`--a-prompts`), no sync;
 - `syncing`: the same work, while a thread publishes new versions of adapter `a` back to back (or `--sync-gap-s`
@@ -38,7 +38,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, cast
 
@@ -48,6 +48,7 @@ from rich.progress import Progress
 
 from benchmarks.cpu import CpuRoles
 from pipeline.cli.app import console, fail, user_errors
+from pipeline.cli.engine_spec import DeviceOpt, DtypeOpt, EagerOpt, EngineArgsOpt, EngineSpec, KvCacheOpt
 from pipeline.local import RedisServer
 from pipeline.processes import start_worker, stop_process, wait_for_worker
 from pipeline.wire import PauseMode, Sampling
@@ -94,6 +95,12 @@ class Settings:
     max_batch: int
     sync_gap_s: float
     """Seconds between one sync's end and the next publish (0: back to back, the worst case)."""
+    engine: EngineSpec | None = None
+    """The worker's engine (`max_loras` 2 and `max_batch` set here); None: torch on the CPU in float32."""
+
+    def worker_args(self) -> list[str]:
+        spec = self.engine or EngineSpec("torch", Path("."))
+        return replace(spec, max_loras=2, max_batch=self.max_batch).worker_args()
 
 
 @dataclass
@@ -267,8 +274,7 @@ def run_bench_lora(out: Console, settings: Settings, work: Work) -> dict[str, An
         (tmp / "redis").mkdir()
         with RedisServer(data_dir=tmp / "redis") as server:  # its data dir goes with ours
             log = tmp / "worker.log"
-            args = ["--engine", "torch", "--max-loras", "2", "--max-batch", str(settings.max_batch)]
-            worker = start_worker(server.url, NS, model, WORKER, *args, log_file=log)
+            worker = start_worker(server.url, NS, model, WORKER, *settings.worker_args(), log_file=log)
             try:
                 result = _bench(out, server, worker, log, adapters, settings, work)
             finally:
@@ -390,7 +396,8 @@ def _config(settings: Settings, work: Work) -> dict[str, Any]:
         "n": work.n,
         "tokens": work.tokens,
         "prompt_tokens": PROMPT_TOKENS,
-        "engine": "torch",
+        "engine": settings.engine.kind if settings.engine else "torch",
+        "worker_args": settings.worker_args(),
         "max_loras": 2,
         "max_batch": settings.max_batch,
         "model": str(model) if model is not None else "tiny (built for the run)",
@@ -453,11 +460,29 @@ def bench_lora(
         float, typer.Option(help="Seconds from one sync of A to its next publish (0: back to back).")
     ] = 0.0,
     max_batch: Annotated[int, typer.Option(help="The worker's largest decode batch.")] = 64,
+    engine: Annotated[str, typer.Option(help="The worker's engine: torch or vllm (vLLM's own LoRA).")] = "torch",
+    dtype: DtypeOpt = "float32",
+    device: DeviceOpt = "cpu",
+    kv_cache_bytes: KvCacheOpt = None,
+    enforce_eager: EagerOpt = True,
+    engine_args: EngineArgsOpt = None,
     plot: Annotated[Path | None, typer.Option(help="Also draw B's tokens/s per round to this PNG.")] = None,
 ) -> None:
     """Adapter B's tokens/s while adapter A syncs back to back, against no sync (goal >= 0.95), and the stall of
     each adapter sync; one worker, JSON out."""
-    settings = Settings(model, rounds, cast(PauseMode, mode), max_batch, sync_gap_s)  # _check_options checks it
+    if engine not in ("torch", "vllm"):
+        fail(f"--engine must be torch or vllm, not {engine!r}")
+    with user_errors():
+        spec = EngineSpec(
+            engine,
+            Path("."),
+            dtype=dtype,
+            device=device,
+            kv_cache_bytes=kv_cache_bytes,
+            enforce_eager=enforce_eager,
+            engine_args=EngineSpec.parse_engine_args(engine_args),
+        )
+    settings = Settings(model, rounds, cast(PauseMode, mode), max_batch, sync_gap_s, spec)  # _check_options checks it
     vocab, longest = _check_options(settings, b_prompts, a_prompts, n, tokens)
     if tokens + PROMPT_TOKENS > longest:
         fail(f"--tokens {tokens} + a {PROMPT_TOKENS}-token prompt is longer than the model takes ({longest})")

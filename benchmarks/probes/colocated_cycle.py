@@ -57,10 +57,11 @@ def train_step(model: Any, optimizer: torch.optim.Optimizer, batch: list[list[in
 
 def worker_args(args: argparse.Namespace) -> tuple[list[str], dict[str, str] | None]:
     if args.engine == "torch":
-        return ["--engine", "torch", "--device", args.device], None
+        return ["--engine", "torch", "--device", args.device, "--dtype", args.dtype], None
     engine_args = {"enable_sleep_mode": True, **json.loads(args.engine_args)}
     index = args.device.partition(":")[2] or "0"
-    return ["--engine", "vllm", "--engine-args", json.dumps(engine_args)], {"CUDA_VISIBLE_DEVICES": index}
+    flags = ["--engine", "vllm", "--dtype", args.dtype, "--engine-args", json.dumps(engine_args)]
+    return flags, {"CUDA_VISIBLE_DEVICES": index}
 
 
 def cycle(args: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -125,7 +126,7 @@ def main() -> None:
     parser.add_argument("--engine", choices=["torch", "vllm"], default="torch")
     parser.add_argument("--engine-args", default="{}", help="vLLM's engine arguments as JSON (sleep mode is added)")
     parser.add_argument("--device", default="cpu", help="the worker's and the trainer's device")
-    parser.add_argument("--dtype", default="float32", help="the trainer's dtype")
+    parser.add_argument("--dtype", default="float32", help="the trainer's and the worker's dtype")
     parser.add_argument("--level", type=int, choices=[0, 1, 2], default=1, help="0: no sleep (the baseline)")
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)

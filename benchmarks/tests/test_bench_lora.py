@@ -59,6 +59,8 @@ def test_bench_lora_measures_b_while_a_syncs_and_every_rollout_arrives_once(tmp_
         (["--rounds", "0"], "--rounds must be at least 1, not 0"),
         (["--tokens", "0"], "--tokens must be at least 1, not 0"),
         (["--mode", "later"], "--mode must be keep or abort, not 'later'"),
+        (["--engine", "remote"], "--engine must be torch or vllm, not 'remote'"),
+        (["--engine-args", "[1]"], "--engine-args must be a JSON object, got [1]"),
     ],
 )
 def test_bench_lora_refuses_bad_options_in_one_line(args: list[str], message: str) -> None:

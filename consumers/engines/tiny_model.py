@@ -106,23 +106,41 @@ def build_tokenizer(vocab_size: int = VOCAB_SIZE) -> PreTrainedTokenizerFast:
     return fast
 
 
-def build_tiny_model(out_dir: Path, seed: int = 0, hidden_size: int = 64, num_layers: int = 2) -> Path:
+def build_tiny_model(
+    out_dir: Path, seed: int = 0, hidden_size: int = 64, num_layers: int = 2, experts: int = 0, top_k: int = 2
+) -> Path:
     """Write a tiny Qwen2 causal LM (weights from `seed`) and the shared tokenizer into `out_dir`.
 
     `AutoTokenizer.from_pretrained(out_dir)` and `AutoModelForCausalLM.from_pretrained(out_dir)`
     both work offline; vLLM loads it too. Returns `out_dir`. `hidden_size` (a multiple of 32: one
-    attention head per 32) and `num_layers` make larger random models, for benchmarks of size.
+    attention head per 32) and `num_layers` make larger random models, for benchmarks of size. With `experts`, a
+    Qwen2-MoE instead: every layer's MLP is that many experts (each `hidden_size` wide), `top_k` of them per token,
+    beside a shared expert.
     """
     if hidden_size % 32:
         raise ValueError(f"hidden_size must be a multiple of 32 (the head size), got {hidden_size}")
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
     ids = cast(list[int], tokenizer.convert_tokens_to_ids([PAD, BOS, EOS]))  # a list of tokens: a list of ids
-    config = Qwen2Config(
+    moe: dict[str, Any] = (
+        {
+            "num_experts": experts,
+            "num_experts_per_tok": top_k,
+            "moe_intermediate_size": hidden_size,
+            "shared_expert_intermediate_size": 2 * hidden_size,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "norm_topk_prob": False,
+        }
+        if experts
+        else {}
+    )
+    config = (Qwen2MoeConfig if experts else Qwen2Config)(
+        **moe,
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=2 * hidden_size,
@@ -137,14 +155,15 @@ def build_tiny_model(out_dir: Path, seed: int = 0, hidden_size: int = 64, num_la
         bos_token_id=ids[1],
         eos_token_id=ids[2],
     )
-    config.architectures = ["Qwen2ForCausalLM"]
+    model_class = Qwen2MoeForCausalLM if experts else Qwen2ForCausalLM
+    config.architectures = [model_class.__name__]
     config.dtype = torch.float32
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config).to(torch.float32)  # type: ignore[arg-type]  # transformers mistypes .to()
+        model = model_class(config).to(torch.float32)  # type: ignore[arg-type]  # transformers mistypes .to()
         with torch.no_grad():
             for name, param in model.named_parameters():
-                if param.ndim == 2:
+                if param.ndim >= 2:  # 3: transformers 5's fused experts
                     param.mul_(INIT_SCALE * (LM_HEAD_SCALE if name == "lm_head.weight" else 1.0))
                 elif name.endswith(".bias"):
                     param.normal_(0.0, 0.1)
