@@ -6,4 +6,4 @@ if [ ! -d /tmp/vc-site/vllm ]; then
 fi
 export PYTHONPATH="$PWD/benchmarks/device/vllm026:$PWD:/tmp/vc-site" PATH="/root/vc/bin:$PATH" \
   ROLLOUTS_REDIS_SERVER=/root/vc/bin/redis-server VLLM_USE_FLASHINFER_SAMPLER=0 NCCL_NVLS_ENABLE=0 \
-  TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
+  TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1 VLLM_LOGGING_STREAM=ext://sys.stderr

@@ -38,3 +38,16 @@ def test_the_probe_sees_no_mismatch_where_engine_and_trainer_agree_and_some_wher
             assert row["max_abs"] < 1e-4, row  # after the sync too (the engine loaded what the trainer holds)
         else:  # a bf16 engine against an fp32 trainer: what FP8 rollouts make larger
             assert row["max_abs"] > 1e-3 and row["kl_k3"] > 0, row
+
+
+def test_the_init_scale_of_the_probes_model_sets_its_weights_size(tmp_path: Path) -> None:
+    """run_mismatch.sh builds its model at init scale 1: at the default 4 a hidden-2048 model is chaotic on the GPU."""
+    from safetensors.torch import load_file
+
+    from consumers.engines.tiny_model import INIT_SCALE, build_tiny_model
+
+    stds = {}
+    for scale in (1.0, INIT_SCALE):
+        build_tiny_model(tmp_path / str(scale), hidden_size=64, init_scale=scale)
+        stds[scale] = load_file(tmp_path / str(scale) / "model.safetensors")["model.layers.0.mlp.up_proj.weight"].std()
+    assert float(stds[INIT_SCALE] / stds[1.0]) == pytest.approx(INIT_SCALE, rel=0.05)

@@ -107,7 +107,13 @@ def build_tokenizer(vocab_size: int = VOCAB_SIZE) -> PreTrainedTokenizerFast:
 
 
 def build_tiny_model(
-    out_dir: Path, seed: int = 0, hidden_size: int = 64, num_layers: int = 2, experts: int = 0, top_k: int = 2
+    out_dir: Path,
+    seed: int = 0,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    experts: int = 0,
+    top_k: int = 2,
+    init_scale: float = INIT_SCALE,
 ) -> Path:
     """Write a tiny Qwen2 causal LM (weights from `seed`) and the shared tokenizer into `out_dir`.
 
@@ -115,7 +121,9 @@ def build_tiny_model(
     both work offline; vLLM loads it too. Returns `out_dir`. `hidden_size` (a multiple of 32: one
     attention head per 32) and `num_layers` make larger random models, for benchmarks of size. With `experts`, a
     Qwen2-MoE instead: every layer's MLP is that many experts (each `hidden_size` wide), `top_k` of them per token,
-    beside a shared expert.
+    beside a shared expert. `init_scale` multiplies transformers' initial weights: the default makes sharp,
+    varied next-token distributions in a small model; a large model (hidden 2048, 16 layers) built so is chaotic
+    (bf16 rounding alone moves its logprobs by ~1 nat), and 1.0 is the setting for measuring numerics there.
     """
     if hidden_size % 32:
         raise ValueError(f"hidden_size must be a multiple of 32 (the head size), got {hidden_size}")
@@ -164,7 +172,7 @@ def build_tiny_model(
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if param.ndim >= 2:  # 3: transformers 5's fused experts
-                    param.mul_(INIT_SCALE * (LM_HEAD_SCALE if name == "lm_head.weight" else 1.0))
+                    param.mul_(init_scale * (LM_HEAD_SCALE if name == "lm_head.weight" else 1.0))
                 elif name.endswith(".bias"):
                     param.normal_(0.0, 0.1)
     model.generation_config.bos_token_id = ids[1]
