@@ -165,3 +165,37 @@ def test_a_fleet_sleeps_through_a_training_step_and_the_publish_after_it_wakes_a
     (group,) = client.collect(1, timeout=240)
     check_spans_and_logprobs(group.rollouts[0], weights)
     assert {v for v, _, _ in group.rollouts[0].spans} == {1}
+
+
+@pytest.mark.vllm
+def test_a_worker_whose_engine_cannot_sleep_pauses_acks_awake_and_syncs_with_the_sleeping_fleet(
+    redis_server: RedisServer,
+    ns: str,
+    tiny_model_dir_v1: Path,
+    workers: StartWorker,
+    one_thread: None,
+) -> None:
+    """A vLLM worker started without sleep mode beside a torch worker: the sleep pauses both, the trainer's report
+    names the one that stayed awake, and the publish after the step syncs and resumes both."""
+    workers("torch-w")
+    workers("vllm-w", "--engine", "vllm")
+    client = RolloutClient(redis_server.url, ns)
+    beat = lambda name: client.streams.redis.hgetall(client.streams.keys.worker(name))  # noqa: E731
+
+    report = client.sleep(1)
+    assert sorted(report.acked) == ["torch-w", "vllm-w"] and report.awake == ["vllm-w"] and report.evicted == []
+    assert (beat("torch-w")[b"status"], beat("torch-w")[b"asleep"]) == (b"asleep", b"1")
+    assert (beat("vllm-w")[b"status"], beat("vllm-w")[b"asleep"]) == (b"paused", b"0")
+
+    assert client.publish_weights(tiny_model_dir_v1) == 1
+    assert sorted(client.last_sync.acked) == ["torch-w", "vllm-w"]
+    state = client.streams.redis.hgetall(client.streams.keys.state)
+    assert (state[b"paused"], state[b"asleep"]) == (b"0", b"0")
+    wait_until(lambda: {beat(n)[b"status"] for n in ("torch-w", "vllm-w")} == {b"serving"}, 60, "both resumed")
+    for i in range(4):
+        client.submit(tokens=LONG_PROMPT, n=2, max_tokens=16, temperature=1.0, seed=i)
+    groups = client.collect(4, timeout=240)
+    weights = {1: tiny_model_dir_v1}
+    for group in groups:
+        for rollout in group.rollouts:
+            check_spans_and_logprobs(rollout, weights)  # every token v1's, on both engines
