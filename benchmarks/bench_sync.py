@@ -109,7 +109,7 @@ def run_bench_sync(
                     log = (logs or tmp) / f"{size}-{transport}.log"
                     rows = _measure(spec, models[0], weights, uri, rounds, mode, log, progress, task, idle)
                     if transport == "nccl" and trainer_device.startswith("cuda") and spec.device.startswith("cuda"):
-                        bare = bare_broadcast_gb_per_s(nbytes, trainer_device, spec.device)
+                        bare = bare_broadcast_gb_per_s(nbytes, trainer_device, [str(g) for g in _gpus(spec.device)])
                         rows |= {"bare_gb_per_s": round(bare, 2), "ratio": round(rows["gb_per_s"] / bare, 3)}
                     results.append(row | rows)
                 del weights
@@ -117,6 +117,7 @@ def run_bench_sync(
         shutil.rmtree(tmp, ignore_errors=True)
     return {
         "engine": spec.kind,
+        "tensor_parallel_size": spec.tensor_parallel_size,
         "device": spec.device,
         "trainer_device": trainer_device,
         "mode": mode,
@@ -127,8 +128,9 @@ def run_bench_sync(
 
 def cannot_run(transport: str, spec: EngineSpec, trainer_device: str) -> str | None:
     """Why `transport` cannot run between a trainer on `trainer_device` and this worker (None: it can)."""
-    trainer, worker = _gpu(trainer_device), _gpu(spec.device)
-    if transport == "nccl" and trainer is not None and trainer == worker:
+    trainer, workers = _gpu(trainer_device), _gpus(spec.device)
+    worker = workers[0] if workers else None
+    if transport == "nccl" and trainer is not None and trainer in workers:
         return (
             f"the trainer and the worker are both on {trainer}, and NCCL cannot put two ranks on one GPU "
             "(use two GPUs, or ipc:// on one)"
@@ -145,6 +147,15 @@ def _gpu(device: str) -> torch.device | None:
     """A CUDA device with its index (`cuda` is `cuda:0` here), or None for any other device."""
     parsed = torch.device(device)
     return torch.device("cuda", parsed.index or 0) if parsed.type == "cuda" else None
+
+
+def _gpus(device: str) -> list[torch.device]:
+    """The worker's CUDA devices: `cuda:1,2` (a vLLM worker of tensor parallel 2) is two; none for the CPU."""
+    kind, _, indices = device.partition(":")
+    if kind != "cuda" or "," not in indices:
+        gpu = _gpu(device)
+        return [gpu] if gpu is not None else []
+    return [torch.device("cuda", int(i)) for i in indices.split(",")]
 
 
 def _measure(
@@ -243,12 +254,13 @@ def summarize(rounds: dict[str, list[float]]) -> dict[str, Any]:
     return summary
 
 
-def bare_broadcast_gb_per_s(nbytes: int, source: str, target: str, repeats: int = 5) -> float:
-    """GB/s of one plain NCCL broadcast of `nbytes` from GPU `source` to GPU `target` (median of `repeats`).
+def bare_broadcast_gb_per_s(nbytes: int, source: str, targets: list[str], repeats: int = 5) -> float:
+    """GB/s of one plain NCCL broadcast of `nbytes` from GPU `source` to the GPUs `targets` (median of `repeats`).
 
-    Two threads of this process, one process group each: the ceiling for the nccl transport, with no
+    One thread of this process per GPU, one process group each: the ceiling for the nccl transport, with no
     rendezvous, bucketing or loading.
     """
+    ranks = [source, *targets]
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, None, True, timedelta(seconds=60), wait_for_workers=False)
     seconds: list[float] = []
@@ -258,7 +270,8 @@ def bare_broadcast_gb_per_s(nbytes: int, source: str, target: str, repeats: int 
         client = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=60))
         # torch's stubs type the backend as a Backend, not a ProcessGroup; Options() is the 3-argument default
         options = dist.ProcessGroupNCCL.Options()
-        group = cast(dist.ProcessGroup, dist.ProcessGroupNCCL(dist.PrefixStore("bare/", client), index, 2, options))
+        prefixed = dist.PrefixStore("bare/", client)
+        group = cast(dist.ProcessGroup, dist.ProcessGroupNCCL(prefixed, index, len(ranks), options))
         buffer = torch.ones(nbytes, dtype=torch.uint8, device=device)
         for _ in range(repeats + 1):  # the first builds the communicator
             group.broadcast([buffer], dist.BroadcastOptions()).wait()
@@ -270,7 +283,7 @@ def bare_broadcast_gb_per_s(nbytes: int, source: str, target: str, repeats: int 
                 seconds.append(time.perf_counter() - started)
         group.shutdown()
 
-    threads = [threading.Thread(target=rank, args=(i, d)) for i, d in enumerate((source, target))]
+    threads = [threading.Thread(target=rank, args=(i, d)) for i, d in enumerate(ranks)]
     for thread in threads:
         thread.start()
     for thread in threads:

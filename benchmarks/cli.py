@@ -113,10 +113,13 @@ def bench_sync(
     rounds: Annotated[int, typer.Option(help="Publishes per size and transport; medians are reported.")] = 3,
     mode: Annotated[str, typer.Option(help="Pause mode: abort, keep or inflight.")] = "abort",
     dtype: DtypeOpt = "float32",
-    device: DeviceOpt = "cpu",
+    device: Annotated[
+        str, typer.Option(help="The worker's device (cpu, cuda:1); a vLLM worker of tensor parallel 2: cuda:1,2.")
+    ] = "cpu",
     max_batch: MaxBatchOpt = 64,
     num_threads: ThreadsOpt = None,
     kv_cache_bytes: KvCacheOpt = None,
+    tensor_parallel_size: TpOpt = 1,
     trainer_device: Annotated[
         str, typer.Option(help="Where the trainer's weights live (cpu, cuda:0): nccl broadcasts from there.")
     ] = "cpu",
@@ -137,6 +140,11 @@ def bench_sync(
     if not is_pause_mode(mode):
         fail(f"--mode must be abort, keep or inflight, not {mode!r}")
     spec = EngineSpec.from_flags(ctx.params, Path("per-size"))
+    if tensor_parallel_size > 1 and engine != "vllm":
+        fail(f"--tensor-parallel-size {tensor_parallel_size} needs --engine vllm")
+    gpus = device.partition(":")[2].split(",") if device.startswith("cuda:") else []
+    if tensor_parallel_size > 1 and len(gpus) != tensor_parallel_size:
+        fail(f"--tensor-parallel-size {tensor_parallel_size} needs as many GPUs in --device (cuda:1,2), not {device!r}")
     with user_errors():
         result = run_bench_sync(console, spec, chosen, paths, rounds, mode, trainer_device, logs, idle)
         if plot is not None:

@@ -34,8 +34,8 @@ def start_command(
 
 
 def gpu_of(device: str) -> dict[str, str] | None:
-    """The environment that gives a vLLM worker GPU `cuda:N` alone (vLLM takes the first GPU it sees, and the worker's
-    `--device` is the torch engine's); None for cpu or a bare `cuda`."""
+    """The environment that gives a vLLM worker GPU `cuda:N` alone, or `cuda:N,M` for tensor parallel 2 (vLLM takes the
+    first GPUs it sees, and the worker's `--device` is the torch engine's); None for cpu or a bare `cuda`."""
     kind, _, index = device.partition(":")
     return {"CUDA_VISIBLE_DEVICES": index} if kind == "cuda" and index else None
 

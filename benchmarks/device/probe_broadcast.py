@@ -93,7 +93,7 @@ def main() -> None:
         named = {k: t.to(args.source) for k, t in read_checkpoint(model).items()}
         nbytes = sum(t.numel() * t.element_size() for t in named.values())
         row: dict[str, Any] = {"size": size, "tensors": len(named), "bytes": nbytes}
-        row["bare_gb_per_s"] = round(bare_broadcast_gb_per_s(nbytes, args.source, args.target), 1)
+        row["bare_gb_per_s"] = round(bare_broadcast_gb_per_s(nbytes, args.source, [args.target]), 1)
         for mib in (int(m) for m in args.buckets_mib.split(",")):
             row[f"bucket_{mib}MiB"] = transfer(named, mib << 20, args.target, args.rounds)
         row |= packing(named, nccl.DEFAULT_BUCKET_BYTES, args.rounds)

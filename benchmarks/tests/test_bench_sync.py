@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from benchmarks.bench_sync import cannot_run, plot_bench_sync
 from pipeline.cli.engine_spec import EngineSpec
 from tests.test_cli import assert_clean_error, rollouts
@@ -50,6 +52,21 @@ def test_bench_sync_says_which_transports_cannot_run_on_the_devices_given() -> N
     for worker, trainer, kind in [("cuda:1", "cuda:0", "torch"), ("cpu", "cpu", "torch"), ("cuda:0", "cuda:0", "vllm")]:
         assert "same GPU" in (cannot_run("ipc", spec(worker, kind), trainer) or ""), (worker, trainer, kind)
     assert cannot_run("fs", spec("cuda:0"), "cuda:0") is None
+    # a vLLM worker of tensor parallel 2 holds two GPUs: the trainer may be on neither for nccl
+    assert "NCCL cannot put two ranks on one GPU" in (cannot_run("nccl", spec("cuda:1,2", "vllm"), "cuda:2") or "")
+    assert cannot_run("nccl", spec("cuda:1,2", "vllm"), "cuda:0") is None
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--tensor-parallel-size", "2"], "--tensor-parallel-size 2 needs --engine vllm"),
+        (["--engine", "vllm", "--tensor-parallel-size", "2", "--device", "cuda:1"],
+         "--tensor-parallel-size 2 needs as many GPUs in --device (cuda:1,2), not 'cuda:1'"),
+    ],
+)  # fmt: skip
+def test_bench_sync_refuses_tensor_parallel_without_its_gpus_in_one_line(args: list[str], message: str) -> None:
+    assert_clean_error(rollouts("bench-sync", *args), message)
 
 
 def test_the_plot_leaves_out_the_transports_that_did_not_run(tmp_path: Path) -> None:
