@@ -37,6 +37,7 @@ from consumers.engines.base import EngineClosedError, EngineInputError, EngineLi
 from consumers.engines.lora import LoraModule, ParsedAdapter, linear_shapes, module_types, parse_adapter
 from consumers.engines.model_files import WeightLayout, read_model_limits
 from pipeline.wire import PAUSE_MODES, SLEEP_LEVELS, FinishReason, PauseMode, Sampling
+from staleness.weights.fused import to_checkpoint, to_module
 from staleness.weights.nccl import BroadcastLink, prepare_receiver, receive_broadcast
 
 log = logging.getLogger(__name__)
@@ -484,7 +485,7 @@ class TorchEngine(EngineLifecycle):
     def weight_layout(self) -> WeightLayout:
         """The model's tensor names, shapes and tied storage (for a `check_fits` made elsewhere)."""
         self._require_model()
-        return WeightLayout.of(self._model.state_dict())
+        return WeightLayout.of(to_checkpoint(self._model, self._model.state_dict()))
 
     def _require_model(self) -> None:
         if self._model is None:
@@ -493,6 +494,7 @@ class TorchEngine(EngineLifecycle):
     def _load_tensors_sync(self, tensors: Mapping[str, torch.Tensor], version: int, source: object) -> None:
         """Check names and shapes against the model, then copy in place between two steps (the one load path)."""
         self.check_fits({k: tuple(v.shape) for k, v in tensors.items()}, source)
+        tensors = to_module(self._model, tensors)  # checkpoint names; a fused parameter (a MoE's experts) merged
         targets = self._model.state_dict()
         with self._between_steps(), torch.no_grad():
             for name, tensor in tensors.items():

@@ -62,6 +62,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import vllm
 from safetensors.torch import save
 from vllm import SamplingParams
 from vllm.engine.arg_utils import AsyncEngineArgs
@@ -797,6 +798,12 @@ class VllmEngine(EngineLifecycle):
         `inflight`, running requests keep their KV blocks (the prefix cache cannot be reset while they hold blocks;
         later requests miss them anyway, their hashes salted with the new version)."""
         llm = await self._started()
+        if current_platform.is_cpu() and llm.model_config.is_moe:
+            raise ValueError(
+                f"vLLM's CPU build reloads a mixture of experts' weights wrongly (vLLM {vllm.__version__}: the "
+                "logprobs after a reload match neither version), so this worker does not take version "
+                f"{version}: sync a MoE policy into torch workers (--engine torch), or vLLM on a GPU"
+            )
         async with self._load_lock:
             if not self._paused:
                 await llm.pause_generation(mode="keep", clear_cache=False)  # the reset below drops the caches

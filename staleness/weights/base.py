@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from pipeline.wire import ADAPTER_PATTERN, Keys
+from staleness.weights.fused import to_checkpoint
 
 if TYPE_CHECKING:
     from staleness.weights.nccl import BroadcastLink
@@ -138,10 +139,11 @@ def named_tensors(source: WeightSource, *, keep_device: bool = False) -> Iterato
     Tensors are moved to the CPU unless `keep_device` (a GPU broadcast sends them from where they are).
 
     A module, a state dict or a checkpoint is walked as `state_dict_of` describes (wrappers unwrapped, tied names
-    left out, overlapping tensors copied; a checkpoint is read a tensor at a time). An iterable is consumed lazily:
-    each pair is checked and passed on at once, and nothing here keeps a reference to it, so a generator that
-    gathers one tensor at a time is never held whole. Its tied names are not detected (addresses of freed tensors
-    are reused): yield both, or only the one the model loads. A name yielded twice is refused.
+    left out, overlapping tensors copied; a checkpoint is read a tensor at a time). A transformers module's fused
+    parameters (a MoE's experts) go out split, in the checkpoint's names (`staleness.weights.fused`). An iterable is
+    consumed lazily: each pair is checked and passed on at once, and nothing here keeps a reference to it, so a
+    generator that gathers one tensor at a time is never held whole. Its tied names are not detected (addresses of
+    freed tensors are reused): yield both, or only the one the model loads. A name yielded twice is refused.
     """
     if isinstance(source, (str, os.PathLike)):
         yield from _checkpoint_tensors(Path(source))
@@ -163,7 +165,7 @@ def named_tensors(source: WeightSource, *, keep_device: bool = False) -> Iterato
             if not isinstance(inner, torch.nn.Module):
                 break
             module = inner
-        items: Iterable[tuple[str, Any]] = module.state_dict().items()
+        items: Iterable[tuple[str, Any]] = to_checkpoint(module, module.state_dict()).items()
     elif isinstance(source, Mapping):
         items = source.items()
     else:
