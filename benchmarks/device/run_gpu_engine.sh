@@ -4,6 +4,7 @@
 # picks them (default: all, in this order); each writes $OUT/STEP.json and appends its stderr to $OUT/STEP.err, and a
 # failed step is said and the next one runs:
 #   moe      benchmarks/probes/moe_routing.py: a random Qwen2-MoE, routed experts returned? trainer routing alike?
+#   moe-reload  the same probe: a MoE reloaded by a sync, its logprobs against the new version's forward pass
 #   lora     bench-lora on a vLLM worker: adapter B's tokens/s while adapter A syncs, each adapter's stall
 #   gateway  bench-gateway on two vLLM workers of one GPU: placement's cache hits and the gateway's overhead
 #   bench    rollouts bench: the engine called directly against the whole pipeline, a hidden-1024 24-layer model
@@ -21,13 +22,19 @@ step() {  # NAME CMD...: run CMD with stdout to $OUT/NAME.json, say how it went
     echo "$name: FAILED (rc $?) after $((SECONDS - began)) s; its stderr ends:"; tail -25 "$OUT/$name.err"
   fi
 }
-for s in ${STEPS:-moe lora gateway bench}; do
+for s in ${STEPS:-moe moe-reload lora gateway bench}; do
   case $s in
     moe)
       python3 benchmarks/probes/moe_routing.py build /tmp/moe --hidden 1024 --layers 8 --experts 16 --top-k 2 \
         >> "$OUT/moe.err" 2>&1
       step moe python3 benchmarks/probes/moe_routing.py run /tmp/moe --dtype bfloat16 --trainer-device cuda \
         --trainer-dtype bfloat16,float32 --prompts 64 --max-tokens 128 --kv-cache-bytes $KV --cuda-graphs ;;
+    moe-reload)  # does the CUDA build reload MoE weights right? (the CPU build does not: VllmEngine refuses it there)
+      for seed in 0 1; do python3 -c "from pathlib import Path; from consumers.engines.tiny_model import \
+build_tiny_model; build_tiny_model(Path('/tmp/moe-reload-$seed'), seed=$seed, experts=8)" >> "$OUT/moe-reload.err" 2>&1
+      done
+      step moe-reload python3 benchmarks/probes/moe_routing.py reload /tmp/moe-reload-0 /tmp/moe-reload-1 \
+        --trainer-device cuda --prompts 8 --max-tokens 64 ;;
     lora)
       step lora python3 -m benchmarks bench-lora --engine vllm --dtype bfloat16 --kv-cache-bytes $KV \
         --no-enforce-eager --rounds 5 --b-prompts 16 --a-prompts 16 --tokens 448 ;;
@@ -40,6 +47,6 @@ consumers.engines.tiny_model import build_tiny_model; build_tiny_model(Path('/tm
 num_layers=24)" >> "$OUT/bench.err" 2>&1
       step bench python3 -m benchmarks bench --engine vllm --model /tmp/bench-model --dtype bfloat16 --prompts 64 \
         --n 4 --max-tokens 256 --rounds 5 --no-enforce-eager --kv-cache-bytes 8000000000 ;;
-    *) echo "unknown step $s (moe, lora, gateway, bench)"; exit 2 ;;
+    *) echo "unknown step $s (moe, moe-reload, lora, gateway, bench)"; exit 2 ;;
   esac
 done

@@ -3,6 +3,7 @@ and how often does the trainer's forward pass route a token to other experts tha
 
     python benchmarks/probes/moe_routing.py build DIR --hidden 1024 --layers 8 --experts 16 --top-k 2
     python benchmarks/probes/moe_routing.py run DIR --dtype bfloat16 --trainer-device cuda --prompts 64
+    python benchmarks/probes/moe_routing.py reload DIR DIR_V1 --trainer-device cuda
 
 `build` writes a random Qwen2-MoE with the shared tokenizer (`build_tiny_model(experts=...)`); run it in a process of
 its own (a process that built a model with transformers and then started vLLM has hung on the device). `run` starts
@@ -11,6 +12,10 @@ sequences of `--max-tokens`, then runs transformers' model (`--trainer-dtype` on
 tokens with `output_router_logits` and compares, token by token and layer by layer, the engine's experts with the
 trainer's top-k. JSON on stdout: whether the build exposes the experts (and vLLM's refusal if not), the array's
 shape against [sequence, layers, top_k], the share of (token, layer) pairs routed alike, and the engine's tokens/s.
+`reload` asks whether the build reloads MoE weights right: vLLM (fp32, with the project's worker extension) serves
+DIR, loads DIR_V1's tensors as a weight sync does (`rollouts_load_safetensors`), and the largest difference between
+its logprobs and the trainer's forward pass is reported before (against DIR) and after (against DIR_V1). vLLM 0.32's
+CPU build gets it wrong, which is why `VllmEngine` refuses a MoE reload on the CPU.
 """
 
 from __future__ import annotations
@@ -110,6 +115,55 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
+def forward_logprobs(model: Any, prompt: list[int], tokens: list[int]) -> Any:
+    """The trainer's log-probability of each of `tokens` after `prompt` (raw: temperature 1)."""
+    import torch
+
+    with torch.no_grad():
+        ids = torch.tensor([prompt + tokens], device=model.device)
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+    picked = torch.log_softmax(logits, dim=-1).gather(1, ids[0, len(prompt) :, None])[:, 0]
+    return picked.cpu().numpy()
+
+
+def reload(args: argparse.Namespace) -> dict[str, Any]:
+    import numpy as np
+    from safetensors.torch import save
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from staleness.weights.base import read_checkpoint
+
+    llm = LLM(
+        model=args.dir,
+        dtype=args.dtype,
+        max_model_len=512,
+        enforce_eager=True,
+        skip_tokenizer_init=True,
+        kv_cache_memory_bytes=args.kv_cache_bytes,
+        worker_extension_cls="consumers.engines.vllm_extension.RolloutsWorkerExtension",
+    )
+    prompts = [[5 + i, 6, 7, 8] for i in range(args.prompts)]
+
+    def worst(directory: str) -> float:
+        params = [SamplingParams(max_tokens=args.max_tokens, logprobs=0, seed=i) for i in range(len(prompts))]
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
+        model = trainer_model(directory, args.trainer_dtype, args.trainer_device)
+        gap = 0.0
+        for prompt, output in zip(prompts, outputs, strict=True):
+            sample = output.outputs[0]
+            chosen = zip(sample.logprobs or [], sample.token_ids, strict=True)
+            engine = np.array([entry[t].logprob for entry, t in chosen if entry is not None])
+            gap = max(gap, float(np.abs(engine - forward_logprobs(model, prompt, list(sample.token_ids))).max()))
+        return gap
+
+    before = worst(args.dir)
+    llm.collective_rpc("rollouts_load_safetensors", args=(save(read_checkpoint(Path(args.to))),))
+    llm.reset_prefix_cache()
+    after = worst(args.to)
+    return {"settings": vars(args), "max_abs_before": before, "max_abs_after": after, "reload_exact": after < 1e-3}
+
+
 def main() -> None:
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout is the report's
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -130,8 +184,19 @@ def main() -> None:
     ran.add_argument("--kv-cache-bytes", type=int, default=1 << 28)
     ran.add_argument("--ep", action="store_true", help="vLLM's enable_expert_parallel")
     ran.add_argument("--cuda-graphs", action="store_true")
+    reloaded = commands.add_parser("reload", help="serve DIR with vLLM, load TO's weights, compare before and after")
+    reloaded.add_argument("dir")
+    reloaded.add_argument("to")
+    reloaded.add_argument("--dtype", default="float32", help="the engine's and the trainer's")
+    reloaded.add_argument("--trainer-device", default="cpu")
+    reloaded.add_argument("--prompts", type=int, default=4)
+    reloaded.add_argument("--max-tokens", type=int, default=16)
+    reloaded.add_argument("--kv-cache-bytes", type=int, default=1 << 28)
     args = parser.parse_args()
-    print(json.dumps(build(args) if args.command == "build" else run(args), indent=2, default=str))
+    if args.command == "reload":
+        args.trainer_dtype = args.dtype
+    command = {"build": build, "run": run, "reload": reload}[args.command]
+    print(json.dumps(command(args), indent=2, default=str))
 
 
 if __name__ == "__main__":
