@@ -11,6 +11,7 @@ passes through unchanged.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from copy import deepcopy
 from typing import Any
@@ -20,16 +21,19 @@ import torch
 
 def _conversions(module: torch.nn.Module) -> list[Any]:
     """The module's weight conversions (empty: its names are the checkpoint's)."""
-    if not hasattr(module, "config"):
+    if "transformers" not in sys.modules:  # not imported: the module is none of its models (and stays cheap to publish)
         return []
     try:
+        from transformers import PreTrainedModel
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import PrefixChange
-    except ImportError:  # transformers 4: it loads checkpoints as they are
+    except ImportError:  # no transformers, or transformers 4: it loads checkpoints as they are
+        return []
+    if not isinstance(module, PreTrainedModel):  # a plain module, a PEFT wrapper: its names are its own
         return []
     conversions = getattr(module, "_weight_conversions", None)
     if conversions is None:  # built, not loaded: the model type's default (a prefix change only applies to a load)
-        conversions = get_model_conversion_mapping(module, add_legacy=False)  # type: ignore[arg-type]  # has a config
+        conversions = get_model_conversion_mapping(module, add_legacy=False)
         conversions = [c for c in conversions if not isinstance(c, PrefixChange)]
     return list(conversions)
 
