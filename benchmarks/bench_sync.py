@@ -109,7 +109,8 @@ def run_bench_sync(
                     log = (logs or tmp) / f"{size}-{transport}.log"
                     rows = _measure(spec, models[0], weights, uri, rounds, mode, log, progress, task, idle)
                     if transport == "nccl" and trainer_device.startswith("cuda") and spec.device.startswith("cuda"):
-                        bare = bare_broadcast_gb_per_s(nbytes, trainer_device, [str(g) for g in _gpus(spec.device)])
+                        receivers = [str(gpu) for gpu in worker_gpus(spec.device)]
+                        bare = bare_broadcast_gb_per_s(nbytes, trainer_device, receivers)
                         rows |= {"bare_gb_per_s": round(bare, 2), "ratio": round(rows["gb_per_s"] / bare, 3)}
                     results.append(row | rows)
                 del weights
@@ -128,7 +129,7 @@ def run_bench_sync(
 
 def cannot_run(transport: str, spec: EngineSpec, trainer_device: str) -> str | None:
     """Why `transport` cannot run between a trainer on `trainer_device` and this worker (None: it can)."""
-    trainer, workers = _gpu(trainer_device), _gpus(spec.device)
+    trainer, workers = _gpu(trainer_device), worker_gpus(spec.device)
     worker = workers[0] if workers else None
     if transport == "nccl" and trainer is not None and trainer in workers:
         return (
@@ -149,7 +150,7 @@ def _gpu(device: str) -> torch.device | None:
     return torch.device("cuda", parsed.index or 0) if parsed.type == "cuda" else None
 
 
-def _gpus(device: str) -> list[torch.device]:
+def worker_gpus(device: str) -> list[torch.device]:
     """The worker's CUDA devices: `cuda:1,2` (a vLLM worker of tensor parallel 2) is two; none for the CPU."""
     kind, _, indices = device.partition(":")
     if kind != "cuda" or "," not in indices:

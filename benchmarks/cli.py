@@ -130,7 +130,7 @@ def bench_sync(
     ] = False,
 ) -> None:
     """The stall of a weight sync (publish_weights → every worker generating again), per transport and size."""
-    from benchmarks.bench_sync import SIZES, TRANSPORTS, plot_bench_sync, run_bench_sync
+    from benchmarks.bench_sync import SIZES, TRANSPORTS, plot_bench_sync, run_bench_sync, worker_gpus
 
     chosen, paths = sizes.split(","), transports.split(",")
     if unknown := [s for s in chosen if s not in SIZES]:
@@ -142,8 +142,7 @@ def bench_sync(
     spec = EngineSpec.from_flags(ctx.params, Path("per-size"))
     if tensor_parallel_size > 1 and engine != "vllm":
         fail(f"--tensor-parallel-size {tensor_parallel_size} needs --engine vllm")
-    gpus = device.partition(":")[2].split(",") if device.startswith("cuda:") else []
-    if tensor_parallel_size > 1 and len(gpus) != tensor_parallel_size:
+    if tensor_parallel_size > 1 and len(worker_gpus(device)) != tensor_parallel_size:
         fail(f"--tensor-parallel-size {tensor_parallel_size} needs as many GPUs in --device (cuda:1,2), not {device!r}")
     with user_errors():
         result = run_bench_sync(console, spec, chosen, paths, rounds, mode, trainer_device, logs, idle)

@@ -30,8 +30,8 @@ for s in ${STEPS:-moe moe-reload lora gateway bench}; do
       step moe python3 benchmarks/probes/moe_routing.py run /tmp/moe --dtype bfloat16 --trainer-device cuda \
         --trainer-dtype bfloat16,float32 --prompts 64 --max-tokens 128 --kv-cache-bytes $KV --cuda-graphs ;;
     moe-reload)  # does the CUDA build reload MoE weights right? (the CPU build does not: VllmEngine refuses it there)
-      for seed in 0 1; do python3 -c "from pathlib import Path; from consumers.engines.tiny_model import \
-build_tiny_model; build_tiny_model(Path('/tmp/moe-reload-$seed'), seed=$seed, experts=8)" >> "$OUT/moe-reload.err" 2>&1
+      for seed in 0 1; do
+        python3 benchmarks/probes/moe_routing.py build /tmp/moe-reload-$seed --seed $seed >> "$OUT/moe-reload.err" 2>&1
       done
       step moe-reload python3 benchmarks/probes/moe_routing.py reload /tmp/moe-reload-0 /tmp/moe-reload-1 \
         --trainer-device cuda --prompts 8 --max-tokens 64 ;;

