@@ -1,11 +1,12 @@
 """`ipc://` (`staleness.weights.ipc`): colocated handoff over CUDA IPC handles.
 
 On any machine: the uri, the handle and manifest encoding (JSON, no pickle) and its checks, the arguments given to
-torch's `rebuild_cuda_tensor`, the refusals (tensors off the GPU, adapters, a CPU worker, the vLLM engine) and the
-trainer's bookkeeping against a real Redis (what it keeps, releases and frees), with the CUDA export replaced.
+torch's `rebuild_cuda_tensor`, the refusals (tensors off the GPU, adapters, engines on the CPU, vLLM over two GPUs)
+and the trainer's bookkeeping against a real Redis (what it keeps, releases and frees), with the CUDA export replaced.
 On a GPU (skipped elsewhere, run on the device machine): a trainer and torch worker processes on one GPU, end to
 end: the worker serves the new weights (logprobs of a forward pass under them), the trainer frees what it released,
-a late worker opens the current version, and a CPU worker refuses it.
+a late worker opens the current version, and a CPU worker refuses it; and a vLLM worker (its CUDA build) whose
+worker process opens the handle: it serves the new weights, and the trainer frees the version it left.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, ClassVar
 
+import numpy as np
 import pytest
 import redis
 import torch
@@ -36,7 +38,7 @@ from staleness.weights.base import WeightsUri, parse_uri, state_dict_of
 from staleness.weights.buckets import TensorMeta
 from staleness.weights.ipc import Handle, IpcTransport, Manifest, manifest_key
 from tests.fixtures import FAST, StartWorker, wait_until
-from tests.reference import check_spans_and_logprobs
+from tests.reference import check_spans_and_logprobs, forward_logprobs
 
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a GPU (run on the device machine)")
 HANDLE = Handle(device=0, handle=b"\x00\x01cudaIpcMemHandle\xff" * 3, size=4096, offset=512, event=b"\x07" * 64,
@@ -139,21 +141,29 @@ def test_the_trainer_refuses_what_it_cannot_hand_over(real_redis: redis.Redis, n
     assert transport.versions() == [] and not real_redis.keys(f"{{{ns}}}:*")
 
 
-def test_a_cpu_worker_and_the_vllm_engine_refuse_before_opening_anything(
-    real_redis: redis.Redis, ns: str, tiny_model_dir: Path
+def test_engines_that_cannot_reach_the_trainers_gpu_refuse_before_opening_anything(
+    real_redis: redis.Redis, ns: str, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from consumers.engines import vllm_engine
+    from consumers.engines.synthetic_engine import SyntheticEngine
+    from consumers.engines.vllm_engine import VllmEngine
+
     real_redis.set(manifest_key(Keys(ns), 3), json.dumps(manifest()))
     cpu = TorchEngine(tiny_model_dir, device="cpu")  # not started: the refusal needs no weights
     with pytest.raises(ValueError, match=rf"{SAME_GPU}, but this torch worker runs on cpu: use nccl:// or fs://"):
         asyncio.run(load_version(cpu, f"ipc://{ns}/v3", 3, real_redis))
-    vllm = SimpleNamespace(name="vllm")
-    with pytest.raises(ValueError, match=r"the vllm engine cannot load ipc:// weights: .*needs vLLM's CUDA build"):
-        asyncio.run(load_version(vllm, f"ipc://{ns}/v9", 9, real_redis))
-    synthetic = SimpleNamespace(name="synthetic")
     with pytest.raises(ValueError, match=rf"{SAME_GPU}, but this synthetic worker runs on no GPU"):
-        asyncio.run(load_version(synthetic, f"ipc://{ns}/v3", 3, real_redis))
+        asyncio.run(load_version(SyntheticEngine(), f"ipc://{ns}/v3", 3, real_redis))
     with pytest.raises(ValueError, match=r"names version 3, not 4"):
         asyncio.run(load_version(cpu, f"ipc://{ns}/v3", 4, real_redis))
+
+    vllm = VllmEngine(tiny_model_dir)  # not started: vLLM's CPU build, where no CUDA IPC exists
+    with pytest.raises(ValueError, match=rf"{SAME_GPU}, but this vllm worker runs on the CPU: use nccl:// or fs://"):
+        asyncio.run(load_version(vllm, f"ipc://{ns}/v3", 3, real_redis))
+    monkeypatch.setattr(vllm_engine, "current_platform", SimpleNamespace(is_cpu=lambda: False))
+    vllm.args["tensor_parallel_size"] = 2
+    with pytest.raises(ValueError, match=r"this vllm worker holds its weights on 2 GPUs .*: use nccl://, which"):
+        asyncio.run(load_version(vllm, f"ipc://{ns}/v3", 3, real_redis))
 
 
 def test_a_worker_on_another_gpu_is_told_which_gpus_differ(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -303,3 +313,35 @@ def test_a_handle_opens_in_another_process_on_the_same_gpu(tmp_path: Path) -> No
         export.close()
     for name, tensor in tensors.items():
         assert got[name] == [str(tensor.dtype), list(tensor.shape), expected[name]], name
+
+
+@GPU
+@pytest.mark.vllm
+def test_a_vllm_worker_on_the_trainers_gpu_reloads_from_the_trainers_memory(
+    redis_server: RedisServer, ns: str, tiny_model_dir: Path, tiny_model_dir_v1: Path, workers: StartWorker
+) -> None:
+    """vLLM's worker process opens the handle (`rollouts_load_ipc`) and reloads from it: its logprobs are v1's forward
+    pass (to vLLM's CUDA kernels' precision, far closer than to v0's), and the trainer frees v1 once it moved on."""
+    client = RolloutClient(redis_server.url, ns)
+    workers("vllm", "--engine", "vllm", "--kv-cache-bytes", "1000000000")
+    baseline = torch.cuda.memory_allocated(0)
+    v1 = {name: t.to("cuda:0") for name, t in state_dict_of(tiny_model_dir_v1).items()}
+
+    assert client.publish_weights(iter(v1.items()), transport="ipc://") == 1
+    assert client.last_sync.acked == ["vllm"] and client.last_sync.evicted == []
+    client.submit(tokens=[7, 8, 9], n=4, max_tokens=24, temperature=1.0, seed=5, id="after-v1")
+    for rollout in client.collect(1, timeout=120)[0].rollouts:
+        assert rollout.spans == [(1, 0, rollout.n_tokens)]
+        prompt, tokens = rollout.prompt_tokens.tolist(), rollout.tokens.tolist()
+        off_v1 = np.abs(rollout.logprobs - forward_logprobs(tiny_model_dir_v1, prompt, tokens)).max()
+        off_v0 = np.abs(rollout.logprobs - forward_logprobs(tiny_model_dir, prompt, tokens)).max()
+        assert off_v1 < 0.02 and off_v1 < off_v0 / 10, (off_v1, off_v0)
+
+    held = ipc.held_bytes()
+    del v1
+    v0 = {name: t.to("cuda:0") for name, t in state_dict_of(tiny_model_dir).items()}
+    assert client.publish_weights(v0, transport="ipc://") == 2  # v1's buffer is freed once the worker moved on
+    assert IpcTransport(client.streams.redis, ns).versions() == [2] and ipc.held_bytes() == held
+    IpcTransport(client.streams.redis, ns).remove(2)
+    del v0
+    assert torch.cuda.memory_allocated(0) == baseline, "the trainer still holds a buffer"

@@ -6,6 +6,7 @@
 #   moe      benchmarks/probes/moe_routing.py: a random Qwen2-MoE, routed experts returned? trainer routing alike?
 #   moe-reload  the same probe: a MoE reloaded by a sync, its logprobs against the new version's forward pass
 #   lora     bench-lora on a vLLM worker: adapter B's tokens/s while adapter A syncs, each adapter's stall
+#   lora-gap the same, A syncing at a trainer's cadence (a sync a second, `--sync-gap-s 1`) instead of back to back
 #   gateway  bench-gateway on two vLLM workers of one GPU: placement's cache hits and the gateway's overhead
 #   bench    rollouts bench: the engine called directly against the whole pipeline, a hidden-1024 24-layer model
 #   OUT=$OUT STEPS="moe lora" bash benchmarks/device/run_gpu_engine.sh
@@ -38,6 +39,9 @@ for s in ${STEPS:-moe moe-reload lora gateway bench}; do
     lora)
       step lora python3 -m benchmarks bench-lora --engine vllm --dtype bfloat16 --kv-cache-bytes $KV \
         --no-enforce-eager --rounds 5 --b-prompts 16 --a-prompts 16 --tokens 448 ;;
+    lora-gap)
+      step lora-gap python3 -m benchmarks bench-lora --engine vllm --dtype bfloat16 --kv-cache-bytes $KV \
+        --no-enforce-eager --rounds 5 --b-prompts 16 --a-prompts 16 --tokens 448 --sync-gap-s 1 ;;
     gateway)
       step gateway python3 -m benchmarks bench-gateway --engine vllm --dtype bfloat16 --kv-cache-bytes $KV \
         --engine-args '{"gpu_memory_utilization": 0.3}' --workers 2 --sessions 16 --rounds 3 ;;
@@ -47,6 +51,6 @@ consumers.engines.tiny_model import build_tiny_model; build_tiny_model(Path('/tm
 num_layers=24)" >> "$OUT/bench.err" 2>&1
       step bench python3 -m benchmarks bench --engine vllm --model /tmp/bench-model --dtype bfloat16 --prompts 64 \
         --n 4 --max-tokens 256 --rounds 5 --no-enforce-eager --kv-cache-bytes 8000000000 ;;
-    *) echo "unknown step $s (moe, moe-reload, lora, gateway, bench)"; exit 2 ;;
+    *) echo "unknown step $s (moe, moe-reload, lora, lora-gap, gateway, bench)"; exit 2 ;;
   esac
 done

@@ -4,12 +4,13 @@ A private redis-server, `rollouts manager` and one `rollouts worker` (`--engine 
 vllm` with sleep mode) serve a random Qwen2 (`--hidden`, `--layers`); the trainer holds the same model on the same
 device. Each round: generate a batch (`--prompts` x `--n`, `--max-tokens`), then (with `--level` 1 or 2)
 `RolloutClient.sleep(level)`, a training step (AdamW, the batch's tokens' negative log-likelihood), then
-`publish_weights` (which wakes the worker, loads and resumes it). `--level 0` is the same loop with no sleep, the
-baseline. Per round: each phase's seconds, the device's free memory before and after the sleep (what it freed), the
-trainer's peak memory in its step, and the worker's status while asleep. JSON on stdout: the rounds, and the medians
-of all but the first (a warm-up).
+`publish_weights` by `--transport` (which wakes the worker, loads and resumes it; `ipc://` hands the trainer's GPU
+memory over). `--level 0` is the same loop with no sleep, the baseline. Per round: each phase's seconds, the sync's
+stall, the device's free memory before and after the sleep (what it freed), the trainer's peak memory in its step,
+and the worker's status while asleep. JSON on stdout: the rounds, and the medians of all but the first (a warm-up).
 
     python benchmarks/probes/colocated_cycle.py --engine vllm --device cuda:0 --level 1 --rounds 6
+    python benchmarks/probes/colocated_cycle.py --engine vllm --device cuda:0 --level 2 --transport ipc://
     python benchmarks/probes/colocated_cycle.py --engine torch --device cuda:0 --level 0 --rounds 6
 """
 
@@ -101,7 +102,7 @@ def cycle(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 row["trainer_peak"] = train_step(model, optimizer, batch, args.device)
                 row["train_s"] = time.perf_counter() - started
                 started = time.perf_counter()
-                row["version"] = client.publish_weights(model)
+                row["version"] = client.publish_weights(model, transport=args.transport)
                 row["publish_s"] = time.perf_counter() - started
                 row["stall_s"] = client.last_sync.stall_s if client.last_sync else None
                 row["cycle_s"] = time.perf_counter() - began
@@ -114,10 +115,11 @@ def cycle(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     timed = rounds[1:] or rounds
     medians = {
         key: statistics.median(r[key] for r in timed)
-        for key in ("generate_s", "sleep_s", "train_s", "publish_s", "cycle_s", "freed_mib")
+        for key in ("generate_s", "sleep_s", "train_s", "publish_s", "stall_s", "cycle_s", "freed_mib")
         if all(r.get(key) is not None for r in timed)
     }
-    settings = {k: getattr(args, k) for k in ("engine", "device", "level", "hidden", "layers", "prompts", "n")}
+    names = ("engine", "device", "level", "transport", "hidden", "layers", "prompts", "n")
+    settings = {k: getattr(args, k) for k in names}
     return {"settings": settings | {"max_tokens": args.max_tokens}, "medians": medians, "rounds": rounds}
 
 
@@ -128,6 +130,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="the worker's and the trainer's device")
     parser.add_argument("--dtype", default="float32", help="the trainer's and the worker's dtype")
     parser.add_argument("--level", type=int, choices=[0, 1, 2], default=1, help="0: no sleep (the baseline)")
+    parser.add_argument("--transport", default="redis://", help="publish_weights' transport (ipc://: CUDA IPC)")
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=4)

@@ -17,6 +17,7 @@ import numpy as np
 from pipeline.wire import LOGPROBS_MODES, MAX_SAMPLES, FinishReason, LogprobsMode, PauseMode, Sampling, Span
 
 if TYPE_CHECKING:
+    from staleness.weights.ipc import Manifest
     from staleness.weights.nccl import BroadcastLink
 
 
@@ -144,6 +145,12 @@ class Engine(Protocol):
         """Receive a version the trainer broadcasts (`nccl://`, `staleness.weights.nccl`) and load it in place."""
         ...
 
+    async def load_ipc(self, manifest: Manifest) -> None:
+        """Open a version a trainer on the same GPU hands over by CUDA IPC (`ipc://`, `staleness.weights.ipc`) where
+        the weights live, and load it in place with a device-to-device copy. `ValueError` (before anything is opened)
+        from an engine that cannot reach the trainer's GPU, saying what to use instead."""
+        ...
+
     def check_fits(self, shapes: Mapping[str, tuple[int, ...]], source: object) -> None:
         """Raise `ValueError` if tensors of these names and shapes cannot be loaded into the model."""
         ...
@@ -178,6 +185,17 @@ class EngineLifecycle:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.shutdown()
+
+
+class LoadsIpcInProcess:
+    """The `ipc://` half of `Engine` for an engine whose weights, if on a GPU, live in the worker's own process: the
+    one copy (`staleness.weights.ipc.load_in_process`, which refuses an engine on the CPU or in a process of its
+    own)."""
+
+    async def load_ipc(self, manifest: Manifest) -> None:
+        from staleness.weights.ipc import load_in_process  # torch: only a worker that loads ipc:// needs it
+
+        await load_in_process(self, manifest)  # type: ignore[arg-type]  # the engine that mixes this in is one
 
 
 class ServesNoAdapters:

@@ -30,7 +30,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from consumers.engines.base import Engine, EngineClosedError, EngineLifecycle, Generation, check_request
+from consumers.engines.base import (
+    Engine,
+    EngineClosedError,
+    EngineLifecycle,
+    Generation,
+    LoadsIpcInProcess,
+    check_request,
+)
 from consumers.engines.engine_channel import Channel, error_from_wire, generation_from_wire, pack_tensors
 from consumers.engines.model_files import WeightLayout
 from pipeline.wire import PauseMode, Sampling
@@ -47,7 +54,7 @@ EXIT_CODE_WAIT_S = 2.0
 """How long the end of the channel waits for the process's exit code, which names why it ended ("exited (code -9)")."""
 
 
-class ProcessEngine(EngineLifecycle):
+class ProcessEngine(LoadsIpcInProcess, EngineLifecycle):
     """The `Engine` protocol, served by engine `kind` in a child process (see the module)."""
 
     in_process = False

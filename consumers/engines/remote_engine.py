@@ -103,6 +103,11 @@ NO_BROADCAST = (
     "each of the server's worker processes (vLLM's own NCCL weight transfer, not wired here): publish with fs:// "
     "(a directory the server sees) or redis://"
 )
+NO_IPC = (
+    "ipc:// needs the trainer and the worker on the same GPU, and opens that buffer where the weights live, but a "
+    "remote engine's weights live in a server this worker reaches over HTTP: publish with fs:// (a directory the "
+    "server sees) or redis://"
+)
 
 
 class PauseHolders(Protocol):
@@ -441,6 +446,9 @@ class RemoteVllmEngine(ServesNoAdapters, EngineLifecycle):
 
     async def load_broadcast(self, link: Any) -> None:
         raise ValueError(NO_BROADCAST)
+
+    async def load_ipc(self, manifest: Any) -> None:
+        raise ValueError(NO_IPC)
 
     async def _load(self, version: int, method: str, **rpc: Any) -> None:
         """Run a reload on the server while paused (pausing with `keep` if not paused), then relabel.

@@ -37,6 +37,7 @@ from consumers.engines.base import (
     EngineInputError,
     EngineLifecycle,
     Generation,
+    LoadsIpcInProcess,
     ServesNoAdapters,
     check_request,
     refuse_adapter,
@@ -68,7 +69,7 @@ class _Run:
         return min(len(self.tokens), self.done + running)
 
 
-class SyntheticEngine(ServesNoAdapters, EngineLifecycle):
+class SyntheticEngine(ServesNoAdapters, LoadsIpcInProcess, EngineLifecycle):
     name = "synthetic"
     weight_receivers = 1
     max_batch_tokens: int | None = None

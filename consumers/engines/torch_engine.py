@@ -33,7 +33,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from consumers.engines.base import EngineClosedError, EngineInputError, EngineLifecycle, Generation, check_request
+from consumers.engines.base import (
+    EngineClosedError,
+    EngineInputError,
+    EngineLifecycle,
+    Generation,
+    LoadsIpcInProcess,
+    check_request,
+)
 from consumers.engines.lora import LoraModule, ParsedAdapter, linear_shapes, module_types, parse_adapter
 from consumers.engines.model_files import WeightLayout, read_model_limits
 from pipeline.wire import PAUSE_MODES, SLEEP_LEVELS, FinishReason, PauseMode, Sampling
@@ -95,7 +102,7 @@ class _Adapter:
     weights: ParsedAdapter
 
 
-class TorchEngine(EngineLifecycle):
+class TorchEngine(LoadsIpcInProcess, EngineLifecycle):
     """The `Engine` protocol on a transformers causal LM (full attention models).
 
     Args:

@@ -35,7 +35,9 @@ tokens with `finish_reason="stop"`.
   base-model row batched with adapter rows got the adapter of the last slot; `start` has every worker mask those
   rows (`RolloutsWorkerExtension.rollouts_mask_base_lora_rows`).
 - `load_weights` reloads a safetensors checkpoint in place (`collective_rpc("reload_weights")`),
-  `load_tensors` sends tensors through `RolloutsWorkerExtension` (vLLM's `worker_extension_cls`).
+  `load_tensors` sends tensors through `RolloutsWorkerExtension` (vLLM's `worker_extension_cls`), and so do
+  `load_broadcast` (each worker process takes a rank of the `nccl://` broadcast) and `load_ipc` (the worker
+  process opens the trainer's CUDA IPC handle on their shared GPU: `ipc://`, one GPU only).
   Both check names and shapes against the model's own checkpoint first, since a reload that fails
   half way leaves vLLM's model unusable. Loads happen while the scheduler is paused (`keep`), with
   the KV and prefix caches dropped, so every token is exactly of one version; after `pause("inflight")`
@@ -98,6 +100,7 @@ from consumers.engines.model_files import (
 from consumers.engines.vllm_common import VLLM_FINISH_REASONS, vllm_spans
 from consumers.orphans import reap_on_death
 from pipeline.wire import PAUSE_MODES, FinishReason, PauseMode, Sampling
+from staleness.weights.ipc import SAME_GPU, Manifest, check_fits
 from staleness.weights.nccl import BroadcastLink
 
 log = logging.getLogger(__name__)
@@ -774,6 +777,22 @@ class VllmEngine(EngineLifecycle):
         blob = await asyncio.to_thread(save, tensors)
         await self._load(version, "rollouts_load_safetensors", args=(blob,))
         log.info("loaded weights version %d from %d tensors", version, len(tensors))
+
+    async def load_ipc(self, manifest: Manifest) -> None:
+        """Have vLLM's worker process open a version that a trainer on the same GPU hands over by CUDA IPC and reload
+        from it in place (`RolloutsWorkerExtension.rollouts_load_ipc`: no byte through the host). `ValueError` before
+        anything is opened on the CPU, over several GPUs, or for tensors the model does not take; from the worker
+        process, if its GPU is not the trainer's."""
+        if current_platform.is_cpu():
+            raise ValueError(f"{SAME_GPU}, but this vllm worker runs on the CPU: use nccl:// or fs://")
+        if self.weight_receivers > 1:
+            raise ValueError(
+                f"{SAME_GPU}, and hands over that one GPU's buffer, but this vllm worker holds its weights on "
+                f"{self.weight_receivers} GPUs (tensor or pipeline parallel): use nccl://, which reaches every one"
+            )
+        check_fits(self, manifest)
+        await self._load(manifest.version, "rollouts_load_ipc", args=(manifest.to_json(), manifest.version))
+        log.info("loaded weights version %d from the trainer's GPU memory (ipc://)", manifest.version)
 
     @property
     def weight_receivers(self) -> int:

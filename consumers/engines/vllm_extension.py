@@ -1,7 +1,7 @@
 """The half of the `vllm` engine that runs inside vLLM's worker processes: `RolloutsWorkerExtension`, mixed into
 vLLM's worker class (`worker_extension_cls`, named by `vllm_engine.EXTENSION`). It loads weights sent as a
-safetensors blob, receives `nccl://` broadcasts, and masks base-model rows in vLLM's CPU LoRA ops. Kept apart from
-`vllm_engine` so that every vLLM worker process imports only this and what it needs."""
+safetensors blob, receives `nccl://` broadcasts, opens `ipc://` handovers, and masks base-model rows in vLLM's CPU
+LoRA ops. Kept apart from `vllm_engine` so that every vLLM worker process imports only this and what it needs."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors.torch import load
 
+from staleness.weights.ipc import Manifest, opened
 from staleness.weights.nccl import BroadcastLink, prepare_receiver, receive_broadcast
 
 
@@ -37,6 +38,14 @@ class RolloutsWorkerExtension:
         tensors = load(blob)
         self.reload_weights(weights_iterator=iter(tensors.items()))
         return len(tensors)
+
+    def rollouts_load_ipc(self, manifest: str, version: int) -> int:
+        """Open version `version`, which a trainer on this GPU hands over by CUDA IPC (`staleness.weights.ipc`'s JSON
+        manifest), and reload from it in place: a device-to-device copy, waited for before this returns (the trainer
+        may free the buffer once the worker acks). `ValueError` if this process's GPU is not the trainer's."""
+        with opened(Manifest.from_json(manifest, "the manifest sent", version), self.device) as tensors:
+            self.reload_weights(weights_iterator=iter(tensors.items()))
+            return len(tensors)
 
     def rollouts_mask_base_lora_rows(self) -> int:
         """Make vLLM's CPU LoRA ops leave base-model rows alone in a batch with adapter rows (vLLM 0.32).

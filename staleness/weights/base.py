@@ -22,6 +22,7 @@ from pipeline.wire import ADAPTER_PATTERN, Keys
 from staleness.weights.fused import to_checkpoint
 
 if TYPE_CHECKING:
+    from staleness.weights.ipc import Manifest
     from staleness.weights.nccl import BroadcastLink
 
 Scheme = Literal["fs", "redis", "nccl", "ipc"]
@@ -53,6 +54,8 @@ class LoadsWeights(Protocol):
     async def prepare_broadcast(self, link: BroadcastLink) -> None: ...
 
     async def load_broadcast(self, link: BroadcastLink) -> None: ...
+
+    async def load_ipc(self, manifest: Manifest) -> None: ...
 
     def check_fits(self, shapes: Mapping[str, tuple[int, ...]], source: object) -> None:
         """Raise `ValueError` if tensors of these names and shapes cannot be loaded into the model."""

@@ -18,9 +18,11 @@ but the version it just synced), so the current version stays open for workers t
 live in this process (`_HELD`: `publish_weights` opens a transport per call), and a version lives only as long
 as the trainer process that published it.
 
-Where it cannot work it says so: a worker on another GPU or host, or on the CPU, and the vLLM engine, whose
-weights live in its own engine processes (vLLM's own IPC weight transfer needs its CUDA build).
-No pickle: handles go as base64 strings in JSON.
+The engine opens the version where its weights live (`Engine.load_ipc`): the torch engine in the worker's process
+(`load_in_process`), vLLM in each of its worker processes (`RolloutsWorkerExtension.rollouts_load_ipc`, on the same
+`opened`), each checking first that it runs on the trainer's GPU. Where it cannot work it says so: a worker on
+another GPU or host, on the CPU, or in a process of its own, and vLLM on the CPU or over several GPUs.
+No pickle: handles go as base64 strings in JSON, to vLLM's processes too.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import socket
 import sys
 import time
 from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,11 +59,6 @@ from staleness.weights.buckets import ALIGN, TensorMeta, dtype_from_name, dtype_
 MANIFEST_V = 1
 FORMAT = "cuda-ipc"
 SAME_GPU = "ipc:// needs the trainer and the worker on the same GPU"
-VLLM_REFUSAL = (
-    "the vllm engine cannot load ipc:// weights: its model lives in vLLM's own engine processes, which would have "
-    "to open the handles themselves (vLLM's IPC weight transfer, `init_weight_transfer_engine` with backend 'ipc', "
-    "needs vLLM's CUDA build and is not driven by this pipeline); use nccl:// or fs://"
-)
 
 
 @dataclass(frozen=True)
@@ -358,10 +356,9 @@ def held_bytes() -> int:
 
 
 def ipc_device(engine: object) -> torch.device:
-    """The GPU whose memory the engine's weights live in, or `ValueError` saying why ipc:// cannot reach them."""
+    """The GPU whose memory an in-process engine's weights live in, or `ValueError` saying why ipc:// cannot reach
+    them."""
     name = getattr(engine, "name", type(engine).__name__)
-    if name == "vllm":
-        raise ValueError(VLLM_REFUSAL)
     if not getattr(engine, "in_process", True):
         raise ValueError(
             f"{SAME_GPU}, and it opens that buffer in the worker's process, but this {name} worker's engine runs "
@@ -394,7 +391,8 @@ def check_same_gpu(manifest: Manifest, device: torch.device) -> None:
 
 
 def open_tensors(manifest: Manifest, device: torch.device) -> dict[str, torch.Tensor]:
-    """Views of the trainer's buffer, opened on `device` (the same GPU, maybe under another index), by name."""
+    """Views of the trainer's buffer, opened on `device` (the same GPU, maybe under another index), by name.
+    `ValueError` if the handle cannot be opened (its trainer is gone) or a tensor lies outside the buffer."""
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     try:
@@ -416,25 +414,49 @@ def open_tensors(manifest: Manifest, device: torch.device) -> dict[str, torch.Te
     return tensors
 
 
-async def load_ipc(engine: LoadsWeights, uri: str, version: int, redis_client: redis.Redis | None) -> None:
-    """Open version `version` of `ipc://NS/v{n}` on the engine's GPU and load it (a device-to-device copy).
+@contextmanager
+def opened(manifest: Manifest, device: torch.device) -> Iterator[dict[str, torch.Tensor]]:
+    """The version's tensors opened on `device` after the same-GPU check; on leaving, the copies out of them are
+    waited for and the views dropped, so that the caller acks only once it no longer reads the trainer's buffer."""
+    check_same_gpu(manifest, device)
+    tensors = open_tensors(manifest, device)
+    try:
+        yield tensors
+    finally:
+        torch.cuda.synchronize(device)
+        tensors.clear()
 
-    Refusals come before anything is opened (`ValueError`: another GPU or host, a CPU worker, vLLM);
-    `FileNotFoundError`: no such version. The copy is waited for before the mapping is dropped, so the
-    worker acks only once it no longer reads the trainer's buffer."""
+
+async def load_in_process(engine: LoadsWeights, manifest: Manifest) -> None:
+    """`Engine.load_ipc` of an engine whose weights live in the worker's own process (torch): open the version on
+    the engine's GPU and load it with a device-to-device copy (`engine.load_tensors`). `ValueError` before anything
+    is opened: first for an engine that runs on the CPU, on no GPU or in a process of its own, then for tensors its
+    model does not take (`check_fits`)."""
+    device = ipc_device(engine)
+    check_fits(engine, manifest)
+    handover = opened(manifest, device)
+    tensors = await asyncio.to_thread(handover.__enter__)  # the CUDA calls off the event loop, as the wait below
+    try:
+        await engine.load_tensors(tensors, manifest.version)
+    finally:
+        await asyncio.to_thread(handover.__exit__, None, None, None)
+
+
+async def load_ipc(engine: LoadsWeights, uri: str, version: int, redis_client: redis.Redis | None) -> None:
+    """Read version `version` of `ipc://NS/v{n}`'s manifest and have the engine open and load it (`engine.load_ipc`:
+    in the worker's process, or in the engine's own processes, vLLM's). `FileNotFoundError`: no such version;
+    `ValueError`: a bad uri or manifest, an engine that cannot reach the trainer's GPU (saying what to use instead),
+    or tensors the model does not take."""
     parsed = parse_uri(uri)
     version = check_version(version)
     if parsed.version is not None and parsed.version != version:
         raise ValueError(f"weights uri {uri!r} names version {parsed.version}, not {version}")
-    device = ipc_device(engine)
     if redis_client is None:
         raise ValueError(f"loading {uri} needs the worker's Redis client")
     manifest = await asyncio.to_thread(read_manifest, redis_client, parsed.location, version)
-    check_same_gpu(manifest, device)
-    engine.check_fits({m.name: m.shape for m, _ in manifest.tensors}, uri)
-    tensors = await asyncio.to_thread(open_tensors, manifest, device)
-    try:
-        await engine.load_tensors(tensors, version)
-    finally:
-        await asyncio.to_thread(torch.cuda.synchronize, device)
-        tensors.clear()
+    await engine.load_ipc(manifest)
+
+
+def check_fits(engine: LoadsWeights, manifest: Manifest) -> None:
+    """`engine.check_fits` for the tensors the manifest names (what an engine's `load_ipc` calls before it opens)."""
+    engine.check_fits({m.name: m.shape for m, _ in manifest.tensors}, f"ipc:// version {manifest.version}")
