@@ -586,6 +586,7 @@ class Worker:
             reward_fn=prompt.reward_fn,
             cached_tokens=generation.cached_tokens,
             adapter=prompt.adapter,
+            routed_experts=generation.routed_experts if len(tokens) else None,
         )
 
     # -- weight syncs: the worker's side of the protocol in staleness.manager ----------------

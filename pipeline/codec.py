@@ -15,6 +15,7 @@ from typing import Any, cast
 import numpy as np
 from redis.typing import EncodableT, FieldT, KeyT, StreamIdT
 
+INT16 = np.dtype("<i2")
 INT32 = np.dtype("<i4")
 FLOAT32 = np.dtype("<f4")
 _ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, check_circular=False)

@@ -10,6 +10,7 @@ raw little-endian float32, small maps as JSON.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from typing import Annotated, Any, Literal, TypeGuard, TypeVar
@@ -19,6 +20,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 
 from pipeline.codec import (
     FLOAT32,
+    INT16,
     INT32,
     CodecError,
     decode_array,
@@ -86,6 +88,7 @@ def _as_array(value: Any, dtype: np.dtype) -> np.ndarray:
 
 
 Int32Array = Annotated[np.ndarray, BeforeValidator(lambda value: _as_array(value, INT32))]
+Int16Array = Annotated[np.ndarray, BeforeValidator(lambda value: _as_array(value, INT16))]
 Float32Array = Annotated[np.ndarray, BeforeValidator(lambda value: _as_array(value, FLOAT32))]
 
 
@@ -242,6 +245,10 @@ class Sampling(BaseModel):
     logprobs_mode: str = "raw"
     """`raw` or `processed` (`LogprobsMode`); any other value is a problem (an error rollout), not a decode error. Left
     out of the entry at its default, so that a prompt that does not ask is what it was before the field existed."""
+    routed_experts: bool = False
+    """Return the experts a mixture-of-experts model routed each position to (`Rollout.routed_experts`), for rollout
+    routing replay: the trainer routes its forward pass as the engine did. An engine that cannot answers with an error
+    rollout that says why. Left out of the entry at its default, as `logprobs_mode`."""
 
     def problems(self) -> list[str]:
         found = []
@@ -355,6 +362,12 @@ class Rollout(BaseModel):
     adapter: str | None = Field(default=None, pattern=ADAPTER_PATTERN)
     """The LoRA adapter it was generated under (its prompt's); `version`, `version_end` and `spans` are then that
     adapter's versions. None: the base model."""
+    routed_experts: Int16Array | None = None
+    """The experts the engine routed each position to, int16 `[positions, layers, top_k]`, when its prompt asked
+    (`Sampling.routed_experts`): positions are `prompt_tokens` then `tokens` but the last (every token the model
+    read), the experts of each layer with experts in the engine's order. Each position's as the engine last computed
+    it (a sample continued after a sync was read again by the new version). None: not asked, or no token
+    generated."""
 
     @property
     def id(self) -> str:
@@ -407,6 +420,9 @@ class Rollout(BaseModel):
             fields[b"cached_tokens"] = str(self.cached_tokens).encode()
         if self.adapter is not None:
             fields[b"adapter"] = self.adapter.encode()
+        if self.routed_experts is not None:
+            fields[b"routed_experts"] = np.ascontiguousarray(self.routed_experts, dtype=INT16).tobytes()
+            fields[b"routed_experts_shape"] = encode_json(list(self.routed_experts.shape))
         return fields
 
     @classmethod
@@ -433,6 +449,7 @@ class Rollout(BaseModel):
                 mask=get.json(b"mask", None),
                 cached_tokens=get.optional_text(b"cached_tokens"),
                 adapter=get.optional_text(b"adapter"),
+                routed_experts=_routes(get),
             )
             rollout.check()
             return rollout
@@ -457,6 +474,14 @@ class Rollout(BaseModel):
         _check_spans(self.spans, len(self.tokens))
         if self.mask is not None:
             _check_mask(self.mask, len(self.tokens))
+        if self.routed_experts is not None:
+            positions = len(self.prompt_tokens) + len(self.tokens) - 1
+            shape = self.routed_experts.shape
+            if len(shape) != 3 or shape[0] != positions:
+                raise WireError(
+                    f"routed_experts: shape {list(shape)}, expected [{positions}, layers, top_k] (prompt_tokens and "
+                    "tokens but the last)"
+                )
 
     def model_token_mask(self) -> np.ndarray:
         """A bool per token: True where the model wrote it (`mask`), False on template, tool and user tokens."""
@@ -571,6 +596,17 @@ def _check_sample(sample: int, n: int) -> None:
     missing one's group open for ever)."""
     if sample >= n:
         raise WireError(f"sample: {sample} is not below n={n}")
+
+
+def _routes(get: _FieldReader) -> np.ndarray | None:
+    """`routed_experts` from its bytes and `routed_experts_shape` (None if absent); `WireError` if they disagree."""
+    if b"routed_experts" not in get.fields:
+        return None
+    shape = get.json(b"routed_experts_shape", None)
+    flat = get.array(b"routed_experts", INT16)
+    if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)) or math.prod(shape) != len(flat):
+        raise WireError(f"routed_experts_shape: {shape!r} does not describe the {len(flat)} values of routed_experts")
+    return flat.reshape(shape)
 
 
 def _check_spans(spans: list[Span], n_tokens: int) -> None:

@@ -336,6 +336,7 @@ class RolloutClient:
         timeout: float | None = None,
         adapter: str | None = None,
         logprobs_mode: LogprobsMode = "raw",
+        routed_experts: bool = False,
     ) -> str:
         """Queue one prompt (text through the tokenizer and its chat template, or token ids); returns its id.
 
@@ -348,6 +349,11 @@ class RolloutClient:
         log_softmax of the model's logits; `processed`, of the distribution sampled from (temperature and top-p
         applied). The torch engine serves either per request; a vLLM worker reports the one its engine was started
         with (vLLM sets it per engine) and answers a prompt that asks for the other with an error rollout.
+
+        `routed_experts`: the rollouts carry the experts a mixture-of-experts policy routed each position to
+        (`Rollout.routed_experts`, int16 `[prompt + tokens - 1, layers, top_k]`) for rollout routing replay. Served
+        by the torch engine (transformers' TopKRouter models) and by vLLM started with `enable_return_routed_experts`
+        (its CUDA build); any other worker answers with an error rollout that says so.
         """
         item = self.make_prompt(
             prompt,
@@ -360,6 +366,7 @@ class RolloutClient:
                 stop_token_ids=list(stop_token_ids),
                 seed=seed,
                 logprobs_mode=logprobs_mode,
+                routed_experts=routed_experts,
             ),
             meta=meta,
             id=id,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -26,6 +27,18 @@ def forward_logprobs(model_dir: Path, prompt: list[int], tokens: list[int]) -> n
     logprobs = torch.log_softmax(logits, dim=-1)
     positions = torch.arange(len(prompt) - 1, len(prompt) + len(tokens) - 1)
     return logprobs[positions, torch.tensor(tokens, dtype=torch.long)].numpy()
+
+
+def forward_routes(model_dir: Path, tokens: list[int]) -> np.ndarray:
+    """The experts each position of `tokens` is routed to in every layer of a mixture of experts, one forward pass:
+    `[len(tokens), layers, top_k]`, each row sorted (the order within a top-k is the engine's own)."""
+    model = load_model(Path(model_dir))
+    with torch.inference_mode():
+        out = model(torch.tensor([list(tokens)]), output_router_logits=True)
+    config: Any = model.config  # a transformers model's
+    top_k = int(config.num_experts_per_tok)
+    layers = [logits.float().topk(top_k, dim=-1).indices.sort(dim=-1).values for logits in out.router_logits]
+    return torch.stack(layers, dim=1).numpy()
 
 
 def processed_logprobs(

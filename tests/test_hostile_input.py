@@ -238,7 +238,7 @@ class FakeEngine:
     vocab_size = VOCAB
 
     async def generate(self, request_id: str, prompt_tokens: np.ndarray, sampling: Sampling) -> Generation:
-        check_request(prompt_tokens, sampling, self.max_model_len, self.vocab_size)
+        check_request(prompt_tokens, sampling, self.max_model_len, self.vocab_size, no_routes="it has no model")
         if sampling.seed is not None:  # what the torch engine does with it, for every row of a batch
             sampling_uniform(torch.tensor([sampling.seed]), torch.tensor([0]))
         k = min(2, sampling.max_tokens)

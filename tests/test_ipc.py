@@ -157,7 +157,8 @@ def test_engines_that_cannot_reach_the_trainers_gpu_refuse_before_opening_anythi
     with pytest.raises(ValueError, match=r"names version 3, not 4"):
         asyncio.run(load_version(cpu, f"ipc://{ns}/v3", 4, real_redis))
 
-    vllm = VllmEngine(tiny_model_dir)  # not started: vLLM's CPU build, where no CUDA IPC exists
+    vllm = VllmEngine(tiny_model_dir)  # not started: the refusals need no engine (the platform set as each asks)
+    monkeypatch.setattr(vllm_engine, "current_platform", SimpleNamespace(is_cpu=lambda: True))
     with pytest.raises(ValueError, match=rf"{SAME_GPU}, but this vllm worker runs on the CPU: use nccl:// or fs://"):
         asyncio.run(load_version(vllm, f"ipc://{ns}/v3", 3, real_redis))
     monkeypatch.setattr(vllm_engine, "current_platform", SimpleNamespace(is_cpu=lambda: False))

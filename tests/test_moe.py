@@ -1,27 +1,34 @@
 """A mixture-of-experts policy (a random Qwen2-MoE: 8 experts, top-2, a shared expert) through the whole pipeline: a
 torch worker and a vLLM worker serve it, every token's logprob its version's forward pass. The torch worker takes a
 sync (the checkpoint's per-expert tensors merged into transformers' fused ones); vLLM's CPU build reloads MoE weights
-wrongly, so its worker refuses the sync in one line and its samples finish elsewhere. Routed experts are not on the
-wire (vLLM 0.32's CPU build cannot return them; on the GPU see `benchmarks/probes/moe_routing.py`)."""
+wrongly, so its worker refuses the sync in one line and its samples finish elsewhere. Rollouts carry each position's
+routed experts when asked (rollout routing replay): the torch engine's, across a sync, and the refusals of engines that
+cannot. vLLM 0.32's CPU build cannot return them (its model runner V2 needs Triton); its CUDA build's are tested on a
+GPU (skipped elsewhere, run on the device machine: `benchmarks/device/run_gpu_tests.sh`)."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 import redis
 import torch
 
+from consumers.engines.base import EngineInputError
 from consumers.engines.tiny_model import build_tiny_model
 from pipeline.local import RedisServer
 from pipeline.processes import start_worker, stop_processes, wait_for_worker
+from pipeline.wire import Sampling
 from producers.client import RolloutClient
 from staleness.weights.base import read_checkpoint, state_dict_of
 from staleness.weights.fused import is_fused, to_module
 from tests.fixtures import FAST
-from tests.reference import check_spans_and_logprobs
+from tests.reference import check_spans_and_logprobs, forward_routes
 
 
 @pytest.fixture(scope="module")
@@ -90,3 +97,91 @@ def test_a_moe_policy_serves_exactly_on_torch_and_vllm_and_syncs_into_torch_whil
         for rollout in group.rollouts:  # MoE routing and all: v0's on both engines, v1's on torch after its merge
             check_spans_and_logprobs(rollout, moe_models)
     assert any(len(r.spans) == 2 for g in groups for r in g.rollouts)  # interrupted samples went on under v1
+
+
+def test_rollouts_carry_the_experts_the_torch_engine_routed_each_position_to_across_a_sync(
+    redis_server: RedisServer, ns: str, moe_models: dict[int, Path], tmp_path: Path
+) -> None:
+    """Routing replay's input: every position of prompt and tokens but the last, each layer's top-k, as the version
+    that last read it routed it (a sample interrupted by the sync was read again by v1 when it went on)."""
+    beat = redis.Redis.from_url(redis_server.url)
+    worker = start_worker(redis_server.url, ns, moe_models[0], "torch-moe", *FAST, log_file=tmp_path / "w.log")
+    try:
+        wait_for_worker(beat, ns, "torch-moe", worker, timeout_s=240)
+        client = RolloutClient(redis_server.url, ns)
+        for i in range(8):
+            client.submit(tokens=[5 + i, 6, 7, 8], n=2, max_tokens=300, seed=i, routed_experts=i > 0, id=f"p{i}")
+        first = client.collect(1, timeout=120)  # the rest are still running when the sync interrupts them
+        assert client.publish_weights(moe_models[1], mode="abort") == 1
+        groups = first + client.collect(7, timeout=240)
+    finally:
+        stop_processes([worker])
+        beat.close()
+    assert sorted(g.prompt_id for g in groups) == [f"p{i}" for i in range(8)]
+    rollouts = [r for g in groups for r in g.rollouts]
+    assert any(len(r.spans) == 2 for r in rollouts), "no sample was interrupted by the sync"
+    for rollout in rollouts:
+        if rollout.prompt_id == "p0":  # not asked
+            assert rollout.routed_experts is None
+            continue
+        sequence = rollout.prompt_tokens.tolist() + rollout.tokens.tolist()[:-1]
+        assert rollout.routed_experts is not None and rollout.routed_experts.shape == (len(sequence), 2, 2)
+        expected = forward_routes(moe_models[rollout.spans[-1][0]], sequence)
+        assert np.array_equal(np.sort(rollout.routed_experts, axis=-1), expected), rollout.id
+
+
+def test_engines_that_cannot_route_answer_with_a_line_that_says_what_to_start(tiny_model_dir: Path) -> None:
+    """A dense model on the torch engine, vLLM without `enable_return_routed_experts`, the synthetic engine."""
+    from consumers.engines.synthetic_engine import SyntheticEngine
+    from consumers.engines.torch_engine import TorchEngine
+    from consumers.engines.vllm_engine import VllmEngine
+
+    asked = Sampling(max_tokens=4, routed_experts=True)
+    prompt = np.array([5, 6, 7])
+    torch_engine = TorchEngine(tiny_model_dir)
+    with pytest.raises(EngineInputError, match=r"routed_experts were asked for, but the model has no mixture-of"):
+        asyncio.run(_generate_then_stop(torch_engine, prompt, asked))
+    with pytest.raises(EngineInputError, match=r"start it with --engine-args '\{\"enable_return_routed_experts\": "):
+        asyncio.run(VllmEngine(tiny_model_dir).generate("r", prompt, asked))  # refused before vLLM starts
+    with pytest.raises(EngineInputError, match=r"the synthetic engine runs no model, so it routes nothing"):
+        asyncio.run(SyntheticEngine().generate("r", prompt, asked))
+
+
+async def _generate_then_stop(engine: Any, prompt: np.ndarray, sampling: Sampling) -> None:
+    try:
+        await engine.generate("r", prompt, sampling)
+    finally:
+        await engine.shutdown()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="vLLM returns routed experts on its CUDA build only")
+@pytest.mark.vllm
+def test_a_vllm_worker_on_a_gpu_puts_its_routed_experts_on_the_wire(
+    redis_server: RedisServer, ns: str, moe_models: dict[int, Path], tmp_path: Path
+) -> None:
+    """vLLM started with `enable_return_routed_experts`: one route per position of prompt and tokens but the last, each
+    layer's top-2 of 8 experts, mostly the trainer's (a GPU's kernels are not the trainer's, so not all: chance is
+    1/28 a pair)."""
+    beat = redis.Redis.from_url(redis_server.url)
+    args = ("--engine", "vllm", "--kv-cache-bytes", "1000000000", "--engine-args",
+            '{"enable_return_routed_experts": true}')  # fmt: skip
+    worker = start_worker(redis_server.url, ns, moe_models[0], "vllm-moe", *FAST, *args, log_file=tmp_path / "w.log")
+    try:
+        wait_for_worker(beat, ns, "vllm-moe", worker, timeout_s=300)
+        client = RolloutClient(redis_server.url, ns)
+        for i in range(4):
+            client.submit(tokens=[5 + i, 6, 7, 8], n=2, max_tokens=48, seed=i, routed_experts=True)
+        rollouts = [r for g in client.collect(4, timeout=240) for r in g.rollouts]
+    finally:
+        stop_processes([worker])
+        beat.close()
+    same = total = 0
+    for rollout in rollouts:
+        sequence = rollout.prompt_tokens.tolist() + rollout.tokens.tolist()[:-1]
+        assert rollout.routed_experts is not None and rollout.routed_experts.shape == (len(sequence), 2, 2)
+        assert rollout.routed_experts.min() >= 0 and rollout.routed_experts.max() < 8
+        expected = forward_routes(moe_models[0], sequence)
+        same += int((np.sort(rollout.routed_experts, axis=-1) == expected).all(axis=-1).sum())
+        total += expected.shape[0] * expected.shape[1]
+    print(f"routed alike the trainer's fp32 forward pass: {same / total:.3f} of {total} (position, layer) pairs")
+    assert same / total > 0.5

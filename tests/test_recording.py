@@ -39,7 +39,8 @@ WITNESS = "witness"
 
 
 def synthetic_group(prompt_id: str, n: int = 3, version: int = 0, seed: int = 0, tokens: int = 40) -> list[Rollout]:
-    """A group with the awkward cases: an error sample, rewards and a reward error, float32 edge values, nested meta."""
+    """A group with the awkward cases: an error sample, rewards and a reward error, float32 edge values, nested meta,
+    routed experts (sample 0: int16's whole range, one per prompt and generated token but the last)."""
     rng = np.random.default_rng(seed)
     group = []
     for k in range(n):
@@ -66,6 +67,7 @@ def synthetic_group(prompt_id: str, n: int = 3, version: int = 0, seed: int = 0,
                 error="prompt is too long for the context (600 > 512)" if k == 1 else None,
                 reward_fn="my_rewards:exact_match",
                 reward_error="my_rewards:exact_match: ValueError: no answer" if k == 1 else None,
+                routed_experts=rng.integers(-(2**15), 2**15, (6 + length, 3, 2), dtype=np.int16) if k == 0 else None,
             )
         )
     return group
@@ -123,6 +125,10 @@ def test_rows_round_trip_every_field_bit_for_bit_and_pandas_pyarrow_datasets_rea
     assert np.array_equal(frame["tokens"].iloc[3], rollouts[3].tokens)
     assert json.loads(frame["meta"].iloc[0]) == rollouts[0].meta
     assert frame["reward"].isna().tolist() == [r.reward is None for r in rollouts]
+    routes = rollouts[0].routed_experts  # flat in its column, its shape beside it
+    assert routes is not None and frame["routed_experts"].iloc[0].dtype == np.int16
+    assert np.array_equal(frame["routed_experts"].iloc[0].reshape(frame["routed_experts_shape"].iloc[0]), routes)
+    assert frame["routed_experts"].isna().tolist() == [r.routed_experts is None for r in rollouts]
     version, start, end = rollouts[0].spans[1]
     assert frame["spans"].iloc[0][1] == {"version": version, "start": start, "end": end}
 

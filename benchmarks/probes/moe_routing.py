@@ -166,7 +166,14 @@ def reload(args: argparse.Namespace) -> dict[str, Any]:
     llm.collective_rpc("rollouts_load_safetensors", args=(save(read_checkpoint(Path(args.to))),))
     llm.reset_prefix_cache()
     after = worst(args.to)
-    return {"settings": vars(args), "max_abs_before": before, "max_abs_after": after, "reload_exact": after < 1e-3}
+    # Right: the reloaded engine matches the new version as closely as the fresh one matched the first (a GPU's fp32
+    # kernels are not the trainer's: tens of millinats apart either way); a wrong reload is off by nats.
+    return {
+        "settings": vars(args),
+        "max_abs_before": before,
+        "max_abs_after": after,
+        "reload_right": after <= max(1e-3, 2 * before),
+    }
 
 
 def main() -> None:

@@ -51,6 +51,9 @@ class Generation:
     """`[(version, start, end), ...]` covering `[0, len(tokens))` in order."""
     cached_tokens: int | None = None
     """Prompt tokens found in the engine's prefix cache (vLLM reports it; None: the engine does not say)."""
+    routed_experts: np.ndarray | None = None
+    """When the request asked (`Sampling.routed_experts`): the experts each position of prompt + tokens but the last
+    was routed to, int16 `[positions, layers, top_k]` (`pipeline.wire.Rollout.routed_experts`)."""
 
 
 class Engine(Protocol):
@@ -268,8 +271,11 @@ def refuse_logprobs_mode(engine: str, mode: LogprobsMode, sampling: Sampling) ->
         )
 
 
-def check_request(prompt_tokens: np.ndarray, sampling: Sampling, max_model_len: int, vocab_size: int) -> None:
-    """The checks every engine makes before it accepts a request, with messages that say what to fix."""
+def check_request(
+    prompt_tokens: np.ndarray, sampling: Sampling, max_model_len: int, vocab_size: int, *, no_routes: str | None
+) -> None:
+    """The checks every engine makes before it accepts a request, with messages that say what to fix. `no_routes`:
+    why this engine cannot return routed experts (`Sampling.routed_experts`), None when it can."""
     if prompt_tokens.ndim != 1 or (prompt_tokens.size and prompt_tokens.dtype.kind not in "iu"):
         raise EngineInputError(
             f"prompt must be a 1-D array of integer token ids, got {prompt_tokens.dtype}{prompt_tokens.shape}"
@@ -287,5 +293,7 @@ def check_request(prompt_tokens: np.ndarray, sampling: Sampling, max_model_len: 
     bad_stops = [t for t in sampling.stop_token_ids if not 0 <= t < vocab_size]
     if bad_stops:
         problems.append(f"stop_token_ids {bad_stops} are outside the vocabulary [0, {vocab_size})")
+    if sampling.routed_experts and no_routes is not None:
+        problems.append(f"routed_experts were asked for, but {no_routes}")
     if problems:
         raise EngineInputError("; ".join(problems))

@@ -106,23 +106,26 @@ def error_from_wire(data: list[str]) -> Exception:
 
 
 def generation_to_wire(generation: Generation) -> list[Any]:
+    routes = generation.routed_experts
     return [
         np.ascontiguousarray(generation.tokens, dtype="<i4").tobytes(),
         np.ascontiguousarray(generation.logprobs, dtype="<f4").tobytes(),
         generation.finish_reason,
         [list(span) for span in generation.spans],
         generation.cached_tokens,
+        None if routes is None else [np.ascontiguousarray(routes, dtype="<i2").tobytes(), list(routes.shape)],
     ]
 
 
 def generation_from_wire(data: list[Any]) -> Generation:
-    tokens, logprobs, finish_reason, spans, cached = data
+    tokens, logprobs, finish_reason, spans, cached, routes = data
     return Generation(
         tokens=np.frombuffer(tokens, dtype="<i4"),
         logprobs=np.frombuffer(logprobs, dtype="<f4"),
         finish_reason=finish_reason,
         spans=[(int(v), int(s), int(e)) for v, s, e in spans],
         cached_tokens=cached,
+        routed_experts=None if routes is None else np.frombuffer(routes[0], dtype="<i2").reshape(routes[1]),
     )
 
 

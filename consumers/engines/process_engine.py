@@ -200,7 +200,8 @@ class ProcessEngine(LoadsIpcInProcess, EngineLifecycle):
     ) -> Generation:
         """As the engine's own `generate`; its errors keep their class (`EngineInputError` among them)."""
         prompt = np.asarray(prompt_tokens)
-        check_request(prompt, sampling, self.max_model_len, self.vocab_size)  # before the ids are cut to int32
+        # Before the ids are cut to int32; the engine in its process says whether its model has routers.
+        check_request(prompt, sampling, self.max_model_len, self.vocab_size, no_routes=None)
         wire = await self._call(
             "generate", request_id, prompt.astype("<i4").tobytes(), sampling.model_dump(mode="json"), adapter
         )

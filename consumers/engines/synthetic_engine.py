@@ -48,6 +48,7 @@ from pipeline.wire import PAUSE_MODES, FinishReason, PauseMode, Sampling, Span
 if TYPE_CHECKING:
     from staleness.weights.nccl import BroadcastLink
 
+NO_ROUTES = "the synthetic engine runs no model, so it routes nothing: serve these prompts with torch or vllm workers"
 
 @dataclass(eq=False)
 class _Run:
@@ -127,7 +128,7 @@ class SyntheticEngine(ServesNoAdapters, LoadsIpcInProcess, EngineLifecycle):
     ) -> Generation:
         refuse_adapter(self.name, adapter)
         prompt = np.asarray(prompt_tokens)
-        check_request(prompt, sampling, self.max_model_len, self.vocab_size)
+        check_request(prompt, sampling, self.max_model_len, self.vocab_size, no_routes=NO_ROUTES)
         if self._closed:
             raise EngineClosedError("the engine was shut down")
         if request_id in self._runs:

@@ -49,6 +49,10 @@ from staleness.weights.nccl import BroadcastLink, prepare_receiver, receive_broa
 
 log = logging.getLogger(__name__)
 
+ROUTER_SUFFIX = "TopKRouter"
+"""The class-name ending of transformers' mixture-of-experts routers whose output ends with the experts each position
+is routed to, `(logits, scores, indices)` (Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE): what `_route_hooks` reads."""
+
 SMALL_MODEL_PARAMS = 100_000_000
 """Below this size a CPU engine decodes on one thread (see `TorchEngine`'s `num_threads`)."""
 
@@ -70,6 +74,9 @@ class _Request:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     spans: list[list[int]] = field(default_factory=list)
+    routes: list[np.ndarray] = field(default_factory=list)
+    """When asked (`sampling.routed_experts`): the routed experts of each position the model read, `[n, layers,
+    top_k]` per model call (a prefill replaces them: it reads every position again)."""
 
     @property
     def length(self) -> int:
@@ -91,6 +98,7 @@ class _Request:
             logprobs=np.asarray(self.logprobs, dtype=np.float32),
             finish_reason=finish_reason,
             spans=[(v, s, e) for v, s, e in self.spans],
+            routed_experts=np.concatenate(self.routes) if self.sampling.routed_experts and self.tokens else None,
         )
 
 
@@ -202,6 +210,8 @@ class TorchEngine(LoadsIpcInProcess, EngineLifecycle):
         self._held: list[_Request] = []
         self._linears: dict[str, torch.nn.Module] = {}
         self._module_types: dict[str, str] = {}
+        self._routers: list[torch.nn.Module] = []
+        """The model's mixture-of-experts routers, by layer (`_route_hooks`)."""
         self.generated_tokens = 0
         """Tokens sampled since start (a counter for throughput metrics)."""
         self.prefill_tokens = 0
@@ -229,6 +239,7 @@ class TorchEngine(LoadsIpcInProcess, EngineLifecycle):
             model.to(self.device).eval().requires_grad_(False)  # type: ignore[arg-type]  # transformers mistypes .to()
             self._linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
             self._module_types = module_types(model)
+            self._routers = [m for m in model.modules() if type(m).__name__.endswith(ROUTER_SUFFIX)]
             if self.num_threads is None and self.device.type == "cpu":
                 self.num_threads = 1 if sum(p.numel() for p in model.parameters()) < SMALL_MODEL_PARAMS else None
             self._model = model
@@ -264,7 +275,9 @@ class TorchEngine(LoadsIpcInProcess, EngineLifecycle):
         adapter's versions); raises `EngineInputError` for a request it cannot serve. A request of a paused
         adapter waits for `resume_adapter`."""
         prompt = np.asarray(prompt_tokens)
-        check_request(prompt, sampling, self.max_model_len, self.vocab_size)
+        if sampling.routed_experts and self._thread is None:
+            await self.start()  # whether the model has routers is known once it is loaded
+        check_request(prompt, sampling, self.max_model_len, self.vocab_size, no_routes=self._no_routes())
         if adapter is not None and self.max_loras == 0:
             raise EngineInputError(f"adapter {adapter!r} asked of an engine that serves no adapters (max_loras=0)")
         if self._thread is None:
@@ -677,7 +690,7 @@ class TorchEngine(LoadsIpcInProcess, EngineLifecycle):
             assert self._mask is not None  # a running batch has its attention mask
             batch = len(self._rows)
             mask = torch.cat([self._mask, self._mask.new_ones(batch, 1)], dim=1)
-            with self._lora_hooks(self._rows):
+            with self._lora_hooks(self._rows), self._route_hooks(self._rows) as picked:
                 out = model(
                     input_ids=torch.tensor([[r.tokens[-1]] for r in self._rows], device=self.device),
                     position_ids=torch.tensor([[r.length - 1] for r in self._rows], device=self.device),
@@ -685,6 +698,7 @@ class TorchEngine(LoadsIpcInProcess, EngineLifecycle):
                     past_key_values=self._cache,
                     use_cache=True,
                 )
+            self._keep_routes(self._rows, picked, 1)
             self._mask = mask
             logits.append(out.logits[:, -1])
         if admitted:
@@ -696,7 +710,7 @@ class TorchEngine(LoadsIpcInProcess, EngineLifecycle):
                 ids[i, width - r.length :] = torch.tensor(r.prompt + r.tokens)
                 mask[i, width - r.length :] = 1
             ids, mask = ids.to(self.device), mask.to(self.device)
-            with self._lora_hooks(admitted):
+            with self._lora_hooks(admitted), self._route_hooks(admitted) as picked:
                 out = model(
                     input_ids=ids,
                     position_ids=(mask.cumsum(1) - 1).clamp(min=0),
@@ -704,6 +718,7 @@ class TorchEngine(LoadsIpcInProcess, EngineLifecycle):
                     use_cache=True,
                     logits_to_keep=1,
                 )
+            self._keep_routes(admitted, picked, width)
             logits.append(out.logits[:, -1])
             self._merge(admitted, out.past_key_values, mask)
         tokens, logprobs = self._sample(torch.cat(logits).float())
@@ -721,6 +736,50 @@ class TorchEngine(LoadsIpcInProcess, EngineLifecycle):
         if finished:
             self._select_rows(keep)
             self._finish(finished)
+
+    def _no_routes(self) -> str | None:
+        """Why this engine returns no routed experts (`check_request`), None when its model has routers."""
+        if self._routers:
+            return None
+        return (
+            f"the model has no mixture-of-experts routers that the torch engine reads (transformers' *{ROUTER_SUFFIX} "
+            "modules: Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE)"
+        )
+
+    @contextlib.contextmanager
+    def _route_hooks(self, rows: Sequence[_Request]) -> Iterator[list[torch.Tensor]]:
+        """For one model call over `rows`: the experts each router picks (one `[rows x positions, top_k]` tensor a
+        layer, in layer order), if a row asked for them; no hook at all otherwise."""
+        picked: list[torch.Tensor] = []
+        if not any(r.sampling.routed_experts for r in rows):
+            yield picked
+            return
+
+        def hook(module: torch.nn.Module, args: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
+            picked.append(output[-1])  # transformers' TopKRouter returns (logits, scores, indices)
+
+        handles = [router.register_forward_hook(hook) for router in self._routers]
+        try:
+            yield picked
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    @staticmethod
+    def _keep_routes(rows: Sequence[_Request], picked: list[torch.Tensor], width: int) -> None:
+        """Give each row that asked its positions' experts from one model call over `width` positions a row (left
+        padded): a decode call (width 1) adds its last token's, a prefill (every position) replaces them."""
+        if not picked:
+            return
+        routes = torch.stack(picked).view(len(picked), len(rows), width, -1).permute(1, 2, 0, 3).to(torch.int16)
+        routes_np = routes.cpu().numpy()
+        for i, req in enumerate(rows):
+            if not req.sampling.routed_experts:
+                continue
+            if width == 1:
+                req.routes.append(routes_np[i])
+            else:
+                req.routes = [routes_np[i, width - req.length :]]
 
     def _version_of(self, req: _Request) -> int:
         """The version a row's token is of: its adapter's (per-adapter versions), or the base model's."""

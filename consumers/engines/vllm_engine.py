@@ -370,7 +370,7 @@ class VllmEngine(EngineLifecycle):
         if not self.max_loras:
             refuse_adapter(self.name, adapter)
         prompt = np.asarray(prompt_tokens)
-        check_request(prompt, sampling, self.max_model_len, self.vocab_size)
+        check_request(prompt, sampling, self.max_model_len, self.vocab_size, no_routes=self._no_routes())
         if adapter is not None:
             return await self._generate_adapter(request_id, prompt, sampling, adapter)
         params = self._sampling_params(len(prompt), sampling)
@@ -390,6 +390,7 @@ class VllmEngine(EngineLifecycle):
             finish_reason=VLLM_FINISH_REASONS[last.finish_reason],
             spans=self._spans(last.weight_versions, len(tokens)),
             cached_tokens=cached,
+            routed_experts=_routes(last, sampling, len(prompt), len(tokens)),
         )
 
     async def _run(
@@ -443,6 +444,7 @@ class VllmEngine(EngineLifecycle):
         spans: list[tuple[int, int, int]] = []
         cached: int | None = None
         finish: FinishReason = "abort"
+        routes: np.ndarray | None = None
         try:
             while await self._adapter_ready(tracked):
                 adapter = self._adapters[name]  # `remove_adapter` refuses while this request is in flight
@@ -476,6 +478,7 @@ class VllmEngine(EngineLifecycle):
                     tokens += seg_tokens
                     logprobs.append(seg_logprobs)
                     _add_span(spans, adapter.version, done, len(tokens))
+                    routes = _routes(last, sampling, len(prompt), len(tokens))  # the whole sample's: it read them all
                 finish = VLLM_FINISH_REASONS[last.finish_reason]
                 if finish != "abort" or not tracked.kept or tracked.ended.is_set() or self._closing:
                     break
@@ -490,6 +493,7 @@ class VllmEngine(EngineLifecycle):
             finish_reason=finish,
             spans=spans,
             cached_tokens=cached,
+            routed_experts=routes,
         )
 
     async def _adapter_ready(self, tracked: _AdapterRequest) -> bool:
@@ -565,6 +569,15 @@ class VllmEngine(EngineLifecycle):
             )
         except (ValueError, VLLMClientError) as exc:  # vLLM's own range checks (e.g. temperature <= 2)
             raise EngineInputError(str(exc)) from exc
+
+    def _no_routes(self) -> str | None:
+        """Why this engine returns no routed experts (`check_request`), None when it does."""
+        if self.args.get("enable_return_routed_experts"):
+            return None
+        return (
+            "this vllm worker's engine does not return them: start it with --engine-args "
+            '\'{"enable_return_routed_experts": true}\' (vLLM\'s CUDA build; a mixture-of-experts model)'
+        )
 
     def _spans(self, weight_versions: list[Any] | None, n_tokens: int) -> list[tuple[int, int, int]]:
         """vLLM's per-token weight-version spans as `[(version, start, end), ...]` covering `[0, n_tokens)`."""
@@ -872,6 +885,24 @@ class VllmEngine(EngineLifecycle):
     def stats(self) -> dict[str, int]:
         """Counters for heartbeats and metrics (`running`: requests in flight, queued ones included)."""
         return {"running": len(self._live), "generated_tokens": self.generated_tokens, "version": self.version}
+
+
+def _routes(output: Any, sampling: Sampling, prompt_len: int, n_tokens: int) -> np.ndarray | None:
+    """The routed experts of a final output as int16 `[prompt_len + n_tokens - 1, layers, top_k]` when the request
+    asked, None when it did not or generated nothing; `EngineInputError` if vLLM returned none, or not one per
+    position."""
+    positions = prompt_len + n_tokens - 1
+    if not sampling.routed_experts or not n_tokens:
+        return None
+    routes = getattr(output, "routed_experts", None)
+    if routes is None:
+        raise EngineInputError("routed_experts were asked for, but vLLM returned none (a model without experts?)")
+    routes = np.asarray(routes, dtype=np.int16)
+    if routes.ndim != 3 or routes.shape[0] != positions:
+        raise EngineInputError(
+            f"vLLM returned routed experts of shape {list(routes.shape)}, not [{positions}, layers, top_k]"
+        )
+    return routes
 
 
 def _add_span(spans: list[tuple[int, int, int]], version: int, start: int, end: int) -> None:
