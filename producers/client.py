@@ -177,7 +177,9 @@ class Batch:
         `input_ids` is prompt + completion; `loss_mask` marks the completion tokens the model wrote (all of
         them, except in a gateway session's trajectory, whose template, tool and user tokens between turns
         are not: the rollout's `mask`); `logprobs` and `token_versions` are aligned with `input_ids` (0 and -1
-        on prompt, padding and tokens outside the mask).
+        on prompt, padding and tokens outside the mask). When a rollout carries routed experts, `routed_experts`
+        `[rows, width, layers, top_k]` holds them aligned with `input_ids` too (-1 where there are none: another
+        rollout's, the last token, padding), for `producers.routing.routes_replayed`.
         """
         rollouts = self.rollouts
         width = max(len(r.prompt_tokens) + len(r.tokens) for r in rollouts)
@@ -200,6 +202,12 @@ class Batch:
             for version, start, end in r.spans:
                 arrays["token_versions"][row, p + start : p + end] = version
             arrays["token_versions"][row, p : p + t][~written] = -1
+        routed = [r.routed_experts for r in rollouts if r.routed_experts is not None]
+        if routed:
+            routes = arrays["routed_experts"] = np.full((*shape, *routed[0].shape[1:]), -1, np.int64)
+            for row, r in enumerate(rollouts):
+                if r.routed_experts is not None:
+                    routes[row, : len(r.routed_experts)] = r.routed_experts
         return arrays
 
 

@@ -9,6 +9,7 @@ what the example measures. The helpers it composes are in `producers.rl`.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -18,6 +19,7 @@ import torch
 from pipeline.wire import Rollout
 from producers.client import Batch
 from producers.rl import ImportanceWeights, group_advantages, kl_behaviour_current, policy_loss, token_logprobs
+from producers.routing import routes_replayed
 
 RewardFn = Callable[[Rollout], float]
 """The reward of one sample, computed from the rollout alone (e.g. `producers.tasks.token_set_reward`)."""
@@ -74,6 +76,7 @@ def grpo_step(
     clip_high: float | None = None,
     max_grad_norm: float = 1.0,
     minibatches: int = 1,
+    replay_routes: bool = False,
 ) -> GrpoStep:
     """Score `batch`, compute the GRPO loss on it and take `minibatches` optimizer steps on `policy`.
 
@@ -83,7 +86,11 @@ def grpo_step(
     first. The batch's arrays go to the device of the policy's parameters, so a trainer on a GPU passes a policy on
     that GPU and nothing else. Publishing the new weights is the caller's (`publish_weights`).
 
-    Raises `ValueError` for an objective it does not know or `minibatches` < 1 or more than the batch's samples.
+    `replay_routes`: a mixture-of-experts policy's forward passes route as the engine routed the rollouts
+    (`producers.routing.routes_replayed`; the rollouts asked for with `submit(..., routed_experts=True)`).
+
+    Raises `ValueError` for an objective it does not know, `minibatches` < 1 or more than the batch's samples, or
+    `replay_routes` for a batch that carries no routes.
     """
     if objective not in ("decoupled", "ppo"):
         raise ValueError(f"objective {objective!r}: use 'decoupled' (the default) or 'ppo'")
@@ -93,15 +100,25 @@ def grpo_step(
         raise ValueError(f"minibatches must be between 1 and the batch's {rows} samples, got {minibatches}")
     device = next(policy.parameters()).device
     arrays = {k: torch.from_numpy(v).to(device) for k, v in batch.to_arrays().items()}
+    if replay_routes and "routed_experts" not in arrays:
+        raise ValueError("replay_routes: the batch's rollouts carry no routed experts; submit with routed_experts=True")
+    routes = arrays.pop("routed_experts", None) if replay_routes else None
+
+    def forward(rows_of: torch.Tensor | slice) -> torch.Tensor:
+        """The policy's token logprobs of these rows, routed as the engine routed them when `replay_routes`."""
+        replayed = contextlib.nullcontext() if routes is None else routes_replayed(policy, routes[rows_of])
+        with replayed:
+            return token_logprobs(policy, arrays["input_ids"][rows_of], arrays["attention_mask"][rows_of])
+
     advantages = group_advantages(rewards).to(device)
     proximal = None  # the policy as the step starts, when minibatches > 1 (else each minibatch's own forward pass)
     if minibatches > 1:
         with torch.no_grad():
-            proximal = token_logprobs(policy, arrays["input_ids"], arrays["attention_mask"])
+            proximal = forward(slice(None))
     outs, norms = [], []
     for rows_of in torch.arange(rows, device=device).tensor_split(minibatches):
         part = {k: v[rows_of] for k, v in arrays.items()}
-        current = token_logprobs(policy, part["input_ids"], part["attention_mask"])
+        current = forward(rows_of)
         anchor = None
         if objective == "decoupled":
             anchor = current.detach() if proximal is None else proximal[rows_of]

@@ -24,9 +24,11 @@ from consumers.engines.tiny_model import build_tiny_model
 from pipeline.local import RedisServer
 from pipeline.processes import start_worker, stop_processes, wait_for_worker
 from pipeline.wire import Sampling
-from producers.client import RolloutClient
+from producers.client import Batch, RolloutClient
+from producers.grpo import grpo_step
+from producers.routing import routes_replayed
 from staleness.weights.base import read_checkpoint, state_dict_of
-from staleness.weights.fused import is_fused, to_module
+from staleness.weights.fused import is_fused, routers, to_module
 from tests.fixtures import FAST
 from tests.reference import check_spans_and_logprobs, forward_routes
 
@@ -129,6 +131,23 @@ def test_rollouts_carry_the_experts_the_torch_engine_routed_each_position_to_acr
         expected = forward_routes(moe_models[rollout.spans[-1][0]], sequence)
         assert np.array_equal(np.sort(rollout.routed_experts, axis=-1), expected), rollout.id
 
+    # The reference trainer's step replays them: aligned with input_ids (-1 past them), then routed as given.
+    from transformers import AutoModelForCausalLM
+
+    asked = Batch([g for g in groups if g.prompt_id != "p0"])
+    arrays = asked.to_arrays()
+    row = asked.rollouts[0]
+    positions = len(row.prompt_tokens) + row.n_tokens - 1
+    assert np.array_equal(arrays["routed_experts"][0, :positions], row.routed_experts)
+    assert (arrays["routed_experts"][0, positions:] == -1).all()
+    policy = AutoModelForCausalLM.from_pretrained(moe_models[1])
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-4)
+    step = grpo_step(policy, optimizer, asked, lambda r: float(r.n_tokens % 3), replay_routes=True, minibatches=2)
+    assert np.isfinite(step.loss) and step.grad_norm > 0
+    unasked = Batch([g for g in groups if g.prompt_id == "p0"])
+    with pytest.raises(ValueError, match=r"replay_routes: the batch's rollouts carry no routed experts; submit with"):
+        grpo_step(policy, optimizer, unasked, lambda r: 0.0, replay_routes=True)
+
 
 def test_engines_that_cannot_route_answer_with_a_line_that_says_what_to_start(tiny_model_dir: Path) -> None:
     """A dense model on the torch engine, vLLM without `enable_return_routed_experts`, the synthetic engine."""
@@ -185,3 +204,49 @@ def test_a_vllm_worker_on_a_gpu_puts_its_routed_experts_on_the_wire(
         total += expected.shape[0] * expected.shape[1]
     print(f"routed alike the trainer's fp32 forward pass: {same / total:.3f} of {total} (position, layer) pairs")
     assert same / total > 0.5
+
+
+def test_a_trainer_replays_the_engines_routes_and_its_router_still_learns(
+    moe_models: dict[int, Path], tiny_model_dir: Path
+) -> None:
+    """`routes_replayed`: the model's own routes change nothing; another version's are taken as given (-1: its own);
+    the routing weights stay the router's, so its gradient is there; what does not fit is refused in one line."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(moe_models[1]).eval()
+    tokens = [5, 6, 7, 8, 9, 10, 11, 12]
+    ids = torch.tensor([tokens])
+    own, other = (torch.from_numpy(forward_routes(moe_models[v], tokens)) for v in (1, 0))
+    assert not torch.equal(own, other)  # the two versions route some positions apart
+    plain = model(ids).logits
+    with routes_replayed(model, own[None]):
+        assert torch.allclose(model(ids).logits, plain, atol=1e-6)
+
+    given = other.clone()
+    given[2] = -1  # no route for position 2: the router's own
+    picked: list[torch.Tensor] = []
+    hooks = [r.register_forward_hook(lambda m, a, out: picked.append(out[-1])) for r in routers(model)]
+    with routes_replayed(model, given[None]):
+        replayed = model(ids).logits
+    for hook in hooks:
+        hook.remove()
+    taken = torch.stack(picked, dim=1).sort(dim=-1).values
+    expected = other.clone()
+    expected[2] = own[2]
+    assert torch.equal(taken, expected) and not torch.allclose(replayed, plain, atol=1e-4)
+    assert "forward" not in vars(routers(model)[0])  # routed as before outside
+
+    model.zero_grad()
+    with routes_replayed(model, other[None]):
+        model(ids).logits[0, -1].logsumexp(-1).backward()
+    assert all(r.weight.grad is not None and r.weight.grad.abs().sum() > 0 for r in routers(model))
+
+    wrong = torch.zeros(1, 8, 3, 2, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"routes of shape \[1, 8, 3, 2\] do not fit the model: expected \[batch, "):
+        routes_replayed(model, wrong).__enter__()
+    with pytest.raises(ValueError, match=r"routes for 1 x 4 positions, but the forward pass routes 8: pass the"), \
+            routes_replayed(model, own[None, :4]):  # fmt: skip
+        model(ids)
+    dense = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with pytest.raises(ValueError, match=r"routes_replayed needs a mixture of experts with transformers' \*TopKRouter"):
+        routes_replayed(dense, own[None]).__enter__()

@@ -44,14 +44,10 @@ from consumers.engines.base import (
 from consumers.engines.lora import LoraModule, ParsedAdapter, linear_shapes, module_types, parse_adapter
 from consumers.engines.model_files import WeightLayout, read_model_limits
 from pipeline.wire import PAUSE_MODES, SLEEP_LEVELS, FinishReason, PauseMode, Sampling
-from staleness.weights.fused import to_checkpoint, to_module
+from staleness.weights.fused import ROUTER_SUFFIX, routers, to_checkpoint, to_module
 from staleness.weights.nccl import BroadcastLink, prepare_receiver, receive_broadcast
 
 log = logging.getLogger(__name__)
-
-ROUTER_SUFFIX = "TopKRouter"
-"""The class-name ending of transformers' mixture-of-experts routers whose output ends with the experts each position
-is routed to, `(logits, scores, indices)` (Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE): what `_route_hooks` reads."""
 
 SMALL_MODEL_PARAMS = 100_000_000
 """Below this size a CPU engine decodes on one thread (see `TorchEngine`'s `num_threads`)."""
@@ -239,7 +235,7 @@ class TorchEngine(LoadsIpcInProcess, EngineLifecycle):
             model.to(self.device).eval().requires_grad_(False)  # type: ignore[arg-type]  # transformers mistypes .to()
             self._linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
             self._module_types = module_types(model)
-            self._routers = [m for m in model.modules() if type(m).__name__.endswith(ROUTER_SUFFIX)]
+            self._routers = routers(model)
             if self.num_threads is None and self.device.type == "cpu":
                 self.num_threads = 1 if sum(p.numel() for p in model.parameters()) < SMALL_MODEL_PARAMS else None
             self._model = model

@@ -6,7 +6,8 @@ projections (`mlp.experts.3.up_proj.weight`, ...) become one tensor per layer (`
 dict the checkpoint's names (what `save_pretrained` writes, views of the fused tensors: nothing is copied);
 `to_module` turns tensors of checkpoint names into the module's (what `from_pretrained` does). Both use the module's
 own conversion (transformers' `conversion_mapping`); a module without one (a dense Qwen2, any plain torch module)
-passes through unchanged.
+passes through unchanged. `routers` finds the same models' expert routers, which the torch engine reads (routed
+experts on the wire) and a trainer replays (`producers.routing`).
 """
 
 from __future__ import annotations
@@ -75,3 +76,13 @@ def to_module(module: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> d
         for name, value in transform.convert(target, model=module, config=config).items():
             out[name] = value[0] if isinstance(value, list) else value
     return out
+
+
+ROUTER_SUFFIX = "TopKRouter"
+"""The class-name ending of transformers' mixture-of-experts routers whose output ends with the experts each position
+is routed to, `(logits, scores, indices)`: Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE."""
+
+
+def routers(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The module's expert routers (`ROUTER_SUFFIX`), in layer order; empty for a model without them."""
+    return [m for m in module.modules() if type(m).__name__.endswith(ROUTER_SUFFIX)]
