@@ -449,6 +449,7 @@ def plot_bench_lora(result: dict[str, Any], path: Path) -> None:
 
 
 def bench_lora(
+    ctx: typer.Context,
     model: Annotated[Path | None, typer.Option(help="Base model directory; default: a fresh tiny model.")] = None,
     rounds: Annotated[int, typer.Option(help="Rounds of both phases; medians are reported.")] = 5,
     b_prompts: Annotated[int, typer.Option(help="Adapter B's prompts per phase (B is measured).")] = 8,
@@ -473,15 +474,7 @@ def bench_lora(
     if engine not in ("torch", "vllm"):
         fail(f"--engine must be torch or vllm, not {engine!r}")
     with user_errors():
-        spec = EngineSpec(
-            engine,
-            Path("."),
-            dtype=dtype,
-            device=device,
-            kv_cache_bytes=kv_cache_bytes,
-            enforce_eager=enforce_eager,
-            engine_args=EngineSpec.parse_engine_args(engine_args),
-        )
+        spec = EngineSpec.from_flags(ctx.params, Path("."))  # the model is the run's (Settings.model)
     settings = Settings(model, rounds, cast(PauseMode, mode), max_batch, sync_gap_s, spec)  # _check_options checks it
     vocab, longest = _check_options(settings, b_prompts, a_prompts, n, tokens)
     if tokens + PROMPT_TOKENS > longest:

@@ -3,7 +3,7 @@
 What is checked is the report's shape, that both phases generated (B's tokens/s > 0, the same tokens: greedy),
 that adapter a really synced during the syncing phase (its version moved once per sync) while the base model
 and adapter b never moved, that every rollout of both adapters arrived exactly once, and that bad options are
-one line and exit code 2, with nothing started.
+one line and exit code 2, with nothing started; on a vLLM worker (its own LoRA) too.
 """
 
 from __future__ import annotations
@@ -51,6 +51,22 @@ def test_bench_lora_measures_b_while_a_syncs_and_every_rollout_arrives_once(tmp_
     assert report["base_version_unchanged"] is True
     assert report["exactly_once"] is True and report["error_rollouts"] == 0
     assert plot.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.vllm
+def test_bench_lora_on_a_vllm_worker_syncs_a_while_b_generates_and_loses_nothing() -> None:
+    """`--engine vllm`: vLLM's own LoRA (two slots), the engine flags passed as the worker takes them."""
+    result = bench_lora(
+        "--engine", "vllm", "--engine-args", '{"max_num_seqs": 32}', "--rounds", "1", "--b-prompts", "2",
+        "--a-prompts", "2", "--n", "2", "--tokens", "24", timeout=480,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    args = report["config"]["worker_args"]
+    assert args[:2] == ["--engine", "vllm"] and "--engine-args" in args and "--max-loras" in args
+    assert report["b_tokens"]["quiet"] == report["b_tokens"]["syncing"] == [2 * 2 * 24]
+    assert report["adapter_syncs"]["count"] >= 1 and report["exactly_once"] is True and report["error_rollouts"] == 0
+    assert report["versions"]["b"] == 1 and report["base_version_unchanged"] is True
 
 
 @pytest.mark.parametrize(
