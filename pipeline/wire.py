@@ -366,8 +366,8 @@ class Rollout(BaseModel):
     """The experts the engine routed each position to, int16 `[positions, layers, top_k]`, when its prompt asked
     (`Sampling.routed_experts`): positions are `prompt_tokens` then `tokens` but the last (every token the model
     read), the experts of each layer with experts in the engine's order. Each position's as the engine last computed
-    it (a sample continued after a sync was read again by the new version). None: not asked, or no token
-    generated."""
+    it (a sample continued after a sync was read again by the new version). None: not asked, no token generated, or
+    a sample interrupted with its context already full (nothing was read again to route)."""
 
     @property
     def id(self) -> str:

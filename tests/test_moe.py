@@ -250,3 +250,22 @@ def test_a_trainer_replays_the_engines_routes_and_its_router_still_learns(
     dense = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     with pytest.raises(ValueError, match=r"routes_replayed needs a mixture of experts with transformers' \*TopKRouter"):
         routes_replayed(dense, own[None]).__enter__()
+
+
+def test_a_torch_engine_in_a_process_of_its_own_sends_its_routes_across(moe_models: dict[int, Path]) -> None:
+    """`--engine-process`: the routes cross the engine's socket (int16 bytes and their shape) as the engine made
+    them."""
+    from consumers.engines import create_engine
+
+    asked = Sampling(max_tokens=12, seed=3, routed_experts=True)
+    prompt = np.array([5, 6, 7, 8])
+
+    async def routes(process: bool) -> Any:
+        async with create_engine("torch", str(moe_models[0]), process=process, num_threads=1) as engine:
+            return await engine.generate("r", prompt, asked)
+
+    apart, here = asyncio.run(routes(True)), asyncio.run(routes(False))
+    assert apart.tokens.tolist() == here.tokens.tolist()
+    assert apart.routed_experts is not None and apart.routed_experts.dtype == np.int16
+    assert np.array_equal(apart.routed_experts, here.routed_experts)
+    assert apart.routed_experts.shape == (len(prompt) + len(apart.tokens) - 1, 2, 2)
