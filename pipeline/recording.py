@@ -164,6 +164,7 @@ def from_batch(batch: pa.RecordBatch, source: str) -> Iterator[Recorded]:
         optional = {
             name: batch.column(name).to_pylist() if name in batch.schema.names else [None] * batch.num_rows
             for name in ("reward", "error", "reward_fn", "reward_error", *LATER_COLUMNS)
+            if name != "routed_experts"  # read as arrays below, not as Python lists
         }
         optional["mask"] = [None if m is None else [(r["start"], r["end"]) for r in m] for m in optional["mask"]]
         shapes = optional.pop("routed_experts_shape")
@@ -187,7 +188,7 @@ def from_batch(batch: pa.RecordBatch, source: str) -> Iterator[Recorded]:
                 spans=[(s["version"], s["start"], s["end"]) for s in text["spans"][i]],
                 meta=json.loads(text["meta"][i]),
                 timing=json.loads(text["timing"][i]),
-                **{name: values[i] for name, values in optional.items() if name != "routed_experts"},
+                **{name: values[i] for name, values in optional.items()},
                 routed_experts=None if shapes[i] is None else np.asarray(routes[i]).reshape(shapes[i]),
             )
             rollout.check()  # what the wire's decode checks beyond types (spans, sample < n): a WireError

@@ -366,8 +366,9 @@ class Rollout(BaseModel):
     """The experts the engine routed each position to, int16 `[positions, layers, top_k]`, when its prompt asked
     (`Sampling.routed_experts`): positions are `prompt_tokens` then `tokens` but the last (every token the model
     read), the experts of each layer with experts in the engine's order. Each position's as the engine last computed
-    it (a sample continued after a sync was read again by the new version). None: not asked, no token generated, or
-    a sample interrupted with its context already full (nothing was read again to route)."""
+    it (a sample continued after a sync was read again by the new version). None: not asked, no token generated, a
+    sample interrupted with its context already full (nothing was read again to route), or routes a vLLM engine
+    returned that do not cover the sample one a position (its worker logs it)."""
 
     @property
     def id(self) -> str:
@@ -599,14 +600,24 @@ def _check_sample(sample: int, n: int) -> None:
 
 
 def _routes(get: _FieldReader) -> np.ndarray | None:
-    """`routed_experts` from its bytes and `routed_experts_shape` (None if absent); `WireError` if they disagree."""
+    """`routed_experts` from its bytes and `routed_experts_shape` (None if both are absent); `WireError` if one comes
+    without the other, or the shape is not three sizes whose product is the number of values."""
     if b"routed_experts" not in get.fields:
+        if b"routed_experts_shape" in get.fields:
+            raise WireError("routed_experts_shape without routed_experts")
         return None
     shape = get.json(b"routed_experts_shape", None)
     flat = get.array(b"routed_experts", INT16)
-    if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)) or math.prod(shape) != len(flat):
-        raise WireError(f"routed_experts_shape: {shape!r} does not describe the {len(flat)} values of routed_experts")
-    return flat.reshape(shape)
+    sizes = isinstance(shape, list) and len(shape) == 3 and all(type(d) is int and d >= 0 for d in shape)
+    if not sizes or math.prod(shape) != len(flat):
+        raise WireError(
+            f"routed_experts_shape: {shape!r} is not [positions, layers, top_k] of the {len(flat)} values of "
+            "routed_experts"
+        )
+    try:
+        return flat.reshape(shape)
+    except ValueError as exc:  # sizes past what numpy indexes (a zero among them keeps the product small)
+        raise WireError(f"routed_experts_shape: {shape!r}: {exc}") from None
 
 
 def _check_spans(spans: list[Span], n_tokens: int) -> None:

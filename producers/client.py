@@ -178,8 +178,9 @@ class Batch:
         them, except in a gateway session's trajectory, whose template, tool and user tokens between turns
         are not: the rollout's `mask`); `logprobs` and `token_versions` are aligned with `input_ids` (0 and -1
         on prompt, padding and tokens outside the mask). When a rollout carries routed experts, `routed_experts`
-        `[rows, width, layers, top_k]` holds them aligned with `input_ids` too (-1 where there are none: another
-        rollout's, the last token, padding), for `producers.routing.routes_replayed`.
+        `[rows, width, layers, top_k]` (int16) holds them aligned with `input_ids` too (-1 where there are none:
+        another rollout's, the last token, padding), for `producers.routing.routes_replayed`; `ValueError` if they
+        differ in layers or top-k (rollouts of several models).
         """
         rollouts = self.rollouts
         width = max(len(r.prompt_tokens) + len(r.tokens) for r in rollouts)
@@ -204,7 +205,10 @@ class Batch:
             arrays["token_versions"][row, p : p + t][~written] = -1
         routed = [r.routed_experts for r in rollouts if r.routed_experts is not None]
         if routed:
-            routes = arrays["routed_experts"] = np.full((*shape, *routed[0].shape[1:]), -1, np.int64)
+            kinds = sorted({tuple(r.shape[1:]) for r in routed})
+            if len(kinds) > 1:
+                raise ValueError(f"the batch's routed experts have several [layers, top_k]: {kinds} (several models?)")
+            routes = arrays["routed_experts"] = np.full((*shape, *kinds[0]), -1, np.int16)
             for row, r in enumerate(rollouts):
                 if r.routed_experts is not None:
                     routes[row, : len(r.routed_experts)] = r.routed_experts
@@ -360,8 +364,8 @@ class RolloutClient:
 
         `routed_experts`: the rollouts carry the experts a mixture-of-experts policy routed each position to
         (`Rollout.routed_experts`, int16 `[prompt + tokens - 1, layers, top_k]`) for rollout routing replay. Served
-        by the torch engine (transformers' TopKRouter models) and by vLLM started with `enable_return_routed_experts`
-        (its CUDA build); any other worker answers with an error rollout that says so.
+        by the torch engine (transformers' Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE) and by vLLM started with
+        `enable_return_routed_experts` (its CUDA build); any other worker answers with an error rollout that says so.
         """
         item = self.make_prompt(
             prompt,

@@ -99,35 +99,36 @@ def grpo_step(
     if not 1 <= minibatches <= max(rows, 1):
         raise ValueError(f"minibatches must be between 1 and the batch's {rows} samples, got {minibatches}")
     device = next(policy.parameters()).device
-    arrays = {k: torch.from_numpy(v).to(device) for k, v in batch.to_arrays().items()}
-    if replay_routes and "routed_experts" not in arrays:
+    host = batch.to_arrays()
+    given = host.pop("routed_experts", None)
+    if replay_routes and given is None:
         raise ValueError("replay_routes: the batch's rollouts carry no routed experts; submit with routed_experts=True")
-    routes = arrays.pop("routed_experts", None) if replay_routes else None
+    routes = torch.from_numpy(given).to(device) if replay_routes and given is not None else None
+    arrays = {k: torch.from_numpy(v).to(device) for k, v in host.items()}
 
-    def forward(rows_of: torch.Tensor | slice) -> torch.Tensor:
-        """The policy's token logprobs of these rows, routed as the engine routed them when `replay_routes`."""
-        replayed = contextlib.nullcontext() if routes is None else routes_replayed(policy, routes[rows_of])
-        with replayed:
-            return token_logprobs(policy, arrays["input_ids"][rows_of], arrays["attention_mask"][rows_of])
+    def routed(rows_of: torch.Tensor | slice) -> contextlib.AbstractContextManager[None]:
+        """The policy routed as the engine routed these rows when `replay_routes` (its backward pass too)."""
+        return contextlib.nullcontext() if routes is None else routes_replayed(policy, routes[rows_of])
 
     advantages = group_advantages(rewards).to(device)
     proximal = None  # the policy as the step starts, when minibatches > 1 (else each minibatch's own forward pass)
     if minibatches > 1:
-        with torch.no_grad():
-            proximal = forward(slice(None))
+        with torch.no_grad(), routed(slice(None)):
+            proximal = token_logprobs(policy, arrays["input_ids"], arrays["attention_mask"])
     outs, norms = [], []
     for rows_of in torch.arange(rows, device=device).tensor_split(minibatches):
         part = {k: v[rows_of] for k, v in arrays.items()}
-        current = forward(rows_of)
-        anchor = None
-        if objective == "decoupled":
-            anchor = current.detach() if proximal is None else proximal[rows_of]
-        out = policy_loss(
-            current, part["logprobs"], advantages[rows_of], part["loss_mask"],
-            clip_low=clip_low, clip_high=clip_high, proximal=anchor, importance=importance,
-        )  # fmt: skip
-        optimizer.zero_grad()
-        out.loss.backward()
+        with routed(rows_of):  # the backward too: a checkpointed layer recomputes its forward pass in it
+            current = token_logprobs(policy, part["input_ids"], part["attention_mask"])
+            anchor = None
+            if objective == "decoupled":
+                anchor = current.detach() if proximal is None else proximal[rows_of]
+            out = policy_loss(
+                current, part["logprobs"], advantages[rows_of], part["loss_mask"],
+                clip_low=clip_low, clip_high=clip_high, proximal=anchor, importance=importance,
+            )  # fmt: skip
+            optimizer.zero_grad()
+            out.loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(policy.parameters(), max_grad_norm)))
         optimizer.step()
         outs.append(out)

@@ -149,7 +149,9 @@ def test_rollouts_carry_the_experts_the_torch_engine_routed_each_position_to_acr
         grpo_step(policy, optimizer, unasked, lambda r: 0.0, replay_routes=True)
 
 
-def test_engines_that_cannot_route_answer_with_a_line_that_says_what_to_start(tiny_model_dir: Path) -> None:
+def test_engines_that_cannot_route_answer_with_a_line_that_says_what_to_start(
+    tiny_model_dir: Path, moe_models: dict[int, Path]
+) -> None:
     """A dense model on the torch engine, vLLM without `enable_return_routed_experts`, the synthetic engine."""
     from consumers.engines.synthetic_engine import SyntheticEngine
     from consumers.engines.torch_engine import TorchEngine
@@ -161,7 +163,9 @@ def test_engines_that_cannot_route_answer_with_a_line_that_says_what_to_start(ti
     with pytest.raises(EngineInputError, match=r"routed_experts were asked for, but the model has no mixture-of"):
         asyncio.run(_generate_then_stop(torch_engine, prompt, asked))
     with pytest.raises(EngineInputError, match=r"start it with --engine-args '\{\"enable_return_routed_experts\": "):
-        asyncio.run(VllmEngine(tiny_model_dir).generate("r", prompt, asked))  # refused before vLLM starts
+        asyncio.run(VllmEngine(moe_models[0]).generate("r", prompt, asked))  # refused before vLLM starts
+    with pytest.raises(EngineInputError, match=r"the model is not a mixture of experts \(its config names no experts"):
+        asyncio.run(VllmEngine(tiny_model_dir).generate("r", prompt, asked))
     with pytest.raises(EngineInputError, match=r"the synthetic engine runs no model, so it routes nothing"):
         asyncio.run(SyntheticEngine().generate("r", prompt, asked))
 
@@ -240,6 +244,15 @@ def test_a_trainer_replays_the_engines_routes_and_its_router_still_learns(
     with routes_replayed(model, other[None]):
         model(ids).logits[0, -1].logsumexp(-1).backward()
     assert all(r.weight.grad is not None and r.weight.grad.abs().sum() > 0 for r in routers(model))
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.train().gradient_checkpointing_enable()  # the backward recomputes each layer's forward: replayed too
+    model.zero_grad()
+    with routes_replayed(model, other[None]):
+        model(ids).logits[0, -1].logsumexp(-1).backward()
+    model.gradient_checkpointing_disable()
+    model.eval()
+    for name, grad in grads.items():
+        assert torch.allclose(model.get_parameter(name).grad, grad, atol=1e-6), name
 
     wrong = torch.zeros(1, 8, 3, 2, dtype=torch.long)
     with pytest.raises(ValueError, match=r"routes of shape \[1, 8, 3, 2\] do not fit the model: expected \[batch, "):
@@ -248,7 +261,7 @@ def test_a_trainer_replays_the_engines_routes_and_its_router_still_learns(
             routes_replayed(model, own[None, :4]):  # fmt: skip
         model(ids)
     dense = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    with pytest.raises(ValueError, match=r"routes_replayed needs a mixture of experts with transformers' \*TopKRouter"):
+    with pytest.raises(ValueError, match=r"needs a mixture of experts with the routers of transformers' Qwen2-MoE, "):
         routes_replayed(dense, own[None]).__enter__()
 
 

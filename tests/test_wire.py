@@ -128,6 +128,39 @@ def test_missing_field_and_mismatched_logprobs() -> None:
         Rollout.from_fields(fields | {b"logprobs": encode_float32([0.0, 0.0, 0.0])})
 
 
+ROUTES = np.arange(6 * 2 * 2, dtype=np.int16).reshape(6, 2, 2)
+"""Routed experts of `make_rollout()`: 3 prompt tokens and 4 generated, one route a position but the last's."""
+
+
+def test_routed_experts_round_trip_as_int16_bytes_and_a_shape() -> None:
+    fields = make_rollout(routed_experts=ROUTES).to_fields()
+    assert fields[b"routed_experts"] == ROUTES.astype("<i2").tobytes() and fields[b"routed_experts_shape"] == b"[6,2,2]"
+    back = Rollout.from_fields(fields).routed_experts
+    assert back is not None and back.dtype == np.int16 and np.array_equal(back, ROUTES)
+    assert Rollout.from_fields(make_rollout().to_fields()).routed_experts is None
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({b"routed_experts_shape": b"[6,4]"}, r"routed_experts_shape: \[6, 4\] is not \[positions, layers, top_k\]"),
+        ({b"routed_experts_shape": str([10**31, 0, 0]).encode(), b"routed_experts": b""}, "routed_experts_shape"),
+        ({b"routed_experts_shape": b"[4,4611686018427387904,0]", b"routed_experts": b""}, "routed_experts_shape"),
+        ({b"routed_experts_shape": b"[6,2,-2]"}, "is not"),
+        ({b"routed_experts_shape": b"[3,4,2]"}, r"routed_experts: shape \[3, 4, 2\], expected \[6, layers, top_k\]"),
+        ({b"routed_experts_shape": b"{"}, "routed_experts_shape: not valid JSON"),
+        ({b"routed_experts": b"\x01\x02\x03"}, "routed_experts: 3 bytes"),
+    ],
+)
+def test_bad_routed_experts_say_what_is_wrong(change: dict[bytes, bytes], message: str) -> None:
+    """What a reader of rollouts refuses as a `WireError` (a dead letter, never a crash of the trainer)."""
+    with pytest.raises(WireError, match=message):
+        Rollout.from_fields(make_rollout(routed_experts=ROUTES).to_fields() | change)
+    shape_alone = {k: v for k, v in make_rollout(routed_experts=ROUTES).to_fields().items() if k != b"routed_experts"}
+    with pytest.raises(WireError, match="routed_experts_shape without routed_experts"):
+        Rollout.from_fields(shape_alone)
+
+
 def test_sampling_ranges_are_problems_not_decode_errors() -> None:
     sampling = Sampling(temperature=-1, top_p=0, max_tokens=0)
     assert len(sampling.problems()) == 3

@@ -23,6 +23,8 @@ class ModelLimits:
     eos_ids: frozenset[int]
     """The config's and generation config's `eos_token_id`: both engines stop on exactly these."""
     pad_id: int
+    experts: int = 0
+    """Experts per mixture-of-experts layer (`num_experts`, `num_local_experts` or `n_routed_experts`); 0: dense."""
 
 
 def read_model_limits(model_dir: Path, max_model_len: int | None) -> ModelLimits:
@@ -41,10 +43,13 @@ def read_model_limits(model_dir: Path, max_model_len: int | None) -> ModelLimits
         vocab_size=int(config["vocab_size"]),
         eos_ids=frozenset(eos),
         pad_id=int(config.get("pad_token_id") or 0),
+        experts=int(next((config[k] for k in EXPERT_FIELDS if config.get(k)), 0)),
     )
 
 
 LIMIT_FIELDS = ("max_position_embeddings", "vocab_size", "eos_token_id", "pad_token_id")
+EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
+"""Where a config says how many experts a mixture-of-experts layer has (transformers' names differ by model)."""
 
 
 def _plain_text_config(model_dir: Path) -> dict[str, Any] | None:

@@ -44,7 +44,7 @@ from consumers.engines.base import (
 from consumers.engines.lora import LoraModule, ParsedAdapter, linear_shapes, module_types, parse_adapter
 from consumers.engines.model_files import WeightLayout, read_model_limits
 from pipeline.wire import PAUSE_MODES, SLEEP_LEVELS, FinishReason, PauseMode, Sampling
-from staleness.weights.fused import ROUTER_SUFFIX, routers, to_checkpoint, to_module
+from staleness.weights.fused import ROUTER_MODELS, routers, to_checkpoint, to_module
 from staleness.weights.nccl import BroadcastLink, prepare_receiver, receive_broadcast
 
 log = logging.getLogger(__name__)
@@ -738,8 +738,9 @@ class TorchEngine(LoadsIpcInProcess, EngineLifecycle):
         if self._routers:
             return None
         return (
-            f"the model has no mixture-of-experts routers that the torch engine reads (transformers' *{ROUTER_SUFFIX} "
-            "modules: Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE)"
+            f"the model has no mixture-of-experts routers that the torch engine reads (those of transformers' "
+            f"{ROUTER_MODELS}): serve it with vllm workers started with --engine-args "
+            "'{\"enable_return_routed_experts\": true}' (a mixture of experts), or do not ask for them"
         )
 
     @contextlib.contextmanager
@@ -752,7 +753,7 @@ class TorchEngine(LoadsIpcInProcess, EngineLifecycle):
             return
 
         def hook(module: torch.nn.Module, args: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
-            picked.append(output[-1])  # transformers' TopKRouter returns (logits, scores, indices)
+            picked.append(output[-1].to(torch.int16))  # (logits, scores, indices): `routers` takes no other kind
 
         handles = [router.register_forward_hook(hook) for router in self._routers]
         try:
@@ -767,15 +768,14 @@ class TorchEngine(LoadsIpcInProcess, EngineLifecycle):
         padded): a decode call (width 1) adds its last token's, a prefill (every position) replaces them."""
         if not picked:
             return
-        routes = torch.stack(picked).view(len(picked), len(rows), width, -1).permute(1, 2, 0, 3).to(torch.int16)
-        routes_np = routes.cpu().numpy()
+        routes_np = torch.stack(picked).view(len(picked), len(rows), width, -1).permute(1, 2, 0, 3).cpu().numpy()
         for i, req in enumerate(rows):
             if not req.sampling.routed_experts:
                 continue
             if width == 1:
-                req.routes.append(routes_np[i])
+                req.routes.append(routes_np[i].copy())  # not a view: the batch's array goes with this step
             else:
-                req.routes = [routes_np[i, width - req.length :]]
+                req.routes = [routes_np[i, width - req.length :].copy()]
 
     def _version_of(self, req: _Request) -> int:
         """The version a row's token is of: its adapter's (per-adapter versions), or the base model's."""

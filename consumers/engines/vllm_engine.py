@@ -206,6 +206,7 @@ class VllmEngine(EngineLifecycle):
         self.max_model_len = limits.max_model_len
         self.vocab_size = limits.vocab_size
         self._eos_ids = limits.eos_ids
+        self._experts = limits.experts
         self.args: dict[str, Any] = {
             "model": str(self.model_dir),
             "dtype": dtype,
@@ -390,7 +391,7 @@ class VllmEngine(EngineLifecycle):
             finish_reason=VLLM_FINISH_REASONS[last.finish_reason],
             spans=self._spans(last.weight_versions, len(tokens)),
             cached_tokens=cached,
-            routed_experts=_routes(last, sampling, len(prompt), len(tokens)),
+            routed_experts=_routes(last, sampling, len(prompt), len(tokens), request_id),
         )
 
     async def _run(
@@ -478,7 +479,7 @@ class VllmEngine(EngineLifecycle):
                     tokens += seg_tokens
                     logprobs.append(seg_logprobs)
                     _add_span(spans, adapter.version, done, len(tokens))
-                    routes = _routes(last, sampling, len(prompt), len(tokens))  # the whole sample's: it read them all
+                    routes = _routes(last, sampling, len(prompt), len(tokens), request_id)  # the whole sample's
                 finish = VLLM_FINISH_REASONS[last.finish_reason]
                 if finish != "abort" or not tracked.kept or tracked.ended.is_set() or self._closing:
                     break
@@ -572,6 +573,8 @@ class VllmEngine(EngineLifecycle):
 
     def _no_routes(self) -> str | None:
         """Why this engine returns no routed experts (`check_request`), None when it does."""
+        if not self._experts:
+            return "the model is not a mixture of experts (its config names no experts): it routes nothing"
         if self.args.get("enable_return_routed_experts"):
             return None
         return (
@@ -794,8 +797,9 @@ class VllmEngine(EngineLifecycle):
     async def load_ipc(self, manifest: Manifest) -> None:
         """Have vLLM's worker process open a version that a trainer on the same GPU hands over by CUDA IPC and reload
         from it in place (`RolloutsWorkerExtension.rollouts_load_ipc`: no byte through the host). `ValueError` before
-        anything is opened on the CPU, over several GPUs, or for tensors the model does not take; from the worker
-        process, if its GPU is not the trainer's."""
+        anything is opened on the CPU, over several GPUs, or for tensors the model does not take. A worker process on
+        another GPU than the trainer's refuses too, before it opens anything; vLLM passes that on as its own error,
+        with our line in it."""
         if current_platform.is_cpu():
             raise ValueError(f"{SAME_GPU}, but this vllm worker runs on the CPU: use nccl:// or fs://")
         if self.weight_receivers > 1:
@@ -887,22 +891,22 @@ class VllmEngine(EngineLifecycle):
         return {"running": len(self._live), "generated_tokens": self.generated_tokens, "version": self.version}
 
 
-def _routes(output: Any, sampling: Sampling, prompt_len: int, n_tokens: int) -> np.ndarray | None:
+def _routes(output: Any, sampling: Sampling, prompt_len: int, n_tokens: int, request_id: str) -> np.ndarray | None:
     """The routed experts of a final output as int16 `[prompt_len + n_tokens - 1, layers, top_k]` when the request
-    asked, None when it did not or generated nothing; `EngineInputError` if vLLM returned none, or not one per
-    position."""
+    asked; None when it did not, generated nothing or was aborted (its continuation reads the whole sample again),
+    and, logged, when vLLM's do not cover the sample one route a position (the tokens are kept all the same)."""
     positions = prompt_len + n_tokens - 1
-    if not sampling.routed_experts or not n_tokens:
+    if not sampling.routed_experts or not n_tokens or output.finish_reason == "abort":
         return None
     routes = getattr(output, "routed_experts", None)
-    if routes is None:
-        raise EngineInputError("routed_experts were asked for, but vLLM returned none (a model without experts?)")
-    routes = np.asarray(routes, dtype=np.int16)
-    if routes.ndim != 3 or routes.shape[0] != positions:
-        raise EngineInputError(
-            f"vLLM returned routed experts of shape {list(routes.shape)}, not [{positions}, layers, top_k]"
-        )
-    return routes
+    shape = None if routes is None else np.shape(routes)
+    if shape is None or len(shape) != 3 or shape[0] != positions:
+        log.warning(
+            "request %s: vLLM's routed experts are of shape %s, not [%d, layers, top_k]; its rollout carries none",
+            request_id, shape, positions,
+        )  # fmt: skip
+        return None
+    return np.asarray(routes, dtype=np.int16)
 
 
 def _add_span(spans: list[tuple[int, int, int]], version: int, start: int, end: int) -> None:

@@ -78,11 +78,13 @@ def to_module(module: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> d
     return out
 
 
-ROUTER_SUFFIX = "TopKRouter"
-"""The class-name ending of transformers' mixture-of-experts routers whose output ends with the experts each position
-is routed to, `(logits, scores, indices)`: Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE."""
+ROUTERS = frozenset({"Qwen2MoeTopKRouter", "Qwen3MoeTopKRouter", "MixtralTopKRouter", "OlmoeTopKRouter"})
+"""transformers' mixture-of-experts routers whose forward takes the hidden states alone and returns `(logits, scores,
+indices)`, the scores a softmax's top-k (renormalized, or not, as the model says): the ones routed experts are read
+from and replayed into. Other `*TopKRouter`s differ (the indices first, a sigmoid, a second argument)."""
+ROUTER_MODELS = "Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE"
 
 
 def routers(module: torch.nn.Module) -> list[torch.nn.Module]:
-    """The module's expert routers (`ROUTER_SUFFIX`), in layer order; empty for a model without them."""
-    return [m for m in module.modules() if type(m).__name__.endswith(ROUTER_SUFFIX)]
+    """The module's expert routers (`ROUTERS`), in layer order; empty for a model without them."""
+    return [m for m in module.modules() if type(m).__name__ in ROUTERS]
