@@ -23,7 +23,7 @@ from consumers.engines.base import EngineInputError
 from consumers.engines.tiny_model import build_tiny_model
 from pipeline.local import RedisServer
 from pipeline.processes import start_worker, stop_processes, wait_for_worker
-from pipeline.wire import Sampling
+from pipeline.wire import PauseMode, Sampling
 from producers.client import Batch, RolloutClient
 from producers.grpo import grpo_step
 from producers.routing import routes_replayed
@@ -177,14 +177,19 @@ async def _generate_then_stop(engine: Any, prompt: np.ndarray, sampling: Samplin
         await engine.shutdown()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="vLLM returns routed experts on its CUDA build only")
+ON_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="vLLM returns routed experts on its CUDA build only")
+
+
+@ON_CUDA
 @pytest.mark.vllm
+@pytest.mark.parametrize("sync", [None, "keep"], ids=["plain", "keep-sync"])
 def test_a_vllm_worker_on_a_gpu_puts_its_routed_experts_on_the_wire(
-    redis_server: RedisServer, ns: str, moe_models: dict[int, Path], tmp_path: Path
+    redis_server: RedisServer, ns: str, moe_models: dict[int, Path], tmp_path: Path, sync: PauseMode | None
 ) -> None:
     """vLLM started with `enable_return_routed_experts`: one route per position of prompt and tokens but the last, each
-    layer's top-2 of 8 experts, mostly the trainer's (a GPU's kernels are not the trainer's, so not all: chance is
-    1/28 a pair)."""
+    layer's top-2 of 8 experts, mostly the trainer's for the version that last read them (a GPU's kernels are not the
+    trainer's, so not all: chance is 1/28 a pair). With a `keep` sync mid-generation (vLLM recomputes what it kept)
+    too: no route left off, none doubled."""
     beat = redis.Redis.from_url(redis_server.url)
     args = ("--engine", "vllm", "--kv-cache-bytes", "1000000000", "--engine-args",
             '{"enable_return_routed_experts": true}')  # fmt: skip
@@ -193,7 +198,10 @@ def test_a_vllm_worker_on_a_gpu_puts_its_routed_experts_on_the_wire(
         wait_for_worker(beat, ns, "vllm-moe", worker, timeout_s=300)
         client = RolloutClient(redis_server.url, ns)
         for i in range(4):
-            client.submit(tokens=[5 + i, 6, 7, 8], n=2, max_tokens=48, seed=i, routed_experts=True)
+            client.submit(tokens=[5 + i, 6, 7, 8], n=2, max_tokens=48 if sync is None else 400, seed=i,
+                          routed_experts=True)  # fmt: skip
+        if sync is not None:
+            assert client.publish_weights(moe_models[1], mode=sync) == 1
         rollouts = [r for g in client.collect(4, timeout=240) for r in g.rollouts]
     finally:
         stop_processes([worker])
@@ -203,11 +211,13 @@ def test_a_vllm_worker_on_a_gpu_puts_its_routed_experts_on_the_wire(
         sequence = rollout.prompt_tokens.tolist() + rollout.tokens.tolist()[:-1]
         assert rollout.routed_experts is not None and rollout.routed_experts.shape == (len(sequence), 2, 2)
         assert rollout.routed_experts.min() >= 0 and rollout.routed_experts.max() < 8
-        expected = forward_routes(moe_models[0], sequence)
+        expected = forward_routes(moe_models[rollout.spans[-1][0]], sequence)
         same += int((np.sort(rollout.routed_experts, axis=-1) == expected).all(axis=-1).sum())
         total += expected.shape[0] * expected.shape[1]
     print(f"routed alike the trainer's fp32 forward pass: {same / total:.3f} of {total} (position, layer) pairs")
     assert same / total > 0.5
+    if sync is not None:
+        assert any(len(r.spans) == 2 for r in rollouts), "no sample was in flight at the sync"
 
 
 def test_a_trainer_replays_the_engines_routes_and_its_router_still_learns(
