@@ -86,14 +86,14 @@ def test_a_moe_policy_serves_exactly_on_torch_and_vllm_and_syncs_into_torch_whil
 ) -> None:
     client = RolloutClient(redis_server.url, ns)
     for i in range(8):
-        client.submit(tokens=[5 + i, 6, 7, 8], n=2, max_tokens=200, temperature=1.0, seed=i)
-    first = client.collect(2, timeout=120)  # the rest are still running when the sync interrupts them
+        client.submit(tokens=[5 + i, 6, 7, 8], n=2, max_tokens=400, temperature=1.0, seed=i)
+    first = client.collect(1, timeout=120)  # the rest are still running when the sync interrupts them
     assert client.publish_weights(moe_models[1], mode="abort") == 1
     report = client.last_sync
     assert report is not None and report.acked == ["torch-moe"] and report.gone == ["vllm-moe"], report
     log = " ".join((tmp_path / "vllm-moe.log").read_text().split())  # its lines are wrapped
     assert "reloads a mixture of experts' weights wrongly" in log and "--engine torch" in log, log[-2000:]
-    groups = first + client.collect(6, timeout=240)  # the vLLM worker's samples are finished by the torch worker
+    groups = first + client.collect(7, timeout=240)  # the vLLM worker's samples are finished by the torch worker
     assert len({g.prompt_id for g in groups}) == 8  # every prompt once
     for group in groups:
         for rollout in group.rollouts:  # MoE routing and all: v0's on both engines, v1's on torch after its merge
