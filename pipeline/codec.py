@@ -50,6 +50,10 @@ def encode_int32(values: Sequence[int] | np.ndarray) -> bytes:
     return np.asarray(values, dtype=INT32).tobytes()
 
 
+def encode_int16(values: Sequence[int] | np.ndarray) -> bytes:
+    return np.asarray(values, dtype=INT16).tobytes()
+
+
 def encode_float32(values: Sequence[float] | np.ndarray) -> bytes:
     return np.asarray(values, dtype=FLOAT32).tobytes()
 

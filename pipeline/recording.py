@@ -167,8 +167,12 @@ def from_batch(batch: pa.RecordBatch, source: str) -> Iterator[Recorded]:
             if name != "routed_experts"  # read as arrays below, not as Python lists
         }
         optional["mask"] = [None if m is None else [(r["start"], r["end"]) for r in m] for m in optional["mask"]]
-        shapes = optional.pop("routed_experts_shape")
-        routes = _unlists(batch.column("routed_experts")) if "routed_experts" in batch.schema.names else shapes
+        shapes = optional.pop("routed_experts_shape")  # None where a rollout carries no routes
+        routes = (
+            _unlists(batch.column("routed_experts"))
+            if "routed_experts" in batch.schema.names
+            else [np.empty(0, np.int16)] * batch.num_rows  # a shape without its values: refused by the reshape
+        )
     except UnicodeDecodeError as exc:  # a damaged file: bytes of a string column that are not UTF-8
         raise RecordingError(f"{source}: a text column is not UTF-8 ({exc})") from None
     for i in range(batch.num_rows):

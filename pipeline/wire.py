@@ -27,6 +27,7 @@ from pipeline.codec import (
     decode_json,
     decode_text,
     encode_float32,
+    encode_int16,
     encode_int32,
     encode_int_triples,
     encode_json,
@@ -422,7 +423,7 @@ class Rollout(BaseModel):
         if self.adapter is not None:
             fields[b"adapter"] = self.adapter.encode()
         if self.routed_experts is not None:
-            fields[b"routed_experts"] = np.ascontiguousarray(self.routed_experts, dtype=INT16).tobytes()
+            fields[b"routed_experts"] = encode_int16(self.routed_experts)
             fields[b"routed_experts_shape"] = encode_json(list(self.routed_experts.shape))
         return fields
 

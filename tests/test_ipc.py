@@ -145,6 +145,7 @@ def test_engines_that_cannot_reach_the_trainers_gpu_refuse_before_opening_anythi
     real_redis: redis.Redis, ns: str, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from consumers.engines import vllm_engine
+    from consumers.engines.remote_engine import RemoteVllmEngine
     from consumers.engines.synthetic_engine import SyntheticEngine
     from consumers.engines.vllm_engine import VllmEngine
 
@@ -156,6 +157,10 @@ def test_engines_that_cannot_reach_the_trainers_gpu_refuse_before_opening_anythi
         asyncio.run(load_version(SyntheticEngine(), f"ipc://{ns}/v3", 3, real_redis))
     with pytest.raises(ValueError, match=r"names version 3, not 4"):
         asyncio.run(load_version(cpu, f"ipc://{ns}/v3", 4, real_redis))
+
+    remote = RemoteVllmEngine(tiny_model_dir, url="http://127.0.0.1:9")  # never reached: refused before
+    with pytest.raises(ValueError, match=rf"{SAME_GPU}, .* but a remote engine's weights live in a server .*: publish"):
+        asyncio.run(load_version(remote, f"ipc://{ns}/v3", 3, real_redis))
 
     vllm = VllmEngine(tiny_model_dir)  # not started: the refusals need no engine (the platform set as each asks)
     monkeypatch.setattr(vllm_engine, "current_platform", SimpleNamespace(is_cpu=lambda: True))

@@ -23,8 +23,8 @@ from consumers.engines.base import EngineInputError
 from consumers.engines.tiny_model import build_tiny_model
 from pipeline.local import RedisServer
 from pipeline.processes import start_worker, stop_processes, wait_for_worker
-from pipeline.wire import PauseMode, Sampling
-from producers.client import Batch, RolloutClient
+from pipeline.wire import PauseMode, Rollout, Sampling
+from producers.client import Batch, Group, RolloutClient
 from producers.grpo import grpo_step
 from producers.routing import routes_replayed
 from staleness.weights.base import read_checkpoint, state_dict_of
@@ -152,7 +152,9 @@ def test_rollouts_carry_the_experts_the_torch_engine_routed_each_position_to_acr
 def test_engines_that_cannot_route_answer_with_a_line_that_says_what_to_start(
     tiny_model_dir: Path, moe_models: dict[int, Path]
 ) -> None:
-    """A dense model on the torch engine, vLLM without `enable_return_routed_experts`, the synthetic engine."""
+    """A dense model on the torch engine, vLLM without `enable_return_routed_experts`, the remote and synthetic
+    engines."""
+    from consumers.engines.remote_engine import RemoteVllmEngine
     from consumers.engines.synthetic_engine import SyntheticEngine
     from consumers.engines.torch_engine import TorchEngine
     from consumers.engines.vllm_engine import VllmEngine
@@ -168,6 +170,28 @@ def test_engines_that_cannot_route_answer_with_a_line_that_says_what_to_start(
         asyncio.run(VllmEngine(tiny_model_dir).generate("r", prompt, asked))
     with pytest.raises(EngineInputError, match=r"the synthetic engine runs no model, so it routes nothing"):
         asyncio.run(SyntheticEngine().generate("r", prompt, asked))
+    remote = RemoteVllmEngine(moe_models[0], url="http://127.0.0.1:9")  # refused before any request is sent
+    with pytest.raises(EngineInputError, match=r"the remote engine does not ask its server for them .*: serve these"):
+        asyncio.run(remote.generate("r", prompt, asked))
+
+
+def test_a_batch_aligns_the_routes_it_has_and_refuses_routes_of_two_models() -> None:
+    """`Batch.to_arrays()["routed_experts"]`: a rollout's routes under its `input_ids`, -1 past them and for a rollout
+    that carries none (it routes as the model does); rollouts routed over other layers or top-k, a `ValueError`."""
+    def rollout(sample: int, routes: np.ndarray | None) -> Rollout:
+        return Rollout(
+            prompt_id="p", sample=sample, n=3, version=0, version_end=0, finish_reason="length", worker="w",
+            prompt_tokens=[1, 2, 3], tokens=[4, 5], logprobs=[-1.0, -1.0], spans=[(0, 0, 2)], routed_experts=routes,
+        )  # fmt: skip
+
+    routes = np.arange(16, dtype=np.int16).reshape(4, 2, 2)
+    group = [rollout(0, routes), rollout(1, None), rollout(2, routes[:, :1])]
+    aligned = Batch([Group("p", group[:2])]).to_arrays()["routed_experts"]
+    assert aligned.shape == (2, 5, 2, 2) and aligned.dtype == np.int16
+    assert np.array_equal(aligned[0, :4], routes) and (aligned[0, 4:] == -1).all() and (aligned[1] == -1).all()
+    assert "routed_experts" not in Batch([Group("p", group[1:2])]).to_arrays()
+    with pytest.raises(ValueError, match=r"routed experts have several \[layers, top_k\]: \[\(1, 2\), \(2, 2\)\]"):
+        Batch([Group("p", group)]).to_arrays()
 
 
 async def _generate_then_stop(engine: Any, prompt: np.ndarray, sampling: Sampling) -> None:
