@@ -22,7 +22,7 @@ import signal
 import socket
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
@@ -31,11 +31,13 @@ import redis
 
 from consumers.adapters import WorkerAdapters
 from consumers.engines.base import (
+    WAKE_ALL,
     Engine,
     EngineClosedError,
     EngineInputError,
     Generation,
     SleepNotSupported,
+    WakePart,
     continuation_seed,
 )
 from consumers.lifecycle import EngineFactory, EngineSlot, WorkerStatus, receive_copy
@@ -754,11 +756,13 @@ class Worker:
         log.info("%s: asleep at level %d (epoch %d) in %.3f s", self.name, self._asleep, command.epoch,
                  time.monotonic() - self._sync_began)  # fmt: skip
 
-    async def _wake(self) -> None:
-        """Take back what the engine's sleep freed (before a load, or at the resume that ends a sleep)."""
+    async def _wake(self, parts: Sequence[WakePart] = WAKE_ALL) -> None:
+        """Take back what the engine's sleep freed: its weights before a load, everything at the resume that ends a
+        sleep (so that a load runs without the KV cache in memory: vLLM's staged wake)."""
         if self._asleep:
-            await self.engine.wake_up()
-            self._asleep = 0
+            await self.engine.wake_up(parts)
+            if set(WAKE_ALL) <= set(parts):
+                self._asleep = 0
 
     async def _sync_weights(self, command: Control) -> None:
         """Pause, load `command.version`, ack with the epoch; stay paused until the manager's resume.
@@ -784,7 +788,7 @@ class Worker:
         self.status = WorkerStatus.PAUSED
         started = self._sync_began = time.monotonic()
         await self.engine.pause(command.mode)
-        await self._wake()  # a sleep's end: the weights' memory back before the load fills it
+        await self._wake(("weights",))  # the weights' memory back before the load fills it; the cache's at the resume
         paused = time.monotonic()
         if command.version != self.engine.version:
             try:

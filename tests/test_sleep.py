@@ -6,18 +6,25 @@ protocol with real worker processes, a real redis-server and the manager's own a
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import signal
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
-from consumers.engines.base import Generation, SleepNotSupported
+from consumers.engines.base import WAKE_ALL, Generation, SleepNotSupported, WakePart
 from consumers.engines.torch_engine import TorchEngine
+from consumers.worker import Worker
+from pipeline.connections import connect
 from pipeline.local import RedisServer
+from pipeline.streams import Streams
 from pipeline.wire import Sampling
 from producers.client import RolloutClient
 from staleness.manager import Manager, SyncError, SyncReport
@@ -58,7 +65,9 @@ def test_a_sleeping_torch_engine_holds_no_weights_on_its_device_and_a_load_after
                 sum(p.numel() for p in engine._model.parameters()),
             )
             assert engine.asleep == level
-            await engine.wake_up()
+            await engine.wake_up(("kv_cache",))  # its cache is built as it generates: nothing to take back
+            assert engine.asleep == level
+            await engine.wake_up(("weights",))
             await engine.load_tensors(v1, 1)
             await engine.resume()
             return await request, held
@@ -89,11 +98,109 @@ def test_a_level_1_sleep_woken_without_a_load_goes_on_with_its_own_weights(
     matches(tiny_model_dir, gen, 0, len(gen.tokens))
 
 
+class StagedEngine(TorchEngine):
+    """The torch engine, keeping the order of its wakes, loads and resumes (instrumented, not replaced)."""
+
+    events: list[tuple[object, ...]]
+
+    async def wake_up(self, parts: Sequence[WakePart] = WAKE_ALL) -> None:
+        self.events.append(("wake", *parts))
+        await super().wake_up(parts)
+
+    async def load_tensors(self, named_tensors: Any, version: int) -> None:
+        self.events.append(("load", version, self.asleep))
+        await super().load_tensors(named_tensors, version)
+
+    async def resume(self) -> None:
+        self.events.append(("resume",))
+        await super().resume()
+
+
+def test_a_sync_after_a_sleep_wakes_the_weights_before_its_load_and_the_kv_cache_at_its_resume(
+    redis_server: RedisServer, ns: str, tiny_model_dir: Path, tiny_model_dir_v1: Path, one_thread: None
+) -> None:
+    """The load runs with the weights awake and the KV cache still asleep (vLLM's staged wake: the load's buffers and
+    the cache are never in memory together); the resume wakes the rest, before the engine schedules again."""
+    client = RolloutClient(redis_server.url, ns)
+    engine = StagedEngine(tiny_model_dir, num_threads=1)
+    engine.events = []
+    worker = Worker(Streams(connect(redis_server.url, ns=ns), ns), engine, "staged")
+
+    async def main() -> None:
+        running = asyncio.create_task(worker.run())
+        try:
+            await asyncio.to_thread(client.submit, tokens=[5, 6, 7], n=1, max_tokens=4, seed=1)
+            await asyncio.to_thread(functools.partial(client.collect, 1, timeout=120))  # the engine started
+            assert (await asyncio.to_thread(client.sleep, 1)).acked == ["staged"]
+            assert engine.asleep == 1 and engine.events == []
+            assert await asyncio.to_thread(client.publish_weights, state_dict_of(tiny_model_dir_v1)) == 1
+            await wait_for(lambda: ("resume",) in engine.events)
+            await asyncio.to_thread(client.submit, tokens=[5, 6, 7], n=1, max_tokens=4, seed=2)
+            (group,) = await asyncio.to_thread(functools.partial(client.collect, 1, timeout=120))
+            assert group.rollouts[0].spans == [(1, 0, group.rollouts[0].n_tokens)]
+        finally:
+            worker.stop()
+            await asyncio.wait_for(running, 60)
+
+    asyncio.run(main())
+    # The torch engine's cache is built as it generates: its weights' wake is its whole wake (asleep 0 at the load).
+    assert engine.events == [("wake", "weights"), ("load", 1, 0), ("wake", *WAKE_ALL), ("resume",)]
+
+
 def test_a_vllm_engine_without_sleep_mode_says_how_to_start_one(tiny_model_dir: Path) -> None:
     from consumers.engines.vllm_engine import VllmEngine
 
     with pytest.raises(SleepNotSupported, match=r"--engine-args '\{\"enable_sleep_mode\": true\}'"):
         asyncio.run(VllmEngine(tiny_model_dir).sleep(1))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="vLLM's sleep mode needs CUDA (run on the device machine)")
+@pytest.mark.vllm
+@pytest.mark.parametrize("level", [1, 2])
+def test_a_vllm_engine_on_a_gpu_keeps_its_requests_through_a_sleep_and_loads_before_its_kv_cache_wakes(
+    tiny_model_dir: Path, tiny_model_dir_v1: Path, level: int
+) -> None:
+    """A request kept by `pause("keep")` outlives vLLM's sleep (vLLM's own sleep would abort it) and goes on under the
+    version loaded while the KV cache was still asleep: the cache's memory comes back only with its own wake."""
+    from consumers.engines.vllm_engine import VllmEngine
+
+    kv_bytes = 2 * 10**9
+    v1 = state_dict_of(tiny_model_dir_v1)
+
+    def free() -> int:
+        torch.cuda.synchronize()
+        return int(torch.cuda.mem_get_info()[0])
+
+    async def go() -> tuple[Generation, list[int]]:
+        engine = VllmEngine(tiny_model_dir, kv_cache_bytes=kv_bytes, engine_args={"enable_sleep_mode": True})
+        async with engine:
+            request = asyncio.ensure_future(engine.generate("long", LONG_PROMPT, LONG))
+            await wait_for(lambda: engine.generated_tokens >= 5)
+            await engine.pause("keep")
+            memory = [free()]
+            await engine.sleep(level)
+            memory.append(free())
+            await engine.wake_up(("weights",))
+            memory.append(free())
+            await engine.load_tensors(v1, 1)
+            await engine.wake_up()
+            memory.append(free())
+            await engine.resume()
+            return await request, memory
+
+    gen, (awake, asleep, weights_woken, woken) = asyncio.run(go())
+    assert asleep - awake > 0.9 * kv_bytes and weights_woken - woken > 0.9 * kv_bytes, (awake, asleep, weights_woken)
+    assert gen.finish_reason != "abort"
+    (v0, s0, k), (v1_, k1, n) = gen.spans
+    assert (v0, s0, v1_, k1, n) == (0, 0, 1, k, len(gen.tokens)) and 5 <= k < n
+    prompt, tokens = LONG_PROMPT.tolist(), gen.tokens.tolist()
+    for start, end, right, wrong in (
+        (0, k, tiny_model_dir, tiny_model_dir_v1),
+        (k, n, tiny_model_dir_v1, tiny_model_dir),
+    ):
+        off = np.abs(gen.logprobs[start:end] - forward_logprobs(right, prompt, tokens[:end])[start:end]).max()
+        off_other = np.abs(gen.logprobs[start:end] - forward_logprobs(wrong, prompt, tokens[:end])[start:end]).max()
+        assert off < 0.02 and off < off_other / 10, (start, end, off, off_other)
 
 
 def test_a_fleet_sleeps_through_a_training_step_and_the_publish_after_it_wakes_and_syncs_every_worker(

@@ -7,7 +7,9 @@ device. Each round: generate a batch (`--prompts` x `--n`, `--max-tokens`), then
 `publish_weights` by `--transport` (which wakes the worker, loads and resumes it; `ipc://` hands the trainer's GPU
 memory over). `--level 0` is the same loop with no sleep, the baseline. Per round: each phase's seconds, the sync's
 stall, the device's free memory before and after the sleep (what it freed), the trainer's peak memory in its step,
-and the worker's status while asleep. JSON on stdout: the rounds, and the medians of all but the first (a warm-up).
+the device's peak use while generating and while publishing (nvidia-smi's reading every 20 ms: a staged wake loads
+the new version before the KV cache comes back), and the worker's status while asleep. JSON on stdout: the rounds,
+and the medians of all but the first (a warm-up).
 
     python benchmarks/probes/colocated_cycle.py --engine vllm --device cuda:0 --level 1 --rounds 6
     python benchmarks/probes/colocated_cycle.py --engine vllm --device cuda:0 --level 2 --transport ipc://
@@ -18,10 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
+import subprocess
 import tempfile
 import time
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 import redis
@@ -41,6 +46,29 @@ def free_bytes(device: str) -> int | None:
         return None
     torch.cuda.synchronize(device)
     return int(torch.cuda.mem_get_info(torch.device(device))[0])
+
+
+class PeakUse:
+    """The device's peak used memory (MiB, every process's) over a `with` block: nvidia-smi reads it every 20 ms in a
+    process of its own (a thread here would wait for the GIL while the trainer works). None on the CPU."""
+
+    def __init__(self, device: str) -> None:
+        self.index = (device.partition(":")[2] or "0") if device.startswith("cuda") else None
+        self.peak_mib: int | None = None
+        self._smi: subprocess.Popen[str] | None = None
+
+    def __enter__(self) -> PeakUse:
+        if self.index is not None and shutil.which("nvidia-smi"):
+            query = ["--query-gpu=memory.used", "--format=csv,noheader,nounits", "-lms", "20"]
+            self._smi = subprocess.Popen(["nvidia-smi", "-i", self.index, *query], stdout=subprocess.PIPE, text=True)
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        if self._smi is not None:
+            self._smi.terminate()
+            out, _ = self._smi.communicate(timeout=30)
+            readings = [int(line) for line in out.split() if line.isdigit()]
+            self.peak_mib = max(readings) if readings else None
 
 
 def train_step(model: Any, optimizer: torch.optim.Optimizer, batch: list[list[int]], device: str) -> int | None:
@@ -82,12 +110,14 @@ def cycle(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             for index in range(args.rounds):
                 row: dict[str, Any] = {"round": index}
                 began = time.perf_counter()
-                for i in range(args.prompts):
-                    client.submit(
-                        tokens=[5 + i % 50, 6, 7, 8], n=args.n, max_tokens=args.max_tokens, seed=index * 1000 + i
-                    )
-                groups = client.collect(args.prompts, timeout=600)
+                with PeakUse(args.device) as generating:
+                    for i in range(args.prompts):
+                        client.submit(
+                            tokens=[5 + i % 50, 6, 7, 8], n=args.n, max_tokens=args.max_tokens, seed=index * 1000 + i
+                        )
+                    groups = client.collect(args.prompts, timeout=600)
                 row["generate_s"] = time.perf_counter() - began
+                row["generate_peak_mib"] = generating.peak_mib
                 batch = [r.prompt_tokens.tolist() + r.tokens.tolist() for g in groups for r in g.rollouts]
                 row["tokens"] = sum(len(t) for t in batch)
                 row["free_before"] = free_bytes(args.device)
@@ -102,8 +132,10 @@ def cycle(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 row["trainer_peak"] = train_step(model, optimizer, batch, args.device)
                 row["train_s"] = time.perf_counter() - started
                 started = time.perf_counter()
-                row["version"] = client.publish_weights(model, transport=args.transport)
+                with PeakUse(args.device) as publishing:
+                    row["version"] = client.publish_weights(model, transport=args.transport)
                 row["publish_s"] = time.perf_counter() - started
+                row["publish_peak_mib"] = publishing.peak_mib
                 row["stall_s"] = client.last_sync.stall_s if client.last_sync else None
                 row["cycle_s"] = time.perf_counter() - began
                 if row["free_before"] is not None and row["free_asleep"] is not None:
@@ -115,7 +147,17 @@ def cycle(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     timed = rounds[1:] or rounds
     medians = {
         key: statistics.median(r[key] for r in timed)
-        for key in ("generate_s", "sleep_s", "train_s", "publish_s", "stall_s", "cycle_s", "freed_mib")
+        for key in (
+            "generate_s",
+            "sleep_s",
+            "train_s",
+            "publish_s",
+            "stall_s",
+            "cycle_s",
+            "freed_mib",
+            "generate_peak_mib",
+            "publish_peak_mib",
+        )
         if all(r.get(key) is not None for r in timed)
     }
     names = ("engine", "device", "level", "transport", "hidden", "layers", "prompts", "n")

@@ -8,9 +8,9 @@ is narrow: token ids in, token ids + per-token logprobs + version spans out.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, Self
+from typing import TYPE_CHECKING, Any, Literal, Protocol, Self
 
 import numpy as np
 
@@ -19,6 +19,11 @@ from pipeline.wire import LOGPROBS_MODES, MAX_SAMPLES, FinishReason, LogprobsMod
 if TYPE_CHECKING:
     from staleness.weights.ipc import Manifest
     from staleness.weights.nccl import BroadcastLink
+
+
+WakePart = Literal["weights", "kv_cache"]
+"""What `Engine.wake_up` takes back (vLLM's sleep tags)."""
+WAKE_ALL: tuple[WakePart, ...] = ("weights", "kv_cache")
 
 
 class EngineInputError(ValueError):
@@ -166,8 +171,11 @@ class Engine(Protocol):
         kept by `pause("keep")` have their cache recomputed after `wake_up`. Raises `SleepNotSupported`."""
         ...
 
-    async def wake_up(self) -> None:
-        """Take back the memory `sleep` freed (after level 2 the weights are undefined until the next load)."""
+    async def wake_up(self, parts: Sequence[WakePart] = WAKE_ALL) -> None:
+        """Take back the memory `sleep` freed, the `parts` named; a part awake already is left as it is. A sync wakes
+        the weights before its load and the KV cache at its resume, so that the load runs without the cache in
+        memory (vLLM's staged wake); an engine that builds its cache as it generates (torch) has no `kv_cache` part
+        to take back. After level 2 the weights are undefined until the next load."""
         ...
 
     async def shutdown(self) -> None: ...

@@ -24,18 +24,20 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from consumers.engines.base import (
+    WAKE_ALL,
     Engine,
     EngineClosedError,
     EngineLifecycle,
     Generation,
     LoadsIpcInProcess,
+    WakePart,
     check_request,
 )
 from consumers.engines.engine_channel import Channel, error_from_wire, generation_from_wire, pack_tensors
@@ -224,8 +226,8 @@ class ProcessEngine(LoadsIpcInProcess, EngineLifecycle):
     async def sleep(self, level: int) -> None:
         await self._call("sleep", level)
 
-    async def wake_up(self) -> None:
-        await self._call("wake_up")
+    async def wake_up(self, parts: Sequence[WakePart] = WAKE_ALL) -> None:
+        await self._call("wake_up", list(parts))
 
     # -- weights ---------------------------------------------------------------------------------
 

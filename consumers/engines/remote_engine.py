@@ -40,7 +40,7 @@ import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -48,12 +48,14 @@ import httpx
 import numpy as np
 
 from consumers.engines.base import (
+    WAKE_ALL,
     EngineClosedError,
     EngineInputError,
     EngineLifecycle,
     Generation,
     ServesNoAdapters,
     SleepNotSupported,
+    WakePart,
     check_request,
     engine_logprobs_mode,
     refuse_adapter,
@@ -546,7 +548,7 @@ class RemoteVllmEngine(ServesNoAdapters, EngineLifecycle):
             "engine in the worker (--engine vllm --engine-args '{\"enable_sleep_mode\": true}') to free its GPU"
         )
 
-    async def wake_up(self) -> None:
+    async def wake_up(self, parts: Sequence[WakePart] = WAKE_ALL) -> None:
         """Nothing: it never sleeps."""
 
     @property

@@ -25,7 +25,7 @@ import asyncio
 import contextlib
 import random
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -33,12 +33,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from consumers.engines.base import (
+    WAKE_ALL,
     EngineClosedError,
     EngineInputError,
     EngineLifecycle,
     Generation,
     LoadsIpcInProcess,
     ServesNoAdapters,
+    WakePart,
     check_request,
     refuse_adapter,
 )
@@ -49,6 +51,7 @@ if TYPE_CHECKING:
     from staleness.weights.nccl import BroadcastLink
 
 NO_ROUTES = "the synthetic engine runs no model, so it routes nothing: serve these prompts with torch or vllm workers"
+
 
 @dataclass(eq=False)
 class _Run:
@@ -109,6 +112,7 @@ class SyntheticEngine(ServesNoAdapters, LoadsIpcInProcess, EngineLifecycle):
         self._serving = asyncio.Event()
         self.asleep = 0
         """The level of the `sleep` it was put in (it frees nothing); 0: awake."""
+        self._asleep_parts: set[WakePart] = set()
         self._closed = False
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -216,9 +220,13 @@ class SyntheticEngine(ServesNoAdapters, LoadsIpcInProcess, EngineLifecycle):
     async def sleep(self, level: int) -> None:
         """Nothing to free (it holds no weights or cache): the level is kept, for the tests of the protocol."""
         self.asleep = level
+        self._asleep_parts = set(WAKE_ALL)
 
-    async def wake_up(self) -> None:
-        self.asleep = 0
+    async def wake_up(self, parts: Sequence[WakePart] = WAKE_ALL) -> None:
+        """Awake once both parts are (`asleep` stays the level until then, as a staged wake leaves vLLM half asleep)."""
+        self._asleep_parts.difference_update(parts)
+        if not self._asleep_parts:
+            self.asleep = 0
 
     # -- weights: nothing to load, but every path is followed and the version is tagged ----------
 

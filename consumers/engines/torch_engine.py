@@ -34,11 +34,13 @@ import numpy as np
 import torch
 
 from consumers.engines.base import (
+    WAKE_ALL,
     EngineClosedError,
     EngineInputError,
     EngineLifecycle,
     Generation,
     LoadsIpcInProcess,
+    WakePart,
     check_request,
 )
 from consumers.engines.lora import LoraModule, ParsedAdapter, linear_shapes, module_types, parse_adapter
@@ -550,8 +552,10 @@ class TorchEngine(LoadsIpcInProcess, EngineLifecycle):
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    async def wake_up(self) -> None:
-        await asyncio.to_thread(self._wake_sync)
+    async def wake_up(self, parts: Sequence[WakePart] = WAKE_ALL) -> None:
+        """Take the weights back (`parts` with "weights"); the KV cache is rebuilt by the next step, not woken."""
+        if "weights" in parts:
+            await asyncio.to_thread(self._wake_sync)
 
     def _wake_sync(self) -> None:
         with self._between_steps(), torch.no_grad():

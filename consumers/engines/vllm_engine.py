@@ -57,7 +57,7 @@ import shutil
 import subprocess
 import tempfile
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -78,11 +78,13 @@ from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 
 from consumers.engines.base import (
+    WAKE_ALL,
     EngineClosedError,
     EngineInputError,
     EngineLifecycle,
     Generation,
     SleepNotSupported,
+    WakePart,
     check_request,
     continuation_seed,
     engine_logprobs_mode,
@@ -248,6 +250,8 @@ class VllmEngine(EngineLifecycle):
         self._monitor: asyncio.Task[None] | None = None
         self._paused = False
         self._keep_cache = False
+        self._asleep: set[WakePart] = set()
+        """The parts of a sleep not woken yet (`wake_up`)."""
         """Paused with `inflight` (until `resume`): a load keeps the running requests' KV blocks."""
         self._closing = False
         self._reference: WeightLayout | bool | None = False
@@ -579,7 +583,7 @@ class VllmEngine(EngineLifecycle):
             return None
         return (
             "this vllm worker's engine does not return them: start it with --engine-args "
-            '\'{"enable_return_routed_experts": true}\' (vLLM\'s CUDA build; a mixture-of-experts model)'
+            "'{\"enable_return_routed_experts\": true}' (vLLM's CUDA build; a mixture-of-experts model)"
         )
 
     def _spans(self, weight_versions: list[Any] | None, n_tokens: int) -> list[tuple[int, int, int]]:
@@ -760,12 +764,20 @@ class VllmEngine(EngineLifecycle):
             )
         llm = await self._started()
         async with self._load_lock:
-            await llm.sleep(level)
+            if self._asleep:
+                return
+            # Paused already, in the caller's mode; vLLM's own default ("abort") would end the requests `keep` holds.
+            await llm.sleep(level, mode="keep")
+            self._asleep = set(WAKE_ALL)
 
-    async def wake_up(self) -> None:
-        if self._llm is not None and self.args.get("enable_sleep_mode"):
+    async def wake_up(self, parts: Sequence[WakePart] = WAKE_ALL) -> None:
+        """vLLM's `wake_up(tags)` for the `parts` still asleep. vLLM schedules again only once both are awake, so a
+        load between the weights' wake and the KV cache's runs paused, and without the cache's memory."""
+        waking = [part for part in WAKE_ALL if part in parts and part in self._asleep]
+        if self._llm is not None and waking:
             async with self._load_lock:
-                await self._llm.wake_up()
+                await self._llm.wake_up(waking)
+                self._asleep.difference_update(waking)
 
     async def load_weights(self, path: str, version: int) -> None:
         """Load a safetensors checkpoint (a directory or one file) in place, then tag new tokens `version`.
