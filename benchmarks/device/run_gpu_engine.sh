@@ -7,8 +7,6 @@
 #   moe-reload  the same probe: a MoE reloaded by a sync, its logprobs against the new version's forward pass
 #   lora     bench-lora on a vLLM worker: adapter B's tokens/s while adapter A syncs, each adapter's stall
 #   lora-gap the same, A syncing at a trainer's cadence (a sync a second, `--sync-gap-s 1`) instead of back to back
-#   lora-gap-large  lora-gap on bench's hidden-1024 24-layer base model, eight rounds (the tiny one's steps are short
-#            beside an adapter's load)
 #   gateway  bench-gateway on two vLLM workers of one GPU: placement's cache hits and the gateway's overhead
 #   bench    rollouts bench: the engine called directly against the whole pipeline, a hidden-1024 24-layer model
 #   OUT=$OUT STEPS="moe lora" bash benchmarks/device/run_gpu_engine.sh
@@ -25,7 +23,7 @@ step() {  # NAME CMD...: run CMD with stdout to $OUT/NAME.json, say how it went
     echo "$name: FAILED (rc $?) after $((SECONDS - began)) s; its stderr ends:"; tail -25 "$OUT/$name.err"
   fi
 }
-bench_model() {  # the hidden-1024 24-layer random Qwen2 of `bench` and `lora-gap-large`, built once a machine
+bench_model() {  # the hidden-1024 24-layer random Qwen2 of `bench`, built once a machine
   [ -f /tmp/bench-model/model.safetensors ] || python3 -c "from pathlib import Path; from \
 consumers.engines.tiny_model import build_tiny_model; build_tiny_model(Path('/tmp/bench-model'), hidden_size=1024, \
 num_layers=24)" >> "$OUT/bench-model.err" 2>&1
@@ -49,10 +47,6 @@ for s in ${STEPS:-moe moe-reload lora gateway bench}; do
     lora-gap)
       step lora-gap python3 -m benchmarks bench-lora --engine vllm --dtype bfloat16 --kv-cache-bytes $KV \
         --no-enforce-eager --rounds 5 --b-prompts 16 --a-prompts 16 --tokens 448 --sync-gap-s 1 ;;
-    lora-gap-large)
-      bench_model
-      step lora-gap-large python3 -m benchmarks bench-lora --engine vllm --model /tmp/bench-model --dtype bfloat16 \
-        --kv-cache-bytes $KV --no-enforce-eager --rounds 8 --b-prompts 16 --a-prompts 16 --tokens 448 --sync-gap-s 1 ;;
     gateway)
       step gateway python3 -m benchmarks bench-gateway --engine vllm --dtype bfloat16 --kv-cache-bytes $KV \
         --engine-args '{"gpu_memory_utilization": 0.3}' --workers 2 --sessions 16 --rounds 3 ;;
@@ -60,6 +54,6 @@ for s in ${STEPS:-moe moe-reload lora gateway bench}; do
       bench_model
       step bench python3 -m benchmarks bench --engine vllm --model /tmp/bench-model --dtype bfloat16 --prompts 64 \
         --n 4 --max-tokens 256 --rounds 5 --no-enforce-eager --kv-cache-bytes 8000000000 ;;
-    *) echo "unknown step $s (moe, moe-reload, lora, lora-gap, lora-gap-large, gateway, bench)"; exit 2 ;;
+    *) echo "unknown step $s (moe, moe-reload, lora, lora-gap, gateway, bench)"; exit 2 ;;
   esac
 done
