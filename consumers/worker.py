@@ -203,7 +203,9 @@ class Worker:
         self._sync_began = 0.0
         self._layout: str | None = None
         self._asleep = 0
-        """The level of the sleep its engine is in (`_sleep`); 0: awake."""
+        """The level of the sleep its engine is in (`_sleep`), until the wake of its last part; 0: awake."""
+        self._sleeping: set[WakePart] = set()
+        """The parts of that sleep not woken yet (`_wake`)."""
         self._beating = asyncio.Lock()
         """One heartbeat write at a time: a snapshot taken earlier never lands over a later one."""
         """The digest of the model layout this worker advertises (`_advertise_layout`); "" for none, None: not yet."""
@@ -727,8 +729,14 @@ class Worker:
         if self._serving.is_set() or self.status == AWAITING_WEIGHTS:
             return
         if self._slot.started:
-            await self._wake()
-            await self.engine.resume()
+            try:
+                await self._wake()  # after a sleep, the KV cache: the largest allocation, and after the ack
+                await self.engine.resume()
+            except Exception as exc:  # acked, but it cannot go on: it stops, and its work goes to the others
+                log.error("%s: could not wake or resume its engine after sync %d: %s", self.name, self._epoch, exc)
+                self.failure = f"could not wake or resume its engine after sync {self._epoch}: {exc}"
+                self.stop(drain=False)
+                return
             self.status = WorkerStatus.SERVING
         self._set_serving(True)
         self._last_stall_s = time.monotonic() - self._sync_began
@@ -747,7 +755,7 @@ class Worker:
             await self.engine.pause(command.mode)
             try:
                 await self.engine.sleep(command.level)
-                self._asleep = command.level
+                self._asleep, self._sleeping = command.level, set(WAKE_ALL)
                 self.status = WorkerStatus.ASLEEP
             except SleepNotSupported as exc:
                 log.error("%s: paused for a sleep, but its engine cannot sleep: %s", self.name, exc)
@@ -759,10 +767,12 @@ class Worker:
     async def _wake(self, parts: Sequence[WakePart] = WAKE_ALL) -> None:
         """Take back what the engine's sleep freed: its weights before a load, everything at the resume that ends a
         sleep (so that a load runs without the KV cache in memory: vLLM's staged wake)."""
-        if self._asleep:
-            await self.engine.wake_up(parts)
-            if set(WAKE_ALL) <= set(parts):
-                self._asleep = 0
+        waking = [part for part in WAKE_ALL if part in parts and part in self._sleeping]
+        if waking:
+            await self.engine.wake_up(waking)
+            self._sleeping.difference_update(waking)
+        if not self._sleeping:
+            self._asleep = 0
 
     async def _sync_weights(self, command: Control) -> None:
         """Pause, load `command.version`, ack with the epoch; stay paused until the manager's resume.

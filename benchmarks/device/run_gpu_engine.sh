@@ -23,11 +23,6 @@ step() {  # NAME CMD...: run CMD with stdout to $OUT/NAME.json, say how it went
     echo "$name: FAILED (rc $?) after $((SECONDS - began)) s; its stderr ends:"; tail -25 "$OUT/$name.err"
   fi
 }
-bench_model() {  # the hidden-1024 24-layer random Qwen2 of `bench`, built once a machine
-  [ -f /tmp/bench-model/model.safetensors ] || python3 -c "from pathlib import Path; from \
-consumers.engines.tiny_model import build_tiny_model; build_tiny_model(Path('/tmp/bench-model'), hidden_size=1024, \
-num_layers=24)" >> "$OUT/bench-model.err" 2>&1
-}
 for s in ${STEPS:-moe moe-reload lora gateway bench}; do
   case $s in
     moe)
@@ -51,7 +46,9 @@ for s in ${STEPS:-moe moe-reload lora gateway bench}; do
       step gateway python3 -m benchmarks bench-gateway --engine vllm --dtype bfloat16 --kv-cache-bytes $KV \
         --engine-args '{"gpu_memory_utilization": 0.3}' --workers 2 --sessions 16 --rounds 3 ;;
     bench)
-      bench_model
+      [ -f /tmp/bench-model/model.safetensors ] || python3 -c "from pathlib import Path; from \
+consumers.engines.tiny_model import build_tiny_model; build_tiny_model(Path('/tmp/bench-model'), hidden_size=1024, \
+num_layers=24)" >> "$OUT/bench.err" 2>&1
       step bench python3 -m benchmarks bench --engine vllm --model /tmp/bench-model --dtype bfloat16 --prompts 64 \
         --n 4 --max-tokens 256 --rounds 5 --no-enforce-eager --kv-cache-bytes 8000000000 ;;
     *) echo "unknown step $s (moe, moe-reload, lora, lora-gap, gateway, bench)"; exit 2 ;;

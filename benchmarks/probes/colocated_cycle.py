@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -27,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import IO, Any
 
 import redis
 import torch
@@ -50,24 +51,33 @@ def free_bytes(device: str) -> int | None:
 
 class PeakUse:
     """The device's peak used memory (MiB, every process's) over a `with` block: nvidia-smi reads it every 20 ms in a
-    process of its own (a thread here would wait for the GIL while the trainer works). None on the CPU."""
+    process of its own (a thread here would wait for the GIL while the trainer works), into a file (a pipe read only
+    at the end would fill). None on the CPU."""
 
     def __init__(self, device: str) -> None:
-        self.index = (device.partition(":")[2] or "0") if device.startswith("cuda") else None
+        self.index: str | None = None
+        if device.startswith("cuda"):
+            index = device.partition(":")[2] or "0"
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")  # nvidia-smi counts every GPU, torch the visible ones
+            self.index = visible.split(",")[int(index)] if visible else index
         self.peak_mib: int | None = None
-        self._smi: subprocess.Popen[str] | None = None
+        self._smi: subprocess.Popen[bytes] | None = None
+        self._readings: IO[bytes] | None = None
 
     def __enter__(self) -> PeakUse:
         if self.index is not None and shutil.which("nvidia-smi"):
             query = ["--query-gpu=memory.used", "--format=csv,noheader,nounits", "-lms", "20"]
-            self._smi = subprocess.Popen(["nvidia-smi", "-i", self.index, *query], stdout=subprocess.PIPE, text=True)
+            self._readings = tempfile.TemporaryFile()
+            self._smi = subprocess.Popen(["nvidia-smi", "-i", self.index, *query], stdout=self._readings)
         return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        if self._smi is not None:
+        if self._smi is not None and self._readings is not None:
             self._smi.terminate()
-            out, _ = self._smi.communicate(timeout=30)
-            readings = [int(line) for line in out.split() if line.isdigit()]
+            self._smi.wait(timeout=30)
+            self._readings.seek(0)
+            readings = [int(line) for line in self._readings.read().split() if line.isdigit()]
+            self._readings.close()
             self.peak_mib = max(readings) if readings else None
 
 

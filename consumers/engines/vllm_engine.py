@@ -250,9 +250,9 @@ class VllmEngine(EngineLifecycle):
         self._monitor: asyncio.Task[None] | None = None
         self._paused = False
         self._keep_cache = False
+        """Paused with `inflight` (until `resume`): a load keeps the running requests' KV blocks."""
         self._asleep: set[WakePart] = set()
         """The parts of a sleep not woken yet (`wake_up`)."""
-        """Paused with `inflight` (until `resume`): a load keeps the running requests' KV blocks."""
         self._closing = False
         self._reference: WeightLayout | bool | None = False
         """Tensor names and shapes of the model's own checkpoint: what a new one must match."""
@@ -764,8 +764,10 @@ class VllmEngine(EngineLifecycle):
             )
         llm = await self._started()
         async with self._load_lock:
-            if self._asleep:
+            if self._asleep == set(WAKE_ALL):
                 return
+            if self._asleep:  # half awake (a sync's load before its resume): whole again, then asleep
+                await llm.wake_up([part for part in WAKE_ALL if part in self._asleep])
             # Paused already, in the caller's mode; vLLM's own default ("abort") would end the requests `keep` holds.
             await llm.sleep(level, mode="keep")
             self._asleep = set(WAKE_ALL)
