@@ -117,24 +117,31 @@ class StagedEngine(TorchEngine):
         await super().resume()
 
 
+def in_process_worker(url: str, ns: str, engine: StagedEngine) -> tuple[RolloutClient, StagedEngine, Worker]:
+    engine.events = []
+    return RolloutClient(url, ns), engine, Worker(Streams(connect(url, ns=ns), ns), engine, "staged")
+
+
+async def serve_sleep_and_publish(client: RolloutClient, worker: Worker, engine: StagedEngine, v1: Path) -> None:
+    """One sample served (the engine started), a level-1 sleep the worker acks, then v1 published from memory."""
+    await asyncio.to_thread(client.submit, tokens=[5, 6, 7], n=1, max_tokens=4, seed=1)
+    await asyncio.to_thread(functools.partial(client.collect, 1, timeout=120))
+    assert (await asyncio.to_thread(client.sleep, 1)).acked == [worker.name]
+    assert engine.asleep == 1 and engine.events == []
+    assert await asyncio.to_thread(client.publish_weights, state_dict_of(v1)) == 1
+
+
 def test_a_sync_after_a_sleep_wakes_the_weights_before_its_load_and_the_kv_cache_at_its_resume(
     redis_server: RedisServer, ns: str, tiny_model_dir: Path, tiny_model_dir_v1: Path, one_thread: None
 ) -> None:
     """The load runs with the weights awake and the KV cache still asleep (vLLM's staged wake: the load's buffers and
     the cache are never in memory together); the resume wakes the rest, before the engine schedules again."""
-    client = RolloutClient(redis_server.url, ns)
-    engine = StagedEngine(tiny_model_dir, num_threads=1)
-    engine.events = []
-    worker = Worker(Streams(connect(redis_server.url, ns=ns), ns), engine, "staged")
+    client, engine, worker = in_process_worker(redis_server.url, ns, StagedEngine(tiny_model_dir, num_threads=1))
 
     async def main() -> None:
         running = asyncio.create_task(worker.run())
         try:
-            await asyncio.to_thread(client.submit, tokens=[5, 6, 7], n=1, max_tokens=4, seed=1)
-            await asyncio.to_thread(functools.partial(client.collect, 1, timeout=120))  # the engine started
-            assert (await asyncio.to_thread(client.sleep, 1)).acked == ["staged"]
-            assert engine.asleep == 1 and engine.events == []
-            assert await asyncio.to_thread(client.publish_weights, state_dict_of(tiny_model_dir_v1)) == 1
+            await serve_sleep_and_publish(client, worker, engine, tiny_model_dir_v1)
             await wait_for(lambda: ("resume",) in engine.events)
             await asyncio.to_thread(client.submit, tokens=[5, 6, 7], n=1, max_tokens=4, seed=2)
             (group,) = await asyncio.to_thread(functools.partial(client.collect, 1, timeout=120))
@@ -161,17 +168,11 @@ def test_a_worker_that_cannot_take_its_kv_cache_back_at_the_resume_stops_and_say
     redis_server: RedisServer, ns: str, tiny_model_dir: Path, tiny_model_dir_v1: Path, one_thread: None
 ) -> None:
     """The cache's wake comes after the ack: a worker that fails it must not stay paused, holding its work."""
-    client = RolloutClient(redis_server.url, ns)
-    engine = CacheWakeFails(tiny_model_dir, num_threads=1)
-    engine.events = []
-    worker = Worker(Streams(connect(redis_server.url, ns=ns), ns), engine, "no-room")
+    client, engine, worker = in_process_worker(redis_server.url, ns, CacheWakeFails(tiny_model_dir, num_threads=1))
 
     async def main() -> None:
         running = asyncio.create_task(worker.run())
-        await asyncio.to_thread(client.submit, tokens=[5, 6, 7], n=1, max_tokens=4, seed=1)
-        await asyncio.to_thread(functools.partial(client.collect, 1, timeout=120))
-        assert (await asyncio.to_thread(client.sleep, 1)).acked == ["no-room"]
-        assert await asyncio.to_thread(client.publish_weights, state_dict_of(tiny_model_dir_v1)) == 1
+        await serve_sleep_and_publish(client, worker, engine, tiny_model_dir_v1)
         await asyncio.wait_for(running, 60)  # the worker's run ends: it stopped
 
     asyncio.run(main())
