@@ -252,10 +252,18 @@ def _side(index: int, work: Work) -> str:
 
 
 def build_adapters(model: Path) -> dict[str, Adapter]:
-    """Adapter b, and adapter a's two versions (each trained towards its own tokens: a real change each publish)."""
+    """Adapter b, and adapter a's two versions (each trained towards its own tokens: a real change each publish), on
+    a GPU where there is one (a larger base model's take minutes on a CPU), before the worker starts."""
+    import torch
+
     from consumers.engines.tiny_model import make_adapter
 
-    return {key: make_adapter(model, list(tokens), seed=i) for i, (key, tokens) in enumerate(FAVOURED.items())}
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    favoured = enumerate(FAVOURED.items())
+    adapters = {key: make_adapter(model, list(tokens), seed=i, device=device) for i, (key, tokens) in favoured}
+    if device == "cuda":
+        torch.cuda.empty_cache()  # the worker's engine has the GPU to itself
+    return adapters
 
 
 def run_bench_lora(out: Console, settings: Settings, work: Work) -> dict[str, Any]:

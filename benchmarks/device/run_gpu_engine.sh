@@ -7,6 +7,7 @@
 #   moe-reload  the same probe: a MoE reloaded by a sync, its logprobs against the new version's forward pass
 #   lora     bench-lora on a vLLM worker: adapter B's tokens/s while adapter A syncs, each adapter's stall
 #   lora-gap the same, A syncing at a trainer's cadence (a sync a second, `--sync-gap-s 1`) instead of back to back
+#   lora-gap-large  lora-gap on bench's hidden-1024 24-layer base model, eight rounds (its adapters trained on the GPU)
 #   gateway  bench-gateway on two vLLM workers of one GPU: placement's cache hits and the gateway's overhead
 #   bench    rollouts bench: the engine called directly against the whole pipeline, a hidden-1024 24-layer model
 #   OUT=$OUT STEPS="moe lora" bash benchmarks/device/run_gpu_engine.sh
@@ -42,6 +43,12 @@ for s in ${STEPS:-moe moe-reload lora gateway bench}; do
     lora-gap)
       step lora-gap python3 -m benchmarks bench-lora --engine vllm --dtype bfloat16 --kv-cache-bytes $KV \
         --no-enforce-eager --rounds 5 --b-prompts 16 --a-prompts 16 --tokens 448 --sync-gap-s 1 ;;
+    lora-gap-large)
+      [ -f /tmp/bench-model/model.safetensors ] || python3 -c "from pathlib import Path; from \
+consumers.engines.tiny_model import build_tiny_model; build_tiny_model(Path('/tmp/bench-model'), hidden_size=1024, \
+num_layers=24)" >> "$OUT/lora-gap-large.err" 2>&1
+      step lora-gap-large python3 -m benchmarks bench-lora --engine vllm --model /tmp/bench-model --dtype bfloat16 \
+        --kv-cache-bytes $KV --no-enforce-eager --rounds 8 --b-prompts 16 --a-prompts 16 --tokens 448 --sync-gap-s 1 ;;
     gateway)
       step gateway python3 -m benchmarks bench-gateway --engine vllm --dtype bfloat16 --kv-cache-bytes $KV \
         --engine-args '{"gpu_memory_utilization": 0.3}' --workers 2 --sessions 16 --rounds 3 ;;
@@ -51,6 +58,6 @@ consumers.engines.tiny_model import build_tiny_model; build_tiny_model(Path('/tm
 num_layers=24)" >> "$OUT/bench.err" 2>&1
       step bench python3 -m benchmarks bench --engine vllm --model /tmp/bench-model --dtype bfloat16 --prompts 64 \
         --n 4 --max-tokens 256 --rounds 5 --no-enforce-eager --kv-cache-bytes 8000000000 ;;
-    *) echo "unknown step $s (moe, moe-reload, lora, lora-gap, gateway, bench)"; exit 2 ;;
+    *) echo "unknown step $s (moe, moe-reload, lora, lora-gap, lora-gap-large, gateway, bench)"; exit 2 ;;
   esac
 done

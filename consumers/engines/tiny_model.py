@@ -208,6 +208,7 @@ def make_adapter(
     target_modules: Sequence[str] = ("o_proj", "down_proj"),
     steps: int = 60,
     seed: int = 0,
+    device: str = "cpu",
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Train a LoRA adapter of the model in `model_dir` that strongly prefers the `favoured` token ids.
 
@@ -215,8 +216,10 @@ def make_adapter(
     generate clearly different tokens, each mostly from its own set (the tests tell them apart by that),
     and neither looks like the base model. Only the LoRA parameters train (plain torch, no peft: forward
     hooks add `scale * B(A x)` to the target layers), with Adam for `steps` steps on random token
-    sequences, maximising the probability mass on `favoured` at every position; about a second on a CPU.
-    Returns PEFT-named float32 tensors and an `adapter_config.json`-style dict (`save_adapter` writes both).
+    sequences, maximising the probability mass on `favoured` at every position; about a second on a CPU for the
+    tiny model (a hidden-1024 24-layer one takes minutes there: `device="cuda"` trains it on a GPU). The random
+    draws are the CPU's on every device. Returns PEFT-named float32 tensors on the CPU and an
+    `adapter_config.json`-style dict (`save_adapter` writes both).
     """
     import torch
     from transformers import AutoModelForCausalLM
@@ -224,6 +227,7 @@ def make_adapter(
     from consumers.engines.lora import is_target
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval().requires_grad_(False)
+    model.to(torch.device(device))
     generator = torch.Generator().manual_seed(seed)
     scale = alpha / rank
     params: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -231,21 +235,22 @@ def make_adapter(
     for path, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and is_target(path, tuple(target_modules)):
             bound = 1.0 / module.in_features**0.5  # PEFT's init: A uniform (kaiming), B zero
-            a = ((torch.rand(rank, module.in_features, generator=generator) * 2 - 1) * bound).requires_grad_()
-            b = torch.zeros(module.out_features, rank, requires_grad=True)
+            a = ((torch.rand(rank, module.in_features, generator=generator) * 2 - 1) * bound).to(device)
+            a.requires_grad_()
+            b = torch.zeros(module.out_features, rank, device=device, requires_grad=True)
             params[path] = (a, b)
             hooks.append(module.register_forward_hook(_lora_training_hook(a, b, scale)))
     if not params:
         raise ValueError(f"no nn.Linear of {model_dir} matches target_modules {list(target_modules)}")
     try:
-        _train_towards(model, params, torch.tensor(sorted(set(favoured))), steps, generator)
+        _train_towards(model, params, torch.tensor(sorted(set(favoured)), device=device), steps, generator)
     finally:
         for hook in hooks:
             hook.remove()
     tensors = {}
     for path, (a, b) in params.items():
-        tensors[f"base_model.model.{path}.lora_A.weight"] = a.detach().clone()
-        tensors[f"base_model.model.{path}.lora_B.weight"] = b.detach().clone()
+        tensors[f"base_model.model.{path}.lora_A.weight"] = a.detach().cpu().clone()
+        tensors[f"base_model.model.{path}.lora_B.weight"] = b.detach().cpu().clone()
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -281,7 +286,7 @@ def _train_towards(
     optimizer = torch.optim.Adam([t for pair in params.values() for t in pair], lr=0.02)
     first = len(SPECIAL_TOKENS)  # ordinary tokens only: special ones never appear inside a text
     for _ in range(steps):
-        ids = torch.randint(first, model.config.vocab_size, (16, 24), generator=generator)
+        ids = torch.randint(first, model.config.vocab_size, (16, 24), generator=generator).to(model.device)
         logprobs = model(input_ids=ids).logits.log_softmax(-1)
         loss = -logprobs[..., favoured].logsumexp(-1).mean()
         optimizer.zero_grad()
