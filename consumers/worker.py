@@ -732,10 +732,8 @@ class Worker:
             try:
                 await self._wake()  # after a sleep, the KV cache: the largest allocation, and after the ack
                 await self.engine.resume()
-            except Exception as exc:  # acked, but it cannot go on: it stops, and its work goes to the others
-                log.error("%s: could not wake or resume its engine after sync %d: %s", self.name, self._epoch, exc)
-                self.failure = f"could not wake or resume its engine after sync {self._epoch}: {exc}"
-                self.stop(drain=False)
+            except Exception as exc:  # acked, but it cannot go on
+                self._give_up(f"could not wake or resume its engine after sync {self._epoch}: {exc}")
                 return
             self.status = WorkerStatus.SERVING
         self._set_serving(True)
@@ -914,8 +912,12 @@ class Worker:
         await self._beat()
 
     def _cannot_load(self, command: Control, exc: Exception) -> None:
-        log.error("%s: could not load weights version %d from %s: %s", self.name, command.version, command.uri, exc)
-        self.failure = f"could not load weights version {command.version} from {command.uri}: {exc}"
+        self._give_up(f"could not load weights version {command.version} from {command.uri}: {exc}")
+
+    def _give_up(self, failure: str) -> None:
+        """Stop now (exit 1, for a supervisor to restart it), saying why: its work goes to the others."""
+        log.error("%s: %s", self.name, failure)
+        self.failure = failure
         self.stop(drain=False)
 
     # -- upkeep: heartbeat, keep own work, rehome departed inboxes, trim -------------------------

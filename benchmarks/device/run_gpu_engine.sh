@@ -24,6 +24,11 @@ step() {  # NAME CMD...: run CMD with stdout to $OUT/NAME.json, say how it went
     echo "$name: FAILED (rc $?) after $((SECONDS - began)) s; its stderr ends:"; tail -25 "$OUT/$name.err"
   fi
 }
+bench_model() {  # NAME: bench's hidden-1024 24-layer random Qwen2 at /tmp/bench-model, built once a machine
+  [ -f /tmp/bench-model/model.safetensors ] || python3 -c "from pathlib import Path; from \
+consumers.engines.tiny_model import build_tiny_model; build_tiny_model(Path('/tmp/bench-model'), hidden_size=1024, \
+num_layers=24)" >> "$OUT/$1.err" 2>&1
+}
 for s in ${STEPS:-moe moe-reload lora gateway bench}; do
   case $s in
     moe)
@@ -44,18 +49,14 @@ for s in ${STEPS:-moe moe-reload lora gateway bench}; do
       step lora-gap python3 -m benchmarks bench-lora --engine vllm --dtype bfloat16 --kv-cache-bytes $KV \
         --no-enforce-eager --rounds 5 --b-prompts 16 --a-prompts 16 --tokens 448 --sync-gap-s 1 ;;
     lora-gap-large)
-      [ -f /tmp/bench-model/model.safetensors ] || python3 -c "from pathlib import Path; from \
-consumers.engines.tiny_model import build_tiny_model; build_tiny_model(Path('/tmp/bench-model'), hidden_size=1024, \
-num_layers=24)" >> "$OUT/lora-gap-large.err" 2>&1
+      bench_model lora-gap-large
       step lora-gap-large python3 -m benchmarks bench-lora --engine vllm --model /tmp/bench-model --dtype bfloat16 \
         --kv-cache-bytes $KV --no-enforce-eager --rounds 8 --b-prompts 16 --a-prompts 16 --tokens 448 --sync-gap-s 1 ;;
     gateway)
       step gateway python3 -m benchmarks bench-gateway --engine vllm --dtype bfloat16 --kv-cache-bytes $KV \
         --engine-args '{"gpu_memory_utilization": 0.3}' --workers 2 --sessions 16 --rounds 3 ;;
     bench)
-      [ -f /tmp/bench-model/model.safetensors ] || python3 -c "from pathlib import Path; from \
-consumers.engines.tiny_model import build_tiny_model; build_tiny_model(Path('/tmp/bench-model'), hidden_size=1024, \
-num_layers=24)" >> "$OUT/bench.err" 2>&1
+      bench_model bench
       step bench python3 -m benchmarks bench --engine vllm --model /tmp/bench-model --dtype bfloat16 --prompts 64 \
         --n 4 --max-tokens 256 --rounds 5 --no-enforce-eager --kv-cache-bytes 8000000000 ;;
     *) echo "unknown step $s (moe, moe-reload, lora, lora-gap, lora-gap-large, gateway, bench)"; exit 2 ;;

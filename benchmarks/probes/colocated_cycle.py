@@ -49,6 +49,11 @@ def free_bytes(device: str) -> int | None:
     return int(torch.cuda.mem_get_info(torch.device(device))[0])
 
 
+MEDIANS = ("generate_s", "sleep_s", "train_s", "publish_s", "stall_s", "cycle_s", "freed_mib", "generate_peak_mib",
+           "publish_peak_mib")  # fmt: skip
+"""The row fields whose medians the report gives."""
+
+
 class PeakUse:
     """The device's peak used memory (MiB, every process's) over a `with` block: nvidia-smi reads it every 20 ms in a
     process of its own (a thread here would wait for the GIL while the trainer works), into a file (a pipe read only
@@ -157,17 +162,7 @@ def cycle(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     timed = rounds[1:] or rounds
     medians = {
         key: statistics.median(r[key] for r in timed)
-        for key in (
-            "generate_s",
-            "sleep_s",
-            "train_s",
-            "publish_s",
-            "stall_s",
-            "cycle_s",
-            "freed_mib",
-            "generate_peak_mib",
-            "publish_peak_mib",
-        )
+        for key in MEDIANS
         if all(r.get(key) is not None for r in timed)
     }
     names = ("engine", "device", "level", "transport", "hidden", "layers", "prompts", "n")
