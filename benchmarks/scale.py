@@ -396,8 +396,9 @@ class SyncCost(NamedTuple):
 
 def server_during_syncs(costs: list[SyncCost], start: float, end: float, top: int = 8) -> dict[str, Any]:
     """What Redis did while the syncs begun in the window were under way: its CPU (cores, over their summed time)
-    and the `top` commands by CPU, as calls a sync and µs a call. Says what a sync costs Redis, apart from the rest
-    of the load (a publish made meanwhile waits behind it)."""
+    and the `top` commands by CPU, as calls a sync and µs a call, beside a sync's mean length (from its publish to its
+    resume rung to the whole fleet). Says what a sync costs Redis, apart from the rest of the load (a publish made
+    meanwhile waits behind it)."""
     rows = [cost for cost in costs if start <= cost.began <= end]
     seconds = sum(cost.seconds for cost in rows)
     if not rows or seconds <= 0:
@@ -409,6 +410,7 @@ def server_during_syncs(costs: list[SyncCost], start: float, end: float, top: in
             totals[name] = (had[0] + calls, had[1] + usec)
     return {
         "syncs": len(rows),
+        "seconds_per_sync": round(seconds / len(rows), 3),
         "cpu_cores": round(sum(cost.counters.cpu_s for cost in rows) / seconds, 3),
         "commands": [
             {"command": name, "calls_per_sync": round(calls / len(rows), 1), "usec_per_call": round(usec / calls, 1),
