@@ -201,17 +201,19 @@ class Worker:
         self._epoch = 0
         """The last weight-sync epoch this worker acked."""
         self._sync_began = 0.0
+        """When the pause for the current weight sync began (monotonic), for the stall until its resume."""
         self._layout: str | None = None
+        """The digest of the model layout this worker advertises (`_advertise_layout`); "" for none, None: not yet."""
         self._asleep = 0
         """The level of the sleep its engine is in (`_sleep`), until the wake of its last part; 0: awake."""
         self._sleeping: set[WakePart] = set()
         """The parts of that sleep not woken yet (`_wake`)."""
+        self._frozen = False
+        """Its engine holds requests frozen (a `keep` or `inflight` pause, a sync's or a sleep's) until the resume."""
         self._beating = asyncio.Lock()
         """One heartbeat write at a time: a snapshot taken earlier never lands over a later one."""
-        """The digest of the model layout this worker advertises (`_advertise_layout`); "" for none, None: not yet."""
         self._last_stall_s = 0.0
         """The last sync as this worker stood still in it: from its pause to its resume (heartbeat `stall_s`)."""
-        """When the pause for the current weight sync began (monotonic), for the stall until its resume."""
         self._tasks: set[asyncio.Task] = set()
         self._started = time.time()
         self._tokens_per_s = 0.0
@@ -331,6 +333,7 @@ class Worker:
             self.status = WorkerStatus.STOPPING
             await self._beat()
             if self._drain_on_stop:
+                await self._unfreeze()
                 await self._drain()
         finally:
             upkeep.cancel()
@@ -444,6 +447,16 @@ class Worker:
         task = asyncio.create_task(self._serve(entry))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    async def _unfreeze(self) -> None:
+        """A stop while its engine holds requests frozen (a `keep` sleep or sync): no resume will reach them now (the
+        control loop has stopped), so they end here with their tokens so far, and their samples go to
+        `{ns}:partials` with their entries' acks (`_generate_sample`) for another worker to continue. Under the slot's
+        lock: a load under way finishes first."""
+        async with self._slot.lock:
+            if self._frozen and self._slot.started:
+                await self.engine.pause("abort")
+                self._frozen = False
 
     async def _drain(self) -> None:
         if not self._tasks:
@@ -609,11 +622,13 @@ class Worker:
         return control_from
 
     async def _load_current(self) -> None:
-        """Bring a started engine to the state's version, or do this worker's part of the sync under way.
+        """Bring a started engine to the state's version, or do this worker's part of the sync or sleep under way.
 
         Without an engine nothing loads: the worker takes work, whose arrival starts the engine and comes back here,
         unless the version could not be loaded then (broadcast before this worker could receive it): then it
-        awaits the next sync. The caller holds the slot's lock."""
+        awaits the next sync. A worker that joins a sleeping fleet sleeps with it (a colocated trainer's step is under
+        way), its engine at the fleet's version, until the sync or wake that ends the sleep. The caller holds the
+        slot's lock."""
         state = await asyncio.to_thread(read_state, self.streams.redis, self.streams.keys)
         if state.paused:  # a sync is under way: do our part of it, then wait for its resume
             command = await asyncio.to_thread(weights_command, self.streams.redis, self.streams.keys, state.epoch)
@@ -630,6 +645,15 @@ class Worker:
             if self._slot.started:
                 await self._load(state.weights_uri, state.version)
         self._unstarted_version = state.version
+        sleep = None
+        if state.paused and state.asleep:
+            sleep = await asyncio.to_thread(
+                weights_command, self.streams.redis, self.streams.keys, state.epoch, cmd="sleep"
+            )
+        if sleep is not None:
+            self.status = self._unstarted()  # until `_sleep` pauses a started engine
+            await self._sleep(sleep)
+            return
         self._epoch = state.epoch
         self.status = WorkerStatus.SERVING if self._slot.started else self._unstarted()
         self._set_serving(True)
@@ -732,6 +756,7 @@ class Worker:
             try:
                 await self._wake()  # after a sleep, the KV cache: the largest allocation, and after the ack
                 await self.engine.resume()
+                self._frozen = False
             except Exception as exc:  # acked, but it cannot go on
                 self._give_up(f"could not wake or resume its engine after sync {self._epoch}: {exc}")
                 return
@@ -751,6 +776,7 @@ class Worker:
         if self._slot.started:
             self.status = WorkerStatus.PAUSED
             await self.engine.pause(command.mode)
+            self._frozen = command.mode != "abort"
             try:
                 await self.engine.sleep(command.level)
                 self._asleep, self._sleeping = command.level, set(WAKE_ALL)
@@ -796,6 +822,7 @@ class Worker:
         self.status = WorkerStatus.PAUSED
         started = self._sync_began = time.monotonic()
         await self.engine.pause(command.mode)
+        self._frozen = command.mode != "abort"
         await self._wake(("weights",))  # the weights' memory back before the load fills it; the cache's at the resume
         paused = time.monotonic()
         if command.version != self.engine.version:

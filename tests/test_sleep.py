@@ -26,7 +26,7 @@ from consumers.worker import Worker
 from pipeline.connections import connect
 from pipeline.local import RedisServer
 from pipeline.streams import Streams
-from pipeline.wire import Sampling
+from pipeline.wire import GENERATORS, Partial, PauseMode, Sampling
 from producers.client import RolloutClient
 from staleness.manager import Manager, SyncError, SyncReport
 from staleness.weights.base import state_dict_of
@@ -241,6 +241,28 @@ def test_a_vllm_engine_on_a_gpu_keeps_its_requests_through_a_sleep_and_loads_bef
     assert not near[1][:k].all()  # the first stretch is v0's, not v1's as well (the second is not v0's: k's choice)
 
 
+def sleep_while_running(
+    client: RolloutClient, fleet: list[subprocess.Popen[bytes]], level: int, mode: PauseMode
+) -> SyncReport:
+    """`client.sleep(level, mode)` with the workers' samples still running when it pauses them: the workers are frozen
+    (SIGSTOP) until the sleep has begun (the tiny model writes 500 tokens in about a second); a few hundred ms, inside
+    their heartbeats' TTL."""
+    for process in fleet:
+        os.kill(process.pid, signal.SIGSTOP)
+    reports: list[SyncReport] = []
+    sleeping = threading.Thread(target=lambda: reports.append(client.sleep(level, mode)))
+    try:
+        sleeping.start()
+        asleep = str(level).encode()
+        wait_until(lambda: client.streams.redis.hget(client.streams.keys.state, "asleep") == asleep, 30, "the sleep")
+    finally:
+        for process in fleet:
+            os.kill(process.pid, signal.SIGCONT)
+    sleeping.join(timeout=120)
+    (report,) = reports
+    return report
+
+
 def test_a_fleet_sleeps_through_a_training_step_and_the_publish_after_it_wakes_and_syncs_every_worker(
     redis_server: RedisServer,
     ns: str,
@@ -258,20 +280,7 @@ def test_a_fleet_sleeps_through_a_training_step_and_the_publish_after_it_wakes_a
 
     with pytest.raises(ValueError, match="keeps no KV cache"):
         client.sleep(1, mode="inflight")
-    # The workers are frozen (SIGSTOP) until the sleep has begun, so that the samples are still running when it pauses
-    # them (the tiny model writes 500 tokens in about a second); a few hundred ms, inside their heartbeats' TTL.
-    for process in fleet:
-        os.kill(process.pid, signal.SIGSTOP)
-    reports: list[SyncReport] = []
-    sleeping = threading.Thread(target=lambda: reports.append(client.sleep(2)))
-    try:
-        sleeping.start()
-        wait_until(lambda: client.streams.redis.hget(client.streams.keys.state, "asleep") == b"2", 30, "the sleep")
-    finally:
-        for process in fleet:
-            os.kill(process.pid, signal.SIGCONT)
-    sleeping.join(timeout=120)
-    (report,) = reports
+    report = sleep_while_running(client, fleet, 2, "abort")
     assert sorted(report.acked) == ["w1", "w2"] and report.evicted == report.awake == []
     state = client.streams.redis.hgetall(client.streams.keys.state)
     assert (state[b"paused"], state[b"asleep"], state[b"version"]) == (b"1", b"2", b"0")
@@ -310,6 +319,48 @@ def test_a_fleet_sleeps_through_a_training_step_and_the_publish_after_it_wakes_a
     (group,) = client.collect(1, timeout=240)
     check_spans_and_logprobs(group.rollouts[0], weights)
     assert {v for v, _, _ in group.rollouts[0].spans} == {1}
+
+
+def test_a_worker_stopped_asleep_in_keep_mode_hands_its_frozen_samples_on_at_once_and_another_finishes_them(
+    redis_server: RedisServer,
+    ns: str,
+    tiny_model_dir: Path,
+    tiny_model_dir_v1: Path,
+    workers: StartWorker,
+    one_thread: None,
+) -> None:
+    """No resume reaches a stopped worker: the samples its engine holds frozen end there with their tokens so far and
+    go to `{ns}:partials` with their prompts' acks at once, not after its drain timeout (30 s), and a worker that
+    joins the sleeping fleet continues them after the next publish."""
+    w1 = workers("w1")
+    client = RolloutClient(redis_server.url, ns)
+    beat = lambda name: client.streams.redis.hgetall(client.streams.keys.worker(name))  # noqa: E731
+    for i in range(2):
+        client.submit(tokens=LONG_PROMPT, n=1, max_tokens=500, temperature=1.0, seed=LONG_SEED, id=f"long-{i}")
+    wait_until(lambda: int(beat("w1").get(b"inflight", 0)) == 2, 60, "the samples taken")
+    assert sleep_while_running(client, [w1], 1, "keep").acked == ["w1"]
+
+    stopped = time.monotonic()
+    w1.send_signal(signal.SIGTERM)
+    assert w1.wait(timeout=60) == 0 and time.monotonic() - stopped < 15
+    keys = client.streams.keys
+    partials = [Partial.from_fields(fields) for _, fields in client.streams.redis.xrange(keys.partials)]
+    assert sorted(p.prompt.id for p in partials) == ["long-0", "long-1"]
+    assert all(0 < len(p.generated) < 500 and p.spans == [(0, 0, len(p.generated))] for p in partials)
+    assert client.streams.redis.xpending(keys.prompts, GENERATORS)["pending"] == 0  # acked with the hand-off
+
+    workers("w2", until="asleep")  # it joins the sleeping fleet: it sleeps too, and takes nothing until the publish
+    assert beat("w2")[b"asleep"] == b"1" and client.streams.redis.xpending(keys.partials, GENERATORS)["pending"] == 0
+    assert client.publish_weights(tiny_model_dir_v1) == 1
+    groups = client.collect(2, timeout=240)
+    assert sorted(group.prompt_id for group in groups) == ["long-0", "long-1"]
+    kept = {p.prompt.id: p.generated.tolist() for p in partials}
+    for group in groups:
+        (rollout,) = group.rollouts
+        k = len(kept[group.prompt_id])
+        assert rollout.tokens[:k].tolist() == kept[group.prompt_id]  # w1's tokens, continued by w2 under v1
+        assert rollout.spans == [(0, 0, k), (1, k, rollout.n_tokens)]
+        check_spans_and_logprobs(rollout, {0: tiny_model_dir, 1: tiny_model_dir_v1})
 
 
 @pytest.mark.vllm

@@ -316,6 +316,33 @@ def test_pause_keep_load_resume_splits_spans(
     print(f"pause keep: spans {kept.spans}, max diff v0 span {d0:.2e}, v1 span {d1:.2e}")
 
 
+def test_a_pause_abort_ends_the_requests_a_keep_pause_froze_with_their_tokens_so_far(
+    served: Served, engine: VllmEngine, tiny_model_dir: Path
+) -> None:
+    """What a worker stopped during a `keep` sleep or sync does: no resume will come, so it ends what it holds."""
+
+    async def go() -> tuple[Generation, int, Generation]:
+        base = engine.generated_tokens
+        request = asyncio.ensure_future(
+            engine.generate("e-frozen", LONG_PROMPT, Sampling(max_tokens=200, temperature=1.0, seed=LONG_SEED))
+        )
+        await wait_until_async(lambda: engine.generated_tokens >= base + 5)
+        await engine.pause("keep")
+        frozen = engine.generated_tokens - base
+        assert not request.done()
+        await engine.pause("abort")
+        ended = await asyncio.wait_for(request, 30)
+        await engine.resume()
+        after = await engine.generate("e-after", LONG_PROMPT, Sampling(max_tokens=5, temperature=1.0, seed=1))
+        return ended, frozen, after
+
+    ended, frozen, after = served.run(go())
+    assert ended.finish_reason == "abort" and len(ended.tokens) == frozen >= 5
+    assert ended.spans == [(0, 0, frozen)]
+    assert_matches_forward(tiny_model_dir, LONG_PROMPT, ended)
+    assert after.finish_reason == "length" and len(after.tokens) == 5
+
+
 # -- pause("inflight"): the running request keeps its KV cache across the load ----------------
 
 
