@@ -53,6 +53,7 @@ from pipeline.wire import (
     PARTIALS_FIELD,
     Control,
     Partial,
+    PauseMode,
     Prompt,
     Rollout,
     WireError,
@@ -448,6 +449,11 @@ class Worker:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    async def _pause(self, mode: PauseMode) -> None:
+        """Pause the engine for a sync or a sleep (`mode`), noting whether it now holds requests frozen."""
+        await self.engine.pause(mode)
+        self._frozen = mode != "abort"
+
     async def _unfreeze(self) -> None:
         """A stop while its engine holds requests frozen (a `keep` sleep or sync): no resume will reach them now (the
         control loop has stopped), so they end here with their tokens so far, and their samples go to
@@ -630,14 +636,17 @@ class Worker:
         way), its engine at the fleet's version, until the sync or wake that ends the sleep. The caller holds the
         slot's lock."""
         state = await asyncio.to_thread(read_state, self.streams.redis, self.streams.keys)
-        if state.paused:  # a sync is under way: do our part of it, then wait for its resume
-            command = await asyncio.to_thread(weights_command, self.streams.redis, self.streams.keys, state.epoch)
-            if command is not None and self._loadable(command.version, command.uri):
+        command = None
+        if state.paused:  # a sync or a sleep is under way: do our part of it, then wait for its resume
+            command = await asyncio.to_thread(
+                weights_command, self.streams.redis, self.streams.keys, state.epoch, cmds=("weights", "sleep")
+            )
+        if command is not None and command.cmd == "weights":
+            if self._loadable(command.version, command.uri):
                 await self._sync_weights(command)
-                return
-            if command is not None:
+            else:
                 self._await_next_sync(command.version)
-                return
+            return
         if state.version != self.engine.version and state.weights_uri:
             if not self._loadable(state.version, state.weights_uri):
                 self._await_next_sync(state.version)
@@ -645,14 +654,9 @@ class Worker:
             if self._slot.started:
                 await self._load(state.weights_uri, state.version)
         self._unstarted_version = state.version
-        sleep = None
-        if state.paused and state.asleep:
-            sleep = await asyncio.to_thread(
-                weights_command, self.streams.redis, self.streams.keys, state.epoch, cmd="sleep"
-            )
-        if sleep is not None:
+        if command is not None:  # the fleet's sleep, which this worker joins at the fleet's version
             self.status = self._unstarted()  # until `_sleep` pauses a started engine
-            await self._sleep(sleep)
+            await self._sleep(command)
             return
         self._epoch = state.epoch
         self.status = WorkerStatus.SERVING if self._slot.started else self._unstarted()
@@ -775,8 +779,7 @@ class Worker:
         self._sync_began = time.monotonic()
         if self._slot.started:
             self.status = WorkerStatus.PAUSED
-            await self.engine.pause(command.mode)
-            self._frozen = command.mode != "abort"
+            await self._pause(command.mode)
             try:
                 await self.engine.sleep(command.level)
                 self._asleep, self._sleeping = command.level, set(WAKE_ALL)
@@ -821,8 +824,7 @@ class Worker:
         self._set_serving(False)
         self.status = WorkerStatus.PAUSED
         started = self._sync_began = time.monotonic()
-        await self.engine.pause(command.mode)
-        self._frozen = command.mode != "abort"
+        await self._pause(command.mode)
         await self._wake(("weights",))  # the weights' memory back before the load fills it; the cache's at the resume
         paused = time.monotonic()
         if command.version != self.engine.version:

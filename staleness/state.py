@@ -44,13 +44,18 @@ def read_state(client: redis.Redis, keys: Keys, adapter: str | None = None) -> P
 
 
 def weights_command(
-    client: redis.Redis, keys: Keys, epoch: int, scan: int = 1000, adapter: str | None = None, cmd: Command = "weights"
+    client: redis.Redis,
+    keys: Keys,
+    epoch: int,
+    scan: int = 1000,
+    adapter: str | None = None,
+    cmds: tuple[Command, ...] = ("weights",),
 ) -> Control | None:
-    """The `weights` command (or `cmd`: a `sleep`) of `epoch` (of the base model, or of `adapter`), searched back from
-    the end of `{ns}:control` (a joiner's catch-up)."""
+    """The `weights` command (or one of `cmds`: `("weights", "sleep")` for whichever began the epoch) of `epoch` (of
+    the base model, or of `adapter`), searched back from the end of `{ns}:control` (a joiner's catch-up)."""
     for _id, fields in as_entries(client.xrevrange(keys.control, count=scan)):
         command = Control.from_fields(fields)
-        if command.cmd == cmd and command.epoch == epoch and command.adapter == (adapter or ""):
+        if command.cmd in cmds and command.epoch == epoch and command.adapter == (adapter or ""):
             return command
     return None
 
