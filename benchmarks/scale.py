@@ -556,9 +556,10 @@ def slow_pings(
     places a slow publish in a sync's course (its `weights`, its acks, its `resume`, the fleet's restart after)."""
     rows: list[tuple[float, float | None]] = []
     for t, ms in timed:
+        ms = round(ms, 2)
         if ms > over_ms:
             began = [a for a, _ in syncs if a <= t]
-            rows.append((round(ms, 2), round((t - began[-1]) * 1000, 1) if began else None))
+            rows.append((ms, round((t - began[-1]) * 1000, 1) if began else None))
     return [list(row) for row in sorted(rows, key=lambda row: -row[0])[:40]]
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import redis
 
 from benchmarks.cpu import pin
-from benchmarks.scale import Cores, command_name, fleet_procs, script_names, split_cores
+from benchmarks.scale import Cores, command_name, fleet_procs, script_names, slow_pings, split_cores
 
 WORKERS = 50
 
@@ -134,3 +134,9 @@ def test_pin_moves_every_thread_of_a_process() -> None:
     finally:
         process.kill()
         process.wait()
+
+
+def test_a_slow_ping_is_listed_only_if_it_is_slower_than_the_bound_as_printed() -> None:
+    """A publish of 5.004 ms printed as 5.0 is not slower than 5 ms: the report never lists a ping at the bound."""
+    timed = [(10.0, 5.004), (10.5, 5.006), (11.0, 7.5), (9.0, 6.0), (12.0, 1.0)]
+    assert slow_pings(timed, syncs=[(10.2, 10.4)]) == [[7.5, 800.0], [6.0, None], [5.01, 300.0]]
