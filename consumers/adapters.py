@@ -14,6 +14,10 @@ version if the adapter is loaded here (one that is not is loaded at the new vers
 `epoch@NAME` in the heartbeat; its `resume` opens the gate. Every other adapter and the base model go on
 generating meanwhile.
 
+A worker that stops waits for no adapter: a request waiting for one (at its gate, for a slot, for a broadcast
+version) ends with `Stopping`, and `unfreeze` ends the requests a `keep` sync froze, so that their samples go on
+elsewhere from their tokens so far, not after the worker's drain timeout.
+
 An adapter published over `nccl://` is nowhere to fetch later: every live worker joins its broadcast (before it
 pauses the adapter, as for the base model) and keeps a CPU copy of the version it received, from which it loads the
 adapter on demand. A worker that started after that broadcast has no copy: its requests for the adapter wait for
@@ -33,7 +37,7 @@ from typing import Any
 from consumers.engines.base import Engine, EngineInputError
 from consumers.metrics import WorkerMetrics
 from pipeline.streams import Streams
-from pipeline.wire import Control, ack_field
+from pipeline.wire import Control, PauseMode, ack_field
 from staleness.state import adapter_names, read_state, weights_command
 from staleness.weights import fetch_adapter, is_stored, join_adapter, receive_adapter
 
@@ -47,6 +51,10 @@ class NotHere(LookupError):
     """The adapter's version was broadcast (nccl) before this worker could receive it: wait for its next sync."""
 
 
+class Stopping(Exception):
+    """The worker stops while a request waits for its adapter here: the request goes on elsewhere."""
+
+
 class WorkerAdapters:
     """The adapters of one worker's engine: gates, per-adapter epochs, on-demand loads and evictions."""
 
@@ -57,6 +65,7 @@ class WorkerAdapters:
         worker: str,
         ack: Callable[[], Awaitable[object]],
         metrics: WorkerMetrics,
+        stopping: asyncio.Event,
     ) -> None:
         self.streams = streams
         self.engine = engine
@@ -64,6 +73,8 @@ class WorkerAdapters:
         self.metrics = metrics
         self._ack = ack
         """Writes the heartbeat (which carries `epoch@NAME`): the ack of an adapter's sync."""
+        self._stopping = stopping
+        """The worker's: set when it stops, after which no request waits for an adapter (`Stopping`)."""
         self._epochs: dict[str, int] = {}
         """The last sync epoch acked, per adapter."""
         self._gates: dict[str, asyncio.Event] = {}
@@ -77,6 +88,8 @@ class WorkerAdapters:
         """Set when an adapter's last user lets go: a request waiting for a slot looks again."""
         self._paused_at: dict[str, float] = {}
         """When each adapter's current sync paused it here (monotonic), for its stall."""
+        self._frozen: set[str] = set()
+        """Adapters whose requests the engine holds frozen (paused `keep` or `inflight`) until their resume."""
         self._received: dict[str, tuple[int, dict[str, Any], dict[str, Any]]] = {}
         """Per adapter, the last version received by broadcast (nccl): version, CPU tensors, config."""
         self._arrived: dict[str, asyncio.Event] = {}
@@ -103,9 +116,11 @@ class WorkerAdapters:
                 self._freed.set()
 
     async def _ready(self, adapter: str) -> int:
-        """Wait until `adapter` may generate here, loading it (and making room for it) when it is not loaded."""
+        """Wait until `adapter` may generate here, loading it (and making room for it) when it is not loaded.
+
+        Raises `Stopping` where it would wait once the worker stops."""
         while True:
-            await self._gate(adapter).wait()
+            await self._wait(self._gate(adapter))
             loaded = self.engine.adapters()
             if adapter in loaded:
                 return loaded[adapter]
@@ -138,9 +153,24 @@ class WorkerAdapters:
                     self._freed.clear()
                     arrived = self._freed
             if arrived is None:  # outside the lock: the sync under way may need it to ack
-                await asyncio.sleep(SYNC_POLL_S)
+                await self._wait(None, SYNC_POLL_S)
             else:  # a free slot (every one was in use), or a version to load (one was broadcast)
-                await arrived.wait()
+                await self._wait(arrived)
+
+    async def _wait(self, event: asyncio.Event | None, timeout: float | None = None) -> None:
+        """Until `event` is set (None: none) or `timeout` passes; `Stopping` if the worker stops first, or has."""
+        if event is not None and event.is_set():
+            return
+        waits = [asyncio.ensure_future(self._stopping.wait())]
+        if event is not None:
+            waits.append(asyncio.ensure_future(event.wait()))
+        try:
+            await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits:
+                wait.cancel()
+        if self._stopping.is_set() and not (event is not None and event.is_set()):
+            raise Stopping(f"worker {self.worker} stops")
 
     async def _make_room(self) -> bool:
         """Evict the least recently used idle adapter if every slot is taken; False if none is idle."""
@@ -183,6 +213,7 @@ class WorkerAdapters:
             await self._sync(command)
         elif command.cmd == "resume" and command.epoch >= self._epochs.get(adapter, 0):
             await self.engine.resume_adapter(adapter)
+            self._frozen.discard(adapter)
             self._gate(adapter).set()
             paused = self._paused_at.pop(adapter, None)
             if paused is not None:
@@ -206,7 +237,10 @@ class WorkerAdapters:
         self._gate(adapter).clear()
         self._paused_at[adapter] = time.monotonic()
         async with self._lock:
-            await self.engine.pause_adapter(adapter, command.mode)
+            mode: PauseMode = "abort" if self._stopping.is_set() else command.mode  # a stopping worker freezes nothing
+            await self.engine.pause_adapter(adapter, mode)
+            if mode != "abort":
+                self._frozen.add(adapter)
             if link is not None:
                 try:
                     self._received[adapter] = (command.version, *await receive_adapter(link))
@@ -221,9 +255,18 @@ class WorkerAdapters:
                 except (EngineInputError, NotHere) as exc:
                     log.error("%s: %s; unloading it", self.worker, exc)
                     await self.engine.pause_adapter(adapter, "abort")  # kept requests end, and go on after the resume
+                    self._frozen.discard(adapter)
                     await self.engine.remove_adapter(adapter)
             self._epochs[adapter] = command.epoch
         await self._ack()
+
+    async def unfreeze(self) -> None:
+        """A stop: the requests of every adapter held frozen by its sync end with their tokens so far (no resume will
+        reach them now); the worker hands their samples on. A sync under way here finishes first."""
+        async with self._lock:
+            for adapter in sorted(self._frozen):
+                await self.engine.pause_adapter(adapter, "abort")
+            self._frozen.clear()
 
     async def catch_up(self) -> None:
         """At start: take part in every adapter sync under way (ack it; the gate stays closed until its resume)."""

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, TypeVar
 import numpy as np
 import redis
 
-from consumers.adapters import WorkerAdapters
+from consumers.adapters import Stopping, WorkerAdapters
 from consumers.engines.base import (
     WAKE_ALL,
     Engine,
@@ -221,7 +221,7 @@ class Worker:
         self._busy = BusyClock()
         self._fleet = 1
         """Workers on the registry at the last heartbeat: how often this one claims and sweeps (`sweep_chance`)."""
-        self._adapters = WorkerAdapters(streams, engine, self.name, self._beat, self.metrics)
+        self._adapters = WorkerAdapters(streams, engine, self.name, self._beat, self.metrics, self._stopping)
         """LoRA adapters: loaded on demand, evicted when idle, each paused alone for its own syncs."""
         self._loaded_from = ""
         """Where the engine's version came from ("": the model directory), to tell whether a release may lose it."""
@@ -450,19 +450,22 @@ class Worker:
         task.add_done_callback(self._tasks.discard)
 
     async def _pause(self, mode: PauseMode) -> None:
-        """Pause the engine for a sync or a sleep (`mode`), noting whether it now holds requests frozen."""
+        """Pause the engine for a sync or a sleep (`mode`; `abort` once the worker stops: it freezes nothing then),
+        noting whether it now holds requests frozen."""
+        mode = "abort" if self._stopping.is_set() else mode
         await self.engine.pause(mode)
         self._frozen = mode != "abort"
 
     async def _unfreeze(self) -> None:
-        """A stop while its engine holds requests frozen (a `keep` sleep or sync): no resume will reach them now (the
-        control loop has stopped), so they end here with their tokens so far, and their samples go to
-        `{ns}:partials` with their entries' acks (`_generate_sample`) for another worker to continue. Under the slot's
-        lock: a load under way finishes first."""
+        """A stop while its engine holds requests frozen (a `keep` sleep or sync, of the base model or of an adapter):
+        the resume that would go on with them may be long in coming (a trainer's step, a held sync), so they end here
+        with their tokens so far, and their samples go to `{ns}:partials` with their entries' acks
+        (`_generate_sample`) for another worker to continue. Under the slot's lock: a load under way finishes first."""
         async with self._slot.lock:
             if self._frozen and self._slot.started:
                 await self.engine.pause("abort")
                 self._frozen = False
+            await self._adapters.unfreeze()
 
     async def _drain(self) -> None:
         if not self._tasks:
@@ -579,6 +582,8 @@ class Worker:
                 else:
                     async with self._adapters.using(prompt.adapter) as version:
                         generation = await self.engine.generate(request_id, tokens, sampling, prompt.adapter)
+            except Stopping:  # it waited for its adapter: it goes on elsewhere, from its tokens so far
+                generation = Generation(_EMPTY_TOKENS, _EMPTY_LOGPROBS, "abort", [])
             except EngineInputError as exc:
                 error = str(exc)
                 generation = Generation(_EMPTY_TOKENS, _EMPTY_LOGPROBS, "error", [])

@@ -15,7 +15,10 @@ import signal
 import subprocess
 import sys
 import threading
-from concurrent.futures import ThreadPoolExecutor
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -27,9 +30,9 @@ from consumers.engines.lora import save_adapter
 from consumers.engines.tiny_model import make_adapter
 from pipeline.local import RedisServer, free_port
 from pipeline.processes import start_command
-from pipeline.wire import GENERATORS, Sampling, ack_field
+from pipeline.wire import GENERATORS, Partial, Sampling, ack_field
 from producers.client import Group, RolloutClient
-from staleness.manager import Manager
+from staleness.manager import Manager, SyncReport
 from staleness.state import read_state
 from staleness.weights import open_transport
 from tests.fixtures import StartWorker, wait_until
@@ -54,6 +57,37 @@ def share(tokens: np.ndarray, key: str) -> float:
 def submit(client: RolloutClient, ids: list[str], adapter: str | None, max_tokens: int, n: int = 2) -> None:
     for prompt_id, tokens in zip(ids, random_prompts([8] * len(ids), seed=len(ids)), strict=True):
         client.submit(tokens=tokens, n=n, max_tokens=max_tokens, temperature=0.0, id=prompt_id, adapter=adapter)
+
+
+def start_long_samples_of_a(client: RolloutClient, ids: list[str]) -> None:
+    """Long greedy samples of adapter a, generating when this returns: a short probe submitted after them is done."""
+    submit(client, ids, "a", max_tokens=400)
+    submit(client, ["a-probe"], "a", max_tokens=8, n=1)
+    [probe] = client.collect(1, timeout=60)
+    assert probe.prompt_id == "a-probe"
+
+
+@contextmanager
+def a_sync_held_open(
+    client: RolloutClient, adapters: dict[str, Adapter], mode: str, worker: str
+) -> Iterator[tuple[threading.Event, Future[SyncReport]]]:
+    """Adapter a's sync to its version 2 (`a2`), by hand so that it can be held open: yields once `worker` acked it
+    (it closed a's gate, paused a and loaded: a prompt submitted when the state only says "paused" may reach a worker
+    that has not read the command yet, and start under version 1); the manager resumes once the event is set."""
+    redis_client, keys = client.streams.redis, client.streams.keys
+    store = open_transport("redis://", redis_client=redis_client, ns=keys.ns, adapter="a")
+    uri = store.publish(adapters["a2"][0], 2, adapter_config=adapters["a2"][1])
+    released = threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        sync = pool.submit(Manager(client.streams, adapter="a").sync, 2, uri, mode, lambda e, w: released.wait(120))
+        wait_until(lambda: read_state(redis_client, keys, "a").paused, 30, "a's pause")
+        epoch = str(read_state(redis_client, keys, "a").epoch).encode()
+        acked = lambda: redis_client.hget(keys.worker(worker), ack_field("a")) == epoch  # noqa: E731
+        wait_until(acked, 60, f"{worker}'s ack of a's sync")
+        try:
+            yield released, sync
+        finally:
+            released.set()
 
 
 @pytest.mark.parametrize(
@@ -81,26 +115,8 @@ def test_an_adapter_sync_pauses_that_adapter_alone_and_its_samples_go_on_under_t
     submit(client, ["warm-b"], "b", max_tokens=4)
     assert len(client.collect(2, timeout=120)) == 2
     a_ids = [f"a{i}" for i in range(6 if engine == "torch" else 24)]  # vLLM is faster: more, to be mid-way
-    submit(client, a_ids, "a", max_tokens=400)
-    submit(client, ["a-probe"], "a", max_tokens=8, n=1)
-    [probe] = client.collect(1, timeout=60)  # when it is done, the long ones beside it are generating too
-    assert probe.prompt_id == "a-probe"
-
-    # Adapter a's next version, synced by hand so that the sync can be held open: the workers pause a, load,
-    # ack; the manager resumes only once `released` is set.
-    store = open_transport("redis://", redis_client=client.streams.redis, ns=ns, adapter="a")
-    uri = store.publish(adapters["a2"][0], 2, adapter_config=adapters["a2"][1])
-    released = threading.Event()
-    manager = Manager(client.streams, adapter="a")
-    with ThreadPoolExecutor(1) as pool:
-        sync = pool.submit(manager.sync, 2, uri, mode, lambda epoch, workers: released.wait(120))
-        wait_until(lambda: read_state(client.streams.redis, client.streams.keys, "a").paused, 30, "a's pause")
-        epoch = str(read_state(client.streams.redis, client.streams.keys, "a").epoch).encode()
-        heartbeat = client.streams.keys.worker("w1")
-        # The worker acks once it closed a's gate, paused a and loaded: a prompt submitted when the state only says
-        # "paused" may reach a worker that has not read the command yet, and start under version 1.
-        acked = lambda: client.streams.redis.hget(heartbeat, ack_field("a")) == epoch  # noqa: E731
-        wait_until(acked, 60, "w1's ack of a's sync")
+    start_long_samples_of_a(client, a_ids)
+    with a_sync_held_open(client, adapters, mode, "w1") as (released, sync):
         submit(client, ["fresh-a"], "a", max_tokens=24)  # made during the pause: waits at the gate
         b_ids = [f"b{i}" for i in range(4)]
         submit(client, b_ids, "b", max_tokens=24)
@@ -135,6 +151,72 @@ def test_an_adapter_sync_pauses_that_adapter_alone_and_its_samples_go_on_under_t
                     assert share(rollout.tokens[start:end], f"a{version}") > 0.6, (version, rollout.tokens[start:end])
     assert read_state(client.streams.redis, client.streams.keys, "a").version == 2
     assert read_state(client.streams.redis, client.streams.keys).version == 0  # the base model never moved
+
+
+@pytest.mark.parametrize(
+    ("engine", "mode"),
+    [("torch", "keep"), ("torch", "abort"), pytest.param("vllm", "keep", marks=pytest.mark.vllm)],
+)
+def test_a_worker_stopped_inside_an_adapter_sync_hands_that_adapters_samples_on_at_once_and_another_finishes_them(
+    redis_server: RedisServer,
+    ns: str,
+    tiny_model_dir: Path,
+    workers: StartWorker,
+    adapters: dict[str, Adapter],
+    tmp_path: Path,
+    engine: str,
+    mode: str,
+    one_thread: None,
+) -> None:
+    """While an adapter's sync is held open its samples wait here (frozen by a `keep` sync, or at the adapter's gate
+    after an `abort` one), and so does a request for it made meanwhile. A worker stopped then waits for none of them:
+    each goes to `{ns}:partials` with its tokens so far at once, not after the worker's 30 s drain, and a worker
+    started during the sync continues them under the adapter's new version."""
+    client = RolloutClient(redis_server.url, ns)
+    redis_client, keys = client.streams.redis, client.streams.keys
+    client.publish_weights(adapters["a1"][0], adapter="a", adapter_config=adapters["a1"][1])
+    w1 = workers("w1", "--engine", engine, "--max-loras", "2", "--max-batch", "16")
+    submit(client, ["warm-a"], "a", max_tokens=4)
+    assert len(client.collect(1, timeout=120)) == 1
+    long_ids = [f"a{i}" for i in range(2 if engine == "torch" else 8)]  # vLLM is faster: more, to be mid-way
+    start_long_samples_of_a(client, long_ids)
+    with a_sync_held_open(client, adapters, mode, "w1") as (released, sync):
+        pending = lambda: redis_client.xpending(keys.prompts, GENERATORS)["pending"]  # noqa: E731
+        unfinished = pending()  # none of a's samples can finish while it is paused
+        assert unfinished >= 1, "some long samples were in flight when a's sync began"
+        submit(client, ["fresh-a"], "a", max_tokens=24, n=1)  # made during the sync: it waits at a's gate in w1
+        wait_until(lambda: pending() == unfinished + 1, 30, "w1 to take the fresh request")
+
+        stopped = time.monotonic()
+        w1.send_signal(signal.SIGTERM)
+        assert w1.wait(timeout=60) == 0 and time.monotonic() - stopped < 15
+        partials = [Partial.from_fields(fields) for _, fields in redis_client.xrange(keys.partials)]
+        assert pending() == 0  # every prompt acked with its hand-off
+        handed = {(p.prompt.id, p.sample): p for p in partials}
+        assert handed.pop(("fresh-a", 0)).generated.size == 0
+        assert len(handed) == 2 * unfinished and {prompt_id for prompt_id, _ in handed} <= set(long_ids)
+        assert all(0 < len(p.generated) < 400 and p.spans == [(1, 0, len(p.generated))] for p in handed.values())
+
+        workers("w2", "--engine", engine, "--max-loras", "2", "--max-batch", "16")  # it joins a's sync under way
+        released.set()
+        report = sync.result(timeout=120)
+    assert not report.evicted
+    groups = {g.prompt_id: g for g in client.collect(len(long_ids) + 1, timeout=240)}
+    assert sorted(groups) == sorted([*long_ids, "fresh-a"])
+    references = {
+        1: merged_model_dir(tiny_model_dir, *adapters["a1"], tmp_path / "a1"),
+        2: merged_model_dir(tiny_model_dir, *adapters["a2"], tmp_path / "a2"),
+    }
+    (fresh,) = groups.pop("fresh-a").rollouts
+    assert fresh.worker == "w2" and fresh.spans == [(2, 0, fresh.n_tokens)]
+    for group in groups.values():
+        for rollout in group.rollouts:
+            check_spans_and_logprobs(rollout, references)
+            kept = handed.get((group.prompt_id, rollout.sample))
+            if kept is not None:  # w1's tokens, continued by w2 under a's version 2
+                k = len(kept.generated)
+                assert rollout.worker == "w2" and rollout.tokens[:k].tolist() == kept.generated.tolist()
+                assert rollout.spans == [(1, 0, k), (2, k, rollout.n_tokens)]
 
 
 def test_many_adapters_share_few_slots_and_an_unpublished_one_is_an_error_rollout(

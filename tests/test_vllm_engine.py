@@ -202,6 +202,16 @@ def test_sampling_stop_tokens_and_context_limit(served: Served, engine: VllmEngi
     assert out["context"].finish_reason == "length" and len(out["context"].tokens) == 512 - 500
 
 
+async def generating(
+    engine: VllmEngine, request_id: str, sampling: Sampling, tokens: int = 5
+) -> tuple[asyncio.Future[Generation], int]:
+    """A request of `LONG_PROMPT` started and `tokens` tokens on; with the engine's `generated_tokens` before it."""
+    base = engine.generated_tokens
+    request = asyncio.ensure_future(engine.generate(request_id, LONG_PROMPT, sampling))
+    await wait_until_async(lambda: engine.generated_tokens >= base + tokens)
+    return request, base
+
+
 # -- (b) abort ---------------------------------------------------------------------------------
 
 
@@ -211,9 +221,7 @@ def test_abort_returns_partial_tokens_with_true_logprobs(
     sampling = Sampling(max_tokens=480, temperature=1.0, seed=LONG_SEED)
 
     async def go() -> tuple[Generation, Generation, Generation]:
-        base = engine.generated_tokens
-        request = asyncio.ensure_future(engine.generate("b-long", LONG_PROMPT, sampling))
-        await wait_until_async(lambda: engine.generated_tokens >= base + 5)
+        request, _ = await generating(engine, "b-long", sampling)
         await engine.abort(["b-long", "unknown-id"])
         partial = await request
         after = await engine.generate("b-after", LONG_PROMPT, Sampling(max_tokens=5, temperature=1.0, seed=1))
@@ -240,9 +248,7 @@ def test_pause_abort_load_resume_continues_under_new_weights(
     sampling = Sampling(max_tokens=max_tokens, temperature=1.0, seed=LONG_SEED)
 
     async def go() -> tuple[Generation, Generation, Generation]:
-        base = engine.generated_tokens
-        request = asyncio.ensure_future(engine.generate("c-run", LONG_PROMPT, sampling))
-        await wait_until_async(lambda: engine.generated_tokens >= base + 5)
+        request, _ = await generating(engine, "c-run", sampling)
         await engine.pause("abort")
         partial = await request
         assert partial.finish_reason == "abort"
@@ -287,11 +293,7 @@ def test_pause_keep_load_resume_splits_spans(
     served: Served, engine: VllmEngine, tiny_model_dir: Path, tiny_model_dir_v1: Path
 ) -> None:
     async def go() -> tuple[Generation, Generation, int]:
-        base = engine.generated_tokens
-        request = asyncio.ensure_future(
-            engine.generate("d-kept", LONG_PROMPT, Sampling(max_tokens=200, temperature=1.0, seed=LONG_SEED))
-        )
-        await wait_until_async(lambda: engine.generated_tokens >= base + 5)
+        request, base = await generating(engine, "d-kept", Sampling(max_tokens=200, temperature=1.0, seed=LONG_SEED))
         await engine.pause("keep")
         await engine.load_weights(str(tiny_model_dir_v1), version=1)
         await engine.reset_prefix_cache()
@@ -322,11 +324,8 @@ def test_a_pause_abort_ends_the_requests_a_keep_pause_froze_with_their_tokens_so
     """What a worker stopped during a `keep` sleep or sync does: no resume will come, so it ends what it holds."""
 
     async def go() -> tuple[Generation, int, Generation]:
-        base = engine.generated_tokens
-        request = asyncio.ensure_future(
-            engine.generate("e-frozen", LONG_PROMPT, Sampling(max_tokens=200, temperature=1.0, seed=LONG_SEED))
-        )
-        await wait_until_async(lambda: engine.generated_tokens >= base + 5)
+        sampling = Sampling(max_tokens=200, temperature=1.0, seed=LONG_SEED)
+        request, base = await generating(engine, "e-frozen", sampling)
         await engine.pause("keep")
         frozen = engine.generated_tokens - base
         assert not request.done()
@@ -358,11 +357,8 @@ def test_pause_inflight_load_resume_keeps_running_requests_with_their_kv_cache(
     async def go() -> tuple[Generation, Generation, Generation, int]:
         await engine.generate("f-warm", cached_prompt, Sampling(max_tokens=2, seed=1))
         again = await engine.generate("f-again", cached_prompt, Sampling(max_tokens=2, seed=1))
-        base = engine.generated_tokens
-        request = asyncio.ensure_future(
-            engine.generate("f-kept", LONG_PROMPT, Sampling(max_tokens=200, temperature=1.0, seed=LONG_SEED))
-        )
-        await wait_until_async(lambda: engine.generated_tokens >= base + 40)  # 3 full KV blocks of 16 tokens
+        sampling = Sampling(max_tokens=200, temperature=1.0, seed=LONG_SEED)
+        request, base = await generating(engine, "f-kept", sampling, tokens=40)  # 3 full KV blocks of 16 tokens
         await engine.pause("inflight")
         await engine.load_weights(str(tiny_model_dir_v1), version=1)
         frozen = engine.generated_tokens - base
