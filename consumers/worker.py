@@ -462,7 +462,9 @@ class Worker:
         with their tokens so far, and their samples go to `{ns}:partials` with their entries' acks
         (`_generate_sample`) for another worker to continue. Under the slot's lock: a load under way finishes first."""
         async with self._slot.lock:
-            if self._frozen and self._slot.started:
+            if not self._slot.started:
+                return  # released (or never started): it holds no request
+            if self._frozen:
                 await self.engine.pause("abort")
                 self._frozen = False
             await self._adapters.unfreeze()
