@@ -250,7 +250,8 @@ def _tail(path: Path, lines: int = 15) -> str:
 
 
 def _wait_for_gateway(url: str, process: subprocess.Popen[bytes], log: Path, timeout_s: float = 120) -> None:
-    """Until its /health answers; fail early, with its log, if its process died."""
+    """Until its /health answers 200, which it does once a worker serves (start the workers first); fail early, with
+    its log, if its process died."""
     import httpx
 
     deadline = time.monotonic() + timeout_s

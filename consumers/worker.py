@@ -22,7 +22,7 @@ import signal
 import socket
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
@@ -42,9 +42,10 @@ from consumers.engines.base import (
 )
 from consumers.lifecycle import EngineFactory, EngineSlot, WorkerStatus, receive_copy
 from consumers.metrics import WorkerMetrics
+from pipeline.connections import give_up_reconnecting, redis_address, redis_unreachable
 from pipeline.control import CONTROL_BATCH, CONTROL_RECHECK_S
 from pipeline.publisher import Publisher
-from pipeline.registry import sweep_chance
+from pipeline.registry import default_name, sweep_chance
 from pipeline.streams import Entry, Streams
 from pipeline.wire import (
     ASLEEP_FIELD,
@@ -79,10 +80,25 @@ _EMPTY_LOGPROBS = np.zeros(0, dtype=np.float32)
 
 DEFAULT_MAX_INFLIGHT = 256
 """Samples a worker takes at once when neither its settings nor its engine say (`WorkerSettings.max_inflight`)."""
+REDIS_CHECK_S = 1.0
+"""How often a stopping worker checks that its Redis still answers (`Worker._watch_redis_while_stopping`)."""
 
 
-def default_worker_name() -> str:
-    return f"{socket.gethostname()}-{os.getpid()}"
+def _join_alternatives(
+    done: Partial | None, generation: Generation, n_tokens: int
+) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """The alternatives of a whole sample (`Rollout.top_token_ids`, `top_logprobs`): those of its tokens before a
+    pause (`done`), then the engine's of the rest. None, None unless every part with tokens has them, with one k."""
+    parts = []
+    if done is not None and len(done.generated):
+        parts.append((done.top_token_ids, done.top_logprobs))
+    if len(generation.tokens):
+        parts.append((generation.top_token_ids, generation.top_logprobs))
+    ids = [p[0] for p in parts if p[0] is not None and p[1] is not None]
+    logprobs = [p[1] for p in parts if p[0] is not None and p[1] is not None]
+    if not n_tokens or len(ids) != len(parts) or len({a.shape[1] for a in ids}) != 1:
+        return None, None
+    return np.concatenate(ids), np.concatenate(logprobs)
 
 
 @dataclass
@@ -162,7 +178,7 @@ class Worker:
         factory: EngineFactory | None = None,
     ):
         self.streams = streams
-        self.name = name or default_worker_name()
+        self.name = name or default_name()
         self.settings = settings or WorkerSettings()
         if self.settings.release_after_s is not None and factory is None:
             raise ValueError("release_after_s needs an engine factory: a released engine is built again to restart")
@@ -199,6 +215,8 @@ class Worker:
         self._serving = asyncio.Event()
         """Set while the worker may take work: cleared during a weight sync (pause → load → ack → resume)."""
         self._drain_on_stop = True
+        self._redis_gone = False
+        """Redis stopped answering while the worker stopped: it leaves without it (`_lost_redis`)."""
         self._epoch = 0
         """The last weight-sync epoch this worker acked."""
         self._sync_began = 0.0
@@ -329,10 +347,11 @@ class Worker:
         upkeep = asyncio.create_task(self._upkeep())
         control = asyncio.create_task(self._follow_control(control_from))
         release = asyncio.create_task(self._release_when_idle())
+        watch = asyncio.create_task(self._watch_redis_while_stopping())
         try:
             await self._read_loop()
             self.status = WorkerStatus.STOPPING
-            await self._beat()
+            await self._unless_redis_gone(self._beat)
             if self._drain_on_stop:
                 await self._unfreeze()
                 await self._drain()
@@ -340,11 +359,58 @@ class Worker:
             upkeep.cancel()
             control.cancel()
             release.cancel()
+            watch.cancel()
             for task in list(self._tasks):
                 task.cancel()
             await self._slot.shutdown()
             await self.publisher.close()
-            await asyncio.to_thread(self.streams.registry.forget_worker, self.name)
+            await self._unless_redis_gone(lambda: asyncio.to_thread(self.streams.registry.forget_worker, self.name))
+
+    # -- stopping without Redis ---------------------------------------------------------------
+
+    async def _watch_redis_while_stopping(self) -> None:
+        """Once the worker stops, check every `REDIS_CHECK_S` that its Redis still answers (a connection of its own,
+        never retried). Without it, a worker whose Redis is gone would wait out each call's reconnects on its way out
+        (~`RECONNECT_S`, 30 s, for its last heartbeat, as many for the read under way, its drain's publishes...)."""
+        await self._stopping.wait()
+        while not self._redis_gone:
+            problem = await asyncio.to_thread(redis_unreachable, self.streams.redis)
+            if problem is not None:
+                self._lost_redis(problem)
+                return
+            await asyncio.sleep(REDIS_CHECK_S)
+
+    async def _unless_redis_gone(self, call: Callable[[], Awaitable[object]]) -> None:
+        """A Redis call of the way out, skipped once Redis is gone; one that fails for want of Redis means it is."""
+        if self._redis_gone:
+            return
+        try:
+            await call()
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            self._lost_redis(str(exc))
+
+    def _lost_redis(self, problem: str) -> None:
+        """Stop without Redis: say in one line what the worker could not hand on, give up every Redis call under way
+        (`give_up_reconnecting`) and drop the work in flight, whose publishes could only fail."""
+        if self._redis_gone:
+            return
+        self._redis_gone = True
+        entries = len(self._inflight)
+        held = (
+            f"the work it held ({entries} {'entry' if entries == 1 else 'entries'}, {self._inflight_samples} samples) "
+            "was neither published nor handed on and stays pending there, for another worker if Redis comes back "
+            "with its data"
+            if entries
+            else "it held no work"
+        )
+        log.error(
+            "%s: its Redis at %s is gone (%s); stopping without it: %s; its heartbeat expires by itself",
+            self.name, redis_address(self.streams.redis), problem, held,
+        )  # fmt: skip
+        give_up_reconnecting(self.streams.redis)
+        self.stop(drain=False)
+        for task in list(self._tasks):
+            task.cancel()
 
     # -- reading ------------------------------------------------------------------------------
 
@@ -384,6 +450,8 @@ class Worker:
             try:
                 entries, more = await asyncio.to_thread(self._take_work, count)
             except redis.ConnectionError as exc:  # Redis gone for longer than the client's reconnects: keep trying
+                if self._redis_gone:  # stopping without it (`_lost_redis` said so)
+                    break
                 log.warning("%s: reading work failed (%s); retrying", self.name, exc)
                 await asyncio.sleep(self.settings.heartbeat_s)
                 continue
@@ -595,8 +663,17 @@ class Worker:
         tokens = np.concatenate([so_far, generation.tokens])
         logprobs = np.concatenate([done.logprobs, generation.logprobs]) if done is not None else generation.logprobs
         spans = join_spans(done.spans if done is not None else [], new_spans, len(so_far))
+        top_ids, top_logprobs = _join_alternatives(done, generation, len(tokens))
         if generation.finish_reason == "abort":  # only a pause aborts: the sample goes on after the resume
-            return Partial(prompt=prompt, sample=sample, generated=tokens, logprobs=logprobs, spans=spans)
+            return Partial(
+                prompt=prompt,
+                sample=sample,
+                generated=tokens,
+                logprobs=logprobs,
+                spans=spans,
+                top_token_ids=top_ids,
+                top_logprobs=top_logprobs,
+            )
         finished = time.time()
         return Rollout(
             prompt_id=prompt.id,
@@ -617,6 +694,8 @@ class Worker:
             cached_tokens=generation.cached_tokens,
             adapter=prompt.adapter,
             routed_experts=generation.routed_experts if len(tokens) else None,
+            top_token_ids=top_ids,
+            top_logprobs=top_logprobs,
         )
 
     # -- weight syncs: the worker's side of the protocol in staleness.manager ----------------
@@ -725,6 +804,8 @@ class Worker:
         try:
             return await asyncio.to_thread(call, *args)
         except Exception:
+            if self._redis_gone:  # stopping without it: nothing to retry
+                return None
             log.exception("%s: reading control failed; retrying", self.name)
             await asyncio.sleep(self.settings.heartbeat_s)
             return None
@@ -985,6 +1066,8 @@ class Worker:
                     for stream in (*shared, keys.inbox(self.name)):
                         await asyncio.to_thread(self.streams.trim_consumed, stream)
             except Exception:
+                if self._redis_gone:  # stopping without it: nothing to retry
+                    return
                 log.exception("%s: upkeep failed; retrying", self.name)
             period = self.settings.heartbeat_s
             await asyncio.sleep(period * (random.random() if first else random.uniform(0.9, 1.1)))

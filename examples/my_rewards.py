@@ -6,6 +6,10 @@
 A function gets each rollout as a plain dict (`id prompt_id sample n prompt_tokens tokens finish_reason version meta
 error`, token ids as lists, `meta` the prompt's) and returns a number; one marked `@group_reward` gets the whole group
 and returns one number per sample, in sample order. Either may be `async def`.
+
+`MY_REWARDS_MODEL` (environment, where the scorer or the score-workers run): the directory of the workers' model, whose
+tokenizer turns a sample's token ids back into text. Without it every group these functions score gets a
+`reward_error` that says to set it.
 """
 
 from __future__ import annotations
@@ -21,7 +25,10 @@ from consumers.scoring.job import group_reward
 def _tokenizer() -> Any:
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(os.environ["MY_REWARDS_MODEL"])  # the workers' model directory
+    model = os.environ.get("MY_REWARDS_MODEL")
+    if not model:
+        raise RuntimeError("set MY_REWARDS_MODEL to the workers' model directory where the scorer runs")
+    return AutoTokenizer.from_pretrained(model)  # the workers' model directory
 
 
 def decode(tokens: list[int]) -> str:

@@ -20,6 +20,7 @@ work as on a single Redis, and a fleet shards by namespace.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Callable
 from typing import Any
@@ -28,6 +29,7 @@ from urllib.parse import urlsplit, urlunsplit
 import redis
 import redis.asyncio.connection
 import redis.asyncio.retry
+import redis.connection
 import redis.exceptions
 from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
 from redis.crc import key_slot
@@ -250,3 +252,64 @@ def _connect_one(url: str, *, reconnect: bool, **options: Any) -> redis.Redis:
     if reconnect:
         client.set_retry(Reconnecting())
     return client
+
+
+REDIS_CHECK_TIMEOUT_S = 2.0
+"""How long that check waits to connect and for the PING's answer."""
+_REDIS_CONNECTIONS = (
+    redis.connection.Connection,
+    redis.connection.SSLConnection,
+    redis.connection.UnixDomainSocketConnection,
+)
+
+
+def redis_unreachable(client: redis.Redis) -> str | None:
+    """Why `client`'s Redis does not answer a PING on a fresh connection of the same settings, tried once with a
+    short timeout (`REDIS_CHECK_TIMEOUT_S`); None if it answers, is loading its data (it is coming back), or
+    `client` is no redis-py client of a server (fakeredis, a stand-in: nothing to check)."""
+    pool: Any = getattr(client, "connection_pool", None)
+    connection_class = getattr(pool, "connection_class", None)
+    if connection_class not in _REDIS_CONNECTIONS:
+        return None
+    settings = {
+        **pool.connection_kwargs,
+        "socket_timeout": REDIS_CHECK_TIMEOUT_S,
+        "socket_connect_timeout": REDIS_CHECK_TIMEOUT_S,
+        "retry": Retry(NoBackoff(), 0),
+    }
+    connection = connection_class(**settings)
+    try:
+        connection.connect()
+        connection.send_command("PING")
+        connection.read_response()
+    except redis.BusyLoadingError:
+        return None
+    except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+        return str(exc) or type(exc).__name__
+    finally:
+        connection.disconnect()
+    return None
+
+
+def redis_address(client: redis.Redis) -> str:
+    """Where `client` connects (`host:port`, or its socket's path), without credentials."""
+    kwargs: dict[str, Any] = getattr(getattr(client, "connection_pool", None), "connection_kwargs", {})
+    if "path" in kwargs:
+        return str(kwargs["path"])
+    return f"{kwargs.get('host', '?')}:{kwargs.get('port', '?')}"
+
+
+def give_up_reconnecting(client: redis.Redis) -> None:
+    """Make every call of `client` fail at its next failed attempt instead of reconnecting for ~`RECONNECT_S`: the
+    calls under way on other threads too (each of the pool's connections retries on a copy of the client's policy,
+    and a retry reads its count of retries at each attempt), and the calls to come."""
+    pool: Any = getattr(client, "connection_pool", None)
+    lock = getattr(pool, "_lock", None)
+    with lock if lock is not None else contextlib.nullcontext():
+        connections = [*getattr(pool, "_available_connections", ()), *getattr(pool, "_in_use_connections", ())]
+    for connection in connections:
+        retry = getattr(connection, "retry", None)
+        if isinstance(retry, Retry):
+            retry.update_retries(0)
+    with contextlib.suppress(AttributeError):
+        client.set_retry(Retry(NoBackoff(), 0))

@@ -190,6 +190,8 @@ class RedisServer:
         check_version(self.binary.version, f"{self.binary.path} (from {self.binary.source})")
         self.port = port or (free_cluster_port() if cluster else free_port())
         self.appendonly = appendonly
+        self._own_dir = data_dir is None
+        """The data directory is a temporary one of ours: leaving the `with` block removes it."""
         self.data_dir = data_dir or Path(tempfile.mkdtemp(prefix="rollouts-redis-"))
         self.process: subprocess.Popen[bytes] | None = None
 
@@ -212,16 +214,27 @@ class RedisServer:
             args += ["--tls-ca-cert-file", str(self.tls.ca), "--tls-auth-clients", "no"]
         if self.cluster:
             args += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
+        if self._own_dir:
+            self.data_dir.mkdir(parents=True, exist_ok=True)  # removed by an earlier `with` block
         self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            self._wait_until_up(self.process, timeout_s)
+        except BaseException:  # a server that did not come up, or a Ctrl-C or SIGTERM meanwhile: none is left running
+            self.stop()
+            if self._own_dir:  # `__enter__` failed: no `__exit__` will remove it
+                shutil.rmtree(self.data_dir, ignore_errors=True)
+            raise
+        return self
+
+    def _wait_until_up(self, process: subprocess.Popen[bytes], timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         client = redis.Redis.from_url(self.url, socket_connect_timeout=0.5)
         while True:
             try:
                 client.ping()
-                return self
+                return
             except redis.ConnectionError:
-                if self.process.poll() is not None or time.monotonic() > deadline:
-                    self.stop()
+                if process.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"{self.binary.describe()} did not start on port {self.port}") from None
                 time.sleep(0.05)
             finally:
@@ -248,4 +261,7 @@ class RedisServer:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
+        """Stop the server; a data directory of our own (none was given) goes with it."""
         self.stop()
+        if self._own_dir:
+            shutil.rmtree(self.data_dir, ignore_errors=True)

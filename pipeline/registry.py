@@ -4,6 +4,8 @@ shared prompts (`rehome`). A fleet shares the sweep for departed workers out (`s
 
 from __future__ import annotations
 
+import os
+import socket
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -15,6 +17,11 @@ from pipeline.wire import GENERATORS, Keys
 
 if TYPE_CHECKING:
     from pipeline.streams import Entry
+
+def default_name() -> str:
+    """A process's default name in the fleet (a worker's, a scorer's, a gateway's): `host-pid`."""
+    return f"{socket.gethostname()}-{os.getpid()}"
+
 
 SWEEPS_PER_HEARTBEAT = 2
 """How many workers of a fleet sweep departed workers' inboxes per heartbeat period, on average (`sweep_chance`)."""

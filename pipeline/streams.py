@@ -404,6 +404,11 @@ class Streams:
             if "BUSYGROUP" not in str(exc):
                 raise
 
+    def scorer_alive(self) -> bool:
+        """Whether a scoring stage reads `{ns}:scoring` now: its leader holds `{ns}:scorer:lease`, renewed every step
+        and gone `--lease-s` after the leader stops (the scorer's heartbeat)."""
+        return bool(self.redis.exists(self.keys.scorer_lease))
+
     def read_scoring(self, count: int, block_ms: int | None, pending_after: bytes | None = None) -> list[Entry]:
         """Rollouts awaiting a reward; with `pending_after` (`b"0"` for the first page), those the scorer
         (any holder of the lease) took and never forwarded. Deleted pending entries are acked."""

@@ -4,6 +4,9 @@
 open and running, RQ jobs queued and RQ workers, and the counters `groups`, `rollouts`,
 `reward_errors`; its `age_s` says how long ago the leader last wrote it. The scoring lag is the
 `scoring` stream's row: rollouts not yet read (`lag`) and read but not yet forwarded (`pending`).
+`scoring` sums them up: `waiting` (rollouts on `{ns}:scoring` not yet forwarded to the trainer), `scorer_alive`
+(a scorer holds `{ns}:scorer:lease`, see `Streams.scorer_alive`) and `warning` (a line, or None) when rollouts
+wait and no scorer is alive: nothing will score them, and their trainer waits.
 
 `policy` reads `{ns}:state` as numbers: the policy version and sync epoch, and the admission
 counters (see `staleness.admission`, which owns them; the capacity formula is repeated here
@@ -27,8 +30,10 @@ from typing import Any
 
 from rich.console import Group as RichGroup
 from rich.table import Table
+from rich.text import Text
 
 from pipeline.streams import Streams
+from pipeline.wire import SCORERS
 
 
 def _text(value: Any) -> Any:
@@ -55,10 +60,13 @@ def snapshot(streams: Streams) -> dict[str, Any]:
     scorer = {_text(k): _text(v) for k, v in replies.pop().items()}
     state = replies.pop()
     result: dict[str, Any] = {"ns": keys.ns, "ts": time.time(), "streams": {}, "workers": {}}
+    scoring_groups: list[dict[str, Any]] = []
     for (label, key), exists, length in zip(names.items(), replies[::2], replies[1::2], strict=True):
         if label == "scoring" and not exists:
             continue  # no prompt ever named a reward_fn here
         groups = client.xinfo_groups(key) if exists else []
+        if label == "scoring":
+            scoring_groups = groups
         result["streams"][label] = {
             "length": length,
             "groups": {  # `lag` is None on Redis 6.2 (7.0 added it) and where 7.x cannot tell it
@@ -66,6 +74,7 @@ def snapshot(streams: Streams) -> dict[str, Any]:
                 for g in groups
             },
         }
+    result["scoring"] = scoring_backlog(streams, result["streams"].get("scoring"), scoring_groups)
     result["workers"] = streams.registry.live_workers()
     pipe = client.pipeline(transaction=False)
     for name in result["workers"]:
@@ -85,6 +94,31 @@ def snapshot(streams: Streams) -> dict[str, Any]:
         for name, fields in zip(adapters, pipe.execute(), strict=True)
     }
     return result
+
+
+def scoring_backlog(streams: Streams, row: dict[str, Any] | None, groups: list[dict[str, Any]]) -> dict[str, Any]:
+    """`waiting`, `scorer_alive` and `warning` of the scoring stage, from the `scoring` row of `snapshot` and the
+    stream's `XINFO GROUPS`."""
+    keys = streams.keys
+    waiting = 0
+    if row is not None:
+        group = next((g for g in groups if _text(g["name"]) == SCORERS), None)
+        if group is None:  # no scorer ever read it: all of it waits
+            waiting = int(row["length"])
+        else:
+            unread = group.get("lag")
+            if unread is None:  # Redis 6.2 (or a lag 7.x cannot tell): count what follows the last entry read
+                after = "(" + _text(group["last-delivered-id"])
+                unread = len(streams.redis.xrange(keys.scoring, after, "+") or [])
+            waiting = int(unread) + int(group["pending"])
+    alive = streams.scorer_alive()
+    warning = None
+    if waiting and not alive:
+        warning = (
+            f"{waiting} rollouts wait on {keys.scoring} for a reward and no scorer is alive (no {keys.scorer_lease}): "
+            f"start `rollouts scorer --ns {keys.ns}`"
+        )
+    return {"waiting": waiting, "scorer_alive": alive, "warning": warning}
 
 
 def policy(state: dict[str, str]) -> dict[str, Any]:
@@ -168,9 +202,15 @@ def render(snap: dict[str, Any]) -> RichGroup:
             "-" if q["capacity"] is None else str(q["capacity"]),
             "-" if q["free"] is None else str(q["free"]),
         )
-    parts = [streams, counters, workers]
+    parts: list[Table | Text] = [streams, counters, workers]
     if snap.get("scorer"):
         parts.append(_scorer_table(snap["scorer"]))
+    scoring = snap.get("scoring") or {}
+    if scoring.get("warning"):
+        parts.append(Text(f"warning: {scoring['warning']}", style="bold yellow"))
+    elif "scoring" in snap["streams"]:
+        alive = "a scorer is alive" if scoring.get("scorer_alive") else "no scorer alive"
+        parts.append(Text(f"scoring: {scoring.get('waiting', 0)} rollouts wait for a reward; {alive}"))
     return RichGroup(*parts)
 
 

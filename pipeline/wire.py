@@ -55,6 +55,8 @@ ADAPTER_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
 and heartbeat fields (`epoch@NAME`)."""
 MAX_SAMPLES = 4096
 """Largest `n` a prompt may ask for; more is rejected as bad input."""
+MAX_TOP_LOGPROBS = 20
+"""Most alternatives a prompt may ask for per token (`Sampling.top_logprobs`), as OpenAI and vLLM's default allow."""
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 PauseMode = Literal["abort", "keep", "inflight"]
@@ -250,9 +252,16 @@ class Sampling(BaseModel):
     """Return the experts a mixture-of-experts model routed each position to (`Rollout.routed_experts`), for rollout
     routing replay: the trainer routes its forward pass as the engine did. An engine that cannot answers with an error
     rollout that says why. Left out of the entry at its default, as `logprobs_mode`."""
+    top_logprobs: int = 0
+    """Report the `top_logprobs` most likely tokens of each generated position and their logprobs (in the same
+    `logprobs_mode` as `Rollout.logprobs`): `Rollout.top_token_ids` and `Rollout.top_logprobs`. 0: none (the sampled
+    token's logprob only); at most `MAX_TOP_LOGPROBS`. An engine that cannot answers with an error rollout that says
+    why. Left out of the entry at its default, as `logprobs_mode`."""
 
     def problems(self) -> list[str]:
         found = []
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            found.append(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             found.append(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
         if self.max_tokens < 1:
@@ -370,6 +379,12 @@ class Rollout(BaseModel):
     it (a sample continued after a sync was read again by the new version). None: not asked, no token generated, a
     sample interrupted with its context already full (nothing was read again to route), or routes a vLLM engine
     returned that do not cover the sample one a position (its worker logs it)."""
+    top_token_ids: Int32Array | None = None
+    """When its prompt asked (`Sampling.top_logprobs` = k): the k most likely tokens of each generated position, int32
+    `[n_tokens, k]`, most likely first, whichever token was sampled. None: not asked, or no token generated."""
+    top_logprobs: Float32Array | None = None
+    """Their logprobs, float32 `[n_tokens, k]`, in the rollout's `logprobs_mode` (as `logprobs`); present exactly
+    when `top_token_ids` is."""
 
     @property
     def id(self) -> str:
@@ -425,6 +440,9 @@ class Rollout(BaseModel):
         if self.routed_experts is not None:
             fields[b"routed_experts"] = encode_int16(self.routed_experts)
             fields[b"routed_experts_shape"] = encode_json(list(self.routed_experts.shape))
+        if self.top_token_ids is not None and self.top_logprobs is not None:
+            fields[b"top_token_ids"] = encode_int32(self.top_token_ids)
+            fields[b"top_logprobs"] = encode_float32(self.top_logprobs)
         return fields
 
     @classmethod
@@ -453,6 +471,7 @@ class Rollout(BaseModel):
                 adapter=get.optional_text(b"adapter"),
                 routed_experts=_routes(get),
             )
+            rollout.top_token_ids, rollout.top_logprobs = _alternatives(get, len(rollout.tokens))
             rollout.check()
             return rollout
 
@@ -484,6 +503,7 @@ class Rollout(BaseModel):
                     f"routed_experts: shape {list(shape)}, expected [{positions}, layers, top_k] (prompt_tokens and "
                     "tokens but the last)"
                 )
+        _check_alternatives(self.top_token_ids, self.top_logprobs, len(self.tokens))
 
     def model_token_mask(self) -> np.ndarray:
         """A bool per token: True where the model wrote it (`mask`), False on template, tool and user tokens."""
@@ -509,14 +529,21 @@ class Partial(BaseModel):
     generated: Int32Array
     logprobs: Float32Array
     spans: list[Span]
+    top_token_ids: Int32Array | None = None
+    """The alternatives of the tokens generated so far, as `Rollout.top_token_ids` (when the prompt asked)."""
+    top_logprobs: Float32Array | None = None
 
     def to_fields(self) -> Fields:
-        return self.prompt.to_fields() | {
+        fields = self.prompt.to_fields() | {
             b"sample": str(self.sample).encode(),
             b"generated": encode_int32(self.generated),
             b"logprobs": encode_float32(self.logprobs),
             b"spans": encode_int_triples(self.spans),
         }
+        if self.top_token_ids is not None and self.top_logprobs is not None:
+            fields[b"top_token_ids"] = encode_int32(self.top_token_ids)
+            fields[b"top_logprobs"] = encode_float32(self.top_logprobs)
+        return fields
 
     @classmethod
     def from_fields(cls, fields: Fields) -> Partial:
@@ -532,6 +559,7 @@ class Partial(BaseModel):
                 raise WireError(f"logprobs has {len(partial.logprobs)} values for {len(partial.generated)} tokens")
             _check_sample(partial.sample, partial.prompt.n)
             _check_spans(partial.spans, len(partial.generated))
+            partial.top_token_ids, partial.top_logprobs = _alternatives(get, len(partial.generated))
             return partial
 
         return _decode(fields, parse)
@@ -619,6 +647,37 @@ def _routes(get: _FieldReader) -> np.ndarray | None:
         return flat.reshape(shape)
     except ValueError as exc:  # sizes past what numpy indexes (a zero among them keeps the product small)
         raise WireError(f"routed_experts_shape: {shape!r}: {exc}") from None
+
+
+def _alternatives(get: _FieldReader, n_tokens: int) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """`top_token_ids` and `top_logprobs` from their bytes as `[n_tokens, k]` arrays (None, None if both are absent);
+    `WireError` if one comes without the other, or their values are not the same k (>= 1) for every token."""
+    present = [name for name in (b"top_token_ids", b"top_logprobs") if name in get.fields]
+    if not present:
+        return None, None
+    if len(present) == 1:
+        raise WireError("top_token_ids and top_logprobs come together: one is missing")
+    ids, logprobs = get.array(b"top_token_ids", INT32), get.array(b"top_logprobs", FLOAT32)
+    if len(ids) != len(logprobs) or not n_tokens or not len(ids) or len(ids) % n_tokens:
+        raise WireError(
+            f"top_token_ids ({len(ids)} values) and top_logprobs ({len(logprobs)}) are not k >= 1 values for each of "
+            f"the {n_tokens} tokens"
+        )
+    k = len(ids) // n_tokens
+    return ids.reshape(n_tokens, k), logprobs.reshape(n_tokens, k)
+
+
+def _check_alternatives(ids: np.ndarray | None, logprobs: np.ndarray | None, n_tokens: int) -> None:
+    """Both or neither, each `[n_tokens, k]` with the same k >= 1 (and some tokens)."""
+    if ids is None and logprobs is None:
+        return
+    if ids is None or logprobs is None:
+        raise WireError("top_token_ids and top_logprobs come together: one is missing")
+    if ids.ndim != 2 or ids.shape != logprobs.shape or ids.shape[0] != n_tokens or not n_tokens or not ids.shape[1]:
+        raise WireError(
+            f"top_token_ids {list(ids.shape)} and top_logprobs {list(logprobs.shape)} must both be [{n_tokens}, k] "
+            "with k >= 1"
+        )
 
 
 def _check_spans(spans: list[Span], n_tokens: int) -> None:

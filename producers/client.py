@@ -349,6 +349,7 @@ class RolloutClient:
         adapter: str | None = None,
         logprobs_mode: LogprobsMode = "raw",
         routed_experts: bool = False,
+        top_logprobs: int = 0,
     ) -> str:
         """Queue one prompt (text through the tokenizer and its chat template, or token ids); returns its id.
 
@@ -366,6 +367,10 @@ class RolloutClient:
         (`Rollout.routed_experts`, int16 `[prompt + tokens - 1, layers, top_k]`) for rollout routing replay. Served
         by the torch engine (transformers' Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE) and by vLLM started with
         `enable_return_routed_experts` (its CUDA build); any other worker answers with an error rollout that says so.
+
+        `top_logprobs`: the rollouts carry the k most likely tokens at each generated position with their logprobs
+        (`Rollout.top_token_ids`, `Rollout.top_logprobs`, `[n_tokens, k]`; at most `MAX_TOP_LOGPROBS`), in the same
+        `logprobs_mode`. Served by the torch and vLLM engines; the others answer with an error rollout.
         """
         item = self.make_prompt(
             prompt,
@@ -379,6 +384,7 @@ class RolloutClient:
                 seed=seed,
                 logprobs_mode=logprobs_mode,
                 routed_experts=routed_experts,
+                top_logprobs=top_logprobs,
             ),
             meta=meta,
             id=id,

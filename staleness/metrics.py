@@ -5,10 +5,12 @@ but every sync leaves its `weights` and `resume` commands, each stamped with `ts
 stream, and every eviction a `stop` that names one worker. So the manager, always running, follows
 that stream and observes each sync once: the stall is `resume.ts - weights.ts` of one epoch (from
 the command going out to generation going on). Syncs it finished itself (their driver died) are
-counted apart.
+counted apart. Each sync (its start and its end), eviction and sleep it observes is also logged, at info.
 """
 
 from __future__ import annotations
+
+import logging
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
@@ -16,6 +18,8 @@ from pipeline.control import CONTROL_BATCH
 from pipeline.streams import Streams
 from pipeline.wire import Control, WireError
 from staleness.state import weights_command
+
+log = logging.getLogger(__name__)
 
 SYNC_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 """Seconds: tens of ms for a small model on one host, up to an ack deadline (or an abandoned sync)."""
@@ -58,10 +62,18 @@ class SyncMetrics:
                 return
 
     def _observe(self, command: Control) -> None:
+        of = f" of adapter {command.adapter}" if command.adapter else ""
         if command.cmd == "weights":
             self._begun[command.adapter, command.epoch] = command.ts
+            log.info("sync %d%s began: version %d from %s (pause: %s)", command.epoch, of, command.version,
+                     command.uri, command.mode)  # fmt: skip
+        elif command.cmd == "sleep":
+            log.info("sleep %d began: level %d (pause: %s)", command.epoch, command.level, command.mode)
         elif command.cmd == "stop" and command.worker:
             self._evictions.inc()
+            log.warning("worker %s evicted: it did not ack in time (its work goes to the others)", command.worker)
+        elif command.cmd == "stop":
+            log.warning("every worker told to stop")
         elif command.cmd == "resume":
             begun = self._begun.pop((command.adapter, command.epoch), None)
             if begun is None:  # begun before this manager started
@@ -69,8 +81,11 @@ class SyncMetrics:
                 weights = weights_command(self.streams.redis, self.streams.keys, command.epoch, adapter=adapter)
                 begun = weights.ts if weights is not None else None
             self._syncs.inc()
-            if begun is not None:
-                self._stall.observe(max(0.0, command.ts - begun))
+            stall = max(0.0, command.ts - begun) if begun is not None else None
+            if stall is not None:
+                self._stall.observe(stall)
+            log.info("sync %d%s done: the workers resume at version %d%s", command.epoch, of, command.version,
+                     f" after a stall of {stall:.3f} s" if stall is not None else "")  # fmt: skip
 
     def abandoned(self) -> None:
         """This manager finished a sync whose driver died. Its evictions and its resume are on the control stream

@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import signal
+import site
 import subprocess
 import time
 import uuid
@@ -205,10 +206,15 @@ def manager(redis_server: RedisServer, ns: str, tmp_path: Path) -> Iterator[subp
     stop_processes([proc])
 
 
-def cached_venv(name: str, base: str, installs: list[list[str]], system_site_packages: bool = False) -> str:
+def cached_venv(name: str, base: str, installs: list[list[str]], over_this_python: bool = False) -> str:
     """The Python of a venv built once from `base` with each of `installs` (`pip install` arguments) in turn, cached
-    under `~/.cache/rollout-streams/NAME-KEY` (KEY: of `base` and `installs`); a lock keeps xdist workers apart."""
-    key = hashlib.sha256(json.dumps([base, installs, system_site_packages]).encode()).hexdigest()[:12]
+    under `~/.cache/rollout-streams/NAME-KEY` (KEY: of `base`, `installs` and the directories it sees); a lock keeps
+    xdist workers apart. `over_this_python`: the venv also sees the packages of the Python running the tests, after
+    its own, through a `.pth` file that adds this Python's site-packages (their `.pth` files too: an editable install
+    is found). `--system-site-packages` would not do: from a venv it sees the base interpreter's packages, not the
+    venv's."""
+    over = site.getsitepackages() if over_this_python else []
+    key = hashlib.sha256(json.dumps([base, installs, over]).encode()).hexdigest()[:12]
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "rollout-streams"
     venv = cache / f"{name}-{key}"
     cache.mkdir(parents=True, exist_ok=True)
@@ -217,11 +223,20 @@ def cached_venv(name: str, base: str, installs: list[list[str]], system_site_pac
         if not (venv / "ready").exists():
             partial = venv.with_name(venv.name + ".partial")
             shutil.rmtree(partial, ignore_errors=True)
-            create = [base, "-m", "venv", *(["--system-site-packages"] if system_site_packages else []), str(partial)]
-            pip = [str(partial / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-            for step in (create, *([*pip, *args] for args in installs)):
+            python = str(partial / "bin" / "python")
+
+            def run(step: list[str]) -> str:
                 done = subprocess.run(step, capture_output=True, text=True, timeout=600)
                 assert done.returncode == 0, f"building the {name} venv failed at {step[-1]}: {done.stderr[-2000:]}"
+                return done.stdout
+
+            run([base, "-m", "venv", str(partial)])
+            if over:
+                purelib = run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"]).strip()
+                adds = "".join(f"import site; site.addsitedir({path!r})\n" for path in over)
+                (Path(purelib) / "rollout-streams-over.pth").write_text(adds)
+            for args in installs:
+                run([python, "-m", "pip", "install", "-q", "--disable-pip-version-check", *args])
             (partial / "ready").write_text(json.dumps(installs))
             shutil.rmtree(venv, ignore_errors=True)
             partial.rename(venv)  # a venv's scripts name their own path, so use its python by path only
@@ -231,7 +246,9 @@ def cached_venv(name: str, base: str, installs: list[list[str]], system_site_pac
 
 @pytest.fixture
 def gateways(redis_server: RedisServer, ns: str, tiny_model_dir: Path, tmp_path: Path) -> Iterator[StartGateway]:
-    """Start `rollouts gateway` replicas (model name `tiny`); returns each one's base URL. Stopped by PID at the end."""
+    """Start `rollouts gateway` replicas (model name `tiny`); returns each one's base URL once it listens (its
+    `/health` answers: 200 while a worker serves, 503 `no_worker` before; tests start workers after, or none). Stopped
+    by PID at the end."""
     import httpx
 
     from pipeline.local import free_port
@@ -250,9 +267,10 @@ def gateways(redis_server: RedisServer, ns: str, tiny_model_dir: Path, tmp_path:
             if proc.poll() is not None:
                 raise AssertionError(f"gateway {name} exited: {log.read_text()}")
             try:
-                return httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
+                health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)
             except httpx.HTTPError:
                 return False
+            return health.status_code == 200 or health.json()["error"]["code"] == "no_worker"
 
         wait_until(listening, 90, f"gateway {name} to listen")
         return f"http://127.0.0.1:{port}/v1"

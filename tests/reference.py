@@ -41,25 +41,37 @@ def forward_routes(model_dir: Path, tokens: list[int]) -> np.ndarray:
     return torch.stack(layers, dim=1).numpy()
 
 
-def processed_logprobs(
-    model_dir: Path, prompt: list[int], tokens: list[int], temperature: float, top_p: float = 1.0
-) -> np.ndarray:
-    """log p(tokens[i] | prompt + tokens[:i]) under the distribution each token was sampled from, one forward pass:
-    log_softmax(logits / temperature), then top-p (a token is dropped when the probability mass ranked above it already
-    reaches `top_p`; the first always stays) and renormalized over what it kept. Greedy (temperature 0): the raw ones,
-    nothing being applied (as vLLM's `processed_logprobs` reports them)."""
-    if temperature == 0:
-        return forward_logprobs(model_dir, prompt, tokens)
+def forward_distributions(
+    model_dir: Path, prompt: list[int], tokens: list[int], temperature: float = 0.0, top_p: float = 1.0
+) -> torch.Tensor:
+    """The next-token log-distribution before each of `tokens`, `[len(tokens), vocab]`, one forward pass over prompt +
+    tokens: raw (log_softmax of the logits) or, with a temperature, processed: log_softmax(logits / temperature), then
+    top-p (a token is dropped when the probability mass ranked above it already reaches `top_p`; the first always
+    stays; -inf where dropped) and renormalized over what it kept."""
     ids = torch.tensor([list(prompt) + list(tokens)])
     with torch.inference_mode():
         logits = load_model(Path(model_dir))(ids).logits[0].float()
     logits = logits[len(prompt) - 1 : len(prompt) + len(tokens) - 1]
+    if not temperature:
+        return torch.log_softmax(logits, dim=-1)
     scaled = torch.log_softmax(logits / temperature, dim=-1)
     if top_p < 1:
         ranked, order = scaled.exp().sort(dim=-1, descending=True)
         dropped = torch.zeros_like(ranked, dtype=torch.bool).scatter(1, order, ranked.cumsum(-1) - ranked >= top_p)
         scaled = scaled.masked_fill(dropped, float("-inf"))
         scaled = scaled - torch.logsumexp(scaled, dim=-1, keepdim=True)
+    return scaled
+
+
+def processed_logprobs(
+    model_dir: Path, prompt: list[int], tokens: list[int], temperature: float, top_p: float = 1.0
+) -> np.ndarray:
+    """log p(tokens[i] | prompt + tokens[:i]) under the distribution each token was sampled from
+    (`forward_distributions`). Greedy (temperature 0): the raw ones, nothing being applied (as vLLM's
+    `processed_logprobs` reports them)."""
+    if temperature == 0:
+        return forward_logprobs(model_dir, prompt, tokens)
+    scaled = forward_distributions(model_dir, prompt, tokens, temperature, top_p)
     return scaled[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)].numpy()
 
 

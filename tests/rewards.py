@@ -64,3 +64,11 @@ def stalls_first_call(rollout: dict[str, Any]) -> float:
         return even_share(rollout)
     time.sleep(600)  # behaviour under test: a reward call that stalls until its scorer is killed
     return 0.0
+
+
+def imports_transformers(rollout: dict[str, Any]) -> float:
+    """`even_share`, after importing transformers inside the call (as `examples/my_rewards.py` does): in a fresh
+    scorer the first import happens on its reward threads."""
+    from transformers import AutoTokenizer
+
+    return even_share(rollout) if callable(AutoTokenizer.from_pretrained) else -1.0

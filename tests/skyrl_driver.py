@@ -69,9 +69,8 @@ def read_tensors(model_dir: Path) -> list[tuple[str, str, list[int], bytes]]:
 
 
 def skyrl_sampling_params(max_tokens: int) -> dict[str, Any]:
-    """What SkyRL's generator sends (`get_vllm_sampling_params` in skyrl 0.4.0, its defaults) with `logprobs=0`: the
-    generator's own default is 1, which SkyRL documents as the same as 0 (it reads the sampled token's logprob only);
-    the gateway refuses 1, since it would ask vLLM for an alternative per token."""
+    """What SkyRL's generator sends (`get_vllm_sampling_params` in skyrl 0.4.0), its defaults unchanged: `logprobs=1`
+    among them (one alternative a token, which the gateway reports as vLLM does; SkyRL reads the sampled token's)."""
     return {
         "min_tokens": 1,
         "skip_special_tokens": True,
@@ -81,7 +80,7 @@ def skyrl_sampling_params(max_tokens: int) -> dict[str, Any]:
         "top_p": 1.0,
         "top_k": -1,
         "min_p": 0.0,
-        "logprobs": 0,
+        "logprobs": 1,
         "stop": None,
     }
 

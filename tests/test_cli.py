@@ -146,14 +146,15 @@ def test_demo_runs_end_to_end_and_its_reward_rises_as_the_weights_change(tmp_pat
     """The CI's first command, as a user sees it: the round's summary, then the GRPO table and the curve."""
     root = Path(__file__).resolve().parent.parent
     env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
-    result = subprocess.run(  # in tmp_path: the default --plot is a file of the current directory
-        [sys.executable, "-m", "pipeline.cli", "demo", "--prompts", "4", "--n", "2", "--max-tokens", "8"],
+    result = subprocess.run(  # in tmp_path: a relative --plot is a file of the current directory
+        [sys.executable, "-m", "pipeline.cli", "demo", "--prompts", "4", "--n", "2", "--max-tokens", "8",
+         "--plot", "c.png"],
         capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env,
     )  # fmt: skip
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
     assert "demo summary" in output and "4 / 8" in output
-    assert "redis-cli -p" in output and "XRANGE '{demo}:rollouts'" in output
+    assert "redis-cli -p" not in output and "while its Redis runs: rollouts demo --keep" in output  # it is gone now
 
     assert "GRPO on the token-set task, fully async: step 100/100" in output, output
     rows = [tuple(map(float, m)) for m in re.findall(r"│\s+(\d+) │\s+(\d+) │\s+([\d.]+) │", output)]
@@ -166,8 +167,9 @@ def test_demo_runs_end_to_end_and_its_reward_rises_as_the_weights_change(tmp_pat
     first, last = map(float, means.groups())
     assert first < 0.1 and last > 0.5, output
 
-    curve = tmp_path / "rollouts-demo-curve.png"
+    curve = tmp_path / "c.png"
     assert f"learning curve: {curve.resolve()}" in output, output
+    assert list(tmp_path.iterdir()) == [curve], "nothing else is left in the current directory"
     assert curve.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     height, width, _ = imread(curve).shape
     assert (width, height) == (1100, 396), "the figure as drawn: 10 x 3.6 inches at 110 dpi"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -59,8 +60,11 @@ def test_the_minimal_trainer_trains_on_every_rollout_once_and_publishes_each_ste
 
 
 @pytest.fixture
-def gateway(redis_server: RedisServer, ns: str, tiny_model_dir: Path, tmp_path: Path) -> Iterator[str]:
-    """`rollouts gateway` on this test's namespace; its base URL."""
+def gateway(
+    redis_server: RedisServer, ns: str, tiny_model_dir: Path, tmp_path: Path, worker: subprocess.Popen[bytes]
+) -> Iterator[str]:
+    """`rollouts gateway` on this test's namespace, after its worker; its base URL once its `/health` says it is
+    ready (200: the worker serves), as a client of vLLM waits for a server's `/health`."""
     port, log = free_port(), tmp_path / "gateway.log"
     args = ["gateway", "--redis", redis_server.url, "--ns", ns, "--model", str(tiny_model_dir), "--port", str(port)]
     proc = start_command(*args, "--log-level", "warning", log_file=log)
@@ -74,7 +78,7 @@ def gateway(redis_server: RedisServer, ns: str, tiny_model_dir: Path, tmp_path: 
             return False
 
     try:
-        wait_until(listening, 90, "the gateway to listen")
+        wait_until(listening, 120, "the gateway to be ready (a worker serving)")
         yield f"http://127.0.0.1:{port}/v1"
     finally:
         stop_process(proc)
@@ -97,6 +101,13 @@ def test_my_rewards_score_groups_as_the_scorer_runs_them_and_the_prompts_file_is
     redis_server: RedisServer, ns: str, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.syspath_prepend(str(EXAMPLES))  # where the scorer runs, my_rewards is importable
+    importlib.import_module("my_rewards")._tokenizer.cache_clear()  # as in a fresh scorer: no tokenizer loaded yet
+    monkeypatch.delenv("MY_REWARDS_MODEL", raising=False)
+    unset = score_group("my_rewards:exact_match", [{"tokens": [5], "finish_reason": "stop", "meta": {}}])
+    assert unset == {
+        "error": "my_rewards:exact_match: RuntimeError: set MY_REWARDS_MODEL to the workers' model directory where "
+        "the scorer runs"
+    }
     monkeypatch.setenv("MY_REWARDS_MODEL", str(tiny_model_dir))
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
 

@@ -326,7 +326,7 @@ def test_bad_requests_get_openai_errors_and_queue_nothing(
     refused(openai.BadRequestError, None, messages=[{"role": "user", "content": [{"type": "image_url", "x": 1}]}])
     refused(openai.BadRequestError, None, messages=[{"content": "no role"}])
     refused(openai.BadRequestError, None, temperature=7.0)
-    refused(openai.BadRequestError, None, top_logprobs=3, logprobs=True)
+    refused(openai.BadRequestError, "invalid_value", top_logprobs=21, logprobs=True)
     refused(openai.BadRequestError, None, stop=[""])
     refused(openai.BadRequestError, None, n=2, headers={"X-Session-ID": "s"})
     refused(openai.BadRequestError, None, headers={"X-Session-ID": "has spaces"})
@@ -343,6 +343,40 @@ def test_bad_requests_get_openai_errors_and_queue_nothing(
     probe = redis.Redis.from_url(redis_server.url)
     assert probe.xlen(keys.prompts) == 0 and not list(probe.scan_iter(match=keys.inbox_prefix + "*"))
     probe.close()
+
+
+def test_health_is_503_until_a_worker_serves_and_again_once_its_heartbeat_expired(
+    redis_server: RedisServer, ns: str, workers: StartWorker, gateways: StartGateway
+) -> None:
+    """Issue 53: `/health` answered 200 with no worker, and a client that waited for it (as vLLM's clients wait for
+    a server's `/health`) then got 503 `no_worker`. Now it is ready only while a worker serves, as vLLM's is only
+    once its engine is up."""
+    base = gateways("gw")
+
+    def health() -> httpx.Response:
+        return httpx.get(base.removesuffix("/v1") + "/health", timeout=10)
+
+    unserved = {
+        "error": {
+            "message": f"no worker serves namespace {ns} (start `rollouts worker --ns {ns}`)",
+            "type": "service_unavailable",
+            "param": None,
+            "code": "no_worker",
+        }
+    }
+    before = health()
+    assert (before.status_code, before.json()) == (503, unserved)
+    worker = workers("w1", "--engine", "synthetic")  # returns once its heartbeat says `serving`
+    ready = health()
+    assert (ready.status_code, ready.json()) == (200, {"status": "ok", "workers": 1})
+    reply = openai_client(base).completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=3)
+    assert reply.choices[0].finish_reason == "length"  # ready means a call is served
+
+    os.kill(worker.pid, signal.SIGKILL)  # no goodbye: only its heartbeat's expiry (5 s at the test's 0.3 s beat) tells
+    worker.wait()
+    wait_until(lambda: health().status_code == 503, 30, "/health to see the dead worker's heartbeat expire")
+    assert health().json() == unserved
+    assert not redis.Redis.from_url(redis_server.url).exists(Keys(ns).worker("w1"))
 
 
 def test_the_model_names_a_lora_adapter_and_a_session_stays_on_it(

@@ -68,6 +68,8 @@ def synthetic_group(prompt_id: str, n: int = 3, version: int = 0, seed: int = 0,
                 reward_fn="my_rewards:exact_match",
                 reward_error="my_rewards:exact_match: ValueError: no answer" if k == 1 else None,
                 routed_experts=rng.integers(-(2**15), 2**15, (6 + length, 3, 2), dtype=np.int16) if k == 0 else None,
+                top_token_ids=rng.integers(0, 50_000, (length, 3), dtype=np.int32) if k == 2 else None,
+                top_logprobs=-rng.exponential(2.0, (length, 3)).astype(np.float32) if k == 2 else None,
             )
         )
     return group
@@ -129,6 +131,10 @@ def test_rows_round_trip_every_field_bit_for_bit_and_pandas_pyarrow_datasets_rea
     assert routes is not None and frame["routed_experts"].iloc[0].dtype == np.int16
     assert np.array_equal(frame["routed_experts"].iloc[0].reshape(frame["routed_experts_shape"].iloc[0]), routes)
     assert frame["routed_experts"].isna().tolist() == [r.routed_experts is None for r in rollouts]
+    alternatives = rollouts[2].top_token_ids  # flat in its column: k a token
+    assert alternatives is not None and frame["top_token_ids"].iloc[2].dtype == np.int32
+    assert np.array_equal(frame["top_token_ids"].iloc[2].reshape(-1, 3), alternatives)
+    assert frame["top_logprobs"].isna().tolist() == [r.top_logprobs is None for r in rollouts]
     version, start, end = rollouts[0].spans[1]
     assert frame["spans"].iloc[0][1] == {"version": version, "start": start, "end": end}
 

@@ -32,11 +32,12 @@ from consumers.scoring.job import load_reward_fn, score_group
 from consumers.scoring.rq_backend import RQBackend
 from pipeline.local import RedisServer
 from pipeline.processes import start_command, stop_process
+from pipeline.top import snapshot
 from pipeline.wire import Keys, Prompt, Rollout, WireError
 from producers.client import Group, RolloutClient
 from producers.prompts_file import read_prompts_file
 from tests import rewards
-from tests.fixtures import StartWorker, wait_until
+from tests.fixtures import REDIS_VERSIONS, StartWorker, wait_until
 
 StartScoring = Callable[..., subprocess.Popen[bytes]]
 """`start(command, *args, name=...)`: `rollouts scorer` or `rollouts score-worker` in a process of its own."""
@@ -200,6 +201,109 @@ def test_inline_scoring_sets_the_reward_every_reader_sees(
     assert snap["scorer"]["groups"] == "6" and snap["scorer"]["reward_errors"] == "0"
     assert snap["scorer"]["mode"] == "inline" and snap["scorer"]["leader"] == "scorer-a"
     assert snap["streams"]["scoring"]["groups"]["scorers"]["pending"] == 0
+
+
+def publish_for_scoring(client: RolloutClient, prompt_id: str, n: int, reward_fn: str) -> None:
+    """A whole group on `{ns}:scoring`, as workers publish the rollouts of a prompt that names a `reward_fn`."""
+    for sample in range(n):
+        tokens = [2 + sample, 3, 4 + 2 * sample]
+        rollout = Rollout(prompt_id=prompt_id, sample=sample, n=n, version=0, version_end=0, finish_reason="length",
+                          worker="w", prompt_tokens=[5, 6], tokens=tokens, logprobs=[-1.0] * len(tokens),
+                          spans=[(0, 0, len(tokens))], reward_fn=reward_fn)  # fmt: skip
+        client.streams.redis.xadd(client.streams.keys.scoring, rollout.to_fields())
+
+
+def test_a_scorer_at_its_default_threads_scores_a_reward_whose_first_call_imports_transformers(
+    redis_server: RedisServer, ns: str, scoring: StartScoring
+) -> None:
+    """Issue 53: at `--threads 4` the first calls imported transformers on four threads at once, and groups failed
+    with `ImportError: cannot import name 'AutoTokenizer' from 'transformers'`. Sixteen groups wait before the fresh
+    scorer starts, so its first read hands them to its threads at once; every run of it failed before the fix."""
+    client = RolloutClient(redis_server.url, ns)
+    ids = [f"lazy-{i}" for i in range(16)]
+    for pid in ids:
+        publish_for_scoring(client, pid, 2, "tests.rewards:imports_transformers")
+    scoring("scorer", name="scorer-lazy")  # default --threads 4
+    groups = collect(client, len(ids))
+    assert set(groups) == set(ids)
+    assert {pid: g.reward_error for pid, g in groups.items()} == dict.fromkeys(ids)
+    for group in groups.values():
+        assert group.rewards == [rewards.even_share({"tokens": r.tokens.tolist()}) for r in group.rollouts]
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_submit_and_top_say_when_rollouts_would_wait_for_a_scorer_that_is_not_there(
+    redis_server: RedisServer, ns: str, scoring: StartScoring, tmp_path: Path
+) -> None:
+    url, keys = redis_server.url, Keys(ns)
+    connection = redis.Redis.from_url(url)
+    scored = tmp_path / "scored.jsonl"
+    scored.write_text(
+        '{"id": "s", "tokens": [5, 6], "n": 2, "reward_fn": "tests.rewards:even_share"}\n'
+        '{"id": "u", "tokens": [5, 7]}\n'  # no reward_fn
+    )
+    plain = tmp_path / "plain.jsonl"
+    plain.write_text('{"id": "u2", "tokens": [5, 8], "n": 2}\n')
+
+    def warnings(file: Path) -> list[str]:
+        done = cli("submit", "--redis", url, "--ns", ns, "--file", str(file))
+        assert done.returncode == 0, done.stderr
+        return [line for line in done.stderr.splitlines() if "warning" in line]
+
+    def top() -> dict:
+        done = cli("top", "--redis", url, "--ns", ns, "--once", "--json")
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)
+
+    assert warnings(scored) == [
+        f"warning: 1 of these prompts name a reward_fn and no scorer is alive on namespace {ns}: their rollouts will "
+        f"wait on {keys.scoring} until `rollouts scorer --ns {ns}` runs"
+    ]
+    assert warnings(plain) == []
+    assert top()["scoring"] == {"waiting": 0, "scorer_alive": False, "warning": None}  # nothing generated yet
+
+    client = RolloutClient(url, ns)
+    publish_for_scoring(client, "s", 2, "tests.rewards:even_share")  # what a worker publishes for prompt `s`
+    unscored = (
+        f"2 rollouts wait on {keys.scoring} for a reward and no scorer is alive (no {keys.scorer_lease}): "
+        f"start `rollouts scorer --ns {ns}`"
+    )
+    assert top()["scoring"] == {"waiting": 2, "scorer_alive": False, "warning": unscored}
+    table = cli("top", "--redis", url, "--ns", ns, "--once")
+    assert f"warning: {unscored}" in " ".join(table.stdout.split())  # the table view, however it wraps
+
+    scorer = scoring("scorer", "--lease-s", "1", name="scorer-top")
+    wait_until(lambda: bool(connection.exists(keys.scorer_lease)), 60, "the scorer to take its lease")
+    [group] = client.collect(1, timeout=60)
+    assert group.prompt_id == "s" and group.reward_error is None
+    assert top()["scoring"] == {"waiting": 0, "scorer_alive": True, "warning": None}
+    assert warnings(scored) == []  # a scorer is alive: nothing to say
+
+    os.killpg(scorer.pid, signal.SIGKILL)  # its lease, the heartbeat, expires after --lease-s
+    scorer.wait()
+    wait_until(lambda: not connection.exists(keys.scorer_lease), 10, "the dead scorer's lease to expire")
+    publish_for_scoring(client, "s2", 2, "tests.rewards:even_share")
+    assert top()["scoring"] == {"waiting": 2, "scorer_alive": False, "warning": unscored}
+    assert len(warnings(scored)) == 1
+
+
+@pytest.mark.parametrize("redis_server", REDIS_VERSIONS, indirect=True)
+def test_top_counts_what_waits_on_scoring_read_or_not_on_both_redis_versions(
+    redis_server: RedisServer, ns: str
+) -> None:
+    """Redis 6.2 reports no group lag: the rollouts not yet read are counted from the group's last read entry."""
+    client = RolloutClient(redis_server.url, ns)
+    publish_for_scoring(client, "a", 2, "tests.rewards:even_share")
+    assert snapshot(client.streams)["scoring"]["waiting"] == 2  # no scorer ever read: the whole stream waits
+    client.streams.ensure_scoring_group()
+    read = client.streams.read_scoring(1, None)
+    publish_for_scoring(client, "b", 3, "tests.rewards:even_share")
+    assert snapshot(client.streams)["scoring"]["waiting"] == 5  # 1 read and not forwarded, 4 not read
+    client.streams.forward_scored([], [entry.id for entry in read])
+    assert snapshot(client.streams)["scoring"]["waiting"] == 4
 
 
 def test_rq_scoring_with_json_jobs_and_reward_errors_that_never_stall_the_loop(

@@ -28,8 +28,12 @@ from tests.fixtures import StartGateway, StartWorker, cached_venv, wait_until
 from tests.reference import forward_logprobs
 
 SKYRL = "skyrl==0.4.0"
-CLIENT_DEPS = ["aiohttp", "orjson", "pybase64", "numpy", "requests", "loguru", "cloudpathlib", "pydantic", "rich"]
-"""What `remote_inference_client` and `control_plane` import, torch aside (found by importing them in a bare venv)."""
+CLIENT_DEPS = [
+    "aiohttp==3.14.5", "orjson==3.13.0", "pybase64==1.5.1", "numpy==2.5.5", "requests==2.34.2", "loguru==0.7.3",
+    "cloudpathlib==0.26.0", "pydantic==2.14.4", "rich==15.0.0",
+]  # fmt: skip
+"""What `remote_inference_client` and `control_plane` import, torch aside (found by importing them in a bare venv),
+pinned to the versions last tested (docs/development.md, "Pinned versions")."""
 DRIVER = Path(__file__).with_name("skyrl_driver.py")
 
 

@@ -28,16 +28,16 @@ from tests.reference import forward_logprobs, processed_logprobs
 from tests.test_layers import RULES, VERL_PLUGIN, import_all
 
 VERL = "verl==0.9.1"
-VERL_DEPS = ["tensordict==0.10.0", "omegaconf", "hydra-core", "codetiming"]
+VERL_DEPS = ["tensordict==0.10.0", "omegaconf==2.3.1", "hydra-core==1.3.8", "codetiming==1.4.0"]
 """What verl's rollout, checkpoint-engine and worker-group modules import beyond this environment (found by importing
-them in a bare venv over it)."""
+them in a bare venv over it), pinned as constraints.txt pins this environment."""
 DRIVER = Path(__file__).with_name("verl_driver.py")
 
 
 @pytest.fixture(scope="session")
 def verl_python() -> str:
     """The Python of a venv over this one with verl installed."""
-    return cached_venv("verl-0.9.1", sys.executable, [["--no-deps", VERL], VERL_DEPS], system_site_packages=True)
+    return cached_venv("verl-0.9.1", sys.executable, [["--no-deps", VERL], VERL_DEPS], over_this_python=True)
 
 
 def test_verls_plugin_imports_nothing_above_the_producers_layer(verl_python: str) -> None:

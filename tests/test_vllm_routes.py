@@ -169,7 +169,8 @@ def test_every_refused_field_gets_openai_400_and_nothing_is_queued(
     refused("unsupported_parameter", "response_format", route="chat", response_format={"type": "json_object"})
     refused("unsupported_parameter", "best_of", best_of=2)
     refused("unsupported_parameter", "skip_special_tokens", skip_special_tokens=False)
-    assert "alternatives" in refused("unsupported_parameter", "logprobs", logprobs=2)
+    assert "0 to 20 alternatives" in refused("invalid_value", "logprobs", logprobs=21)
+    refused("invalid_value", "top_logprobs", route="chat", logprobs=True, top_logprobs=21)
     refused("unsupported_parameter", "min_tokens", min_tokens=3)
     assert "Unrecognized" in refused("unknown_parameter", "temprature", temprature=0.5)
     # Their defaults are accepted: these calls pass every check and meet no worker.
@@ -188,16 +189,16 @@ def test_every_refused_field_gets_openai_400_and_nothing_is_queued(
 
     prompt = {"token_ids": [1, 2, 3]}
     assert generate(prompt | {"sampling_params": {"top_k": 5}})["param"] == "sampling_params.top_k"
-    assert generate(prompt | {"sampling_params": {"logprobs": 1}})["param"] == "sampling_params.logprobs"
+    assert generate(prompt | {"sampling_params": {"logprobs": 21}})["param"] == "sampling_params.logprobs"
     assert generate(prompt | {"sampling_params": {"prompt_logprobs": 0}})["param"] == "sampling_params.prompt_logprobs"
     assert generate(prompt | {"sampling_params": {"temperature": -1}})["param"] == "sampling_params"
     assert generate(prompt | {"stream": True})["param"] == "stream"
     assert generate(prompt | {"priority": 3})["param"] == "priority"
     assert generate(prompt | {"features": {"mm_hashes": {}}})["param"] == "features"
     assert generate({"token_ids": [-1]})["param"] == "token_ids"
-    # SkyRL's defaults pass (text-only flags are inert without text): 503, no worker.
+    # SkyRL's defaults pass, `logprobs: 1` among them (text-only flags are inert without text): 503, no worker.
     skyrl = {"min_tokens": 1, "skip_special_tokens": True, "include_stop_str_in_output": True, "top_k": -1}
-    assert generate(prompt | {"sampling_params": skyrl | {"min_p": 0.0, "logprobs": 0}}, 503)["code"] == "no_worker"
+    assert generate(prompt | {"sampling_params": skyrl | {"min_p": 0.0, "logprobs": 1}}, 503)["code"] == "no_worker"
 
     # Control routes are off without --rl-control; vLLM routes not served say why.
     off = httpx.post(f"{url}/pause", params={"mode": "keep"}, timeout=10)

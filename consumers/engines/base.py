@@ -59,6 +59,11 @@ class Generation:
     routed_experts: np.ndarray | None = None
     """When the request asked (`Sampling.routed_experts`): the experts each position of prompt + tokens but the last
     was routed to, int16 `[positions, layers, top_k]` (`pipeline.wire.Rollout.routed_experts`)."""
+    top_token_ids: np.ndarray | None = None
+    """When the request asked (`Sampling.top_logprobs` = k): the k most likely tokens of each generated position, int32
+    `[len(tokens), k]`, most likely first (`pipeline.wire.Rollout.top_token_ids`); None with no tokens."""
+    top_logprobs: np.ndarray | None = None
+    """Their logprobs, float32 `[len(tokens), k]`, of the same distribution as `logprobs` (raw or processed)."""
 
 
 class Engine(Protocol):
@@ -280,10 +285,17 @@ def refuse_logprobs_mode(engine: str, mode: LogprobsMode, sampling: Sampling) ->
 
 
 def check_request(
-    prompt_tokens: np.ndarray, sampling: Sampling, max_model_len: int, vocab_size: int, *, no_routes: str | None
+    prompt_tokens: np.ndarray,
+    sampling: Sampling,
+    max_model_len: int,
+    vocab_size: int,
+    *,
+    no_routes: str | None,
+    no_alternatives: str | None = None,
 ) -> None:
     """The checks every engine makes before it accepts a request, with messages that say what to fix. `no_routes`:
-    why this engine cannot return routed experts (`Sampling.routed_experts`), None when it can."""
+    why this engine cannot return routed experts (`Sampling.routed_experts`), None when it can; `no_alternatives`:
+    why it cannot report each token's most likely alternatives (`Sampling.top_logprobs`), None when it can."""
     if prompt_tokens.ndim != 1 or (prompt_tokens.size and prompt_tokens.dtype.kind not in "iu"):
         raise EngineInputError(
             f"prompt must be a 1-D array of integer token ids, got {prompt_tokens.dtype}{prompt_tokens.shape}"
@@ -303,5 +315,9 @@ def check_request(
         problems.append(f"stop_token_ids {bad_stops} are outside the vocabulary [0, {vocab_size})")
     if sampling.routed_experts and no_routes is not None:
         problems.append(f"routed_experts were asked for, but {no_routes}")
+    if sampling.top_logprobs > 0 and no_alternatives is not None:
+        problems.append(f"top_logprobs={sampling.top_logprobs} alternatives were asked for, but {no_alternatives}")
+    elif sampling.top_logprobs > vocab_size:
+        problems.append(f"top_logprobs={sampling.top_logprobs} is more than the vocabulary's {vocab_size} tokens")
     if problems:
         raise EngineInputError("; ".join(problems))

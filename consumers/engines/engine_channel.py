@@ -4,7 +4,8 @@
 One Unix socket pair, msgpack messages back to back (msgpack needs no framing), no pickle:
 - a call is `[call_id, method, args]`, its answer `[call_id, True, value]` or `[call_id, False, [error, message]]`;
   `cancel` (args: the call to give up on) gets no answer, `shutdown` one once the engine is down;
-- token ids and logprobs go as raw little-endian int32 / float32 bytes, as on the wire contract;
+- token ids and logprobs go as raw little-endian int32 / float32 bytes, as on the wire contract (the alternatives of
+  each token, `top_token_ids` / `top_logprobs`, too, with their k);
 - tensors go as one safetensors blob (`pack_tensors`), what the redis transport stores too.
 
 Writes are gathered: everything sent in one turn of the event loop leaves in one `write` (a step that ends 64
@@ -107,6 +108,14 @@ def error_from_wire(data: list[str]) -> Exception:
 
 def generation_to_wire(generation: Generation) -> list[Any]:
     routes = generation.routed_experts
+    top_ids, top_logprobs = generation.top_token_ids, generation.top_logprobs
+    alternatives = None
+    if top_ids is not None and top_logprobs is not None:
+        alternatives = [
+            np.ascontiguousarray(top_ids, dtype="<i4").tobytes(),
+            np.ascontiguousarray(top_logprobs, dtype="<f4").tobytes(),
+            int(top_ids.shape[1]),
+        ]
     return [
         np.ascontiguousarray(generation.tokens, dtype="<i4").tobytes(),
         np.ascontiguousarray(generation.logprobs, dtype="<f4").tobytes(),
@@ -114,11 +123,16 @@ def generation_to_wire(generation: Generation) -> list[Any]:
         [list(span) for span in generation.spans],
         generation.cached_tokens,
         None if routes is None else [np.ascontiguousarray(routes, dtype="<i2").tobytes(), list(routes.shape)],
+        alternatives,
     ]
 
 
 def generation_from_wire(data: list[Any]) -> Generation:
-    tokens, logprobs, finish_reason, spans, cached, routes = data
+    tokens, logprobs, finish_reason, spans, cached, routes, alternatives = data
+    top_ids = top_logprobs = None
+    if alternatives is not None:
+        ids, lps, k = alternatives
+        top_ids, top_logprobs = np.frombuffer(ids, dtype="<i4").reshape(-1, k), np.frombuffer(lps, "<f4").reshape(-1, k)
     return Generation(
         tokens=np.frombuffer(tokens, dtype="<i4"),
         logprobs=np.frombuffer(logprobs, dtype="<f4"),
@@ -126,6 +140,8 @@ def generation_from_wire(data: list[Any]) -> Generation:
         spans=[(int(v), int(s), int(e)) for v, s, e in spans],
         cached_tokens=cached,
         routed_experts=None if routes is None else np.frombuffer(routes[0], dtype="<i2").reshape(routes[1]),
+        top_token_ids=top_ids,
+        top_logprobs=top_logprobs,
     )
 
 

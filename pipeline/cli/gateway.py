@@ -14,12 +14,15 @@ from pipeline.cli.app import (
     NsOpt,
     RedisOpt,
     app,
+    check_port,
+    check_tokenizer_dir,
     console,
     fail,
     open_streams,
     setup_logging,
     user_errors,
 )
+from pipeline.registry import default_name
 
 
 @app.command()
@@ -67,7 +70,6 @@ def gateway(
     of a session pinned to one worker, POST /v1/sessions/{id}/finish sends its trajectory to the trainer. vLLM's RL
     routes too: POST /inference/v1/generate (token ids in and out), /tokenize, /detokenize, /finish_session, GET
     /get_world_size, /is_paused, /weight_info; with --rl-control /pause, /resume and the weight-transfer routes."""
-    from consumers.worker import default_worker_name
     from pipeline.wire import PAUSE_MODES
     from producers.gateway.placement import PLACEMENTS
 
@@ -77,8 +79,8 @@ def gateway(
         fail(f"--weights-mode must be one of {', '.join(PAUSE_MODES)}, not {weights_mode!r}")
     if weights_transport.split("://")[0] not in ("redis", "fs", "nccl"):
         fail(f"--weights-transport must be redis://, fs:///DIR or nccl://HOST:PORT, not {weights_transport!r}")
-    if not (model / "config.json").is_file() and not (model / "tokenizer_config.json").is_file():
-        fail(f"no model at {model} (no config.json or tokenizer_config.json). Build one: rollouts tiny-model {model}")
+    check_port(port)
+    check_tokenizer_dir(model, purpose="rollouts gateway")
     setup_logging(log_level)
     streams = open_streams(redis_url, ns)
     import uvicorn
@@ -94,7 +96,7 @@ def gateway(
         renderer = ChatRenderer(AutoTokenizer.from_pretrained(str(model)))
         settings = GatewaySettings(
             served_model_name=served_model_name or model.resolve().name,
-            name=name or f"gateway-{default_worker_name()}",
+            name=name or f"gateway-{default_name()}",
             placement=placement,
             session_ttl_s=session_ttl_s,
             pause_timeout_s=pause_timeout_s,

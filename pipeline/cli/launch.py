@@ -31,10 +31,12 @@ from pipeline.cli.app import (
     console,
     fail,
     open_streams,
+    require,
     user_errors,
     worker_settings,
 )
 from pipeline.cli.engine_spec import (
+    NO_MODEL,
     DeviceOpt,
     DtypeOpt,
     EagerOpt,
@@ -121,13 +123,12 @@ def launch(
         fail(
             "--ray local lives only as long as this command: drop --no-wait, or start a cluster with `ray start --head`"
         )
+    require("ray", "torch", purpose="rollouts launch")  # torch: the launcher imports the worker
     spec = None if stop else _engine_spec(ctx, model, workers, gpus_per_worker, cpus_per_worker, ray_address)
-    try:
-        import ray
+    import ray
 
-        from consumers import ray_launcher
-    except ImportError as exc:
-        fail(f"Ray is not installed here ({exc}): pip install 'rollout-streams[ray]'")
+    from consumers import ray_launcher
+
     with user_errors(redis_url):
         streams = open_streams(redis_url, ns)
         try:
@@ -200,7 +201,7 @@ def _engine_spec(
     if model is None and ctx.params["engine"] != "synthetic":
         fail("--model DIR is required (the same path on every Ray node)")
     with user_errors():
-        spec = EngineSpec.from_flags(ctx.params, model.absolute() if model else Path("synthetic"))
+        spec = EngineSpec.from_flags(ctx.params, model.absolute() if model else NO_MODEL)
     if not ray_address.startswith("ray://"):  # a remote client's model lives on the cluster, not here
         check_engine(spec)
     if spec.kind == "vllm" and gpus > 1 and spec.tensor_parallel_size == 1:

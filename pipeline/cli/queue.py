@@ -10,6 +10,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 from rich.live import Live
+from rich.markup import escape
 
 from pipeline.cli.app import (
     DEFAULT_NS,
@@ -17,9 +18,12 @@ from pipeline.cli.app import (
     NsOpt,
     RedisOpt,
     app,
+    check_tokenizer_dir,
     console,
     fail,
     open_streams,
+    print_wide,
+    require,
     sync_report,
     user_errors,
 )
@@ -40,14 +44,26 @@ def submit(
 
     if not file.is_file():
         fail(f"no prompts file at {file}")
+    if model is not None:
+        check_tokenizer_dir(model, purpose="rollouts submit --model")
     with user_errors(redis_url):
         from producers.client import RolloutClient
 
         client = RolloutClient(redis_url, ns, tokenizer=model)
         prompts = read_prompts_file(file, client)
         client.submit_prompts(prompts)
+        scored = sum(1 for p in prompts if p.reward_fn)
+        unscored = scored > 0 and not client.streams.scorer_alive()
     samples = sum(p.n for p in prompts)
     console.print(f"queued {len(prompts)} prompts ({samples} samples) on {client.streams.keys.prompts}")
+    if unscored:
+        keys = client.streams.keys
+        console.print(
+            f"[bold yellow]warning:[/] {scored} of these prompts name a reward_fn and no scorer is alive on namespace "
+            f"{escape(keys.ns)}: their rollouts will wait on {escape(keys.scoring)} until `rollouts scorer --ns "
+            f"{escape(keys.ns)}` runs",
+            soft_wrap=True,  # one line, however long
+        )
 
 
 @app.command()
@@ -68,7 +84,7 @@ def top(
             if as_json:
                 print(json.dumps(snap, indent=2))
             else:
-                Console().print(render(snap))
+                print_wide(render(snap))
             return
         with Live(render(snapshot(streams)), console=Console(), refresh_per_second=4) as live:
             try:
@@ -116,6 +132,7 @@ def publish_weights(
         fail(f"no safetensors checkpoint in {source}")
     if adapter is not None and not (source / "adapter_config.json").is_file():
         fail(f"--adapter {adapter}: {source} has no adapter_config.json (a PEFT adapter directory has)")
+    require("torch", "safetensors", purpose="rollouts publish-weights")
     spec = "redis://" if transport in ("redis", "redis://") else transport
     with user_errors(redis_url):
         client = RolloutClient(redis_url, ns)

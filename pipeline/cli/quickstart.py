@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from pipeline.cli.app import app, console, user_errors
+from pipeline.cli.app import app, check_output_dir, console, fail, require, user_errors
 
 
 @app.command("tiny-model")
@@ -17,6 +17,8 @@ def tiny_model(
     seed: Annotated[int, typer.Option(help="Weight seed: different seeds give different policy weights.")] = 0,
 ) -> None:
     """Build the tiny local Qwen2 model and its byte-level BPE tokenizer (nothing is downloaded)."""
+    require("torch", "transformers", purpose="rollouts tiny-model")
+    check_output_dir(out, "OUT")
     from consumers.engines.tiny_model import build_tiny_model
 
     with user_errors():
@@ -33,12 +35,16 @@ def demo(
     train_steps: Annotated[
         int, typer.Option(min=0, help="Fully-async GRPO steps against the worker, publishing weights each (0: none).")
     ] = 100,
-    plot: Annotated[Path, typer.Option(help="Where to write the learning curve (PNG).")] = Path(
-        "rollouts-demo-curve.png"
-    ),
+    plot: Annotated[
+        Path | None, typer.Option(help="Write the learning curve to this PNG (default: none is written).")
+    ] = None,
 ) -> None:
     """Everything on an embedded default: private Redis, tiny model, a worker, prompts, a summary, then a
     short GRPO run with a live table of the reward rising as the weights change under the worker."""
+    for flag, count in (("--prompts", prompts), ("--n", n), ("--max-tokens", max_tokens)):
+        if count < 1:
+            fail(f"{flag} must be at least 1, not {count}")
+    require("torch", "transformers", purpose="rollouts demo")
     from pipeline.cli.demo import run_demo
 
     with user_errors():

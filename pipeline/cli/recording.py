@@ -16,6 +16,7 @@ from pipeline.cli.app import (
     NsOpt,
     RedisOpt,
     app,
+    check_output_dir,
     console,
     fail,
     open_streams,
@@ -49,8 +50,7 @@ def record(
     setup_logging(log_level)
     if not (roll_mb > 0 and roll_s > 0):
         fail(f"--roll-mb and --roll-s must be > 0, got {roll_mb} and {roll_s}")
-    if to.exists() and not to.is_dir():
-        fail(f"--to {to} is a file; give a directory")
+    check_output_dir(to, "--to")
     streams = open_streams(redis_url, ns)
     with user_errors(redis_url):
         settings = RecorderSettings(group=group, roll_bytes=max(1, int(roll_mb * 2**20)), roll_s=roll_s)

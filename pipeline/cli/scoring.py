@@ -17,9 +17,11 @@ from pipeline.cli.app import (
     console,
     fail,
     open_streams,
+    require,
     setup_logging,
     user_errors,
 )
+from pipeline.registry import default_name
 
 DEFAULT_QUEUE = "rewards"
 
@@ -45,8 +47,17 @@ def scorer(
     """
     from consumers.scoring.backend import make_backend
     from consumers.scoring.stage import ScoringStage, StageSettings
-    from consumers.worker import default_worker_name
 
+    if rq:
+        require("rq", purpose="rollouts scorer --rq")
+    for flag, value, least in (("--timeout-s", timeout_s, 0), ("--lease-s", lease_s, 0)):
+        if not value > least:
+            fail(f"{flag} must be > {least}, not {value:g}")
+    for flag, count in (("--attempts", attempts), ("--threads", threads)):
+        if count < 1:
+            fail(f"{flag} must be at least 1, not {count}")
+    if rq and not queue:
+        fail("--queue must name an RQ queue")
     setup_logging(log_level)
     streams = open_streams(redis_url, ns)
     with user_errors(redis_url):
@@ -58,7 +69,7 @@ def scorer(
             attempts=attempts,
             threads=threads,
         )
-        stage = ScoringStage(streams, backend, name or default_worker_name(), StageSettings(lease_s=lease_s))
+        stage = ScoringStage(streams, backend, name or default_name(), StageSettings(lease_s=lease_s))
         stop = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
@@ -79,17 +90,17 @@ def score_worker(
 
     The reward functions' modules must be importable here (PYTHONPATH or installed).
     """
+    require("rq", purpose="rollouts score-worker")
+    if not queue:
+        fail("--queue must name an RQ queue")
     from rq import Queue, Worker
     from rq.serializers import JSONSerializer
 
-    from consumers.worker import default_worker_name
     from pipeline.connections import connect
 
-    if not queue:
-        fail("--queue must name an RQ queue")
     with user_errors(redis_url):
         connection = connect(redis_url)
         jobs = Queue(queue, connection=connection, serializer=JSONSerializer)
-        worker = Worker([jobs], connection=connection, serializer=JSONSerializer, name=name or default_worker_name())
+        worker = Worker([jobs], connection=connection, serializer=JSONSerializer, name=name or default_name())
         console.print(f"score-worker {worker.name} on RQ queue {queue!r}")
         worker.work(burst=burst, logging_level=log_level.upper(), with_scheduler=False)

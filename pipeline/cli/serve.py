@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -29,8 +30,11 @@ from pipeline.cli.app import (
     ReleaseAfterOpt,
     app,
     check_engine,
+    check_port,
     console,
+    fail,
     open_streams,
+    require,
     serve_metrics,
     setup_logging,
     sync_report,
@@ -38,6 +42,7 @@ from pipeline.cli.app import (
     worker_settings,
 )
 from pipeline.cli.engine_spec import (
+    NO_MODEL,
     DeviceOpt,
     DtypeOpt,
     EagerOpt,
@@ -54,12 +59,19 @@ from pipeline.cli.engine_spec import (
     TpOpt,
     UrlOpt,
 )
+from pipeline.connections import redact
+from pipeline.registry import default_name
+
+log = logging.getLogger(__name__)
 
 
 @app.command()
 def worker(
     ctx: typer.Context,
-    model: Annotated[Path, typer.Option(help="Model directory (safetensors + tokenizer).")],
+    model: Annotated[
+        Path | None,
+        typer.Option(help="Model directory (safetensors + tokenizer); the synthetic engine needs none (see --engine)."),
+    ] = None,
     redis_url: RedisOpt = DEFAULT_REDIS,
     ns: NsOpt = DEFAULT_NS,
     engine: EngineOpt = "torch",
@@ -91,17 +103,20 @@ def worker(
 ) -> None:
     """Serve prompts from the namespace until interrupted (SIGINT/SIGTERM drain in-flight work)."""
     # The engine flags reach the engine through `ctx.params` (EngineSpec.from_flags).
-    from consumers.lifecycle import engine_factory
-    from consumers.metrics import WorkerMetrics
-    from consumers.worker import default_worker_name, run_worker
-    from pipeline.exporter import process_registry
-
     setup_logging(log_level)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", log_level.upper())
+    if metrics_port is not None:
+        check_port(metrics_port, "--metrics-port")
     with user_errors():
-        spec = EngineSpec.from_flags(ctx.params, model)
+        spec = EngineSpec.from_flags(ctx.params, NO_MODEL if model is None else model)
     check_engine(spec)
+    require("torch", purpose="rollouts worker")  # whatever the engine: the worker loads weights with it
     streams = open_streams(redis_url, ns)
+    from consumers.lifecycle import engine_factory  # torch: after the checks, so that a mistake is told at once
+    from consumers.metrics import WorkerMetrics
+    from consumers.worker import run_worker
+    from pipeline.exporter import process_registry
+
     settings = worker_settings(
         max_inflight,
         claim_idle_ms,
@@ -112,7 +127,7 @@ def worker(
         hand_off_partials,
         max_inflight_tokens,
     )
-    name = name or default_worker_name()
+    name = name or default_name()
     metrics = WorkerMetrics(ns, name, process_registry())
     if metrics_port is not None:  # before the engine loads: a port in use fails at once
         serve_metrics(metrics.registry, metrics_port, metrics_addr)
@@ -139,15 +154,24 @@ def manager(
     once: Annotated[bool, typer.Option(help="Check once and exit.")] = False,
     metrics_port: MetricsPortOpt = None,
     metrics_addr: MetricsAddrOpt = "0.0.0.0",
+    log_level: LogLevelOpt = "info",
 ) -> None:
     """Keep `{ns}:state` and finish weight syncs whose driver died (workers left paused), until interrupted.
 
+    It logs what it watches as it starts, then every sync (whoever drove it), eviction and abandoned sync it finishes.
     With `--metrics-port`, it also serves every sync's stall, the syncs and evictions (whoever drove them)."""
     from pipeline.exporter import process_registry
     from staleness.manager import Manager
     from staleness.metrics import SyncMetrics
     from staleness.state import adapter_names
 
+    for flag, seconds in (("--ack-timeout-s", ack_timeout_s), ("--interval", interval)):
+        if not seconds > 0:
+            fail(f"{flag} must be > 0 seconds, not {seconds:g}")
+    if abandoned_after_s is not None and abandoned_after_s < 0:
+        fail(f"--abandoned-after-s must be >= 0 seconds, not {abandoned_after_s:g}")
+    if metrics_port is not None:
+        check_port(metrics_port, "--metrics-port")
     streams = open_streams(redis_url, ns)
     keeper = Manager(streams, ack_timeout_s=ack_timeout_s)
     keepers: dict[str | None, Manager] = {None: keeper}
@@ -155,6 +179,14 @@ def manager(
         syncs = SyncMetrics(streams, process_registry())
     if metrics_port is not None:
         serve_metrics(syncs.registry, metrics_port, metrics_addr)
+    setup_logging(log_level)
+    abandoned = ack_timeout_s + 5.0 if abandoned_after_s is None else abandoned_after_s
+    log.info(
+        "manager of namespace %s at %s: a sync's ack deadline is %g s, one whose weights command is older than %g s "
+        "is finished as abandoned; checking every %g s%s",
+        ns, redact(redis_url), ack_timeout_s, abandoned, interval,
+        f"; metrics on {metrics_addr}:{metrics_port}" if metrics_port is not None else "",
+    )  # fmt: skip
     with user_errors(redis_url):
         streams.ensure_groups()
         while True:
@@ -162,6 +194,7 @@ def manager(
                 for adapter in [None, *adapter_names(streams.redis, streams.keys)]:  # each adapter syncs alone
                     if adapter not in keepers:
                         keepers[adapter] = Manager(streams, ack_timeout_s=ack_timeout_s, adapter=adapter)
+                        log.info("watching the syncs of adapter %s too", adapter)
                     report = keepers[adapter].finish_abandoned(abandoned_after_s)
                     if report is not None:
                         syncs.abandoned()

@@ -3,10 +3,16 @@
 Extensions beyond OpenAI's fields, all optional to read: each choice's `spans` (the policy versions of its
 tokens, `[[version, start, end], ...]`) and, with `return_token_ids` (vLLM's extension), `token_ids`; the
 answer's `prompt_token_ids`, `session_id` and `policy_version` (the version of the reply's first token).
+
+Alternatives (the k most likely tokens of each position, `Rollout.top_token_ids` / `top_logprobs`) come in OpenAI's
+shapes: chat's `top_logprobs` are the k most likely, most likely first; completions' `top_logprobs` map the sampled
+token and the k most likely to their logprobs (up to k + 1, as OpenAI's legacy completions and vLLM's). A logprob
+of -inf (a token top-p dropped, in processed logprobs) is -9999.0, as vLLM's server writes it (JSON has no -inf).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +51,8 @@ def apply_stops(rollout: Rollout, stops: list[str], renderer: ChatRenderer) -> R
                         "logprobs": rollout.logprobs[:k],
                         "spans": clip_spans(rollout.spans, k),
                         "finish_reason": "stop",
+                        "top_token_ids": None if rollout.top_token_ids is None else rollout.top_token_ids[:k],
+                        "top_logprobs": None if rollout.top_logprobs is None else rollout.top_logprobs[:k],
                     }
                 )
                 return Reply(cut, text[:at], None, matched)
@@ -85,6 +93,8 @@ class Call:
     session_id: str | None
     ids_as_tokens: bool = False
     """vLLM's `return_tokens_as_token_ids`: each logprob's token is `token_id:{id}`."""
+    top_logprobs: int = 0
+    """The alternatives of each token asked for (chat's `top_logprobs`, completions' `logprobs: k`)."""
 
 
 def answer(call: Call, replies: list[list[Reply]], renderer: ChatRenderer, chat: bool) -> dict[str, Any]:
@@ -97,12 +107,18 @@ def answer(call: Call, replies: list[list[Reply]], renderer: ChatRenderer, chat:
             choice: dict[str, Any] = {"index": index, "finish_reason": reply.rollout.finish_reason}
             if chat:
                 choice["message"] = {"role": "assistant", "content": reply.text}
-                logprobs = token_logprobs(reply.rollout, renderer, call.ids_as_tokens) if call.logprobs else None
+                logprobs = (
+                    token_logprobs(reply.rollout, renderer, call.ids_as_tokens, call.top_logprobs)
+                    if call.logprobs
+                    else None
+                )
                 choice["logprobs"] = {"content": logprobs} if logprobs is not None else None
             else:
                 choice["text"] = reply.text
                 choice["logprobs"] = (
-                    _legacy_logprobs(reply.rollout, renderer, call.ids_as_tokens) if call.logprobs else None
+                    _legacy_logprobs(reply.rollout, renderer, call.ids_as_tokens, call.top_logprobs)
+                    if call.logprobs
+                    else None
                 )
             choice["spans"] = [list(s) for s in reply.rollout.spans]
             if call.token_ids:
@@ -131,20 +147,64 @@ def token_string(token: int, renderer: ChatRenderer, as_id: bool) -> str:
     return f"token_id:{token}" if as_id else renderer.token_text(token)
 
 
-def token_logprobs(rollout: Rollout, renderer: ChatRenderer, as_id: bool) -> list[dict[str, Any]]:
+def clamp_logprob(logprob: float) -> float:
+    """OpenAI's floor of a logprob in JSON: -inf (and NaN) become -9999.0, as vLLM's server writes them."""
+    return -9999.0 if math.isnan(logprob) else max(float(logprob), -9999.0)
+
+
+def alternatives(rollout: Rollout, position: int) -> list[tuple[int, float]]:
+    """The k most likely tokens at `position` and their logprobs, most likely first; none if the rollout has none."""
+    if rollout.top_token_ids is None or rollout.top_logprobs is None:
+        return []
+    ids, logprobs = rollout.top_token_ids[position], rollout.top_logprobs[position]
+    return [(int(t), float(lp)) for t, lp in zip(ids, logprobs, strict=True)]
+
+
+def engine_order(rollout: Rollout, position: int) -> list[tuple[int, float, int | None]]:
+    """vLLM's order of a position's logprobs, `(token, logprob, rank)`: the sampled token first (its rank when it is
+    among the alternatives, else None: not known past k), then the alternatives by rank without it."""
+    token, logprob = int(rollout.tokens[position]), float(rollout.logprobs[position])
+    top = alternatives(rollout, position)
+    rank = next((r for r, (t, _) in enumerate(top, 1) if t == token), None)
+    return [(token, logprob, rank), *((t, lp, r) for r, (t, lp) in enumerate(top, 1) if t != token)]
+
+
+def token_logprobs(
+    rollout: Rollout, renderer: ChatRenderer, as_id: bool, top: int = 0, engine: bool = False
+) -> list[dict[str, Any]]:
+    """Chat's `logprobs.content`: each token's logprob and its `top` most likely alternatives (OpenAI's). `engine`:
+    vLLM's generate route's order instead, the sampled token first, then the others (`max(top, 1)` of them)."""
+
+    def entry(token: int, logprob: float) -> dict[str, Any]:
+        text = token_string(token, renderer, as_id)
+        return {"token": text, "logprob": clamp_logprob(logprob), "bytes": list(text.encode())}
+
     out = []
-    for token, logprob in zip(rollout.tokens, rollout.logprobs, strict=True):
-        text = token_string(int(token), renderer, as_id)
-        out.append({"token": text, "logprob": float(logprob), "bytes": list(text.encode()), "top_logprobs": []})
+    for i, (token, logprob) in enumerate(zip(rollout.tokens, rollout.logprobs, strict=True)):
+        if not top:
+            shown: list[tuple[int, float]] = []
+        elif engine:
+            shown = [(t, lp) for t, lp, _ in engine_order(rollout, i)[: max(top, 1)]]
+        else:
+            shown = alternatives(rollout, i)[:top]
+        out.append({**entry(int(token), float(logprob)), "top_logprobs": [entry(t, lp) for t, lp in shown]})
     return out
 
 
-def _legacy_logprobs(rollout: Rollout, renderer: ChatRenderer, as_id: bool) -> dict[str, Any]:
+def _legacy_logprobs(rollout: Rollout, renderer: ChatRenderer, as_id: bool, top: int = 0) -> dict[str, Any]:
+    """Completions' logprobs; with `top` (k), each position's `top_logprobs` maps the sampled token and the k most
+    likely to their logprobs (up to k + 1 entries, as OpenAI's and vLLM's)."""
     texts = [token_string(int(t), renderer, as_id) for t in rollout.tokens]
     offsets = np.cumsum([0, *(len(t) for t in texts)])[:-1]
+    tops = None
+    if top:
+        tops = [
+            {token_string(t, renderer, as_id): clamp_logprob(lp) for t, lp, _ in engine_order(rollout, i)[: top + 1]}
+            for i in range(len(texts))
+        ]
     return {
         "tokens": texts,
-        "token_logprobs": [float(x) for x in rollout.logprobs],
-        "top_logprobs": None,
+        "token_logprobs": [clamp_logprob(x) for x in rollout.logprobs],
+        "top_logprobs": tops,
         "text_offset": [int(o) for o in offsets],
     }

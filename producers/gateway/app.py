@@ -1,10 +1,10 @@
 """The HTTP face of the gateway: OpenAI's routes on FastAPI (what vLLM's own server runs on).
 
 Routes: `GET /v1/models`, `POST /v1/chat/completions`, `POST /v1/completions` (header `X-Session-ID`
-makes a call a turn of a session), `POST /v1/sessions/{id}/finish`, `GET /health`, `GET /metrics`
-(Prometheus), and vLLM's RL routes (`producers.gateway.rl_routes`). Every error is a JSON body in OpenAI's
-shape with a 4xx/5xx status, never a traceback; `stream: true` is answered as server-sent events (the whole reply
-in one chunk: rollouts arrive whole).
+makes a call a turn of a session), `POST /v1/sessions/{id}/finish`, `GET /health` (200 while a worker serves the
+namespace, else 503 `no_worker`), `GET /metrics` (Prometheus), and vLLM's RL routes (`producers.gateway.rl_routes`).
+Every error is a JSON body in OpenAI's shape with a 4xx/5xx status, never a traceback; `stream: true` is answered as
+server-sent events (the whole reply in one chunk: rollouts arrive whole).
 """
 
 from __future__ import annotations
@@ -79,8 +79,12 @@ def create_app(gateway: Gateway) -> FastAPI:
         return response
 
     @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
+    async def health() -> dict[str, Any]:
+        """200 only while a worker serves the namespace (as vLLM's `/health` answers only once its engine is up), so
+        a client that waits for it can then call; until then, and once every worker's heartbeat expired, the 503
+        `no_worker` that a call would get."""
+        workers = gateway.serving(await gateway.live_workers())
+        return {"status": "ok", "workers": len(workers)}
 
     @app.get("/metrics")
     async def metrics() -> Response:

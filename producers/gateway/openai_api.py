@@ -94,7 +94,8 @@ class ChatRequest(Sampled):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=0)
+    top_logprobs: int | None = None
+    """With `logprobs`: the 0 to 20 most likely tokens of each position, most likely first (OpenAI's)."""
     tools: list[dict[str, Any]] | None = None
 
     def completion_limit(self) -> int | None:
@@ -107,7 +108,8 @@ class CompletionRequest(Sampled):
     choices come prompt by prompt, `n` each (choice `i * n + k` is sample `k` of prompt `i`), as vLLM orders them."""
     max_tokens: int | None = Field(default=16, ge=1)
     logprobs: bool | int | None = None
-    """`true` or `0`: the sampled token's logprob (`token_logprobs`); 1 or more asks for alternatives: refused."""
+    """`true` or `0`: the sampled token's logprob (`token_logprobs`); k (1 to 20): also the k most likely tokens of
+    each position (`top_logprobs`, with the sampled token's besides, as OpenAI's legacy completions)."""
     echo: Literal[False] = False
 
     def prompts(self) -> list[str | list[int]]:

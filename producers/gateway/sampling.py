@@ -1,11 +1,12 @@
 """Every sampling field a caller may send the gateway, and what becomes of it: nothing is dropped silently.
 
 A field is either **honoured** (carried on the wire's `Sampling` to the workers, or applied by the gateway: `n`,
-`max_tokens`, `temperature`, `top_p`, `seed`, `stop_token_ids`, `stop`, `logprobs` of the sampled token, and
-`min_tokens` up to 1), **inert** (it changes nothing in the answer: `user`, `metadata`, the prefix-cache salt, ...),
-or **default only**: the wire and the engines have no such knob, so its default ("off") is accepted and any other
-value is refused with OpenAI's 400 shape, naming the field and saying why. A field in none of these lists is
-refused as OpenAI refuses it ("Unrecognized request argument supplied").
+`max_tokens`, `temperature`, `top_p`, `seed`, `stop_token_ids`, `stop`, `logprobs` of the sampled token and up to
+`MAX_TOP_LOGPROBS` alternatives of each token (`top_logprobs`, completions' `logprobs: k`), and `min_tokens` up to
+1), **inert** (it changes nothing in the answer: `user`, `metadata`, the prefix-cache salt, ...), or **default
+only**: the wire and the engines have no such knob, so its default ("off") is accepted and any other value is
+refused with OpenAI's 400 shape, naming the field and saying why. A field in none of these lists is refused as
+OpenAI refuses it ("Unrecognized request argument supplied").
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.wire import LogprobsMode
+from pipeline.wire import MAX_TOP_LOGPROBS, LogprobsMode
 from producers.gateway.openai_api import OpenAIError, Sampled
 
 NO_KNOB = "the wire's sampling carries temperature, top_p, seed and stop tokens only, and no engine has this knob"
@@ -54,7 +55,6 @@ DEFAULT_ONLY: dict[str, DefaultOnly] = {
     "guided_grammar": DefaultOnly((None,), "no engine constrains decoding (structured outputs, guided decoding)"),
     "response_format": DefaultOnly((None, {"type": "text"}), "no engine constrains decoding (JSON mode, schemas)"),
     # Logprobs beyond the sampled token's.
-    "top_logprobs": DefaultOnly((None, 0), "the engines report the sampled token's logprob, no alternatives"),
     "prompt_logprobs": DefaultOnly((None,), "the engines report no logprobs of the prompt"),
     "prompt_logprob_token_ids": DefaultOnly((None,), "the engines report no logprobs of the prompt"),
     "prompt_logprob_start": DefaultOnly((None,), "the engines report no logprobs of the prompt"),
@@ -157,6 +157,9 @@ class Ask:
     """0 or 1. A sample whose first token is a stop token is drawn again (another seed): exactly sampling with stop
     tokens masked at the first step, as vLLM's `min_tokens=1` does. More than 1 is refused: redrawing whole samples
     is not the same distribution as masking step by step."""
+    top_logprobs: int = 0
+    """The alternatives of each token the workers report (`pipeline.wire.Sampling.top_logprobs`), 0 to
+    `MAX_TOP_LOGPROBS`."""
 
 
 MAX_REDRAWS = 8
@@ -177,24 +180,45 @@ def check_min_tokens(value: int | None, param: str) -> int:
     )
 
 
-def check_logprobs(value: int | bool | None, param: str) -> bool:
-    """Whether the sampled tokens' logprobs are asked for: `true`, `0` (vLLM's "the sampled token only") yes; `null`,
-    `false` no; an integer of 1 or more asks for alternatives the engines do not report: refused."""
+def check_logprobs(value: int | bool | None, param: str) -> int | None:
+    """What a completions' (or vLLM's `sampling_params`) `logprobs` asks for: None (`null`, `false`) no logprobs; 0
+    (`true`, `0`: vLLM's "the sampled token only") the sampled tokens'; k (1 to `MAX_TOP_LOGPROBS`) those and the k
+    most likely alternatives of each token. More, or a negative number, is refused."""
     if value is None or value is False:
-        return False
-    if value is True or value == 0:
-        return True
-    raise OpenAIError(
-        400,
-        f"{param}={value} asks for the {value} most likely alternatives of each token, which the engines do not "
-        "report; send 0 or true for the sampled token's logprob (what SkyRL and TRL read)",
-        code="unsupported_parameter",
-        param=param,
-    )
+        return None
+    if value is True:
+        return 0
+    return check_top_logprobs(value, param)
 
 
-def ask_of(request: Sampled, max_tokens: int | None) -> Ask:
-    """A chat or completions request's `Ask`, after checking its other fields (`check_fields`)."""
+def check_top_logprobs(value: int | None, param: str) -> int:
+    """The alternatives asked per token, 0 to `MAX_TOP_LOGPROBS` (OpenAI's limit, and vLLM's default `max_logprobs`);
+    any other number is a 400 in OpenAI's shape."""
+    if value is None:
+        return 0
+    if not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise OpenAIError(
+            400,
+            f"{param}={value} is out of range: ask for 0 to {MAX_TOP_LOGPROBS} alternatives of each token",
+            code="invalid_value",
+            param=param,
+        )
+    return value
+
+
+def check_chat_logprobs(logprobs: bool, top_logprobs: int | None) -> int:
+    """A chat request's alternatives per token (0: none): a 400 past the limit, or asked without `logprobs`."""
+    top = check_top_logprobs(top_logprobs, "top_logprobs")
+    if top and not logprobs:
+        raise OpenAIError(
+            400, "top_logprobs needs logprobs=true (as OpenAI's and vLLM's servers ask)", param="top_logprobs"
+        )
+    return top
+
+
+def ask_of(request: Sampled, max_tokens: int | None, top_logprobs: int = 0) -> Ask:
+    """A chat or completions request's `Ask`, after checking its other fields (`check_fields`). `top_logprobs`: the
+    alternatives of each token asked for (checked: `check_top_logprobs`)."""
     check_fields(dict(request.model_extra or {}))
     return Ask(
         n=request.n,
@@ -205,6 +229,7 @@ def ask_of(request: Sampled, max_tokens: int | None) -> Ask:
         stop_token_ids=check_token_ids(request.stop_token_ids, "stop_token_ids"),
         stops=request.stops(),
         min_tokens=check_min_tokens(request.min_tokens, "min_tokens"),
+        top_logprobs=top_logprobs,
     )
 
 

@@ -36,7 +36,7 @@ from producers.gateway.openai_api import ChatRequest, CompletionRequest, FinishR
 from producers.gateway.placement import Placement, candidates, place
 from producers.gateway.replies import Replies
 from producers.gateway.rl_control import WeightUpdates, read_hold
-from producers.gateway.sampling import MAX_REDRAWS, Ask, ask_of, check_logprobs
+from producers.gateway.sampling import MAX_REDRAWS, Ask, ask_of, check_chat_logprobs, check_logprobs
 from producers.gateway.sessions import Session, SessionStore, Trajectory
 from producers.gateway.vllm_api import GenerateRequest, TokenizeRequest, generate_answer
 from staleness.state import adapter_names, read_state
@@ -112,7 +112,7 @@ class Gateway:
 
     async def chat(self, request: ChatRequest, session_id: str | None) -> dict[str, Any]:
         adapter = await self._adapter_of(request.model)
-        ask = ask_of(request, request.completion_limit())
+        ask = ask_of(request, request.completion_limit(), check_chat_logprobs(request.logprobs, request.top_logprobs))
         _check_session(session_id, ask.n)
         messages = [m.for_template() for m in request.messages]
         if messages[-1]["role"] == "assistant":
@@ -134,12 +134,13 @@ class Gateway:
             raise
         asked = Call(call, request.model, [prompt], request.logprobs, request.return_token_ids, session_id)
         asked.ids_as_tokens = request.return_tokens_as_token_ids
+        asked.top_logprobs = ask.top_logprobs
         return answer(asked, [replies], self.renderer, chat=True)
 
     async def complete(self, request: CompletionRequest, session_id: str | None) -> dict[str, Any]:
         adapter = await self._adapter_of(request.model)
-        ask = ask_of(request, request.max_tokens)
         logprobs = check_logprobs(request.logprobs, "logprobs")
+        ask = ask_of(request, request.max_tokens, logprobs or 0)
         _check_session(session_id, ask.n)
         batch = request.prompts()
         if session_id is not None and len(batch) > 1:
@@ -159,8 +160,9 @@ class Gateway:
             if session is not None:
                 await asyncio.to_thread(self.sessions.release, session.id, call)
             raise
-        asked = Call(call, request.model, prompts, logprobs, request.return_token_ids, session_id)
+        asked = Call(call, request.model, prompts, logprobs is not None, request.return_token_ids, session_id)
         asked.ids_as_tokens = request.return_tokens_as_token_ids
+        asked.top_logprobs = ask.top_logprobs
         return answer(asked, replies, self.renderer, chat=False)
 
     async def generate_tokens(self, request: GenerateRequest, session_id: str | None) -> dict[str, Any]:
@@ -200,6 +202,14 @@ class Gateway:
 
     async def live_workers(self) -> dict[str, dict[str, str]]:
         return await asyncio.to_thread(self.streams.registry.live_workers)
+
+    def serving(self, live: dict[str, dict[str, str]]) -> dict[str, int]:
+        """The workers of `live` that take calls (placement's `candidates`, with their samples in flight); the 503
+        `no_worker` when none does: what a call meets then, and what `GET /health` answers until a worker serves."""
+        workers = candidates(live)
+        if not workers:
+            raise no_worker(self.streams.keys.ns)
+        return workers
 
     async def is_paused(self) -> bool:
         return await asyncio.to_thread(self._paused, None) is not None
@@ -308,9 +318,7 @@ class Gateway:
         limits = [self.settings.max_model_len] if self.settings.max_model_len else []
         limits += [int(w["max_model_len"]) for w in workers.values() if w.get("max_model_len", "").isdigit()]
         if not limits:
-            raise OpenAIError(
-                503, "no worker is serving this namespace (start `rollouts worker`)", "service_unavailable", "no_worker"
-            )
+            raise no_worker(self.streams.keys.ns)
         return min(limits)
 
     # -- one turn through the queue ---------------------------------------------------------------------
@@ -375,6 +383,7 @@ class Gateway:
             stop_token_ids=ask.stop_token_ids,
             seed=ask.seed,
             logprobs_mode=ask.logprobs_mode,
+            top_logprobs=ask.top_logprobs,
         )
         return Prompt(
             id=f"turn-{uuid.uuid4().hex}",
@@ -469,11 +478,7 @@ class Gateway:
 
     async def _queue(self, item: Prompt, session: Session | None, live: dict[str, dict[str, str]]) -> str | None:
         """A session's turn to its worker's inbox; a call without one to the shared prompts (any worker)."""
-        workers = candidates(live)
-        if not workers:
-            raise OpenAIError(
-                503, "no worker is serving this namespace (start `rollouts worker`)", "service_unavailable", "no_worker"
-            )
+        workers = self.serving(live)
         if session is None:
             await asyncio.to_thread(self.streams.add_prompts, [item])
             return None
@@ -497,6 +502,13 @@ class Gateway:
             await asyncio.to_thread(self.sessions.place, session.id, served)
             session.worker = served
         await asyncio.to_thread(self.sessions.commit, session, call)
+
+
+def no_worker(ns: str) -> OpenAIError:
+    """The 503 `no_worker`: no worker serves the namespace (none has started, or every heartbeat expired)."""
+    return OpenAIError(
+        503, f"no worker serves namespace {ns} (start `rollouts worker --ns {ns}`)", "service_unavailable", "no_worker"
+    )
 
 
 def _check_session(session_id: str | None, n: int) -> None:

@@ -1,9 +1,11 @@
 """The request and answer shapes of vLLM's RL routes (checked against vLLM 0.32's server and SkyRL 0.4.0's client).
 
 `POST /inference/v1/generate` (vLLM's token-in/token-out route): `token_ids` and `sampling_params` (vLLM's
-`SamplingParams` as JSON) in; `choices[].token_ids`, `choices[].logprobs.content[].logprob` (the sampled token's;
-`rank` null: the engines do not rank), `finish_reason`, `stop_reason` and `weight_versions` (vLLM's per-token version
-spans, `[{version, start, end}]`, from our `spans`) out. Every sampling field is honoured or refused
+`SamplingParams` as JSON) in; `choices[].token_ids`, `choices[].logprobs.content[].logprob` (the sampled token's) and,
+with `logprobs: k` (1 to 20), `top_logprobs` in vLLM's order (the sampled token first, then the k most likely without
+it, `max(k, 1)` entries, each with its `rank`; the sampled token's rank is null when it is not among the k),
+`finish_reason`, `stop_reason` and `weight_versions` (vLLM's per-token version spans, `[{version, start, end}]`, from
+our `spans`) out. Every sampling field is honoured or refused
 (`producers.gateway.sampling`). `output_mode="text"` adds `text` and text logprobs; `stream` is refused (rollouts
 arrive whole).
 """
@@ -17,7 +19,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from pipeline.wire import INT64_MAX, MAX_SAMPLES
-from producers.gateway.answers import Reply, token_logprobs, usage
+from producers.gateway.answers import Reply, clamp_logprob, engine_order, token_logprobs, usage
 from producers.gateway.chat import ChatRenderer
 from producers.gateway.openai_api import OpenAIError
 from producers.gateway.sampling import Ask, check_fields, check_logprobs, check_min_tokens, check_token_ids
@@ -62,7 +64,8 @@ class GenerateRequest(BaseModel):
     """Accepted, not passed on: workers never serve one policy version's prefix cache to another."""
 
     def ask(self) -> tuple[Ask, bool]:
-        """The call's `Ask` and whether logprobs are asked for, after checking every other field."""
+        """The call's `Ask` (with the alternatives asked per token, `logprobs: k`) and whether logprobs are asked for,
+        after checking every other field."""
         extra = {k: v for k, v in (self.model_extra or {}).items() if k not in ("features", "content_parts")}
         for multimodal in ("features", "content_parts"):
             if (self.model_extra or {}).get(multimodal) is not None:
@@ -80,6 +83,7 @@ class GenerateRequest(BaseModel):
             for name in NO_TEXT:
                 others.pop(name, None)
         check_fields(others, "sampling_params.")
+        logprobs = check_logprobs(sp.logprobs, "sampling_params.logprobs")
         stops = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop or [])
         if any(not s for s in stops):
             raise OpenAIError(400, "stop strings must not be empty", param="sampling_params.stop")
@@ -93,8 +97,9 @@ class GenerateRequest(BaseModel):
             stops=stops,
             min_tokens=check_min_tokens(sp.min_tokens, "sampling_params.min_tokens"),
             logprobs_mode="processed" if sp.logprobs_mode == "processed_logprobs" else "raw",
+            top_logprobs=logprobs or 0,
         )
-        return ask, check_logprobs(sp.logprobs, "sampling_params.logprobs")
+        return ask, logprobs is not None
 
 
 def generate_answer(
@@ -123,13 +128,10 @@ def generate_answer(
         }
         if request.output_mode == "text":
             choice["text"] = reply.text
-            choice["logprobs"] = {"content": token_logprobs(rollout, renderer, False)} if logprobs else None
-        else:
-            content: list[dict[str, Any]] = [
-                {"token_id": int(t), "logprob": float(lp), "rank": None, "top_logprobs": []}
-                for t, lp in zip(rollout.tokens, rollout.logprobs, strict=True)
-            ]
+            content = token_logprobs(rollout, renderer, False, ask.top_logprobs, engine=True)
             choice["logprobs"] = {"content": content} if logprobs else None
+        else:
+            choice["logprobs"] = {"content": _token_id_logprobs(reply, ask.top_logprobs)} if logprobs else None
         choices.append(choice)
     return {
         "request_id": f"generate-tokens-{request.request_id or ''}".rstrip("-") or "generate-tokens",
@@ -144,6 +146,23 @@ def generate_answer(
         "kv_transfer_params": None,
         "policy_version": replies[0].rollout.version if replies else None,
     }
+
+
+def _token_id_logprobs(reply: Reply, top: int) -> list[dict[str, Any]]:
+    """vLLM's `GenerateLogProbs.content` of a sample: each token's id and logprob and, with `top` (k), vLLM's
+    `top_logprobs` (the engine's order: the sampled token, then the k most likely without it; `max(k, 1)` of them)."""
+    rollout, content = reply.rollout, []
+    for i, (token, logprob) in enumerate(zip(rollout.tokens, rollout.logprobs, strict=True)):
+        entry: dict[str, Any] = {"token_id": int(token), "logprob": clamp_logprob(logprob), "rank": None}
+        entry["top_logprobs"] = []
+        if top:
+            order = engine_order(rollout, i)
+            entry["rank"] = order[0][2]
+            entry["top_logprobs"] = [
+                {"token_id": t, "logprob": clamp_logprob(lp), "rank": r} for t, lp, r in order[: max(top, 1)]
+            ]
+        content.append(entry)
+    return content
 
 
 def _stop_reason(reply: Reply, ask: Ask) -> int | str | None:
