@@ -43,7 +43,6 @@ import numpy as np
 import redis
 import typer
 
-from consumers.engines import ENGINES
 from pipeline.cli.app import check_engine, console, fail, user_errors
 from pipeline.cli.engine_spec import (
     DeviceOpt,
@@ -567,10 +566,7 @@ def bench_gateway(
     placement, and the gateway's overhead against the engine called directly; JSON out."""
     with user_errors():
         spec = EngineSpec.from_flags(ctx.params, model or Path("tiny-model"))
-    if model is not None:
-        check_engine(spec)
-    elif spec.kind not in ENGINES:  # the model is built later: check the engine's name now
-        fail(f"unknown engine {spec.kind!r}; choose one of {', '.join(ENGINES)}")
+    check_engine(spec, has_model=model is not None)  # without --model, the model is built later
     try:
         import openai  # the sessions speak through the official client, as agent code does
     except ImportError:

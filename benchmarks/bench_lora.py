@@ -47,7 +47,7 @@ from rich.console import Console
 from rich.progress import Progress
 
 from benchmarks.cpu import CpuRoles
-from pipeline.cli.app import console, fail, user_errors
+from pipeline.cli.app import check_engine, console, fail, user_errors
 from pipeline.cli.engine_spec import DeviceOpt, DtypeOpt, EagerOpt, EngineArgsOpt, EngineSpec, KvCacheOpt
 from pipeline.local import RedisServer
 from pipeline.processes import start_worker, stop_process, wait_for_worker
@@ -483,6 +483,7 @@ def bench_lora(
         fail(f"--engine must be torch or vllm, not {engine!r}")
     with user_errors():
         spec = EngineSpec.from_flags(ctx.params, Path("."))  # the model is the run's (Settings.model)
+    check_engine(spec, has_model=False)
     settings = Settings(model, rounds, cast(PauseMode, mode), max_batch, sync_gap_s, spec)  # _check_options checks it
     vocab, longest = _check_options(settings, b_prompts, a_prompts, n, tokens)
     if tokens + PROMPT_TOKENS > longest:

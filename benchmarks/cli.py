@@ -14,7 +14,7 @@ from typing import Annotated, Any, NoReturn
 import typer
 
 from benchmarks import bench_broker, bench_gateway, bench_lora, chaos, chaos_trainer, scale, scale_fleet, soak
-from pipeline.cli.app import check_engine, console, exit_code, fail, user_errors
+from pipeline.cli.app import ENGINE_NEEDS, check_engine, console, exit_code, fail, require, user_errors
 from pipeline.cli.engine_spec import (
     DeviceOpt,
     DtypeOpt,
@@ -82,8 +82,7 @@ def bench(
 
     with user_errors():
         spec = EngineSpec.from_flags(ctx.params, model or Path("tiny-model"))
-        if model is not None:
-            check_engine(spec)
+        check_engine(spec, has_model=model is not None)
         result = run_bench(
             console,
             spec,
@@ -139,7 +138,9 @@ def bench_sync(
         fail(f"unknown transports {unknown}; choose from {', '.join(TRANSPORTS)}")
     if not is_pause_mode(mode):
         fail(f"--mode must be abort, keep or inflight, not {mode!r}")
-    spec = EngineSpec.from_flags(ctx.params, Path("per-size"))
+    with user_errors():
+        spec = EngineSpec.from_flags(ctx.params, Path("per-size"))
+    check_engine(spec, has_model=False)
     if tensor_parallel_size > 1 and engine != "vllm":
         fail(f"--tensor-parallel-size {tensor_parallel_size} needs --engine vllm")
     if tensor_parallel_size > 1 and len(worker_gpus(device)) != tensor_parallel_size:
@@ -209,6 +210,9 @@ def bench_rl(
     """Wall time to a target reward of the current policy: sync, one-step-off and async side by side; JSON out."""
     from benchmarks.bench_rl import Mode, Settings, load_trainer, plot_bench_rl, run_bench_rl, trainer_errors
 
+    if engine not in ("torch", "vllm"):
+        fail(f"--engine must be torch or vllm, not {engine!r}")
+    require(*ENGINE_NEEDS[engine], purpose=f"the {engine} engine")
     with user_errors():
         chosen = tuple(Mode.parse(m) for m in modes.split(",") if m)
         seed_list = tuple(int(s) for s in seeds.split(",") if s)

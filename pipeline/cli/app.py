@@ -236,9 +236,10 @@ def _engine_keywords(kind: str) -> set[str] | None:
     return {p.name for p in parameters if p.kind is p.KEYWORD_ONLY or p.kind is p.POSITIONAL_OR_KEYWORD} - own
 
 
-def check_engine(spec: EngineSpec) -> None:
+def check_engine(spec: EngineSpec, *, has_model: bool = True) -> None:
     """Refuse an unknown engine or dtype, an engine whose dependency is not installed, or a missing model, before
-    anything heavy is imported."""
+    anything heavy is imported. `has_model=False`: the command builds its model itself (the lab's benchmarks), so
+    `spec.model` is not checked."""
     from consumers.engines import ENGINES
 
     if spec.kind not in ENGINES:
@@ -257,7 +258,7 @@ def check_engine(spec: EngineSpec) -> None:
     if spec.kind == "remote" and not spec.url:
         fail("--engine remote needs --url: the vLLM server, e.g. http://127.0.0.1:8000")
     require(*ENGINE_NEEDS.get(spec.kind, ()), purpose=f"the {spec.kind} engine")
-    if spec.kind == "synthetic":  # a model is optional: it takes a model directory's limits, else its defaults
+    if spec.kind == "synthetic" or not has_model:  # synthetic: a model is optional (its defaults without one)
         return
     if spec.model == NO_MODEL:
         fail(f"the {spec.kind} engine needs --model DIR (a model directory); only --engine synthetic runs without one")
