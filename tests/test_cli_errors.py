@@ -10,9 +10,10 @@ typer app's command list, so that a new command cannot go without them.
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, get_args, get_type_hints
@@ -76,10 +77,14 @@ READABLE = {
     "prompts": "PROMPTS_FILE",
     "tmp": "DIR",
     "redis": "redis://NOBODY_LISTENS",
+    "real_model": "TINY_MODEL",
+    "live_redis": "redis://LIVE",
+    "busy_port": "PORT_IN_USE",
 }
 """The placeholders as a test's id shows them."""
 # Placeholders filled in per run: {redis} a URL nobody listens on, {model} a directory that looks like a model,
-# {file} a plain file, {ckpt} a directory with a .safetensors file, {prompts} a valid prompts file.
+# {file} a plain file, {ckpt} a directory with a .safetensors file, {prompts} a valid prompts file; {real_model} a real
+# tiny model, {live_redis} a Redis that answers, {busy_port} a port something listens on.
 REDIS_DOWN = ("cannot reach Redis at redis://127.0.0.1:", "Connection refused. Is redis-server running there?")
 TORCH = "pip install 'rollout-streams[torch]'"
 CASES = [
@@ -95,6 +100,7 @@ CASES = [
     case(BAD_FLAG, "worker", "--engine", "synthetic", "--redis", "{redis}", says=REDIS_DOWN),
     case(BAD_FLAG, "worker", "--engine", "synthetic", "--metrics-port", "70000", says="--metrics-port 70000 is not"),
     case(BAD_FLAG, "worker", "--engine", "torch", says="the torch engine needs --model DIR"),
+    case(BAD_FLAG, "worker", "--model", "{model}", "--device", "nodevice", says="--device 'nodevice' is not a torch"),
     case(BAD_FLAG, "worker", "--engine", "synthetic", "--max-batch", "0", says="--max-batch must be at least 1, not 0"),
     case(
         BAD_FLAG,
@@ -189,6 +195,17 @@ CASES = [
         hide="rq",
     ),
     case(MISSING_PATH, "gateway", "--model", "/no/such/model", says="--model /no/such/model: no such directory"),
+    case(
+        BAD_FLAG,
+        "gateway",
+        "--model",
+        "{real_model}",
+        "--redis",
+        "{live_redis}",
+        "--port",
+        "{busy_port}",
+        says=("cannot listen on 127.0.0.1:{busy_port}", "Pass another --port"),
+    ),
     case(BAD_FLAG, "gateway", "--model", "{model}", "--placement", "nowhere", says="--placement must be one of"),
     case(BAD_FLAG, "gateway", "--model", "{model}", "--port", "70000", says="--port 70000 is not a TCP port"),
     case(BAD_FLAG, "gateway", "--model", "{model}", "--redis", "{redis}", says=REDIS_DOWN),
@@ -244,9 +261,12 @@ CASES = [
 
 
 @pytest.fixture(scope="module")
-def places(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+def places(
+    tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path, installed_redis: RedisServer
+) -> Iterator[dict[str, str]]:
     """What the placeholders of the cases stand for: a file, a directory that looks like a model (its files are
-    never read: every case fails before), a checkpoint directory, a prompts file, a free port's URL, the hider."""
+    never read: every case fails before), a checkpoint directory, a prompts file, a free port's URL, the hider; for
+    a case that fails only once it is about to serve: a real model, a live Redis and a port something listens on."""
     root = tmp_path_factory.mktemp("cli-errors")
     (root / "file").write_text("not a directory\n")
     model = root / "model"
@@ -259,15 +279,19 @@ def places(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     (root / "prompts.jsonl").write_text('{"tokens": [1, 2, 3]}\n')
     (root / "hider").mkdir()
     (root / "hider" / "sitecustomize.py").write_text(HIDER)
-    return {
-        "file": str(root / "file"),
-        "model": str(model),
-        "ckpt": str(ckpt),
-        "prompts": str(root / "prompts.jsonl"),
-        "tmp": str(root),
-        "redis": f"redis://127.0.0.1:{free_port()}/0",
-        "hider": str(root / "hider"),
-    }
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        yield {
+            "file": str(root / "file"),
+            "model": str(model),
+            "ckpt": str(ckpt),
+            "prompts": str(root / "prompts.jsonl"),
+            "tmp": str(root),
+            "redis": f"redis://127.0.0.1:{free_port()}/0",
+            "hider": str(root / "hider"),
+            "real_model": str(tiny_model_dir),
+            "live_redis": installed_redis.url,
+            "busy_port": str(busy.getsockname()[1]),
+        }
 
 
 def run_cli(

@@ -266,6 +266,25 @@ def check_engine(spec: EngineSpec, *, has_model: bool = True) -> None:
         fail(f"no model at {spec.model} (config.json missing). Build a tiny one with: rollouts tiny-model {spec.model}")
 
 
+def check_torch_device(spec: EngineSpec) -> None:
+    """Refuse in one line a torch engine's `--device` that torch does not name, or that this machine does not have
+    (a CUDA device without CUDA, or past the GPUs it sees). For a worker on this machine; a launcher's actors check
+    their own."""
+    if spec.kind != "torch":
+        return
+    import torch
+
+    try:
+        device = torch.device(spec.device)
+    except RuntimeError:
+        fail(f"--device {spec.device!r} is not a torch device: cpu, cuda or cuda:N")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        fail(f"--device {spec.device}: torch {torch.__version__} sees no CUDA GPU here; use --device cpu")
+    gpus = torch.cuda.device_count()
+    if device.type == "cuda" and device.index is not None and device.index >= gpus:
+        fail(f"--device {spec.device}: this machine has {gpus} CUDA GPUs, cuda:0 to cuda:{gpus - 1}")
+
+
 def worker_settings(
     max_inflight: int | None,
     claim_idle_ms: int,

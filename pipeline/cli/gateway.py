@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 from typing import Annotated
 
@@ -109,5 +110,11 @@ def gateway(
             model_dir=model,
         )
         streams.redis.ping()
+    try:  # bound here, so that a port in use is one line, and port 0 prints the port it got
+        listening = socket.create_server((host, port))
+    except OSError as exc:
+        fail(f"cannot listen on {host}:{port}: {exc.strerror or exc}. Pass another --port (0: a free one).")
+    port = listening.getsockname()[1]
     console.print(f"gateway {settings.name}: model {settings.served_model_name!r} on http://{host}:{port}/v1 ({ns})")
-    uvicorn.run(create_app(Gateway(streams, renderer, settings)), host=host, port=port, log_level=log_level.lower())
+    config = uvicorn.Config(create_app(Gateway(streams, renderer, settings)), log_level=log_level.lower())
+    uvicorn.Server(config).run(sockets=[listening])

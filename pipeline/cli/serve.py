@@ -31,6 +31,7 @@ from pipeline.cli.app import (
     app,
     check_engine,
     check_port,
+    check_torch_device,
     console,
     fail,
     open_streams,
@@ -111,6 +112,7 @@ def worker(
         spec = EngineSpec.from_flags(ctx.params, NO_MODEL if model is None else model)
     check_engine(spec)
     require("torch", purpose="rollouts worker")  # whatever the engine: the worker loads weights with it
+    check_torch_device(spec)
     streams = open_streams(redis_url, ns)
     from consumers.lifecycle import engine_factory  # torch: after the checks, so that a mistake is told at once
     from consumers.metrics import WorkerMetrics
