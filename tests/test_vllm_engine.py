@@ -498,3 +498,10 @@ def _process(pid: int) -> psutil.Process | None:
         return psutil.Process(pid)
     except psutil.NoSuchProcess:
         return None
+
+
+def test_engine_args_that_vllm_does_not_take_are_refused_by_name_before_vllm_starts(tiny_model_dir: Path) -> None:
+    """`--engine-args` become `AsyncEngineArgs` fields: a misspelt one is a one-line ValueError (the CLI's `error:`),
+    not a TypeError from inside vLLM's start."""
+    with pytest.raises(ValueError, match="AsyncEngineArgs has no max_num_seq, no_such_arg"):
+        VllmEngine(tiny_model_dir, engine_args={"no_such_arg": 1, "max_num_seq": 8, "max_num_seqs": 8})

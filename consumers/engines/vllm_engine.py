@@ -61,7 +61,7 @@ import subprocess
 import tempfile
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -203,6 +203,8 @@ class VllmEngine(EngineLifecycle):
         if max_loras < 0:
             raise ValueError(f"max_loras must be >= 0, got {max_loras}")
         extra = dict(engine_args or {})
+        if unknown := sorted(set(extra) - {f.name for f in fields(AsyncEngineArgs)}):
+            raise ValueError(f"engine_args: vLLM's AsyncEngineArgs has no {', '.join(unknown)} (check their names)")
         max_model_len = extra.pop("max_model_len", max_model_len)
         self.model_dir = Path(model_dir)
         self.version = version
