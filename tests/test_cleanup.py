@@ -1,4 +1,4 @@
-"""Processes that clean up after themselves (issue 53): the demo under SIGTERM or a failure, a worker whose Redis is
+"""Processes that clean up after themselves: the demo under SIGTERM or a failure, a worker whose Redis is
 gone, and a manager that says what it watches."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Every fenced ```python and ```bash block of README.md and docs/guide/*.md runs as written (issue 53).
+"""Every fenced ```python and ```bash block of README.md and docs/guide/*.md runs as written.
 
 A small markdown parser takes each block out (test ids `FILE:LINE`, the line of the opening fence) and runs it:
 
@@ -11,7 +11,7 @@ A small markdown parser takes each block out (test ids `FILE:LINE`, the line of 
   are done, the group (its `&` background jobs) is sent SIGTERM, then SIGKILL after a deadline.
 
 Each block has a deadline (`TIMEOUT_S`, or `<!-- snippet: timeout S -->`): one that runs past it fails as a hang
-(the README's trainer snippet once submitted 256 samples into a capacity of 128 before reading any, and hung).
+(a trainer loop that submits past its admission capacity before reading, say).
 
 The rewriting, all of it: `127.0.0.1:6380` and `--port 6380` become the test's port (a bash block that starts its
 own `redis-server --port 6380` gets a free port of its own; every other block the module's server, flushed before
@@ -49,7 +49,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from pipeline.local import RedisServer, find_redis_server
+from pipeline.local import RedisServer, find_redis_server, free_port
 from pipeline.processes import start_command, start_worker, stop_processes, wait_for_worker
 from tests.fixtures import wait_until
 
@@ -132,12 +132,6 @@ def snippets(path: Path) -> list[Snippet]:
 
 
 ALL = [s for path in DOCS for s in snippets(path)]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def rewrite(code: str, port: int) -> str:
