@@ -120,7 +120,7 @@ def test_the_exporter_is_on_loopback_and_workers_and_the_manager_serve_metrics(
 
 def test_a_command_the_cli_refuses_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """The check above can fail: a wrong option, a wrong type or a missing required option is refused."""
-    for args in (["worker", "--engine", "vllm"], ["worker", "--model", "/m", "--max-inflight", "many"], ["top", "-x"]):
+    for args in (["submit", "--ns", "exp1"], ["worker", "--model", "/m", "--max-inflight", "many"], ["top", "-x"]):
         with pytest.raises(UsageError):
             parse_with_the_cli(args, {}, monkeypatch)
     with pytest.raises(AssertionError, match="no command"):

@@ -265,7 +265,7 @@ def test_wrong_redis_or_a_taken_port_is_one_line(redis_server: RedisServer, ns: 
             rollouts("exporter", "--redis", url, "--port", taken), f"cannot serve metrics on 0.0.0.0:{taken}"
         )
         worker = ("worker", "--redis", url, "--ns", ns, "--model", str(tiny_model_dir), "--metrics-port", taken)
-        assert_clean_error(rollouts(*worker), "cannot serve metrics", "Pass another port")
+        assert_clean_error(rollouts(*worker), "cannot serve metrics", "Pass another --metrics-port")
         assert_clean_error(rollouts("manager", "--redis", url, "--metrics-port", taken), "cannot serve metrics")
 
 
