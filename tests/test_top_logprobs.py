@@ -422,3 +422,16 @@ def test_a_vllm_engine_reports_a_forward_passs_top_k(vllm_served: Any, tiny_mode
     assert greedy.top_token_ids is not None and greedy.top_token_ids[:, 0].tolist() == greedy.tokens.tolist()
     assert sampled.top_token_ids is not None and sampled.top_token_ids.shape == (len(sampled.tokens), 5)
     assert plain.top_token_ids is None and plain.tokens.tolist() == sampled.tokens.tolist()
+
+
+def test_the_clients_submit_asks_for_k_alternatives_and_refuses_more_than_the_wire_takes(
+    redis_server: RedisServer, ns: str
+) -> None:
+    """`RolloutClient.submit(top_logprobs=k)` queues a prompt whose sampling asks for k; past `MAX_TOP_LOGPROBS` it
+    is a ValueError that says the range, and nothing is queued."""
+    client = RolloutClient(redis_server.url, ns)
+    client.submit(tokens=[1, 2, 3], n=2, top_logprobs=3)
+    with pytest.raises(ValueError, match=rf"top_logprobs must be in \[0, {MAX_TOP_LOGPROBS}\]"):
+        client.submit(tokens=[1, 2, 3], top_logprobs=MAX_TOP_LOGPROBS + 1)
+    entries = client.streams.redis.xrange(Keys(ns).prompts)
+    assert [Prompt.from_fields(fields).sampling.top_logprobs for _, fields in entries] == [3]
