@@ -96,6 +96,11 @@ def snapshot(streams: Streams) -> dict[str, Any]:
     return result
 
 
+UNREAD_SCAN = 1000
+"""Where Redis reports no lag (6.2), `top` counts the unread entries of `{ns}:scoring` by reading them, at most this
+many a refresh (a lower bound past it): rollouts are kilobytes each."""
+
+
 def scoring_backlog(streams: Streams, row: dict[str, Any] | None, groups: list[dict[str, Any]]) -> dict[str, Any]:
     """`waiting`, `scorer_alive` and `warning` of the scoring stage, from the `scoring` row of `snapshot` and the
     stream's `XINFO GROUPS`."""
@@ -107,9 +112,9 @@ def scoring_backlog(streams: Streams, row: dict[str, Any] | None, groups: list[d
             waiting = int(row["length"])
         else:
             unread = group.get("lag")
-            if unread is None:  # Redis 6.2 (or a lag 7.x cannot tell): count what follows the last entry read
-                after = "(" + _text(group["last-delivered-id"])
-                unread = len(streams.redis.xrange(keys.scoring, after, "+") or [])
+            if unread is None:  # Redis 6.2 (or a lag 7.x cannot tell): count what follows the last entry read,
+                after = "(" + _text(group["last-delivered-id"])  # at most UNREAD_SCAN of them (whole entries)
+                unread = len(streams.redis.xrange(keys.scoring, after, "+", count=UNREAD_SCAN) or [])
             waiting = int(unread) + int(group["pending"])
     alive = streams.scorer_alive()
     warning = None
