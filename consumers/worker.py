@@ -61,7 +61,7 @@ from pipeline.wire import (
     join_spans,
 )
 from staleness.state import read_state, weights_command
-from staleness.weights import is_stored, join_version, load_joined, load_version
+from staleness.weights import is_stored, join_version, load_joined, load_prefetched, load_version, prefetch_version
 from staleness.weights.layout import LAYOUT_FIELD, advertise, layout_of
 
 if TYPE_CHECKING:
@@ -80,6 +80,9 @@ _EMPTY_LOGPROBS = np.zeros(0, dtype=np.float32)
 
 DEFAULT_MAX_INFLIGHT = 256
 """Samples a worker takes at once when neither its settings nor its engine say (`WorkerSettings.max_inflight`)."""
+TURN_WAIT_S = 0.002
+"""How long a worker that holds its share of the waiting work waits before it asks again (doubling up to a read's
+wait): the others with room take theirs within a few milliseconds, and one that stops asking leaves the ready set."""
 REDIS_CHECK_S = 1.0
 """How often a stopping worker checks that its Redis still answers (`Worker._watch_redis_while_stopping`)."""
 
@@ -119,7 +122,10 @@ class WorkerSettings:
     heartbeat_ttl_s: float = 5.0
     """A worker whose heartbeat is older than this is shown as gone."""
     claim_idle_ms: int = 10_000
-    """Work untouched for this long belongs to a dead worker and is claimed."""
+    """Work untouched for this long is claimed, whoever holds it (a worker that lives but stopped touching it)."""
+    dead_after_s: float = 2.5
+    """A worker whose heartbeat has been silent this long is dead to the fleet: its work is taken over (each heartbeat
+    moves its deadline on `{ns}:beats`, so that each worker is judged by its own). More than two heartbeat periods."""
     max_deliveries: int = 5
     """An entry handed out more often than this (it keeps killing workers) becomes a dead letter."""
     trim_every_s: float = 10.0
@@ -200,11 +206,9 @@ class Worker:
         """Prompt + `max_tokens` of each sample in `_inflight_samples`, summed (`max_inflight_tokens`)."""
         self._waiting_for_room = 0
         """Entries taken and decoded that wait for room under the caps (`_wait_for_room`): none is read meanwhile."""
-        self._partials_first = True
-        """Read `{ns}:partials` alone before the rest (`Streams.read_work`) until it runs short."""
         self._held: deque[Entry] = deque()
-        """Entries taken but not started for want of room (a read from two streams: `Streams.read_work`). They are
-        in `_inflight` too, so they are touched every heartbeat and nobody claims them; they start first."""
+        """Entries taken but not started for want of room (a blocking read over three streams: `Streams.read_work`).
+        They are in `_inflight` too, so they are touched every heartbeat and nobody claims them; they start first."""
         self._mean_n: float | None = None
         """Samples per entry (an average): how many entries fit the room. None until the first entry: until
         then the worker reads one at a time, since a fresh worker that guessed 1 would take n times too many."""
@@ -311,7 +315,6 @@ class Worker:
         """Take work (and generate) or stand still for a weight sync; the one place that flips it."""
         if serving:
             self._serving.set()
-            self._partials_first = True  # an abort sync has just left partials (or a start finds them): drain them
         else:
             self._serving.clear()
         self._account()
@@ -415,12 +418,12 @@ class Worker:
     # -- reading ------------------------------------------------------------------------------
 
     async def _read_loop(self) -> None:
-        """Take work while there is room: abandoned work first (claimed at most every half heartbeat, by a fleet of N
-        with chance 2/N each time, as sweeps are: `sweep_chance`), then new.
+        """Take work while there is room: abandoned work first (looked for every half heartbeat and whenever room
+        opens, by a fleet of N with chance 2/N each time, as sweeps are: `sweep_chance`), then new.
 
         Abandoned work goes first because it is the oldest: behind a queue that admission keeps full, it
         would otherwise wait until it is too stale to train on."""
-        next_claim = 0.0
+        next_claim, turn_wait = 0.0, TURN_WAIT_S
         while not self._stopping.is_set():
             await self._serving.wait()
             if self._stopping.is_set():  # a stop sets `_serving` too: during a sync, read nothing more
@@ -432,6 +435,7 @@ class Worker:
             if self._waiting_for_room or (free <= 0 and self._inflight_samples):
                 self._room.clear()
                 await self._room.wait()
+                next_claim = 0.0  # room again: a dead worker's work, the oldest, goes before new work
                 continue
             free = max(free, 1)  # nothing in flight: an entry larger than a cap runs alone
             if self._held:
@@ -442,68 +446,79 @@ class Worker:
             if time.monotonic() >= next_claim:
                 next_claim = time.monotonic() + self.settings.heartbeat_s / 2
                 try:  # the claim scans the group's pending list, so a large fleet shares it out as it does sweeps
-                    if random.random() < sweep_chance(self._fleet) and await self._claim_abandoned():
-                        continue  # the room left is less now
+                    if random.random() < sweep_chance(self._fleet):
+                        claimed, others_turn = await self._claim_abandoned()
+                        if claimed or others_turn:  # there may be more of it: claim again before taking new work
+                            next_claim = 0.0
+                            if others_turn:  # a worker that holds less takes it over first
+                                await asyncio.sleep(turn_wait)
+                                turn_wait = min(2 * turn_wait, self._block_ms / 1000)
+                            continue  # the room left is less now
                 except redis.ConnectionError as exc:
                     log.warning("%s: claiming abandoned work failed (%s); retrying", self.name, exc)
             count = self._entries_for(free)
             try:
-                entries, more = await asyncio.to_thread(self._take_work, count)
+                entries, others_turn = await asyncio.to_thread(self._take_work, count)
             except redis.ConnectionError as exc:  # Redis gone for longer than the client's reconnects: keep trying
                 if self._redis_gone:  # stopping without it (`_lost_redis` said so)
                     break
                 log.warning("%s: reading work failed (%s); retrying", self.name, exc)
                 await asyncio.sleep(self.settings.heartbeat_s)
                 continue
-            if self._stopping.is_set() and (entries or more):
+            if self._stopping.is_set() and entries:
                 # A read that spanned the stop: a sync may hold the engine paused.
-                left = len(entries) + len(more)
-                log.info("%s: %d entries read as it stopped stay pending for other workers", self.name, left)
+                log.info("%s: %d entries read as it stopped stay pending for other workers", self.name, len(entries))
                 break
-            self._partials_first = self._still_partials_first(entries, count)
-            for entry in entries[count:]:  # more than there was room for: taken now, started when there is room
+            if others_turn:  # it holds its share: let the others with room take theirs, then ask again
+                await asyncio.sleep(turn_wait)
+                turn_wait = min(2 * turn_wait, self._block_ms / 1000)
+                continue
+            turn_wait = TURN_WAIT_S
+            fits = max(count, self._entries_for(self._free_samples()))  # its room may have grown during the read
+            for entry in entries[fits:]:  # more than there was room for: taken now, started when there is room
                 self._inflight[entry.stream, entry.id] = entry
                 self._held.append(entry)
             # fakeredis (and a BLOCK that timed out) answer an empty read: just read again.
-            for entry in entries[:count] + more:
+            for entry in entries[:fits]:
                 self._start(entry)
             await asyncio.sleep(0)  # let them decode and count their samples before the room is measured again
 
-    def _take_work(self, count: int) -> tuple[list[Entry], list[Entry]]:
-        """In a thread: a blocking read for `count` entries, then its top-up (`_top_up`), in one hand-off from the
-        event loop and back. (With a hand-off of its own, the top-up kept a burst from the engine ~0.4 ms longer on
-        2 cores: 1.06 against 0.69 ms from the read to the first entry's start, in rounds that found the worker's read
-        waiting with a count from before its room grew.)"""
-        entries = self.streams.read_work(self.name, count, self.settings.block_ms, self._partials_first)
+    def _take_work(self, count: int) -> tuple[list[Entry], bool]:
+        """In a thread: up to `count` entries, no more than this worker's share of what waits (`Streams.take`); when
+        nothing waits, a blocking read for one entry (Redis wakes the worker that has waited longest), then the rest
+        of its share of the burst it woke to that fits now (its room may have grown while it waited), in the same
+        hand-off from the event loop and back, so that the burst starts together: the engine would otherwise start
+        on the first entry alone and take the rest a step behind, out of step with it for the whole batch. (What the
+        thread reads of the worker's state, counts and flags, it only reads.) Also says whether it took nothing
+        because the work that waits is the other workers' turn."""
+        held = len(self._inflight)
+        entries, others_turn = self.streams.take(self.name, count, held, self._horizon_ms)
+        if entries or others_turn or self._stopping.is_set():
+            return entries, others_turn
+        entries = self.streams.read_work(self.name, 1, self._block_ms)
+        if not entries or self._mean_n is None or self._stopping.is_set():
+            return entries, False  # none came, or it cannot tell what more would fit
+        room = self._entries_for(self._free_samples()) - len(entries)
+        if room <= 0:
+            return entries, False
         try:
-            return entries, self._top_up(entries, count)
+            more, _ = self.streams.take(self.name, room, held + len(entries), self._horizon_ms)
         except redis.ConnectionError as exc:
             log.warning("%s: reading more work failed (%s); serving what was read", self.name, exc)
-            return entries, []
+            more = []
+        return entries + more, False
 
-    def _top_up(self, entries: list[Entry], count: int) -> list[Entry]:
-        """More work that fits now, read without blocking, after a read that came back full (in the read's thread:
-        what it reads of the worker's state, counts and flags, it only reads).
+    @property
+    def _block_ms(self) -> int:
+        """How long a read waits for new work: at most half a heartbeat, so that a waiting worker looks for a dead
+        worker's work as often as a busy one (`_claim_abandoned`)."""
+        return max(1, min(self.settings.block_ms, int(self.settings.heartbeat_s * 500)))
 
-        A blocking read asks only for what fits when it starts: waiting while the last samples of a batch finish,
-        that may be one entry, and the rest of a burst that arrives then would follow a round trip later. The
-        engine would start on the first entry alone and take the rest a step behind, out of step with it for the
-        whole batch (measured: ~4 % more engine steps a round on a burst of 64 prompts). So the burst starts
-        together. Not before the first entry has said how many samples one holds: until then the room is unknown;
-        nor after a read of more than `count` (two streams each gave some): the rest is held, not topped up."""
-        if len(entries) != count or self._mean_n is None or self._stopping.is_set():
-            return []  # it took all there was, or more, or it cannot tell what more would fit
-        free = self._free_samples() - round(count * self._mean_n)
-        if free <= 0:
-            return []
-        return self.streams.read_work(
-            self.name, self._entries_for(free), None, self._still_partials_first(entries, count)
-        )
-
-    def _still_partials_first(self, entries: list[Entry], count: int) -> bool:
-        """Whether the next read takes partials alone first: until a read of them comes back short."""
-        partials = self.streams.keys.partials
-        return self._partials_first and sum(entry.stream == partials for entry in entries) >= count
+    @property
+    def _horizon_ms(self) -> int:
+        """How long a worker that asked for work counts as one with room (`Streams.take`): two of its reads' waits
+        and a heartbeat period, so a worker waiting for work is always counted and a stopped one soon is not."""
+        return 2 * self._block_ms + int(self.settings.heartbeat_s * 1000)
 
     def _entries_for(self, free: int) -> int:
         """How many entries to take for `free` samples of room."""
@@ -894,8 +909,10 @@ class Worker:
 
         An nccl version is joined first, while the engine still generates (`join_version`): the wait for the
         other workers to join and a new group's setup are not time this worker stands still; it pauses only to
-        receive. A version that cannot be loaded stops the worker (exit 1, for a supervisor to restart it): it
-        must not serve the old one as the new, and its work goes to the others. The caller holds the slot's lock.
+        receive. A `redis://` version is fetched and checked before the pause too (`prefetch_version`): paused, the
+        worker only copies it into the model. A version that cannot be loaded stops the worker (exit 1, for a
+        supervisor to restart it): it must not serve the old one as the new, and its work goes to the others. The
+        caller holds the slot's lock.
         """
         if not self._slot.started:
             await self._sync_unstarted(command)
@@ -909,9 +926,18 @@ class Worker:
             except Exception as exc:
                 self._cannot_load(command, exc)
                 return
+        fetched = None  # a redis:// version is fetched while the engine still generates, as a broadcast is joined
+        fetch_began = time.monotonic()
+        if link is None and command.version != self.engine.version and self._slot.copy_of(command.version) is None:
+            try:
+                fetched = await asyncio.to_thread(prefetch_version, command.uri, command.version, self.streams.redis)
+            except Exception as exc:
+                self._cannot_load(command, exc)
+                return
         self._set_serving(False)
         self.status = WorkerStatus.PAUSED
         started = self._sync_began = time.monotonic()
+        fetch_s = started - fetch_began
         await self._pause(command.mode)
         await self._wake(("weights",))  # the weights' memory back before the load fills it; the cache's at the resume
         paused = time.monotonic()
@@ -919,6 +945,9 @@ class Worker:
             try:
                 if link is not None:
                     await load_joined(self.engine, link)
+                    self._loaded(command.uri, command.version)
+                elif fetched is not None:
+                    await load_prefetched(self.engine, fetched, command.version)
                     self._loaded(command.uri, command.version)
                 else:
                     await self._load(command.uri, command.version)
@@ -929,8 +958,8 @@ class Worker:
         await self._beat()  # the ack: `epoch` and `version` in the heartbeat
         self.metrics.synced(paused - started, time.monotonic() - paused)
         log.info(
-            "%s: sync %d: paused in %.3f s, version %d loaded and acked in %.3f s",
-            self.name, command.epoch, paused - started, command.version, time.monotonic() - paused,
+            "%s: sync %d: fetched or joined in %.3f s, paused in %.3f s, version %d loaded and acked in %.3f s",
+            self.name, command.epoch, fetch_s, paused - started, command.version, time.monotonic() - paused,
         )  # fmt: skip
 
     async def _sync_unstarted(self, command: Control) -> None:
@@ -1105,7 +1134,10 @@ class Worker:
             }
             entries = list(self._inflight.values()) if touch else []
             ttl_s = self.settings.heartbeat_ttl_s
-            return await asyncio.to_thread(self.streams.registry.heartbeat, self.name, status, ttl_s, entries)
+            dead_after_s = self.settings.dead_after_s
+            return await asyncio.to_thread(
+                self.streams.registry.heartbeat, self.name, status, ttl_s, entries, dead_after_s
+            )
 
     def _advertise_layout(self) -> str:
         """Put the engine's model layout in `{ns}:layouts` (once per distinct model) and return its digest, for the
@@ -1119,13 +1151,23 @@ class Worker:
                           self.name)  # fmt: skip
             return ""
 
-    async def _claim_abandoned(self) -> int:
-        """Claim work idle past `claim_idle_ms` (its worker died or hangs) while there is room; returns how many."""
+    async def _claim_abandoned(self) -> tuple[int, bool]:
+        """Take over a dead or hung worker's work (`Streams.claim_abandoned`) while there is room, its share of it;
+        returns how many entries it claimed, and whether such work waits that is another worker's turn."""
         free = self._free_samples()
         if free <= 0 or not self._serving.is_set():
-            return 0
+            return 0, False
         count = self._entries_for(free)
-        claimed = await asyncio.to_thread(self.streams.claim_abandoned, self.name, self.settings.claim_idle_ms, count)
+        quick_ms = int(self.settings.heartbeat_s * 1000)  # a silent worker's entries idle a beat: none it just took
+        claimed, others_turn = await asyncio.to_thread(
+            self.streams.claim_abandoned,
+            self.name,
+            self.settings.claim_idle_ms,
+            count,
+            quick_ms,
+            self._horizon_ms,
+            len(self._inflight),
+        )
         for entry in claimed:
             if (entry.stream, entry.id) in self._inflight:
                 continue  # ours already (we stalled past the idle limit): keep serving it once
@@ -1139,7 +1181,7 @@ class Worker:
             self._start(entry)
         if claimed:
             await asyncio.sleep(0)  # as after a read: they count their samples before the room is measured
-        return len(claimed)
+        return len(claimed), others_turn
 
 
 def run_worker(

@@ -103,6 +103,9 @@ class TrainConfig:
     gets the group: `inline` (`rollouts scorer`) or `rq` (`rollouts scorer --rq` + `rollouts score-worker`s)."""
     device: str = "cpu"
     """Where the trainer's policy and its step run (`cpu`, `cuda:0`); the workers pick theirs (`--device`)."""
+    dtype: str = "float32"
+    """What the step computes in: `float32`, or `bfloat16` (autocast, where the engines serve the policy in bf16:
+    tensor cores on a GPU; the weights, gradients and optimizer stay float32, and so does what is published)."""
 
     @property
     def batch_size(self) -> int:
@@ -119,6 +122,8 @@ class TrainConfig:
             out.append("--sync-every is for --mode async (for several optimizer steps on one batch: --minibatches)")
         if not 0 <= self.stop_set <= TokenSetTask().max_stop_ids:
             out.append(f"--stop-set {self.stop_set}: use 0 (off) to {TokenSetTask().max_stop_ids} stop ids")
+        if self.dtype not in ("float32", "bfloat16"):
+            out.append(f"--dtype {self.dtype}: use float32 or bfloat16")
         if self.park_max_age >= 0 and self.mode != "async":
             out.append("--park-max-age is for --mode async (nothing in sync or one-step-off is older than it must be)")
         return out
@@ -385,6 +390,7 @@ def train(config: TrainConfig, url: str, ns: str, model: Path, on_step: OnStep |
             out = grpo_step(
                 policy, optimizer, batch, reward, objective=config.objective, importance=importance,  # type: ignore[arg-type]  # argparse checked it
                 clip_low=config.clip_low, clip_high=config.clip_high, minibatches=config.minibatches,
+                autocast=torch.bfloat16 if config.dtype == "bfloat16" else None,
             )  # fmt: skip
             if device.type == "cuda":
                 torch.cuda.synchronize(device)  # else the step's kernels would be timed as part of the publish
@@ -454,6 +460,7 @@ def main(argv: list[str] | None = None) -> None:
         "mode": ["sync", "one-step-off", "async"], "pause_mode": ["abort", "keep", "inflight"],
         "scoring": ["trainer", "inline", "rq"], "objective": ["decoupled", "ppo"],
         "is_level": ["token", "sequence", "geometric"], "is_mode": ["truncate", "mask"],
+        "dtype": ["float32", "bfloat16"],
     }  # fmt: skip
     for name, value in asdict(defaults).items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value, choices=choices.get(name))

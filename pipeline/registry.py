@@ -18,6 +18,7 @@ from pipeline.wire import GENERATORS, Keys
 if TYPE_CHECKING:
     from pipeline.streams import Entry
 
+
 def default_name() -> str:
     """A process's default name in the fleet (a worker's, a scorer's, a gateway's): `host-pid`."""
     return f"{socket.gethostname()}-{os.getpid()}"
@@ -48,21 +49,34 @@ def touch_pending(pipe: redis.client.Pipeline, consumer: str, entries: Iterable[
 class Registry:
     """The workers of one namespace (`streams.registry`)."""
 
-    def __init__(self, client: redis.Redis, keys: Keys, rehome_script: Script) -> None:
+    def __init__(self, client: redis.Redis, keys: Keys, rehome_script: Script, beat_script: Script) -> None:
         self._redis = client
         self._keys = keys
         self._rehome_script = rehome_script
         """`lua/rehome.lua`, registered by the `Streams` this registry belongs to."""
+        self._beat_script = beat_script
+        """`lua/beat.lua`: a worker's deadline on `{ns}:beats`, in Redis's clock."""
 
-    def heartbeat(self, name: str, status: dict[str, Any], ttl_s: float, touch: Iterable[Entry] = ()) -> int:
+    def heartbeat(
+        self,
+        name: str,
+        status: dict[str, Any],
+        ttl_s: float,
+        touch: Iterable[Entry] = (),
+        dead_after_s: float | None = None,
+    ) -> int:
         """Write the worker's heartbeat hash (expiring) and keep it on the registry `{ns}:workers`; returns how many
         workers the registry holds (departed ones not yet rehomed included), for the sweep's share (`sweep_chance`).
 
         `touch`: work still in progress, whose idle time is reset in the same round trip (as `touch` does): a fleet's
-        upkeep is then one round trip a worker a period, not two."""
+        upkeep is then one round trip a worker a period, not two. `dead_after_s`: the silence after which the others
+        take its work over (`{ns}:beats`, `lua/claim.lua`); None: only once the work idles past their
+        `claim_idle_ms`."""
         key = self._keys.worker(name)
         pipe = self._redis.pipeline(transaction=True)
         touch_pending(pipe, name, touch)
+        if dead_after_s is not None:
+            self._beat_script(keys=[self._keys.beats], args=[name, int(dead_after_s * 1000)], client=pipe)
         pipe.hset(key, mapping={k: str(v) for k, v in status.items()})
         pipe.pexpire(key, int(ttl_s * 1000))
         pipe.sadd(self._keys.workers, name)
@@ -91,6 +105,10 @@ class Registry:
     def forget_worker(self, name: str) -> None:
         """A worker leaves: its heartbeat goes, and whatever is still in its inbox goes back to the shared prompts."""
         self._redis.delete(self._keys.worker(name))
+        pipe = self._redis.pipeline(transaction=True)  # the ready sets change together (`lua/share.lua`)
+        for fleet_set in (self._keys.ready, self._keys.ready_held, self._keys.beats):
+            pipe.zrem(fleet_set, name)
+        pipe.execute()
         self.rehome(name, leaving=True)
 
     def live_workers(self) -> dict[str, dict[str, str]]:
@@ -107,7 +125,13 @@ class Registry:
 
     def rehome(self, worker: str, leaving: bool = False) -> int:
         """Move what waits in a departed worker's inbox to `{ns}:prompts` (`lua/rehome.lua`); -1 while it lives."""
-        keys = [self._keys.worker(worker), self._keys.inbox(worker), self._keys.prompts, self._keys.workers]
+        keys = [
+            self._keys.worker(worker),
+            self._keys.inbox(worker),
+            self._keys.prompts,
+            self._keys.workers,
+            self._keys.beats,
+        ]
         return int(self._rehome_script(keys=keys, args=[worker, GENERATORS, int(leaving)]))
 
     def rehome_departed(self) -> int:

@@ -82,11 +82,12 @@ class Streams:
         """The dedupe buckets' clock (a test moves it)."""
         scripts = register_all(client, SCRIPTS)
         self._publish, self._claim, self._forward = scripts["publish"], scripts["claim"], scripts["forward"]
+        self._share = scripts["share"]
         self._dead_letter = scripts["dead_letter"]
         timeout_s = socket_timeout_s(client)
         self._max_block_ms = None if timeout_s is None else max(1, int(timeout_s * 1000) - BLOCK_MARGIN_MS)
         """The longest a blocking read may wait on this client (`_block`); None: any."""
-        self.registry = Registry(client, self.keys, scripts["rehome"])
+        self.registry = Registry(client, self.keys, scripts["rehome"], scripts["beat"])
         """The workers: heartbeats, who lives, rehoming a departed worker's inbox."""
         self.control = ControlStream(self)
         """The control stream and the workers' doorbells."""
@@ -118,28 +119,55 @@ class Streams:
         """Make `consumer`'s inbox (a stream only it reads, for the sessions pinned to it) and its group."""
         self.ensure_group(self.keys.inbox(consumer), GENERATORS)
 
-    def read_work(self, consumer: str, count: int, block_ms: int | None, partials_first: bool = False) -> list[Entry]:
-        """New entries for `consumer`: partial rollouts first, then its inbox, then prompts.
+    def read_work(self, consumer: str, count: int, block_ms: int | None) -> list[Entry]:
+        """New entries for `consumer`, waiting up to `block_ms` for some: partial rollouts first, then its inbox, then
+        prompts. A worker waits here only once `take` found nothing, with a small `count`: Redis hands each new entry
+        to the reader that has waited longest, so a burst that finds several workers waiting wakes each in turn.
 
-        One XREADGROUP over the three streams applies its COUNT to each, so while two of them hold work it returns
-        up to `count` from each; the caller holds what it has no room for (`consumers.worker`). Partials and prompts
-        are both queued right after an abort sync: `partials_first` (what a worker asks then, until the partials
-        run short) reads the partials alone first and the rest only if room is left, so that no worker sits on
-        prompts behind partials while others wait (measured at 1,000 workers: 8-15% more rollouts/s, the asked rate
-        met). Reading the streams one by one on every read costs two more round trips a read, nearly always empty
-        (Redis CPU +15% and +38% in two pairs); a Lua script that reads them in turn copies every entry through Lua
-        (single reads of partials held Redis 4-5 ms). Measured 2026-11-26: README, *Reads that keep to the room*."""
+        One XREADGROUP over the three streams applies its COUNT to each, so it may return up to `count` from each; the
+        caller holds what it has no room for (`consumers.worker`)."""
         streams = [self.keys.partials, self.keys.inbox(consumer), self.keys.prompts]
         order = {stream: k for k, stream in enumerate(streams)}
-        first: list[Entry] = []
-        if partials_first:
-            first = self._read_group_new(consumer, {streams[0]: ">"}, count, None)
-            if len(first) >= count:
-                return first
-        if first:
-            streams, block_ms = streams[1:], None
-        entries = self._read_group_new(consumer, dict.fromkeys(streams, ">"), count - len(first), self._block(block_ms))
-        return first + sorted(entries, key=lambda e: order[e.stream])
+        entries = self._read_group_new(consumer, dict.fromkeys(streams, ">"), count, self._block(block_ms))
+        return sorted(entries, key=lambda e: order[e.stream])
+
+    def take(self, consumer: str, room: int, held: int, horizon_ms: int) -> tuple[list[Entry], bool]:
+        """New entries for one worker of a fleet, without waiting: partials first, then its inbox, then prompts; of
+        partials and prompts at most its share of the work (`lua/share.lua`): what waits over the workers that asked
+        for work within `horizon_ms`, less what it holds (`held` entries) beyond the one of them that holds least, and
+        no more than its `room`. So a step's work spreads over the workers with room rather than going to the first
+        one to ask, and a lone worker still takes all that fits. Also returns whether it is another worker's turn:
+        this one took nothing, and holds its share of what waits, or more than the worker that holds least (then it
+        should not wait in a blocking read either: Redis would hand it the next new entry if it waited longest).
+
+        While partials wait, they are read alone first (right after an abort sync), so that a worker does not sit on
+        prompts behind them while others wait; the rest of the share then comes from the inbox and prompts, in one
+        XREADGROUP with the share as its COUNT, which Redis applies to each stream: while both hold work it returns
+        more than the share (the caller holds what has no room)."""
+        keys = self.keys
+
+        def ask() -> Any:
+            fleet_keys = [keys.partials, keys.prompts, keys.ready, keys.ready_held]
+            return self._share(keys=fleet_keys, args=[GENERATORS, consumer, room, held, horizon_ms])
+
+        try:
+            share, waiting, partials, above = ask()
+        except redis.ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            self.ensure_groups()  # a stream deleted under us: make it again
+            share, waiting, partials, above = ask()
+        if not share:
+            if not (waiting or above):
+                return [], False
+            mine = self._read_group_new(consumer, {keys.inbox(consumer): ">"}, room, None)  # its own: no turns
+            return mine, not mine
+        first = self._read_group_new(consumer, {keys.partials: ">"}, share, None) if partials else []
+        if len(first) >= share:
+            return first, False
+        rest = {keys.inbox(consumer): ">", keys.prompts: ">"}
+        entries = self._read_group_new(consumer, rest, share - len(first), None)
+        return first + sorted(entries, key=lambda e: e.stream == keys.prompts), False  # the inbox's first
 
     def _read_group_new(self, consumer: str, streams: dict[str, str], count: int, block_ms: int | None) -> list[Entry]:
         def read() -> Any:
@@ -158,18 +186,23 @@ class Streams:
     def add_to_inbox(self, worker: str, prompt: Prompt) -> bytes:
         return cast(bytes, self.redis.xadd(self.keys.inbox(worker), for_redis(prompt.to_fields())))
 
-    def claim_abandoned(self, consumer: str, min_idle_ms: int, count: int) -> list[Entry]:
-        """Take over work whose owner stopped touching it (a dead or hung worker), partials first.
+    def claim_abandoned(
+        self, consumer: str, min_idle_ms: int, count: int, quick_ms: int = 1000, horizon_ms: int = 3000, held: int = 0
+    ) -> tuple[list[Entry], bool]:
+        """Take over work whose owner stopped (`lua/claim.lua`), partials first, oldest first: the entries of a worker
+        whose heartbeat has been silent longer than the silence it declared (`{ns}:beats`), once idle `quick_ms`, and
+        any entry idle past `min_idle_ms` (an owner that stopped touching it); at most `count`, and the claimer's share
+        of them over the workers with room (the ready set, as `take` counts it, within `horizon_ms`, less what it holds,
+        `held` entries, beyond the worker there that holds least). Also returns whether such work was found that is
+        another worker's turn (this one claimed none).
 
-        Pending entries that were deleted meanwhile are acked (see `lua/claim.lua`).
+        Pending entries that were deleted meanwhile are acked.
         """
         streams = [self.keys.partials, self.keys.prompts]
-        reply = self._claim(keys=streams, args=[GENERATORS, consumer, min_idle_ms, count])
-        claimed = []
-        for stream, items in zip(streams, reply, strict=True):
-            for entry_id, flat in items:
-                claimed.append(Entry(stream, entry_id, dict(zip(flat[::2], flat[1::2], strict=True))))
-        return claimed
+        args: list[str | int] = [GENERATORS, consumer, min_idle_ms, count, quick_ms, horizon_ms, held]
+        keys = [*streams, self.keys.ready, self.keys.ready_held, self.keys.beats]
+        reply = self._claim(keys=keys, args=args)
+        return _entries_per_stream(streams, reply[:2]), bool(reply[2])
 
     def touch(self, consumer: str, entries: Iterable[Entry]) -> None:
         """Reset the idle time of work still in progress, so that nobody claims it from a live worker."""
@@ -483,6 +516,15 @@ def _append_rollouts(args: list[Any], rollouts: Sequence[Rollout]) -> None:
     for rollout in rollouts:
         args += [rollout.prompt_id, rollout.sample]
         _append_fields(args, rollout.to_fields(shared))
+
+
+def _entries_per_stream(streams: Sequence[str], reply: Any) -> list[Entry]:
+    """The entries of a script's reply that holds, per stream of `streams`, `{id, {field, value, ...}}` pairs."""
+    return [
+        Entry(stream, entry_id, dict(zip(flat[::2], flat[1::2], strict=True)))
+        for stream, items in zip(streams, reply, strict=True)
+        for entry_id, flat in items
+    ]
 
 
 def _parse_id(entry_id: bytes | str) -> tuple[int, int]:

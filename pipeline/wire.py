@@ -122,6 +122,14 @@ class Keys:
         self.stale = f"{tag}:stale"
         self.worker_prefix = f"{tag}:worker:"
         self.workers = f"{tag}:workers"
+        self.ready = f"{tag}:ready"
+        """Sorted set: the workers that asked for work with room to spare, scored by when (Redis's clock, ms): what a
+        worker's share of the waiting work is counted over (`lua/share.lua`, `lua/claim.lua`)."""
+        self.beats = f"{tag}:beats"
+        """Sorted set: each worker scored by the moment (Redis's clock, ms) after which its silence makes it dead, moved
+        on by every heartbeat (`lua/beat.lua`): a claimer finds the dead in one range read (`lua/claim.lua`)."""
+        self.ready_held = f"{tag}:ready:held"
+        """Sorted set: the same workers, scored by the entries each holds (`lua/share.lua` levels them out)."""
         self.inbox_prefix = f"{tag}:inbox:"
         self.session_prefix = f"{tag}:session:"
         self.pins_prefix = f"{tag}:pins:"

@@ -77,6 +77,7 @@ def grpo_step(
     max_grad_norm: float = 1.0,
     minibatches: int = 1,
     replay_routes: bool = False,
+    autocast: torch.dtype | None = None,
 ) -> GrpoStep:
     """Score `batch`, compute the GRPO loss on it and take `minibatches` optimizer steps on `policy`.
 
@@ -88,6 +89,10 @@ def grpo_step(
 
     `replay_routes`: a mixture-of-experts policy's forward passes route as the engine routed the rollouts
     (`producers.routing.routes_replayed`; the rollouts asked for with `submit(..., routed_experts=True)`).
+
+    `autocast`: the dtype the forward and backward passes compute in (`torch.bfloat16` where the engines serve the
+    policy in bf16: tensor cores on a GPU), the parameters, gradients and optimizer staying in theirs; logprobs and
+    the loss are still float32 (`token_logprobs`). None: the parameters' dtype.
 
     Raises `ValueError` for an objective it does not know, `minibatches` < 1 or more than the batch's samples, or
     `replay_routes` for a batch that carries no routes.
@@ -106,9 +111,15 @@ def grpo_step(
     routes = torch.from_numpy(given).to(device) if replay_routes and given is not None else None
     arrays = {k: torch.from_numpy(v).to(device) for k, v in host.items()}
 
-    def routed(rows_of: torch.Tensor | slice) -> contextlib.AbstractContextManager[None]:
-        """The policy routed as the engine routed these rows when `replay_routes` (its backward pass too)."""
-        return contextlib.nullcontext() if routes is None else routes_replayed(policy, routes[rows_of])
+    def routed(rows_of: torch.Tensor | slice) -> contextlib.ExitStack[bool | None]:
+        """The policy routed as the engine routed these rows when `replay_routes` (its backward pass too), and computing
+        in `autocast`'s dtype when given."""
+        stack = contextlib.ExitStack()
+        if autocast is not None:
+            stack.enter_context(torch.autocast(device.type, dtype=autocast))
+        if routes is not None:
+            stack.enter_context(routes_replayed(policy, routes[rows_of]))
+        return stack
 
     advantages = group_advantages(rewards).to(device)
     proximal = None  # the policy as the step starts, when minibatches > 1 (else each minibatch's own forward pass)

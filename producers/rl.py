@@ -48,17 +48,24 @@ def group_advantages(
 ) -> torch.Tensor:
     """One advantage per sample, flattened in group order (the row order of `Batch.to_arrays()`).
 
-    `rewards[g][k]` is the reward of sample `k` of group `g`; groups may differ in size.
+    `rewards[g][k]` is the reward of sample `k` of group `g`; groups may differ in size. Computed for every group at
+    once (the groups padded to the largest, the padding masked out of the means), no loop over groups.
     """
-    groups = [torch.as_tensor(group, dtype=torch.float32) for group in rewards]
-    out = []
-    for group in groups:
-        centered = group - group.mean()
-        if scale == "std" and len(group) > 1:
-            std = group.std(unbiased=False)
-            centered = torch.zeros_like(group) if std < eps else centered / (std + eps)
-        out.append(centered)
-    return torch.cat(out) if out else torch.zeros(0)
+    sizes = [len(group) for group in rewards]
+    if not sizes or not sum(sizes):
+        return torch.zeros(0)
+    width = max(sizes)
+    table = torch.zeros(len(sizes), width, dtype=torch.float32)
+    lengths = torch.tensor(sizes)
+    present = torch.arange(width)[None, :] < lengths[:, None]
+    table[present] = torch.cat([torch.as_tensor(group, dtype=torch.float32).reshape(-1) for group in rewards])
+    counts = lengths.clamp(min=1).to(torch.float32)[:, None]
+    centered = torch.where(present, table - table.sum(1, keepdim=True) / counts, 0.0)
+    if scale == "std":
+        std = ((centered**2).sum(1, keepdim=True) / counts).sqrt()  # unbiased=False, as torch.std's
+        scaled = torch.where(std < eps, 0.0, centered / (std + eps))
+        centered = torch.where(lengths[:, None] > 1, scaled, centered)
+    return centered[present]
 
 
 def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

@@ -423,3 +423,32 @@ def test_the_model_names_a_lora_adapter_and_a_session_stays_on_it(
     assert finish(base, "lora-1", reward=1.0).status_code == 200
     [group] = trainer.collect(1, timeout=30)
     assert group.adapter == "tenant-a" and group.rollouts[0].version == 1 and group.rollouts[0].reward == 1.0
+
+
+def test_calls_without_a_session_spread_over_the_workers(
+    redis_server: RedisServer, ns: str, workers: StartWorker, gateways: StartGateway
+) -> None:
+    """Sixteen concurrent completions without a session, four idle workers that could each take all of them: each
+    worker serves some, and none more than its quarter and one."""
+    names = [f"w{k}" for k in range(4)]
+    for name in names:
+        workers(name, *SLOW, "--max-inflight", "64")
+    client = openai_client(gateways("gw"))
+
+    def call(k: int) -> None:
+        client.completions.create(model="tiny", prompt=f"Count to {k}.", max_tokens=20, seed=k)
+
+    threads = [threading.Thread(target=call, args=(k,)) for k in range(16)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not any(thread.is_alive() for thread in threads)
+    registry = Streams(redis.Redis.from_url(redis_server.url), ns).registry
+
+    def served() -> dict[str, int]:
+        heartbeats = registry.live_workers()
+        return {name: int(heartbeats[name]["published"]) for name in names}
+
+    wait_until(lambda: sum(served().values()) == 16, 10, "the heartbeats to count the 16 published")
+    assert max(served().values()) <= 5 and min(served().values()) >= 1, served()

@@ -226,3 +226,58 @@ def test_staleness_is_counted_over_completion_tokens() -> None:
     mask = versions >= 0
     assert staleness_stats(versions, mask, trainer_version=5) == {"staleness_mean": 1.25, "staleness_max": 2.0}
     assert staleness_stats(versions, torch.zeros_like(mask), 5) == {"staleness_mean": 0.0, "staleness_max": 0.0}
+
+
+def _per_group_advantages(rewards: list[list[float]], eps: float = 1e-6) -> list[float]:
+    """The advantages as they were computed before 2026-12-01, a group at a time (the reference)."""
+    out: list[float] = []
+    for group in rewards:
+        values = torch.tensor(group, dtype=torch.float32)
+        centered = values - values.mean()
+        if len(group) > 1:
+            std = values.std(unbiased=False)
+            centered = torch.zeros_like(values) if std < eps else centered / (std + eps)
+        out += centered.tolist()
+    return out
+
+
+def test_advantages_of_every_group_at_once_equal_those_of_one_group_at_a_time() -> None:
+    generator = np.random.default_rng(0)
+    for _ in range(100):
+        rewards = [generator.choice([0.0, 1.0, generator.random()], size=generator.integers(1, 7)).tolist()
+                   for _ in range(generator.integers(1, 9))]  # fmt: skip
+        np.testing.assert_allclose(group_advantages(rewards).numpy(), _per_group_advantages(rewards), atol=1e-6)
+
+
+def test_the_batched_step_equals_the_per_sample_computation_in_float32(tiny_model_dir: Path) -> None:
+    """grpo_step's loss and gradients over the padded batch (masks, one forward pass) equal those of each sample on
+    its own, unpadded, summed in Python: the reference the vectorized step must keep."""
+    batch = _engine_batch(tiny_model_dir)
+    stale = Batch([Group(g.prompt_id, [r.model_copy(update={"logprobs": r.logprobs - 0.3 * (r.sample + 1)})
+                                       for r in g.rollouts]) for g in batch.groups])  # fmt: skip
+    policy = _fresh_policy(tiny_model_dir)
+    out = grpo_step(policy, torch.optim.SGD(policy.parameters(), lr=0.0), stale, _sample_index, max_grad_norm=1e9)
+    batched = {name: p.grad.clone() for name, p in policy.named_parameters() if p.grad is not None}
+
+    reference = _fresh_policy(tiny_model_dir)
+    rollouts = stale.rollouts
+    advantages = _per_group_advantages([[_sample_index(r) for r in g.rollouts] for g in stale.groups])
+    total_tokens = sum(r.n_tokens for r in rollouts)
+    loss = torch.zeros(())
+    for rollout, advantage in zip(rollouts, advantages, strict=True):
+        ids = torch.tensor([[*rollout.prompt_tokens.tolist(), *rollout.tokens.tolist()]])
+        current = token_logprobs(reference, ids, torch.ones_like(ids))[0, len(rollout.prompt_tokens) :]
+        behaviour = torch.from_numpy(rollout.logprobs)
+        ratio = torch.exp(current - current.detach())  # decoupled, one minibatch: the proximal policy is the current
+        weight = torch.exp((current.detach() - behaviour).clamp(max=np.log(2.0)))  # token level, truncated at 2
+        loss = loss - (ratio * advantage * weight).sum() / total_tokens
+    loss.backward()
+    assert out.loss == pytest.approx(float(loss), abs=1e-6)
+    for name, p in reference.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(batched[name], p.grad, atol=1e-6, rtol=1e-4, msg=name)
+
+    bf16 = _fresh_policy(tiny_model_dir)
+    half = grpo_step(bf16, torch.optim.SGD(bf16.parameters(), lr=0.0), stale, _sample_index, autocast=torch.bfloat16)
+    assert half.loss == pytest.approx(out.loss, rel=0.05, abs=1e-3), "bf16 autocast: the same loss to bf16's precision"
+    assert all(p.dtype == torch.float32 for p in bf16.parameters()), "the weights stay float32"

@@ -62,35 +62,124 @@ def taken(client: redis.Redis, ns: str, count: int) -> tuple[Streams, list[Promp
     return streams, prompts, streams.read_work("w1", count, None)
 
 
-def test_a_read_serves_partials_then_the_inbox_then_prompts_and_can_take_partials_alone_first(
+def test_a_read_serves_partials_then_the_inbox_then_prompts_and_a_take_keeps_to_its_room(
     any_redis: redis.Redis, ns: str
 ) -> None:
-    """One XREADGROUP over the three streams applies its COUNT to each: a read for one entry takes one from each
-    stream that has work (the worker holds what does not fit). Asked to read partials first (after an abort sync), a
-    read takes partials alone while there are enough, and the rest only for the room left. A claim of abandoned work
-    counts in all, partials first."""
+    """One XREADGROUP over several streams applies its COUNT to each: a blocking read for one entry takes one from
+    each stream that has work. A take (its share, `share.lua`: all that waits for a lone worker, up to its room)
+    reads partials alone while they last, then the rest of its share from the inbox and prompts, as many of each
+    (the worker holds what does not fit). A claim of abandoned work counts in all, partials first."""
     streams = Streams(any_redis, ns)
     streams.ensure_groups()
     streams.join("w1")
     partials, inbox, prompts = streams.keys.partials, streams.keys.inbox("w1"), streams.keys.prompts
-    for k in range(3):
+    for k in range(4):
         any_redis.xadd(partials, {"k": k})
-    streams.add_to_inbox("w1", prompt("mine"))
-    streams.add_to_inbox("w1", prompt("mine-too"))
-    streams.add_prompts([prompt(f"p{k}") for k in range(3)])
+    for k in range(3):
+        streams.add_to_inbox("w1", prompt(f"mine{k}"))
+    streams.add_prompts([prompt(f"p{k}") for k in range(4)])
 
-    def read(count: int, partials_first: bool = False) -> list[str]:
-        return [entry.stream for entry in streams.read_work("w1", count, None, partials_first)]
+    def take(room: int) -> list[str]:
+        return [entry.stream for entry in streams.take("w1", room, 0, 3000)[0]]
 
-    assert read(1) == [partials, inbox, prompts]
-    assert read(1, partials_first=True) == [partials]
-    assert read(3, partials_first=True) == [partials, inbox, prompts, prompts]  # the last partial, then 2 of each
-    assert read(10, partials_first=True) == []
-    claimed = streams.claim_abandoned("w2", min_idle_ms=0, count=4)
-    assert [entry.stream for entry in claimed] == [partials] * 3 + [prompts]
+    assert [entry.stream for entry in streams.read_work("w1", 1, None)] == [partials, inbox, prompts]
+    assert take(2) == [partials] * 2  # partials alone while they last
+    assert take(3) == [partials, inbox, inbox, prompts, prompts]  # the rest of its share: COUNT 2 on each stream
+    assert take(10) == [prompts]  # one waits in the shared streams: its share
+    assert take(10) == []
+    wait_until(lambda: asked_ago_ms(any_redis, streams, "w1") > 10, 10, "w1's last ask to age 10 ms")
+    claimed, _ = streams.claim_abandoned("w2", min_idle_ms=0, count=5, horizon_ms=10)  # w1 asked too long ago to count
+    assert [entry.stream for entry in claimed] == [partials] * 4 + [prompts]  # of 8 pending on w1
     any_redis.delete(prompts)  # deleted under its readers: the next XADD makes it again, without the group
     streams.add_prompts([prompt("again")])
-    assert read(10) == [prompts]
+    assert take(10) == [prompts]
+
+
+@pytest.mark.parametrize("stream", ["prompts", "partials"])
+def test_a_take_leaves_the_other_workers_with_room_their_share(any_redis: redis.Redis, ns: str, stream: str) -> None:
+    """Four workers asked for work (the ready set): of 16 entries (prompts, or the partials an abort sync left) the
+    first to ask takes a quarter, though it has room for all; one that holds more than the least-holding worker is
+    told it is the others' turn; a full worker leaves the ready set, one that stopped asking drops off it after the
+    horizon, and then the last one asking takes all that waits."""
+    streams = Streams(any_redis, ns)
+    streams.ensure_groups()
+    for name in ("w1", "w2", "w3", "w4"):
+        assert streams.take(name, 64, 0, 60_000) == ([], False)  # nothing waits: on the ready set, with room
+    key = getattr(streams.keys, stream)
+    for k in range(16):
+        any_redis.xadd(key, prompt(f"p{k}").to_fields() if stream == "prompts" else {"k": k})
+
+    def took(name: str, room: int, held: int, horizon_ms: int = 60_000) -> int | str:
+        entries, others_turn = streams.take(name, room, held, horizon_ms)
+        assert all(entry.stream == key for entry in entries)
+        return "others' turn" if others_turn else len(entries)
+
+    assert took("w1", 64, 0) == 4
+    assert took("w2", 64, 0) == 3  # 12 wait: a quarter, rounded up
+    assert took("w1", 64, 4) == "others' turn"  # w3 and w4 hold nothing yet
+    assert took("w3", 1, 0) == 1  # full now: off the ready set
+    assert any_redis.zscore(streams.keys.ready, "w3") is None
+    assert took("w4", 64, 0) == 3  # 8 wait over three with room
+    assert took("w2", 64, 3) == 2  # holds the least (3, as w4): 5 wait over three
+
+    def others_quiet() -> float:
+        return min(asked_ago_ms(any_redis, streams, "w2"), asked_ago_ms(any_redis, streams, "w4"))
+
+    wait_until(lambda: others_quiet() > 100, 10, "the others to go quiet for 100 ms")
+    assert took("w1", 64, 4, horizon_ms=100) == 3  # all that waits: it is the only one with room that asks
+    assert any_redis.xinfo_groups(key)[0]["pending"] == 16
+
+
+def test_a_silent_workers_work_is_claimed_at_once_and_a_live_workers_never(any_redis: redis.Redis, ns: str) -> None:
+    """A worker whose heartbeat has been silent longer than the silence it declared loses its work to a claimer as
+    soon as the work idles `quick_ms`, oldest first, whatever `min_idle_ms` says; a live worker's work idle just as
+    long stays with it, and so does the work of a consumer that never declared one (until `min_idle_ms`)."""
+    streams = Streams(any_redis, ns)
+    streams.ensure_groups()
+    streams.add_prompts([prompt(f"p{k}") for k in range(6)])
+    for name in ("alive", "silent"):
+        streams.registry.heartbeat(name, {"status": "serving"}, ttl_s=5, dead_after_s=0.2)
+    mine = streams.read_work("alive", 2, None) + streams.read_work("silent", 2, None)
+    streams.read_work("never-beat", 2, None)
+
+    def deadline_passed() -> bool:
+        seconds, micros = any_redis.time()
+        return seconds * 1000 + micros / 1000 > float(any_redis.zscore(streams.keys.beats, "silent") or 0) + 50
+
+    wait_until(deadline_passed, 10, "the silent worker's deadline to pass")
+    streams.registry.heartbeat("alive", {"status": "serving"}, ttl_s=5, dead_after_s=0.2)
+    wait_until(lambda: idle_ms(any_redis, streams) >= 100, 10, "the work to idle 100 ms")
+    claimed, _ = streams.claim_abandoned("rescuer", min_idle_ms=60_000, count=10, quick_ms=100)
+    assert [Prompt.from_fields(e.fields).id for e in claimed] == ["p2", "p3"]
+    assert streams.delivery_count(mine[0]) == 1
+    streams.registry.forget_worker("silent")
+    assert any_redis.zscore(streams.keys.beats, "silent") is None
+
+
+def test_a_dead_workers_work_is_shared_out_to_the_workers_that_hold_least(any_redis: redis.Redis, ns: str) -> None:
+    """Two rescuers with room: the one that holds more is told it is the other's turn, the other takes its half."""
+    streams = Streams(any_redis, ns)
+    streams.ensure_groups()
+    streams.add_prompts([prompt(f"p{k}") for k in range(4)])
+    streams.read_work("gone", 4, None)  # never beat: claimed once idle past min_idle_ms
+    assert streams.take("busy", 64, 4, 60_000) == ([], False)
+    assert streams.take("idle", 64, 0, 60_000) == ([], False)
+    wait_until(lambda: idle_ms(any_redis, streams) >= 20, 10, "the work to idle 20 ms")
+    assert streams.claim_abandoned("busy", 10, 64, 10, 60_000, held=4) == ([], True)
+    claimed, others_turn = streams.claim_abandoned("idle", 10, 64, 10, 60_000, held=0)
+    assert [Prompt.from_fields(e.fields).id for e in claimed] == ["p0", "p1"] and not others_turn
+
+
+def asked_ago_ms(client: redis.Redis, streams: Streams, name: str) -> float:
+    """How long ago (Redis's clock) worker `name` last asked for work with room (its score on the ready set)."""
+    seconds, micros = client.time()
+    return seconds * 1000 + micros / 1000 - float(client.zscore(streams.keys.ready, name) or 0)
+
+
+def idle_ms(client: redis.Redis, streams: Streams) -> int:
+    """The least idle time of the prompts pending on anyone."""
+    pending = client.xpending_range(streams.keys.prompts, GENERATORS, "-", "+", 100)
+    return min(p["time_since_delivered"] for p in pending)
 
 
 def test_groups_are_created_once(any_redis: redis.Redis, ns: str) -> None:
@@ -333,7 +422,7 @@ def test_abandoned_work_is_claimed_but_touched_work_is_not(any_redis: redis.Redi
         registered = streams.registry.heartbeat("w1", {"status": "serving"}, ttl_s=5, touch=[alive])
         assert registered == 1  # one worker registered
         assert any_redis.hget(streams.keys.worker("w1"), "status") == b"serving"
-    assert [e.id for e in streams.claim_abandoned("w2", min_idle_ms=300, count=10)] == [dead.id]
+    assert [e.id for e in streams.claim_abandoned("w2", min_idle_ms=300, count=10)[0]] == [dead.id]
     assert streams.delivery_count(dead) == 2
     assert streams.delivery_count(alive) == 1
 
@@ -351,7 +440,7 @@ def test_work_deleted_while_pending_is_acked_not_claimed(any_redis: redis.Redis,
         return min(p["time_since_delivered"] for p in pending)
 
     wait_until(lambda: idle_ms() >= 20, 10, "the held entries to idle")  # fakeredis counts idle 0 as not idle
-    claimed = streams.claim_abandoned("w2", min_idle_ms=10, count=10)
+    claimed, _ = streams.claim_abandoned("w2", min_idle_ms=10, count=10)
     assert [Prompt.from_fields(e.fields).id for e in claimed] == ["kept", "kept-too"]
     pending = any_redis.xpending_range(streams.keys.prompts, GENERATORS, "-", "+", 10)
     assert [(p["message_id"], p["consumer"]) for p in pending] == [(held[0].id, b"w2"), (held[2].id, b"w2")]
@@ -592,6 +681,8 @@ def test_every_lua_script_names_its_keys_and_compiles_on_both_versions(redis_ser
         *(
             "publish",
             "claim",
+            "share",
+            "beat",
             "forward",
             "rehome",
             "dead_letter",

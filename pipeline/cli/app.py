@@ -295,8 +295,9 @@ def worker_settings(
     hand_off_partials: bool = False,
     max_inflight_tokens: int | None = None,
 ) -> WorkerSettings:
-    """The worker loop's settings from its flags; a heartbeat lives at least 5 periods, and a blocking read waits at
-    most one (a worker asked to beat every 0.3 s stops within 0.3 s, not the default read's 1 s)."""
+    """The worker loop's settings from its flags; a heartbeat lives at least 5 periods, a worker silent for 2.5 (and
+    2.5 s at least) is dead to the others (its work is taken over), and a blocking read waits at most one (a worker
+    asked to beat every 0.3 s stops within 0.3 s, not the default read's 1 s)."""
     from consumers.worker import WorkerSettings
 
     settings = WorkerSettings(
@@ -310,6 +311,7 @@ def worker_settings(
     settings.lazy, settings.release_after_s = lazy, release_after_s
     settings.hand_off_partials = hand_off_partials
     settings.heartbeat_ttl_s = max(settings.heartbeat_ttl_s, 5 * heartbeat_s)
+    settings.dead_after_s = max(settings.dead_after_s, 2.5 * heartbeat_s)
     settings.freeze_heap = True  # a worker process of its own (`rollouts worker`, or a `rollouts launch` actor)
     return settings
 

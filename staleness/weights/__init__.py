@@ -193,6 +193,24 @@ async def receive_adapter(link: BroadcastLink) -> tuple[dict[str, torch.Tensor],
     return tensors, config
 
 
+def prefetch_version(uri: str, version: int, redis_client: redis.Redis | None = None) -> dict[str, torch.Tensor] | None:
+    """The part of a `redis://` load that need not stop generation: fetch and check the version's tensors (host
+    memory, one buffer), for `load_prefetched` once the engine is paused. A worker does this before it pauses, as it
+    joins an nccl broadcast before: the transfer is then time the trainer waits for, not time the worker stands
+    still. None for the other schemes (fs and ipc load in place from where they are; nccl arrives during the sync).
+    Blocking: call it off the event loop. Raises as `fetch_weights` does."""
+    if parse_uri(uri).scheme != "redis":
+        return None
+    fetched = fetch_weights(uri, version, redis_client)
+    assert isinstance(fetched, dict)  # redis: named tensors
+    return fetched
+
+
+async def load_prefetched(engine: LoadsWeights, tensors: dict[str, torch.Tensor], version: int) -> None:
+    """Load what `prefetch_version` fetched into `engine` (paused meanwhile): a copy into the model's tensors."""
+    await engine.load_tensors(tensors, version)
+
+
 def is_stored(uri: str) -> bool:
     """Whether a version under `uri` can be fetched at any time (fs, redis; ipc while the trainer that exported it
     lives), not only during its sync (nccl)."""

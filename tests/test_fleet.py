@@ -1,0 +1,133 @@
+"""A fleet of worker processes behind one queue: a step's work spreads over the workers with room, a lone worker
+still fills its engine's batch, a dead or frozen worker's work is started elsewhere within seconds (the oldest first),
+and a live worker's long sample is never taken from it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections import Counter
+
+import pytest
+
+from pipeline.local import RedisServer
+from pipeline.wire import GENERATORS
+from producers.client import RolloutClient
+from tests.fixtures import StartWorker, holds_work, wait_until
+
+SYNTHETIC = ("--engine", "synthetic")
+
+
+def pending_on(client: RolloutClient, worker: str) -> set[bytes]:
+    """The prompt entries pending on `worker` (taken, not finished)."""
+    r, key = client.streams.redis, client.streams.keys.prompts
+    return {p["message_id"] for p in r.xpending_range(key, GENERATORS, "-", "+", 10_000, consumername=worker)}
+
+
+def test_a_step_spreads_over_four_workers_and_none_takes_more_than_its_share(
+    redis_server: RedisServer, ns: str, workers: StartWorker
+) -> None:
+    """Three steps of 16 prompts x 4 samples, one step at a time, over four idle workers that could each take a whole
+    step (64 samples of room): no worker serves more than its quarter and one group (20 of a step's 64)."""
+    names = [f"w{k}" for k in range(4)]
+    for name in names:
+        workers(name, *SYNTHETIC, "--engine-args", '{"steps_per_s": 100}', "--max-inflight", "64")
+    client = RolloutClient(redis_server.url, ns)
+    for step in range(3):
+        ids = [client.submit(tokens=[4, 5, step, k], n=4, max_tokens=60, seed=k) for k in range(16)]
+        groups = client.collect(len(ids), timeout=120)
+        served = Counter(r.worker for g in groups for r in g.rollouts)
+        assert sum(served.values()) == 64
+        assert max(served.values()) <= 20, f"step {step}: {dict(served)}"
+        assert set(served) == set(names), f"step {step}: {dict(served)}"
+
+
+def test_a_lone_worker_still_fills_its_engines_batch(redis_server: RedisServer, ns: str, workers: StartWorker) -> None:
+    """Alone, a worker takes all that fits: 8 prompts x 4 samples put 32 in flight at once."""
+    workers("alone", *SYNTHETIC, "--engine-args", '{"steps_per_s": 20}', "--max-inflight", "32")
+    client = RolloutClient(redis_server.url, ns)
+    client.submit(tokens=[4, 5, 6], n=4, max_tokens=400, seed=0)  # its first entry says how many samples one holds
+    wait_until(holds_work(client, "alone"), 30, "the worker to take the first prompt")
+    for k in range(7):
+        client.submit(tokens=[4, 5, 7 + k], n=4, max_tokens=400, seed=k)
+
+    def inflight() -> int:
+        return int(client.streams.registry.live_workers()["alone"].get("inflight", 0))
+
+    wait_until(lambda: inflight() == 32, 30, "32 samples in flight on the lone worker")
+    assert len(pending_on(client, "alone")) == 8
+
+
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "frozen"])
+def test_a_dead_workers_work_is_started_elsewhere_within_seconds(
+    redis_server: RedisServer, ns: str, workers: StartWorker, how: signal.Signals
+) -> None:
+    """A worker killed (or frozen) with prompts in flight: a live worker with room starts them within the silence
+    its heartbeat declares (2.5 s) and a claim period or two, long before they idle past --claim-idle-ms (10 s);
+    each prompt is delivered once to the trainer."""
+    flags = ("--max-inflight", "8", "--claim-idle-ms", "10000")
+    doomed = workers("doomed", *SYNTHETIC, "--engine-args", '{"steps_per_s": 10}', *flags)  # 100 s a sample
+    client = RolloutClient(redis_server.url, ns)
+    ids = [client.submit(tokens=[4, 5, k], n=2, max_tokens=1000, seed=k) for k in range(4)]
+    wait_until(lambda: len(pending_on(client, "doomed")) == 4, 30, "the doomed worker to take all four")
+    workers("rescuer", *SYNTHETIC, "--engine-args", '{"steps_per_s": 500}', *flags)
+    orphaned = pending_on(client, "doomed")
+    assert len(orphaned) == 4
+    os.kill(doomed.pid, how)
+    began = time.monotonic()
+    wait_until(lambda: orphaned <= pending_on(client, "rescuer"), 15, "the rescuer to take the orphaned prompts")
+    took = time.monotonic() - began
+    assert took < 2.5 + 1.5, f"took {took:.1f} s"
+    if how == signal.SIGSTOP:
+        os.kill(doomed.pid, signal.SIGKILL)
+    groups = client.collect(len(ids), timeout=180)
+    assert sorted(g.prompt_id for g in groups) == sorted(ids)
+    assert client.stats["duplicates"] == 0
+
+
+def test_a_dead_workers_work_goes_before_newer_prompts(
+    redis_server: RedisServer, ns: str, workers: StartWorker
+) -> None:
+    """The rescuer is busy with newer prompts when a worker dies: as its room opens it takes the dead worker's
+    prompts (the oldest, which a step waits on) before any of the newer ones that wait behind them."""
+    slow = ("--engine-args", '{"steps_per_s": 25}', "--max-inflight", "8")
+    doomed = workers("doomed", *SYNTHETIC, *slow)
+    client = RolloutClient(redis_server.url, ns)
+    ids = [client.submit(tokens=[4, 5, k], n=2, max_tokens=100, seed=k) for k in range(4)]
+    wait_until(lambda: len(pending_on(client, "doomed")) == 4, 30, "the doomed worker to take all four")
+    workers("rescuer", *SYNTHETIC, *slow)
+    ids += [client.submit(tokens=[4, 6, k], n=2, max_tokens=200, seed=k) for k in range(12)]  # 8 s: past the silence
+    wait_until(lambda: len(pending_on(client, "rescuer")) == 4, 30, "the rescuer to fill up with newer prompts")
+    orphaned = pending_on(client, "doomed")
+    os.kill(doomed.pid, signal.SIGKILL)
+    wait_until(lambda: orphaned <= pending_on(client, "rescuer") | done(client, orphaned), 30, "the orphans taken")
+    r = client.streams.redis
+    waiting = r.xinfo_groups(client.streams.keys.prompts)[0]["lag"]
+    assert waiting == 8, f"{8 - waiting} newer prompts went first"
+    groups = client.collect(len(ids), timeout=180)
+    assert sorted(g.prompt_id for g in groups) == sorted(ids)
+
+
+def done(client: RolloutClient, entries: set[bytes]) -> set[bytes]:
+    """Of `entries`, those no longer pending on anyone (published)."""
+    r, key = client.streams.redis, client.streams.keys.prompts
+    pending = {p["message_id"] for p in r.xpending_range(key, GENERATORS, "-", "+", 10_000)}
+    return entries - pending
+
+
+def test_a_live_workers_long_sample_is_never_taken_from_it(
+    redis_server: RedisServer, ns: str, workers: StartWorker
+) -> None:
+    """A sample that runs for many times the silence after which a worker is dead stays with its worker, while
+    another with room asks for work all along; it is delivered once."""
+    workers("patient", *SYNTHETIC, "--engine-args", '{"steps_per_s": 50}', "--max-inflight", "1")
+    client = RolloutClient(redis_server.url, ns)
+    long = client.submit(tokens=[4, 5, 6], n=1, max_tokens=400, seed=0)  # 8 s
+    wait_until(holds_work(client, "patient"), 30, "the worker to take the long prompt")
+    workers("eager", *SYNTHETIC)
+    (group,) = client.collect(1, timeout=60)
+    assert group.prompt_id == long and [r.worker for r in group.rollouts] == ["patient"]
+    entry = group.rollouts[0]
+    assert entry.worker == "patient"
+    assert client.streams.redis.xlen(client.streams.keys.dead) == 0
