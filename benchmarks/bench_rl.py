@@ -16,6 +16,12 @@ for the groups the run used or parked, left-overs at the stop aside), token stal
 importance weights, the sync stall, and the ideal overlap bound of the setting (the sync step over the larger of
 the trainer's step and the generator's time for a step's tokens at full batching). JSON on stdout; `--plot` draws
 the eval reward against wall time, every mode and seed in one figure.
+
+On a fleet (`--workers 1,2,4`): every mode and seed runs once per worker count W, against W `rollouts worker`s. Beside
+each mode's measured step time stands the ideal of a perfectly spread fleet (one worker's generator time for a step's
+tokens at full batching, from the calibration, ÷ W), and the share of each step's samples that each worker made (from
+the rollouts' `worker` field): a step that lands on one worker shows as a share of 1. When stderr is not a terminal,
+progress comes as plain lines (at most one every `PROGRESS_EVERY_S` while a run steps) instead of rich's bar.
 """
 
 from __future__ import annotations
@@ -51,8 +57,17 @@ if TYPE_CHECKING:
 
 REPO = Path(__file__).resolve().parent.parent
 TRAINER_FILE = REPO / "examples" / "grpo_trainer.py"
-WORKER = "rl-worker-0"
 COUNTERS = (b"busy_s", b"generated_tokens", b"inflight", b"ts")
+SERVED_GROUP = "bench-rl-served"
+"""A consumer group on `{ns}:rollouts` that reads nothing during a run: trimming waits for it, so that after the run
+every rollout still says which worker made it (`served_by`)."""
+PROGRESS_EVERY_S = 10.0
+"""When stderr is not a terminal: a run's steps print a line at most this often (its first and last step always)."""
+
+
+def worker_names(workers: int) -> list[str]:
+    """The names `generation_side` gives a run's workers."""
+    return [f"rl-worker-{i}" for i in range(workers)]
 
 
 def load_trainer() -> ModuleType:
@@ -125,26 +140,34 @@ class Settings:
     it ends (`runs.jsonl`); None: a temporary folder."""
     hidden_size: int = 64
     num_layers: int = 2
+    workers: tuple[int, ...] = (1,)
+    """Worker counts W: every mode and seed runs once per W, against W `rollouts worker`s (the calibration on one)."""
 
 
 # -- the generator's counters -------------------------------------------------------------------
 
 
-def heartbeat(client: RolloutClient, ns: str, newer_than: float = 0.0) -> dict[str, float]:
-    """The worker's counters, from a heartbeat written after `newer_than` (unix time): beats are periodic."""
-    deadline = time.monotonic() + 30
-    while True:
-        fields = client.streams.redis.hgetall(Keys(ns).worker(WORKER))
-        beat = {k.decode(): float(v) for k, v in fields.items() if k in COUNTERS}
-        if beat.get("ts", 0.0) > newer_than:
-            return beat
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no heartbeat of {WORKER} since {newer_than}")
-        time.sleep(0.02)
+def heartbeat(client: RolloutClient, ns: str, workers: int = 1, newer_than: float = 0.0) -> dict[str, float]:
+    """The counters of the run's `workers` workers summed, each from a heartbeat written after `newer_than` (unix
+    time): beats are periodic. `ts` is the sum of the beats' times, so that a difference of two is worker-seconds."""
+    total = dict.fromkeys((c.decode() for c in COUNTERS), 0.0)
+    for name in worker_names(workers):
+        deadline = time.monotonic() + 30
+        while True:
+            fields = client.streams.redis.hgetall(Keys(ns).worker(name))
+            beat = {k.decode(): float(v) for k, v in fields.items() if k in COUNTERS}
+            if beat.get("ts", 0.0) > newer_than:
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no heartbeat of {name} since {newer_than}")
+            time.sleep(0.02)
+        for key, value in beat.items():
+            total[key] += value
+    return total
 
 
-def wait_idle(client: RolloutClient, ns: str, timeout_s: float = 300) -> None:
-    """Until nothing is waiting on prompts or partials and the worker has nothing in flight."""
+def wait_idle(client: RolloutClient, ns: str, workers: int = 1, timeout_s: float = 300) -> None:
+    """Until nothing is waiting on prompts or partials and no worker has anything in flight."""
     keys, r = Keys(ns), client.streams.redis
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -153,10 +176,10 @@ def wait_idle(client: RolloutClient, ns: str, timeout_s: float = 300) -> None:
             delivered = next((g["last-delivered-id"].decode() for g in r.xinfo_groups(stream)), "0-0")
             undelivered = as_entries(r.xrange(stream, f"({delivered}", "+", count=1))
             waiting += r.xpending(stream, GENERATORS)["pending"] + len(undelivered)
-        if waiting == 0 and heartbeat(client, ns, newer_than=time.time()).get("inflight", 1) == 0:
+        if waiting == 0 and heartbeat(client, ns, workers, newer_than=time.time()).get("inflight", 1) == 0:
             return
         time.sleep(0.2)
-    raise TimeoutError("the worker did not finish its work")
+    raise TimeoutError("the workers did not finish their work")
 
 
 def leftover_tokens(url: str, ns: str) -> tuple[int, int]:
@@ -172,9 +195,10 @@ def leftover_tokens(url: str, ns: str) -> tuple[int, int]:
 
 
 def calibrate(trainer: ModuleType, url: str, config: Any, model: Path, logs: Path, settings: Settings) -> float:
-    """The worker's tokens per busy second at full batching: equal-length samples, many more than a batch; in a
+    """One worker's tokens per busy second at full batching: equal-length samples, many more than a batch; in a
     namespace of its own, so that admission's counts of the runs measured after are not touched. One batch first,
-    unmeasured: an engine's first requests pay for its warm-up (vLLM's CUDA graphs, compiled kernels)."""
+    unmeasured: an engine's first requests pay for its warm-up (vLLM's CUDA graphs, compiled kernels). Always one
+    worker, whatever `--workers` says: a fleet's ideal is this ÷ W."""
     ns = "bench-rl-calibration"
 
     def submit(count: int) -> None:
@@ -183,7 +207,7 @@ def calibrate(trainer: ModuleType, url: str, config: Any, model: Path, logs: Pat
         client.collect(count, timeout=600)
         wait_idle(client, ns)
 
-    with generation_side(trainer, url, ns, model, logs, settings):
+    with generation_side(trainer, url, ns, model, logs, settings, workers=1):
         client = RolloutClient(url, ns)
         submit(config.groups_per_step)
         before = heartbeat(client, ns, newer_than=time.time())
@@ -192,12 +216,57 @@ def calibrate(trainer: ModuleType, url: str, config: Any, model: Path, logs: Pat
     return (after["generated_tokens"] - before["generated_tokens"]) / (after["busy_s"] - before["busy_s"])
 
 
-def generation_side(trainer: ModuleType, url: str, ns: str, model: Path, logs: Path, settings: Settings) -> Any:
-    """The trainer's `generation_side`: `rollouts manager` and one `rollouts worker` of the settings' engine."""
+def generation_side(
+    trainer: ModuleType, url: str, ns: str, model: Path, logs: Path, settings: Settings, workers: int
+) -> Any:
+    """The trainer's `generation_side`: `rollouts manager` and `workers` x `rollouts worker` of the settings' engine
+    (`rl-worker-0`, `rl-worker-1`, ...; every vLLM worker sees the one GPU of `--worker-device`)."""
     worker_args = list(settings.worker_args)
     worker_args += ["--device", settings.worker_device] if settings.engine == "torch" else []
     env = trainer.gpu_of(settings.worker_device) if settings.engine == "vllm" else None
-    return trainer.generation_side(url, ns, model, settings.engine, 1, logs, worker_args, worker_env=env)
+    return trainer.generation_side(url, ns, model, settings.engine, workers, logs, worker_args, worker_env=env)
+
+
+def hold_rollouts(client: RolloutClient) -> None:
+    """Create `SERVED_GROUP` on the run's rollouts before it starts, so that none is trimmed before `served_by`."""
+    client.streams.redis.xgroup_create(client.streams.keys.rollouts, SERVED_GROUP, id="0", mkstream=True)
+
+
+def served_by(client: RolloutClient) -> dict[str, str]:
+    """Rollout id -> the worker that made it, over every rollout of the run (`hold_rollouts` kept them all)."""
+    r, stream, start = client.streams.redis, client.streams.keys.rollouts, "-"
+    out: dict[str, str] = {}
+    while page := as_entries(r.xrange(stream, start, "+", count=1000)):
+        for _, fields in page:
+            out.setdefault(fields[b"id"].decode(), fields.get(b"worker", b"").decode())
+        start = f"({page[-1][0].decode()}"
+    r.xgroup_destroy(stream, SERVED_GROUP)
+    return out
+
+
+def worker_shares(step_ids: list[list[str]], made_by: dict[str, str], workers: int) -> dict[str, Any]:
+    """Who served the samples each step trained on: per worker, its samples over the run and its largest share of
+    a step's samples; over the steps, the median and the largest of a step's top share (1: one worker made the whole
+    step; 1/W: perfectly spread)."""
+    names = worker_names(workers)
+    served = dict.fromkeys(names, 0)
+    share_max = dict.fromkeys(names, 0.0)
+    top_shares = []
+    for ids in step_ids:
+        counts = dict.fromkeys(names, 0)
+        for rollout_id in ids:
+            worker = made_by.get(rollout_id, "")
+            counts[worker] = counts.get(worker, 0) + 1  # "" or a stranger's name: not one of the run's workers
+        for name, count in counts.items():
+            served[name] = served.get(name, 0) + count
+            share_max[name] = max(share_max.get(name, 0.0), count / max(len(ids), 1))
+        top_shares.append(max(counts.values()) / max(len(ids), 1))
+    return {
+        "served": served,
+        "share_max": {name: round(share, 4) for name, share in share_max.items()},
+        "step_top_share_median": round(statistics.median(top_shares), 4) if top_shares else None,
+        "step_top_share_max": round(max(top_shares), 4) if top_shares else None,
+    }
 
 
 # -- evaluation, off the clock ------------------------------------------------------------------
@@ -279,28 +348,43 @@ def expected_reward(policy: torch.nn.Module, held_out: HeldOut, temperature: flo
 
 
 def run_one(
-    trainer: ModuleType, url: str, config: Any, mode: Mode, model: Path, logs: Path, settings: Settings
+    trainer: ModuleType,
+    url: str,
+    config: Any,
+    mode: Mode,
+    model: Path,
+    logs: Path,
+    settings: Settings,
+    workers: int = 1,
+    progress: BenchProgress | None = None,
 ) -> dict[str, Any]:
-    """One mode and seed: the trainer's run, then its snapshots evaluated."""
-    ns = f"bench-rl-{mode.name.replace(':', '').replace('@', '-')}-{config.seed}"
+    """One mode and seed on `workers` workers: the trainer's run, then its snapshots evaluated."""
+    fleet = f"-w{workers}" if workers != 1 else ""
+    ns = f"bench-rl{fleet}-{mode.name.replace(':', '').replace('@', '-')}-{config.seed}"
     snapshots: list[tuple[int, float, dict[str, torch.Tensor]]] = []
+    steps: list[Any] = []
 
-    def keep(step: int, policy: torch.nn.Module, elapsed: float) -> None:
+    def keep(step: int, policy: torch.nn.Module, elapsed: float) -> None:  # off the run's clock
+        if progress is not None:
+            progress.step(mode.name, workers, config.seed, steps[-1], config.steps)
         if (step + 1) % settings.eval_every == 0 or step + 1 == config.steps:
             snapshots.append(
                 (step, elapsed, {k: v.detach().to("cpu", copy=True) for k, v in policy.state_dict().items()})
             )
 
-    with generation_side(trainer, url, ns, model, logs, settings):
+    with generation_side(trainer, url, ns, model, logs, settings, workers):
         watcher = RolloutClient(url, ns)
-        before = heartbeat(watcher, ns, newer_than=time.time())
+        hold_rollouts(watcher)
+        before = heartbeat(watcher, ns, workers, newer_than=time.time())
         started = time.monotonic()
-        steps = list(trainer.train(config, url, ns, model, on_step=keep))
+        for log in trainer.train(config, url, ns, model, on_step=keep):
+            steps.append(log)  # before `keep`, which the trainer calls once this returns
         wall = time.monotonic() - started
-        during = heartbeat(watcher, ns, newer_than=time.time())  # at most one beat (0.2 s) late
-        wait_idle(watcher, ns)
-        after = heartbeat(watcher, ns, newer_than=time.time())
+        during = heartbeat(watcher, ns, workers, newer_than=time.time())  # at most one beat (0.2 s) late
+        wait_idle(watcher, ns, workers)
+        after = heartbeat(watcher, ns, workers, newer_than=time.time())
         left, parked = leftover_tokens(url, ns)
+        made_by = served_by(watcher)
     held_out = HeldOut.make(trainer, config, settings.eval_prompts)
     policy = load_policy(model, config.device)
     curve = []
@@ -313,6 +397,7 @@ def run_one(
     synced = [s.sync_stall_s for s in steps if s.publish_s > 0]
     return {
         "mode": mode.name,
+        "workers": workers,
         "seed": config.seed,
         "steps": len(steps),
         "wall_s": round(wall, 3),
@@ -333,6 +418,8 @@ def run_one(
         "tokens_per_step": round(trained / len(steps), 1),
         "step_s_median": round(statistics.median(np.diff([0.0, *[s.elapsed_s for s in steps]])), 4),
         "trainer_step_s_median": round(statistics.median(s.train_s + s.publish_s for s in steps), 4),
+        "wait_s_median": round(statistics.median(s.wait_s for s in steps), 4),
+        "worker_shares": worker_shares([s.ids for s in steps], made_by, workers),
         "staleness_token_mean": round(float(np.mean([s.staleness_token for s in steps])), 3),
         "staleness_first_max": max(s.staleness_max for s in steps),
         "clip_fraction_mean": round(float(np.mean([s.clip_fraction for s in steps])), 4),
@@ -367,12 +454,20 @@ def median_or_none(values: list[float | None]) -> float | None:
     return None if math.isinf(middle) else round(middle, 3)
 
 
-def summarize(runs: list[dict[str, Any]], settings: Settings, full_batch_tokens_per_s: float) -> dict[str, Any]:
-    """Per mode over the seeds; `speedup` is sync's median time to target over the mode's."""
+def summarize(
+    runs: list[dict[str, Any]], settings: Settings, full_batch_tokens_per_s: float, workers: int = 1
+) -> dict[str, Any]:
+    """Per mode over the seeds, for the runs on `workers` workers; `speedup` is sync's median time to target over the
+    mode's. Beside each mode's measured step, the ideal of a perfectly spread fleet: one worker's generator time for
+    the mode's tokens a step at full batching, ÷ `workers`."""
+    runs = [r for r in runs if r.get("workers", 1) == workers]
     by_mode: dict[str, dict[str, Any]] = {}
     for mode in settings.modes:
         rows = [r for r in runs if r["mode"] == mode.name]
         reached = [r["time_to_target_s"] for r in rows if r["time_to_target_s"] is not None]
+        step_s = statistics.median(r["step_s_median"] for r in rows)
+        ideal_s = statistics.median(r["tokens_per_step"] for r in rows) / full_batch_tokens_per_s / workers
+        shares = [r["worker_shares"] for r in rows]
         by_mode[mode.name] = {
             "seeds": len(rows),
             "reached": len(reached),
@@ -386,6 +481,14 @@ def summarize(runs: list[dict[str, Any]], settings: Settings, full_batch_tokens_
             "staleness_token_mean": spread([r["staleness_token_mean"] for r in rows]),
             "clip_fraction_mean": spread([r["clip_fraction_mean"] for r in rows]),
             "sync_stall_s_median": spread([r["sync_stall_s_median"] for r in rows]),
+            "step_s": round(step_s, 4),
+            "ideal_step_s": round(ideal_s, 4),
+            "measured_over_ideal": round(step_s / ideal_s, 3) if ideal_s > 0 else None,
+            "trainer_step_s": round(statistics.median(r["trainer_step_s_median"] for r in rows), 4),
+            "wait_s": round(statistics.median(r["wait_s_median"] for r in rows), 4),
+            "served": {w: sum(s["served"].get(w, 0) for s in shares) for w in worker_names(workers)},
+            "share_max": {w: max(s["share_max"].get(w, 0.0) for s in shares) for w in worker_names(workers)},
+            "step_top_share_median": spread([s["step_top_share_median"] for s in shares]),
         }
     base = by_mode["sync"]["time_to_target_s"] if "sync" in by_mode else None
     for row in by_mode.values():
@@ -402,41 +505,158 @@ def summarize(runs: list[dict[str, Any]], settings: Settings, full_batch_tokens_
             "generator_step_s": round(generator_s, 4),
             "trainer_step_s": round(trainer_s, 4),
             "sync_step_s": round(sync_step, 4),
-            "ideal_overlap_bound": round(sync_step / max(trainer_s, generator_s), 3),
+            "ideal_overlap_bound": round(sync_step / max(trainer_s, generator_s / workers), 3),
         }
+        if workers != 1:
+            bound["fleet_generator_step_s"] = round(generator_s / workers, 4)
     return {"modes": by_mode, "bound": bound}
 
 
+STEPS_WITHIN = 0.10
+"""The fleet check: a mode reaches the target in at most this much more steps than sync (median over seeds)."""
+
+
+def compare_fleet(by_workers: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """At each W, each mode against sync at that W: the ratio of median times to target (sync's over the mode's), the
+    ratio of median steps to target (the mode's over sync's) and whether it is within `STEPS_WITHIN` more steps; and
+    each mode's median time to target and measured ÷ ideal step, side by side over W."""
+    against_sync: dict[str, dict[str, Any]] = {}
+    for w, summary in by_workers.items():
+        modes = summary["modes"]
+        sync = modes.get("sync")
+        if sync is None:
+            continue
+        rows = {}
+        for name, row in modes.items():
+            if name == "sync":
+                continue
+            steps, sync_steps = row["steps_to_target"], sync["steps_to_target"]
+            ratio = round(steps / sync_steps, 3) if steps is not None and sync_steps else None
+            rows[name] = {
+                "time_to_target_speedup": row["speedup"],
+                "steps_to_target": steps,
+                "sync_steps_to_target": sync_steps,
+                "steps_ratio": ratio,
+                "steps_within_10pct": None if ratio is None else ratio <= 1 + STEPS_WITHIN,
+            }
+        against_sync[w] = rows
+    names = next(iter(by_workers.values()))["modes"].keys() if by_workers else []
+    side_by_side = {
+        name: {
+            w: {
+                "time_to_target_s": s["modes"][name]["time_to_target_s"],
+                "step_s": s["modes"][name]["step_s"],
+                "ideal_step_s": s["modes"][name]["ideal_step_s"],
+                "measured_over_ideal": s["modes"][name]["measured_over_ideal"],
+                "step_top_share_max": max(s["modes"][name]["share_max"].values(), default=None),
+            }
+            for w, s in by_workers.items()
+        }
+        for name in names
+    }
+    return {"against_sync": against_sync, "side_by_side": side_by_side}
+
+
+class BenchProgress:
+    """Where the benchmark is, on stderr: rich's bar on a terminal; elsewhere (a pipe, a log file, a device call)
+    plain lines, which a bar would not print: each run's start and end, and its steps at most every `every_s`
+    (the first and the last always)."""
+
+    def __init__(self, console: Console, total: int, every_s: float = PROGRESS_EVERY_S) -> None:
+        self.console, self.total, self.every_s = console, total, every_s
+        self.live = console.is_terminal
+        self.bar: Progress | None = None
+        self.task: Any = None
+        self.started = time.monotonic()
+        self.last_line = -math.inf
+        self.done = 0
+
+    def __enter__(self) -> BenchProgress:
+        if self.live:
+            self.bar = Progress(console=self.console, transient=True)
+            self.bar.__enter__()
+            self.task = self.bar.add_task("calibrating the worker", total=self.total)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.__exit__(None, None, None)
+
+    def line(self, text: str) -> None:
+        if not self.live:
+            print(f"bench-rl [{time.monotonic() - self.started:7.1f} s] {text}", file=sys.stderr, flush=True)
+            self.last_line = time.monotonic()
+
+    def note(self, text: str) -> None:
+        """A stage: the bar's description, or a line."""
+        if self.bar is not None:
+            self.bar.update(self.task, description=text)
+        self.line(text)
+
+    def step(self, mode: str, workers: int, seed: int, log: Any, steps: int) -> None:
+        """After a trainer step (its `StepLog`), off the run's clock."""
+        where = f"W {workers}, {mode}, seed {seed}: step {log.step + 1}/{steps}"
+        text = f"{where}, reward {log.reward:.3f}, {log.elapsed_s:.1f} s"
+        if self.bar is not None:
+            self.bar.update(self.task, description=text)
+        elif log.step == 0 or log.step + 1 >= steps or time.monotonic() - self.last_line >= self.every_s:
+            self.line(text)
+
+    def advance(self, text: str | None = None) -> None:
+        """One unit of the whole done (the calibration, a run), with what it came to."""
+        self.done += 1
+        if self.bar is not None:
+            self.bar.advance(self.task)
+        if text is not None:
+            self.line(f"{text} ({self.done}/{self.total} done)")
+
+
+def run_line(run: dict[str, Any]) -> str:
+    """A run's end, in one line of progress."""
+    ttt, where = run["time_to_target_s"], f"W {run['workers']}, {run['mode']}, seed {run['seed']}"
+    reached = f"target at {ttt} s (step {run['steps_to_target']})" if ttt is not None else "target not reached"
+    top = run["worker_shares"]["step_top_share_max"]
+    return f"{where}: {reached}, final reward {run['final_eval_reward']}, wall {run['wall_s']} s, top share {top}"
+
+
 def run_bench_rl(console: Console, settings: Settings, base: Any) -> dict[str, Any]:
-    """Every mode for every seed, on one Redis and one model; the report (JSON-ready)."""
+    """Every mode for every seed at every worker count, on one Redis and one model; the report (JSON-ready).
+
+    `summary` is the one worker count's (`--workers 4`: that fleet's), as it always was; with several, it is absent
+    and `fleet.by_workers` has each. `fleet` is there either way."""
     trainer = load_trainer()
     for mode in settings.modes:
         mode.config(base, settings.seeds[0])  # what a user must fix, before anything starts
     runs = []
+    total = 1 + len(settings.modes) * len(settings.seeds) * len(settings.workers)
     with tempfile.TemporaryDirectory(prefix="bench-rl-") as tmp, RedisServer() as server:
         model, logs = Path(tmp) / "model", settings.logs or Path(tmp)
         logs.mkdir(parents=True, exist_ok=True)
         build_tiny_model(model, seed=0, hidden_size=settings.hidden_size, num_layers=settings.num_layers)
-        with Progress(console=console, transient=True) as progress:
-            task = progress.add_task("calibrating the worker", total=1 + len(settings.modes) * len(settings.seeds))
+        with BenchProgress(console, total) as progress:
+            progress.note("calibrating one worker at full batching")
             rate = calibrate(trainer, server.url, base, model, logs, settings)
-            progress.advance(task)
+            progress.advance(f"calibrated: {rate:.0f} tokens/s on one worker")
             for seed in settings.seeds:
-                for mode in settings.modes:
-                    progress.update(task, description=f"seed {seed}, {mode.name}")
-                    config = mode.config(base, seed)
-                    runs.append(run_one(trainer, server.url, config, mode, model, logs, settings))
-                    with (logs / "runs.jsonl").open("a") as kept:  # what a run cut short still leaves
-                        kept.write(json.dumps(runs[-1]) + "\n")
-                    progress.advance(task)
-    summary = summarize(runs, settings, rate)
+                for workers in settings.workers:
+                    for mode in settings.modes:
+                        progress.note(f"W {workers}, {mode.name}, seed {seed}: starting")
+                        config = mode.config(base, seed)
+                        run = run_one(trainer, server.url, config, mode, model, logs, settings, workers, progress)
+                        runs.append(run)
+                        with (logs / "runs.jsonl").open("a") as kept:  # what a run cut short still leaves
+                            kept.write(json.dumps(run) + "\n")
+                        progress.advance(run_line(run))
+    by_workers = {str(w): summarize(runs, settings, rate, w) for w in settings.workers}
+    fleet = {"workers": list(settings.workers), "by_workers": by_workers, **compare_fleet(by_workers)}
     trainer_settings = {k: v for k, v in asdict(base).items() if k != "seed"}
-    return {
+    report: dict[str, Any] = {
         "settings": asdict(settings) | {"logs": str(settings.logs), "trainer": trainer_settings},
         "env": environment(),
-        "summary": summary,
-        "runs": runs,
     }
+    if len(settings.workers) == 1:
+        report["summary"] = by_workers[str(settings.workers[0])]
+    return report | {"fleet": fleet, "runs": runs}
 
 
 def environment() -> dict[str, Any]:
@@ -445,7 +665,8 @@ def environment() -> dict[str, Any]:
 
 
 def plot_bench_rl(report: dict[str, Any], path: Path) -> None:
-    """Eval reward against wall time: one colour a mode, one line a seed, the target dashed."""
+    """Eval reward against wall time: one colour a mode, one line a seed (one line style a worker count), the target
+    dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -454,12 +675,18 @@ def plot_bench_rl(report: dict[str, Any], path: Path) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4))
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     names = [m["name"] for m in report["settings"]["modes"]]
+    fleet = report["settings"].get("workers", [1])
+    styles = ["-", "-.", ":", (0, (5, 1, 1, 1, 1, 1))]  # not "--": the target's
     for run in report["runs"]:
         colour = colours[names.index(run["mode"]) % len(colours)]
+        w = run.get("workers", 1)
+        style = styles[fleet.index(w) % len(styles)] if w in fleet else "-"
         steps, times, rewards = zip(*run["curve"], strict=True)
-        label = run["mode"] if run["seed"] == report["settings"]["seeds"][0] else None
-        left.plot(times, rewards, color=colour, alpha=0.8, label=label)
-        right.plot(steps, rewards, color=colour, alpha=0.8, label=label)
+        label = None
+        if run["seed"] == report["settings"]["seeds"][0]:
+            label = run["mode"] if len(fleet) == 1 else f"{run['mode']}, W {w}"
+        left.plot(times, rewards, color=colour, linestyle=style, alpha=0.8, label=label)
+        right.plot(steps, rewards, color=colour, linestyle=style, alpha=0.8, label=label)
     for axis, xlabel in ((left, "seconds (evaluation off the clock)"), (right, "step")):
         axis.axhline(report["settings"]["target"], color="k", linestyle="--", linewidth=0.8)
         axis.set(xlabel=xlabel, ylabel="eval reward of the current policy", ylim=(0, 1.02))

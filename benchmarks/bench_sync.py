@@ -10,7 +10,9 @@ join and a new group's setup count in `sync_s` but not in `stall_s`.
 The trainer holds both versions in memory (on `trainer_device`), as a training loop would, and publishes first
 once the worker has served a batch of short groups (`warm_up`), as a training loop publishes after its first
 batch. `idle` leaves the worker without requests during the syncs: the transfer alone, with no generation
-beside it on the worker's GPU.
+beside it on the worker's GPU. `workers` > 1 runs that many workers (each busy as the one is): `stall_s` is then the
+median over the workers of each sync and `stall_max_s` the slowest worker's, `publish_to_serving_s` until the last
+serves; by `redis://` every worker reads the whole version from the one Redis (W x the model's bytes a sync).
 
 `nccl` also reports the broadcast's own figures (`setup_s`; `ready_s`, the wait until every receiver
 posted its receives; `broadcast_s`, from then until the last byte landed; `gb_per_s`) and, when both
@@ -76,6 +78,7 @@ def run_bench_sync(
     trainer_device: str = "cpu",
     logs: Path | None = None,
     idle: bool = False,
+    workers: int = 1,
 ) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="rollouts-bench-sync-"))
     if logs is not None:
@@ -107,7 +110,7 @@ def run_bench_sync(
                         "ipc": "ipc://",
                     }[transport]
                     log = (logs or tmp) / f"{size}-{transport}.log"
-                    rows = _measure(spec, models[0], weights, uri, rounds, mode, log, progress, task, idle)
+                    rows = _measure(spec, models[0], weights, uri, rounds, mode, log, progress, task, idle, workers)
                     if transport == "nccl" and trainer_device.startswith("cuda") and spec.device.startswith("cuda"):
                         receivers = [str(gpu) for gpu in worker_gpus(spec.device)]
                         bare = bare_broadcast_gb_per_s(nbytes, trainer_device, receivers)
@@ -123,6 +126,7 @@ def run_bench_sync(
         "trainer_device": trainer_device,
         "mode": mode,
         "rounds": rounds,
+        "workers": workers,
         "results": results,
     }
 
@@ -170,8 +174,11 @@ def _measure(
     progress: Progress,
     task: Any,
     idle: bool = False,
+    workers: int = 1,
 ) -> dict[str, Any]:
     timings: dict[str, list[float]] = {"publish_s": [], "sync_s": [], "publish_to_serving_s": [], "stall_s": []}
+    if workers > 1:
+        timings["stall_max_s"] = []
     broadcasts: dict[str, list[float]] = {
         "join_s": [],
         "setup_s": [],
@@ -182,31 +189,45 @@ def _measure(
     with RedisServer() as server:
         url = server.url
         env = gpu_of(spec.device) if spec.kind == "vllm" else None  # vLLM takes the first GPU it sees
-        worker = start_worker(url, NS, model, "bench-sync-worker", *spec.worker_args(), log_file=log, env=env)
+        names = ["bench-sync-worker"] if workers == 1 else [f"bench-sync-worker-{i}" for i in range(workers)]
+        logs = [log] if workers == 1 else [log.with_name(f"{log.stem}-{i}{log.suffix}") for i in range(workers)]
+        started_workers: list[Any] = []
         try:
+            for name, worker_log in zip(names, logs, strict=True):
+                started_workers.append(
+                    start_worker(url, NS, model, name, *spec.worker_args(), log_file=worker_log, env=env)
+                )
             client = RolloutClient(url, NS)
-            wait_for_worker(client.streams.redis, NS, "bench-sync-worker", worker, timeout_s=600)
-            warm_up(client)
-            for i in range(0 if idle else 64):  # keep the worker busy: a sync interrupts real generation
+            for name, worker in zip(names, started_workers, strict=True):
+                wait_for_worker(client.streams.redis, NS, name, worker, timeout_s=600)
+            warm_up(client, groups=64 * workers)
+            for i in range(0 if idle else 64 * workers):  # keep the workers busy: a sync interrupts real generation
                 client.submit(tokens=[5 + i % 100, 6, 7, 8], n=2, max_tokens=400, seed=i)
-            heartbeat = client.streams.keys.worker("bench-sync-worker")
+            heartbeats = [client.streams.keys.worker(name) for name in names]
             for r in range(rounds):
                 started = time.perf_counter()
                 version = client.publish_weights(weights[(r + 1) % 2], transport=transport, mode=mode)
                 published = time.perf_counter()
-                while True:
-                    status, served, stall = client.streams.redis.hmget(heartbeat, "status", "version", "stall_s")
-                    if (status, served) == (b"serving", str(version).encode()):
-                        break
-                    if worker.poll() is not None:
-                        raise RuntimeError(f"the worker exited with code {worker.returncode}; its log: {log}")
+                stalls: dict[int, float] = {}
+                while len(stalls) < workers:  # every worker serving the new version, each with its own stall
+                    for index, heartbeat in enumerate(heartbeats):
+                        if index in stalls:
+                            continue
+                        status, served, stall = client.streams.redis.hmget(heartbeat, "status", "version", "stall_s")
+                        if (status, served) == (b"serving", str(version).encode()):
+                            stalls[index] = float(stall or 0.0)
+                        elif started_workers[index].poll() is not None:
+                            code = started_workers[index].returncode
+                            raise RuntimeError(f"a worker exited with code {code}; its log: {logs[index]}")
                     time.sleep(0.001)
                 resumed = time.perf_counter()
                 sync_s = client.last_sync.stall_s if client.last_sync else 0.0
                 timings["sync_s"].append(sync_s)
                 timings["publish_s"].append(published - started - sync_s)
                 timings["publish_to_serving_s"].append(resumed - started)
-                timings["stall_s"].append(float(stall or 0.0))
+                timings["stall_s"].append(statistics.median(stalls.values()))
+                if workers > 1:
+                    timings["stall_max_s"].append(max(stalls.values()))
                 if transport.startswith("nccl://") and client.last_broadcast is not None:
                     stats = client.last_broadcast
                     broadcasts["join_s"].append(stats.join_s)
@@ -217,7 +238,8 @@ def _measure(
                 progress.advance(task)
             held = _forget_exports(client, transport)
         finally:
-            stop_process(worker)
+            for worker in started_workers:
+                stop_process(worker)
     return summarize(timings | broadcasts) | held
 
 

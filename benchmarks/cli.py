@@ -13,7 +13,7 @@ from typing import Annotated, Any, NoReturn
 
 import typer
 
-from benchmarks import bench_broker, bench_gateway, bench_lora, chaos, chaos_trainer, scale, scale_fleet, soak
+from benchmarks import bench_broker, bench_gateway, bench_lora, chaos, chaos_trainer, fleet, scale, scale_fleet, soak
 from pipeline.cli.app import ENGINE_NEEDS, check_engine, console, exit_code, fail, require, user_errors
 from pipeline.cli.engine_spec import (
     DeviceOpt,
@@ -127,6 +127,9 @@ def bench_sync(
     idle: Annotated[
         bool, typer.Option(help="No requests during the syncs: the transfer alone, no generation beside it.")
     ] = False,
+    workers: Annotated[
+        int, typer.Option(help="Workers synced at once (the stall: their median; stall_max_s: the slowest).")
+    ] = 1,
 ) -> None:
     """The stall of a weight sync (publish_weights → every worker generating again), per transport and size."""
     from benchmarks.bench_sync import SIZES, TRANSPORTS, plot_bench_sync, run_bench_sync, worker_gpus
@@ -138,6 +141,8 @@ def bench_sync(
         fail(f"unknown transports {unknown}; choose from {', '.join(TRANSPORTS)}")
     if not is_pause_mode(mode):
         fail(f"--mode must be abort, keep or inflight, not {mode!r}")
+    if workers < 1:
+        fail(f"--workers must be >= 1, not {workers}")
     with user_errors():
         spec = EngineSpec.from_flags(ctx.params, Path("per-size"))
     check_engine(spec, has_model=False)
@@ -146,7 +151,7 @@ def bench_sync(
     if tensor_parallel_size > 1 and len(worker_gpus(device)) != tensor_parallel_size:
         fail(f"--tensor-parallel-size {tensor_parallel_size} needs as many GPUs in --device (cuda:1,2), not {device!r}")
     with user_errors():
-        result = run_bench_sync(console, spec, chosen, paths, rounds, mode, trainer_device, logs, idle)
+        result = run_bench_sync(console, spec, chosen, paths, rounds, mode, trainer_device, logs, idle, workers)
         if plot is not None:
             plot_bench_sync(result, plot)
             console.print(f"plot written to {plot}")
@@ -162,6 +167,13 @@ def bench_rl(
         ),
     ] = "sync,one-step-off,async:1,async:2,async:4",
     seeds: Annotated[str, typer.Option(help="Seeds, comma-separated: every mode runs once per seed.")] = "0,1,2",
+    workers: Annotated[
+        str,
+        typer.Option(
+            help="Worker counts, comma-separated (1,2,4): every mode and seed runs once against each fleet of "
+            "`rollouts worker`s, side by side, beside the ideal step of a perfectly spread fleet."
+        ),
+    ] = "1",
     steps: Annotated[int, typer.Option(help="Trainer steps of each run.")] = 60,
     target: Annotated[float, typer.Option(help="The eval reward of the current policy to reach.")] = 0.3,
     eval_every: Annotated[int, typer.Option(help="Steps between two snapshots evaluated (off the clock).")] = 1,
@@ -207,7 +219,8 @@ def bench_rl(
     ] = "warning",
     plot: Annotated[Path | None, typer.Option(help="Draw the eval reward against wall time to this PNG.")] = None,
 ) -> None:
-    """Wall time to a target reward of the current policy: sync, one-step-off and async side by side; JSON out."""
+    """Wall time to a target reward of the current policy: sync, one-step-off and async side by side (on fleets of
+    --workers workers); JSON out."""
     from benchmarks.bench_rl import Mode, Settings, load_trainer, plot_bench_rl, run_bench_rl, trainer_errors
 
     if engine not in ("torch", "vllm"):
@@ -218,6 +231,9 @@ def bench_rl(
         seed_list = tuple(int(s) for s in seeds.split(",") if s)
         if not chosen or not seed_list or steps < 1 or eval_every < 1:
             fail("bench-rl needs at least one mode and one seed, and --steps and --eval-every >= 1")
+        fleets = [int(w) if w.strip().isdigit() else 0 for w in workers.split(",")]
+        if not fleets or min(fleets) < 1 or len(set(fleets)) < len(fleets):
+            fail(f"--workers takes distinct worker counts >= 1, comma-separated (1,2,4), not {workers!r}")
         trainer = load_trainer()
         base = trainer.TrainConfig(
             steps=steps, groups_per_step=groups_per_step, n=n, max_tokens=max_tokens, length_alpha=length_alpha,
@@ -231,8 +247,7 @@ def bench_rl(
         settings = Settings(
             modes=chosen, seeds=seed_list, steps=steps, target=target, eval_every=eval_every,
             eval_prompts=eval_prompts, engine=engine, worker_args=worker_args, worker_device=worker_device,
-            logs=logs, hidden_size=hidden_size,
-            num_layers=num_layers,
+            logs=logs, hidden_size=hidden_size, num_layers=num_layers, workers=tuple(fleets),
         )  # fmt: skip
         torch_threads()
         with trainer_errors():
@@ -260,6 +275,7 @@ COMMANDS: list[tuple[str, Callable[..., Any], bool]] = [
     ("soak", soak.soak, False),
     ("scale", scale.scale, False),
     ("chaos", chaos.chaos_command, False),
+    ("fleet", fleet.fleet, False),
     ("chaos-trainer", chaos_trainer.chaos_trainer, True),
     ("scale-ping", scale.scale_ping, True),
     ("scale-fleet", scale_fleet.scale_fleet, True),

@@ -9,13 +9,23 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import redis
 import torch
 
-from benchmarks.bench_rl import HeldOut, Mode, expected_reward, load_trainer, median_or_none
+from benchmarks.bench_rl import (
+    BenchProgress,
+    HeldOut,
+    Mode,
+    compare_fleet,
+    expected_reward,
+    load_trainer,
+    median_or_none,
+    worker_shares,
+)
 from benchmarks.cpu import command_line, descendants
 from pipeline.wire import Keys
 from tests.fixtures import wait_until
@@ -26,10 +36,19 @@ SUMMARY = Path(__file__).resolve().parents[1] / "device" / "bench_rl_summary.py"
 
 
 def run_bench(*args: str, timeout: float = 600) -> dict[str, Any]:
+    return run_bench_piped(*args, timeout=timeout)[0]
+
+
+def run_bench_piped(*args: str, timeout: float = 600) -> tuple[dict[str, Any], str]:
+    """The report, and what it wrote on stderr: a pipe, not a terminal."""
     result = subprocess.run([*BENCH, *args], capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stderr[-3000:]
     report: dict[str, Any] = json.loads(result.stdout)
-    return report
+    return report, result.stderr
+
+
+def progress_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("bench-rl [")]
 
 
 def test_every_generated_token_is_trained_left_over_or_parked_and_each_mode_is_as_stale_as_it_says(
@@ -37,7 +56,7 @@ def test_every_generated_token_is_trained_left_over_or_parked_and_each_mode_is_a
 ) -> None:
     args = ["--modes", "sync,one-step-off,async:1", "--seeds", "0", "--steps", "4", "--groups-per-step", "4"]
     args += ["--eval-prompts", "8", "--plot", str(tmp_path / "rl.png"), "--logs", str(tmp_path / "logs")]
-    report = run_bench(*args)
+    report, stderr = run_bench_piped(*args)
     runs = {run["mode"]: run for run in report["runs"]}
     assert list(runs) == ["sync", "one-step-off", "async:1"]
     kept = [json.loads(line) for line in (tmp_path / "logs" / "runs.jsonl").read_text().splitlines()]
@@ -53,6 +72,10 @@ def test_every_generated_token_is_trained_left_over_or_parked_and_each_mode_is_a
     # one-step-off: step 0 trains on version 0 at version 0, every later step on the version before its own
     assert runs["one-step-off"]["staleness_token_mean"] == 0.75 and runs["one-step-off"]["staleness_first_max"] == 1
     assert report["summary"]["bound"]["ideal_overlap_bound"] > 0
+    assert report["summary"] == report["fleet"]["by_workers"]["1"], "one worker count: its summary, as it always was"
+    for mode in runs:  # stderr is a pipe: plain lines, every run's first and last step among them
+        assert f"W 1, {mode}, seed 0: step 1/4, reward " in stderr, stderr
+        assert f"W 1, {mode}, seed 0: step 4/4, reward " in stderr, stderr
     assert (tmp_path / "rl.png").read_bytes()[:4] == b"\x89PNG"
     (tmp_path / "rl.json").write_text(json.dumps(report))  # what a device call prints of it
     summary = subprocess.run([sys.executable, str(SUMMARY), str(tmp_path / "rl.json")], capture_output=True, text=True)
@@ -112,11 +135,94 @@ def test_modes_and_medians() -> None:
     [
         (["--modes", "async:x"], "use sync, one-step-off or async:η"),
         (["--seeds", ""], "at least one mode and one seed"),
+        (["--workers", "0"], "--workers takes distinct worker counts >= 1"),
+        (["--workers", "1,x"], "--workers takes distinct worker counts >= 1"),
+        (["--workers", "2,2"], "--workers takes distinct worker counts >= 1"),
     ],
 )
 def test_bad_arguments_say_what_to_fix(bad: list[str], says: str) -> None:
     result = subprocess.run([*BENCH, *bad], capture_output=True, text=True, timeout=120)
     assert result.returncode != 0 and says in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+@pytest.mark.timeout(180)
+def test_on_two_workers_both_serve_and_the_report_has_the_fleet_figures_with_progress_lines_on_a_pipe() -> None:
+    """`--workers 2`: two real `rollouts worker` processes (torch, the tiny model) serve the run, the rollouts say
+    which served what, the report has W = 2's ideal step beside the measured one, and stderr (a pipe here) has plain
+    progress lines. `--max-batch 4` (one group a read): both serve even where a worker reads all it has room for."""
+    args = ["--workers", "2", "--modes", "sync", "--seeds", "0", "--steps", "3", "--groups-per-step", "4"]
+    report, stderr = run_bench_piped(*args, "--eval-prompts", "8", "--max-batch", "4", timeout=170)
+    (run,) = report["runs"]
+    assert run["workers"] == 2 and report["fleet"]["workers"] == [2]
+    shares = run["worker_shares"]
+    assert set(shares["served"]) == {"rl-worker-0", "rl-worker-1"}
+    assert all(count > 0 for count in shares["served"].values()), shares
+    assert sum(shares["served"].values()) == 3 * 4 * 4, "every sample trained on is counted to the worker that made it"
+    assert 0.5 <= shares["step_top_share_max"] < 1 and min(shares["share_max"].values()) > 0, shares
+    sync = report["fleet"]["by_workers"]["2"]["modes"]["sync"]
+    assert report["summary"] == report["fleet"]["by_workers"]["2"]
+    assert sync["served"] == shares["served"] and sync["seeds"] == 1
+    bound = report["summary"]["bound"]
+    ideal = run["tokens_per_step"] / bound["full_batch_tokens_per_s"] / 2  # one worker's time at full batching ÷ W
+    assert sync["ideal_step_s"] == pytest.approx(ideal, abs=1e-3)
+    assert sync["measured_over_ideal"] == pytest.approx(sync["step_s"] / sync["ideal_step_s"], rel=0.01)
+    assert bound["fleet_generator_step_s"] == pytest.approx(bound["generator_step_s"] / 2, abs=1e-4)
+    assert report["fleet"]["side_by_side"]["sync"]["2"]["measured_over_ideal"] == sync["measured_over_ideal"]
+    lines = progress_lines(stderr)
+    assert any("calibrated: " in line for line in lines), stderr
+    assert any("W 2, sync, seed 0: step 1/3, reward " in line for line in lines), stderr
+    assert any("W 2, sync, seed 0: step 3/3, reward " in line for line in lines), stderr
+    assert any("W 2, sync, seed 0: target" in line and "(2/2 done)" in line for line in lines), stderr
+
+
+def test_progress_on_a_pipe_is_a_line_a_run_and_its_steps_at_most_every_interval(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Not a terminal: a line for each stage and run, and of a run's steps the first, the last, and one an interval."""
+    from rich.console import Console
+
+    console = Console(file=sys.stderr, force_terminal=False)
+    with BenchProgress(console, total=2, every_s=3600) as progress:
+        progress.note("calibrating")
+        for step in range(50):
+            log = SimpleNamespace(step=step, reward=0.5, elapsed_s=float(step))  # what it reads of a StepLog
+            progress.step("async:1", 4, 7, log, 50)
+        progress.advance("a run ended")
+    lines = progress_lines(capsys.readouterr().err)
+    assert [line.split("] ", 1)[1] for line in lines] == [
+        "calibrating",
+        "W 4, async:1, seed 7: step 1/50, reward 0.500, 0.0 s",
+        "W 4, async:1, seed 7: step 50/50, reward 0.500, 49.0 s",
+        "a run ended (1/2 done)",
+    ]
+    with BenchProgress(console, total=1, every_s=0) as progress:
+        for step in range(3):
+            log = SimpleNamespace(step=step, reward=0.5, elapsed_s=float(step))  # what it reads of a StepLog
+            progress.step("sync", 1, 0, log, 10)
+    assert len(progress_lines(capsys.readouterr().err)) == 3, "an interval of 0: every step"
+
+
+def test_worker_shares_and_the_fleet_comparison() -> None:
+    made_by = {"a": "rl-worker-0", "b": "rl-worker-0", "c": "rl-worker-1", "d": "rl-worker-0"}
+    shares = worker_shares([["a", "b", "c", "d"], ["a", "c"]], made_by, workers=2)
+    assert shares["served"] == {"rl-worker-0": 4, "rl-worker-1": 2}
+    assert shares["share_max"] == {"rl-worker-0": 0.75, "rl-worker-1": 0.5}
+    assert shares["step_top_share_max"] == 0.75 and shares["step_top_share_median"] == 0.625
+
+    def mode(ttt: float | None, steps: int | None, speedup: float | None) -> dict[str, Any]:
+        share = {"rl-worker-0": 0.5}
+        return {"time_to_target_s": ttt, "steps_to_target": steps, "speedup": speedup, "step_s": 1.0,
+                "ideal_step_s": 0.5, "measured_over_ideal": 2.0, "share_max": share}  # fmt: skip
+
+    by_workers = {
+        "1": {"modes": {"sync": mode(10.0, 20, 1.0), "async:1": mode(5.0, 22, 2.0)}},
+        "2": {"modes": {"sync": mode(8.0, 20, 1.0), "async:1": mode(None, None, None)}},
+    }
+    fleet = compare_fleet(by_workers)
+    one = fleet["against_sync"]["1"]["async:1"]
+    assert (one["time_to_target_speedup"], one["steps_ratio"], one["steps_within_10pct"]) == (2.0, 1.1, True)
+    assert fleet["against_sync"]["2"]["async:1"]["steps_within_10pct"] is None, "not reached: no verdict"
+    assert fleet["side_by_side"]["sync"]["2"]["time_to_target_s"] == 8.0
 
 
 def test_when_its_worker_dies_bench_rl_stops_and_says_so() -> None:
