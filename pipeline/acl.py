@@ -4,7 +4,8 @@ Every role gets its namespace's keys only (`{ns}:*`, never another namespace's),
 command (`FLUSHALL`, `CONFIG`, `KEYS`, `DEBUG`, ...), and no pub/sub channel. Beyond that:
 
 - `worker`: reads and writes its work (prompts, partials, its inbox, scoring, rollouts, replies, publish dedupe,
-  dead letters, heartbeats, the registry, its model's layout in `layouts`); reads **only** `state`, `control` and its
+  dead letters, heartbeats, the registry and the fleet's sets (`ready`, `ready:held`, `beats`), its model's layout in
+  `layouts`); reads **only** `state`, `control` and its
   doorbells (`bell:*`), `weights:*` and the adapters' (`adapters`, `adapter:*`): a worker must never move a policy
   version, pause a sync or replace weights.
 - `trainer`, `manager`, `gateway`: the whole namespace (admission writes `state`, syncs write `control`,
@@ -29,12 +30,13 @@ ROLES = ("worker", "trainer", "manager", "gateway", "scorer", "inspector")
 BASE = ["resetkeys", "resetchannels", "-@all"]
 WRITER_COMMANDS = ["+@read", "+@write", "+@stream", "+@hash", "+@set", "+@sortedset", "+@string", "+@keyspace"]
 WRITER_COMMANDS += ["+@scripting", "+@connection", "+@transaction", "-@dangerous", "-@admin", "+info", "+ping"]
-WRITER_COMMANDS += ["+cluster|slots"]
+WRITER_COMMANDS += ["+cluster|slots", "+time"]
 READER_COMMANDS = ["+@read", "+@connection", "-@dangerous", "-@admin", "+info", "+ping", "+cluster|slots"]
 """Later rules win: `INFO` (the version check) is in `@dangerous`, so it is allowed again after; `CLUSTER SLOTS`
-finds the node of a namespace on a Redis Cluster (`connections.connect`)."""
+finds the node of a namespace on a Redis Cluster (`connections.connect`); `TIME` is Redis's clock, which the fleet's
+scripts read (`lua/share.lua`, `beat.lua`, `claim.lua`)."""
 WORKER_WRITES: tuple[str, ...] = ("prompts", "partials", "inbox:*", "scoring", "rollouts", "replies:*", "published:*")
-WORKER_WRITES += ("dead", "worker:*", "workers", "server:*", "layouts")
+WORKER_WRITES += ("dead", "worker:*", "workers", "ready", "ready:held", "beats", "server:*", "layouts")
 WORKER_READS = ("state", "control", "bell:*", "weights:*", "adapters", "adapter:*")
 """Each LoRA adapter's state and weights (`{ns}:adapter:NAME:...`) are read-only to workers, as the base model's."""
 
