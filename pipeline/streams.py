@@ -145,18 +145,9 @@ class Streams:
         XREADGROUP with the share as its COUNT, which Redis applies to each stream: while both hold work it returns
         more than the share (the caller holds what has no room)."""
         keys = self.keys
-
-        def ask() -> Any:
-            fleet_keys = [keys.partials, keys.prompts, keys.ready, keys.ready_held]
-            return self._share(keys=fleet_keys, args=[GENERATORS, consumer, room, held, horizon_ms])
-
-        try:
-            share, waiting, partials, above = ask()
-        except redis.ResponseError as exc:
-            if "NOGROUP" not in str(exc):
-                raise
-            self.ensure_groups()  # a stream deleted under us: make it again
-            share, waiting, partials, above = ask()
+        fleet_keys = [keys.partials, keys.prompts, keys.ready, keys.ready_held]
+        args: list[str | int] = [GENERATORS, consumer, room, held, horizon_ms]
+        share, waiting, partials, above = self._with_groups(consumer, lambda: self._share(keys=fleet_keys, args=args))
         if not share:
             if not (waiting or above):
                 return [], False
@@ -173,15 +164,19 @@ class Streams:
         def read() -> Any:
             return self.redis.xreadgroup(GENERATORS, consumer, stream_ids(streams), count=count, block=block_ms)
 
+        return [entry for entry in entries_from_reply(self._with_groups(consumer, read)) if entry.fields]
+
+    def _with_groups(self, consumer: str, call: Callable[[], Any]) -> Any:
+        """`call()`, once more after making the groups (and `consumer`'s inbox) again if a stream was deleted under
+        its readers (or a reader never joined): Redis then answers NOGROUP, or that the key must exist."""
         try:
-            reply = read()
+            return call()
         except redis.ResponseError as exc:
             if "NOGROUP" not in str(exc) and "requires the key to exist" not in str(exc):
                 raise
-            self.ensure_groups()  # a stream deleted under us (or a reader that never joined): make it again
+            self.ensure_groups()
             self.join(consumer)
-            reply = read()
-        return [entry for entry in entries_from_reply(reply) if entry.fields]
+            return call()
 
     def add_to_inbox(self, worker: str, prompt: Prompt) -> bytes:
         return cast(bytes, self.redis.xadd(self.keys.inbox(worker), for_redis(prompt.to_fields())))
