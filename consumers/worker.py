@@ -78,6 +78,11 @@ _EMPTY_TOKENS = np.zeros(0, dtype=np.int32)
 _EMPTY_LOGPROBS = np.zeros(0, dtype=np.float32)
 
 
+def _untouched(prompt: Prompt, sample: int) -> Partial:
+    """A sample of `prompt` nothing has been generated of yet: a partial that another worker starts from scratch."""
+    return Partial(prompt=prompt, sample=sample, generated=_EMPTY_TOKENS, logprobs=_EMPTY_LOGPROBS, spans=[])
+
+
 DEFAULT_MAX_INFLIGHT = 256
 """Samples a worker takes at once when neither its settings nor its engine say (`WorkerSettings.max_inflight`)."""
 TURN_WAIT_S = 0.002
@@ -356,6 +361,7 @@ class Worker:
             self.status = WorkerStatus.STOPPING
             await self._unless_redis_gone(self._beat)
             if self._drain_on_stop:
+                await self._unless_redis_gone(self._hand_back_held)
                 await self._unfreeze()
                 await self._drain()
         finally:
@@ -465,9 +471,10 @@ class Worker:
                 log.warning("%s: reading work failed (%s); retrying", self.name, exc)
                 await asyncio.sleep(self.settings.heartbeat_s)
                 continue
-            if self._stopping.is_set() and entries:
-                # A read that spanned the stop: a sync may hold the engine paused.
-                log.info("%s: %d entries read as it stopped stay pending for other workers", self.name, len(entries))
+            if self._stopping.is_set():  # a read that spanned the stop: what it read goes on elsewhere at once
+                for entry in entries:
+                    self._inflight[entry.stream, entry.id] = entry
+                    self._held.append(entry)
                 break
             if others_turn:  # it holds its share: let the others with room take theirs, then ask again
                 await asyncio.sleep(turn_wait)
@@ -524,6 +531,41 @@ class Worker:
         """How many entries to take for `free` samples of room."""
         return 1 if self._mean_n is None else max(1, int(free / self._mean_n))
 
+    async def _hand_back_held(self) -> None:
+        """A stopping worker's entries taken but not started (held for room, or read as it stopped; a sync may hold
+        the engine paused): each goes on at once where another worker takes it, as its started samples do, not after
+        it idles past a claim. Its samples go to `{ns}:partials` with nothing generated yet, acked with the entry in
+        one step; one that cannot be read is dead-lettered; one whose publish fails stays pending."""
+        if self._held:
+            log.info("%s: %d entries taken but not started go on elsewhere", self.name, len(self._held))
+        while self._held:
+            entry = self._held.popleft()
+            try:
+                decoded = await self._decode(entry)
+                if decoded is not None:
+                    prompt, samples = decoded
+                    untouched = [done or _untouched(prompt, k) for k, done in samples]
+                    await self.publisher.publish([], entry, untouched, prompt.reply_to)
+            except redis.RedisError as exc:
+                log.warning("%s: entry %s stays pending (%s)", self.name, entry.id.decode(), exc)
+            finally:
+                del self._inflight[entry.stream, entry.id]
+
+    async def _decode(self, entry: Entry) -> tuple[Prompt, list[tuple[int, Partial | None]]] | None:
+        """An entry's prompt and the samples it asks for: a prompt's `n`, or a partial's one with what an earlier
+        worker generated of it; None once an entry that cannot be read is dead-lettered."""
+        try:
+            if entry.stream == self.streams.keys.partials:
+                partial = Partial.from_fields(entry.fields)
+                return partial.prompt, [(partial.sample, partial)]
+            prompt = Prompt.from_fields(entry.fields)
+            return prompt, [(k, None) for k in range(prompt.n)]
+        except WireError as exc:
+            log.warning("%s: dead letter %s: %s", self.name, entry.id, exc)
+            await asyncio.to_thread(self.streams.dead_letter, entry, str(exc), "decode")
+            self.metrics.dead_letter("decode")
+            return None
+
     def _start(self, entry: Entry) -> None:
         # Held from the moment it is taken, before it decodes: touched every heartbeat and never claimed back, even
         # while its dead letter or its publish waits for a thread (a claim of it would serve it twice).
@@ -572,20 +614,11 @@ class Worker:
         the entry stops being held here (`_start` took it); if it was not acked, it stays pending.
         """
         counted = tokens = 0
-        samples: list[tuple[int, Partial | None]]
         try:
-            try:
-                if entry.stream == self.streams.keys.partials:
-                    partial = Partial.from_fields(entry.fields)
-                    prompt, samples = partial.prompt, [(partial.sample, partial)]
-                else:
-                    prompt = Prompt.from_fields(entry.fields)
-                    samples = [(k, None) for k in range(prompt.n)]
-            except WireError as exc:
-                log.warning("%s: dead letter %s: %s", self.name, entry.id, exc)
-                await asyncio.to_thread(self.streams.dead_letter, entry, str(exc), "decode")
-                self.metrics.dead_letter("decode")
+            decoded = await self._decode(entry)
+            if decoded is None:
                 return
+            prompt, samples = decoded
             self._mean_n = len(samples) if self._mean_n is None else 0.9 * self._mean_n + 0.1 * len(samples)
             size = min(len(prompt.tokens) + prompt.sampling.max_tokens, self.engine.max_model_len)
             self._mean_tokens = size if self._mean_tokens is None else 0.9 * self._mean_tokens + 0.1 * size
