@@ -61,7 +61,15 @@ from pipeline.wire import (
     join_spans,
 )
 from staleness.state import read_state, weights_command
-from staleness.weights import is_stored, join_version, load_joined, load_prefetched, load_version, prefetch_version
+from staleness.weights import (
+    fetches_ahead,
+    is_stored,
+    join_version,
+    load_joined,
+    load_prefetched,
+    load_version,
+    prefetch_version,
+)
 from staleness.weights.layout import LAYOUT_FIELD, advertise, layout_of
 
 if TYPE_CHECKING:
@@ -85,6 +93,8 @@ def _untouched(prompt: Prompt, sample: int) -> Partial:
 
 DEFAULT_MAX_INFLIGHT = 256
 """Samples a worker takes at once when neither its settings nor its engine say (`WorkerSettings.max_inflight`)."""
+LEFTOVERS_MAX = 10_000
+"""At most this many entries of each stream that an earlier process under the worker's name left are taken up."""
 TURN_WAIT_S = 0.002
 """How long a worker that holds its share of the waiting work waits before it asks again (doubling up to a read's
 wait): the others with room take theirs within a few milliseconds, and one that stops asking leaves the ready set."""
@@ -357,6 +367,7 @@ class Worker:
         release = asyncio.create_task(self._release_when_idle())
         watch = asyncio.create_task(self._watch_redis_while_stopping())
         try:
+            await self._take_up_leftovers()
             await self._read_loop()
             self.status = WorkerStatus.STOPPING
             await self._unless_redis_gone(self._beat)
@@ -492,21 +503,25 @@ class Worker:
 
     def _take_work(self, count: int) -> tuple[list[Entry], bool]:
         """In a thread: up to `count` entries, no more than this worker's share of what waits (`Streams.take`); when
-        nothing waits, a blocking read for one entry (Redis wakes the worker that has waited longest), then the rest
-        of its share of the burst it woke to that fits now (its room may have grown while it waited), in the same
-        hand-off from the event loop and back, so that the burst starts together: the engine would otherwise start
-        on the first entry alone and take the rest a step behind, out of step with it for the whole batch. (What the
-        thread reads of the worker's state, counts and flags, it only reads.) Also says whether it took nothing
-        because the work that waits is the other workers' turn."""
-        held = len(self._inflight)
-        entries, others_turn = self.streams.take(self.name, count, held, self._horizon_ms)
-        if entries or others_turn or self._stopping.is_set():
-            return entries, others_turn
-        entries = self.streams.read_work(self.name, 1, self._block_ms)
+        nothing waits, or it holds nothing (then one entry is within its share while any waits: `take_first` counts
+        and reads in one round trip), a read for one entry that waits for it if need be (Redis wakes the worker that
+        has waited longest), then the rest of its share of the burst it woke to that fits now (its room may have
+        grown while it waited), in the same hand-off from the event loop and back, so that the burst starts
+        together: the engine would otherwise start on the first entry alone and take the rest a step behind, out of
+        step with it for the whole batch. (What the thread reads of the worker's state, counts and flags, it only
+        reads.) Also says whether it took nothing because the work that waits is the other workers' turn."""
+        held, share = len(self._inflight), 0
+        if held:
+            entries, others_turn = self.streams.take(self.name, count, held, self._horizon_ms)
+            if entries or others_turn or self._stopping.is_set():
+                return entries, others_turn
+            entries = self.streams.read_work(self.name, 1, self._block_ms)
+        else:  # holding least, one entry is its share while any waits: counted and read in one round trip
+            entries, share = self.streams.take_first(self.name, count, self._horizon_ms, self._block_ms)
         if not entries or self._mean_n is None or self._stopping.is_set():
             return entries, False  # none came, or it cannot tell what more would fit
         room = self._entries_for(self._free_samples()) - len(entries)
-        if room <= 0:
+        if room <= 0 or 0 < share <= len(entries):  # (a share counted as work waited: the read did not wait)
             return entries, False
         try:
             more, _ = self.streams.take(self.name, room, held + len(entries), self._horizon_ms)
@@ -961,7 +976,12 @@ class Worker:
                 return
         fetched = None  # a redis:// version is fetched while the engine still generates, as a broadcast is joined
         fetch_began = time.monotonic()
-        if link is None and command.version != self.engine.version and self._slot.copy_of(command.version) is None:
+        if (
+            link is None
+            and fetches_ahead(command.uri)
+            and command.version != self.engine.version
+            and self._slot.copy_of(command.version) is None
+        ):
             try:
                 fetched = await asyncio.to_thread(prefetch_version, command.uri, command.version, self.streams.redis)
             except Exception as exc:
@@ -1168,9 +1188,21 @@ class Worker:
             entries = list(self._inflight.values()) if touch else []
             ttl_s = self.settings.heartbeat_ttl_s
             dead_after_s = self.settings.dead_after_s
+            room, held = self._room_to_take(), len(self._inflight)
             return await asyncio.to_thread(
-                self.streams.registry.heartbeat, self.name, status, ttl_s, entries, dead_after_s
+                self.streams.registry.heartbeat, self.name, status, ttl_s, entries, dead_after_s, room, held
             )
+
+    def _room_to_take(self) -> int:
+        """Entries it could take (its heartbeat keeps it on the ready set with it): none while it is asleep,
+        stopping, or has entries waiting for room. A sync's pause keeps it on the set: the others do not take its
+        share of what waits at the resume."""
+        if self._stopping.is_set() or self._asleep or self._waiting_for_room or self._held:
+            return 0
+        if self._inflight and not self._slot.ready:
+            return 0
+        free = self._free_samples()
+        return self._entries_for(free) if free > 0 or not self._inflight_samples else 0
 
     def _advertise_layout(self) -> str:
         """Put the engine's model layout in `{ns}:layouts` (once per distinct model) and return its digest, for the
@@ -1204,17 +1236,40 @@ class Worker:
         for entry in claimed:
             if (entry.stream, entry.id) in self._inflight:
                 continue  # ours already (we stalled past the idle limit): keep serving it once
-            deliveries = await asyncio.to_thread(self.streams.delivery_count, entry)
-            if deliveries > self.settings.max_deliveries:
-                reason = f"handed out {deliveries} times without finishing (limit {self.settings.max_deliveries})"
-                await asyncio.to_thread(self.streams.dead_letter, entry, reason, "deliver")
-                self.metrics.dead_letter("deliver")
+            if await self._handed_out_too_often(entry):
                 continue
             log.info("%s: claimed abandoned %s %s", self.name, entry.stream, entry.id)
             self._start(entry)
         if claimed:
             await asyncio.sleep(0)  # as after a read: they count their samples before the room is measured
         return len(claimed), others_turn
+
+    async def _take_up_leftovers(self) -> None:
+        """Before new work, take up what an earlier process under this name left pending (it died and this one took
+        its name, as a supervisor restarting it under its name does): its heartbeat goes on under the name, so the
+        others would not take that work over until it idled past `claim_idle_ms`. Held, and started as room
+        allows."""
+        try:
+            entries = await asyncio.to_thread(self.streams.leftovers, self.name, LEFTOVERS_MAX)
+        except redis.ConnectionError as exc:
+            log.warning("%s: reading what an earlier process of its name left failed (%s)", self.name, exc)
+            return
+        if entries:
+            log.info("%s: taking up %d entries an earlier process of its name left pending", self.name, len(entries))
+        for entry in entries:
+            if not await self._handed_out_too_often(entry):
+                self._inflight[entry.stream, entry.id] = entry
+                self._held.append(entry)
+
+    async def _handed_out_too_often(self, entry: Entry) -> bool:
+        """Dead-letter an entry handed out more than `max_deliveries` times (it keeps killing its workers)."""
+        deliveries = await asyncio.to_thread(self.streams.delivery_count, entry)
+        if deliveries <= self.settings.max_deliveries:
+            return False
+        reason = f"handed out {deliveries} times without finishing (limit {self.settings.max_deliveries})"
+        await asyncio.to_thread(self.streams.dead_letter, entry, reason, "deliver")
+        self.metrics.dead_letter("deliver")
+        return True
 
 
 def run_worker(

@@ -9,10 +9,14 @@ Redis 6.2 (see `pipeline.connections`); redis-py runs each by EVALSHA and loads 
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import redis
+from redis.client import Pipeline
 from redis.commands.core import Script
+from redis.exceptions import NoScriptError
 
 
 @functools.cache
@@ -27,3 +31,30 @@ def sources(folder: Path) -> dict[str, str]:
 def register_all(client: redis.Redis, folder: Path) -> dict[str, Script]:
     """Every script of `folder`, ready to call on `client` as `script(keys=[...], args=[...])`."""
     return {name: client.register_script(source) for name, source in sources(folder).items()}
+
+
+def queue(pipe: Pipeline, script: Script, keys: Sequence[Any], args: Sequence[Any]) -> None:
+    """Queue `script` on `pipe` by its SHA alone. redis-py's own `script(..., client=pipe)` sends `SCRIPT EXISTS`
+    before every execute of the pipeline: a second round trip each time, which a heartbeat would pay every period.
+    A Redis that does not know the script (restarted without it) answers NOSCRIPT: execute with
+    `raise_on_error=False` and see `load_missing`."""
+    pipe.evalsha(script.sha, len(keys), *keys, *args)
+
+
+def load_missing(client: redis.Redis, results: Sequence[Any], scripts: Sequence[Script]) -> bool:
+    """Whether a pipeline's `results` hold a NOSCRIPT reply; if so, `scripts` are loaded now, for the caller to
+    send again what did not run."""
+    if not any(isinstance(result, NoScriptError) for result in results):
+        return False
+    for script in scripts:
+        client.script_load(script.script)
+    return True
+
+
+def raise_first_error(results: Sequence[Any]) -> list[Any]:
+    """A pipeline's results executed with `raise_on_error=False`, or the first error among them raised (as
+    `raise_on_error=True` would)."""
+    for result in results:
+        if isinstance(result, Exception):
+            raise result
+    return list(results)

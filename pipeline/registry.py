@@ -13,6 +13,7 @@ import redis
 from redis.commands.core import Script
 from redis.typing import StreamIdT
 
+from pipeline.lua import load_missing, queue, raise_first_error
 from pipeline.wire import GENERATORS, Keys
 
 if TYPE_CHECKING:
@@ -64,6 +65,8 @@ class Registry:
         ttl_s: float,
         touch: Iterable[Entry] = (),
         dead_after_s: float | None = None,
+        room: int = 0,
+        held: int = 0,
     ) -> int:
         """Write the worker's heartbeat hash (expiring) and keep it on the registry `{ns}:workers`; returns how many
         workers the registry holds (departed ones not yet rehomed included), for the sweep's share (`sweep_chance`).
@@ -71,17 +74,27 @@ class Registry:
         `touch`: work still in progress, whose idle time is reset in the same round trip (as `touch` does): a fleet's
         upkeep is then one round trip a worker a period, not two. `dead_after_s`: the silence after which the others
         take its work over (`{ns}:beats`, `lua/claim.lua`); None: only once the work idles past their
-        `claim_idle_ms`."""
+        `claim_idle_ms`. With it, `room` (entries it could take now) and `held` (entries it holds) keep it on the
+        fleet's ready set while it has room (`lua/beat.lua`), so the others' shares count it while it waits."""
         key = self._keys.worker(name)
-        pipe = self._redis.pipeline(transaction=True)
-        touch_pending(pipe, name, touch)
-        if dead_after_s is not None:
-            self._beat_script(keys=[self._keys.beats], args=[name, int(dead_after_s * 1000)], client=pipe)
-        pipe.hset(key, mapping={k: str(v) for k, v in status.items()})
-        pipe.pexpire(key, int(ttl_s * 1000))
-        pipe.sadd(self._keys.workers, name)
-        pipe.scard(self._keys.workers)
-        return int(pipe.execute()[-1])
+        touch = list(touch)
+
+        def beat() -> list[Any]:
+            pipe = self._redis.pipeline(transaction=True)
+            touch_pending(pipe, name, touch)
+            if dead_after_s is not None:
+                keys = [self._keys.beats, self._keys.ready, self._keys.ready_held]
+                queue(pipe, self._beat_script, keys, [name, int(dead_after_s * 1000), room, held])
+            pipe.hset(key, mapping={k: str(v) for k, v in status.items()})
+            pipe.pexpire(key, int(ttl_s * 1000))
+            pipe.sadd(self._keys.workers, name)
+            pipe.scard(self._keys.workers)
+            return pipe.execute(raise_on_error=False)
+
+        results = beat()
+        if load_missing(self._redis, results, [self._beat_script]):
+            results = beat()  # each command of it is safe to run twice
+        return int(raise_first_error(results)[-1])
 
     def heartbeat_field(self, names: Iterable[str], field: str) -> dict[str, str | None]:
         """One field of each named worker's heartbeat (None for a worker whose heartbeat expired): what a weight sync

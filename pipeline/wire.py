@@ -123,8 +123,8 @@ class Keys:
         self.worker_prefix = f"{tag}:worker:"
         self.workers = f"{tag}:workers"
         self.ready = f"{tag}:ready"
-        """Sorted set: the workers that asked for work with room to spare, scored by when (Redis's clock, ms): what a
-        worker's share of the waiting work is counted over (`lua/share.lua`, `lua/claim.lua`)."""
+        """Sorted set: the workers with room to take work, scored by when they last said so (a heartbeat or a take;
+        Redis's clock, ms): what a worker's share of the waiting work is counted over (`lua/share.lua`, `claim.lua`)."""
         self.beats = f"{tag}:beats"
         """Sorted set: each worker scored by the moment (Redis's clock, ms) after which its silence makes it dead, moved
         on by every heartbeat (`lua/beat.lua`): a claimer finds the dead in one range read (`lua/claim.lua`)."""

@@ -86,6 +86,35 @@ def test_a_dead_workers_work_is_started_elsewhere_within_seconds(
     assert client.stats["duplicates"] == 0
 
 
+def test_a_worker_restarted_under_its_name_takes_up_what_its_dead_process_left(
+    redis_server: RedisServer, ns: str, workers: StartWorker
+) -> None:
+    """A supervisor restarts a killed worker under the same name: the name's heartbeat goes on, so no other worker
+    would take the dead process's work over until it idled past --claim-idle-ms (60 s here). The new process takes
+    it up as it starts, before any new work, and each prompt is delivered once."""
+    flags = ("--engine-args", '{"steps_per_s": 50}', "--max-inflight", "8", "--claim-idle-ms", "60000")
+    first = workers("w", *SYNTHETIC, *flags)
+    client = RolloutClient(redis_server.url, ns)
+    ids = [client.submit(tokens=[4, 5, k], n=2, max_tokens=400, seed=k) for k in range(4)]  # 8 s a sample
+    wait_until(lambda: len(pending_on(client, "w")) == 4, 30, "the worker to take all four")
+    os.kill(first.pid, signal.SIGKILL)
+    first.wait(timeout=30)
+    restarted = time.monotonic()
+    workers("w", *SYNTHETIC, *flags)  # (the dead process's heartbeat may still say "serving")
+
+    def taken_up() -> bool:
+        r, key = client.streams.redis, client.streams.keys.prompts
+        pending = r.xpending_range(key, GENERATORS, "-", "+", 100, consumername="w")
+        return len(pending) == 4 and all(p["times_delivered"] == 2 for p in pending)
+
+    wait_until(taken_up, 40, "the restarted process to take up the four")
+    assert time.monotonic() - restarted < 40  # long before the 60 s idle claim
+    groups = client.collect(len(ids), timeout=120)
+    assert sorted(g.prompt_id for g in groups) == sorted(ids)
+    assert {r.worker for g in groups for r in g.rollouts} == {"w"}
+    assert client.stats["duplicates"] == 0
+
+
 def test_a_dead_workers_work_goes_before_newer_prompts(
     redis_server: RedisServer, ns: str, workers: StartWorker
 ) -> None:

@@ -130,6 +130,55 @@ def test_a_take_leaves_the_other_workers_with_room_their_share(any_redis: redis.
     assert any_redis.xinfo_groups(key)[0]["pending"] == 16
 
 
+def test_a_heartbeat_with_room_counts_a_waiting_worker_in_the_others_shares(any_redis: redis.Redis, ns: str) -> None:
+    """A worker that waits for work in a blocking read asks for no share, but its heartbeat says it has room: the
+    others then leave it its share; once its heartbeat says it is full (or paused) it is counted no more."""
+    streams = Streams(any_redis, ns)
+    streams.ensure_groups()
+    streams.registry.heartbeat("waiting", {"status": "serving"}, ttl_s=5, dead_after_s=2.5, room=8, held=0)
+    streams.add_prompts([prompt(f"p{k}") for k in range(8)])
+    entries, _ = streams.take("busy", 64, 0, 60_000)
+    assert len(entries) == 4  # half: the waiting worker is on the ready set
+    streams.registry.heartbeat("waiting", {"status": "serving"}, ttl_s=5, dead_after_s=2.5, room=0, held=8)
+    assert any_redis.zscore(streams.keys.ready, "waiting") is None
+    entries, _ = streams.take("busy", 64, 4, 60_000)
+    assert len(entries) == 4  # alone on the ready set: all that waits
+
+
+def test_a_worker_that_holds_nothing_is_counted_and_reads_one_entry_in_one_call(
+    any_redis: redis.Redis, ns: str
+) -> None:
+    """`take_first`: a worker that holds nothing asks for its share and reads one entry in one round trip; when
+    nothing waits it waits for one (up to its block) and is on the ready set meanwhile, so the others leave it its
+    share of what comes."""
+    streams = Streams(any_redis, ns)
+    streams.ensure_groups()
+    assert streams.take_first("idle", 16, 60_000, 50) == ([], 0)
+    assert any_redis.zscore(streams.keys.ready, "idle") is not None
+    streams.add_prompts([prompt(f"p{k}") for k in range(8)])
+    entries, _ = streams.take("busy", 16, 0, 60_000)
+    assert len(entries) == 4  # the idle worker's half is left to it
+    entries, share = streams.take_first("idle", 16, 60_000, 50)
+    assert [Prompt.from_fields(e.fields).id for e in entries] == ["p4"] and share == 2  # 4 wait over two
+
+
+def test_a_heartbeat_and_a_first_take_survive_a_redis_that_lost_its_scripts(any_redis: redis.Redis, ns: str) -> None:
+    """Both send their script by SHA alone in a pipeline; a Redis restarted without the scripts (here flushed)
+    answers NOSCRIPT, and the script is loaded and the call made good: nothing is lost, and the read is kept."""
+    streams = Streams(any_redis, ns)
+    streams.ensure_groups()
+    streams.join("w1")
+    streams.add_prompts([prompt("p0")])
+    any_redis.script_flush()
+    assert streams.registry.heartbeat("w1", {"status": "serving"}, ttl_s=5, dead_after_s=2.5, room=4) == 1
+    assert any_redis.zscore(streams.keys.beats, "w1") is not None
+    assert any_redis.zscore(streams.keys.ready, "w1") is not None
+    any_redis.script_flush()
+    entries, share = streams.take_first("w1", 4, 60_000, 50)
+    assert [Prompt.from_fields(e.fields).id for e in entries] == ["p0"] and share == 0  # not counted this time
+    assert streams.take_first("w1", 4, 60_000, 50) == ([], 0)  # loaded again: counted
+
+
 def test_a_silent_workers_work_is_claimed_at_once_and_a_live_workers_never(any_redis: redis.Redis, ns: str) -> None:
     """A worker whose heartbeat has been silent longer than the silence it declared loses its work to a claimer as
     soon as the work idles `quick_ms`, oldest first, whatever `min_idle_ms` says; a live worker's work idle just as

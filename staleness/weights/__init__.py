@@ -193,13 +193,19 @@ async def receive_adapter(link: BroadcastLink) -> tuple[dict[str, torch.Tensor],
     return tensors, config
 
 
+def fetches_ahead(uri: str) -> bool:
+    """Whether `prefetch_version` fetches anything for `uri` (a `redis://` version): the others it need not be called
+    for, nor a thread woken."""
+    return parse_uri(uri).scheme == "redis"
+
+
 def prefetch_version(uri: str, version: int, redis_client: redis.Redis | None = None) -> dict[str, torch.Tensor] | None:
     """The part of a `redis://` load that need not stop generation: fetch and check the version's tensors (host
     memory, one buffer), for `load_prefetched` once the engine is paused. A worker does this before it pauses, as it
     joins an nccl broadcast before: the transfer is then time the trainer waits for, not time the worker stands
     still. None for the other schemes (fs and ipc load in place from where they are; nccl arrives during the sync).
     Blocking: call it off the event loop. Raises as `fetch_weights` does."""
-    if parse_uri(uri).scheme != "redis":
+    if not fetches_ahead(uri):
         return None
     fetched = fetch_weights(uri, version, redis_client)
     assert isinstance(fetched, dict)  # redis: named tensors
