@@ -503,25 +503,21 @@ class Worker:
 
     def _take_work(self, count: int) -> tuple[list[Entry], bool]:
         """In a thread: up to `count` entries, no more than this worker's share of what waits (`Streams.take`); when
-        nothing waits, or it holds nothing (then one entry is within its share while any waits: `take_first` counts
-        and reads in one round trip), a read for one entry that waits for it if need be (Redis wakes the worker that
-        has waited longest), then the rest of its share of the burst it woke to that fits now (its room may have
-        grown while it waited), in the same hand-off from the event loop and back, so that the burst starts
-        together: the engine would otherwise start on the first entry alone and take the rest a step behind, out of
-        step with it for the whole batch. (What the thread reads of the worker's state, counts and flags, it only
-        reads.) Also says whether it took nothing because the work that waits is the other workers' turn."""
-        held, share = len(self._inflight), 0
-        if held:
-            entries, others_turn = self.streams.take(self.name, count, held, self._horizon_ms)
-            if entries or others_turn or self._stopping.is_set():
-                return entries, others_turn
-            entries = self.streams.read_work(self.name, 1, self._block_ms)
-        else:  # holding least, one entry is its share while any waits: counted and read in one round trip
-            entries, share = self.streams.take_first(self.name, count, self._horizon_ms, self._block_ms)
+        nothing waits, a blocking read for one entry (Redis wakes the worker that has waited longest), then the rest
+        of its share of the burst it woke to that fits now (its room may have grown while it waited), in the same
+        hand-off from the event loop and back, so that the burst starts together: the engine would otherwise start
+        on the first entry alone and take the rest a step behind, out of step with it for the whole batch. (What the
+        thread reads of the worker's state, counts and flags, it only reads.) Also says whether it took nothing
+        because the work that waits is the other workers' turn."""
+        held = len(self._inflight)
+        entries, others_turn = self.streams.take(self.name, count, held, self._horizon_ms)
+        if entries or others_turn or self._stopping.is_set():
+            return entries, others_turn
+        entries = self.streams.read_work(self.name, 1, self._block_ms)
         if not entries or self._mean_n is None or self._stopping.is_set():
             return entries, False  # none came, or it cannot tell what more would fit
         room = self._entries_for(self._free_samples()) - len(entries)
-        if room <= 0 or 0 < share <= len(entries):  # (a share counted as work waited: the read did not wait)
+        if room <= 0:
             return entries, False
         try:
             more, _ = self.streams.take(self.name, room, held + len(entries), self._horizon_ms)
@@ -538,9 +534,10 @@ class Worker:
 
     @property
     def _horizon_ms(self) -> int:
-        """How long a worker that asked for work counts as one with room (`Streams.take`): two of its reads' waits
-        and a heartbeat period, so a worker waiting for work is always counted and a stopped one soon is not."""
-        return 2 * self._block_ms + int(self.settings.heartbeat_s * 1000)
+        """How long a worker that said it has room (a take, a heartbeat) counts as one (`Streams.take`): two of its
+        reads' waits and two heartbeat periods, so a worker waiting for work is counted even when a loaded machine
+        holds its read and its heartbeat back a period, and a stopped one soon is not."""
+        return 2 * self._block_ms + int(2 * self.settings.heartbeat_s * 1000)
 
     def _entries_for(self, free: int) -> int:
         """How many entries to take for `free` samples of room."""

@@ -21,7 +21,7 @@ import redis
 from pipeline.codec import for_redis, stream_ids
 from pipeline.connections import socket_timeout_s
 from pipeline.control import ControlStream
-from pipeline.lua import load_missing, queue, raise_first_error, register_all
+from pipeline.lua import register_all
 from pipeline.registry import Registry, touch_pending
 from pipeline.wire import (
     GENERATORS,
@@ -147,30 +147,6 @@ class Streams:
                 self.redis.xack(entry.stream, GENERATORS, entry.id)
         order = {stream: k for k, stream in enumerate(streams)}
         return sorted((entry for entry in entries if entry.fields), key=lambda e: order[e.stream])
-
-    def take_first(self, consumer: str, room: int, horizon_ms: int, block_ms: int | None) -> tuple[list[Entry], int]:
-        """`take` for a worker that holds nothing, in one round trip: its share counted (which keeps it on the ready
-        set, `lua/share.lua`) and one entry read, waiting up to `block_ms` if none waits (`read_work`: Redis hands a
-        new entry to the reader that has waited longest). Holding least, one entry is within its share whenever any
-        waits, so the read need not wait for the count. Returns the entries and the share, for the caller to take
-        the rest of it that fits (`take`)."""
-        keys = self.keys
-        fleet_keys = [keys.partials, keys.prompts, keys.ready, keys.ready_held]
-        streams = [keys.partials, keys.inbox(consumer), keys.prompts]
-
-        def both() -> list[Any]:
-            pipe = self.redis.pipeline(transaction=False)
-            queue(pipe, self._share, fleet_keys, [GENERATORS, consumer, room, 0, horizon_ms])
-            pipe.xreadgroup(GENERATORS, consumer, dict.fromkeys(streams, ">"), count=1, block=self._block(block_ms))
-            results = pipe.execute(raise_on_error=False)
-            if load_missing(self.redis, results[:1], [self._share]):  # the read ran: keep it, count nothing
-                results[0] = [0]
-            return raise_first_error(results)
-
-        counted, reply = self._with_groups(consumer, both)
-        order = {stream: k for k, stream in enumerate(streams)}
-        entries = sorted((e for e in entries_from_reply(reply) if e.fields), key=lambda e: order[e.stream])
-        return entries, int(counted[0])
 
     def take(self, consumer: str, room: int, held: int, horizon_ms: int) -> tuple[list[Entry], bool]:
         """New entries for one worker of a fleet, without waiting: partials first, then its inbox, then prompts; of
