@@ -23,8 +23,8 @@ WORKERS = 50
 
 def test_fifty_workers_publish_at_the_rate_asked_and_take_every_sync(tmp_path: Path) -> None:
     plot = tmp_path / "scale.png"
-    args = ["--workers", str(WORKERS), "--rate", "2", "--procs", "1", "--warmup-s", "2", "--measure-s", "5"]
-    args += ["--sync-every-s", "1.5", "--lengths", "uniform:900-1024", "--plot", str(plot)]
+    args = ["--workers", str(WORKERS), "--rate", "2", "--procs", "1", "--warmup-s", "2", "--measure-s", "8"]
+    args += ["--sync-every-s", "2.5", "--lengths", "uniform:900-1024", "--plot", str(plot)]
     result = subprocess.run(
         [sys.executable, "-m", "pipeline.cli", "scale", *args], capture_output=True, text=True, timeout=180
     )
