@@ -127,9 +127,8 @@ class Streams:
         One XREADGROUP over the three streams applies its COUNT to each, so it may return up to `count` from each; the
         caller holds what it has no room for (`consumers.worker`)."""
         streams = [self.keys.partials, self.keys.inbox(consumer), self.keys.prompts]
-        order = {stream: k for k, stream in enumerate(streams)}
         entries = self._read_group_new(consumer, dict.fromkeys(streams, ">"), count, self._block(block_ms))
-        return sorted(entries, key=lambda e: order[e.stream])
+        return _in_order(streams, entries)
 
     def leftovers(self, consumer: str, count: int) -> list[Entry]:
         """What an earlier process under the name `consumer` left pending (it died, and this one, starting, took its
@@ -145,8 +144,7 @@ class Streams:
         for entry in entries:
             if not entry.fields:
                 self.redis.xack(entry.stream, GENERATORS, entry.id)
-        order = {stream: k for k, stream in enumerate(streams)}
-        return sorted((entry for entry in entries if entry.fields), key=lambda e: order[e.stream])
+        return _in_order(streams, [entry for entry in entries if entry.fields])
 
     def take(self, consumer: str, room: int, held: int, horizon_ms: int) -> tuple[list[Entry], bool]:
         """New entries for one worker of a fleet, without waiting: partials first, then its inbox, then prompts; of
@@ -528,6 +526,12 @@ def _append_rollouts(args: list[Any], rollouts: Sequence[Rollout]) -> None:
     for rollout in rollouts:
         args += [rollout.prompt_id, rollout.sample]
         _append_fields(args, rollout.to_fields(shared))
+
+
+def _in_order(streams: Sequence[str], entries: Iterable[Entry]) -> list[Entry]:
+    """`entries` by the order of their streams in `streams` (each stream's own order kept)."""
+    order = {stream: k for k, stream in enumerate(streams)}
+    return sorted(entries, key=lambda e: order[e.stream])
 
 
 def _entries_per_stream(streams: Sequence[str], reply: Any) -> list[Entry]:
