@@ -248,16 +248,20 @@ def generation_side(
     previous = signal.signal(signal.SIGUSR1, raise_died)
     watcher = threading.Thread(target=watch, args=(processes, stopping, died), name="watch", daemon=True)
     try:
-        for i in range(workers):
-            name, log = f"rl-worker-{i}", log_dir / f"rl-worker-{i}.log"
+        names = [f"rl-worker-{i}" for i in range(workers)]
+        for name in names:  # all started before any is waited for: a fleet starts in one worker's time
+            log = log_dir / f"{name}.log"
             extra = ["--engine", engine, "--log-level", "warning", "--heartbeat-s", "0.2"]  # a fresh busy_s per mode
             extra += ["--num-threads", "1"] if engine == "torch" else []
             extra += list(worker_args)
             processes[name] = start_worker(url, ns, model, name, *extra, log_file=log, env=worker_env), log
+        for name in names:
+            process, log_file = processes[name]
             try:
-                wait_for_worker(client.streams.redis, ns, name, processes[name][0], timeout_s=300)
+                wait_for_worker(client.streams.redis, ns, name, process, timeout_s=300)
             except (RuntimeError, TimeoutError) as exc:
-                raise RuntimeError(f"{exc}; the end of its log:\n{log.read_text(errors='replace')[-2000:]}") from None
+                tail = log_file.read_text(errors="replace")[-2000:] if log_file is not None else ""
+                raise RuntimeError(f"{exc}; the end of its log:\n{tail}") from None
         watcher.start()
         yield
     finally:

@@ -97,22 +97,31 @@ class Registry:
         return int(raise_first_error(results)[-1])
 
     def heartbeat_field(self, names: Iterable[str], field: str) -> dict[str, str | None]:
-        """One field of each named worker's heartbeat (None for a worker whose heartbeat expired): what a weight sync
-        polls for its acks, a field per worker rather than every heartbeat whole. One round trip, and a second only
-        for the workers whose field is missing (to tell a live worker without it from one that is gone)."""
+        """One field of each named worker's heartbeat (None for a worker that is gone: its heartbeat expired, or its
+        declared silence on `{ns}:beats` has passed, as claimers judge it): what a weight sync polls for its acks, a
+        field per worker rather than every heartbeat whole. One round trip, and a second only for the workers whose
+        field is missing (to tell a live worker without it from one that is gone)."""
         names = list(names)
+        if not names:
+            return {}
         pipe = self._redis.pipeline(transaction=False)
         for name in names:
             pipe.hget(self._keys.worker(name), field)
-        values = dict(zip(names, pipe.execute(), strict=True))
+        pipe.time()
+        pipe.zmscore(self._keys.beats, names)
+        *fields, (seconds, micros), deadlines = pipe.execute()
+        now_ms = seconds * 1000 + micros // 1000
+        silent = {n for n, deadline in zip(names, deadlines, strict=True) if deadline is not None and deadline < now_ms}
+        values = {name: None if name in silent else value for name, value in zip(names, fields, strict=True)}
         # A field present says the heartbeat is there: only the others need a second look (a command a worker per
         # poll, not two: a sync with 1,000 workers polls every 20 ms).
-        missing = [name for name, value in values.items() if value is None]
+        missing = [name for name, value in values.items() if value is None and name not in silent]
         for name in missing:
             pipe.exists(self._keys.worker(name))
         alive = dict(zip(missing, pipe.execute(), strict=True)) if missing else {}
         return {
-            name: _text(value) if value is not None else ("" if alive[name] else None) for name, value in values.items()
+            name: _text(value) if value is not None else ("" if alive.get(name) else None)
+            for name, value in values.items()
         }
 
     def forget_worker(self, name: str) -> None:

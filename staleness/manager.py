@@ -70,7 +70,8 @@ class SyncReport:
     acked: list[str] = field(default_factory=list)
     evicted: list[str] = field(default_factory=list)
     gone: list[str] = field(default_factory=list)
-    """Workers that died during the sync (their heartbeat expired): not waited for."""
+    """Workers that died before or during the sync (silent past their deadline on `{ns}:beats`, as claimers judge the
+    dead, or their heartbeat expired): not waited for, nor evicted (one only frozen loads the version as it wakes)."""
     stall_s: float = 0.0
     """From the `weights` command to the `resume`: how long the trainer waited, and about how long each worker stood
     still (a worker pauses when its wave is rung and resumes when its wave is rung again, at the same pace). For a
@@ -236,8 +237,9 @@ class Manager:
         self._ringing.start()  # not a daemon: a trainer that exits right after a sync still rings every wave
 
     def _wait_acks(self, report: SyncReport, waiting: set[str], deadline: float) -> None:
-        """Move the workers of `waiting` that ack `report.epoch` into `report.acked` (those that died into
-        `report.gone`) until none is left or `deadline`; who is still in `waiting` then did not ack."""
+        """Move the workers of `waiting` that ack `report.epoch` into `report.acked` (those that are gone into
+        `report.gone`: past their deadline on `{ns}:beats`, or their heartbeat expired) until none is left or
+        `deadline`; who is still in `waiting` then did not ack."""
         while waiting:
             # only the field, of those not acked yet
             epochs = self.streams.registry.heartbeat_field(waiting, self._ack_field)

@@ -8,6 +8,7 @@ import os
 import signal
 import time
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -166,3 +167,22 @@ def test_a_live_workers_long_sample_is_never_taken_from_it(
     entry = group.rollouts[0]
     assert entry.worker == "patient"
     assert client.streams.redis.xlen(client.streams.keys.dead) == 0
+
+
+def test_a_sync_waits_on_a_worker_killed_before_it_no_longer_than_the_silence_it_declared(
+    redis_server: RedisServer, ns: str, workers: StartWorker, tiny_model_dir_v1: Path
+) -> None:
+    """A worker killed just before a sync is gone once the silence its heartbeat declared has passed (5 s at a 2 s
+    heartbeat: when claimers take its work too), not when its heartbeat hash expires (10 s) or at the ack deadline
+    (60 s): the sync says so and the live worker moves to the new version."""
+    workers("live", *SYNTHETIC)
+    doomed = workers("doomed", *SYNTHETIC, "--heartbeat-s", "2")
+    client = RolloutClient(redis_server.url, ns)
+    os.kill(doomed.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    assert client.publish_weights(tiny_model_dir_v1) == 1
+    took = time.monotonic() - killed
+    report = client.last_sync
+    assert report is not None and report.acked == ["live"] and report.gone == ["doomed"], report
+    assert report.evicted == [], report
+    assert took < 5 + 1.5, f"the sync waited {took:.1f} s on the dead worker"

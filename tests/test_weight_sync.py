@@ -120,7 +120,7 @@ def test_inflight_syncs_mid_generation_reach_every_sample_once_with_spans_over_t
 def test_a_worker_stuck_between_pause_and_ack_is_evicted_and_its_work_finishes_elsewhere(
     redis_server: RedisServer, ns: str, tiny_model_dir: Path, tiny_model_dir_v1: Path, workers: StartWorker
 ) -> None:
-    stuck = workers("stuck")
+    stuck = workers("stuck", "--heartbeat-s", "4")  # silent past the ack deadline only after 10 s: evicted, not gone
     client = RolloutClient(redis_server.url, ns)
     ids = [client.submit(tokens=[6 + i, 50, 51], n=2, max_tokens=200, seed=i) for i in range(8)]
     wait_until(generating(client, 4), 60, "generation to start")
