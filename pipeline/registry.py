@@ -112,17 +112,19 @@ class Registry:
         *fields, (seconds, micros), deadlines = pipe.execute()
         now_ms = seconds * 1000 + micros // 1000
         silent = {n for n, deadline in zip(names, deadlines, strict=True) if deadline is not None and deadline < now_ms}
-        values = {name: None if name in silent else value for name, value in zip(names, fields, strict=True)}
         # A field present says the heartbeat is there: only the others need a second look (a command a worker per
         # poll, not two: a sync with 1,000 workers polls every 20 ms).
-        missing = [name for name, value in values.items() if value is None and name not in silent]
+        missing = [n for n, value in zip(names, fields, strict=True) if value is None and n not in silent]
         for name in missing:
             pipe.exists(self._keys.worker(name))
         alive = dict(zip(missing, pipe.execute(), strict=True)) if missing else {}
-        return {
-            name: _text(value) if value is not None else ("" if alive.get(name) else None)
-            for name, value in values.items()
-        }
+
+        def answer(name: str, value: bytes | None) -> str | None:
+            if name in silent:
+                return None
+            return _text(value) if value is not None else ("" if alive[name] else None)
+
+        return {name: answer(name, value) for name, value in zip(names, fields, strict=True)}
 
     def forget_worker(self, name: str) -> None:
         """A worker leaves: its heartbeat goes, and whatever is still in its inbox goes back to the shared prompts."""

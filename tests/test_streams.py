@@ -818,6 +818,22 @@ def test_a_fleet_sweeps_departed_inboxes_about_twice_a_heartbeat_whatever_its_si
         assert fleet * sweep_chance(fleet) == pytest.approx(2.0)
 
 
+def test_a_worker_silent_past_its_deadline_reads_as_gone_before_its_heartbeat_expires(
+    any_redis: redis.Redis, ns: str
+) -> None:
+    """What a sync polls for its acks: a worker whose declared silence has passed is gone, as claimers judge it,
+    though its heartbeat hash lives on; one within its silence, or that declares none, is not."""
+    streams = Streams(any_redis, ns)
+    streams.registry.heartbeat("quiet", {"status": "serving", "epoch": 3}, ttl_s=60, dead_after_s=0.05)
+    streams.registry.heartbeat("talking", {"status": "serving", "epoch": 3}, ttl_s=60, dead_after_s=60)
+    streams.registry.heartbeat("old", {"status": "serving", "epoch": 3}, ttl_s=60)  # no deadline on `{ns}:beats`
+    wait_until(lambda: streams.registry.heartbeat_field(["quiet"], "epoch") == {"quiet": None}, 5, "the silence")
+    assert any_redis.exists(streams.keys.worker("quiet"))
+    fields = streams.registry.heartbeat_field(["quiet", "talking", "old"], "epoch")
+    assert fields == {"quiet": None, "talking": "3", "old": "3"}
+    assert streams.registry.live_workers_with("epoch") == {"talking": "3", "old": "3"}
+
+
 def test_a_departed_workers_inbox_goes_back_to_the_shared_prompts(any_redis: redis.Redis, ns: str) -> None:
     """Work pinned to a worker (its inbox) is never stranded: once its heartbeat is gone, what it held or had not
     read yet moves to `{ns}:prompts`, and a late publish by the presumed-dead worker writes nothing."""
