@@ -1,10 +1,14 @@
 """`rollouts bench-rl`: how much sooner fully-async RL reaches a reward than sync RL, as a user judges it.
 
 The same task, engine, seeds and hyper-parameters in each mode (`sync`, `one-step-off`, `async:η`), each run the
-reference trainer (`examples/grpo_trainer.py`'s `train`) against a fresh `rollouts worker` and `rollouts manager` on
-a fresh namespace. The task is the token-set task with long-tailed lengths (`--length-alpha`): a prompt's
-`max_tokens` is a Pareto draw up to 16x the shortest, and with `--length-sets` (the default) the set a prompt names
-is the quarter of the length law it falls in, so a trainer that skips long samples never learns the longest quarter.
+reference trainer (`examples/grpo_trainer.py`'s `train`) against `rollouts worker`s and a `rollouts manager` kept up
+for every run on that many workers: between runs the fleet is idle and its namespace is reset (the base policy
+published again, the admission counters as a fresh namespace's relative to the version), so an engine starts once a
+fleet, not once a run, and no run pays an engine's first requests (a warm-up batch, off the clock, goes first).
+
+The task is the token-set task with long-tailed lengths (`--length-alpha`): a prompt's `max_tokens` is a Pareto
+draw up to 16x the shortest, and with `--length-sets` (the default) the set a prompt names is the quarter of the
+length law it falls in, so a trainer that skips long samples never learns the longest quarter.
 
 The metric is **wall time to a target reward of the current policy**: after every `--eval-every` steps the
 trainer's weights are copied (off the clock), and after the run each copy is evaluated on held-out prompts (each
@@ -35,6 +39,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from types import ModuleType
@@ -194,26 +199,26 @@ def leftover_tokens(url: str, ns: str) -> tuple[int, int]:
     return left, load_trainer().stale_tokens(client)
 
 
-def calibrate(trainer: ModuleType, url: str, config: Any, model: Path, logs: Path, settings: Settings) -> float:
-    """One worker's tokens per busy second at full batching: equal-length samples, many more than a batch; in a
-    namespace of its own, so that admission's counts of the runs measured after are not touched. One batch first,
-    unmeasured: an engine's first requests pay for its warm-up (vLLM's CUDA graphs, compiled kernels). Always one
-    worker, whatever `--workers` says: a fleet's ideal is this ÷ W."""
-    ns = "bench-rl-calibration"
-
-    def submit(count: int) -> None:
-        for i in range(count):
-            client.submit(tokens=[300 + i % 100, 16], n=config.n, max_tokens=4 * config.max_tokens, seed=i)
-        client.collect(count, timeout=600)
-        wait_idle(client, ns)
-
-    with generation_side(trainer, url, ns, model, logs, settings, workers=1):
-        client = RolloutClient(url, ns)
-        submit(config.groups_per_step)
-        before = heartbeat(client, ns, newer_than=time.time())
-        submit(4 * config.groups_per_step)
-        after = heartbeat(client, ns, newer_than=time.time())
+def calibrate(client: RolloutClient, config: Any) -> float:
+    """One worker's tokens per busy second at full batching, on the fleet of one that serves `client`'s namespace:
+    equal-length samples, many more than a batch. One batch first, unmeasured: an engine's first requests pay for
+    its warm-up (vLLM's CUDA graphs, compiled kernels). A fleet's ideal is this ÷ W."""
+    ns = client.streams.keys.ns
+    warm_up(client, config)
+    before = heartbeat(client, ns, newer_than=time.time())
+    warm_up(client, config, 4 * config.groups_per_step)
+    after = heartbeat(client, ns, newer_than=time.time())
     return (after["generated_tokens"] - before["generated_tokens"]) / (after["busy_s"] - before["busy_s"])
+
+
+def warm_up(client: RolloutClient, config: Any, prompts: int | None = None, workers: int = 1) -> None:
+    """`prompts` (default: a step's groups) of equal length, generated and collected off the clock, until the fleet
+    is idle: a fleet's first requests pay for its engines' warm-up, which no run should."""
+    count = config.groups_per_step if prompts is None else prompts
+    for i in range(count):
+        client.submit(tokens=[300 + i % 100, 16], n=config.n, max_tokens=4 * config.max_tokens, seed=i)
+    client.collect(count, timeout=600)
+    wait_idle(client, client.streams.keys.ns, workers)
 
 
 def generation_side(
@@ -227,14 +232,34 @@ def generation_side(
     return trainer.generation_side(url, ns, model, settings.engine, workers, logs, worker_args, worker_env=env)
 
 
-def hold_rollouts(client: RolloutClient) -> None:
-    """Create `SERVED_GROUP` on the run's rollouts before it starts, so that none is trimmed before `served_by`."""
-    client.streams.redis.xgroup_create(client.streams.keys.rollouts, SERVED_GROUP, id="0", mkstream=True)
+def reset_namespace(client: RolloutClient, base_policy: Callable[[], torch.nn.Module], config: Any) -> None:
+    """Make the kept fleet's namespace, idle after a run, as a fresh one is to the next run: the workers serve the
+    base policy again (published as the next version, since versions never go back, when they serve another), the
+    admission counters say that every version so far consumed exactly a batch (so that at version `v + k` the run
+    may use what a fresh one may at `k`), and nothing is parked. The trainer and admission only ever look at
+    versions relative to the one they start at."""
+    state, r = client.streams.keys.state, client.streams.redis
+    if client.admission_usage().version > 0:
+        client.publish_weights(base_policy(), transport=config.transport, mode=config.pause_mode)
+    version, stale = (int(x or 0) for x in r.hmget(state, ["version", "stale"]))
+    per_version = config.batch_size * (config.sync_every if config.mode == "async" else 1)
+    r.hset(state, "submitted", stale + version * per_version)
+    r.delete(client.streams.keys.stale)
 
 
-def served_by(client: RolloutClient) -> dict[str, str]:
-    """Rollout id -> the worker that made it, over every rollout of the run (`hold_rollouts` kept them all)."""
-    r, stream, start = client.streams.redis, client.streams.keys.rollouts, "-"
+def hold_rollouts(client: RolloutClient) -> bytes:
+    """Create `SERVED_GROUP` on the run's rollouts before it starts, so that none is trimmed before `served_by`;
+    returns the stream's last id before the run (the run's rollouts come after it)."""
+    stream, r = client.streams.keys.rollouts, client.streams.redis
+    last = r.xinfo_stream(stream)["last-generated-id"] if r.exists(stream) else b"0-0"
+    r.xgroup_create(stream, SERVED_GROUP, id=last, mkstream=True)
+    return bytes(last) if isinstance(last, (bytes, bytearray)) else str(last).encode()
+
+
+def served_by(client: RolloutClient, after: bytes = b"0-0") -> dict[str, str]:
+    """Rollout id -> the worker that made it, over every rollout of the run (`hold_rollouts` kept them all: the ones
+    after `after`)."""
+    r, stream, start = client.streams.redis, client.streams.keys.rollouts, f"({after.decode()}"
     out: dict[str, str] = {}
     while page := as_entries(r.xrange(stream, start, "+", count=1000)):
         for _, fields in page:
@@ -350,17 +375,16 @@ def expected_reward(policy: torch.nn.Module, held_out: HeldOut, temperature: flo
 def run_one(
     trainer: ModuleType,
     url: str,
+    ns: str,
     config: Any,
     mode: Mode,
     model: Path,
-    logs: Path,
     settings: Settings,
     workers: int = 1,
     progress: BenchProgress | None = None,
 ) -> dict[str, Any]:
-    """One mode and seed on `workers` workers: the trainer's run, then its snapshots evaluated."""
-    fleet = f"-w{workers}" if workers != 1 else ""
-    ns = f"bench-rl{fleet}-{mode.name.replace(':', '').replace('@', '-')}-{config.seed}"
+    """One mode and seed on the kept fleet of `workers` workers serving `ns`, idle: the namespace reset
+    (`reset_namespace`), the trainer's run, then its snapshots evaluated."""
     snapshots: list[tuple[int, float, dict[str, torch.Tensor]]] = []
     steps: list[Any] = []
 
@@ -372,19 +396,20 @@ def run_one(
                 (step, elapsed, {k: v.detach().to("cpu", copy=True) for k, v in policy.state_dict().items()})
             )
 
-    with generation_side(trainer, url, ns, model, logs, settings, workers):
-        watcher = RolloutClient(url, ns)
-        hold_rollouts(watcher)
-        before = heartbeat(watcher, ns, workers, newer_than=time.time())
-        started = time.monotonic()
-        for log in trainer.train(config, url, ns, model, on_step=keep):
-            steps.append(log)  # before `keep`, which the trainer calls once this returns
-        wall = time.monotonic() - started
-        during = heartbeat(watcher, ns, workers, newer_than=time.time())  # at most one beat (0.2 s) late
-        wait_idle(watcher, ns, workers)
-        after = heartbeat(watcher, ns, workers, newer_than=time.time())
-        left, parked = leftover_tokens(url, ns)
-        made_by = served_by(watcher)
+    watcher = RolloutClient(url, ns)
+    reset_namespace(watcher, lambda: load_policy(model, config.device), config)
+    start_id = hold_rollouts(watcher)
+    start_version = watcher.admission_usage().version
+    before = heartbeat(watcher, ns, workers, newer_than=time.time())
+    started = time.monotonic()
+    for log in trainer.train(config, url, ns, model, on_step=keep):
+        steps.append(log)  # before `keep`, which the trainer calls once this returns
+    wall = time.monotonic() - started
+    during = heartbeat(watcher, ns, workers, newer_than=time.time())  # at most one beat (0.2 s) late
+    wait_idle(watcher, ns, workers)
+    after = heartbeat(watcher, ns, workers, newer_than=time.time())
+    left, parked = leftover_tokens(url, ns)
+    made_by = served_by(watcher, start_id)
     held_out = HeldOut.make(trainer, config, settings.eval_prompts)
     policy = load_policy(model, config.device)
     curve = []
@@ -399,6 +424,7 @@ def run_one(
         "mode": mode.name,
         "workers": workers,
         "seed": config.seed,
+        "start_version": start_version,
         "steps": len(steps),
         "wall_s": round(wall, 3),
         "time_to_target_s": round(reached[1], 3) if reached else None,
@@ -629,24 +655,38 @@ def run_bench_rl(console: Console, settings: Settings, base: Any) -> dict[str, A
         mode.config(base, settings.seeds[0])  # what a user must fix, before anything starts
     runs = []
     total = 1 + len(settings.modes) * len(settings.seeds) * len(settings.workers)
+    fleets = sorted(settings.workers, key=lambda w: w != 1)  # W = 1 first: its fleet calibrates
     with tempfile.TemporaryDirectory(prefix="bench-rl-") as tmp, RedisServer() as server:
         model, logs = Path(tmp) / "model", settings.logs or Path(tmp)
         logs.mkdir(parents=True, exist_ok=True)
         build_tiny_model(model, seed=0, hidden_size=settings.hidden_size, num_layers=settings.num_layers)
         with BenchProgress(console, total) as progress:
-            progress.note("calibrating one worker at full batching")
-            rate = calibrate(trainer, server.url, base, model, logs, settings)
-            progress.advance(f"calibrated: {rate:.0f} tokens/s on one worker")
-            for seed in settings.seeds:
-                for workers in settings.workers:
-                    for mode in settings.modes:
-                        progress.note(f"W {workers}, {mode.name}, seed {seed}: starting")
-                        config = mode.config(base, seed)
-                        run = run_one(trainer, server.url, config, mode, model, logs, settings, workers, progress)
-                        runs.append(run)
-                        with (logs / "runs.jsonl").open("a") as kept:  # what a run cut short still leaves
-                            kept.write(json.dumps(run) + "\n")
-                        progress.advance(run_line(run))
+            rate = 0.0
+            if 1 not in fleets:
+                progress.note("calibrating one worker at full batching")
+                with generation_side(trainer, server.url, "bench-rl-calibration", model, logs, settings, 1):
+                    rate = calibrate(RolloutClient(server.url, "bench-rl-calibration"), base)
+            for workers in fleets:
+                ns = f"bench-rl-w{workers}"
+                progress.note(f"W {workers}: starting the fleet")
+                with generation_side(trainer, server.url, ns, model, logs, settings, workers):
+                    client = RolloutClient(server.url, ns)
+                    if workers == 1:
+                        progress.note("calibrating one worker at full batching")
+                        rate = calibrate(client, base)
+                    else:
+                        warm_up(client, base, workers=workers)
+                    if workers == fleets[0]:
+                        progress.advance(f"calibrated: {rate:.0f} tokens/s on one worker")
+                    for seed in settings.seeds:
+                        for mode in settings.modes:
+                            progress.note(f"W {workers}, {mode.name}, seed {seed}: starting")
+                            config = mode.config(base, seed)
+                            run = run_one(trainer, server.url, ns, config, mode, model, settings, workers, progress)
+                            runs.append(run)
+                            with (logs / "runs.jsonl").open("a") as kept:  # what a run cut short still leaves
+                                kept.write(json.dumps(run) + "\n")
+                            progress.advance(run_line(run))
     by_workers = {str(w): summarize(runs, settings, rate, w) for w in settings.workers}
     fleet = {"workers": list(settings.workers), "by_workers": by_workers, **compare_fleet(by_workers)}
     trainer_settings = {k: v for k, v in asdict(base).items() if k != "seed"}

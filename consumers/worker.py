@@ -15,6 +15,7 @@ layer; the engine runs its own compute. What the loop guarantees:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import random
@@ -142,7 +143,10 @@ class WorkerSettings:
     """A worker whose heartbeat has been silent this long is dead to the fleet: its work is taken over (each heartbeat
     moves its deadline on `{ns}:beats`, so that each worker is judged by its own). More than two heartbeat periods."""
     max_deliveries: int = 5
-    """An entry handed out more often than this (it keeps killing workers) becomes a dead letter."""
+    """An entry handed out this many times without finishing runs alone: its worker first finishes what it runs, then
+    starts it with nothing beside it and takes nothing else until it ends. Handed out once more after a run alone
+    (its worker died or hung while it ran only that entry), it is a dead letter: the entry kills what runs it. So an
+    entry that merely sat with workers that died is never dead-lettered for their deaths."""
     trim_every_s: float = 10.0
     drain_timeout_s: float = 30.0
     """On stop, how long to let in-flight work finish; the rest stays pending for other workers."""
@@ -224,6 +228,11 @@ class Worker:
         self._held: deque[Entry] = deque()
         """Entries taken but not started for want of room (a blocking read over three streams: `Streams.read_work`).
         They are in `_inflight` too, so they are touched every heartbeat and nobody claims them; they start first."""
+        self._alone: deque[Entry] = deque()
+        """Entries handed out `max_deliveries` times, each to run alone once what runs has ended (`_suspect`). In
+        `_inflight` too, so that nobody claims them from this worker meanwhile."""
+        self._running_alone: Entry | None = None
+        """The entry this worker runs alone: it takes nothing else until it has ended."""
         self._mean_n: float | None = None
         """Samples per entry (an average): how many entries fit the room. None until the first entry: until
         then the worker reads one at a time, since a fresh worker that guessed 1 would take n times too many."""
@@ -460,6 +469,9 @@ class Worker:
                     self._start(self._held.popleft())
                 await asyncio.sleep(0)
                 continue
+            if self._alone or self._running_alone is not None:
+                await self._alone_turn()
+                continue
             if time.monotonic() >= next_claim:
                 next_claim = time.monotonic() + self.settings.heartbeat_s / 2
                 try:  # the claim scans the group's pending list, so a large fleet shares it out as it does sweeps
@@ -500,6 +512,33 @@ class Worker:
             for entry in entries[:fits]:
                 self._start(entry)
             await asyncio.sleep(0)  # let them decode and count their samples before the room is measured again
+
+    async def _alone_turn(self) -> None:
+        """A turn of the read loop while an entry waits to run alone or runs alone (`_suspect`): nothing new is
+        taken; once nothing else is in flight, the next such entry starts, marked as started alone
+        (`Streams.mark_alone`); once it has ended, its mark goes."""
+        running = self._running_alone
+        if running is not None and (running.stream, running.id) not in self._inflight:
+            self._running_alone = None
+            with contextlib.suppress(redis.RedisError):  # it expires anyway
+                await asyncio.to_thread(self.streams.forget_alone, running)
+            return
+        if running is not None or len(self._inflight) > len(self._alone):
+            self._room.clear()  # set as each entry ends
+            await self._room.wait()
+            return
+        entry = self._alone.popleft()
+        try:
+            await asyncio.to_thread(self.streams.mark_alone, entry)
+        except redis.ConnectionError as exc:
+            log.warning("%s: marking %s as run alone failed (%s); retrying", self.name, entry.id.decode(), exc)
+            self._alone.appendleft(entry)
+            await asyncio.sleep(self.settings.heartbeat_s)
+            return
+        log.warning("%s: running %s %s alone (handed out %d times or more)", self.name, entry.stream,
+                    entry.id.decode(), self.settings.max_deliveries)  # fmt: skip
+        self._running_alone = entry
+        self._start(entry)
 
     def _take_work(self, count: int) -> tuple[list[Entry], bool]:
         """In a thread: up to `count` entries, no more than this worker's share of what waits (`Streams.take`); when
@@ -1192,9 +1231,11 @@ class Worker:
 
     def _room_to_take(self) -> int:
         """Entries it could take (its heartbeat keeps it on the ready set with it): none while it is asleep,
-        stopping, or has entries waiting for room. A sync's pause keeps it on the set: the others do not take its
-        share of what waits at the resume."""
+        stopping, has entries waiting for room, or one to run alone. A sync's pause keeps it on the set: the others do
+        not take its share of what waits at the resume."""
         if self._stopping.is_set() or self._asleep or self._waiting_for_room or self._held:
+            return 0
+        if self._alone or self._running_alone is not None:
             return 0
         if self._inflight and not self._slot.ready:
             return 0
@@ -1233,7 +1274,7 @@ class Worker:
         for entry in claimed:
             if (entry.stream, entry.id) in self._inflight:
                 continue  # ours already (we stalled past the idle limit): keep serving it once
-            if await self._handed_out_too_often(entry):
+            if await self._suspect(entry):
                 continue
             log.info("%s: claimed abandoned %s %s", self.name, entry.stream, entry.id)
             self._start(entry)
@@ -1254,18 +1295,29 @@ class Worker:
         if entries:
             log.info("%s: taking up %d entries an earlier process of its name left pending", self.name, len(entries))
         for entry in entries:
-            if not await self._handed_out_too_often(entry):
+            if not await self._suspect(entry):
                 self._inflight[entry.stream, entry.id] = entry
                 self._held.append(entry)
 
-    async def _handed_out_too_often(self, entry: Entry) -> bool:
-        """Dead-letter an entry handed out more than `max_deliveries` times (it keeps killing its workers)."""
+    async def _suspect(self, entry: Entry) -> bool:
+        """Whether an entry handed out again is not to be served as usual, and so was dealt with here: handed out
+        `max_deliveries` times, it is set aside to run alone (`_alone`, held meanwhile); handed out again after it
+        was started alone (`Streams.ran_alone`: the worker that ran only it died or hung), it is a dead letter."""
         deliveries = await asyncio.to_thread(self.streams.delivery_count, entry)
-        if deliveries <= self.settings.max_deliveries:
+        if deliveries < self.settings.max_deliveries:
             return False
-        reason = f"handed out {deliveries} times without finishing (limit {self.settings.max_deliveries})"
-        await asyncio.to_thread(self.streams.dead_letter, entry, reason, "deliver")
-        self.metrics.dead_letter("deliver")
+        if not await asyncio.to_thread(self.streams.ran_alone, entry):
+            self._inflight[entry.stream, entry.id] = entry
+            self._alone.append(entry)
+            return True
+        reason = (
+            f"handed out {deliveries} times without finishing, the last time run alone (limit"
+            f" {self.settings.max_deliveries}): the worker that ran nothing else died or hung"
+        )
+        if await asyncio.to_thread(self.streams.dead_letter, entry, reason, "deliver"):
+            self.metrics.dead_letter("deliver")
+        with contextlib.suppress(redis.RedisError):
+            await asyncio.to_thread(self.streams.forget_alone, entry)
         return True
 
 

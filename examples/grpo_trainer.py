@@ -38,6 +38,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -283,8 +284,10 @@ def prompt_length(config: TrainConfig, rng: random.Random) -> tuple[int, int | N
 
 
 def submit_next(client: RolloutClient, task: TokenSetTask, config: TrainConfig, rng: random.Random, index: int,
-                timeout: float | None = None) -> None:  # fmt: skip
-    """Make prompt `index` of the run (the same sequence in every mode, for one seed) and submit it."""
+                run: str, timeout: float | None = None) -> None:  # fmt: skip
+    """Make prompt `index` of the run (the same sequence in every mode, for one seed) and submit it, as prompt
+    `{run}-s{seed}-p{index}`: `run` is new each run, so that a second run on the same namespace never reuses a
+    rollout id (the publisher and the client drop a rollout whose id was seen)."""
     max_tokens, named_set = prompt_length(config, rng)
     tokens, meta = task.prompt(rng, named_set)
     stop_ids = task.stop_ids(config.stop_set)
@@ -292,26 +295,26 @@ def submit_next(client: RolloutClient, task: TokenSetTask, config: TrainConfig, 
         meta, max_tokens = meta | {"length": max_tokens}, 16 * config.max_tokens
     client.submit(
         tokens=tokens, n=config.n, max_tokens=max_tokens, temperature=config.temperature, stop_token_ids=stop_ids,
-        seed=config.seed * 1_000_000 + index, meta=meta, id=f"s{config.seed}-p{index}", timeout=timeout,
+        seed=config.seed * 1_000_000 + index, meta=meta, id=f"{run}-s{config.seed}-p{index}", timeout=timeout,
         reward_fn=REWARD_FN if config.scoring != "trainer" else None,
     )  # fmt: skip
 
 
-def produce(client: RolloutClient, task: TokenSetTask, config: TrainConfig, stop: threading.Event) -> None:
+def produce(client: RolloutClient, task: TokenSetTask, config: TrainConfig, stop: threading.Event, run: str) -> None:
     """Async mode: submit prompts for ever; admission holds this thread back when (η + v + 1) x B are in use."""
     rng = random.Random(config.seed)
     index = 0
     while not stop.is_set():
         state = rng.getstate()
         try:
-            submit_next(client, task, config, rng, index, timeout=5)
+            submit_next(client, task, config, rng, index, run, timeout=5)
             index += 1
         except TimeoutError:
             rng.setstate(state)  # full: the trainer has not published yet; look at `stop`, then the same prompt again
 
 
 def batches_of(
-    client: RolloutClient, task: TokenSetTask, config: TrainConfig, publish: Callable[[], None]
+    client: RolloutClient, task: TokenSetTask, config: TrainConfig, publish: Callable[[], None], run: str
 ) -> Iterator[Batch]:
     """The batches the trainer steps on. In `one-step-off` mode this also publishes (`publish`): between batches,
     once the next one is generated and before its successor is submitted, so that no sample spans a sync."""
@@ -322,7 +325,7 @@ def batches_of(
 
     def submit_step(step: int) -> None:
         for g in range(config.groups_per_step):
-            submit_next(client, task, config, rng, step * config.groups_per_step + g)
+            submit_next(client, task, config, rng, step * config.groups_per_step + g, run)
 
     submit_step(0)
     for step in range(config.steps):
@@ -378,14 +381,15 @@ def train(config: TrainConfig, url: str, ns: str, model: Path, on_step: OnStep |
         published.update(s=time.monotonic() - t, stall_s=client.last_sync.stall_s if client.last_sync else 0.0)
 
     stop = threading.Event()
+    run = uuid.uuid4().hex[:8]
     if config.mode == "async":
-        threading.Thread(target=produce, args=(client, task, config, stop), daemon=True).start()
+        threading.Thread(target=produce, args=(client, task, config, stop, run), daemon=True).start()
     started = time.monotonic()
     off_clock = 0.0
     waited_from = time.monotonic()
     parked_before = 0
     try:
-        for step, batch in enumerate(batches_of(client, task, config, publish)):
+        for step, batch in enumerate(batches_of(client, task, config, publish, run)):
             wait_s = time.monotonic() - waited_from - published.get("s", 0.0)  # one-step-off published meanwhile
             trainer_version = version
             t0 = time.monotonic()

@@ -4,8 +4,8 @@ Every role gets its namespace's keys only (`{ns}:*`, never another namespace's),
 command (`FLUSHALL`, `CONFIG`, `KEYS`, `DEBUG`, ...), and no pub/sub channel. Beyond that:
 
 - `worker`: reads and writes its work (prompts, partials, its inbox, scoring, rollouts, replies, publish dedupe,
-  dead letters, heartbeats, the registry and the fleet's sets (`ready`, `ready:held`, `beats`), its model's layout in
-  `layouts`); reads **only** `state`, `control` and its
+  dead letters, heartbeats, the registry and the fleet's sets (`ready`, `ready:held`, `beats`), the marks of entries
+  run alone (`alone:*`), its model's layout in `layouts`); reads **only** `state`, `control` and its
   doorbells (`bell:*`), `weights:*` and the adapters' (`adapters`, `adapter:*`): a worker must never move a policy
   version, pause a sync or replace weights.
 - `trainer`, `manager`, `gateway`: the whole namespace (admission writes `state`, syncs write `control`,
@@ -36,7 +36,7 @@ READER_COMMANDS = ["+@read", "+@connection", "-@dangerous", "-@admin", "+info", 
 finds the node of a namespace on a Redis Cluster (`connections.connect`); `TIME` is Redis's clock, which the fleet's
 scripts read (`lua/share.lua`, `beat.lua`, `claim.lua`)."""
 WORKER_WRITES: tuple[str, ...] = ("prompts", "partials", "inbox:*", "scoring", "rollouts", "replies:*", "published:*")
-WORKER_WRITES += ("dead", "worker:*", "workers", "ready", "ready:held", "beats", "server:*", "layouts")
+WORKER_WRITES += ("dead", "worker:*", "workers", "ready", "ready:held", "beats", "server:*", "layouts", "alone:*")
 WORKER_READS = ("state", "control", "bell:*", "weights:*", "adapters", "adapter:*")
 """Each LoRA adapter's state and weights (`{ns}:adapter:NAME:...`) are read-only to workers, as the base model's."""
 

@@ -44,6 +44,8 @@ TRIM_CHUNK = 500
 """Entries one `XTRIM` of `trim_consumed` frees at most (~4 MB of 1k-token rollouts, ~1 ms of Redis)."""
 BLOCK_MARGIN_MS = 1000
 """A blocking read waits at least this much less than its client's socket timeout (`Streams._block`)."""
+ALONE_TTL_S = 86_400
+"""How long the mark of an entry started alone (`Streams.mark_alone`) lasts."""
 
 
 class Entry(NamedTuple):
@@ -224,6 +226,17 @@ class Streams:
         """How many times the group has handed this entry out (1 on first delivery)."""
         pending = self.redis.xpending_range(entry.stream, GENERATORS, min=entry.id, max=entry.id, count=1)
         return int(pending[0]["times_delivered"]) if pending else 0
+
+    def mark_alone(self, entry: Entry) -> None:
+        """Note that `entry` starts alone on its worker (`Keys.alone`), for `ALONE_TTL_S`."""
+        self.redis.set(self.keys.alone(entry.stream, entry.id), b"1", ex=ALONE_TTL_S)
+
+    def ran_alone(self, entry: Entry) -> bool:
+        """Whether `entry` was started alone before (`mark_alone`): handed out again, its run alone did not finish."""
+        return bool(self.redis.exists(self.keys.alone(entry.stream, entry.id)))
+
+    def forget_alone(self, entry: Entry) -> None:
+        self.redis.delete(self.keys.alone(entry.stream, entry.id))
 
     def publish_rollouts(
         self,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -186,3 +187,45 @@ def test_a_sync_waits_on_a_worker_killed_before_it_no_longer_than_the_silence_it
     assert report is not None and report.acked == ["live"] and report.gone == ["doomed"], report
     assert report.evicted == [], report
     assert took < 5 + 1.5, f"the sync waited {took:.1f} s on the dead worker"
+
+
+POISON = 7
+"""A token that kills the synthetic worker that starts a prompt holding it (`poison_token`)."""
+
+
+def test_a_poison_prompt_is_dead_lettered_after_its_run_alone_and_the_prompts_that_died_beside_it_are_not(
+    redis_server: RedisServer, ns: str, workers: StartWorker
+) -> None:
+    """Six prompts and a poison one (it kills whatever runs it) on one worker, restarted under its name each time it
+    dies, as a supervisor does; `--max-deliveries 2`. The first death takes the six with it; handed out a second time,
+    each runs alone, so the six finish and only the poison's run alone dies; handed out a third time, the poison is a
+    dead letter. (Counting deliveries alone, the six would die beside it twice and be dead-lettered too.)"""
+    client = RolloutClient(redis_server.url, ns)
+    ids = [client.submit(tokens=[4, 5, k], n=2, max_tokens=50, seed=k) for k in range(3)]
+    poison = client.submit(tokens=[4, POISON, 9], n=2, max_tokens=50, seed=9)
+    ids += [client.submit(tokens=[4, 6, k], n=2, max_tokens=50, seed=k) for k in range(3)]
+    flags = ("--engine-args", f'{{"steps_per_s": 50, "poison_token": {POISON}}}', "--max-deliveries", "2")
+    supervised, deaths = [workers("w", *SYNTHETIC, *flags, "--max-inflight", "16")], []
+    stop = threading.Event()
+
+    def supervise() -> None:  # restart the worker under its name whenever it dies
+        while not stop.wait(0.1):
+            if supervised[-1].poll() is not None:
+                deaths.append(supervised[-1].returncode)
+                supervised.append(workers("w", *SYNTHETIC, *flags, "--max-inflight", "16"))
+
+    thread = threading.Thread(target=supervise, daemon=True)
+    thread.start()
+    try:
+        groups = client.collect(len(ids), timeout=120)
+        wait_until(lambda: client.streams.redis.xlen(client.streams.keys.dead) == 1, 60, "the poison's dead letter")
+    finally:
+        stop.set()
+        thread.join()
+    assert sorted(g.prompt_id for g in groups) == sorted(ids)
+    assert client.stats["duplicates"] == 0
+    ((_, fields),) = client.streams.redis.xrange(client.streams.keys.dead)
+    assert fields[b"id"].decode() == poison and fields[b"stage"] == b"deliver"
+    assert b"the last time run alone" in fields[b"error"], fields[b"error"]
+    assert deaths == [-signal.SIGKILL, -signal.SIGKILL], "it killed its worker once beside the six, once alone"
+    assert [k for k in client.streams.redis.scan_iter(f"{{{ns}}}:alone:*")] == [], "no mark outlives its entry"

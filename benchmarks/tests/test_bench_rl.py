@@ -54,6 +54,8 @@ def progress_lines(stderr: str) -> list[str]:
 def test_every_generated_token_is_trained_left_over_or_parked_and_each_mode_is_as_stale_as_it_says(
     tmp_path: Path,
 ) -> None:
+    """The three modes run one after another on one kept fleet, each after the namespace's reset: each is as stale
+    as a run on a fresh fleet is (versions relative to the one it starts at), and loses nothing."""
     args = ["--modes", "sync,one-step-off,async:1", "--seeds", "0", "--steps", "4", "--groups-per-step", "4"]
     args += ["--eval-prompts", "8", "--plot", str(tmp_path / "rl.png"), "--logs", str(tmp_path / "logs")]
     report, stderr = run_bench_piped(*args)
@@ -69,6 +71,8 @@ def test_every_generated_token_is_trained_left_over_or_parked_and_each_mode_is_a
         assert all(0 <= reward <= 1 for _, _, reward in run["curve"])
         assert 0 <= run["trainer_idle"] <= 1 and 0 <= run["generator_idle"] <= 1
     assert runs["sync"]["staleness_token_mean"] == 0 and runs["sync"]["tokens"]["left_over"] == 0
+    starts = [run["start_version"] for run in runs.values()]
+    assert starts[0] == 0 and starts[1] > 0 and starts[2] > starts[1], "one fleet, kept: versions only go on"
     # one-step-off: step 0 trains on version 0 at version 0, every later step on the version before its own
     assert runs["one-step-off"]["staleness_token_mean"] == 0.75 and runs["one-step-off"]["staleness_first_max"] == 1
     assert report["summary"]["bound"]["ideal_overlap_bound"] > 0

@@ -14,7 +14,10 @@ with an eos token (`finish_reason=stop`).
 
 Its logprobs are made up, so a prompt's `logprobs_mode` (raw or processed) changes nothing here.
 
-Options come through `--engine-args` (JSON): `{"steps_per_s": 100, "lengths": "pareto:1.5"}`.
+A prompt that holds `poison_token` kills the process that runs it (SIGKILL, as a prompt that crashes a real engine
+does: a kernel fault, an out-of-memory kill) once it starts: chaos runs and tests use it to tell poison from bad luck.
+
+Options come through `--engine-args` (JSON): `{"steps_per_s": 100, "lengths": "pareto:1.5", "poison_token": 7}`.
 `--model` may name a model directory, whose context, vocabulary and eos it then takes; any other
 value (say `synthetic`) gives the defaults below.
 """
@@ -23,7 +26,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import random
+import signal
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -95,6 +100,7 @@ class SyntheticEngine(ServesNoAdapters, LoadsIpcInProcess, EngineLifecycle):
         max_model_len: int | None = None,
         eos_id: int = 2,
         seed: int | None = None,
+        poison_token: int | None = None,
     ) -> None:
         if steps_per_s <= 0:
             raise ValueError(f"steps_per_s must be > 0, got {steps_per_s}")
@@ -111,6 +117,7 @@ class SyntheticEngine(ServesNoAdapters, LoadsIpcInProcess, EngineLifecycle):
         else:
             self.vocab_size, self.max_model_len, self.eos_id = vocab_size, max_model_len or 4096, eos_id
         self._seeds = random.Random(seed)
+        self.poison_token = poison_token
         self._runs: dict[str, _Run] = {}
         self._slots: asyncio.Semaphore | None = None
         self._serving = asyncio.Event()
@@ -150,6 +157,8 @@ class SyntheticEngine(ServesNoAdapters, LoadsIpcInProcess, EngineLifecycle):
         self._runs[request_id] = run
         try:
             async with self._slots:
+                if self.poison_token is not None and self.poison_token in prompt:
+                    os.kill(os.getpid(), signal.SIGKILL)
                 await self._advance(run)
         finally:
             del self._runs[request_id]

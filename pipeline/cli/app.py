@@ -78,6 +78,14 @@ MaxInflightTokensOpt = Annotated[
 ]
 ClaimIdleOpt = Annotated[int, typer.Option(help="Claim work untouched this long (a dead worker's).")]
 HeartbeatOpt = Annotated[float, typer.Option(help="Heartbeat period in seconds.")]
+MaxDeliveriesOpt = Annotated[
+    int,
+    typer.Option(
+        min=1,
+        help="An entry handed out this many times without finishing runs alone; if that run does not finish either "
+        "(its worker died or hung), it goes to {ns}:dead.",
+    ),
+]
 LogLevelOpt = Annotated[str, typer.Option(help="debug, info, warning.")]
 LazyOpt = Annotated[
     bool, typer.Option(help="Start the engine when the first work arrives (heartbeat status `idle` until then).")
@@ -294,6 +302,7 @@ def worker_settings(
     release_after_s: float | None = None,
     hand_off_partials: bool = False,
     max_inflight_tokens: int | None = None,
+    max_deliveries: int = 5,
 ) -> WorkerSettings:
     """The worker loop's settings from its flags; a heartbeat lives at least 5 periods, a worker silent for 2.5 (and
     2.5 s at least) is dead to the others (its work is taken over), and a blocking read waits at most one (a worker
@@ -307,6 +316,7 @@ def worker_settings(
         heartbeat_s=heartbeat_s,
         dedupe_ttl_s=dedupe_ttl_s,
         block_ms=max(1, min(WorkerSettings.block_ms, round(heartbeat_s * 1000))),
+        max_deliveries=max_deliveries,
     )
     settings.lazy, settings.release_after_s = lazy, release_after_s
     settings.hand_off_partials = hand_off_partials

@@ -21,6 +21,7 @@ from pipeline.cli.app import (
     HeartbeatOpt,
     LazyOpt,
     LogLevelOpt,
+    MaxDeliveriesOpt,
     MaxInflightOpt,
     MaxInflightTokensOpt,
     MetricsAddrOpt,
@@ -94,6 +95,7 @@ def worker(
     max_inflight_tokens: MaxInflightTokensOpt = None,
     claim_idle_ms: ClaimIdleOpt = 10_000,
     heartbeat_s: HeartbeatOpt = 1.0,
+    max_deliveries: MaxDeliveriesOpt = 5,
     log_level: LogLevelOpt = "info",
     metrics_port: MetricsPortOpt = None,
     metrics_addr: MetricsAddrOpt = "0.0.0.0",
@@ -128,6 +130,7 @@ def worker(
         release_after_s,
         hand_off_partials,
         max_inflight_tokens,
+        max_deliveries,
     )
     name = name or default_name()
     metrics = WorkerMetrics(ns, name, process_registry())
