@@ -37,8 +37,19 @@ if TYPE_CHECKING:
     from producers.client import Group, RolloutClient
 
 
+POISON_TOKEN = 2000
+"""A token no other prompt of the run holds: the chaos run's synthetic workers die starting a prompt that holds it
+(`poison_token`)."""
+
+
 def prompt_ids(chunk: int, size: int) -> list[str]:
     return [f"c{chunk}-{i}" for i in range(size)]
+
+
+def is_poison(chunk: int, index: int, every: int) -> bool:
+    """With a poison prompt every `every` chunks (0: none), whether prompt `index` of `chunk` is one: the first of
+    chunks every-1, 2*every-1, ..."""
+    return every > 0 and index == 0 and chunk % every == every - 1
 
 
 @dataclass
@@ -146,10 +157,10 @@ class Run:
     def chunk_prompts(self, client: RolloutClient, chunk: int) -> list[Prompt]:
         from pipeline.wire import Sampling
 
-        size, n, tokens = self.s["chunk"], self.s["n"], self.s["tokens"]
+        size, n, tokens, poison = self.s["chunk"], self.s["n"], self.s["tokens"], self.s["poison_every"]
         return [
             client.make_prompt(
-                tokens=[3 + (chunk * size + i) % 1000, 7, 11],
+                tokens=[3 + (chunk * size + i) % 1000, 7, 11] + ([POISON_TOKEN] if is_poison(chunk, i, poison) else []),
                 n=n,
                 sampling=Sampling(max_tokens=tokens, seed=i),
                 id=pid,
@@ -243,12 +254,13 @@ def chaos_trainer(
     reward_fn: Annotated[
         str | None, typer.Option(help="Prompts name this reward (scored by `rollouts scorer`).")
     ] = None,
+    poison_every: Annotated[int, typer.Option(help="A poison prompt every this many chunks (0: none).")] = 0,
 ) -> None:
     """Train through a chaos run until every prompt is accounted for (see `rollouts chaos`)."""
     settings = dict(
         chunks=chunks, stop_file=stop_file, chunk=chunk, n=n, tokens=tokens, max_staleness=max_staleness,
         batch_groups=batch_groups, sync_every_s=sync_every_s, ack_timeout_s=ack_timeout_s, mode=mode,
-        reward_fn=reward_fn,
+        reward_fn=reward_fn, poison_every=poison_every,
     )  # fmt: skip
     with user_errors(redis_url):
         run = Run(redis_url, ns, Ledger.open(ledger), settings)

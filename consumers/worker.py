@@ -142,6 +142,10 @@ class WorkerSettings:
     dead_after_s: float = 2.5
     """A worker whose heartbeat has been silent this long is dead to the fleet: its work is taken over (each heartbeat
     moves its deadline on `{ns}:beats`, so that each worker is judged by its own). More than two heartbeat periods."""
+    apart_after: int = 3
+    """An entry handed out this many times without finishing (it died with its worker twice) runs apart: beside fresh
+    work, but never beside another such entry. A claim takes a dead worker's oldest entries first, so without this the
+    entries a poison prompt's death took along would be handed on with it, and die with it, again and again."""
     max_deliveries: int = 5
     """An entry handed out this many times without finishing runs alone: its worker first finishes what it runs, then
     starts it with nothing beside it and takes nothing else until it ends. Handed out once more after a run alone
@@ -233,6 +237,10 @@ class Worker:
         `_inflight` too, so that nobody claims them from this worker meanwhile."""
         self._running_alone: Entry | None = None
         """The entry this worker runs alone: it takes nothing else until it has ended."""
+        self._apart: deque[Entry] = deque()
+        """Entries handed out `apart_after` times, each to start once the one before it has ended (`_suspect`); in
+        `_inflight` too."""
+        self._running_apart: Entry | None = None
         self._mean_n: float | None = None
         """Samples per entry (an average): how many entries fit the room. None until the first entry: until
         then the worker reads one at a time, since a fresh worker that guessed 1 would take n times too many."""
@@ -472,6 +480,12 @@ class Worker:
             if self._alone or self._running_alone is not None:
                 await self._alone_turn()
                 continue
+            if self._apart and not self._runs(self._running_apart):
+                self._running_apart = self._apart.popleft()
+                log.info("%s: running %s %s apart", self.name, self._running_apart.stream, self._running_apart.id)
+                self._start(self._running_apart)
+                await asyncio.sleep(0)
+                continue
             if time.monotonic() >= next_claim:
                 next_claim = time.monotonic() + self.settings.heartbeat_s / 2
                 try:  # the claim scans the group's pending list, so a large fleet shares it out as it does sweeps
@@ -518,12 +532,12 @@ class Worker:
         taken; once nothing else is in flight, the next such entry starts, marked as started alone
         (`Streams.mark_alone`); once it has ended, its mark goes."""
         running = self._running_alone
-        if running is not None and (running.stream, running.id) not in self._inflight:
+        if running is not None and not self._runs(running):
             self._running_alone = None
             with contextlib.suppress(redis.RedisError):  # it expires anyway
                 await asyncio.to_thread(self.streams.forget_alone, running)
             return
-        if running is not None or len(self._inflight) > len(self._alone):
+        if running is not None or len(self._inflight) > len(self._alone) + len(self._apart):
             self._room.clear()  # set as each entry ends
             await self._room.wait()
             return
@@ -539,6 +553,10 @@ class Worker:
                     entry.id.decode(), self.settings.max_deliveries)  # fmt: skip
         self._running_alone = entry
         self._start(entry)
+
+    def _runs(self, entry: Entry | None) -> bool:
+        """Whether `entry` is still this worker's (started and not ended, or waiting its turn)."""
+        return entry is not None and (entry.stream, entry.id) in self._inflight
 
     def _take_work(self, count: int) -> tuple[list[Entry], bool]:
         """In a thread: up to `count` entries, no more than this worker's share of what waits (`Streams.take`); when
@@ -1301,11 +1319,16 @@ class Worker:
 
     async def _suspect(self, entry: Entry) -> bool:
         """Whether an entry handed out again is not to be served as usual, and so was dealt with here: handed out
-        `max_deliveries` times, it is set aside to run alone (`_alone`, held meanwhile); handed out again after it
-        was started alone (`Streams.ran_alone`: the worker that ran only it died or hung), it is a dead letter."""
+        `apart_after` times, it is set aside to run apart (`_apart`); `max_deliveries` times, to run alone (`_alone`),
+        both held meanwhile; handed out again after it was started alone (`Streams.ran_alone`: the worker that ran
+        only it died or hung), it is a dead letter."""
         deliveries = await asyncio.to_thread(self.streams.delivery_count, entry)
         if deliveries < self.settings.max_deliveries:
-            return False
+            if deliveries < self.settings.apart_after:
+                return False
+            self._inflight[entry.stream, entry.id] = entry
+            self._apart.append(entry)
+            return True
         if not await asyncio.to_thread(self.streams.ran_alone, entry):
             self._inflight[entry.stream, entry.id] = entry
             self._alone.append(entry)

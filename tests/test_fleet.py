@@ -141,6 +141,30 @@ def test_a_dead_workers_work_goes_before_newer_prompts(
     assert sorted(g.prompt_id for g in groups) == sorted(ids)
 
 
+def test_partials_after_an_abort_sync_spread_over_the_workers(
+    redis_server: RedisServer, ns: str, workers: StartWorker, tiny_model_dir_v1: Path
+) -> None:
+    """Four workers that hand their interrupted samples off (`--hand-off-partials`) hold 16 long samples between them
+    when an abort sync comes: all 16 go to `{ns}:partials`, and after the resume no worker continues more than its
+    share and a sample (5 of 16), and every worker continues some."""
+    names = [f"w{k}" for k in range(4)]
+    for name in names:
+        workers(name, *SYNTHETIC, "--engine-args", '{"steps_per_s": 20}', "--max-inflight", "16", "--hand-off-partials")
+    client = RolloutClient(redis_server.url, ns)
+    ids = [client.submit(tokens=[4, 5, k], n=1, max_tokens=200, seed=k) for k in range(16)]  # 10 s a sample
+    r, key = client.streams.redis, client.streams.keys.prompts
+    wait_until(lambda: lag(client) == 0 and r.xpending(key, GENERATORS)["pending"] == 16, 30, "all 16 taken")
+    assert client.publish_weights(tiny_model_dir_v1, mode="abort") == 1
+    groups = client.collect(len(ids), timeout=120)
+    assert sorted(g.prompt_id for g in groups) == sorted(ids)
+    rollouts = [r for g in groups for r in g.rollouts]
+    assert all(r.spans[-1][0] == 1 for r in rollouts), "each continued under the new version"
+    continued = Counter(r.worker for r in rollouts)
+    assert set(continued) == set(names), dict(continued)
+    assert max(continued.values()) <= 5, dict(continued)
+    assert client.stats["duplicates"] == 0
+
+
 def lag(client: RolloutClient) -> int:
     """How many prompts wait that no worker has taken yet."""
     return int(client.streams.redis.xinfo_groups(client.streams.keys.prompts)[0]["lag"])
@@ -229,3 +253,44 @@ def test_a_poison_prompt_is_dead_lettered_after_its_run_alone_and_the_prompts_th
     assert b"the last time run alone" in fields[b"error"], fields[b"error"]
     assert deaths == [-signal.SIGKILL, -signal.SIGKILL], "it killed its worker once beside the six, once alone"
     assert [k for k in client.streams.redis.scan_iter(f"{{{ns}}}:alone:*")] == [], "no mark outlives its entry"
+
+
+def test_entries_that_died_with_their_worker_twice_run_apart_from_each_other(
+    redis_server: RedisServer, ns: str, workers: StartWorker
+) -> None:
+    """Three prompts die with their worker twice (`kill -9`, restarted under its name each time, as a supervisor
+    does). Handed out a third time, the restarted worker runs them one after another, never two at once (its heartbeat
+    never shows more than one prompt's 2 samples in flight; together they were 6), and each is delivered once: a
+    poison prompt among them could no longer take the others with it."""
+    flags = ("--engine-args", '{"steps_per_s": 50}', "--max-inflight", "16")
+    client = RolloutClient(redis_server.url, ns)
+    ids = [client.submit(tokens=[4, 5, k], n=2, max_tokens=100, seed=k) for k in range(3)]  # 2 s a sample
+    r, key = client.streams.redis, client.streams.keys.prompts
+
+    def handed_out(times: int) -> bool:
+        pending = r.xpending_range(key, GENERATORS, "-", "+", 100, consumername="w")
+        return len(pending) == 3 and all(p["times_delivered"] == times for p in pending)
+
+    proc = workers("w", *SYNTHETIC, *flags)
+    for times in (1, 2):
+        wait_until(lambda: handed_out(times), 30, f"the three handed out {times} times")  # noqa: B023
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        proc = workers("w", *SYNTHETIC, *flags)
+    peak, stop = [0], threading.Event()
+
+    def watch() -> None:
+        while not stop.wait(0.05):
+            beat = client.streams.registry.live_workers().get("w", {})
+            peak[0] = max(peak[0], int(beat.get("inflight", 0)))
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        groups = client.collect(len(ids), timeout=60)
+    finally:
+        stop.set()
+        watcher.join()
+    assert sorted(g.prompt_id for g in groups) == sorted(ids)
+    assert client.stats["duplicates"] == 0
+    assert peak[0] == 2, f"{peak[0]} samples in flight at once"
