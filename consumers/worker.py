@@ -148,9 +148,13 @@ class WorkerSettings:
     entries a poison prompt's death took along would be handed on with it, and die with it, again and again."""
     max_deliveries: int = 5
     """An entry handed out this many times without finishing runs alone: its worker first finishes what it runs, then
-    starts it with nothing beside it and takes nothing else until it ends. Handed out once more after a run alone
-    (its worker died or hung while it ran only that entry), it is a dead letter: the entry kills what runs it. So an
-    entry that merely sat with workers that died is never dead-lettered for their deaths."""
+    starts it with nothing beside it and takes nothing else until it ends. Handed out again after `alone_tries` runs
+    alone (each time the worker that ran only that entry died or hung), it is a dead letter: the entry kills what
+    runs it. So an entry that merely sat with workers that died is not dead-lettered for their deaths."""
+    alone_tries: int = 2
+    """Runs alone that must each end with their worker's death before an entry is a dead letter: one such death may
+    be another fault's (in a fleet under frequent faults, some runs alone are struck by chance), two in a row seldom
+    are."""
     trim_every_s: float = 10.0
     drain_timeout_s: float = 30.0
     """On stop, how long to let in-flight work finish; the rest stays pending for other workers."""
@@ -1320,8 +1324,8 @@ class Worker:
     async def _suspect(self, entry: Entry) -> bool:
         """Whether an entry handed out again is not to be served as usual, and so was dealt with here: handed out
         `apart_after` times, it is set aside to run apart (`_apart`); `max_deliveries` times, to run alone (`_alone`),
-        both held meanwhile; handed out again after it was started alone (`Streams.ran_alone`: the worker that ran
-        only it died or hung), it is a dead letter."""
+        both held meanwhile; handed out again after `alone_tries` starts alone (`Streams.alone_runs`: each time the
+        worker that ran only it died or hung), it is a dead letter."""
         deliveries = await asyncio.to_thread(self.streams.delivery_count, entry)
         if deliveries < self.settings.max_deliveries:
             if deliveries < self.settings.apart_after:
@@ -1329,13 +1333,15 @@ class Worker:
             self._inflight[entry.stream, entry.id] = entry
             self._apart.append(entry)
             return True
-        if not await asyncio.to_thread(self.streams.ran_alone, entry):
+        runs = await asyncio.to_thread(self.streams.alone_runs, entry)
+        if runs < self.settings.alone_tries:
             self._inflight[entry.stream, entry.id] = entry
             self._alone.append(entry)
             return True
         reason = (
-            f"handed out {deliveries} times without finishing, the last time run alone (limit"
-            f" {self.settings.max_deliveries}): the worker that ran nothing else died or hung"
+            f"handed out {deliveries} times without finishing, {runs} of them run alone (limits"
+            f" {self.settings.max_deliveries} and {self.settings.alone_tries}): each worker that ran nothing else died"
+            " or hung"
         )
         if await asyncio.to_thread(self.streams.dead_letter, entry, reason, "deliver"):
             self.metrics.dead_letter("deliver")

@@ -45,7 +45,7 @@ TRIM_CHUNK = 500
 BLOCK_MARGIN_MS = 1000
 """A blocking read waits at least this much less than its client's socket timeout (`Streams._block`)."""
 ALONE_TTL_S = 86_400
-"""How long the mark of an entry started alone (`Streams.mark_alone`) lasts."""
+"""How long the count of an entry's starts alone (`Streams.mark_alone`) lasts after the last."""
 
 
 class Entry(NamedTuple):
@@ -228,12 +228,17 @@ class Streams:
         return int(pending[0]["times_delivered"]) if pending else 0
 
     def mark_alone(self, entry: Entry) -> None:
-        """Note that `entry` starts alone on its worker (`Keys.alone`), for `ALONE_TTL_S`."""
-        self.redis.set(self.keys.alone(entry.stream, entry.id), b"1", ex=ALONE_TTL_S)
+        """Count a start of `entry` alone on its worker (`Keys.alone`), for `ALONE_TTL_S` from now."""
+        key = self.keys.alone(entry.stream, entry.id)
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.incr(key)
+        pipe.expire(key, ALONE_TTL_S)
+        pipe.execute()
 
-    def ran_alone(self, entry: Entry) -> bool:
-        """Whether `entry` was started alone before (`mark_alone`): handed out again, its run alone did not finish."""
-        return bool(self.redis.exists(self.keys.alone(entry.stream, entry.id)))
+    def alone_runs(self, entry: Entry) -> int:
+        """How often `entry` was started alone (`mark_alone`) without its mark going: its runs alone that did not
+        finish, when it is handed out again."""
+        return int(self.redis.get(self.keys.alone(entry.stream, entry.id)) or 0)
 
     def forget_alone(self, entry: Entry) -> None:
         self.redis.delete(self.keys.alone(entry.stream, entry.id))

@@ -149,8 +149,8 @@ class Keys:
         self.gateway_weights = f"{tag}:gateway:weights"
         """String, expiring: the gateway replica whose weight update (vLLM's weight-transfer routes) is open."""
         self.alone_prefix = f"{tag}:alone:"
-        """`{ns}:alone:STREAM:ID`, string, expiring: a work entry handed out `max_deliveries` times was started
-        alone, with nothing else on its worker (`Keys.alone`); handed out again, it is a dead letter."""
+        """`{ns}:alone:STREAM:ID`, an integer, expiring: how often a work entry handed out `max_deliveries` times was
+        started alone, with nothing else on its worker (`Keys.alone`), without finishing."""
         self.layouts = f"{tag}:layouts"
         """Hash: a model layout's digest -> its JSON (tensor names, shapes, tied names), written by the workers that
         serve it (`staleness.weights.layout`), read by a trainer to refuse weights that fit no worker's model."""
@@ -164,7 +164,7 @@ class Keys:
         return f"{self.bell_prefix}{index}"
 
     def alone(self, stream: str | bytes, entry_id: bytes) -> str:
-        """Marker of a work entry of `stream` (`{ns}:prompts`, `{ns}:partials`, an inbox) started alone."""
+        """The count of a work entry of `stream` (`{ns}:prompts`, `{ns}:partials`, an inbox) started alone."""
         name = stream.decode() if isinstance(stream, bytes) else stream
         return f"{self.alone_prefix}{name.removeprefix('{' + self.ns + '}:')}:{entry_id.decode()}"
 

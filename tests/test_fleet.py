@@ -222,8 +222,9 @@ def test_a_poison_prompt_is_dead_lettered_after_its_run_alone_and_the_prompts_th
 ) -> None:
     """Six prompts and a poison one (it kills whatever runs it) on one worker, restarted under its name each time it
     dies, as a supervisor does; `--max-deliveries 2`. The first death takes the six with it; handed out a second time,
-    each runs alone, so the six finish and only the poison's run alone dies; handed out a third time, the poison is a
-    dead letter. (Counting deliveries alone, the six would die beside it twice and be dead-lettered too.)"""
+    each runs alone, so the six finish and only the poison's runs alone die (two, `alone_tries`); handed out again
+    after those, the poison is a dead letter. (Counting deliveries alone, the six would die beside it twice and be
+    dead-lettered too.)"""
     client = RolloutClient(redis_server.url, ns)
     ids = [client.submit(tokens=[4, 5, k], n=2, max_tokens=50, seed=k) for k in range(3)]
     poison = client.submit(tokens=[4, POISON, 9], n=2, max_tokens=50, seed=9)
@@ -250,8 +251,8 @@ def test_a_poison_prompt_is_dead_lettered_after_its_run_alone_and_the_prompts_th
     assert client.stats["duplicates"] == 0
     ((_, fields),) = client.streams.redis.xrange(client.streams.keys.dead)
     assert fields[b"id"].decode() == poison and fields[b"stage"] == b"deliver"
-    assert b"the last time run alone" in fields[b"error"], fields[b"error"]
-    assert deaths == [-signal.SIGKILL, -signal.SIGKILL], "it killed its worker once beside the six, once alone"
+    assert b"2 of them run alone" in fields[b"error"], fields[b"error"]
+    assert deaths == [-signal.SIGKILL] * 3, "it killed its worker once beside the six, twice alone"
     assert [k for k in client.streams.redis.scan_iter(f"{{{ns}}}:alone:*")] == [], "no mark outlives its entry"
 
 

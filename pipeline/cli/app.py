@@ -82,8 +82,8 @@ MaxDeliveriesOpt = Annotated[
     int,
     typer.Option(
         min=1,
-        help="An entry handed out this many times without finishing runs alone; if that run does not finish either "
-        "(its worker died or hung), it goes to {ns}:dead.",
+        help="An entry handed out this many times without finishing runs alone; if two such runs die with their "
+        "worker, it goes to {ns}:dead.",
     ),
 ]
 LogLevelOpt = Annotated[str, typer.Option(help="debug, info, warning.")]
