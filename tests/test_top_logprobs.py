@@ -360,7 +360,7 @@ def test_an_abort_sync_keeps_the_alternatives_of_the_tokens_before_it(
     version that wrote it (its span's), over the whole prefix: the earlier tokens' come through the sync with them."""
     worker = workers("w1")
     client = RolloutClient(redis_server.url, ns)
-    sampling = Sampling(max_tokens=200, temperature=1.0, top_logprobs=3)
+    sampling = Sampling(max_tokens=400, temperature=1.0, top_logprobs=3)  # still running when the pause lands
     items = [
         client.make_prompt(tokens=[5 + i, 9, 11], n=2, sampling=sampling.model_copy(update={"seed": i}))
         for i in range(4)
