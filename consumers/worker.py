@@ -1327,16 +1327,13 @@ class Worker:
         both held meanwhile; handed out again after `alone_tries` starts alone (`Streams.alone_runs`: each time the
         worker that ran only it died or hung), it is a dead letter."""
         deliveries = await asyncio.to_thread(self.streams.delivery_count, entry)
-        if deliveries < self.settings.max_deliveries:
-            if deliveries < self.settings.apart_after:
-                return False
-            self._inflight[entry.stream, entry.id] = entry
-            self._apart.append(entry)
-            return True
-        runs = await asyncio.to_thread(self.streams.alone_runs, entry)
+        alone = deliveries >= self.settings.max_deliveries
+        if not alone and deliveries < self.settings.apart_after:
+            return False
+        runs = await asyncio.to_thread(self.streams.alone_runs, entry) if alone else 0
         if runs < self.settings.alone_tries:
-            self._inflight[entry.stream, entry.id] = entry
-            self._alone.append(entry)
+            self._inflight[entry.stream, entry.id] = entry  # held: touched every heartbeat, claimed by nobody
+            (self._alone if alone else self._apart).append(entry)
             return True
         reason = (
             f"handed out {deliveries} times without finishing, {runs} of them run alone (limits"

@@ -163,10 +163,9 @@ class Keys:
         """Doorbell stream `index` (of `pipeline.control.BELLS`): rung after control commands, read by its workers."""
         return f"{self.bell_prefix}{index}"
 
-    def alone(self, stream: str | bytes, entry_id: bytes) -> str:
+    def alone(self, stream: str, entry_id: bytes) -> str:
         """The count of a work entry of `stream` (`{ns}:prompts`, `{ns}:partials`, an inbox) started alone."""
-        name = stream.decode() if isinstance(stream, bytes) else stream
-        return f"{self.alone_prefix}{name.removeprefix('{' + self.ns + '}:')}:{entry_id.decode()}"
+        return f"{self.alone_prefix}{stream.removeprefix('{' + self.ns + '}:')}:{entry_id.decode()}"
 
     def inbox(self, worker: str) -> str:
         """Stream of work for this worker only (group `generators`): the turns of the sessions pinned to it."""

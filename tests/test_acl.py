@@ -78,6 +78,7 @@ def test_each_role_gets_its_namespace_and_what_it_needs_there_only(users: dict[s
         with pytest.raises(redis.exceptions.NoPermissionError):
             forbidden()
     worker.xadd(keys.dead, {"v": "1", "error": "a worker may write dead letters"})
+    worker.incr(keys.alone(keys.prompts, b"1-0"))  # and count an entry's runs alone
     trainer = redis.Redis.from_url(users["trainer"])
     trainer.hset(keys.state, "max_staleness", 2)
     with pytest.raises(redis.exceptions.NoPermissionError):

@@ -260,39 +260,42 @@ def test_a_poison_prompt_is_dead_lettered_after_its_run_alone_and_the_prompts_th
 def test_entries_that_died_with_their_worker_twice_run_apart_from_each_other(
     redis_server: RedisServer, ns: str, workers: StartWorker
 ) -> None:
-    """Three prompts die with their worker twice (`kill -9`, restarted under its name each time, as a supervisor
-    does). Handed out a third time, the restarted worker runs them one after another, never two at once (its heartbeat
-    never shows more than one prompt's 2 samples in flight; together they were 6), and each is delivered once: a
-    poison prompt among them could no longer take the others with it."""
+    """Three prompts die with their worker twice: `kill -9`, restarted under its name (it takes them up again), then
+    `kill -9` for good. Handed out a third time, to the live worker that claims them, they run one after another,
+    never two at once (its heartbeat never shows more than one prompt's 2 samples in flight; together they were 6),
+    and each is delivered once: a poison prompt among them could no longer take the others with it."""
     flags = ("--engine-args", '{"steps_per_s": 50}', "--max-inflight", "16")
     client = RolloutClient(redis_server.url, ns)
     ids = [client.submit(tokens=[4, 5, k], n=2, max_tokens=100, seed=k) for k in range(3)]  # 2 s a sample
     r, key = client.streams.redis, client.streams.keys.prompts
 
     def handed_out(times: int) -> bool:
-        pending = r.xpending_range(key, GENERATORS, "-", "+", 100, consumername="w")
+        pending = r.xpending_range(key, GENERATORS, "-", "+", 100, consumername="doomed")
         return len(pending) == 3 and all(p["times_delivered"] == times for p in pending)
 
-    proc = workers("w", *SYNTHETIC, *flags)
-    for times in (1, 2):
-        wait_until(lambda: handed_out(times), 30, f"the three handed out {times} times")  # noqa: B023
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-        proc = workers("w", *SYNTHETIC, *flags)
+    doomed = workers("doomed", *SYNTHETIC, *flags)
+    wait_until(lambda: handed_out(1), 30, "the three taken")
+    os.kill(doomed.pid, signal.SIGKILL)
+    doomed.wait(timeout=30)
+    doomed = workers("doomed", *SYNTHETIC, *flags)  # takes them up: a second hand-out
+    wait_until(lambda: handed_out(2), 30, "the three taken up again")
+    workers("rescuer", *SYNTHETIC, *flags)
     peak, stop = [0], threading.Event()
 
     def watch() -> None:
         while not stop.wait(0.05):
-            beat = client.streams.registry.live_workers().get("w", {})
+            beat = client.streams.registry.live_workers().get("rescuer", {})
             peak[0] = max(peak[0], int(beat.get("inflight", 0)))
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
+    os.kill(doomed.pid, signal.SIGKILL)
     try:
         groups = client.collect(len(ids), timeout=60)
     finally:
         stop.set()
         watcher.join()
     assert sorted(g.prompt_id for g in groups) == sorted(ids)
+    assert {r.worker for g in groups for r in g.rollouts} == {"rescuer"}
     assert client.stats["duplicates"] == 0
     assert peak[0] == 2, f"{peak[0]} samples in flight at once"

@@ -24,11 +24,14 @@ from benchmarks.bench_rl import (
     expected_reward,
     load_trainer,
     median_or_none,
+    reset_namespace,
     worker_shares,
 )
 from benchmarks.cpu import command_line, descendants
+from pipeline.local import RedisServer
 from pipeline.wire import Keys
-from tests.fixtures import wait_until
+from producers.client import RolloutClient
+from tests.fixtures import StartWorker, wait_until
 from tests.reference import load_model
 
 BENCH = [sys.executable, "-m", "benchmarks", "bench-rl"]
@@ -286,3 +289,28 @@ def test_async_at_eta_1_with_long_tails_reaches_the_reward_sync_reaches_within_a
     assert async_1["steps_to_target"] is not None, async_1["curve"]
     assert async_1["steps_to_target"] <= sync["steps_to_target"] + 30, (sync["curve"], async_1["curve"])
     assert async_1["tokens"]["parked"] == 0 and async_1["tokens"]["trained_share"] >= 0.95
+
+
+def test_a_kept_fleets_reset_brings_every_worker_back_to_the_base_policy_and_admission_to_a_fresh_start(
+    redis_server: RedisServer, ns: str, workers: StartWorker, tiny_model_dir: Path, tiny_model_dir_v1: Path
+) -> None:
+    """Between two runs on one fleet of two worker processes: the base policy is published as the next version and
+    both workers ack it, the admission counters say every version so far used exactly a batch (so that the next run
+    may use what a fresh namespace may), and nothing stays parked."""
+    for name in ("a", "b"):
+        workers(name, "--engine", "synthetic")
+    client = RolloutClient(redis_server.url, ns)
+    assert client.publish_weights(tiny_model_dir_v1) == 1  # what the run before left the fleet serving
+    client.streams.redis.xadd(client.streams.keys.stale, {b"n_tokens": b"7"})
+    config = load_trainer().TrainConfig(mode="async", groups_per_step=4, n=4, sync_every=2)
+    reset_namespace(client, lambda: load_model(tiny_model_dir), config)
+    report = client.last_sync
+    assert report is not None and sorted(report.acked) == ["a", "b"], report
+    usage = client.admission_usage()
+    assert usage.version == 2 and usage.used == 2 * 16 * 2, usage
+    assert not client.streams.redis.exists(client.streams.keys.stale)
+
+    def versions() -> dict[str, str | None]:
+        return {name: beat.get("version") for name, beat in client.streams.registry.live_workers().items()}
+
+    wait_until(lambda: versions() == {"a": "2", "b": "2"}, 10, "both workers to say they serve version 2")

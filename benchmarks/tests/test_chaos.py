@@ -43,3 +43,12 @@ def test_a_short_chaos_run_loses_nothing_and_hands_nothing_over_twice(tmp_path: 
         assert report["recovery_s"][kind]["n"] >= 1, kind
     assert report["recovery_s"]["all"]["max"] < 60
     assert plot.stat().st_size > 10_000
+
+
+def test_with_poison_every_n_chunks_the_first_prompt_of_every_nth_chunk_is_poison() -> None:
+    """`--poison-every 3`: prompts c2-0, c5-0, ... hold the poison token; `0`: none."""
+    from benchmarks.chaos_trainer import is_poison
+
+    assert [c for c in range(9) if is_poison(c, 0, 3)] == [2, 5, 8]
+    assert not any(is_poison(2, i, 3) for i in range(1, 16)), "only the first prompt of a chunk"
+    assert not any(is_poison(c, 0, 0) for c in range(9)), "0: no poison"
