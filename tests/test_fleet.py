@@ -261,9 +261,9 @@ def test_entries_that_died_with_their_worker_twice_run_apart_from_each_other(
     redis_server: RedisServer, ns: str, workers: StartWorker
 ) -> None:
     """Three prompts die with their worker twice: `kill -9`, restarted under its name (it takes them up again), then
-    `kill -9` for good. Handed out a third time, to the live worker that claims them, they run one after another,
-    never two at once (its heartbeat never shows more than one prompt's 2 samples in flight; together they were 6),
-    and each is delivered once: a poison prompt among them could no longer take the others with it."""
+    `kill -9` for good as soon as it has them. Handed out a third time, to the worker that claims them, they run one
+    after another, never two at once (its heartbeat never shows more than one prompt's 2 samples in flight; together
+    they were 6), and each is delivered once: a poison prompt among them could no longer take the others with it."""
     flags = ("--engine-args", '{"steps_per_s": 50}', "--max-inflight", "16")
     client = RolloutClient(redis_server.url, ns)
     ids = [client.submit(tokens=[4, 5, k], n=2, max_tokens=100, seed=k) for k in range(3)]  # 2 s a sample
@@ -279,7 +279,8 @@ def test_entries_that_died_with_their_worker_twice_run_apart_from_each_other(
     doomed.wait(timeout=30)
     doomed = workers("doomed", *SYNTHETIC, *flags)  # takes them up: a second hand-out
     wait_until(lambda: handed_out(2), 30, "the three taken up again")
-    workers("rescuer", *SYNTHETIC, *flags)
+    os.kill(doomed.pid, signal.SIGKILL)  # at once: 2 s a sample, and a worker's start may take longer
+    doomed.wait(timeout=30)
     peak, stop = [0], threading.Event()
 
     def watch() -> None:
@@ -289,7 +290,7 @@ def test_entries_that_died_with_their_worker_twice_run_apart_from_each_other(
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
-    os.kill(doomed.pid, signal.SIGKILL)
+    workers("rescuer", *SYNTHETIC, *flags)
     try:
         groups = client.collect(len(ids), timeout=60)
     finally:
