@@ -163,7 +163,7 @@ def freeze_heap() -> None:
     """Collect, then move every object alive now out of the collector's sight (`gc.freeze`).
 
     A started engine leaves its process with objects that live as long as it does: vLLM's `AsyncLLM` with the tiny
-    model, ~700k. A full collection walks them all (0.5 s on 2 cores), and while it runs the worker's event loop stands
+    model, hundreds of thousands. A full collection walks them all, and while it runs the worker's event loop stands
     still: no request goes to the engine, no output comes back, nothing is published. Python runs one whenever the
     objects that survived since the last outgrow a quarter of those it holds. Frozen, they are skipped: the same
     collection takes well under a millisecond. vLLM freezes its own engine core and API server so

@@ -14,8 +14,7 @@ def leave(code: int) -> NoReturn:
     """End this process with `code` now that its work is done, without the interpreter's teardown.
 
     Why: with torch loaded, and vLLM most of all, CPython's final garbage collections walk millions of objects only
-    to free memory the OS takes back anyway: ~1 s of a torch worker's stop, ~3.5 s of a process that imported vLLM
-    (`python -c "import vllm.v1.engine.async_llm"` exits 3.6 s after its last line on a 2-core machine). When its
+    to free memory the OS takes back anyway: seconds of a process that imported vLLM. When its
     command returns, a process has done what it owes the world (its engine shut down, rollouts published and acked,
     its heartbeat gone); the exit handlers still run (logging's flush, multiprocessing's, `weakref.finalize`'s) and
     stdout and stderr are flushed. With the teardown skipped, native modules also stop reporting objects they could

@@ -2,16 +2,14 @@
 replies of the batches before it are still on their way, and every batch gets its own replies back, in order.
 
 Why: a worker publishes from its event loop. Handed to threads (a thread a batch, on the sync client), each batch
-cost the loop a hand-off and the GIL a tug of war with the threads, ~15 µs of Python a rollout, and a thread could
-only send its next batch once its last one was answered. Here the loop packs a batch and writes it, and goes on;
+would cost the loop a hand-off and the GIL a tug of war with the threads, and a thread could only send its next
+batch once its last one was answered. Here the loop packs a batch and writes it, and goes on;
 Redis is never without a batch to run while the worker makes the next one, over a single connection.
 
 Commands go out in writes of up to `WRITE_BYTES` (`writes`): small ones joined, large ones by themselves. Handed
-the batch as a list, Python 3.11's socket transport joins it into one bytes object first (~0.5 MB for 16 prompts of
-1k-token rollouts), and those large short-lived copies slowed the rest of the process: the trainer client in the same
-process consumed ~15 % less in `rollouts bench-broker`, and not with glibc's mmap threshold fixed
-(`MALLOC_MMAP_THRESHOLD_`). A write a command, though, is a `send` a command: ~25 µs each on 2 cores for a prompt of
-short rollouts (3 kB), most of a burst's writing.
+the batch as a list, Python 3.11's socket transport joins it into one bytes object first, and such large short-lived
+copies slow the rest of the process (a trainer client in the same process too). A write a command, though, is a
+`send` a command, which costs more than the joining for short rollouts.
 
 Order: writes go out one batch at a time (an `asyncio.Lock` serves them first come, first served), and each batch
 reads its replies only once the batch written before it has read its own (`_turn`), so batch k reads the k-th

@@ -83,8 +83,8 @@ def stop_process(process: subprocess.Popen[Any], timeout_s: float = 45.0) -> int
 
 
 def stop_processes(processes: Sequence[subprocess.Popen[Any]], timeout_s: float = 45.0) -> list[int]:
-    """`stop_process` for several at once: all are sent SIGTERM first, so their drains and exits overlap (a worker
-    takes ~0.4-1 s to stop idle, a vLLM worker ~3 s), and each is waited for against one deadline. One already stopped
+    """`stop_process` for several at once: all are sent SIGTERM first, so their drains and exits overlap (a vLLM
+    worker takes seconds to stop), and each is waited for against one deadline. One already stopped
     is skipped. Returns their exit codes, in order."""
     for process in processes:
         if process.poll() is None:

@@ -8,15 +8,13 @@ no wait, only coalesces what is waiting anyway. Each prompt keeps its own atomic
 those of `Streams.publish_rollouts` (tested in `tests/test_streams.py`).
 
 Batches are kept small (16 prompts) and several are on the wire at once, so that Redis always has one to run while
-the worker encodes the next and builds what comes after: with 64 a batch, a worker's whole window (256 samples in
-flight: 64 prompts of 4) went out as one pipeline, and the worker and Redis took turns, each idle while the other
-worked (`rollouts bench-broker` on 2 cores: ~12k rollouts/s published; 16 a batch and 4 senders: ~17-18k/s, ~20k/s
-with `Streams._pipelined`; see the README's broker path).
+the worker encodes the next and builds what comes after: with large batches a worker's whole window goes out as one
+pipeline, and the worker and Redis take turns, each idle while the other works (`rollouts-bench bench-broker`
+measures the publish path).
 
 The batches are packed on the event loop and pipelined on one asyncio connection of the publisher's own
-(`pipeline.pipelined`), not handed to threads on the sync client: a thread a batch cost a hand-off and a GIL tug of
-war of ~15 µs of Python a rollout. A client whose connections are not redis-py's (fakeredis) publishes through
-`Streams.publish_many` on the publisher's threads, as before.
+(`pipeline.pipelined`), not handed to threads on the sync client (a hand-off and a GIL tug of war a batch). A client
+whose connections are not redis-py's (fakeredis) publishes through `Streams.publish_many` on the publisher's threads.
 """
 
 from __future__ import annotations
@@ -115,10 +113,10 @@ class Publisher:
 
         A burst that finds the wire idle (vLLM's last step of a batch ends ~100 samples at once) then goes out in
         pieces, the first on the wire while the worker encodes the next, so that the trainer reads and decodes the
-        first while the worker is still at the rest. Taken whole, at `max_batch`, the first piece left only once 16
-        prompts were encoded (~3 ms on the device), and the trainer's last read waited for the largest piece. Under
-        steady load a sender comes back with the others still on the wire and takes a whole batch, as before: smaller
-        ones there cost throughput (`rollouts bench-broker`)."""
+        first while the worker is still at the rest. Taken whole, at `max_batch`, the first piece would leave only once
+        16 prompts were encoded, and the trainer's last read would wait for the largest piece. Under steady load a
+        sender comes back with the others still on the wire and takes a whole batch: smaller ones there cost
+        throughput."""
         idle = self.senders - self._on_wire
         return min(self.max_batch, -(-waiting // idle))
 

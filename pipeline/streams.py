@@ -41,7 +41,7 @@ SCRIPTS = Path(__file__).with_name("lua")
 DEDUPE_BUCKETS = 8
 """The dedupe TTL is cut into this many time buckets (one hash each): a publish checks ~9 `HGET`s per prompt."""
 TRIM_CHUNK = 500
-"""Entries one `XTRIM` of `trim_consumed` frees at most (~4 MB of 1k-token rollouts, ~1 ms of Redis)."""
+"""Entries one `XTRIM` of `trim_consumed` frees at most: a few MB of 1k-token rollouts, a short stop for Redis."""
 BLOCK_MARGIN_MS = 1000
 """A blocking read waits at least this much less than its client's socket timeout (`Streams._block`)."""
 ALONE_TTL_S = 86_400
@@ -309,12 +309,11 @@ class Streams:
     def _pipelined(self, commands: list[bytes]) -> list[Any]:
         """Commands packed beforehand (`hiredis.pack_command`), sent in one write on one connection of the client's
         pool, and each one's reply read back, an error reply as its exception: redis-py's non-transactional pipeline,
-        without its per-argument work. A publish carries ~35 arguments a rollout, and redis-py's pipeline spent
-        ~20 µs of Python a rollout on them (its `evalsha` wrapper inspects each, its packer copies them in a generator
-        before hiredis packs them, then parses each reply through its callbacks); this spends ~12 (the packing, the
-        write and the reads). A lost connection is retried as redis-py retries a pipeline (the client's retry policy:
-        disconnect, then send the whole batch again), which the publish script allows: a call that ran already finds
-        its entry acked and writes nothing (-1)."""
+        without its per-argument work. A publish carries ~35 arguments a rollout, and redis-py's pipeline works on each
+        (its `evalsha` wrapper inspects it, its packer copies it in a generator before hiredis packs it, then each reply
+        is parsed through its callbacks); this only packs, writes and reads. A lost connection is retried as redis-py
+        retries a pipeline (the client's retry policy: disconnect, then send the whole batch again), which the publish
+        script allows: a call that ran already finds its entry acked and writes nothing (-1)."""
         pool = self.redis.connection_pool
         connection = pool.get_connection()
 
@@ -356,7 +355,7 @@ class Streams:
 
         redis-py 8 gives every connection a 5 s socket timeout by default. A read that blocks longer times out in
         the client, and the reconnecting retry (`pipeline.connections`) sends it again, and again: a worker asked
-        to block 5 s never came back to see that it should stop (measured). Every reader here loops on an empty
+        to block 5 s would never come back to see that it should stop. Every reader here loops on an empty
         read, so a shorter wait costs one more round trip, nothing else. `0` (Redis: wait forever) is capped too."""
         if block_ms is None or self._max_block_ms is None:
             return block_ms
@@ -491,8 +490,8 @@ class Streams:
     def trim_consumed(self, stream: str) -> int:
         """Drop entries every consumer group has finished with, never one still unread or pending.
 
-        In chunks of `TRIM_CHUNK` entries, one command each, so that Redis serves other clients in between: a trainer
-        that trimmed 10 s of 1k-token rollouts at once (20,000 entries, ~160 MB) held Redis 30-50 ms."""
+        In chunks of `TRIM_CHUNK` entries, one command each, so that Redis serves other clients in between: one
+        `XTRIM` of tens of thousands of large entries holds Redis for tens of milliseconds."""
         groups = self.redis.xinfo_groups(stream)
         if not groups:
             return 0

@@ -57,7 +57,7 @@ log = logging.getLogger(__name__)
 
 READ_BYTES = 1 << 20
 """A read of `{ns}:rollouts` asks for about this many bytes at most (`read_count` is the cap in entries): Redis builds
-a reply in one go, and 512 rollouts of 1k tokens (~4 MB) held every other client, a publishing worker too, 2-5 ms."""
+a reply in one go, and while it builds a large one every other client waits, a publishing worker too."""
 MIN_READ = 16
 """However big the rollouts, a read asks for at least this many (unless `read_count` is smaller)."""
 
@@ -594,7 +594,7 @@ class RolloutClient:
 
     def settle(self) -> None:
         """Wait until the last `publish_weights`'s resume has been rung to every worker: it returns once the resume is
-        written, and the ring goes on in a thread (~0.1 s more at 1,000 workers, ~0.25 s after an abort pause)."""
+        written, and the ring goes on in a thread, longer the more workers there are."""
         if self._manager is not None:
             self._manager.settle()
 
@@ -657,8 +657,8 @@ class RolloutClient:
         park: ParkingBound | None = None,
     ) -> list[Group]:
         """The next `n_groups` whole groups, all acked in one round trip once they are here; a convenience for scripts
-        and tests. (Through `groups()`, each group's ack was a round trip of its own: a burst of groups finishing
-        together, as vLLM's last step of a batch makes, waited ~0.1 ms a group for them.) A timeout leaves the groups
+        and tests. (Through `groups()`, each group's ack is a round trip of its own, which a burst of groups finishing
+        together, as vLLM's last step of a batch makes, would wait for.) A timeout leaves the groups
         it gathered pending, so that a client started again reads them back, rather than acked and lost."""
         got: list[Group] = []
         if n_groups <= 0:

@@ -121,8 +121,8 @@ def pack_bucket(
 ) -> None:
     """Write the bytes of `bucket`'s tensors (`(index, offset)`; a bucket's or a part's, from byte `start`) into
     `payload` at their offsets: a tensor of `copy_from` bytes or more by its own copy (at memcpy speed), each run
-    of smaller ones, with the zeros that align them, by one `torch.cat` (a copy costs the host ~25 µs, more than
-    the wire takes for a tensor of a few MB)."""
+    of smaller ones, with the zeros that align them, by one `torch.cat` (a copy a tensor costs the host more than
+    the wire takes for a small one)."""
     run: list[torch.Tensor] = []
     run_start = end = start
     for index, offset in bucket:

@@ -175,8 +175,7 @@ GROUPS_BUILT = {"trainer": 0, "receiver": 0}
 class _Outgoing:
     """A staged version laid out for the wire once, when it is published (while the workers still generate), not in
     the sync: each bucket's parts, an alone part with its tensor's bytes (a view: nothing is copied). The first bucket
-    waits for whatever the host does first: laid out in the sync, a 2.5 GiB model of 195 tensors went at 0.89 of a
-    bare NCCL broadcast on two H100s (one run); laid out here, at 0.94, 0.94 and 0.90 (three)."""
+    waits for whatever the host does first, so the host's work is done before the sync starts."""
 
     metas: list[TensorMeta]
     tensors: list[torch.Tensor]
@@ -234,9 +233,9 @@ def _grouped(backend: str) -> bool:
 
 
 def _broadcast_parts(group: dist.ProcessGroup, buffers: list[torch.Tensor]) -> list[dist.Work]:
-    """Broadcast a bucket's parts from rank 0, as one NCCL group (one launch, one work) where the backend has groups.
-    On two H100s the 195 tensors of a 2.5 GiB model so went at 0.94 of one bare broadcast of its bytes, against 0.87
-    packed into buckets and 0.74 a broadcast each (`benchmarks/device/probe_strategies.py`)."""
+    """Broadcast a bucket's parts from rank 0, as one NCCL group (one launch, one work) where the backend has groups:
+    closer to one bare broadcast of the same bytes than packing them, or a broadcast a tensor
+    (`benchmarks/device/probe_strategies.py` compares the three)."""
     if len(buffers) == 1 or not getattr(group, "supports_coalescing", False):
         return [_broadcast_async(group, b) for b in buffers]
     group._start_coalescing()  # type: ignore[call-arg]  # the stub wants a device; the backend's own is used
@@ -466,10 +465,10 @@ class NcclTransport:
             stats.transfer_s = time.monotonic() - started
 
     def _wait_posted(self, store: dist.Store, stats: BroadcastStats) -> None:
-        """Until every receiving rank has posted all its receives (`prepare_receiver` counts them in `posted`), or
-        the timeout: a rank that posts its ~200 receives (a 2.5 GiB model, a call a part) while the bytes already
-        flow, in a worker whose engine holds the GIL, held the wire to its pace (17 ms for what takes 8 ms posted
-        ahead). The ready barrier that follows is posted before the receives, so it alone cannot tell."""
+        """Until every receiving rank has posted all its receives (`prepare_receiver` counts them in `posted`), or the
+        timeout: a rank that posts its receives (a call a part) while the bytes already flow, in a worker whose engine
+        holds the GIL, holds the wire to its pace. The ready barrier that follows is posted before the receives, so it
+        alone cannot tell."""
         deadline = time.monotonic() + self.timeout_s
         key = f"e{stats.epoch}/posted"
         while store.add(key, 0) < stats.ranks and time.monotonic() < deadline:
@@ -480,8 +479,8 @@ class NcclTransport:
         the other. A buffer is packed again only after its last broadcast completed (`wait`: on the CPU for gloo,
         on the current CUDA stream for NCCL, so the GPU copies overlap the transfer without blocking the host).
         Over NCCL a bucket goes as its parts (`bucket_parts`) in one group: big tensors from their own memory, only
-        runs of small ones packed (one `torch.cat` a run: copied one by one, ~100 tensors of a few MB kept the host,
-        and so the wire, waiting: 2.5 ms of launches for a 324 MiB model, 1 ms of NCCL)."""
+        runs of small ones packed (one `torch.cat` a run: copied one by one, many small tensors keep the host, and so
+        the wire, waiting on launches)."""
         buffers: list[torch.Tensor | None] = [None, None]
         in_flight: list[list[dist.Work]] = [[], []]
         device = outgoing.device

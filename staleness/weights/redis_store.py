@@ -344,11 +344,8 @@ class _ChunkWriter:
     pipeline as each chunk, before it, so a write that dies midway leaves nothing `remove` cannot find.
 
     Host memory: the buffer, and whatever copies the client makes to send it (none from `_zero_copy_client`; two by
-    hiredis's packer otherwise): `stats.peak_buffered_bytes` counts them. Measured on 256 MiB published in 16 MiB
-    chunks (peak resident memory over what was resident before, benchmarks/results/2026-11-29-streamed-weights.md):
-    37-38 MiB; 98 MiB through hiredis's packer; 106 MiB when chunks were queued to send several per round trip (a
-    copy of each queued chunk, and a fragmented heap), which saved a round trip per chunk (~0.1 ms on loopback,
-    against ~10 ms to send 16 MiB)."""
+    hiredis's packer otherwise): `stats.peak_buffered_bytes` counts them. Chunks are not queued to send several a
+    round trip: each queued chunk would be a copy, for a round trip that costs little beside a chunk's bytes."""
 
     def __init__(self, client: redis.Redis, keys: Keys, version: int, chunk_bytes: int, copies: int) -> None:
         self.client, self.keys, self.version = client, keys, version
@@ -439,8 +436,7 @@ def _zero_copy_client(client: redis.Redis) -> redis.Redis:
 class _RawGets:
     """Pipelined GETs whose bulk replies are read from the socket straight into the caller's buffer: no parser's
     buffer, no `bytes` of each chunk, no copy of those into the tensors' buffer (redis-py with hiredis copies a chunk
-    three times on its way: into its read buffer, hiredis's, then a new `bytes`; measured on a 2-core VM, 82 MiB in
-    32 MiB chunks: 0.21-0.26 s through the pipeline and 0.02 s more to copy, 0.13 s this way).
+    three times on its way: into its read buffer, hiredis's, then a new `bytes`).
 
     On a connection of its own (the client's address, credentials, TLS and timeouts: redis-py's own handshake), closed
     after the read, so that nothing half-read is ever left on a connection of the client's pool. `open` returns None
