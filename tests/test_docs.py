@@ -1,5 +1,6 @@
 """The documentation stays true to the tree: the CLI reference is what the app prints, every path and command the
-docs name exists, and the README stays short enough to read top to bottom."""
+docs name exists, every code name they cite is in the code (tests/code_names.py says how a name is read and
+resolved), and the README stays short enough to read top to bottom."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import importlib.util
 import re
 from functools import cache
 from pathlib import Path
+
+from tests.code_names import IDENT, PACKAGES, missing, missing_file
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -21,6 +24,16 @@ COMMAND_IN_SPAN = re.compile(r"^rollouts\s+([a-z][a-z0-9-]*)")
 COMMAND_IN_CODE = re.compile(r"(?:^|&&|\||;|\$)\s*(?:[A-Z_][A-Z0-9_]*=\S*\s+)*rollouts\s+([a-z][a-z0-9-]*)")
 # A placeholder, not a path: NAME, SCHEME, DIR, runN, globs, braces, ellipses.
 PLACEHOLDER = re.compile(r"[A-Z]{3,}|\brunN\b|[*{}<>]|\.\.\.|…")
+CODE_NAME = re.compile(rf"^({IDENT}(?:\.{IDENT})*)(\(.*)?$")
+"""A span that is a code name: `pipeline.streams`, `ControlStream.ring`, `Worker`, `group_advantages(rewards)`."""
+OUR_DOTTED = re.compile(rf"(?<![\w./-])((?:{'|'.join(PACKAGES)})(?:\.{IDENT})+)(\()?")
+"""A dotted name rooted in one of our packages, anywhere in a span or a fenced block (`python -m benchmarks.bench`)."""
+CODE_FILE = re.compile(r"^((?:[\w.-]+/)*[\w.-]+\.(?:py|lua|sh))(?:::\S+|:\d+(?:-\d+)?)?$")
+"""A span that is a code file, bare or under a folder (`worker.py`, `engines/base.py`, `lua/publish.lua`)."""
+FILE_SUFFIXES = ("py", "lua", "sh", "md", "json", "yaml", "toml", "txt", "so")
+DATED = ROOT / "benchmarks" / "results"
+"""Dated studies (append-only): they cite the code of their date and commit, so their code names are not checked
+(their paths are)."""
 
 
 def doc_files() -> list[Path]:
@@ -102,6 +115,29 @@ def known_commands() -> frozenset[str]:
     return frozenset(names)
 
 
+def code_name_problems(span: str, fenced: bool) -> list[str]:
+    """What is wrong with the code names in one backtick span (or, `fenced`, one line of a fenced block)."""
+    cited: dict[str, bool] = {}
+    if not fenced:
+        if m := CODE_FILE.match(span):
+            file = m.group(1)
+            if file.split("/")[0] not in REPO_DIRS and not PLACEHOLDER.search(file) and missing_file(file):
+                return [f"no such file `{file}`"]
+            return []
+        if m := CODE_NAME.match(span):
+            cited[m.group(1)] = m.group(2) is not None
+    for m in OUR_DOTTED.finditer(span):
+        cited.setdefault(m.group(1), m.group(2) is not None)
+    out = []
+    for name, call in cited.items():
+        if name.rpartition(".")[2] in FILE_SUFFIXES:
+            continue
+        why = missing(name, call)
+        if why:
+            out.append(f"`{name}`: {why}")
+    return out
+
+
 def problems_in(path: Path) -> list[str]:
     rel = path.relative_to(ROOT)
     text = path.read_text()
@@ -125,6 +161,8 @@ def problems_in(path: Path) -> list[str]:
             m = COMMAND_IN_SPAN.match(span)
             if m and m.group(1) not in known_commands():
                 out.append(f"{rel}:{number}: no such command `rollouts {m.group(1)}`")
+            if not path.is_relative_to(DATED):
+                out += [f"{rel}:{number}: {p}" for p in code_name_problems(span, fenced=False)]
     for number, line in code:
         for raw in SCRIPT_IN_CODE.findall(line):
             if not PLACEHOLDER.search(raw) and not repo_path_exists(raw):
@@ -132,6 +170,8 @@ def problems_in(path: Path) -> list[str]:
         for name in COMMAND_IN_CODE.findall(line):
             if name not in known_commands():
                 out.append(f"{rel}:{number}: no such command `rollouts {name}`")
+        if not path.is_relative_to(DATED):
+            out += [f"{rel}:{number}: {p}" for p in code_name_problems(line, fenced=True)]
     return out
 
 
@@ -154,3 +194,40 @@ def test_the_readme_stays_short() -> None:
     assert len(lines) <= 400, f"README.md has {len(lines)} lines (at most 400): move the depth to docs/"
     long = [f"line {i}: {len(line)} characters" for i, line in enumerate(lines, 1) if len(line) > 400]
     assert not long, "README.md lines over 400 characters:\n" + "\n".join(long)
+
+
+def test_the_code_name_check_tells_ours_from_foreign_names() -> None:
+    """The check itself, on names as the docs cite them: ours that exist pass, ours that do not fail, others' pass."""
+    passing = [
+        "pipeline.streams",
+        "consumers.engines.tiny_model.make_adapter",
+        "ControlStream.ring",
+        "Streams.trim_consumed",
+        "RolloutClient.publish_weights(model)",
+        "Rollout.model_construct",  # pydantic's, on a class of ours
+        "client.settle()",  # a `RolloutClient`, by its module's short form
+        "group_advantages(rewards)",
+        "consumers/worker.py",  # the path check's (a folder of ours)
+        "engines/base.py",
+        "AsyncLLM.sleep",
+        "torch.cat",
+        "vllm/config/model.py",
+    ]
+    failing = {
+        "Streams.ring": "class `Streams` has no member `ring`",
+        "staleness.broadcast.groups_built()": "`staleness` has no `broadcast.groups_built`",
+        "consumers.Worker": "`consumers` has no `Worker`",
+        "pipeline.streams.take": "`pipeline.streams` has no `take`",
+        "transports.py": "no such file `transports.py`",
+        "TorchEngine.no_such_method": "class `TorchEngine` has no member `no_such_method`",
+        "no_such_function()": "`no_such_function`: not in the code",
+        "NoSuchClass": "`NoSuchClass`: not in the code",
+    }
+    wrong = {span: got for span in passing if (got := code_name_problems(span, fenced=False))}
+    for span, want in failing.items():
+        got = code_name_problems(span, fenced=False)
+        if len(got) != 1 or want not in got[0]:
+            wrong[span] = got
+    assert not wrong, wrong
+    fenced = code_name_problems("python -m benchmarks.no_such_tool --rounds 3", fenced=True)
+    assert fenced == ["`benchmarks.no_such_tool`: `benchmarks` has no `no_such_tool`"]
