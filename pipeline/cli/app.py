@@ -45,7 +45,8 @@ os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
 
 app = typer.Typer(
     help="Rollout Streams: a Redis-streams rollout pipeline for asynchronous RL on language models.",
-    epilog="Benchmarks, soaks and fault runs (the lab) are listed by `rollouts-bench --help`.",
+    epilog="Benchmarks, soaks and fault runs (the lab, installed from a checkout: `pip install -e ./benchmarks`) are "
+    "listed by `rollouts-bench --help`.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
