@@ -16,7 +16,6 @@ COPY pipeline ./pipeline
 COPY producers ./producers
 COPY consumers ./consumers
 COPY staleness ./staleness
-COPY benchmarks ./benchmarks
 RUN pip install ".[${EXTRAS}]" && rollouts --help > /dev/null
 
 ENTRYPOINT ["rollouts"]

@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Annotated, Any, cast
 import redis
 import typer
 
+from benchmarks import PROGRAM
 from benchmarks.chaos_proxy import Proxy
 from benchmarks.chaos_trainer import POISON_TOKEN, is_poison, parked_and_dead
 from pipeline.cli.app import console, fail, user_errors
@@ -91,6 +92,8 @@ class Member:
     name: str
     args: list[str]
     log: Path
+    module: str = "pipeline.cli"
+    """The program it is a command of: `rollouts`, or the lab's own (`benchmarks.PROGRAM`)."""
     process: subprocess.Popen[bytes] | None = None
     starts: int = 0
     stopped_until: float = 0.0
@@ -99,7 +102,7 @@ class Member:
     """While killed: when to start again (monotonic)."""
 
     def start(self) -> None:
-        self.process = start_command(*self.args, log_file=self.log)
+        self.process = start_command(*self.args, log_file=self.log, module=self.module)
         self.starts += 1
 
     def alive(self) -> bool:
@@ -178,7 +181,7 @@ class Chaos:
         trainer += ["--sync-every-s", str(o["sync_every_s"]), "--ack-timeout-s", str(o["ack_timeout_s"])]
         trainer += ["--stop-file", str(self.tmp / "stop"), "--reward-fn", REWARD]
         trainer += ["--poison-every", str(o["poison_every"])]
-        members["trainer"] = Member("trainer", trainer, self.tmp / "trainer.log")
+        members["trainer"] = Member("trainer", trainer, self.tmp / "trainer.log", module=PROGRAM)
         return members
 
     @property

@@ -1,7 +1,9 @@
 """`rollouts-bench`: the lab's commands (benchmarks, soaks, fault runs), each also a hidden command of `rollouts`.
 
-`register` is the `rollouts.commands` entry point: `rollouts bench ...` runs the same command as `rollouts-bench bench
-...`, while `rollouts --help` lists only what a user runs.
+`rollouts-bench` is the lab distribution's script (`benchmarks/pyproject.toml`); `python -m benchmarks` runs the same
+from a checkout with nothing installed. `register` is the lab's `rollouts.commands` entry point, which `rollouts`
+loads only when asked for a command that is not its own: `rollouts bench ...` runs the same command as
+`rollouts-bench bench ...`, while `rollouts --help` lists only what a user runs.
 """
 
 from __future__ import annotations

@@ -43,6 +43,7 @@ import numpy as np
 import redis
 import typer
 
+from benchmarks import PROGRAM
 from benchmarks.cpu import cpu_seconds, pin
 from benchmarks.soak import Producer, Tally, rss_bytes
 from pipeline.cli.app import console, fail, user_errors
@@ -274,7 +275,8 @@ def scale_ping(
 def start_pinger(url: str, ns: str, load: Load, tmp: Path) -> tuple[subprocess.Popen[bytes], Path]:
     out = tmp / f"ping{load.workers}.json"
     args = ["scale-ping", "--redis", url, "--ns", ns, "--out", str(out), "--n", str(load.n)]
-    return start_command(*args, "--tokens", str(load.tokens), log_file=tmp / f"ping{load.workers}.log"), out
+    log = tmp / f"ping{load.workers}.log"
+    return start_command(*args, "--tokens", str(load.tokens), log_file=log, module=PROGRAM), out
 
 
 def stop_pinger(pinger: tuple[subprocess.Popen[bytes], Path]) -> list[tuple[float, float]]:
@@ -295,7 +297,7 @@ def start_fleet(url: str, ns: str, load: Load, tmp: Path) -> list[tuple[subproce
         out = tmp / f"fleet{k}.json"
         args = ["scale-fleet", "--redis", url, "--ns", ns, "--first", str(int(share[0])), "--count", str(len(share))]
         args += ["--engine-args", json.dumps(load.engine_args), "--max-inflight", str(load.max_inflight)]
-        fleet.append((start_command(*args, "--out", str(out), log_file=tmp / f"fleet{k}.log"), out))
+        fleet.append((start_command(*args, "--out", str(out), log_file=tmp / f"fleet{k}.log", module=PROGRAM), out))
     return fleet
 
 

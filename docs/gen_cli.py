@@ -22,8 +22,9 @@ HEADER = """# CLI reference
 
 This page lists `rollouts --help` and the `--help` of every user command, as the app prints them. It is
 generated: `python docs/gen_cli.py` rewrites it, and `tests/test_docs.py` fails when it is stale. The lab's
-commands (`rollouts bench`, `bench-sync`, `soak`, `scale`, `chaos`, ...) are hidden from `rollouts --help`;
-`rollouts-bench --help` lists them, and [benchmarks.md](benchmarks.md) says what each one measures.
+commands (`rollouts bench`, `bench-sync`, `soak`, `scale`, `chaos`, ...) are not the product's: installed from a
+checkout (`pip install -e ./benchmarks`), they are hidden from `rollouts --help`, `rollouts-bench --help` lists them,
+and [benchmarks.md](benchmarks.md) says what each one measures.
 
 `--redis` and `--ns` also come from `ROLLOUTS_REDIS` and `ROLLOUTS_NS`. A wrong URL, a missing model, a bad file
 or a Redis older than 6.2 gives one line that says what to fix and exit code 2.

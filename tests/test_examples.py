@@ -25,10 +25,10 @@ from tests.fixtures import FAST, wait_until
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
-def example(name: str, *args: str, env: dict[str, str] | None = None) -> str:
+def example(name: str, *args: str, env: dict[str, str] | None = None, timeout: float = 120) -> str:
     """Run `examples/NAME ARGS` as a user would; its stdout, once it exited 0."""
     result = subprocess.run(
-        [sys.executable, str(EXAMPLES / name), *args], capture_output=True, text=True, timeout=120,
+        [sys.executable, str(EXAMPLES / name), *args], capture_output=True, text=True, timeout=timeout,
         env=os.environ | (env or {}),
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -123,3 +123,17 @@ def test_my_rewards_score_groups_as_the_scorer_runs_them_and_the_prompts_file_is
     client = RolloutClient(redis_server.url, ns, tokenizer=tiny_model_dir)
     prompts = read_prompts_file(EXAMPLES / "prompts.jsonl", client)  # as `rollouts submit --file` reads it
     assert {p.reward_fn for p in prompts} == {"my_rewards:exact_match", "my_rewards:pairwise", None}
+
+
+def test_async_vs_sync_runs_the_reference_trainer_once_a_mode_and_draws_them(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """`examples/async_vs_sync.py`, short: a line a mode (a target of 0 is reached after the first five steps), every
+    generated token trained, and the plot."""
+    plot = tmp_path / "async_vs_sync.png"
+    args = ["--modes", "sync,async:1", "--steps", "6", "--target", "0", "--length-alpha", "0"]
+    out = example("async_vs_sync.py", *args, "--model", str(tiny_model_dir), "--plot", str(plot), timeout=300)
+    lines = out.splitlines()
+    assert [line.split(": ", 1)[0].strip() for line in lines] == ["sync", "async:1"], out
+    assert all("(5 steps)" in line and "100% of generated tokens trained" in line for line in lines), out
+    assert plot.read_bytes()[:4] == b"\x89PNG"

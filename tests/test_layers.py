@@ -104,6 +104,7 @@ def test_a_package_imports_nothing_above_it(package: str) -> None:
 
 
 def test_the_shell_imports_no_lab() -> None:
-    """`rollouts` (the shell) finds the lab's commands through an entry point, never by importing it."""
+    """`rollouts` (the shell) finds the lab's commands through an entry point, never by importing it (its commands as
+    they run: tests/test_lab_apart.py)."""
     result = import_all(SHELL, (LAB,), deep=False)
     assert not result["reached"], f"the shell imports the lab: {result['reached']}"

@@ -14,7 +14,7 @@ nvidia-smi --query-gpu=name,uuid,driver_version --format=csv,noheader; python -c
 if [ "$what" = tests ]; then
   python -m pytest tests/test_ipc.py -v -rs -p no:cacheprovider "$@" 2>&1 | tee "$OUT/pytest-ipc.log"
 else
-  python -m pipeline.cli bench-sync "$@" > "$OUT/bench-sync.json" 2> "$OUT/bench-sync.err" || { tail -40 "$OUT/bench-sync.err"; exit 1; }
+  python -m benchmarks bench-sync "$@" > "$OUT/bench-sync.json" 2> "$OUT/bench-sync.err" || { tail -40 "$OUT/bench-sync.err"; exit 1; }
   python - "$OUT/bench-sync.json" <<'PY'
 import json, sys
 for r in json.load(open(sys.argv[1]))["results"]:

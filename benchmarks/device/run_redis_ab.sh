@@ -19,7 +19,7 @@ for k in $(seq 1 "$rounds"); do
     spec="${variants[$(( (i + shift_by) % n ))]}"
     name="${spec%%=*}"; rest="${spec#*=}"; dir="${rest%%:*}"; cores="${rest##*:}"
     (PATH="$PWD/$dir:$PWD/.carry/bin:$PATH" PYTHONPATH="$PWD:/tmp/rs-lib" \
-      python -m pipeline.cli scale --redis-cores "$cores" "$@" > "$OUT/$name-$k.json" 2> "$OUT/$name-$k.err") \
+      python -m benchmarks scale --redis-cores "$cores" "$@" > "$OUT/$name-$k.json" 2> "$OUT/$name-$k.err") \
       || { echo "$name-$k failed"; tail -20 "$OUT/$name-$k.err"; continue; }
     python benchmarks/device/scale_summary.py "$OUT/$name-$k.json" "$name-$k"
   done

@@ -10,5 +10,5 @@ python -V; nproc
 python -c "import numpy" 2>/dev/null && extra="" || extra=numpy  # torch lives in a venv: install beside it, not in it
 python -m pip install -q --upgrade --no-index --find-links .carry/wheels --target /tmp/rs-lib redis hiredis pydantic typer rich prometheus_client psutil $extra
 export PATH="${REDIS_DIR:-$PWD/.carry/bin}:$PWD/.carry/bin:$PATH" PYTHONPATH="$PWD:/tmp/rs-lib"
-python -m pipeline.cli scale "$@" > "$OUT/scale.json" 2> "$OUT/scale.err" || { tail -50 "$OUT/scale.err"; exit 1; }
+python -m benchmarks scale "$@" > "$OUT/scale.json" 2> "$OUT/scale.err" || { tail -50 "$OUT/scale.err"; exit 1; }
 python benchmarks/device/scale_summary.py "$OUT/scale.json"

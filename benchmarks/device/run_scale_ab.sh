@@ -16,7 +16,8 @@ for k in $(seq 1 "$pairs"); do
   sides="before after"; [ $((k % 2)) -eq 0 ] && sides="after before"
   for side in $sides; do
     tree="$root"; [ "$side" = before ] && tree="$root/.before"
-    (cd "$tree" && PYTHONPATH="$tree:/tmp/rs-lib" python -m pipeline.cli scale "$@" > "$OUT/$side-$k.json" 2> "$OUT/$side-$k.err") \
+    lab=benchmarks; [ -f "$tree/benchmarks/__main__.py" ] || lab=pipeline.cli  # a tree from before `python -m benchmarks`
+    (cd "$tree" && PYTHONPATH="$tree:/tmp/rs-lib" python -m "$lab" scale "$@" > "$OUT/$side-$k.json" 2> "$OUT/$side-$k.err") \
       || { echo "$side-$k failed"; tail -20 "$OUT/$side-$k.err"; continue; }
     python "$root/benchmarks/device/scale_summary.py" "$OUT/$side-$k.json" "$side-$k"
   done

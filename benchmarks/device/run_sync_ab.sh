@@ -19,7 +19,8 @@ for k in $(seq 1 "$pairs"); do
   [ -n "${SIDES:-}" ] && sides="$SIDES"
   for side in $sides; do
     tree="$after"; [ "$side" = before ] && tree="$root/.before"
-    (cd "$tree" && PYTHONPATH="$tree:/tmp/rs-lib" python -m pipeline.cli bench-sync --logs "$OUT/$side-$k-logs" "$@" \
+    lab=benchmarks; [ -f "$tree/benchmarks/__main__.py" ] || lab=pipeline.cli  # a tree from before `python -m benchmarks`
+    (cd "$tree" && PYTHONPATH="$tree:/tmp/rs-lib" python -m "$lab" bench-sync --logs "$OUT/$side-$k-logs" "$@" \
       > "$OUT/$side-$k.json" 2> "$OUT/$side-$k.err") || { echo "$side-$k failed"; tail -20 "$OUT/$side-$k.err"; continue; }
     python - "$OUT/$side-$k.json" "$side-$k" <<'PY'
 import json, sys

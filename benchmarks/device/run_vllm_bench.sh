@@ -18,7 +18,7 @@ export PYTHONPATH="$PWD/benchmarks/device/vllm026:$PWD:/tmp/vc-site" LD_LIBRARY_
 export VLLM_TARGET_DEVICE=cpu VLLM_CPU_OMP_THREADS_BIND="${VLLM_CPU_OMP_THREADS_BIND:-0-3}"
 for i in $(seq "${RUNS:-3}"); do
   if [ -n "${PROBE:-}" ]; then mkdir -p "$OUT/probe_$i"; export STEP_PROBE="$OUT/probe_$i"; fi
-  ${OTHERS_BIND:+taskset -c "$OTHERS_BIND"} python3 -m pipeline.cli bench --engine vllm "$@" > "$OUT/vllm_$i.json" 2> "$OUT/vllm_$i.err" \
+  ${OTHERS_BIND:+taskset -c "$OTHERS_BIND"} python3 -m benchmarks bench --engine vllm "$@" > "$OUT/vllm_$i.json" 2> "$OUT/vllm_$i.err" \
     || { tail -60 "$OUT/vllm_$i.err"; exit 1; }
   python3 -c '
 import json, sys

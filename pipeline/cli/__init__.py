@@ -2,7 +2,8 @@
 
 `app` holds the typer app, the options the commands share and `main`; each module below holds one group of commands
 and registers them on `app` when imported, in the order `rollouts --help` lists them. Other packages (the lab,
-`benchmarks/`) add theirs, hidden, through the `rollouts.commands` entry points that `main` loads.
+`benchmarks/`, a distribution of its own) add theirs, hidden, through the `rollouts.commands` entry points, which `main`
+loads only when the command asked for is not one of these.
 """
 
 # The order of the command modules is the order of `rollouts --help`.

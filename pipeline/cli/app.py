@@ -3,7 +3,8 @@ mistakes into one line each.
 
 Every command turns the mistakes a person makes (a wrong URL, a missing model, a bad
 prompts file) into one line that says what to fix, never a traceback. The commands live in the modules beside this
-one (`pipeline.cli` imports them); other packages add commands through the `rollouts.commands` entry-point group.
+one (`pipeline.cli` imports them); other packages add commands through the `rollouts.commands` entry-point group,
+loaded only when the command asked for is not one of these.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import typer
 from rich.console import Console, RenderableType
 from rich.logging import RichHandler
 from rich.text import Text
+from typer.main import get_command_name
 
 from pipeline.cli.engine_spec import NO_MODEL, EngineSpec
 from pipeline.connections import UnsupportedRedisError, connect, redact
@@ -43,7 +45,8 @@ os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
 
 app = typer.Typer(
     help="Rollout Streams: a Redis-streams rollout pipeline for asynchronous RL on language models.",
-    epilog="Benchmarks, soaks and fault runs (the lab) are listed by `rollouts-bench --help`.",
+    epilog="Benchmarks, soaks and fault runs (the lab, installed from a checkout: `pip install -e ./benchmarks`) are "
+    "listed by `rollouts-bench --help`.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -362,7 +365,9 @@ def setup_logging(level: str) -> None:
 
 
 PLUGINS = "rollouts.commands"
-"""The entry-point group through which other packages add commands: each entry is a callable given the app."""
+"""The entry-point group through which other packages add commands: each entry is a callable given the app. `main`
+loads them only for a command that is not the app's own (the lab's, `benchmarks/`), so that `rollouts worker`
+imports no plugin."""
 skipped_plugins: list[tuple[str, str]] = []
 """The plugins that failed to load, with why: `rollouts` runs without them (shown under `--log-level debug`)."""
 
@@ -378,6 +383,19 @@ def load_plugins(target: typer.Typer) -> None:
             skipped_plugins.append((entry.value, f"{type(exc).__name__}: {exc}"))
 
 
+def asks_for_plugin(target: typer.Typer, args: list[str]) -> bool:
+    """Whether `args` (a command line less the program) names a command that `target` lacks: its first word that is
+    not an option, the command (`rollouts` takes no options of its own before it)."""
+    command = next((arg for arg in args if not arg.startswith("-")), None)
+    if command is None:
+        return False
+    own = {
+        info.name or get_command_name(info.callback.__name__) for info in target.registered_commands if info.callback
+    }
+    own |= {info.name for info in target.registered_groups if info.name}
+    return command not in own
+
+
 def sync_report(report: object) -> dict[str, object]:
     """A weight sync's report (`SyncReport`) as JSON fields, its stall rounded."""
     from dataclasses import asdict
@@ -389,8 +407,9 @@ def sync_report(report: object) -> dict[str, object]:
 
 def main() -> NoReturn:
     """`rollouts`: the command asked for, then `leave` with its exit code (seconds sooner with torch or vLLM
-    loaded)."""
-    load_plugins(app)
+    loaded). The `rollouts.commands` plugins are loaded for a command that is not the app's own, and only then."""
+    if asks_for_plugin(app, sys.argv[1:]):
+        load_plugins(app)
     try:
         app()
     except SystemExit as done:
