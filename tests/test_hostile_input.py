@@ -33,7 +33,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from consumers.engines.base import Generation, check_request
-from consumers.engines.torch_engine import sampling_uniform
+from consumers.engines.torch_scheduler import sampling_uniform
 from consumers.scoring.inline import InlineBackend
 from consumers.scoring.job import rollout_view, score_group
 from consumers.scoring.stage import ScoringStage, StageSettings

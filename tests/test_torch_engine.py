@@ -21,7 +21,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from consumers.engines.base import EngineClosedError, EngineInputError, Generation
 from consumers.engines.tiny_model import EOS
-from consumers.engines.torch_engine import TorchEngine, _Request
+from consumers.engines.torch_engine import TorchEngine
+from consumers.engines.torch_scheduler import Request
 from pipeline.wire import Sampling
 from tests.engine_loop import wait_until_async
 from tests.reference import (
@@ -383,7 +384,7 @@ class AdmittingEngine(TorchEngine):
 
     admitted: list[str]
 
-    def _admit(self, room: int) -> list[_Request]:
+    def _admit(self, room: int) -> list[Request]:
         taken = super()._admit(room)
         self.admitted.extend(r.id for r in taken)
         return taken

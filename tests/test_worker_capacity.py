@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-import consumers.engines.torch_engine as torch_engine
+import consumers.engines.torch_scheduler as torch_scheduler
 from consumers.engines.base import Generation
 from consumers.engines.synthetic_engine import SyntheticEngine
 from consumers.engines.torch_engine import TorchEngine
@@ -143,14 +143,14 @@ def test_a_sample_cut_by_an_abort_continues_with_fresh_draws_the_same_way_each_t
     would replay the draws of the sample's first tokens; it must draw others, and the same cut must continue the same
     way. A sample cut before its first token continues exactly as it would have run."""
     draws: list[float] = []
-    plain = torch_engine.sampling_uniform
+    plain = torch_scheduler.sampling_uniform
 
     def recorded(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
         u = plain(seeds, steps)
         draws.extend(u.tolist())
         return u
 
-    monkeypatch.setattr(torch_engine, "sampling_uniform", recorded)
+    monkeypatch.setattr(torch_scheduler, "sampling_uniform", recorded)
     client = RolloutClient(redis_server.url, ns)
     prompt = client.make_prompt(tokens=list(range(10, 20)), n=1, sampling=Sampling(max_tokens=60, seed=LONG_SEED))
     entry = Entry(client.streams.keys.prompts, b"1-0", {})

@@ -13,7 +13,8 @@ import pytest
 
 from consumers.engines.base import Generation
 from consumers.engines.synthetic_engine import SyntheticEngine
-from consumers.engines.torch_engine import TorchEngine, _Request
+from consumers.engines.torch_engine import TorchEngine
+from consumers.engines.torch_scheduler import Request
 from consumers.worker import Worker, WorkerSettings
 from pipeline.connections import connect
 from pipeline.local import RedisServer
@@ -29,7 +30,7 @@ class CountingEngine(TorchEngine):
 
     admitted: list[int]
 
-    def _admit(self, room: int) -> list[_Request]:
+    def _admit(self, room: int) -> list[Request]:
         taken = super()._admit(room)
         if taken:
             self.admitted.append(len(taken))

@@ -3,7 +3,7 @@
     python benchmarks/probes/bench_sampler.py --device cuda:0
 
 Old: a `torch.Generator` per row and an exponential race (one kernel per row per token). New: one
-uniform per row for all rows at once (`consumers.engines.torch_engine.sampling_uniform`) and an inverse-CDF
+uniform per row for all rows at once (`consumers.engines.torch_scheduler.sampling_uniform`) and an inverse-CDF
 pick. Each is timed end to end (down to the token ids on the host), median of `--rounds` calls.
 """
 
@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from consumers.engines.torch_engine import sampling_uniform
+from consumers.engines.torch_scheduler import sampling_uniform
 
 
 def median_ms(f: Callable[[], object], rounds: int) -> float:

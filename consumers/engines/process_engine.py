@@ -162,7 +162,7 @@ class ProcessEngine(LoadsIpcInProcess, EngineLifecycle):
 
     async def _exit_code(self, wait_s: float) -> int | None:
         """The process's exit code, waiting up to `wait_s` for it: a killed process's socket closes before the process
-        can be reaped, so the channel's end is often seen first (on a busy machine, by tens of ms)."""
+        can be reaped, so the channel's end is often seen first."""
         if self._process is None:
             return None
         try:

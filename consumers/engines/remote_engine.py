@@ -1,4 +1,4 @@
-"""`remote` engine: the `Engine` protocol on a vLLM server someone else runs (`vllm serve`, checked on vLLM 0.32).
+"""`remote` engine: the `Engine` protocol on a vLLM server someone else runs (`vllm serve`).
 
 Many teams run vLLM as a server (in Kubernetes, behind a router) and will not hand it to our worker. This engine
 drives such a server over HTTP with the server's own endpoints, so the worker, the sync protocol and the wire are
@@ -84,8 +84,8 @@ CONNECT_TIMEOUT_S = 60.0
 KEEPALIVE_EXPIRY_S = 2.0
 """An idle pooled connection is closed by this client after this long: below the server's keep-alive (vLLM's
 `VLLM_HTTP_TIMEOUT_KEEP_ALIVE`, 5 s by default). At httpx's default (also 5 s) a request could go out on a connection
-at the moment the server closed it as idle, and fail with `ReadError('')`: taken for a dead server, that stopped a
-worker mid-run (the GRPO test on a `vllm serve`, caught once: the worker stopped at a pause, the trainer waited)."""
+at the moment the server closed it as idle, and fail with `ReadError('')`, which would be taken for a dead
+server."""
 
 BROKEN_CONNECTION = (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
 """Failures of a connection that was open (a pooled one the server closed, a reset): the server may still be up, so

@@ -1,52 +1,33 @@
-"""`vllm` engine: the `Engine` protocol on vLLM's v1 `AsyncLLM` (checked against vLLM 0.32).
+"""`vllm` engine: the `Engine` protocol on vLLM's v1 `AsyncLLM`.
 
-vLLM runs the model in its own processes (an engine core and one worker per tensor-parallel
-rank); this object is the client side and lives on the caller's event loop. The engine is
-token-in, token-out: it is built with `skip_tokenizer_init`, so no tokenizer is loaded and no
-text is detokenized, and the stop tokens are exactly those of `TorchEngine` (the model config's
-and generation config's `eos_token_id`, plus each request's `stop_token_ids`), included in the
-tokens with `finish_reason="stop"`.
+vLLM runs the model in its own processes (an engine core, one worker per tensor-parallel rank); this object is the
+client side, on the caller's event loop. It is token-in, token-out (`skip_tokenizer_init`: no tokenizer, no text),
+and its stop tokens are `TorchEngine`'s (the model config's and generation config's `eos_token_id`, plus each
+request's `stop_token_ids`), kept in the tokens with `finish_reason="stop"`.
 
-- Logprobs are vLLM's default `raw_logprobs`: the log-probability of each sampled token under
-  the raw model distribution (before temperature and top-p), read from vLLM's flat per-position
-  lists by the sampled token id. In fp32 they equal a plain transformers forward pass. With
-  `logprobs_mode="processed"` (vLLM's `processed_logprobs`) they are those of the distribution sampled
-  from (temperature, then top-p, renormalized). vLLM sets this per engine (`ModelConfig.logprobs_mode`;
-  `SamplingParams` has no such field), so a request that asks for the other mode is refused
-  (`EngineInputError`: an error rollout that says so), never served with the wrong kind. A request that asks for
-  each token's k most likely alternatives (`Sampling.top_logprobs`) is sent with `logprobs=k`: vLLM's sampler puts
-  the sampled token first at each position and the top k after it, of the same distribution, so the sampled token's
-  logprob is read as before and the k become `Generation.top_token_ids` / `top_logprobs`.
-- Each request asks for its final output only (`RequestOutputKind.FINAL_ONLY`, `flat_logprobs`):
-  the whole sample arrives once, when it ends (aborted or paused-and-aborted ones included). A
-  streamed delta per token cost a `RequestOutput`, a `Logprob` per token and a wake-up of the
-  request's coroutine at every engine step, in the process that also feeds the engine: on a
-  2-core machine that was CPU taken from the engine itself. Progress stays visible through
-  `generated_tokens`, which reads vLLM's own per-request token counts.
-- Policy versions are vLLM's own weight-version labels (`update_weight_version`), reported per
-  token as `CompletionOutput.weight_versions` spans, which become `Generation.spans`.
-- LoRA adapters (`max_loras > 0`) are vLLM's own (`enable_lora`, `add_lora`, `lora_request=` per request). Each
-  (adapter, version) is written to a private PEFT directory and gets a `LoRARequest` of its own: a fresh int id
-  and a fresh `lora_name` (`name@version#id`), never reused. vLLM keys its per-step set of active adapters and its
-  prefix-cache hashes by `lora_name` (and path), so two versions of one adapter under one name could be served each
-  other's weights or KV blocks while both run (cf. vLLM #47724, another tenant's adapter served after a runtime
-  `add_lora`). Replacing an adapter switches new requests to the new id; the old one is removed once no request of
-  it runs. vLLM has no per-adapter pause: `pause_adapter` holds new requests of the adapter in `generate` and
-  aborts its running ones; under `keep`, `generate` waits for `resume_adapter` and continues the sample as a new
-  vLLM request (prompt + tokens so far, the remaining `max_tokens`) under the adapter's version of then.
-  On CPU, vLLM 0.32's torch LoRA ops index the adapter slots with a row's slot (-1: no adapter) unmasked, so a
-  base-model row batched with adapter rows got the adapter of the last slot; `start` has every worker mask those
-  rows (`RolloutsWorkerExtension.rollouts_mask_base_lora_rows`).
-- `load_weights` reloads a safetensors checkpoint in place (`collective_rpc("reload_weights")`),
-  `load_tensors` sends tensors through `RolloutsWorkerExtension` (vLLM's `worker_extension_cls`), and so do
-  `load_broadcast` (each worker process takes a rank of the `nccl://` broadcast) and `load_ipc` (the worker
-  process opens the trainer's CUDA IPC handle on their shared GPU: `ipc://`, one GPU only).
-  Both check names and shapes against the model's own checkpoint first, since a reload that fails
-  half way leaves vLLM's model unusable. Loads happen while the scheduler is paused (`keep`), with
-  the KV and prefix caches dropped, so every token is exactly of one version; after `pause("inflight")`
-  (PipelineRL's `pause_generation(mode="keep", clear_cache=False)`) running requests keep their KV blocks and
-  go on over them under the new weights. A request's prefix-cache hashes are salted with the policy version it
-  was submitted at (`cache_salt`), so no request started later finds blocks another version computed.
+- Logprobs are each sampled token's, under the raw model distribution (vLLM's default `raw_logprobs`; in fp32 they
+  equal a plain transformers forward pass) or, with `logprobs_mode="processed"`, under the distribution sampled from
+  (temperature, then top-p, renormalized). vLLM sets the mode per engine: a request that asks for the other is
+  refused (`EngineInputError`), never served with the wrong kind. `Sampling.top_logprobs` = k is sent as vLLM's
+  `logprobs=k`: the k most likely tokens of the same distribution become `Generation.top_token_ids` / `top_logprobs`.
+- A request returns once, when it ends, aborted ones included (`RequestOutputKind.FINAL_ONLY`, `flat_logprobs`);
+  `generated_tokens` reads vLLM's own per-request token counts.
+- Policy versions are vLLM's weight-version labels (`update_weight_version`); its per-token
+  `CompletionOutput.weight_versions` spans become `Generation.spans`.
+- LoRA adapters (`max_loras > 0`) are vLLM's own. Each (adapter, version) gets a private PEFT directory and a
+  `LoRARequest` whose id and `lora_name` are never reused (vLLM keys its active adapters and its prefix-cache hashes
+  by `lora_name`), so two versions never serve each other's weights or KV blocks; a replaced version is removed once
+  no request of it runs. `pause_adapter` holds the adapter's new requests in `generate` and aborts its running ones;
+  under `keep`, a sample continues after `resume_adapter` as a new vLLM request (prompt + tokens so far, the
+  remaining `max_tokens`) under the adapter's version of then. On CPU, `start` has every worker keep base-model rows
+  out of the adapters' terms (`RolloutsWorkerExtension.rollouts_mask_base_lora_rows`).
+- `load_weights` reloads a safetensors checkpoint in place (`collective_rpc("reload_weights")`); `load_tensors`,
+  `load_broadcast` (`nccl://`, a rank in each worker process) and `load_ipc` (`ipc://`, the trainer's CUDA IPC handle
+  on their shared GPU) go through `RolloutsWorkerExtension` (vLLM's `worker_extension_cls`). Names and shapes are
+  checked first: a reload that fails half way leaves vLLM's model unusable. A load runs paused (`keep`) and drops the
+  KV and prefix caches, so every token is of one version; after `pause("inflight")` running requests keep their KV
+  blocks and go on over them under the new weights. A request's prefix-cache hashes are salted with the version it
+  was submitted at (`cache_salt`): no request started later finds blocks another version computed.
 """
 
 from __future__ import annotations
@@ -170,8 +151,8 @@ class VllmEngine(EngineLifecycle):
         tensor_parallel_size: GPUs per engine.
         enforce_eager: no CUDA graphs / torch.compile (the right choice on CPU; False on GPU for speed).
         seed: vLLM's global seed (None: 0; requests with `sampling.seed` use their own generator).
-        max_loras: LoRA adapters held at once; 0 (the default): none, and vLLM is built without LoRA, exactly as
-            before (LoRA's kernels and a patch of vLLM's CPU LoRA ops come only with adapters asked for).
+        max_loras: LoRA adapters held at once; 0 (the default): none, and vLLM is built without LoRA (LoRA's
+            kernels and a patch of vLLM's CPU LoRA ops come only with adapters asked for).
             vLLM keeps twice as many on CPU (`max_cpu_loras`), so a replaced version stays loaded while its
             requests finish.
         max_lora_rank: the largest adapter rank accepted (vLLM's `max_lora_rank`: 1, 8, 16, 32, 64, ...).
@@ -297,7 +278,7 @@ class VllmEngine(EngineLifecycle):
     # -- lifecycle -------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Build the `AsyncLLM` (its processes start off the event loop, ~20 s on a small CPU). Idempotent."""
+        """Build the `AsyncLLM` (its processes start off the event loop). Idempotent."""
         async with self._start_lock:
             if self._closing:
                 raise EngineClosedError("the engine was shut down")
@@ -352,9 +333,7 @@ class VllmEngine(EngineLifecycle):
             self._monitor.cancel()
         if llm.output_handler is not None:  # it would log the engine's exit as a failure
             llm.output_handler.cancel()
-        # SIGTERM to `EngineCore`, then vLLM kills its process tree after the grace. Its `Worker` spends seconds in
-        # Python's teardown after its queues close; the `EngineCore` waits for it, and was killed at the end of
-        # vLLM's default 5 s grace anyway.
+        # SIGTERM to `EngineCore`, then vLLM kills its process tree after the grace (`SHUTDOWN_GRACE_S`).
         await asyncio.to_thread(llm.shutdown, SHUTDOWN_GRACE_S)
         # `AsyncLLM.__del__` shuts down again: let it run now (a no-op), not at interpreter exit where it fails.
         del llm
@@ -627,8 +606,7 @@ class VllmEngine(EngineLifecycle):
             for request in self._adapter_requests.values():
                 request.ended.set()
         # The KV and prefix caches are dropped once, by the load that follows (`_load`; never for `inflight`):
-        # resetting them walks the whole block pool, ~0.3-0.5 s a reset on an H200 with vLLM's default cache
-        # (study 2026-11-28-async-rl).
+        # resetting them walks the whole block pool.
         await llm.pause_generation(mode="keep" if mode == "inflight" else mode, clear_cache=False)
 
     # -- LoRA adapters ---------------------------------------------------------------------------

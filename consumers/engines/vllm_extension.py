@@ -51,9 +51,8 @@ class RolloutsWorkerExtension:
         """Make vLLM's CPU LoRA ops leave base-model rows alone in a batch with adapter rows (vLLM 0.32).
 
         `vllm.lora.ops.torch_ops` selects each row's adapter weights as `stacked[index]`, and a row without an
-        adapter has index -1: Python indexing gives it the last slot's adapter, silently (a base request batched
-        with requests of `max_loras` adapters was served under one of them). Zeroing those rows' shrink output
-        (`x @ A.T`) zeroes their whole LoRA term, since every CPU LoRA path (linear, logits) expands that
+        adapter has index -1: Python indexing gives it the last slot's adapter, silently. Zeroing those rows' shrink
+        output (`x @ A.T`) zeroes their whole LoRA term, since every CPU LoRA path (linear, logits) expands that
         output next. Idempotent; returns 1 once patched.
         """
         from vllm.lora.ops.torch_ops import lora_ops
