@@ -10,6 +10,10 @@ layer; the engine runs its own compute. What the loop guarantees:
   engine refuses become `finish_reason=error` rollouts;
 - with `lazy` / `release_after_s`, the engine starts when work arrives and is shut down when idle, and a weight
   sync while there is none is acked at once and loaded at the next start (`consumers.lifecycle`).
+
+`Worker` owns the read, claim and run loop (what it takes, how much, and what runs apart or alone) and composes
+the rest: its `ServingState` and `Heartbeat` (`consumers.serving`), its side of the weight-sync protocol
+(`consumers.sync`), its adapters (`consumers.adapters`) and its engine's slot (`consumers.lifecycle`).
 """
 
 from __future__ import annotations
@@ -17,71 +21,30 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import random
 import signal
-import socket
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 import redis
 
 from consumers.adapters import Stopping, WorkerAdapters
-from consumers.engines.base import (
-    WAKE_ALL,
-    Engine,
-    EngineClosedError,
-    EngineInputError,
-    Generation,
-    SleepNotSupported,
-    WakePart,
-    continuation_seed,
-)
-from consumers.lifecycle import EngineFactory, EngineSlot, WorkerStatus, receive_copy
+from consumers.engines.base import Engine, EngineClosedError, EngineInputError, Generation, continuation_seed
+from consumers.lifecycle import EngineFactory, EngineSlot, WorkerStatus
 from consumers.metrics import WorkerMetrics
+from consumers.serving import Heartbeat, ServingState
+from consumers.sync import WorkerSync
 from pipeline.connections import give_up_reconnecting, redis_address, redis_unreachable
-from pipeline.control import CONTROL_BATCH, CONTROL_RECHECK_S
 from pipeline.publisher import Publisher
 from pipeline.registry import default_name, sweep_chance
 from pipeline.streams import Entry, Streams
-from pipeline.wire import (
-    ASLEEP_FIELD,
-    CONTINUE_HERE,
-    HAND_OFF,
-    PARTIALS_FIELD,
-    Control,
-    Partial,
-    PauseMode,
-    Prompt,
-    Rollout,
-    WireError,
-    join_spans,
-)
-from staleness.state import read_state, weights_command
-from staleness.weights import (
-    fetches_ahead,
-    is_stored,
-    join_version,
-    load_joined,
-    load_prefetched,
-    load_version,
-    prefetch_version,
-)
-from staleness.weights.layout import LAYOUT_FIELD, advertise, layout_of
-
-if TYPE_CHECKING:
-    from staleness.weights.nccl import BroadcastLink
+from pipeline.wire import Partial, Prompt, Rollout, WireError, join_spans
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
-
-AWAITING_WEIGHTS = WorkerStatus.AWAITING_WEIGHTS
-"""Heartbeat status of a worker that joined after a broadcast (nccl) sync: it takes no work until the next."""
 
 _EMPTY_TOKENS = np.zeros(0, dtype=np.int32)
 _EMPTY_LOGPROBS = np.zeros(0, dtype=np.float32)
@@ -160,8 +123,8 @@ class WorkerSettings:
     """On stop, how long to let in-flight work finish; the rest stays pending for other workers."""
     dedupe_ttl_s: int = 86_400
     """How long a published rollout id is remembered (a bit in `{ns}:published:{size}:{bucket}`): the same id from
-    another entry (a prompt submitted twice, a replay) within it is not published again. Redis holds ~22 B per
-    rollout for it; every worker of a namespace should use the same value."""
+    another entry (a prompt submitted twice, a replay) within it is not published again. Every worker of a namespace
+    should use the same value."""
     lazy: bool = False
     """Start the engine when the first work arrives, not at launch (`consumers.lifecycle`)."""
     release_after_s: float | None = None
@@ -174,33 +137,14 @@ class WorkerSettings:
     interrupted samples off either way."""
     freeze_heap: bool = False
     """Freeze the process's heap (`gc.freeze`) each time the engine has started, so that Python's full collections
-    skip what the engine holds (`consumers.lifecycle.freeze_heap`: a full collection over vLLM's ~700k objects stalls
-    the event loop for ~0.5 s). Process-wide: for a process that is the worker's own, as `rollouts worker` and
+    skip what the engine holds (`consumers.lifecycle.freeze_heap`: a full collection over vLLM's objects stalls the
+    event loop). Process-wide: for a process that is the worker's own, as `rollouts worker` and
     `rollouts launch` set it; a worker run inside another program leaves that program's collector alone."""
 
 
-class BusyClock:
-    """Seconds the worker spent generating: samples in flight and not paused for a weight sync.
-
-    Its heartbeat reports the total (`busy_s`), so that a benchmark or a person can tell how much of
-    the time the generator stood idle (nothing to do, or paused) without sampling it.
-    """
-
-    def __init__(self) -> None:
-        self._total = 0.0
-        self._since: float | None = None
-
-    def update(self, busy: bool) -> None:
-        now = time.monotonic()
-        if self._since is not None:
-            self._total += now - self._since
-        self._since = now if busy else None
-
-    def seconds(self) -> float:
-        return self._total + (time.monotonic() - self._since if self._since is not None else 0.0)
-
-
 class Worker:
+    """One consumer worker: reads and claims entries, runs them on its engine, publishes their rollouts."""
+
     def __init__(
         self,
         streams: Streams,
@@ -220,17 +164,13 @@ class Worker:
         streams.dedupe_ttl_s = self.settings.dedupe_ttl_s
         self.metrics = metrics or WorkerMetrics(streams.keys.ns, self.name)
         """What only this process knows, for Prometheus (served by `rollouts worker --metrics-port`)."""
-        self.status = WorkerStatus.STARTING
         self.failure: str | None = None
         """Why the worker stopped on its own (its engine died); None after a requested stop."""
-        self.published = 0
         self.publisher = Publisher(streams)
         """Publishes what finishes while another publish is on the wire in one round trip with it."""
-        self.generated_tokens = 0
+        self.state = ServingState(engine.version)
+        """What the worker is doing now (status, serving or paused, asleep, work in flight): what its heartbeat says."""
         self._inflight: dict[tuple[str, bytes], Entry] = {}
-        self._inflight_samples = 0
-        self._inflight_tokens = 0
-        """Prompt + `max_tokens` of each sample in `_inflight_samples`, summed (`max_inflight_tokens`)."""
         self._waiting_for_room = 0
         """Entries taken and decoded that wait for room under the caps (`_wait_for_room`): none is read meanwhile."""
         self._held: deque[Entry] = deque()
@@ -251,40 +191,52 @@ class Worker:
         self._mean_tokens: float | None = None
         """Prompt + `max_tokens` per sample (an average): how many samples fit the token budget."""
         self._room = asyncio.Event()
-        self._stopping = asyncio.Event()
-        self._serving = asyncio.Event()
-        """Set while the worker may take work: cleared during a weight sync (pause → load → ack → resume)."""
         self._drain_on_stop = True
-        self._redis_gone = False
-        """Redis stopped answering while the worker stopped: it leaves without it (`_lost_redis`)."""
-        self._epoch = 0
-        """The last weight-sync epoch this worker acked."""
-        self._sync_began = 0.0
-        """When the pause for the current weight sync began (monotonic), for the stall until its resume."""
-        self._layout: str | None = None
-        """The digest of the model layout this worker advertises (`_advertise_layout`); "" for none, None: not yet."""
-        self._asleep = 0
-        """The level of the sleep its engine is in (`_sleep`), until the wake of its last part; 0: awake."""
-        self._sleeping: set[WakePart] = set()
-        """The parts of that sleep not woken yet (`_wake`)."""
-        self._frozen = False
-        """Its engine holds requests frozen (a `keep` or `inflight` pause, a sync's or a sleep's) until the resume."""
-        self._beating = asyncio.Lock()
-        """One heartbeat write at a time: a snapshot taken earlier never lands over a later one."""
-        self._last_stall_s = 0.0
-        """The last sync as this worker stood still in it: from its pause to its resume (heartbeat `stall_s`)."""
         self._tasks: set[asyncio.Task] = set()
-        self._started = time.time()
-        self._tokens_per_s = 0.0
-        self._busy = BusyClock()
         self._fleet = 1
         """Workers on the registry at the last heartbeat: how often this one claims and sweeps (`sweep_chance`)."""
-        self._adapters = WorkerAdapters(streams, engine, self.name, self._beat, self.metrics, self._stopping)
+        self.heartbeat = Heartbeat(
+            streams,
+            self.name,
+            self.state,
+            self._slot,
+            self,
+            self.settings.heartbeat_ttl_s,
+            self.settings.dead_after_s,
+            self.settings.hand_off_partials,
+        )
+        self._adapters = WorkerAdapters(
+            streams, engine, self.name, self.heartbeat.beat, self.metrics, self.state.stopping
+        )
         """LoRA adapters: loaded on demand, evicted when idle, each paused alone for its own syncs."""
-        self._loaded_from = ""
-        """Where the engine's version came from ("": the model directory), to tell whether a release may lose it."""
-        self._unstarted_version = engine.version
-        """Without an engine: the version it will load at start (what its heartbeat reports, and acked)."""
+        self.heartbeat.fields = self._adapters.heartbeat_fields
+        self._sync = WorkerSync(
+            streams,
+            self.name,
+            self._slot,
+            self.state,
+            self._adapters,
+            self.heartbeat.beat,
+            self.metrics,
+            self,
+            self.settings.heartbeat_s,
+            self.settings.block_ms,
+        )
+        """Its side of the weight-sync protocol: follows control, pauses, loads, sleeps, wakes, resumes, acks."""
+
+    @property
+    def status(self) -> WorkerStatus:
+        """What the worker and its engine are doing now (the heartbeat's `status`)."""
+        return self.state.status
+
+    @property
+    def published(self) -> int:
+        """Rollouts this worker published."""
+        return self.state.published
+
+    @property
+    def generated_tokens(self) -> int:
+        return self.state.generated_tokens
 
     @property
     def engine(self) -> Engine:
@@ -294,7 +246,7 @@ class Worker:
     @property
     def inflight_samples(self) -> int:
         """Samples of the work taken that are not yet published (what the heartbeat's `inflight` says)."""
-        return self._inflight_samples
+        return self.state.inflight_samples
 
     @property
     def max_inflight(self) -> int:
@@ -314,19 +266,19 @@ class Worker:
 
     def _free_samples(self) -> int:
         """Samples of room left under both caps (the token budget as samples of the mean size seen so far)."""
-        free = self.max_inflight - self._inflight_samples
+        free = self.max_inflight - self.state.inflight_samples
         budget = self.max_inflight_tokens
         if budget is not None and self._mean_tokens is not None:
-            free = min(free, int((budget - self._inflight_tokens) / self._mean_tokens))
+            free = min(free, int((budget - self.state.inflight_tokens) / self._mean_tokens))
         return free
 
     def _fits(self, samples: int, tokens: int) -> bool:
         """Whether an entry of `samples` samples and `tokens` tokens fits beside the work in flight (alone, it does)."""
-        if self._inflight_samples == 0:
+        if self.state.inflight_samples == 0:
             return True
         budget = self.max_inflight_tokens
-        return self._inflight_samples + samples <= self.max_inflight and (
-            budget is None or self._inflight_tokens + tokens <= budget
+        return self.state.inflight_samples + samples <= self.max_inflight and (
+            budget is None or self.state.inflight_tokens + tokens <= budget
         )
 
     async def _wait_for_room(self, samples: int, tokens: int) -> bool:
@@ -335,25 +287,13 @@ class Worker:
         self._waiting_for_room += 1
         try:
             while not self._fits(samples, tokens):
-                if self._stopping.is_set():
+                if self.state.stopping.is_set():
                     return False
                 self._room.clear()
                 await self._room.wait()
         finally:
             self._waiting_for_room -= 1
         return True
-
-    def _account(self) -> None:
-        """Called after every change of in-flight work, and by `_set_serving` (see `BusyClock`)."""
-        self._busy.update(self._inflight_samples > 0 and self._serving.is_set())
-
-    def _set_serving(self, serving: bool) -> None:
-        """Take work (and generate) or stand still for a weight sync; the one place that flips it."""
-        if serving:
-            self._serving.set()
-        else:
-            self._serving.clear()
-        self._account()
 
     def stop(self, drain: bool = True) -> None:
         """Ask the worker to stop taking work (and let in-flight work finish if `drain`).
@@ -362,16 +302,16 @@ class Worker:
         here and stays pending in Redis, where the other workers claim it.
         """
         self._drain_on_stop = self._drain_on_stop and drain
-        self._stopping.set()
+        self.state.stopping.set()
         self._room.set()
-        self._set_serving(True)  # wake a paused read loop so that it sees the stop
+        self.state.set_serving(True)  # wake a paused read loop so that it sees the stop
 
     async def run(self) -> None:
         await asyncio.to_thread(self.streams.ensure_groups)
         await asyncio.to_thread(self.streams.join, self.name)
         began = time.monotonic()
         if self.settings.lazy:
-            self.status = WorkerStatus.IDLE
+            self.state.status = WorkerStatus.IDLE
         else:
             try:
                 await self._slot.start()
@@ -380,21 +320,21 @@ class Worker:
                 await self._slot.shutdown()
                 await asyncio.to_thread(self.streams.registry.forget_worker, self.name)
                 return
-        control_from = await self._catch_up()
+        control_from = await self._sync.catch_up()
         if self._slot.started:
             self._engine_started("launch", began)
         upkeep = asyncio.create_task(self._upkeep())
-        control = asyncio.create_task(self._follow_control(control_from))
+        control = asyncio.create_task(self._sync.follow_control(control_from))
         release = asyncio.create_task(self._release_when_idle())
         watch = asyncio.create_task(self._watch_redis_while_stopping())
         try:
             await self._take_up_leftovers()
             await self._read_loop()
-            self.status = WorkerStatus.STOPPING
-            await self._unless_redis_gone(self._beat)
+            self.state.status = WorkerStatus.STOPPING
+            await self._unless_redis_gone(self.heartbeat.beat)
             if self._drain_on_stop:
                 await self._unless_redis_gone(self._hand_back_held)
-                await self._unfreeze()
+                await self._sync.unfreeze()
                 await self._drain()
         finally:
             upkeep.cancel()
@@ -413,8 +353,8 @@ class Worker:
         """Once the worker stops, check every `REDIS_CHECK_S` that its Redis still answers (a connection of its own,
         never retried). Without it, a worker whose Redis is gone would wait out each call's reconnects on its way out
         (~`RECONNECT_S`, 30 s, for its last heartbeat, as many for the read under way, its drain's publishes...)."""
-        await self._stopping.wait()
-        while not self._redis_gone:
+        await self.state.stopping.wait()
+        while not self.state.redis_gone:
             problem = await asyncio.to_thread(redis_unreachable, self.streams.redis)
             if problem is not None:
                 self._lost_redis(problem)
@@ -423,7 +363,7 @@ class Worker:
 
     async def _unless_redis_gone(self, call: Callable[[], Awaitable[object]]) -> None:
         """A Redis call of the way out, skipped once Redis is gone; one that fails for want of Redis means it is."""
-        if self._redis_gone:
+        if self.state.redis_gone:
             return
         try:
             await call()
@@ -433,12 +373,12 @@ class Worker:
     def _lost_redis(self, problem: str) -> None:
         """Stop without Redis: say in one line what the worker could not hand on, give up every Redis call under way
         (`give_up_reconnecting`) and drop the work in flight, whose publishes could only fail."""
-        if self._redis_gone:
+        if self.state.redis_gone:
             return
-        self._redis_gone = True
-        entries = len(self._inflight)
+        self.state.redis_gone = True
+        entries, samples = len(self._inflight), self.state.inflight_samples
         held = (
-            f"the work it held ({entries} {'entry' if entries == 1 else 'entries'}, {self._inflight_samples} samples) "
+            f"the work it held ({entries} {'entry' if entries == 1 else 'entries'}, {samples} samples) "
             "was neither published nor handed on and stays pending there, for another worker if Redis comes back "
             "with its data"
             if entries
@@ -462,15 +402,15 @@ class Worker:
         Abandoned work goes first because it is the oldest: behind a queue that admission keeps full, it
         would otherwise wait until it is too stale to train on."""
         next_claim, turn_wait = 0.0, TURN_WAIT_S
-        while not self._stopping.is_set():
-            await self._serving.wait()
-            if self._stopping.is_set():  # a stop sets `_serving` too: during a sync, read nothing more
+        while not self.state.stopping.is_set():
+            await self.state.serving.wait()
+            if self.state.stopping.is_set():  # a stop sets `serving` too: during a sync, read nothing more
                 break
             if self._inflight and not self._slot.ready:
                 await self._engine_ready()  # no engine (lazy, released): take no more until it serves what it holds
                 continue
             free = self._free_samples()
-            if self._waiting_for_room or (free <= 0 and self._inflight_samples):
+            if self._waiting_for_room or (free <= 0 and self.state.inflight_samples):
                 self._room.clear()
                 await self._room.wait()
                 next_claim = 0.0  # room again: a dead worker's work, the oldest, goes before new work
@@ -507,12 +447,12 @@ class Worker:
             try:
                 entries, others_turn = await asyncio.to_thread(self._take_work, count)
             except redis.ConnectionError as exc:  # Redis gone for longer than the client's reconnects: keep trying
-                if self._redis_gone:  # stopping without it (`_lost_redis` said so)
+                if self.state.redis_gone:  # stopping without it (`_lost_redis` said so)
                     break
                 log.warning("%s: reading work failed (%s); retrying", self.name, exc)
                 await asyncio.sleep(self.settings.heartbeat_s)
                 continue
-            if self._stopping.is_set():  # a read that spanned the stop: what it read goes on elsewhere at once
+            if self.state.stopping.is_set():  # a read that spanned the stop: what it read goes on elsewhere at once
                 for entry in entries:
                     self._inflight[entry.stream, entry.id] = entry
                     self._held.append(entry)
@@ -572,10 +512,10 @@ class Worker:
         because the work that waits is the other workers' turn."""
         held = len(self._inflight)
         entries, others_turn = self.streams.take(self.name, count, held, self._horizon_ms)
-        if entries or others_turn or self._stopping.is_set():
+        if entries or others_turn or self.state.stopping.is_set():
             return entries, others_turn
         entries = self.streams.read_work(self.name, 1, self._block_ms)
-        if not entries or self._mean_n is None or self._stopping.is_set():
+        if not entries or self._mean_n is None or self.state.stopping.is_set():
             return entries, False  # none came, or it cannot tell what more would fit
         room = self._entries_for(self._free_samples()) - len(entries)
         if room <= 0:
@@ -647,26 +587,6 @@ class Worker:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _pause(self, mode: PauseMode) -> None:
-        """Pause the engine for a sync or a sleep (`mode`; `abort` once the worker stops: it freezes nothing then),
-        noting whether it now holds requests frozen."""
-        mode = "abort" if self._stopping.is_set() else mode
-        await self.engine.pause(mode)
-        self._frozen = mode != "abort"
-
-    async def _unfreeze(self) -> None:
-        """A stop while its engine holds requests frozen (a `keep` sleep or sync, of the base model or of an adapter):
-        the resume that would go on with them may be long in coming (a trainer's step, a held sync), so they end here
-        with their tokens so far, and their samples go to `{ns}:partials` with their entries' acks
-        (`_generate_sample`) for another worker to continue. Under the slot's lock: a load under way finishes first."""
-        async with self._slot.lock:
-            if not self._slot.started:
-                return  # released (or never started): it holds no request
-            if self._frozen:
-                await self.engine.pause("abort")
-                self._frozen = False
-            await self._adapters.unfreeze()
-
     async def _drain(self) -> None:
         if not self._tasks:
             return
@@ -698,16 +618,16 @@ class Worker:
             if not await self._wait_for_room(len(samples), len(samples) * size):
                 return
             counted, tokens = len(samples), len(samples) * size
-            self._inflight_samples += counted
-            self._inflight_tokens += tokens
-            self._account()
+            self.state.inflight_samples += counted
+            self.state.inflight_tokens += tokens
+            self.state.account()
             await self._generate_and_publish(entry, prompt, samples)
         finally:
             del self._inflight[entry.stream, entry.id]
-            self._inflight_samples -= counted
-            self._inflight_tokens -= tokens
+            self.state.inflight_samples -= counted
+            self.state.inflight_tokens -= tokens
             self._slot.last_work = time.monotonic()
-            self._account()
+            self.state.account()
             self._room.set()
 
     async def _generate_and_publish(
@@ -721,11 +641,11 @@ class Worker:
             partials = [r for r in results if isinstance(r, Partial)]
             published = await self.publisher.publish(rollouts, entry, partials, prompt.reply_to)
             if published > 0:
-                self.published += published
+                self.state.published += published
                 self.metrics.published(published)
         except EngineClosedError as exc:
             # The engine is gone: stop, so that a supervisor restarts us and the others claim our work.
-            if not self._stopping.is_set():
+            if not self.state.stopping.is_set():
                 log.error("%s: %s; stopping, prompt %s stays pending", self.name, exc, prompt.id)
                 self.failure = str(exc)
                 self.stop(drain=False)
@@ -745,8 +665,8 @@ class Worker:
             result = await self._generate_rest(prompt, sample, entry, done)
             if isinstance(result, Rollout) or self.settings.hand_off_partials:
                 return result
-            await self._serving.wait()  # the sync's resume, or a stop (which sets it too)
-            if self._stopping.is_set():
+            await self.state.serving.wait()  # the sync's resume, or a stop (which sets it too)
+            if self.state.stopping.is_set():
                 return result  # published to `{ns}:partials` with the entry's ack: another worker continues it
             done = result
 
@@ -778,7 +698,7 @@ class Worker:
             except EngineInputError as exc:
                 error = str(exc)
                 generation = Generation(_EMPTY_TOKENS, _EMPTY_LOGPROBS, "error", [])
-        self.generated_tokens += len(generation.tokens)
+        self.state.generated_tokens += len(generation.tokens)
         self.metrics.generated(time.time() - started, len(generation.tokens), generation.finish_reason)
         new_spans = generation.spans or [(version, 0, len(generation.tokens))]
         tokens = np.concatenate([so_far, generation.tokens])
@@ -819,280 +739,6 @@ class Worker:
             top_logprobs=top_logprobs,
         )
 
-    # -- weight syncs: the worker's side of the protocol in staleness.manager ----------------
-
-    async def _catch_up(self) -> bytes:
-        """Before taking work: load the state's version, or join the sync under way. Returns where to follow control.
-
-        A version that was broadcast (nccl) is nowhere to fetch: the worker then waits, taking no work,
-        for the next sync. Without an engine (`lazy`) nothing loads yet (`_load_current`).
-        """
-        control_from = await asyncio.to_thread(self.streams.control.last_id)
-        await self._adapters.catch_up()  # adapters sync on their own: ack any sync of one under way
-        async with self._slot.lock:
-            await self._load_current()
-            self._slot.ready = self._slot.started
-        return control_from
-
-    async def _load_current(self) -> None:
-        """Bring a started engine to the state's version, or do this worker's part of the sync or sleep under way.
-
-        Without an engine nothing loads: the worker takes work, whose arrival starts the engine and comes back here,
-        unless the version could not be loaded then (broadcast before this worker could receive it): then it
-        awaits the next sync. A worker that joins a sleeping fleet sleeps with it (a colocated trainer's step is under
-        way), its engine at the fleet's version, until the sync or wake that ends the sleep. The caller holds the
-        slot's lock."""
-        state = await asyncio.to_thread(read_state, self.streams.redis, self.streams.keys)
-        command = None
-        if state.paused:  # a sync or a sleep is under way: do our part of it, then wait for its resume
-            command = await asyncio.to_thread(
-                weights_command, self.streams.redis, self.streams.keys, state.epoch, cmds=("weights", "sleep")
-            )
-        if command is not None and command.cmd == "weights":
-            if self._loadable(command.version, command.uri):
-                await self._sync_weights(command)
-            else:
-                self._await_next_sync(command.version)
-            return
-        if state.version != self.engine.version and state.weights_uri:
-            if not self._loadable(state.version, state.weights_uri):
-                self._await_next_sync(state.version)
-                return
-            if self._slot.started:
-                await self._load(state.weights_uri, state.version)
-        self._unstarted_version = state.version
-        if command is not None:  # the fleet's sleep, which this worker joins at the fleet's version
-            self.status = self._unstarted()  # until `_sleep` pauses a started engine
-            await self._sleep(command)
-            return
-        self._epoch = state.epoch
-        self.status = WorkerStatus.SERVING if self._slot.started else self._unstarted()
-        self._set_serving(True)
-
-    def _loadable(self, version: int, uri: str) -> bool:
-        """Whether `version` can be loaded now or at a later start: stored (fs, redis), or a broadcast copy held."""
-        return not uri or is_stored(uri) or self._slot.copy_of(version) is not None
-
-    async def _load(self, uri: str, version: int) -> None:
-        """Load `version` into the started engine: from the CPU copy of a broadcast if one is held, else fetched."""
-        copy = self._slot.copy_of(version)
-        if copy is not None:
-            await self.engine.load_tensors(copy.tensors, version)
-        else:
-            await load_version(self.engine, uri, version, self.streams.redis)
-        self._loaded(uri, version)
-
-    def _loaded(self, uri: str, version: int) -> None:
-        self._loaded_from = uri
-        if self._slot.copy_of(version) is None:
-            self._slot.received = None  # an older version's copy: no start will want it
-
-    def _unstarted(self) -> WorkerStatus:
-        """The status of a worker without an engine: never started, or released."""
-        return WorkerStatus.RELEASED if self._slot.starts else WorkerStatus.IDLE
-
-    def _await_next_sync(self, version: int) -> None:
-        self.status = AWAITING_WEIGHTS
-        log.info(
-            "%s: version %d was broadcast before this worker joined; waiting for the next sync", self.name, version
-        )
-
-    async def _follow_control(self, after: bytes) -> None:
-        """Obey the commands on `control` after `after`: read when this worker's bell rings (`ControlStream.ring`), and
-        at least every `CONTROL_RECHECK_S` besides. Blocking on the bell, not on `control`, lets a manager wake a fleet
-        in waves: 1,000 workers blocked on `control` would all be served in the same instant by Redis."""
-        bell: bytes | None = None
-        read, read_at = True, 0.0
-        while not self._stopping.is_set():
-            if bell is None:  # where the bell stood before the first read: a ring after it is not missed
-                bell = await self._control_call(self.streams.control.bell_id, self.name)
-                continue
-            if read:
-                entries = await self._control_call(self.streams.control.read, after, None)
-                if entries is None:
-                    continue
-                read_at = time.monotonic()
-                after = await self._obey_entries(entries, after)
-                if len(entries) >= CONTROL_BATCH:
-                    continue  # there may be more: read again before waiting
-            rang = await self._control_call(self.streams.control.wait_for_bell, self.name, bell, self.settings.block_ms)
-            read = rang is None or rang != bell or time.monotonic() - read_at >= CONTROL_RECHECK_S
-            bell = rang or bell
-
-    async def _control_call(self, call: Callable[..., T], *args: object) -> T | None:
-        """One Redis call of the control loop, on a thread; a failure is logged and answered with None after a
-        heartbeat period (the loop then tries again)."""
-        try:
-            return await asyncio.to_thread(call, *args)
-        except Exception:
-            if self._redis_gone:  # stopping without it: nothing to retry
-                return None
-            log.exception("%s: reading control failed; retrying", self.name)
-            await asyncio.sleep(self.settings.heartbeat_s)
-            return None
-
-    async def _obey_entries(self, entries: list[Entry], after: bytes) -> bytes:
-        """Obey control entries in order; returns the id of the last one (`after` if none)."""
-        for entry in entries:
-            after = entry.id
-            try:
-                command = Control.from_fields(entry.fields)
-            except WireError as exc:
-                log.warning("%s: ignoring a bad control entry %s: %s", self.name, entry.id, exc)
-                continue
-            await self._obey(command)
-        return after
-
-    async def _obey(self, command: Control) -> None:
-        if command.adapter and command.cmd in ("weights", "resume"):
-            await self._adapters.obey(command)  # one adapter's sync: nothing else pauses
-        elif command.cmd in ("weights", "resume"):
-            async with self._slot.lock:  # not while the engine starts (and loads) or stops
-                if command.cmd == "weights" and command.epoch > self._epoch:
-                    await self._sync_weights(command)
-                elif command.cmd == "resume" and command.epoch >= self._epoch:
-                    await self._resume()
-        elif command.cmd == "sleep":
-            async with self._slot.lock:
-                if command.epoch > self._epoch:
-                    await self._sleep(command)
-        elif command.cmd == "stop" and command.worker in ("", self.name):
-            if command.worker:
-                self.failure = "evicted by the manager (no ack of a weight sync in time)"
-            self.stop(drain=not command.worker)
-
-    async def _resume(self) -> None:
-        """The manager's resume after a sync: generate again (without an engine: take work again)."""
-        if self._serving.is_set() or self.status == AWAITING_WEIGHTS:
-            return
-        if self._slot.started:
-            try:
-                await self._wake()  # after a sleep, the KV cache: the largest allocation, and after the ack
-                await self.engine.resume()
-                self._frozen = False
-            except Exception as exc:  # acked, but it cannot go on
-                self._give_up(f"could not wake or resume its engine after sync {self._epoch}: {exc}")
-                return
-            self.status = WorkerStatus.SERVING
-        self._set_serving(True)
-        self._last_stall_s = time.monotonic() - self._sync_began
-        self.metrics.resumed(self._last_stall_s)
-        await self._beat()
-
-    async def _sleep(self, command: Control) -> None:
-        """Pause (`command.mode`), put the engine to sleep at `command.level` and ack; stay paused until a sync (which
-        wakes it before it loads) or the manager's resume. An engine that cannot sleep (`SleepNotSupported`) stays
-        paused, awake, and acks all the same, its heartbeat's `asleep` 0: the trainer's report names it. Without an
-        engine there is nothing to free: it acks at once. The caller holds the slot's lock."""
-        self._set_serving(False)
-        self._sync_began = time.monotonic()
-        if self._slot.started:
-            self.status = WorkerStatus.PAUSED
-            await self._pause(command.mode)
-            try:
-                await self.engine.sleep(command.level)
-                self._asleep, self._sleeping = command.level, set(WAKE_ALL)
-                self.status = WorkerStatus.ASLEEP
-            except SleepNotSupported as exc:
-                log.error("%s: paused for a sleep, but its engine cannot sleep: %s", self.name, exc)
-        self._epoch = command.epoch
-        await self._beat()
-        log.info("%s: asleep at level %d (epoch %d) in %.3f s", self.name, self._asleep, command.epoch,
-                 time.monotonic() - self._sync_began)  # fmt: skip
-
-    async def _wake(self, parts: Sequence[WakePart] = WAKE_ALL) -> None:
-        """Take back what the engine's sleep freed: its weights before a load, everything at the resume that ends a
-        sleep (so that a load runs without the KV cache in memory: vLLM's staged wake)."""
-        waking = [part for part in WAKE_ALL if part in parts and part in self._sleeping]
-        if waking:
-            await self.engine.wake_up(waking)
-            self._sleeping.difference_update(waking)
-        if not self._sleeping:
-            self._asleep = 0
-
-    async def _sync_weights(self, command: Control) -> None:
-        """Pause, load `command.version`, ack with the epoch; stay paused until the manager's resume.
-
-        An nccl version is joined first, while the engine still generates (`join_version`): the wait for the
-        other workers to join and a new group's setup are not time this worker stands still; it pauses only to
-        receive. A `redis://` version is fetched and checked before the pause too (`prefetch_version`): paused, the
-        worker only copies it into the model. A version that cannot be loaded stops the worker (exit 1, for a
-        supervisor to restart it): it must not serve the old one as the new, and its work goes to the others. The
-        caller holds the slot's lock.
-        """
-        if not self._slot.started:
-            await self._sync_unstarted(command)
-            return
-        link: BroadcastLink | None = None
-        if not is_stored(command.uri):
-            self._slot.nccl_uris.add(command.uri)
-        if command.version != self.engine.version and not self._loadable(command.version, command.uri):
-            try:
-                link = await join_version(self.engine, command.uri, command.version, command.epoch, member=self.name)
-            except Exception as exc:
-                self._cannot_load(command, exc)
-                return
-        fetched = None  # a redis:// version is fetched while the engine still generates, as a broadcast is joined
-        fetch_began = time.monotonic()
-        if (
-            link is None
-            and fetches_ahead(command.uri)
-            and command.version != self.engine.version
-            and self._slot.copy_of(command.version) is None
-        ):
-            try:
-                fetched = await asyncio.to_thread(prefetch_version, command.uri, command.version, self.streams.redis)
-            except Exception as exc:
-                self._cannot_load(command, exc)
-                return
-        self._set_serving(False)
-        self.status = WorkerStatus.PAUSED
-        started = self._sync_began = time.monotonic()
-        fetch_s = started - fetch_began
-        await self._pause(command.mode)
-        await self._wake(("weights",))  # the weights' memory back before the load fills it; the cache's at the resume
-        paused = time.monotonic()
-        if command.version != self.engine.version:
-            try:
-                if link is not None:
-                    await load_joined(self.engine, link)
-                    self._loaded(command.uri, command.version)
-                elif fetched is not None:
-                    await load_prefetched(self.engine, fetched, command.version)
-                    self._loaded(command.uri, command.version)
-                else:
-                    await self._load(command.uri, command.version)
-            except Exception as exc:
-                self._cannot_load(command, exc)
-                return
-        self._epoch = command.epoch
-        await self._beat()  # the ack: `epoch` and `version` in the heartbeat
-        self.metrics.synced(paused - started, time.monotonic() - paused)
-        log.info(
-            "%s: sync %d: fetched or joined in %.3f s, paused in %.3f s, version %d loaded and acked in %.3f s",
-            self.name, command.epoch, fetch_s, paused - started, command.version, time.monotonic() - paused,
-        )  # fmt: skip
-
-    async def _sync_unstarted(self, command: Control) -> None:
-        """A sync while there is no engine: nothing to pause or load, so ack at once (no trainer waits for a cold
-        start). A stored version is loaded from the state when the engine starts; a broadcast one is received now
-        into a CPU copy, to load then. A worker that cannot receive it awaits the next sync (it takes no work)."""
-        self._set_serving(False)  # as every worker, it takes no work until the resume
-        self._sync_began = time.monotonic()
-        if not is_stored(command.uri):
-            self._slot.nccl_uris.add(command.uri)
-            try:
-                self._slot.received = await receive_copy(command.uri, command.version, command.epoch, self.name)
-                self.status = self._unstarted()
-            except Exception as exc:
-                log.error("%s: could not receive version %d from %s: %s", self.name, command.version, command.uri, exc)
-                self._slot.received = None
-                self.status = AWAITING_WEIGHTS
-        self._epoch, self._unstarted_version = command.epoch, command.version
-        await self._beat()
-        log.info("%s: sync %d acked without an engine: version %d loads when it starts", self.name, command.epoch,
-                 command.version)  # fmt: skip
-
     # -- the engine's lifecycle: lazy start, idle release (consumers.lifecycle) ------------------
 
     async def _engine_ready(self) -> bool:
@@ -1101,21 +747,21 @@ class Worker:
         if self._slot.ready:
             return True
         async with self._slot.lock:
-            if self._slot.ready or self._stopping.is_set():
+            if self._slot.ready or self.state.stopping.is_set():
                 return self._slot.ready
             began = time.monotonic()
-            self.status = WorkerStatus.STARTING
-            await self._beat()
+            self.state.status = WorkerStatus.STARTING
+            await self.heartbeat.beat()
             try:
                 await self._slot.start()
-                await self._load_current()
+                await self._sync.load_current()
             except Exception as exc:
                 self._could_not_start(exc)
                 self.stop(drain=False)
                 return False
             self._slot.ready = True
             self._engine_started("demand", began)
-            await self._beat()
+            await self.heartbeat.beat()
         return True
 
     def _could_not_start(self, exc: Exception) -> None:
@@ -1139,7 +785,7 @@ class Worker:
         after = self.settings.release_after_s
         if after is None:
             return
-        while not self._stopping.is_set():
+        while not self.state.stopping.is_set():
             await asyncio.sleep(min(after, self.settings.heartbeat_s) / 2)
             if self._may_release(after):
                 async with self._slot.lock:
@@ -1151,31 +797,22 @@ class Worker:
         return (
             self._slot.ready
             and not self._inflight
-            and self._serving.is_set()
-            and self.status == WorkerStatus.SERVING
+            and self.state.serving.is_set()
+            and self.state.status == WorkerStatus.SERVING
             and self._slot.idle_for() >= after
-            and self._loadable(self.engine.version, self._loaded_from)
+            and self._sync.loadable(self.engine.version, self._sync.loaded_from)
         )
 
     async def _release(self) -> None:
         """Swap in a fresh engine and let the old one shut down in the background (`EngineSlot.release`): work that
         arrives meanwhile starts the fresh one once the old is gone; a sync is acked at once."""
-        self.status = WorkerStatus.RELEASED
+        self.state.status = WorkerStatus.RELEASED
         self._slot.ready = False
         self.metrics.engine_released()
         self._slot.release()
         self._adapters.engine = self.engine  # the fresh one: adapters load into it on demand
         log.info("%s: engine released after %.1f s without work", self.name, self._slot.idle_for())
-        await self._beat()
-
-    def _cannot_load(self, command: Control, exc: Exception) -> None:
-        self._give_up(f"could not load weights version {command.version} from {command.uri}: {exc}")
-
-    def _give_up(self, failure: str) -> None:
-        """Stop now (exit 1, for a supervisor to restart it), saying why: its work goes to the others."""
-        log.error("%s: %s", self.name, failure)
-        self.failure = failure
-        self.stop(drain=False)
+        await self.heartbeat.beat()
 
     # -- upkeep: heartbeat, keep own work, rehome departed inboxes, trim -------------------------
 
@@ -1191,96 +828,55 @@ class Worker:
         first = True
         while True:
             now = time.monotonic()
-            self._tokens_per_s = (self.generated_tokens - last_tokens) / max(now - last_time, 1e-6)
-            last_tokens, last_time = self.generated_tokens, now
+            self.state.tokens_per_s = (self.state.generated_tokens - last_tokens) / max(now - last_time, 1e-6)
+            last_tokens, last_time = self.state.generated_tokens, now
             try:
-                self._fleet = await self._beat(touch=True)
-                if not self._stopping.is_set() and random.random() < sweep_chance(self._fleet):
+                self._fleet = await self.heartbeat.beat(touch=True)
+                if not self.state.stopping.is_set() and random.random() < sweep_chance(self._fleet):
                     await asyncio.to_thread(self.streams.registry.rehome_departed)
                 if now - last_trim > self.settings.trim_every_s:
                     last_trim = now
                     keys = self.streams.keys
-                    # The shared streams' trim asks XPENDING for a summary that lists every consumer (120 us a
-                    # call with 1,000 workers), so a fleet shares it out as it does sweeps; its own inbox, each.
+                    # The shared streams' trim asks XPENDING for a summary that lists every consumer, so a fleet
+                    # shares it out as it does sweeps; its own inbox, each.
                     shared = [keys.prompts, keys.partials] if random.random() < sweep_chance(self._fleet) else []
                     for stream in (*shared, keys.inbox(self.name)):
                         await asyncio.to_thread(self.streams.trim_consumed, stream)
             except Exception:
-                if self._redis_gone:  # stopping without it: nothing to retry
+                if self.state.redis_gone:  # stopping without it: nothing to retry
                     return
                 log.exception("%s: upkeep failed; retrying", self.name)
             period = self.settings.heartbeat_s
             await asyncio.sleep(period * (random.random() if first else random.uniform(0.9, 1.1)))
             first = False
 
-    async def _beat(self, touch: bool = False) -> int:
-        """Write the heartbeat (`touch`: and reset the idle time of the work in flight, in the same round trip);
-        returns the size of the fleet on the registry."""
-        async with self._beating:
-            if self._layout is None and self._slot.started:
-                self._layout = await asyncio.to_thread(self._advertise_layout)
-            status = {
-                "status": self.status,
-                "engine": self.engine.name,
-                "max_model_len": self.engine.max_model_len,  # what a gateway may queue for this worker
-                "version": self.engine.version if self._slot.started else self._unstarted_version,
-                "epoch": self._epoch,
-                "stall_s": round(self._last_stall_s, 6),
-                "inflight": self._inflight_samples,
-                "inflight_tokens": self._inflight_tokens,
-                "published": self.published,
-                "tokens_per_s": round(self._tokens_per_s, 1),
-                "generated_tokens": self.generated_tokens,
-                "busy_s": round(self._busy.seconds(), 3),
-                PARTIALS_FIELD: HAND_OFF if self.settings.hand_off_partials else CONTINUE_HERE,
-                ASLEEP_FIELD: self._asleep,
-                "engine_starts": self._slot.starts,  # with --lazy / --release-after-s: how often it started cold
-                "cold_start_s": round(self._slot.cold_start_s, 3),
-                "started": round(self._started, 3),
-                "ts": round(time.time(), 3),
-                "host": socket.gethostname(),  # where to look (and what to kill) when a worker is named otherwise
-                "pid": os.getpid(),
-                **self._adapters.heartbeat_fields(),
-                **({LAYOUT_FIELD: self._layout} if self._layout else {}),
-            }
-            entries = list(self._inflight.values()) if touch else []
-            ttl_s = self.settings.heartbeat_ttl_s
-            dead_after_s = self.settings.dead_after_s
-            room, held = self._room_to_take(), len(self._inflight)
-            return await asyncio.to_thread(
-                self.streams.registry.heartbeat, self.name, status, ttl_s, entries, dead_after_s, room, held
-            )
+    # -- what its heartbeat asks of it (`consumers.serving.HeldWork`) ---------------------------
 
-    def _room_to_take(self) -> int:
+    def held_entries(self) -> Collection[Entry]:
+        """The entries this worker holds: started, held for room, or set aside to run apart or alone (its heartbeat
+        touches them, so that nobody claims them)."""
+        return self._inflight.values()
+
+    def room_to_take(self) -> int:
         """Entries it could take (its heartbeat keeps it on the ready set with it): none while it is asleep,
         stopping, has entries waiting for room, or one to run alone. A sync's pause keeps it on the set: the others do
         not take its share of what waits at the resume."""
-        if self._stopping.is_set() or self._asleep or self._waiting_for_room or self._held:
+        if self.state.stopping.is_set() or self.state.asleep or self._waiting_for_room or self._held:
             return 0
         if self._alone or self._running_alone is not None:
             return 0
         if self._inflight and not self._slot.ready:
             return 0
         free = self._free_samples()
-        return self._entries_for(free) if free > 0 or not self._inflight_samples else 0
+        return self._entries_for(free) if free > 0 or not self.state.inflight_samples else 0
 
-    def _advertise_layout(self) -> str:
-        """Put the engine's model layout in `{ns}:layouts` (once per distinct model) and return its digest, for the
-        heartbeat: a trainer then refuses weights that fit no worker's model before any worker pauses
-        (`staleness.weights.layout`). "" when the engine cannot say, or the write failed (it is not tried again)."""
-        try:
-            layout = layout_of(self.engine)
-            return "" if layout is None else advertise(self.streams, layout)
-        except Exception:
-            log.exception("%s: could not advertise the model's layout; trainers will not check weights against it",
-                          self.name)  # fmt: skip
-            return ""
+    # -- claims: a dead worker's work, leftovers of an earlier process, entries that ran apart or alone ------
 
     async def _claim_abandoned(self) -> tuple[int, bool]:
         """Take over a dead or hung worker's work (`Streams.claim_abandoned`) while there is room, its share of it;
         returns how many entries it claimed, and whether such work waits that is another worker's turn."""
         free = self._free_samples()
-        if free <= 0 or not self._serving.is_set():
+        if free <= 0 or not self.state.serving.is_set():
             return 0, False
         count = self._entries_for(free)
         quick_ms = int(self.settings.heartbeat_s * 1000)  # a silent worker's entries idle a beat: none it just took

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from consumers.worker import AWAITING_WEIGHTS
+from consumers.sync import AWAITING_WEIGHTS
 from pipeline.control import CONTROL_RECHECK_S, bell_index
 from pipeline.local import RedisServer, free_port
 from pipeline.wire import GENERATORS, Control, Partial
