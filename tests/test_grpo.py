@@ -59,8 +59,11 @@ def run_trainer(redis_server: RedisServer, ns: str, *args: str, timeout: float =
     return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
 
 
-def test_the_trainer_learns_the_task_in_sync_mode(redis_server: RedisServer, ns: str, tmp_path: Path) -> None:
-    lines = run_trainer(redis_server, ns, "--mode", "sync", "--steps", "100", "--plot", str(tmp_path / "curve.png"))
+def test_the_trainer_learns_the_task_in_sync_mode(
+    redis_server: RedisServer, ns: str, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    args = ["--model", str(tiny_model_dir), "--mode", "sync", "--steps", "100", "--plot", str(tmp_path / "curve.png")]
+    lines = run_trainer(redis_server, ns, *args)
     *steps, summary = lines
     assert len(steps) == 100 and summary["steps"] == 100
     assert steps[0]["reward"] < 0.05, "a random policy rarely hits the named set"
@@ -72,9 +75,10 @@ def test_the_trainer_learns_the_task_in_sync_mode(redis_server: RedisServer, ns:
 
 
 def test_the_async_trainer_trains_each_sample_once_throws_nothing_away_and_learns(
-    redis_server: RedisServer, ns: str
+    redis_server: RedisServer, ns: str, tiny_model_dir: Path
 ) -> None:
-    *steps, summary = run_trainer(redis_server, ns, "--mode", "async", "--max-staleness", "1", "--steps", "120")
+    args = ["--model", str(tiny_model_dir), "--mode", "async", "--max-staleness", "1", "--steps", "120"]
+    *steps, summary = run_trainer(redis_server, ns, *args)
     assert summary["samples"] == summary["unique"] == 120 * 64, "every sample trained on once"
     assert summary["parked"] == 0 and summary["trained_share"] == 1.0, "nothing admitted is thrown away"
     assert any(s["staleness_max"] >= 1 for s in steps), "fully async: some batches were generated a version back"
@@ -83,13 +87,16 @@ def test_the_async_trainer_trains_each_sample_once_throws_nothing_away_and_learn
     assert summary["final_reward"] > steps[0]["reward"] + 0.15, [round(s["reward"], 2) for s in steps]
 
 
-def test_with_rewards_scored_on_rq_workers_the_async_trainer_learns(redis_server: RedisServer, ns: str) -> None:
+def test_with_rewards_scored_on_rq_workers_the_async_trainer_learns(
+    redis_server: RedisServer, ns: str, tiny_model_dir: Path
+) -> None:
     """`--scoring rq`: the prompts name the task's reward; `rollouts scorer --rq` and two `rollouts
     score-worker`s score every group before the trainer gets it, and it learns from those rewards alone.
 
     100 steps: at η = 2 nearly every batch is two versions old; after 60 steps the reward was ~0.10 on a quiet
     machine (the old bar, +0.1, failed about half the time), after 100 it is 0.35-0.42."""
-    args = ["--mode", "async", "--max-staleness", "2", "--steps", "100", "--scoring", "rq", "--score-workers", "2"]
+    args = ["--model", str(tiny_model_dir), "--mode", "async", "--max-staleness", "2", "--steps", "100"]
+    args += ["--scoring", "rq", "--score-workers", "2"]
     *steps, summary = run_trainer(redis_server, ns, *args)
     assert summary["samples"] == summary["unique"] == 100 * 64, "every sample trained on once"
     assert all(s["reward_errors"] == 0 for s in steps)
@@ -116,7 +123,8 @@ def test_when_its_worker_dies_the_trainer_stops_and_says_so_instead_of_waiting_f
     redis_server: RedisServer, ns: str
 ) -> None:
     """A trainer whose only worker stopped once waited for samples until the test's timeout. It watches what it
-    started: a worker killed mid-run ends the run at once, with a line that names it, and nothing left running."""
+    started: a worker killed mid-run ends the run at once, with a line that names it, and nothing left running. No
+    `--model`: the trainer builds its own tiny model first."""
     args = [str(EXAMPLE), "--redis", redis_server.url, "--ns", ns, "--mode", "async", "--steps", "1000"]
     process = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                start_new_session=True)  # fmt: skip
@@ -136,8 +144,11 @@ def test_when_its_worker_dies_the_trainer_stops_and_says_so_instead_of_waiting_f
 
 
 @pytest.mark.vllm
-def test_with_vllm_workers_paused_in_keep_mode_the_async_trainer_learns(redis_server: RedisServer, ns: str) -> None:
-    args = ["--engine", "vllm", "--mode", "async", "--max-staleness", "1", "--pause-mode", "keep", "--steps", "100"]
+def test_with_vllm_workers_paused_in_keep_mode_the_async_trainer_learns(
+    redis_server: RedisServer, ns: str, tiny_model_dir: Path
+) -> None:
+    args = ["--model", str(tiny_model_dir), "--engine", "vllm", "--mode", "async", "--max-staleness", "1"]
+    args += ["--pause-mode", "keep", "--steps", "100"]
     *steps, summary = run_trainer(redis_server, ns, *args)
     assert summary["samples"] == summary["unique"] == 100 * 64 and summary["parked"] == 0
     assert any(s["multi_version"] > 0 for s in steps), "frozen requests continued under the new weights"
@@ -164,20 +175,26 @@ def test_with_a_vllm_server_as_the_engine_paused_in_keep_mode_the_async_trainer_
     assert label == str(steps[-1]["version"]), "the server serves the last weights the trainer published"
 
 
-def test_with_sync_every_2_the_async_trainer_publishes_every_other_step(redis_server: RedisServer, ns: str) -> None:
-    args = ["--mode", "async", "--sync-every", "2", "--steps", "4", "--groups-per-step", "4"]
+def test_with_sync_every_2_the_async_trainer_publishes_every_other_step(
+    redis_server: RedisServer, ns: str, tiny_model_dir: Path
+) -> None:
+    args = ["--model", str(tiny_model_dir), "--mode", "async", "--sync-every", "2", "--steps", "4"]
+    args += ["--groups-per-step", "4"]
     *steps, summary = run_trainer(redis_server, ns, *args)
     assert [s["version"] for s in steps] == [0, 1, 1, 2], "a publish after steps 1 and 3 only"
     assert [s["publish_s"] > 0 for s in steps] == [False, True, False, True]
     assert summary["samples"] == summary["unique"] == 4 * 16 and summary["parked"] == 0
 
 
-def test_where_the_policy_decides_its_length_stop_ids_end_its_samples(redis_server: RedisServer, ns: str) -> None:
+def test_where_the_policy_decides_its_length_stop_ids_end_its_samples(
+    redis_server: RedisServer, ns: str, tiny_model_dir: Path
+) -> None:
     """`--stop-set 8`: 8 ids (and EOS) end a sample, 256 tokens is only the cap. The random policy draws one of them
     with probability 9/512 a token, so its samples (the first step's) end after ~57 tokens on average, at lengths of
     their own; training then moves the lengths (a full suite once saw a later step average 160), never all to the
     cap."""
-    args = ["--mode", "async", "--stop-set", "8", "--steps", "4", "--groups-per-step", "4"]
+    args = ["--model", str(tiny_model_dir), "--mode", "async", "--stop-set", "8", "--steps", "4"]
+    args += ["--groups-per-step", "4"]
     *steps, summary = run_trainer(redis_server, ns, *args)
     assert summary["samples"] == summary["unique"] == 4 * 16 and summary["parked"] == 0
     per_sample = [s["tokens"] / 16 for s in steps]

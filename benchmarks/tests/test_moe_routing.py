@@ -12,6 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
+from consumers.engines.tiny_model import build_tiny_model
+
 PROBE = Path(__file__).parents[1] / "probes" / "moe_routing.py"
 
 
@@ -45,9 +47,9 @@ def test_the_reload_probe_finds_vllm_cpu_reloading_a_dense_model_exactly_and_a_m
     """The question the device answers for the CUDA build: here, vLLM 0.32's CPU build, the reason `VllmEngine`
     refuses a MoE reload on the CPU."""
     for experts in (0, 8):
-        models = [tmp_path / f"{experts}-{seed}" for seed in (0, 1)]
-        for seed, model in enumerate(models):  # as run_gpu_engine.sh builds them
-            probe("build", str(model), "--seed", str(seed), "--experts", str(experts))
+        # what `probe build DIR --seed S --experts E` writes (the test above runs that command), built here: a
+        # process each would only import transformers again
+        models = [build_tiny_model(tmp_path / f"{experts}-{seed}", seed=seed, experts=experts) for seed in (0, 1)]
         report = probe("reload", str(models[0]), str(models[1]), "--prompts", "2", "--max-tokens", "8")
         assert report["max_abs_before"] < 1e-4, report  # a fresh start serves either exactly
         assert report["reload_right"] == (experts == 0), report
