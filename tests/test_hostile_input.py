@@ -684,7 +684,7 @@ def test_hostile_entries_on_every_stream_end_to_end(
     # control entry (a broadcast that every worker reads, no consumer group) is logged and skipped.
     expected = {c: e for c, e in plan.errors.items() if not c.startswith(b"control")}
     wait_until(lambda: r.xlen(keys.dead) >= len(expected), 30, "the worker's last dead letters")
-    dead = [fields for _, fields in r.xrange(keys.dead)]
+    dead = [fields for _, fields in as_entries(r.xrange(keys.dead))]
     letters = {fields[b"_case"]: fields for fields in dead}
     assert len(dead) == len(letters) and set(letters) == set(expected), "each bad entry is dead-lettered once"
     for case, fields in letters.items():

@@ -28,6 +28,7 @@ import torch
 
 from consumers.engines.lora import save_adapter
 from consumers.engines.tiny_model import make_adapter
+from pipeline.codec import as_entries
 from pipeline.local import RedisServer, free_port
 from pipeline.processes import start_command
 from pipeline.wire import GENERATORS, Partial, Sampling, ack_field
@@ -190,7 +191,7 @@ def test_a_worker_stopped_inside_an_adapter_sync_hands_that_adapters_samples_on_
         stopped = time.monotonic()
         w1.send_signal(signal.SIGTERM)
         assert w1.wait(timeout=60) == 0 and time.monotonic() - stopped < 15
-        partials = [Partial.from_fields(fields) for _, fields in redis_client.xrange(keys.partials)]
+        partials = [Partial.from_fields(fields) for _, fields in as_entries(redis_client.xrange(keys.partials))]
         assert pending() == 0  # every prompt acked with its hand-off
         handed = {(p.prompt.id, p.sample): p for p in partials}
         assert handed.pop(("fresh-a", 0)).generated.size == 0

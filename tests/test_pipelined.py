@@ -11,6 +11,7 @@ import pytest
 import redis
 import redis.asyncio.connection
 
+from pipeline.codec import as_entries
 from pipeline.connections import async_retry, async_twin, connect, socket_timeout_s
 from pipeline.local import RedisServer
 from pipeline.pipelined import PipelinedConnection, writes
@@ -207,7 +208,7 @@ def test_the_publisher_rides_out_a_script_flush_and_a_lost_connection_with_batch
     monkeypatch.setattr(PipelinedConnection, "_read", staticmethod(lose_the_first_replies))
     results = asyncio.run(publish(pairs[4:]))
     assert lost and set(results) <= {2, -1} and results[:2] == [-1, -1], results
-    ids = [fields[b"id"] for _, fields in client.xrange(streams.keys.rollouts)]
+    ids = [fields[b"id"] for _, fields in as_entries(client.xrange(streams.keys.rollouts))]
     assert sorted(ids) == sorted(f"{p.id}:{k}".encode() for p in prompts for k in range(2))
     assert client.xpending(streams.keys.prompts, GENERATORS)["pending"] == 0
     client.close()
@@ -238,7 +239,7 @@ def test_a_burst_that_finds_the_wire_idle_goes_out_in_even_pieces(redis_server: 
 
     assert asyncio.run(burst()) == [2] * 28
     assert publisher.batches == 4
-    ids = [fields[b"id"] for _, fields in client.xrange(streams.keys.rollouts)]
+    ids = [fields[b"id"] for _, fields in as_entries(client.xrange(streams.keys.rollouts))]
     assert sorted(ids) == sorted(f"{p.id}:{k}".encode() for p in prompts for k in range(2))
     assert client.xpending(streams.keys.prompts, GENERATORS)["pending"] == 0
     client.close()

@@ -15,6 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 import redis
 
+from pipeline.codec import as_entries, for_redis
 from pipeline.local import RedisServer
 from pipeline.processes import start_command, stop_process
 from pipeline.recording import (
@@ -79,12 +80,12 @@ def add_rollouts(client: redis.Redis, ns: str, rollouts: list[Rollout]) -> list[
     """Put rollouts on `{ns}:rollouts` as a worker's publish does (XADD of `to_fields`), without markers."""
     pipe = client.pipeline(transaction=False)
     for rollout in rollouts:
-        pipe.xadd(Keys(ns).rollouts, rollout.to_fields())
+        pipe.xadd(Keys(ns).rollouts, for_redis(rollout.to_fields()))
     return pipe.execute()
 
 
 def wire_fields(client: redis.Redis, stream: str) -> dict[bytes, dict[bytes, bytes]]:
-    return {fields[b"id"]: fields for _, fields in client.xrange(stream)}
+    return {fields[b"id"]: fields for _, fields in as_entries(client.xrange(stream))}
 
 
 def group_info(client: redis.Redis, stream: str, group: str) -> dict | None:
@@ -252,7 +253,7 @@ def test_a_recorder_killed_mid_file_loses_nothing(redis_server: RedisServer, ns:
         """In one MULTI, so that the recorder reads them in one read and its file holds all or none."""
         pipe = client.pipeline(transaction=True)
         for rollout in rollouts:
-            pipe.xadd(stream, rollout.to_fields())
+            pipe.xadd(stream, for_redis(rollout.to_fields()))
         return pipe.execute()[-1]
 
     recorder = start_command(*args, log_file=log)
@@ -450,7 +451,7 @@ def test_a_run_with_real_workers_records_and_replays_bit_for_bit(
         ids = [client.submit(f"what is {i} + {i}?", n=3, max_tokens=16, seed=i, meta={"i": i}) for i in range(4)]
         ids += [client.submit(tokens=[5 + i, 17, 33], n=3, max_tokens=16, temperature=0.8) for i in range(4)]
         live = client.collect(len(ids), timeout=180)
-        last = r.xrevrange(keys.rollouts, count=1)[0][0]
+        last = as_entries(r.xrevrange(keys.rollouts, count=1))[0][0]
         wait_until(lambda: has_read_up_to(r, keys.rollouts, RECORDER, last), 30, "the recorder to read every rollout")
     finally:
         assert stop_process(recorder) == 0, log.read_text()

@@ -30,6 +30,7 @@ from consumers.scoring.backend import Outcome
 from consumers.scoring.inline import InlineBackend
 from consumers.scoring.job import load_reward_fn, score_group
 from consumers.scoring.rq_backend import RQBackend
+from pipeline.codec import for_redis
 from pipeline.local import RedisServer
 from pipeline.processes import start_command, stop_process
 from pipeline.top import snapshot
@@ -122,7 +123,7 @@ def test_a_trainer_waiting_on_unscored_rollouts_is_told_to_start_a_scorer(
     rollout = Rollout(prompt_id="p", sample=0, n=2, version=0, version_end=0, finish_reason="length", worker="w",
                       prompt_tokens=[5, 6], tokens=[2], logprobs=[-1.0], spans=[(0, 0, 1)],
                       reward_fn=prompt.reward_fn)  # fmt: skip
-    client.streams.redis.xadd(client.streams.keys.scoring, rollout.to_fields())  # what a worker publishes
+    client.streams.redis.xadd(client.streams.keys.scoring, for_redis(rollout.to_fields()))  # what a worker publishes
     with pytest.raises(TimeoutError, match=rf"1 rollouts wait on \{{{ns}\}}:scoring for a reward: is `rollouts scorer"):
         client.collect(1, timeout=0.5)
 
@@ -210,7 +211,7 @@ def publish_for_scoring(client: RolloutClient, prompt_id: str, n: int, reward_fn
         rollout = Rollout(prompt_id=prompt_id, sample=sample, n=n, version=0, version_end=0, finish_reason="length",
                           worker="w", prompt_tokens=[5, 6], tokens=tokens, logprobs=[-1.0] * len(tokens),
                           spans=[(0, 0, len(tokens))], reward_fn=reward_fn)  # fmt: skip
-        client.streams.redis.xadd(client.streams.keys.scoring, rollout.to_fields())
+        client.streams.redis.xadd(client.streams.keys.scoring, for_redis(rollout.to_fields()))
 
 
 def test_a_scorer_at_its_default_threads_scores_a_reward_whose_first_call_imports_transformers(

@@ -23,6 +23,7 @@ import torch
 from consumers.engines.base import WAKE_ALL, Generation, SleepNotSupported, WakePart
 from consumers.engines.torch_engine import TorchEngine
 from consumers.worker import Worker
+from pipeline.codec import as_entries
 from pipeline.connections import connect
 from pipeline.local import RedisServer
 from pipeline.streams import Streams
@@ -344,7 +345,7 @@ def test_a_worker_stopped_asleep_in_keep_mode_hands_its_frozen_samples_on_at_onc
     w1.send_signal(signal.SIGTERM)
     assert w1.wait(timeout=60) == 0 and time.monotonic() - stopped < 15
     keys = client.streams.keys
-    partials = [Partial.from_fields(fields) for _, fields in client.streams.redis.xrange(keys.partials)]
+    partials = [Partial.from_fields(fields) for _, fields in as_entries(client.streams.redis.xrange(keys.partials))]
     assert sorted(p.prompt.id for p in partials) == ["long-0", "long-1"]
     assert all(0 < len(p.generated) < 500 and p.spans == [(0, 0, len(p.generated))] for p in partials)
     assert client.streams.redis.xpending(keys.prompts, GENERATORS)["pending"] == 0  # acked with the hand-off
