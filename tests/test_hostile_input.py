@@ -38,7 +38,7 @@ from consumers.scoring.inline import InlineBackend
 from consumers.scoring.job import rollout_view, score_group
 from consumers.scoring.stage import ScoringStage, StageSettings
 from consumers.worker import Worker
-from pipeline.codec import encode_float32, encode_int32
+from pipeline.codec import as_entries, encode_float32, encode_int32
 from pipeline.local import RedisServer
 from pipeline.recording import Recorder, RecorderSettings, RecordingError, read_recording, to_table
 from pipeline.streams import Entry, Streams

@@ -299,6 +299,7 @@ def test_a_fleet_sleeps_through_a_training_step_and_the_publish_after_it_wakes_a
         client.sleep(1)
 
     assert client.publish_weights(tiny_model_dir_v1) == 1  # wakes each worker, which loads, acks and resumes
+    assert client.last_sync is not None
     assert sorted(client.last_sync.acked) == ["w1", "w2"] and client.last_sync.evicted == []
     state = client.streams.redis.hgetall(client.streams.keys.state)
     assert (state[b"paused"], state[b"asleep"], state[b"version"]) == (b"0", b"0", b"1")
@@ -385,6 +386,7 @@ def test_a_worker_whose_engine_cannot_sleep_pauses_acks_awake_and_syncs_with_the
     assert (beat("vllm-w")[b"status"], beat("vllm-w")[b"asleep"]) == (b"paused", b"0")
 
     assert client.publish_weights(tiny_model_dir_v1) == 1
+    assert client.last_sync is not None
     assert sorted(client.last_sync.acked) == ["torch-w", "vllm-w"]
     state = client.streams.redis.hgetall(client.streams.keys.state)
     assert (state[b"paused"], state[b"asleep"]) == (b"0", b"0")
