@@ -14,6 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import redis
+from rich.table import Table
 
 from pipeline.codec import as_entries, for_redis
 from pipeline.local import RedisServer
@@ -172,7 +173,9 @@ def test_the_recorder_rolls_by_size_and_acks_a_file_only_once_it_is_on_disk(
         held = {p["message_id"] for p in client.xpending_range(stream, RECORDER, "-", "+", 1000)}
         written = {r.entry_id.encode() for r in read_recording(on_disk)} if on_disk else set()
         assert not held & written, "every entry in a finished file is acked"
-        delivered = ids.index(group_info(client, stream, RECORDER)["last-delivered-id"]) + 1
+        info = group_info(client, stream, RECORDER)
+        assert info is not None
+        delivered = ids.index(info["last-delivered-id"]) + 1
         assert len(held) + len(written) == delivered
         most_held = max(most_held, len(held))
     assert most_held > 0, "the open file's entries wait for it"
@@ -234,6 +237,7 @@ def test_top_shows_the_recorders_group_with_its_lag_and_pending(
     assert groups[RECORDER] == {"lag": 4, "pending": 5, "consumers": 1}
     assert groups[TRAINER] == {"lag": 9, "pending": 0, "consumers": 0}
     table = render(snap).renderables[0]
+    assert isinstance(table, Table)
     assert RECORDER in table.columns[2]._cells and "4" in table.columns[3]._cells
     recorder.close()
 
@@ -263,7 +267,9 @@ def test_a_recorder_killed_mid_file_loses_nothing(redis_server: RedisServer, ns:
         wait_until(lambda: len(list(out.glob("*.parquet"))) == 1, 30, "the first file")
         wait_until(lambda: pending(client, stream, RECORDER) == 0, 10, "its entries to be acked")
         add_at_once(second)  # a file opened, far from full: the recorder is killed with it open
-        wait_until(lambda: list(out.glob(".*.tmp")) and pending(client, stream, RECORDER) == 3, 30, "an open file")
+        wait_until(
+            lambda: bool(list(out.glob(".*.tmp"))) and pending(client, stream, RECORDER) == 3, 30, "an open file"
+        )
         os.kill(recorder.pid, signal.SIGKILL)
         recorder.wait()
     finally:
