@@ -9,12 +9,13 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from pipeline.codec import as_entries, for_redis
+from pipeline.codec import as_entries, as_fields, for_redis
 from pipeline.local import RedisServer
 from pipeline.wire import GENERATORS, TRAINER, Prompt, Rollout
 from producers.client import Group, ParkingBound, RolloutClient, SampleStaleness
@@ -49,7 +50,9 @@ class Background:
 
 
 def state(client: RolloutClient) -> dict[str, str]:
-    return {k.decode(): v.decode() for k, v in client.streams.redis.hgetall(client.streams.keys.state).items()}
+    return {
+        k.decode(): v.decode() for k, v in as_fields(client.streams.redis.hgetall(client.streams.keys.state)).items()
+    }
 
 
 def queued_samples(client: RolloutClient) -> int:
@@ -165,7 +168,7 @@ def test_two_producers_never_overshoot_the_capacity(redis_server: RedisServer, n
         if version:
             manager.sync(version, f"redis://{ns}/v{version}")
         barrier = threading.Barrier(len(producers))
-        runs = [Background(lambda c=c, n=n, b=barrier: fill(c, n, b)) for c, n in zip(producers, sizes, strict=True)]
+        runs = [Background(partial(fill, c, n, barrier)) for c, n in zip(producers, sizes, strict=True)]
         per_producer = [total + run.join(60) for total, run in zip(per_producer, runs, strict=True)]
         # The 1-sample producer keeps going until nothing at all is free, so the capacity is met exactly.
         assert sum(per_producer) == capacity == int(state(trainer)["submitted"]) == queued_samples(trainer)
