@@ -12,7 +12,7 @@ import asyncio
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -293,8 +293,9 @@ def test_a_trainer_replays_the_engines_routes_and_its_router_still_learns(
     model.zero_grad()
     with routes_replayed(model, other[None]):
         model(ids).logits[0, -1].logsumexp(-1).backward()
-    # torch types a module's attributes (`r.weight`) as Tensor | Module.
-    assert all(r.weight.grad is not None and r.weight.grad.abs().sum() > 0 for r in routers(model))  # type: ignore[operator]
+    # torch types a module's attributes Tensor | Module.
+    weights = [cast(torch.Tensor, r.weight) for r in routers(model)]
+    assert all(w.grad is not None and w.grad.abs().sum() > 0 for w in weights)
     grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
     model.train().gradient_checkpointing_enable()  # the backward recomputes each layer's forward: replayed too
     model.zero_grad()

@@ -29,8 +29,7 @@ def pipe_to(client: redis.Redis) -> PipelinedConnection:
 
 def packed(*command: str) -> bytes:
     """One command, packed by `hiredis.pack_command`."""
-    # hiredis's stub types the command as a one-element tuple.
-    return hiredis.pack_command(command)  # type: ignore[arg-type]
+    return hiredis.pack_command(command)  # type: ignore[arg-type]  # its stub takes a one-element tuple
 
 
 def echoes(batch: int, size: int) -> list[bytes]:

@@ -78,8 +78,12 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 def ray_view(address: str, ns: str) -> tuple[list[str], list[str]]:
     """The named actors in the pipeline's Ray namespace, and the names of its placement groups not removed."""
-    # ray takes a level's name as well as its number, though it types the argument int.
-    ray.init(address=address, namespace=ray_namespace(ns), logging_level="error", log_to_driver=False)  # type: ignore[arg-type]
+    ray.init(
+        address=address,
+        namespace=ray_namespace(ns),
+        logging_level="error",  # type: ignore[arg-type]  # ray takes a level's name too, though it types an int
+        log_to_driver=False,
+    )
     try:
         actors = ray.util.list_named_actors()
         groups = [g["name"] for g in placement_group_table().values() if g["state"] != "REMOVED"]

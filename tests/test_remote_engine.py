@@ -99,8 +99,8 @@ def test_the_engine_drops_an_idle_connection_before_the_vllm_server_does() -> No
 
     client = http_client("http://127.0.0.1:1", {})
     try:
-        # httpx keeps its Limits only in the pool, which its transports' base class does not declare.
-        expiry = client._transport._pool._keepalive_expiry  # type: ignore[attr-defined]
+        # httpx keeps its Limits only in the pool.
+        expiry = client._transport._pool._keepalive_expiry  # type: ignore[attr-defined]  # httpx declares no pool
         assert expiry is not None and expiry < vllm.envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE / 2
     finally:
         asyncio.run(client.aclose())

@@ -504,10 +504,10 @@ def test_tiny_model_is_peaked_and_seeds_give_different_weights(tiny_model_dir: P
     text = "What is 12 + 30? The answer is 42."
     assert tokenizer.decode(tokenizer(text).input_ids) == text
     chat = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
-    # transformers types decode's argument without the BatchEncoding (a UserDict, not a dict) that
-    # apply_chat_template returns and decode reads, and its result as str | list[str] (a list for a batch).
-    decoded = tokenizer.decode(chat["input_ids"] if isinstance(chat, dict) else chat)  # type: ignore[arg-type]
-    assert decoded.endswith("<|assistant|>")  # type: ignore[union-attr]
+    # decode reads the BatchEncoding (a UserDict, not a dict) that apply_chat_template returns, though transformers
+    # types its argument without one, and types its result str | list[str] (a list for a batch).
+    decoded = tokenizer.decode(chat["input_ids"] if isinstance(chat, dict) else chat)  # type: ignore[arg-type]  # above
+    assert decoded.endswith("<|assistant|>")  # type: ignore[union-attr]  # one sequence: a str
 
     # What vLLM reads from config.json.
     config = json.loads((tiny_model_dir / "config.json").read_text())
