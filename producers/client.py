@@ -611,7 +611,7 @@ class RolloutClient:
 
     def groups(
         self, timeout: float | None = None, max_staleness: int | None = None, park: ParkingBound | None = None
-    ) -> Iterator[Group]:
+    ) -> Generator[Group, None, None]:
         """Yield each prompt's group once all its samples arrived; each sample exactly once.
 
         A group's entries are acked when the caller comes back for the next one (or stops).

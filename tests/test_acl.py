@@ -18,6 +18,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from pipeline.codec import for_redis
 from pipeline.local import RedisServer, TlsFiles
 from pipeline.processes import start_worker, stop_process, wait_for_worker
 from pipeline.wire import Keys, Rollout
@@ -206,7 +207,7 @@ def test_the_scorer_role_runs_the_scoring_stage_and_rq_workers(installed_redis: 
         prompt_id="p", sample=0, n=1, version=0, version_end=0, finish_reason="stop", worker="w", prompt_tokens=[1],
         tokens=[2, 3], logprobs=[-1.0, -1.0], spans=[(0, 0, 2)], reward_fn="tests.rewards:even_share",
     )  # fmt: skip
-    trainer.streams.redis.xadd(trainer.streams.keys.scoring, scored.to_fields())
+    trainer.streams.redis.xadd(trainer.streams.keys.scoring, for_redis(scored.to_fields()))
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     stage = [
         subprocess.Popen([sys.executable, "-m", "pipeline.cli", *args], env=env, stdout=subprocess.DEVNULL)

@@ -9,11 +9,13 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from pipeline.codec import as_entries, as_fields, for_redis
 from pipeline.local import RedisServer
 from pipeline.wire import GENERATORS, TRAINER, Prompt, Rollout
 from producers.client import Group, ParkingBound, RolloutClient, SampleStaleness
@@ -48,12 +50,14 @@ class Background:
 
 
 def state(client: RolloutClient) -> dict[str, str]:
-    return {k.decode(): v.decode() for k, v in client.streams.redis.hgetall(client.streams.keys.state).items()}
+    return {
+        k.decode(): v.decode() for k, v in as_fields(client.streams.redis.hgetall(client.streams.keys.state)).items()
+    }
 
 
 def queued_samples(client: RolloutClient) -> int:
     """Samples on `{ns}:prompts`, counted from the entries themselves (not from our counter)."""
-    return sum(Prompt.from_fields(f).n for _, f in client.streams.redis.xrange(client.streams.keys.prompts))
+    return sum(Prompt.from_fields(f).n for _, f in as_entries(client.streams.redis.xrange(client.streams.keys.prompts)))
 
 
 def fake_rollouts(
@@ -77,7 +81,7 @@ def fake_rollouts(
             logprobs=[-0.5] * length,
             spans=its_spans,
         )
-        client.streams.redis.xadd(client.streams.keys.rollouts, rollout.to_fields())
+        client.streams.redis.xadd(client.streams.keys.rollouts, for_redis(rollout.to_fields()))
 
 
 # -- admission -----------------------------------------------------------------------------------
@@ -102,7 +106,7 @@ def test_a_full_admission_blocks_until_new_weights_are_published(
     assert fifth.join(10) == "fifth"
     assert fifth.finished_at is not None and fifth.finished_at - published_at < 2.0
     assert state(client)["submitted"] == "5" == str(queued_samples(client))
-    last = Prompt.from_fields(client.streams.redis.xrevrange(client.streams.keys.prompts, count=1)[0][1])
+    last = Prompt.from_fields(as_entries(client.streams.redis.xrevrange(client.streams.keys.prompts, count=1))[0][1])
     assert (last.id, last.submitted_version) == ("fifth", 1), "prompts carry the version they were admitted under"
 
     # Version 1: capacity 8. Fill it, then a Manager in another thread moves the version (redis transport uri).
@@ -164,7 +168,7 @@ def test_two_producers_never_overshoot_the_capacity(redis_server: RedisServer, n
         if version:
             manager.sync(version, f"redis://{ns}/v{version}")
         barrier = threading.Barrier(len(producers))
-        runs = [Background(lambda c=c, n=n, b=barrier: fill(c, n, b)) for c, n in zip(producers, sizes, strict=True)]
+        runs = [Background(partial(fill, c, n, barrier)) for c, n in zip(producers, sizes, strict=True)]
         per_producer = [total + run.join(60) for total, run in zip(per_producer, runs, strict=True)]
         # The 1-sample producer keeps going until nothing at all is free, so the capacity is met exactly.
         assert sum(per_producer) == capacity == int(state(trainer)["submitted"]) == queued_samples(trainer)
@@ -200,7 +204,7 @@ def test_over_stale_rollouts_are_parked_not_trained_on(
     r, keys = client.streams.redis, client.streams.keys
     old = {client.submit(tokens=[5 + i, 40, 41], n=2, max_tokens=8, seed=i) for i in range(4)}
     wait_until(lambda: r.xlen(keys.rollouts) == 8, 60, "the version-0 rollouts, unread")
-    originals = {f[b"id"]: f for _, f in r.xrange(keys.rollouts)}
+    originals = {f[b"id"]: f for _, f in as_entries(r.xrange(keys.rollouts))}
     assert client.publish_weights(tiny_model_dir_v1) == 1
     assert client.publish_weights(tiny_model_dir) == 2
     assert client.last_sync is not None and client.last_sync.acked == ["w1"]
@@ -218,7 +222,7 @@ def test_over_stale_rollouts_are_parked_not_trained_on(
 
     assert {g.prompt_id for g in got} == fresh and not {g.prompt_id for g in got} & old
     assert all(r_.version == 2 and r_.spans == [(2, 0, r_.n_tokens)] for g in got for r_ in g.rollouts)
-    parked = [f for _, f in r.xrange(keys.stale)]
+    parked = [f for _, f in as_entries(r.xrange(keys.stale))]
     assert len(parked) == 8 and {f[b"id"] for f in parked} == set(originals)
     for fields in parked:
         assert fields[b"staleness"] == b"2" and fields[b"trainer_version"] == b"2" and fields[b"version"] == b"0"
@@ -242,14 +246,16 @@ def test_a_group_with_one_over_stale_sample_is_parked_whole(redis_server: RedisS
 
     (group,) = client.collect(1, timeout=10)  # the client's parking bound is the default
     assert group.prompt_id == "ok" and group.trainer_version == 2
-    parked = [(f[b"id"], f[b"staleness"]) for _, f in client.streams.redis.xrange(client.streams.keys.stale)]
+    parked = [
+        (f[b"id"], f[b"staleness"]) for _, f in as_entries(client.streams.redis.xrange(client.streams.keys.stale))
+    ]
     assert parked == [(b"mixed:0", b"0"), (b"mixed:1", b"2"), (b"old:0", b"2"), (b"old:1", b"2")]
     assert client.stats["stale"] == 4 and state(client)["stale"] == "4"
     usage = client.admission_usage()
     assert (usage.submitted, usage.stale, usage.used, usage.capacity) == (6, 4, 2, 16), "parked samples free capacity"
     assert client.streams.redis.xpending(client.streams.keys.rollouts, TRAINER)["pending"] == 0
     # Parking is idempotent: a second attempt on the same entries moves and counts nothing.
-    entries = [(entry_id, 2) for entry_id, _ in client.streams.redis.xrange(client.streams.keys.rollouts)]
+    entries = [(entry_id, 2) for entry_id, _ in as_entries(client.streams.redis.xrange(client.streams.keys.rollouts))]
     assert len(entries) == 6
     assert StaleRollouts(client.streams.redis, client.streams.keys, TRAINER).park(2, entries) == 0
     assert state(client)["stale"] == "4"

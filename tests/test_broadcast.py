@@ -247,12 +247,12 @@ def test_receives_posted_but_never_taken_are_freed_when_the_worker_forgets_the_g
     trainer = NcclTransport("127.0.0.1", free_port(), bucket_bytes=256, timeout_s=20)
     uri = trainer.publish(many_tensors(1), version=1)
     links: list[BroadcastLink] = []
-    thread = threading.Thread(
-        target=lambda: (
-            links.append(join_broadcast(uri, 1, version=1, timeout_s=20, member="w"))
-            or broadcast.prepare_receiver(links[0])
-        )
-    )
+
+    def join() -> None:
+        links.append(join_broadcast(uri, 1, version=1, timeout_s=20, member="w"))
+        broadcast.prepare_receiver(links[0])
+
+    thread = threading.Thread(target=join)
     thread.start()
     trainer.broadcast(epoch=1, workers=1)
     thread.join(30)

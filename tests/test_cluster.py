@@ -82,7 +82,11 @@ def test_two_namespaces_on_two_nodes_run_the_whole_pipeline_through_a_third(
             assert own.xlen(client.streams.keys.rollouts) == len(rollouts)
             assert any(r.version == 1 for g in groups for r in g.rollouts), "work after the sync ran on version 1"
             beat = client.streams.keys.worker(f"w-{ns}")
-            wait_until(lambda own=own, beat=beat: own.hget(beat, "version") == b"1", 10, "the worker to report v1")
+
+            def reports_v1(own: redis.Redis = own, beat: str = beat) -> bool:
+                return own.hget(beat, "version") == b"1"
+
+            wait_until(reports_v1, 10, "the worker to report v1")
             with pytest.raises(redis.exceptions.MovedError):
                 redis.Redis(port=entry.port).xlen(client.streams.keys.rollouts)
         assert redis.Redis(port=entry.port).dbsize() == 0, "the node that owns neither namespace holds nothing"

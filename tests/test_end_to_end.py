@@ -16,6 +16,7 @@ import psutil
 import pytest
 import redis
 
+from pipeline.codec import as_entries, for_redis
 from pipeline.local import RedisServer, find_redis_cli
 from pipeline.processes import start_worker, stop_processes, wait_for_worker
 from pipeline.wire import GENERATORS, Keys, Prompt, Sampling
@@ -150,8 +151,8 @@ def test_bad_input_is_dead_lettered_or_errored_and_the_worker_goes_on(
     r = client.streams.redis
     # Entries that cannot be decoded or validated.
     r.xadd(keys.prompts, {b"hello": b"world"})
-    r.xadd(keys.prompts, Prompt(id="bad-bytes", n=1, tokens=[1]).to_fields() | {b"tokens": b"\x01\x02\x03"})
-    r.xadd(keys.prompts, Prompt(id="bad-n", n=1, tokens=[1]).to_fields() | {b"n": b"-4"})
+    r.xadd(keys.prompts, for_redis(Prompt(id="bad-bytes", n=1, tokens=[1]).to_fields() | {b"tokens": b"\x01\x02\x03"}))
+    r.xadd(keys.prompts, for_redis(Prompt(id="bad-n", n=1, tokens=[1]).to_fields() | {b"n": b"-4"}))
     # Entries that decode but that the engine cannot serve: written directly, as another language might.
     too_long = Prompt(id="too-long", n=2, tokens=[7] * 600)
     hot = Prompt(id="bad-sampling", n=2, tokens=[7, 8], sampling=Sampling(temperature=-1.0))
@@ -168,7 +169,7 @@ def test_bad_input_is_dead_lettered_or_errored_and_the_worker_goes_on(
     assert all(r.finish_reason in ("stop", "length") for r in groups[good].rollouts)
 
     wait_until(lambda: r.xlen(keys.dead) == 3, 10, "three dead letters")
-    dead = {fields.get(b"id", b"?"): fields for _, fields in r.xrange(keys.dead)}
+    dead = {fields.get(b"id", b"?"): fields for _, fields in as_entries(r.xrange(keys.dead))}
     assert [d[b"stage"] for d in dead.values()] == [b"decode"] * 3
     assert dead[b"?"][b"hello"] == b"world" and b"unsupported wire version" in dead[b"?"][b"error"]
     assert b"tokens: 3 bytes" in dead[b"bad-bytes"][b"error"]
@@ -193,7 +194,8 @@ def test_a_killed_workers_prompts_finish_on_another_worker(
     prompts_key = client.streams.keys.prompts
     orphaned = r.xpending_range(prompts_key, GENERATORS, "-", "+", 1000, consumername="doomed")
     orphaned_ids = {
-        Prompt.from_fields(r.xrange(prompts_key, p["message_id"], p["message_id"])[0][1]).id for p in orphaned
+        Prompt.from_fields(as_entries(r.xrange(prompts_key, p["message_id"], p["message_id"]))[0][1]).id
+        for p in orphaned
     }
     assert orphaned_ids, "the killed worker held no prompts"
     workers("rescuer", *SYNTHETIC, *fast)
@@ -229,7 +231,7 @@ def test_a_prompt_submitted_twice_is_delivered_once(redis_server: RedisServer, n
     assert client.admission_usage().submitted == 2
     # Another producer queues the same prompt id past admission (a replay): its rollouts are not published again.
     again = client.make_prompt(tokens=[6, 7, 8], n=2, sampling=Sampling(max_tokens=16, seed=3), id="retried")
-    client.streams.redis.xadd(client.streams.keys.prompts, again.to_fields())
+    client.streams.redis.xadd(client.streams.keys.prompts, for_redis(again.to_fields()))
     (group,) = client.collect(1, timeout=60)
     assert [r.finish_reason for r in group.rollouts] != ["error", "error"]
     wait_until(

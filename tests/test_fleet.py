@@ -10,9 +10,11 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
+from typing import cast
 
 import pytest
 
+from pipeline.codec import as_entries
 from pipeline.local import RedisServer
 from pipeline.wire import GENERATORS
 from producers.client import RolloutClient
@@ -24,7 +26,9 @@ SYNTHETIC = ("--engine", "synthetic")
 def pending_on(client: RolloutClient, worker: str) -> set[bytes]:
     """The prompt entries pending on `worker` (taken, not finished)."""
     r, key = client.streams.redis, client.streams.keys.prompts
-    return {p["message_id"] for p in r.xpending_range(key, GENERATORS, "-", "+", 10_000, consumername=worker)}
+    return {
+        cast(bytes, p["message_id"]) for p in r.xpending_range(key, GENERATORS, "-", "+", 10_000, consumername=worker)
+    }
 
 
 def test_a_step_spreads_over_four_workers_and_none_takes_more_than_its_share(
@@ -250,7 +254,7 @@ def test_a_poison_prompt_is_dead_lettered_after_its_run_alone_and_the_prompts_th
         thread.join()
     assert sorted(g.prompt_id for g in groups) == sorted(ids)
     assert client.stats["duplicates"] == 0
-    ((_, fields),) = client.streams.redis.xrange(client.streams.keys.dead)
+    ((_, fields),) = as_entries(client.streams.redis.xrange(client.streams.keys.dead))
     assert fields[b"id"].decode() == poison and fields[b"stage"] == b"deliver"
     assert b"2 of them run alone" in fields[b"error"], fields[b"error"]
     assert deaths == [-signal.SIGKILL] * 3, "it killed its worker once beside the six, twice alone"

@@ -17,6 +17,7 @@ import pytest
 import redis
 from transformers import AutoTokenizer
 
+from pipeline.codec import as_text
 from pipeline.local import RedisServer
 from pipeline.streams import Streams
 from pipeline.wire import Keys, PauseMode
@@ -47,7 +48,7 @@ def finish(base: str, session: str, **body: Any) -> httpx.Response:
 def session_worker(redis_url: str, ns: str, session: str) -> str:
     client = redis.Redis.from_url(redis_url)
     try:
-        return (client.hget(Keys(ns).session(session), "worker") or b"").decode()
+        return as_text(client.hget(Keys(ns).session(session), "worker") or b"")
     finally:
         client.close()
 
@@ -132,9 +133,11 @@ def test_a_three_turn_conversation_with_a_tool_gives_a_token_exact_trajectory(
     shown = [dict(m) for m in messages]
     for m, text, answer in zip([m for m in shown if m["role"] == "assistant"], written, answers, strict=True):
         stopped = answer.choices[0].finish_reason == "stop"
+        assert isinstance(text, str)  # one sequence decodes to one string
         m["content"] = text.removesuffix(tok.eos_token) if stopped else text
     rendered = tok.apply_chat_template(shown, tokenize=False)
     got = tok.decode(everything, skip_special_tokens=False)
+    assert isinstance(rendered, str) and isinstance(got, str)  # not tokenized, one sequence: text
     assert rendered.startswith(got) and rendered[len(got) :] in ("", tok.eos_token)
     # The model's tokens, and only they, are trained on; their logprobs are those of one forward pass over it all.
     arrays = Batch([group]).to_arrays()

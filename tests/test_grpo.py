@@ -131,6 +131,7 @@ def test_when_its_worker_dies_the_trainer_stops_and_says_so_instead_of_waiting_f
     try:
         assert process.stdout is not None and process.stdout.readline().startswith('{"step": 0')
         worker = RolloutClient(redis_server.url, ns).streams.redis.hget(Keys(ns).worker("rl-worker-0"), "pid")
+        assert worker is not None
         os.kill(int(worker), signal.SIGKILL)
         _, stderr = process.communicate(timeout=60)
         with pytest.raises(ProcessLookupError):  # the manager it started was stopped too: its process group is empty

@@ -22,7 +22,7 @@ import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import fakeredis
 import numpy as np
@@ -38,7 +38,7 @@ from consumers.scoring.inline import InlineBackend
 from consumers.scoring.job import rollout_view, score_group
 from consumers.scoring.stage import ScoringStage, StageSettings
 from consumers.worker import Worker
-from pipeline.codec import encode_float32, encode_int32
+from pipeline.codec import as_entries, encode_float32, encode_int32, for_redis
 from pipeline.local import RedisServer
 from pipeline.recording import Recorder, RecorderSettings, RecordingError, read_recording, to_table
 from pipeline.streams import Entry, Streams
@@ -198,6 +198,18 @@ def field_maps(names: tuple[str, ...], base: Callable[[], Fields]) -> st.SearchS
     return random_map | contract | mutated()
 
 
+class Decoded(Protocol):
+    """A decoded wire entry: it encodes to fields again."""
+
+    def to_fields(self) -> Fields: ...
+
+
+class Decoder(Protocol):
+    """A wire model's class as the streams' readers use it (`Prompt`, `Partial`, `Control`, `Rollout`)."""
+
+    def from_fields(self, fields: Fields) -> Decoded: ...
+
+
 def assert_names_a_field(error: WireError, names: tuple[str, ...]) -> None:
     """The message starts with the field it is about (`field: why`, `missing field 'x'`, `... v=`)."""
     if str(error).startswith("unsupported wire version v="):
@@ -206,7 +218,7 @@ def assert_names_a_field(error: WireError, names: tuple[str, ...]) -> None:
     assert match and match.group(1) in names, f"the error names no field: {str(error)[:300]!r}"
 
 
-def decode(kind: type, fields: Fields, names: tuple[str, ...]) -> Any:
+def decode(kind: Decoder, fields: Fields, names: tuple[str, ...]) -> Any:
     """The decoder's answer: the object (which re-encodes to itself), or None after checking the refusal's message."""
     try:
         decoded = kind.from_fields(fields)
@@ -278,7 +290,7 @@ work_entries = st.one_of(
 @settings(FUZZ, max_examples=4500)
 @given(work_entries)
 def test_any_prompt_or_partial_entry_decodes_or_names_its_field_and_generates_or_errors(
-    fake_worker: Worker, entry: tuple[type, Fields]
+    fake_worker: Worker, entry: tuple[type[Prompt] | type[Partial], Fields]
 ) -> None:
     kind, fields = entry
     decoded = decode(kind, fields, PARTIAL_FIELDS if kind is Partial else PROMPT_FIELDS)
@@ -484,7 +496,7 @@ def hostile_entry(rng: random.Random, names: tuple[str, ...], base: Fields) -> F
     return fields
 
 
-STREAMS: dict[str, tuple[type, tuple[str, ...]]] = {
+STREAMS: dict[str, tuple[Decoder, tuple[str, ...]]] = {
     "prompts": (Prompt, PROMPT_FIELDS),
     "partials": (Partial, PARTIAL_FIELDS),
     "control": (Control, CONTROL_FIELDS),
@@ -539,6 +551,7 @@ class Plan:
     def _accept(self, stream: str, case: bytes) -> bool:
         """Draw one entry for `stream`; False (draw again) when it decodes to something the test cannot expect."""
         rng = self.rng
+        base: Prompt | Partial | Control | Rollout
         if stream == "prompts":
             pid = f"fz-{case.decode()}"
             base = valid_prompt(pid, n=rng.choice((1, 2)), reward_fn=rng.choice((None, None, *REWARD_FNS)))
@@ -636,7 +649,7 @@ def test_hostile_entries_on_every_stream_end_to_end(
         for stream in ("rollouts", "control", "partials", "prompts"):
             pipe = r.pipeline(transaction=False)
             for fields in plan.entries[stream]:
-                pipe.xadd(getattr(keys, stream), fields)
+                pipe.xadd(getattr(keys, stream), for_redis(fields))
             pipe.execute()
         streams.add_prompts(valid)
 
@@ -684,7 +697,7 @@ def test_hostile_entries_on_every_stream_end_to_end(
     # control entry (a broadcast that every worker reads, no consumer group) is logged and skipped.
     expected = {c: e for c, e in plan.errors.items() if not c.startswith(b"control")}
     wait_until(lambda: r.xlen(keys.dead) >= len(expected), 30, "the worker's last dead letters")
-    dead = [fields for _, fields in r.xrange(keys.dead)]
+    dead = [fields for _, fields in as_entries(r.xrange(keys.dead))]
     letters = {fields[b"_case"]: fields for fields in dead}
     assert len(dead) == len(letters) and set(letters) == set(expected), "each bad entry is dead-lettered once"
     for case, fields in letters.items():
@@ -692,9 +705,9 @@ def test_hostile_entries_on_every_stream_end_to_end(
         assert fields[b"stage"].decode() == stage and fields[b"error"].decode() == expected[case]
 
     # Nothing pending in any group; the worker still serves, logged no traceback, and still obeys control.
-    for stream, group in ((keys.prompts, GENERATORS), (keys.partials, GENERATORS), (keys.rollouts, TRAINER),
-                          (keys.scoring, SCORERS), (keys.rollouts, "recorder")):  # fmt: skip
-        assert r.xpending(stream, group)["pending"] == 0, (stream, group)
+    for stream, reader in ((keys.prompts, GENERATORS), (keys.partials, GENERATORS), (keys.rollouts, TRAINER),
+                           (keys.scoring, SCORERS), (keys.rollouts, "recorder")):  # fmt: skip
+        assert r.xpending(stream, reader)["pending"] == 0, (stream, reader)
     assert proc.poll() is None and r.hget(keys.worker("w1"), "status") == b"serving"
     bad_control = len(plan.errors) - len(expected)
 

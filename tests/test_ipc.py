@@ -193,8 +193,8 @@ class FakeExport:
         named = dict(tensors.items() if isinstance(tensors, dict) else tensors)
         self.version = version
         self.buffer = torch.zeros(sum(t.numel() * t.element_size() for t in named.values()), dtype=torch.uint8)
-        tensors = [(TensorMeta(n, "float32", tuple(t.shape)), 0) for n, t in named.items()]
-        self.manifest = Manifest(version, "GPU-1234", "host", 1, HANDLE, tensors)
+        metas = [(TensorMeta(n, "float32", tuple(t.shape)), 0) for n, t in named.items()]
+        self.manifest = Manifest(version, "GPU-1234", "host", 1, HANDLE, metas)
 
     def close(self) -> None:
         FakeExport.closed.append(self.version)
@@ -219,7 +219,9 @@ def test_the_trainer_keeps_the_current_version_and_frees_the_ones_every_worker_l
     exports = IpcTransport(client.streams.redis, ns)
     assert exports.versions() == [3] and fake_exports == [1, 2]
     assert [client.streams.redis.exists(manifest_key(keys, v)) for v in (1, 2, 3)] == [0, 0, 1]
-    stored = json.loads(client.streams.redis.get(manifest_key(keys, 3)))  # plain JSON, readable in redis-cli
+    raw = client.streams.redis.get(manifest_key(keys, 3))
+    assert raw is not None
+    stored = json.loads(raw)  # plain JSON, readable in redis-cli
     assert stored["format"] == "cuda-ipc" and stored["tensors"] == [["w", "float32", [4, 4], 0]]
     assert client.streams.redis.hget(keys.state, "weights_uri") == f"ipc://{ns}/v3".encode()
     assert ipc.held_bytes() == 64
@@ -258,6 +260,7 @@ def test_a_worker_on_the_trainers_gpu_serves_the_weights_it_opened(
     weights_bytes = torch.cuda.memory_allocated(0) - baseline
 
     assert client.publish_weights(iter(v1.items()), transport="ipc://") == 1  # a generator of CUDA tensors
+    assert client.last_sync is not None
     assert client.last_sync.acked == ["gpu"] and client.last_sync.evicted == []
     client.submit(tokens=[7, 8, 9], n=2, max_tokens=24, id="after-v1")
     for rollout in client.collect(1, timeout=120)[0].rollouts:
@@ -334,6 +337,7 @@ def test_a_vllm_worker_on_the_trainers_gpu_reloads_from_the_trainers_memory(
     v1 = {name: t.to("cuda:0") for name, t in state_dict_of(tiny_model_dir_v1).items()}
 
     assert client.publish_weights(iter(v1.items()), transport="ipc://") == 1
+    assert client.last_sync is not None
     assert client.last_sync.acked == ["vllm"] and client.last_sync.evicted == []
     client.submit(tokens=[7, 8, 9], n=4, max_tokens=24, temperature=1.0, seed=5, id="after-v1")
     for rollout in client.collect(1, timeout=120)[0].rollouts:

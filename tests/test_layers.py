@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -75,7 +76,7 @@ def import_all(
     skipped: tuple[str, ...] = (),
     deep: bool = True,
     python: str = sys.executable,
-) -> dict[str, object]:
+) -> dict[str, Any]:
     """Import every module of `package` (`deep`; else the package alone) in a fresh interpreter (`python`); what it
     imported, and which forbidden modules got loaded (each with the module whose import loaded it)."""
     env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}

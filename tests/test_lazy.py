@@ -14,6 +14,7 @@ import psutil
 import pytest
 from rich.console import Console
 
+from pipeline.codec import as_fields
 from pipeline.local import RedisServer, free_port
 from pipeline.top import render, snapshot
 from producers.client import RolloutClient
@@ -23,7 +24,7 @@ from tests.test_metrics import scrape, value
 
 
 def heartbeat(client: RolloutClient, name: str) -> dict[str, str]:
-    beat = client.streams.redis.hgetall(client.streams.keys.worker(name))
+    beat = as_fields(client.streams.redis.hgetall(client.streams.keys.worker(name)))
     return {k.decode(): v.decode() for k, v in beat.items()}
 
 
@@ -95,6 +96,7 @@ def test_a_lazy_worker_starts_on_the_first_prompt_releases_when_idle_and_serves_
 
     # A sync while released is acked at once, with nothing started for it.
     assert client.publish_weights(tiny_model_dir_v1, transport="redis://") == 1
+    assert client.last_sync is not None
     assert client.last_sync.acked == ["lazy"] and client.last_sync.evicted == []
     beat = heartbeat(client, "lazy")
     assert (beat["status"], beat["engine_starts"], beat["version"]) == ("released", "1", "1")
@@ -122,6 +124,7 @@ def test_a_lazy_worker_receives_an_nccl_broadcast_without_an_engine_and_serves_i
     client = RolloutClient(redis_server.url, ns)
     nccl = f"nccl://127.0.0.1:{free_port()}"
     assert client.publish_weights(tiny_model_dir_v1, transport=nccl) == 1
+    assert client.last_sync is not None
     assert client.last_sync.acked == ["lazy"] and client.last_broadcast is not None
     assert client.last_broadcast.workers == 1  # it joined (one rank of its own) and kept a CPU copy
     beat = heartbeat(client, "lazy")
@@ -133,6 +136,7 @@ def test_a_lazy_worker_receives_an_nccl_broadcast_without_an_engine_and_serves_i
     assert top_row(client, "lazy")[3].startswith("1 (")  # one start, and how long it took
     # Its version came by broadcast, and the copy is kept: the next one works as well, engine and all.
     assert client.publish_weights(tiny_model_dir, transport=nccl) == 2
+    assert client.last_sync is not None
     assert client.last_sync.acked == ["lazy"]
     serve_one(client, "later", 2, {2: tiny_model_dir})
 

@@ -28,9 +28,10 @@ import torch
 
 from consumers.engines.lora import save_adapter
 from consumers.engines.tiny_model import make_adapter
+from pipeline.codec import as_entries
 from pipeline.local import RedisServer, free_port
 from pipeline.processes import start_command
-from pipeline.wire import GENERATORS, Partial, Sampling, ack_field
+from pipeline.wire import GENERATORS, Partial, PauseMode, Sampling, ack_field
 from producers.client import Group, RolloutClient
 from staleness.manager import Manager, SyncReport
 from staleness.state import read_state
@@ -69,7 +70,7 @@ def start_long_samples_of_a(client: RolloutClient, ids: list[str]) -> None:
 
 @contextmanager
 def a_sync_held_open(
-    client: RolloutClient, adapters: dict[str, Adapter], mode: str, worker: str
+    client: RolloutClient, adapters: dict[str, Adapter], mode: PauseMode, worker: str
 ) -> Iterator[tuple[threading.Event, Future[SyncReport]]]:
     """Adapter a's sync to its version 2 (`a2`), by hand so that it can be held open: yields once `worker` acked it
     (it closed a's gate, paused a and loaded: a prompt submitted when the state only says "paused" may reach a worker
@@ -102,7 +103,7 @@ def test_an_adapter_sync_pauses_that_adapter_alone_and_its_samples_go_on_under_t
     adapters: dict[str, Adapter],
     tmp_path: Path,
     engine: str,
-    mode: str,
+    mode: PauseMode,
     one_thread: None,
 ) -> None:
     """vLLM has no per-adapter pause: its engine aborts the adapter's requests and, in keep mode, continues each
@@ -165,7 +166,7 @@ def test_a_worker_stopped_inside_an_adapter_sync_hands_that_adapters_samples_on_
     adapters: dict[str, Adapter],
     tmp_path: Path,
     engine: str,
-    mode: str,
+    mode: PauseMode,
     one_thread: None,
 ) -> None:
     """While an adapter's sync is held open its samples wait here (frozen by a `keep` sync, or at the adapter's gate
@@ -190,7 +191,7 @@ def test_a_worker_stopped_inside_an_adapter_sync_hands_that_adapters_samples_on_
         stopped = time.monotonic()
         w1.send_signal(signal.SIGTERM)
         assert w1.wait(timeout=60) == 0 and time.monotonic() - stopped < 15
-        partials = [Partial.from_fields(fields) for _, fields in redis_client.xrange(keys.partials)]
+        partials = [Partial.from_fields(fields) for _, fields in as_entries(redis_client.xrange(keys.partials))]
         assert pending() == 0  # every prompt acked with its hand-off
         handed = {(p.prompt.id, p.sample): p for p in partials}
         assert handed.pop(("fresh-a", 0)).generated.size == 0

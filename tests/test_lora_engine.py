@@ -124,7 +124,8 @@ def assert_matches(
 
 def greedy_reference(model: torch.nn.Module, prompt: np.ndarray, max_tokens: int) -> list[int]:
     """Token-by-token argmax over full forward passes (no cache, no batch, no hooks)."""
-    ids, out = prompt.tolist(), []
+    ids = prompt.tolist()
+    out: list[int] = []
     with torch.inference_mode():
         while len(out) < max_tokens and (not out or out[-1] != EOS):
             out.append(int(model(torch.tensor([ids + out])).logits[0, -1].argmax()))

@@ -11,6 +11,7 @@ import redis
 import torch
 from rich.console import Console
 
+from pipeline.codec import as_entries
 from pipeline.local import RedisServer
 from pipeline.recording import from_batch, to_table
 from pipeline.streams import Streams
@@ -119,7 +120,7 @@ def test_each_adapter_has_its_own_admission_count_and_staleness_bound(redis_serv
         ("base", None, 0),
         ("new-b", "b", 0),
     ]
-    parked = client.streams.redis.xrange(client.streams.keys.stale)
+    parked = as_entries(client.streams.redis.xrange(client.streams.keys.stale))
     assert [(f[b"prompt_id"], f[b"staleness"], f[b"trainer_version"]) for _, f in parked] == [(b"old-a", b"1", b"3")]
     assert client.admission_usage("a").stale == 1 and client.admission_usage().stale == 0
 

@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 from pipeline.cli.app import open_streams
+from pipeline.codec import as_fields
 from pipeline.local import RedisServer, free_port
 from pipeline.processes import start_command, stop_process
 from pipeline.wire import Control, Keys
@@ -125,7 +126,7 @@ def test_the_exporter_worker_and_manager_endpoints_report_what_happened(
     # Everything read: the exporter agrees with Redis (the worker may trim the prompts meanwhile: re-read both).
     def exporter_agrees() -> bool:
         s = fleet()
-        beat = {k.decode(): v.decode() for k, v in raw.hgetall(keys.worker("mw")).items()}
+        beat = {k.decode(): v.decode() for k, v in as_fields(raw.hgetall(keys.worker("mw"))).items()}
         return (
             value(s, "rollouts_stream_length", stream="prompts") == raw.xlen(keys.prompts)
             and value(s, "rollouts_worker_inflight_samples", worker="mw") == float(beat["inflight"]) == 0
@@ -152,11 +153,9 @@ def test_the_exporter_worker_and_manager_endpoints_report_what_happened(
     w = worker()
     assert value(w, "rollouts_generation_seconds_count", worker="mw", ns=ns) == K * N
     assert value(w, "rollouts_generation_seconds_bucket", le="+Inf") == K * N
-    assert (
-        value(w, "rollouts_generated_tokens_total")
-        == generated
-        == float(raw.hget(keys.worker("mw"), "generated_tokens"))
-    )
+    beat_tokens = raw.hget(keys.worker("mw"), "generated_tokens")
+    assert beat_tokens is not None
+    assert value(w, "rollouts_generated_tokens_total") == generated == float(beat_tokens)
     assert value(w, "rollouts_generation_tokens_sum") == generated
     assert value(w, "rollouts_published_rollouts_total") == K * N
     assert value(w, "rollouts_error_rollouts_total") == 0 and value(w, "rollouts_dead_letters_total") == 0
@@ -165,6 +164,7 @@ def test_the_exporter_worker_and_manager_endpoints_report_what_happened(
 
     # A weight sync: the policy version moves, the worker and the manager each saw one stall.
     assert client.publish_weights(tiny_model_dir_v1) == 1
+    assert client.last_sync is not None
     stall = client.last_sync.stall_s
     wait_until(lambda: value(fleet(), "rollouts_worker_policy_version", worker="mw") == 1, 30, "the worker on v1")
     s = fleet()

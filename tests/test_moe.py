@@ -12,14 +12,14 @@ import asyncio
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
 import redis
 import torch
 
-from consumers.engines.base import EngineInputError
+from consumers.engines.base import EngineInputError, EngineLifecycle
 from consumers.engines.tiny_model import build_tiny_model
 from pipeline.local import RedisServer
 from pipeline.processes import start_worker, stop_processes, wait_for_worker
@@ -138,6 +138,7 @@ def test_rollouts_carry_the_experts_the_torch_engine_routed_each_position_to_acr
     arrays = asked.to_arrays()
     row = asked.rollouts[0]
     positions = len(row.prompt_tokens) + row.n_tokens - 1
+    assert row.routed_experts is not None
     assert np.array_equal(arrays["routed_experts"][0, :positions], row.routed_experts)
     assert (arrays["routed_experts"][0, positions:] == -1).all()
     policy = AutoModelForCausalLM.from_pretrained(moe_models[1])
@@ -178,6 +179,7 @@ def test_engines_that_cannot_route_answer_with_a_line_that_says_what_to_start(
 def test_a_batch_aligns_the_routes_it_has_and_refuses_routes_of_two_models() -> None:
     """`Batch.to_arrays()["routed_experts"]`: a rollout's routes under its `input_ids`, -1 past them and for a rollout
     that carries none (it routes as the model does); rollouts routed over other layers or top-k, a `ValueError`."""
+
     def rollout(sample: int, routes: np.ndarray | None) -> Rollout:
         return Rollout(
             prompt_id="p", sample=sample, n=3, version=0, version_end=0, finish_reason="length", worker="w",
@@ -215,7 +217,7 @@ def test_a_vllm_worker_on_a_gpu_puts_its_routed_experts_on_the_wire(
     trainer's, so not all: chance is 1/28 a pair). With a `keep` sync mid-generation (vLLM recomputes what it kept)
     too: no route left off, none doubled."""
     beat = redis.Redis.from_url(redis_server.url)
-    args = ("--engine", "vllm", "--kv-cache-bytes", "1000000000", "--engine-args",
+    args: tuple[str, ...] = ("--engine", "vllm", "--kv-cache-bytes", "1000000000", "--engine-args",
             '{"enable_return_routed_experts": true}')  # fmt: skip
     if sync is not None:  # a group at a time, so that the sync finds one in flight (all at once, a GPU ends them first)
         args += ("--max-inflight", "2")
@@ -291,7 +293,9 @@ def test_a_trainer_replays_the_engines_routes_and_its_router_still_learns(
     model.zero_grad()
     with routes_replayed(model, other[None]):
         model(ids).logits[0, -1].logsumexp(-1).backward()
-    assert all(r.weight.grad is not None and r.weight.grad.abs().sum() > 0 for r in routers(model))
+    # torch types a module's attributes Tensor | Module.
+    weights = [cast(torch.Tensor, r.weight) for r in routers(model)]
+    assert all(w.grad is not None and w.grad.abs().sum() > 0 for w in weights)
     grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
     model.train().gradient_checkpointing_enable()  # the backward recomputes each layer's forward: replayed too
     model.zero_grad()
@@ -322,7 +326,9 @@ def test_a_torch_engine_in_a_process_of_its_own_sends_its_routes_across(moe_mode
     prompt = np.array([5, 6, 7, 8])
 
     async def routes(process: bool) -> Any:
-        async with create_engine("torch", str(moe_models[0]), process=process, num_threads=1) as engine:
+        engine = create_engine("torch", str(moe_models[0]), process=process, num_threads=1)
+        assert isinstance(engine, EngineLifecycle)  # `async with`: every engine inherits it
+        async with engine:
             return await engine.generate("r", prompt, asked)
 
     apart, here = asyncio.run(routes(True)), asyncio.run(routes(False))

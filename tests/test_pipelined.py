@@ -11,6 +11,7 @@ import pytest
 import redis
 import redis.asyncio.connection
 
+from pipeline.codec import as_entries
 from pipeline.connections import async_retry, async_twin, connect, socket_timeout_s
 from pipeline.local import RedisServer
 from pipeline.pipelined import PipelinedConnection, writes
@@ -26,8 +27,13 @@ def pipe_to(client: redis.Redis) -> PipelinedConnection:
     return PipelinedConnection(make, async_retry(client), socket_timeout_s(client))
 
 
+def packed(*command: str) -> bytes:
+    """One command, packed by `hiredis.pack_command`."""
+    return hiredis.pack_command(command)  # type: ignore[arg-type]  # its stub takes a one-element tuple
+
+
 def echoes(batch: int, size: int) -> list[bytes]:
-    return [hiredis.pack_command(("ECHO", f"{batch}.{k}")) for k in range(size)]
+    return [packed("ECHO", f"{batch}.{k}") for k in range(size)]
 
 
 @pytest.mark.parametrize("redis_server", REDIS_VERSIONS, indirect=True)
@@ -41,7 +47,7 @@ def test_concurrent_batches_each_get_their_own_replies(redis_server: RedisServer
     async def one(batch: int) -> list[Any]:
         commands = echoes(batch, 1 + batch % 9)
         if batch == 17:
-            commands.insert(2, hiredis.pack_command(("INCR", f"{ns}:text")))
+            commands.insert(2, packed("INCR", f"{ns}:text"))
         return await pipe.call(commands)
 
     async def run() -> list[list[Any]]:
@@ -70,7 +76,7 @@ def test_a_killed_connection_fails_every_batch_on_it_and_each_is_sent_again(redi
     pipe = pipe_to(client)
 
     async def run() -> list[list[Any]]:
-        blocked = asyncio.create_task(pipe.call([*echoes(0, 2), hiredis.pack_command(("BLPOP", f"{ns}:none", "1"))]))
+        blocked = asyncio.create_task(pipe.call([*echoes(0, 2), packed("BLPOP", f"{ns}:none", "1")]))
         behind = [asyncio.create_task(pipe.call(echoes(b, 3))) for b in range(1, 6)]
         for _ in range(200):  # the BLPOP is blocking on the server: kill its connection there
             blocking = [c for c in client.client_list() if c["cmd"] == "blpop"]
@@ -102,7 +108,7 @@ def test_a_batch_cancelled_before_its_replies_came_leaves_none_of_them_to_anothe
     pipe = pipe_to(client)
 
     async def run() -> list[list[Any] | None]:
-        calls = [asyncio.create_task(pipe.call([hiredis.pack_command(("BLPOP", f"{ns}:none", "1")), *echoes(0, 1)]))]
+        calls = [asyncio.create_task(pipe.call([packed("BLPOP", f"{ns}:none", "1"), *echoes(0, 1)]))]
         calls += [asyncio.create_task(pipe.call(echoes(b, 3))) for b in range(1, 6)]
         while not [c for c in client.client_list() if c["cmd"] == "blpop"]:
             await asyncio.sleep(0.01)
@@ -133,7 +139,7 @@ def test_a_batch_unanswered_within_the_socket_timeout_fails_and_the_next_gets_a_
     async def run() -> tuple[BaseException | None, float, list[Any]]:
         started = asyncio.get_running_loop().time()
         try:
-            await pipe.call([hiredis.pack_command(("BLPOP", f"{ns}:none", "5"))])
+            await pipe.call([packed("BLPOP", f"{ns}:none", "5")])
             error = None
         except BaseException as exc:
             error = exc
@@ -156,9 +162,7 @@ def test_the_twin_connects_with_the_clients_database_and_name(installed_redis: R
 
     async def run() -> list[Any]:
         try:
-            return await pipe.call(
-                [hiredis.pack_command(("SET", f"{ns}:k", "v")), hiredis.pack_command(("CLIENT", "GETNAME"))]
-            )
+            return await pipe.call([packed("SET", f"{ns}:k", "v"), packed("CLIENT", "GETNAME")])
         finally:
             await pipe.close()
 
@@ -207,7 +211,7 @@ def test_the_publisher_rides_out_a_script_flush_and_a_lost_connection_with_batch
     monkeypatch.setattr(PipelinedConnection, "_read", staticmethod(lose_the_first_replies))
     results = asyncio.run(publish(pairs[4:]))
     assert lost and set(results) <= {2, -1} and results[:2] == [-1, -1], results
-    ids = [fields[b"id"] for _, fields in client.xrange(streams.keys.rollouts)]
+    ids = [fields[b"id"] for _, fields in as_entries(client.xrange(streams.keys.rollouts))]
     assert sorted(ids) == sorted(f"{p.id}:{k}".encode() for p in prompts for k in range(2))
     assert client.xpending(streams.keys.prompts, GENERATORS)["pending"] == 0
     client.close()
@@ -238,7 +242,7 @@ def test_a_burst_that_finds_the_wire_idle_goes_out_in_even_pieces(redis_server: 
 
     assert asyncio.run(burst()) == [2] * 28
     assert publisher.batches == 4
-    ids = [fields[b"id"] for _, fields in client.xrange(streams.keys.rollouts)]
+    ids = [fields[b"id"] for _, fields in as_entries(client.xrange(streams.keys.rollouts))]
     assert sorted(ids) == sorted(f"{p.id}:{k}".encode() for p in prompts for k in range(2))
     assert client.xpending(streams.keys.prompts, GENERATORS)["pending"] == 0
     client.close()

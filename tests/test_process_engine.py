@@ -37,8 +37,9 @@ def run(go: Any, model_dir: Path, **options: Any) -> Any:
     """`go(engine)` on a started engine in a process of its own, shut down after."""
 
     async def main() -> Any:
-        async with create_engine("torch", str(model_dir), process=True, num_threads=1, **options) as engine:
-            assert isinstance(engine, ProcessEngine)
+        engine = create_engine("torch", str(model_dir), process=True, num_threads=1, **options)
+        assert isinstance(engine, ProcessEngine)
+        async with engine:
             return await go(engine)
 
     return asyncio.run(main())

@@ -23,9 +23,9 @@ import ray
 from ray.util.placement_group import placement_group_table
 
 from consumers.ray_launcher import ray_namespace
+from pipeline.codec import as_fields
 from pipeline.local import RedisServer, free_port
-from pipeline.streams import GENERATORS
-from pipeline.wire import Keys
+from pipeline.wire import GENERATORS, Keys
 from producers.client import RolloutClient
 from tests.fixtures import FAST, wait_until
 from tests.test_cli import assert_clean_error
@@ -78,7 +78,12 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 def ray_view(address: str, ns: str) -> tuple[list[str], list[str]]:
     """The named actors in the pipeline's Ray namespace, and the names of its placement groups not removed."""
-    ray.init(address=address, namespace=ray_namespace(ns), logging_level="error", log_to_driver=False)
+    ray.init(
+        address=address,
+        namespace=ray_namespace(ns),
+        logging_level="error",  # type: ignore[arg-type]  # ray takes a level's name too, though it types an int
+        log_to_driver=False,
+    )
     try:
         actors = ray.util.list_named_actors()
         groups = [g["name"] for g in placement_group_table().values() if g["state"] != "REMOVED"]
@@ -183,7 +188,11 @@ def test_lazy_ray_workers_start_their_engine_on_the_first_work_and_release_it_wh
     assert launched.returncode == 0, launched.stdout + launched.stderr
     assert f"1 workers ready (--lazy) on {keys.prompts}: ray-0" in " ".join(launched.stderr.split())
     client = RolloutClient(url, ns)
-    beat = lambda: {k.decode(): v.decode() for k, v in client.streams.redis.hgetall(keys.worker("ray-0")).items()}  # noqa: E731
+
+    def beat() -> dict[str, str]:
+        fields = as_fields(client.streams.redis.hgetall(keys.worker("ray-0")))
+        return {k.decode(): v.decode() for k, v in fields.items()}
+
     assert (beat()["status"], beat()["engine_starts"]) == ("idle", "0")
     try:
         for round_ in (1, 2):

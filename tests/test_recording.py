@@ -14,7 +14,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import redis
+from rich.table import Table
 
+from pipeline.codec import as_entries, for_redis
 from pipeline.local import RedisServer
 from pipeline.processes import start_command, stop_process
 from pipeline.recording import (
@@ -79,12 +81,12 @@ def add_rollouts(client: redis.Redis, ns: str, rollouts: list[Rollout]) -> list[
     """Put rollouts on `{ns}:rollouts` as a worker's publish does (XADD of `to_fields`), without markers."""
     pipe = client.pipeline(transaction=False)
     for rollout in rollouts:
-        pipe.xadd(Keys(ns).rollouts, rollout.to_fields())
+        pipe.xadd(Keys(ns).rollouts, for_redis(rollout.to_fields()))
     return pipe.execute()
 
 
 def wire_fields(client: redis.Redis, stream: str) -> dict[bytes, dict[bytes, bytes]]:
-    return {fields[b"id"]: fields for _, fields in client.xrange(stream)}
+    return {fields[b"id"]: fields for _, fields in as_entries(client.xrange(stream))}
 
 
 def group_info(client: redis.Redis, stream: str, group: str) -> dict | None:
@@ -171,7 +173,9 @@ def test_the_recorder_rolls_by_size_and_acks_a_file_only_once_it_is_on_disk(
         held = {p["message_id"] for p in client.xpending_range(stream, RECORDER, "-", "+", 1000)}
         written = {r.entry_id.encode() for r in read_recording(on_disk)} if on_disk else set()
         assert not held & written, "every entry in a finished file is acked"
-        delivered = ids.index(group_info(client, stream, RECORDER)["last-delivered-id"]) + 1
+        info = group_info(client, stream, RECORDER)
+        assert info is not None
+        delivered = ids.index(info["last-delivered-id"]) + 1
         assert len(held) + len(written) == delivered
         most_held = max(most_held, len(held))
     assert most_held > 0, "the open file's entries wait for it"
@@ -233,6 +237,7 @@ def test_top_shows_the_recorders_group_with_its_lag_and_pending(
     assert groups[RECORDER] == {"lag": 4, "pending": 5, "consumers": 1}
     assert groups[TRAINER] == {"lag": 9, "pending": 0, "consumers": 0}
     table = render(snap).renderables[0]
+    assert isinstance(table, Table)
     assert RECORDER in table.columns[2]._cells and "4" in table.columns[3]._cells
     recorder.close()
 
@@ -252,7 +257,7 @@ def test_a_recorder_killed_mid_file_loses_nothing(redis_server: RedisServer, ns:
         """In one MULTI, so that the recorder reads them in one read and its file holds all or none."""
         pipe = client.pipeline(transaction=True)
         for rollout in rollouts:
-            pipe.xadd(stream, rollout.to_fields())
+            pipe.xadd(stream, for_redis(rollout.to_fields()))
         return pipe.execute()[-1]
 
     recorder = start_command(*args, log_file=log)
@@ -262,7 +267,9 @@ def test_a_recorder_killed_mid_file_loses_nothing(redis_server: RedisServer, ns:
         wait_until(lambda: len(list(out.glob("*.parquet"))) == 1, 30, "the first file")
         wait_until(lambda: pending(client, stream, RECORDER) == 0, 10, "its entries to be acked")
         add_at_once(second)  # a file opened, far from full: the recorder is killed with it open
-        wait_until(lambda: list(out.glob(".*.tmp")) and pending(client, stream, RECORDER) == 3, 30, "an open file")
+        wait_until(
+            lambda: bool(list(out.glob(".*.tmp"))) and pending(client, stream, RECORDER) == 3, 30, "an open file"
+        )
         os.kill(recorder.pid, signal.SIGKILL)
         recorder.wait()
     finally:
@@ -450,7 +457,7 @@ def test_a_run_with_real_workers_records_and_replays_bit_for_bit(
         ids = [client.submit(f"what is {i} + {i}?", n=3, max_tokens=16, seed=i, meta={"i": i}) for i in range(4)]
         ids += [client.submit(tokens=[5 + i, 17, 33], n=3, max_tokens=16, temperature=0.8) for i in range(4)]
         live = client.collect(len(ids), timeout=180)
-        last = r.xrevrange(keys.rollouts, count=1)[0][0]
+        last = as_entries(r.xrevrange(keys.rollouts, count=1))[0][0]
         wait_until(lambda: has_read_up_to(r, keys.rollouts, RECORDER, last), 30, "the recorder to read every rollout")
     finally:
         assert stop_process(recorder) == 0, log.read_text()

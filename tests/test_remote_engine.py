@@ -24,7 +24,7 @@ from consumers.engines.remote_engine import RemoteVllmEngine
 from consumers.engines.vllm_engine import VllmEngine
 from pipeline.local import RedisServer, free_port
 from pipeline.processes import start_worker, stop_process, wait_for_worker
-from pipeline.wire import GENERATORS, Prompt, Sampling
+from pipeline.wire import GENERATORS, PauseMode, Prompt, Sampling
 from producers.client import RolloutClient
 from tests.engine_loop import Served
 from tests.fixtures import StartWorker, holds_work, wait_until
@@ -99,7 +99,8 @@ def test_the_engine_drops_an_idle_connection_before_the_vllm_server_does() -> No
 
     client = http_client("http://127.0.0.1:1", {})
     try:
-        expiry = client._transport._pool._keepalive_expiry  # httpx keeps its Limits only in the pool
+        # httpx keeps its Limits only in the pool.
+        expiry = client._transport._pool._keepalive_expiry  # type: ignore[attr-defined]  # httpx declares no pool
         assert expiry is not None and expiry < vllm.envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE / 2
     finally:
         asyncio.run(client.aclose())
@@ -191,7 +192,7 @@ def test_two_workers_sharing_one_server_sync_weights_mid_generation(
     tiny_model_dir_v1: Path,
     server: Server,
     tmp_path: Path,
-    mode: str,
+    mode: PauseMode,
 ) -> None:
     wait_until(server.healthy, 300, "the vLLM server")
     server.serve_base_model(tiny_model_dir)  # the previous test left it at version 2
@@ -216,6 +217,7 @@ def test_two_workers_sharing_one_server_sync_weights_mid_generation(
         # Both moved to v1 (a worker whose heartbeat lapsed in a machine stall counts as gone, not evicted: see
         # REMOTE_FLAGS); the spans below prove every token's version either way.
         report = client.last_sync
+        assert report is not None
         assert sorted(report.acked + report.gone) == ["a", "b"] and report.evicted == [], report
         assert client.publish_weights(tiny_model_dir, transport=f"fs://{tmp_path / 'weights'}", mode=mode) == 2
         weights = {0: tiny_model_dir, 1: tiny_model_dir_v1, 2: tiny_model_dir}
@@ -264,6 +266,7 @@ def test_a_lazy_remote_worker_connects_on_the_first_prompt_and_its_release_leave
 
         # A sync while released is acked with nothing loaded; the next start loads it through the staging directory.
         assert client.publish_weights(tiny_model_dir_v1, transport="redis://") == 1
+        assert client.last_sync is not None
         assert client.last_sync.acked == ["lazy"] and client.last_sync.evicted == []
         assert httpx.get(f"{server.url}/weight_info").json()["weight_version"] == "0"
         serve_one(client, "second", 1, {1: tiny_model_dir_v1})

@@ -127,6 +127,7 @@ def test_a_step_on_the_loss_raises_good_samples_and_lowers_bad_ones() -> None:
     assert out.clip_fraction == 0.0 and out.ratio_mean == pytest.approx(1.0) and out.kl == pytest.approx(0.0)
     assert float(out.loss.detach()) == pytest.approx(-(3 * 1.0 + 2 * -1.0) / 5)  # token mean over the batch
     out.loss.backward()
+    assert logits.grad is not None
     with torch.no_grad():
         after = torch.log_softmax(logits - 1.0 * logits.grad, -1).gather(-1, tokens[..., None]).squeeze(-1)
     moved = (after - behaviour)[mask.bool()]
@@ -141,6 +142,7 @@ def test_tokens_outside_the_clip_give_no_gradient() -> None:
     behaviour = current.detach() - torch.tensor([[1.0, 0.0, -1.0]])  # ratios e, 1, 1/e
     out = policy_loss(current, behaviour, torch.tensor([1.0]), mask, clip_low=0.2)
     out.loss.backward()
+    assert logits.grad is not None
     grads = logits.grad.abs().sum(-1)[0]
     assert grads[0] == 0 and grads[1] > 0 and grads[2] > 0, "ratio e > 1.2 with a positive advantage: clipped"
     assert out.clip_fraction == pytest.approx(1 / 3)

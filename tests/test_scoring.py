@@ -19,6 +19,7 @@ import sys
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import cast
 
 import psutil
 import pytest
@@ -30,6 +31,7 @@ from consumers.scoring.backend import Outcome
 from consumers.scoring.inline import InlineBackend
 from consumers.scoring.job import load_reward_fn, score_group
 from consumers.scoring.rq_backend import RQBackend
+from pipeline.codec import as_entries, as_fields, for_redis
 from pipeline.local import RedisServer
 from pipeline.processes import start_command, stop_process
 from pipeline.top import snapshot
@@ -94,7 +96,12 @@ def test_an_inline_call_past_its_timeout_is_a_reward_error_at_once() -> None:
     backend = InlineBackend(timeout_s=0.1, threads=1)
     backend.submit("g", "tests.rewards:slow", [view([2]), view([4], sample=1)])  # 0.3 s a rollout
     outcomes: list[Outcome] = []
-    wait_until(lambda: bool(outcomes.extend(backend.poll()) or outcomes), 5, "the inline timeout")
+
+    def polled() -> bool:
+        outcomes.extend(backend.poll())
+        return bool(outcomes)
+
+    wait_until(polled, 5, "the inline timeout")
     assert outcomes[0].key == "g" and outcomes[0].error == "timed out after 0.1 s (inline scoring)"
     backend.close()
 
@@ -122,7 +129,7 @@ def test_a_trainer_waiting_on_unscored_rollouts_is_told_to_start_a_scorer(
     rollout = Rollout(prompt_id="p", sample=0, n=2, version=0, version_end=0, finish_reason="length", worker="w",
                       prompt_tokens=[5, 6], tokens=[2], logprobs=[-1.0], spans=[(0, 0, 1)],
                       reward_fn=prompt.reward_fn)  # fmt: skip
-    client.streams.redis.xadd(client.streams.keys.scoring, rollout.to_fields())  # what a worker publishes
+    client.streams.redis.xadd(client.streams.keys.scoring, for_redis(rollout.to_fields()))  # what a worker publishes
     with pytest.raises(TimeoutError, match=rf"1 rollouts wait on \{{{ns}\}}:scoring for a reward: is `rollouts scorer"):
         client.collect(1, timeout=0.5)
 
@@ -190,7 +197,7 @@ def test_inline_scoring_sets_the_reward_every_reader_sees(
     for pid in plain:  # no reward_fn: straight from the worker, unscored
         assert groups[pid].rewards == [None] * 3
     # What redis-cli (and a recorder) reads: the `reward` field of the entries on {ns}:rollouts.
-    raw = redis.Redis.from_url(redis_server.url).xrange(Keys(ns).rollouts)
+    raw = as_entries(redis.Redis.from_url(redis_server.url).xrange(Keys(ns).rollouts))
     with_reward = [fields for _id, fields in raw if b"reward" in fields]
     assert len(with_reward) == 6 * 3 and all(float(f[b"reward"]) >= 0 for f in with_reward)
     top = subprocess.run(
@@ -210,7 +217,7 @@ def publish_for_scoring(client: RolloutClient, prompt_id: str, n: int, reward_fn
         rollout = Rollout(prompt_id=prompt_id, sample=sample, n=n, version=0, version_end=0, finish_reason="length",
                           worker="w", prompt_tokens=[5, 6], tokens=tokens, logprobs=[-1.0] * len(tokens),
                           spans=[(0, 0, len(tokens))], reward_fn=reward_fn)  # fmt: skip
-        client.streams.redis.xadd(client.streams.keys.scoring, rollout.to_fields())
+        client.streams.redis.xadd(client.streams.keys.scoring, for_redis(rollout.to_fields()))
 
 
 def test_a_scorer_at_its_default_threads_scores_a_reward_whose_first_call_imports_transformers(
@@ -324,17 +331,17 @@ def test_rq_scoring_with_json_jobs_and_reward_errors_that_never_stall_the_loop(
     for pid in good + after:
         for r in groups[pid].rollouts:
             assert r.reward == pytest.approx(rewards.even_share({"tokens": r.tokens.tolist()}))
-    assert "ValueError: cannot parse the answer" in groups[bad[0]].reward_error
-    assert "finite number" in groups[junk[0]].reward_error
-    assert "timeout" in groups[hung[0]].reward_error.lower()
+    assert "ValueError: cannot parse the answer" in (groups[bad[0]].reward_error or "")
+    assert "finite number" in (groups[junk[0]].reward_error or "")
+    assert "timeout" in (groups[hung[0]].reward_error or "").lower()
     for pid in bad + junk + hung:
         assert groups[pid].rewards == [None] * 3
     # No pickle: each job's payload is JSON (RQ stores it zlib-compressed in the job hash).
     connection = redis.Redis.from_url(redis_server.url)
     job_keys = [k for k in connection.scan_iter(match="rq:job:*") if connection.type(k) == b"hash"]
-    payloads = [connection.hget(k, "data") for k in job_keys]
+    payloads = [cast("bytes | None", connection.hget(k, "data")) for k in job_keys]  # no decode_responses: bytes
     assert payloads and all(json.loads(zlib.decompress(p)) for p in payloads if p)
-    status = {k.decode(): v.decode() for k, v in connection.hgetall(Keys(ns).scorer).items()}
+    status = {k.decode(): v.decode() for k, v in as_fields(connection.hgetall(Keys(ns).scorer)).items()}
     assert status["reward_errors"] == "3" and status["groups"] == "8" and status["mode"] == f"rq:{queue}"
 
 

@@ -87,7 +87,7 @@ def test_skyrl_client_drives_generate_pause_weights_resume(
     worker = workers("w1")
     url = gateways("gw", "--rl-control").removesuffix("/v1")
     prompt = [5, 6, 7, 8, 9, 10]
-    config = {"url": url, "model": "tiny", "prompt": prompt, "weights_dir": str(tiny_model_dir_v1)}
+    config: dict[str, object] = {"url": url, "model": "tiny", "prompt": prompt, "weights_dir": str(tiny_model_dir_v1)}
     config |= {"long_tokens": 480, "long_samples": 16, "short_tokens": 12}
     driver = subprocess.Popen(
         [skyrl_python, str(DRIVER), json.dumps(config)],

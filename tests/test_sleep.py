@@ -23,6 +23,7 @@ import torch
 from consumers.engines.base import WAKE_ALL, Generation, SleepNotSupported, WakePart
 from consumers.engines.torch_engine import TorchEngine
 from consumers.worker import Worker
+from pipeline.codec import as_entries
 from pipeline.connections import connect
 from pipeline.local import RedisServer
 from pipeline.streams import Streams
@@ -298,6 +299,7 @@ def test_a_fleet_sleeps_through_a_training_step_and_the_publish_after_it_wakes_a
         client.sleep(1)
 
     assert client.publish_weights(tiny_model_dir_v1) == 1  # wakes each worker, which loads, acks and resumes
+    assert client.last_sync is not None
     assert sorted(client.last_sync.acked) == ["w1", "w2"] and client.last_sync.evicted == []
     state = client.streams.redis.hgetall(client.streams.keys.state)
     assert (state[b"paused"], state[b"asleep"], state[b"version"]) == (b"0", b"0", b"1")
@@ -344,7 +346,7 @@ def test_a_worker_stopped_asleep_in_keep_mode_hands_its_frozen_samples_on_at_onc
     w1.send_signal(signal.SIGTERM)
     assert w1.wait(timeout=60) == 0 and time.monotonic() - stopped < 15
     keys = client.streams.keys
-    partials = [Partial.from_fields(fields) for _, fields in client.streams.redis.xrange(keys.partials)]
+    partials = [Partial.from_fields(fields) for _, fields in as_entries(client.streams.redis.xrange(keys.partials))]
     assert sorted(p.prompt.id for p in partials) == ["long-0", "long-1"]
     assert all(0 < len(p.generated) < 500 and p.spans == [(0, 0, len(p.generated))] for p in partials)
     assert client.streams.redis.xpending(keys.prompts, GENERATORS)["pending"] == 0  # acked with the hand-off
@@ -384,6 +386,7 @@ def test_a_worker_whose_engine_cannot_sleep_pauses_acks_awake_and_syncs_with_the
     assert (beat("vllm-w")[b"status"], beat("vllm-w")[b"asleep"]) == (b"paused", b"0")
 
     assert client.publish_weights(tiny_model_dir_v1) == 1
+    assert client.last_sync is not None
     assert sorted(client.last_sync.acked) == ["torch-w", "vllm-w"]
     state = client.streams.redis.hgetall(client.streams.keys.state)
     assert (state[b"paused"], state[b"asleep"]) == (b"0", b"0")

@@ -27,6 +27,7 @@ import sys
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TypedDict
 
 import numpy as np
 import pytest
@@ -44,6 +45,14 @@ from tests.reference import check_spans_and_logprobs
 
 BUCKET = 32 << 10
 """32 KiB: the tiny model (~580 KiB, 27 tensors, the biggest 128 KiB) spans many buckets."""
+
+
+class Faults(TypedDict, total=False):
+    """What `LazyModel.tensors` gets wrong on purpose."""
+
+    names: list[str]
+    rename: dict[str, str]
+    reshape: dict[str, slice]
 
 
 class LazyModel:
@@ -161,7 +170,7 @@ def test_weights_that_fit_no_worker_fail_in_one_line_and_the_worker_keeps_servin
     lazy = LazyModel(tiny_model_dir)
     embed = "model.embed_tokens.weight"
     rows = lazy.sizes[embed] // 4 // 64
-    cases = [
+    cases: list[tuple[Faults, str]] = [
         ({"rename": {embed: f"module.{embed}"}},
          rf"^tensor 'module\.{embed}' is not in the workers' model \(did you mean '{embed}'\?\): publish the names of "
          r"the model's state_dict\(\), without wrapper prefixes such as 'module\.'"),

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import redis
 
+from pipeline.codec import as_entries, for_redis
 from pipeline.connections import connect, retried_failures, socket_timeout_s
 from pipeline.control import ABORT_COST_S, BELLS, WAKE_COST_S, WAKE_WAVE, bell_index, wave_gap, waves
 from pipeline.local import RedisServer
@@ -107,7 +108,7 @@ def test_a_take_leaves_the_other_workers_with_room_their_share(any_redis: redis.
         assert streams.take(name, 64, 0, 60_000) == ([], False)  # nothing waits: on the ready set, with room
     key = getattr(streams.keys, stream)
     for k in range(16):
-        any_redis.xadd(key, prompt(f"p{k}").to_fields() if stream == "prompts" else {"k": k})
+        any_redis.xadd(key, for_redis(prompt(f"p{k}").to_fields()) if stream == "prompts" else {"k": k})
 
     def took(name: str, room: int, held: int, horizon_ms: int = 60_000) -> int | str:
         entries, others_turn = streams.take(name, room, held, horizon_ms)
@@ -207,7 +208,7 @@ def asked_ago_ms(client: redis.Redis, streams: Streams, name: str) -> float:
 def idle_ms(client: redis.Redis, streams: Streams) -> int:
     """The least idle time of the prompts pending on anyone."""
     pending = client.xpending_range(streams.keys.prompts, GENERATORS, "-", "+", 100)
-    return min(p["time_since_delivered"] for p in pending)
+    return min(int(p["time_since_delivered"]) for p in pending)
 
 
 def test_groups_are_created_once(any_redis: redis.Redis, ns: str) -> None:
@@ -242,7 +243,7 @@ def test_publish_is_atomic_idempotent_and_acks(any_redis: redis.Redis, ns: str) 
     streams.add_prompts([p])
     (again,) = streams.read_work("w2", 10, None)
     assert streams.publish_rollouts(rollouts_for(p), again) == 0
-    ids = [fields[b"id"] for _, fields in any_redis.xrange(streams.keys.rollouts)]
+    ids = [fields[b"id"] for _, fields in as_entries(any_redis.xrange(streams.keys.rollouts))]
     assert ids == [b"p1:0", b"p1:1", b"p1:2"]
     assert any_redis.xpending(streams.keys.prompts, GENERATORS)["pending"] == 0
 
@@ -273,7 +274,7 @@ def test_the_dedupe_remembers_each_id_for_its_ttl_in_a_few_hashes(any_redis: red
     assert len(keys) == 2  # two buckets, whatever the number of rollouts
     now += 41  # 271 s after the first (past the TTL and the bucket it fell in), 171 s after the others
     assert publish(made) == 1  # only sample 0 is new again
-    ids = [fields[b"id"] for _, fields in any_redis.xrange(streams.keys.rollouts)]
+    ids = [fields[b"id"] for _, fields in as_entries(any_redis.xrange(streams.keys.rollouts))]
     assert ids == [b"p1:0", b"p1:9", b"p1:4095", b"p1:0"]
     ttl = any_redis.ttl(streams.dedupe_buckets()[0][-1])
     assert 0 < ttl <= 300  # a bucket lives as long as a publish may look at it, then goes
@@ -293,7 +294,7 @@ def test_publishes_sent_together_are_each_atomic_and_deduped(any_redis: redis.Re
     done = streams.publish_many([Publish(twice, e_a), Publish(rollouts_for(b), e_b), Publish(rollouts_for(c), e_c)])
     assert done == [3, -1, 2]
     assert streams.publish_many([Publish(rollouts_for(a), e_a2)]) == [0]  # a's ids again, from another entry
-    ids = [fields[b"id"] for _, fields in any_redis.xrange(streams.keys.rollouts)]
+    ids = [fields[b"id"] for _, fields in as_entries(any_redis.xrange(streams.keys.rollouts))]
     assert ids == [b"b:0", b"b:1", b"a:0", b"a:1", b"a:2", b"c:0", b"c:1"]
     assert any_redis.xpending(streams.keys.prompts, GENERATORS)["pending"] == 0
 
@@ -318,7 +319,7 @@ def test_a_publisher_coalesces_concurrent_publishes_and_answers_each(real_redis:
     assert results[7] == -1
     assert [r for i, r in enumerate(results) if i not in (7, 9)] == [2] * 38
     assert 5 <= publisher.batches < 40  # at most 8 a pipeline, and more than one a pipeline
-    published = [fields[b"prompt_id"] for _, fields in real_redis.xrange(streams.keys.rollouts)]
+    published = [fields[b"prompt_id"] for _, fields in as_entries(real_redis.xrange(streams.keys.rollouts))]
     assert sorted(set(published)) == sorted(p.id.encode() for p in prompts if p.id != "p9")
     assert len(published) == 2 * 39
 
@@ -359,7 +360,7 @@ def test_a_publish_writes_exactly_the_fields_of_the_wire_contract(any_redis: red
     plain[2] = plain[2].model_copy(update={"logprobs": np.zeros(0, np.float32), "spans": []})
     other = [r.model_copy(update={"meta": {"k": "✓", "n": [1, 2]}, "timing": {"x": 1e-9}}) for r in rollouts_for(b)]
     assert streams.publish_many([Publish(plain, e_a), Publish(other, e_b)]) == [3, 2]
-    written = [list(fields.items()) for _, fields in any_redis.xrange(streams.keys.rollouts)]
+    written = [list(fields.items()) for _, fields in as_entries(any_redis.xrange(streams.keys.rollouts))]
     assert written == [list(r.to_fields().items()) for r in plain + other]
     assert [Rollout.from_fields(dict(f)).id for f in written] == [r.id for r in plain + other]
 
@@ -396,7 +397,7 @@ def test_a_publish_after_a_script_flush_or_a_lost_reply_still_goes_once(
     failures = retried_failures(client)
     done = streams.publish_many([Publish(rollouts_for(p), e) for p, e in zip(prompts[3:], entries[3:], strict=True)])
     assert done == [-1, -1, -1] and lost and retried_failures(client) == failures + 1
-    ids = [fields[b"id"] for _, fields in client.xrange(streams.keys.rollouts)]
+    ids = [fields[b"id"] for _, fields in as_entries(client.xrange(streams.keys.rollouts))]
     assert ids == [f"{p.id}:{k}".encode() for p in prompts for k in range(2)]
     assert client.xpending(streams.keys.prompts, GENERATORS)["pending"] == 0
     client.close()
@@ -426,7 +427,7 @@ def test_dead_letter_keeps_the_original_and_acks(any_redis: redis.Redis, ns: str
     assert streams.dead_letter(entry, "missing field 'v'", "decode")
     # Again (a claim that raced with it, a call retried after its reply was lost): no second dead letter.
     assert not streams.dead_letter(entry, "missing field 'v'", "decode")
-    ((_, dead),) = any_redis.xrange(streams.keys.dead)
+    ((_, dead),) = as_entries(any_redis.xrange(streams.keys.dead))
     assert dead == {b"garbage": b"\xff", b"error": b"missing field 'v'", b"stage": b"decode"}
     assert any_redis.xpending(streams.keys.prompts, GENERATORS)["pending"] == 0
 
@@ -441,7 +442,7 @@ def test_abandoned_work_is_claimed_but_touched_work_is_not(any_redis: redis.Redi
 
     def idle_ms(entry: Entry) -> int:
         (info,) = any_redis.xpending_range(streams.keys.prompts, GENERATORS, entry.id, entry.id, 1)
-        return info["time_since_delivered"]
+        return int(info["time_since_delivered"])
 
     wait_until(lambda: idle_ms(dead) >= 400, 10, "the entries to idle past 400 ms")
     if how == "touch":  # w1 still works on `alive`: its idle time starts again
@@ -465,7 +466,7 @@ def test_work_deleted_while_pending_is_acked_not_claimed(any_redis: redis.Redis,
 
     def idle_ms() -> int:
         pending = any_redis.xpending_range(streams.keys.prompts, GENERATORS, "-", "+", 10)
-        return min(p["time_since_delivered"] for p in pending)
+        return min(int(p["time_since_delivered"]) for p in pending)
 
     wait_until(lambda: idle_ms() >= 20, 10, "the held entries to idle")  # fakeredis counts idle 0 as not idle
     claimed, _ = streams.claim_abandoned("w2", min_idle_ms=10, count=10)
@@ -501,7 +502,7 @@ def test_trim_never_passes_the_slowest_group(any_redis: redis.Redis, ns: str) ->
     any_redis.xreadgroup("recorder", "r", {rollouts: ">"}, count=5)
     any_redis.xack(rollouts, "recorder", *ids[:5])
     assert streams.trim_consumed(rollouts) == 3
-    assert [i for i, _ in any_redis.xrange(rollouts)] == ids[3:]
+    assert [i for i, _ in as_entries(any_redis.xrange(rollouts))] == ids[3:]
 
 
 def test_a_large_backlog_is_trimmed_in_commands_of_a_bounded_size(real_redis: redis.Redis, ns: str) -> None:
@@ -518,10 +519,10 @@ def test_a_large_backlog_is_trimmed_in_commands_of_a_bounded_size(real_redis: re
         pipe.xadd(rollouts, {b"i": str(i).encode()})  # small ones: many to a node
     ids = pipe.execute()
     read = real_redis.xreadgroup(TRAINER, "t", {rollouts: ">"}, count=len(ids) - 3)
-    real_redis.xack(rollouts, TRAINER, *[entry_id for entry_id, _ in read[0][1]])
+    real_redis.xack(rollouts, TRAINER, *[entry.id for entry in entries_from_reply(read)])
     real_redis.config_resetstat()
     assert streams.trim_consumed(rollouts) == len(ids) - 3
-    assert [i for i, _ in real_redis.xrange(rollouts)] == ids[-3:]  # exactly what is still unread
+    assert [i for i, _ in as_entries(real_redis.xrange(rollouts))] == ids[-3:]  # exactly what is still unread
     xtrim = real_redis.info("commandstats")["cmdstat_xtrim"]
     assert xtrim["calls"] >= 4 + 2, xtrim  # 4+ chunks, a call that finds nothing more, the exact remainder
 
@@ -536,8 +537,14 @@ def test_the_trainer_reads_big_rollouts_a_megabyte_at_a_time(
     client = RolloutClient(real_redis, ns)
     asked: list[int] = []
     read = client.streams.read_rollouts
-    monkeypatch.setattr(client.streams, "read_rollouts", lambda consumer, count, *a, **k: (
-        asked.append(count), read(consumer, count, *a, **k))[1])  # fmt: skip
+
+    def counted(
+        consumer: str, count: int, block_ms: int | None, pending: bool = False, after: bytes = b"0"
+    ) -> list[Entry]:
+        asked.append(count)
+        return read(consumer, count, block_ms, pending, after)
+
+    monkeypatch.setattr(client.streams, "read_rollouts", counted)
 
     def publish(first: int, last: int) -> None:
         streams.add_prompts([Prompt(id=f"p{i}", n=4, tokens=[1, 2, 3]) for i in range(first, last)])
@@ -623,7 +630,7 @@ def test_workers_blocked_on_their_bells_wake_on_a_ring_and_miss_none(real_redis:
     and its wait is not missed; bells keep one entry each, labelled with the command."""
     streams = Streams(real_redis, ns)
     real_redis.sadd(streams.keys.workers, *[f"w{i}" for i in range(200)])  # a fleet of 200: 7 waves
-    names = {}
+    names: dict[int, str] = {}
     for i in range(2000):  # one reader per bell
         names.setdefault(bell_index(f"reader-{i}"), f"reader-{i}")
     assert len(names) == BELLS
@@ -644,7 +651,9 @@ def test_workers_blocked_on_their_bells_wake_on_a_ring_and_miss_none(real_redis:
     assert streams.control.wait_for_bell(name, after[name], 20_000) != after[name]
     assert time.monotonic() - started < 5
     for index in range(BELLS):
-        assert [fields for _, fields in real_redis.xrange(streams.keys.bell(index))] == [{b"cmd": b"resume"}]
+        assert [fields for _, fields in as_entries(real_redis.xrange(streams.keys.bell(index)))] == [
+            {b"cmd": b"resume"}
+        ]
 
 
 def test_a_sync_paces_its_waves_by_what_its_pause_costs_redis(real_redis: redis.Redis, ns: str) -> None:
@@ -672,7 +681,7 @@ def test_a_sync_paces_its_waves_by_what_its_pause_costs_redis(real_redis: redis.
         returned = time.monotonic()
         manager.settle()  # the resume is rung in a thread of the manager's after `sync` returns ...
         assert time.monotonic() - returned >= 0.8 * (len(plan) - 1) * gap  # ... while the trainer goes back to work
-        rung_ms = [int(real_redis.xrange(streams.keys.bell(wave[0]))[0][0].split(b"-")[0]) for wave in plan]
+        rung_ms = [int(as_entries(real_redis.xrange(streams.keys.bell(wave[0])))[0][0].split(b"-")[0]) for wave in plan]
         gaps_ms = [later - earlier for earlier, later in itertools.pairwise(rung_ms)]
         assert min(gaps_ms) >= int(gap * 1000) - 1, (mode, gaps_ms)  # the resume's ring, the last written
         assert report.stall_s >= (len(plan) - 1) * gap, mode  # and the weights' before it, within the stall
@@ -695,7 +704,7 @@ Manager(streams, ack_timeout_s=1).sync(1, "redis://{ns}/v1", mode="abort")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
     client = redis.Redis.from_url(redis_server.url)
     streams = Streams(client, ns)
-    rung = [[fields for _, fields in client.xrange(streams.keys.bell(index))] for index in range(BELLS)]
+    rung = [[fields for _, fields in as_entries(client.xrange(streams.keys.bell(index)))] for index in range(BELLS)]
     assert rung == [[{b"cmd": b"resume"}]] * BELLS
     client.close()
 
@@ -752,7 +761,7 @@ def test_scored_rollouts_go_through_scoring_and_are_forwarded_once(any_redis: re
     assert streams.forward_scored(made, [e.id for e in read]) == 2
     assert streams.forward_scored(made, [e.id for e in read]) == -1  # already forwarded: nothing written
     assert streams.read_scoring(10, None, pending_after=b"0") == []
-    forwarded = [Rollout.from_fields(fields) for _, fields in any_redis.xrange(streams.keys.rollouts)]
+    forwarded = [Rollout.from_fields(fields) for _, fields in as_entries(any_redis.xrange(streams.keys.rollouts))]
     rewards = {r.id: r.reward for r in forwarded}
     assert rewards == {"plain:0": None, "plain:1": None, "scored:0": 0.25, "scored:1": 1.0}
 
@@ -768,11 +777,11 @@ def test_a_restarted_trainer_rereads_an_open_group_once_and_acks_it_only_when_us
     streams.ensure_groups()
     whole = rollouts_for(prompt("g", n=4))
     for rollout in whole[:3]:
-        any_redis.xadd(streams.keys.rollouts, rollout.to_fields())
+        any_redis.xadd(streams.keys.rollouts, for_redis(rollout.to_fields()))
     assert len(streams.read_rollouts("trainer-0", count=10, block_ms=None)) == 3  # handed over, then it died
     restarted = RolloutClient(any_redis, ns, consumer="trainer-0", read_count=2)
     groups = restarted._whole_groups(timeout=5, block_ms=10)
-    any_redis.xadd(streams.keys.rollouts, whole[3].to_fields())
+    any_redis.xadd(streams.keys.rollouts, for_redis(whole[3].to_fields()))
     group = next(groups)
     assert [r.sample for r in group.rollouts] == [0, 1, 2, 3] and restarted.stats["duplicates"] == 0
     assert any_redis.xpending(streams.keys.rollouts, TRAINER)["pending"] == 4, "nothing acked before it is used"
@@ -789,7 +798,7 @@ def test_collect_acks_its_groups_together_and_a_timeout_leaves_them_for_the_next
     streams.ensure_groups()
     for name in ("a", "b", "c"):
         for rollout in rollouts_for(prompt(name)):
-            any_redis.xadd(streams.keys.rollouts, rollout.to_fields())
+            any_redis.xadd(streams.keys.rollouts, for_redis(rollout.to_fields()))
     client = RolloutClient(any_redis, ns, consumer="t")
     acks: list[int] = []
     ack = streams.ack_rollouts

@@ -19,11 +19,11 @@ import openai
 import pytest
 
 from consumers.engines import create_engine
-from consumers.engines.base import EngineInputError, Generation
+from consumers.engines.base import EngineInputError, EngineLifecycle, Generation
 from consumers.engines.remote_engine import RemoteVllmEngine
 from consumers.engines.synthetic_engine import SyntheticEngine
 from consumers.engines.torch_engine import TorchEngine
-from pipeline.codec import encode_float32, encode_int32
+from pipeline.codec import as_entries, encode_float32, encode_int32
 from pipeline.local import RedisServer
 from pipeline.wire import MAX_TOP_LOGPROBS, Keys, Partial, Prompt, Rollout, Sampling, WireError
 from producers.client import RolloutClient
@@ -191,7 +191,9 @@ def test_an_engine_in_its_own_process_hands_the_alternatives_over(tiny_model_dir
     prompt = np.arange(10, 20, dtype=np.int32)
 
     async def go() -> tuple[Generation, Generation]:
-        async with create_engine("torch", str(tiny_model_dir), process=True, num_threads=1) as engine:
+        engine = create_engine("torch", str(tiny_model_dir), process=True, num_threads=1)
+        assert isinstance(engine, EngineLifecycle)  # `async with`: every engine inherits it
+        async with engine:
             asked = engine.generate("a", prompt, Sampling(max_tokens=8, seed=1, top_logprobs=3))
             plain = engine.generate("b", prompt, Sampling(max_tokens=8, seed=1))
             a, b = await asyncio.gather(asked, plain)
@@ -206,7 +208,7 @@ def test_an_engine_in_its_own_process_hands_the_alternatives_over(tiny_model_dir
 def test_engines_that_cannot_rank_refuse_in_one_line(tiny_model_dir: Path) -> None:
     """The synthetic engine (no model) and the remote one (it asks its server for the sampled token's logprob only)
     answer with an error rollout's message, before any request leaves them."""
-    synthetic = SyntheticEngine(tiny_model_dir)
+    synthetic = SyntheticEngine(str(tiny_model_dir))
     remote = RemoteVllmEngine(tiny_model_dir, url="http://127.0.0.1:9")  # never reached: refused before
 
     async def go() -> None:
@@ -433,5 +435,5 @@ def test_the_clients_submit_asks_for_k_alternatives_and_refuses_more_than_the_wi
     client.submit(tokens=[1, 2, 3], n=2, top_logprobs=3)
     with pytest.raises(ValueError, match=rf"top_logprobs must be in \[0, {MAX_TOP_LOGPROBS}\]"):
         client.submit(tokens=[1, 2, 3], top_logprobs=MAX_TOP_LOGPROBS + 1)
-    entries = client.streams.redis.xrange(Keys(ns).prompts)
+    entries = as_entries(client.streams.redis.xrange(Keys(ns).prompts))
     assert [Prompt.from_fields(fields).sampling.top_logprobs for _, fields in entries] == [3]

@@ -11,13 +11,15 @@ import asyncio
 import json
 import math
 import shutil
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import TypedDict, TypeVar
 
 import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
+from typing_extensions import Unpack
 
 from consumers.engines.base import EngineClosedError, EngineInputError, Generation
 from consumers.engines.tiny_model import EOS
@@ -45,17 +47,29 @@ def stacked(arrays: list[np.ndarray]) -> torch.Tensor:
     return torch.from_numpy(np.stack(arrays)).long()
 
 
-def run(coro_fn: Callable[[TorchEngine], object], model_dir: Path, **engine_kwargs: object) -> object:
+T = TypeVar("T")
+
+
+class EngineOptions(TypedDict, total=False):
+    """The `TorchEngine` options the tests set."""
+
+    max_batch: int
+    max_model_len: int | None
+
+
+def run(coro_fn: Callable[[TorchEngine], Awaitable[T]], model_dir: Path, **engine_kwargs: Unpack[EngineOptions]) -> T:
     """Run `coro_fn(engine)` on a fresh, started engine in its own event loop, then shut it down."""
 
-    async def main() -> object:
+    async def main() -> T:
         async with TorchEngine(model_dir, num_threads=1, **engine_kwargs) as engine:
             return await coro_fn(engine)
 
     return asyncio.run(main())
 
 
-def assert_matches_forward(model_dir: Path, prompt: np.ndarray, gen: Generation, start: int = 0, end=None) -> None:
+def assert_matches_forward(
+    model_dir: Path, prompt: np.ndarray, gen: Generation, start: int = 0, end: int | None = None
+) -> None:
     end = len(gen.tokens) if end is None else end
     expected = forward_logprobs(model_dir, prompt.tolist(), gen.tokens[:end].tolist())[start:end]
     np.testing.assert_allclose(gen.logprobs[start:end], expected, rtol=0, atol=ATOL)
@@ -139,18 +153,17 @@ def test_seeded_request_is_the_same_alone_and_in_a_batch(tiny_model_dir: Path) -
 def test_stop_tokens_max_tokens_and_context_end_generation(tiny_model_dir: Path) -> None:
     sampling = Sampling(max_tokens=60, temperature=1.0, seed=LONG_SEED)
 
-    async def go(engine: TorchEngine) -> dict[str, Generation]:
+    async def go(engine: TorchEngine) -> tuple[dict[str, Generation], int]:
         out = {"free": await engine.generate("free", LONG_PROMPT, sampling)}
         tokens = out["free"].tokens.tolist()
         stop_at = next(i for i in range(5, len(tokens)) if tokens[i] not in tokens[:i])
         stop = sampling.model_copy(update={"stop_token_ids": [tokens[stop_at]]})
         out["stop"] = await engine.generate("stop", LONG_PROMPT, stop)
         out["short"] = await engine.generate("short", LONG_PROMPT, sampling.model_copy(update={"max_tokens": 7}))
-        out["stop_at"] = stop_at
-        return out
+        return out, stop_at
 
-    out = run(go, tiny_model_dir)
-    free, stop_at = out["free"], out["stop_at"]
+    out, stop_at = run(go, tiny_model_dir)
+    free = out["free"]
     assert free.finish_reason == "length" and len(free.tokens) == 60
     assert out["stop"].finish_reason == "stop"
     assert out["stop"].tokens.tolist() == free.tokens[: stop_at + 1].tolist()  # the stop token is included
@@ -492,7 +505,10 @@ def test_tiny_model_is_peaked_and_seeds_give_different_weights(tiny_model_dir: P
     text = "What is 12 + 30? The answer is 42."
     assert tokenizer.decode(tokenizer(text).input_ids) == text
     chat = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
-    assert tokenizer.decode(chat["input_ids"] if isinstance(chat, dict) else chat).endswith("<|assistant|>")
+    # decode reads the BatchEncoding (a UserDict, not a dict) that apply_chat_template returns, though transformers
+    # types its argument without one, and types its result str | list[str] (a list for a batch).
+    decoded = tokenizer.decode(chat["input_ids"] if isinstance(chat, dict) else chat)  # type: ignore[arg-type]  # above
+    assert decoded.endswith("<|assistant|>")  # type: ignore[union-attr]  # one sequence: a str
 
     # What vLLM reads from config.json.
     config = json.loads((tiny_model_dir / "config.json").read_text())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -25,6 +26,7 @@ from transformers import AutoModelForCausalLM
 
 from consumers.engines.base import Generation
 from consumers.engines.torch_engine import TorchEngine
+from pipeline.files import fsync_path
 from pipeline.wire import Sampling
 from staleness.weights import fetch_weights, load_version, open_transport
 from staleness.weights import fs as fs_module
@@ -179,7 +181,7 @@ def test_state_dict_of_ties_views_and_bad_input(tmp_path: Path) -> None:
     with pytest.raises(TypeError, match=r"a torch module, a mapping of tensors, an iterable of \(name, tensor\) pairs"):
         state_dict_of(42)  # type: ignore[arg-type]  # the wrong type on purpose
     with pytest.raises(TypeError, match=r"tensor 'x' is a list"):
-        state_dict_of({"x": [1, 2]})  # type: ignore[dict-item]  # the wrong type on purpose
+        state_dict_of({"x": [1, 2]})  # type: ignore[arg-type]  # the wrong type on purpose
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match=r"no safetensors checkpoint at"):
         state_dict_of(tmp_path / "empty")
@@ -212,7 +214,7 @@ def test_fs_publish_appears_only_with_the_final_rename(tmp_path: Path, monkeypat
     weights = small_tensors(0)
     final = tmp_path / "v4"
     events: list[str] = []
-    real_rename, real_fsync = fs_module.os.rename, fs_module.fsync_path
+    real_rename, real_fsync = os.rename, fsync_path  # as fs uses them
 
     def fsync(path: Path) -> None:
         events.append(f"fsync {Path(path).name}")
@@ -227,7 +229,7 @@ def test_fs_publish_appears_only_with_the_final_rename(tmp_path: Path, monkeypat
         real_rename(src, dst)
 
     monkeypatch.setattr(fs_module, "fsync_path", fsync)
-    monkeypatch.setattr(fs_module.os, "rename", rename)
+    monkeypatch.setattr(os, "rename", rename)
     transport.publish(weights, 4)
     assert events[-1] == f"fsync {tmp_path.name}" and events[-2] == "rename v4"
     assert events[0] == "fsync model.safetensors" and events[1].startswith("fsync .partial-v4-")  # file, then dir
@@ -341,7 +343,7 @@ def test_redis_many_chunks_and_every_kind_of_damage(any_redis: redis.Redis, ns: 
 
     chunk7 = f"{tag}:weights:3:7"
     original = any_redis.get(chunk7)
-    assert original is not None
+    assert isinstance(original, bytes)
     any_redis.setrange(chunk7, 100, bytes([original[100] ^ 0xFF]))
     with pytest.raises(ValueError, match=r"weights version 3: checksum mismatch \(sha256 [0-9a-f]{64} != "):
         transport.fetch(3)
@@ -515,6 +517,7 @@ def test_torch_engine_loads_a_published_version(
             with pytest.raises(ValueError, match=r"names version 1, not 2"):
                 await load_version(engine, uri, 2, real_redis)
             with pytest.raises(FileNotFoundError, match=r"weights version 9"):
+                assert isinstance(transport, FsTransport | RedisTransport)
                 await load_version(engine, transport.uri_of(9), 9, real_redis)
             assert engine.version == 1
             return before, after, uri

@@ -402,7 +402,7 @@ def test_what_the_workers_cannot_do_is_refused_in_one_line(
         TrlRollouts(RolloutClient(url, ns, park=ParkingBound(1)))
     client = RolloutClient(url, ns)
     rollouts = TrlRollouts(client)
-    settings = {"top_k": 5, "repetition_penalty": 1.1, "generation_kwargs": {"typical_p": 0.9}}
+    settings: dict[str, Any] = {"top_k": 5, "repetition_penalty": 1.1, "generation_kwargs": {"typical_p": 0.9}}
     trainer = build_trainer(tiny_model_dir, tmp_path, rollouts, **settings)
     with pytest.raises(ValueError) as refused:
         rollouts([[{"role": "user", "content": "write the letter a"}]] * 4, trainer)

@@ -14,6 +14,7 @@ import openai
 import pytest
 import redis
 
+from pipeline.codec import as_text
 from pipeline.local import RedisServer
 from pipeline.wire import Keys
 from tests.fixtures import StartGateway, StartWorker, openai_client
@@ -114,12 +115,14 @@ def test_generate_route_tokens_in_tokens_out_with_sessions(
 
     # Sessions: routing only; each session's calls stay on its worker, two sessions spread over two workers.
     keys, probe = Keys(ns), redis.Redis.from_url(redis_server.url)
-    worker_of = {}
+    worker_of: dict[str, str] = {}
     for sid in ("traj-a", "traj-b"):
         for _ in range(2):
             call = {"token_ids": prompt, "sampling_params": {"max_tokens": 4}}
             http.post("/inference/v1/generate", json=call, headers={"X-Session-ID": sid}).raise_for_status()
-            pinned = probe.hget(keys.session(sid), "worker").decode()
+            pinned_by = probe.hget(keys.session(sid), "worker")
+            assert pinned_by is not None
+            pinned = as_text(pinned_by)
             assert worker_of.setdefault(sid, pinned) == pinned
         assert probe.ttl(keys.session(sid)) > 0
     assert sorted(worker_of.values()) == ["w1", "w2"]
@@ -177,7 +180,8 @@ def test_every_refused_field_gets_openai_400_and_nothing_is_queued(
     defaults = {"top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0, "user": "u1"}
     with pytest.raises(openai.APIStatusError) as no_worker:
         client.completions.create(model="tiny", prompt=[1, 2], max_tokens=2, extra_body=defaults)
-    assert no_worker.value.status_code == 503 and no_worker.value.body["code"] == "no_worker"
+    assert no_worker.value.status_code == 503
+    assert no_worker.value.body["code"] == "no_worker"  # type: ignore[index]  # openai types the JSON body object
 
     # The same table on vLLM's generate route, its own fields too.
     def generate(body: dict[str, Any], status: int = 400) -> dict[str, Any]:

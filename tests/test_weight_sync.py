@@ -16,9 +16,10 @@ from typing import Any
 import pytest
 
 from consumers.sync import AWAITING_WEIGHTS
+from pipeline.codec import as_entries, for_redis
 from pipeline.control import CONTROL_RECHECK_S, bell_index
 from pipeline.local import RedisServer, free_port
-from pipeline.wire import GENERATORS, Control, Partial
+from pipeline.wire import GENERATORS, Control, Partial, PauseMode
 from producers.client import Group, RolloutClient
 from staleness.manager import Manager, SyncError
 from staleness.state import read_state
@@ -50,7 +51,7 @@ def test_weights_published_mid_generation_reach_every_sample_exactly_once(
     tiny_model_dir_v1: Path,
     workers: StartWorker,
     tmp_path: Path,
-    modes: tuple[str, ...],
+    modes: tuple[PauseMode, ...],
     engine: str,
 ) -> None:
     workers("w1", "--engine", engine)
@@ -63,10 +64,12 @@ def test_weights_published_mid_generation_reach_every_sample_exactly_once(
                    for i in range(16)]  # fmt: skip
         wait_until(generating(client, 8), 60, "generation to start")
         assert client.publish_weights(tiny_model_dir_v1, transport="redis://", mode=mode) == v + 1
+        assert client.last_sync is not None
         assert sorted(client.last_sync.acked) == ["w1", "w2"] and client.last_sync.evicted == []
         assert client.publish_weights(tiny_model_dir, transport=f"fs://{tmp_path / 'weights'}", mode=mode) == v + 2
         uri = f"nccl://127.0.0.1:{free_port()}"
         assert client.publish_weights(tiny_model_dir_v1, transport=uri, mode=mode) == v + 3
+        assert client.last_sync is not None
         assert sorted(client.last_sync.acked) == ["w1", "w2"] and client.last_sync.evicted == []
         assert client.last_broadcast is not None
         assert (client.last_broadcast.workers, client.last_broadcast.ranks) == (2, 2)
@@ -101,8 +104,10 @@ def test_inflight_syncs_mid_generation_reach_every_sample_once_with_spans_over_t
     prompts = [client.submit(tokens=[5 + i, 40, 41, 42], n=2, max_tokens=300, seed=i) for i in range(16)]
     wait_until(generating(client, 8), 60, "generation to start")
     assert client.publish_weights(tiny_model_dir_v1, transport="redis://", mode="inflight") == 1
+    assert client.last_sync is not None
     assert sorted(client.last_sync.acked) == ["w1", "w2"] and client.last_sync.evicted == []
     assert client.publish_weights(tiny_model_dir, transport="redis://", mode="inflight") == 2
+    assert client.last_sync is not None
     assert sorted(client.last_sync.acked) == ["w1", "w2"] and client.last_sync.evicted == []
 
     groups: list[Group] = client.collect(len(prompts), timeout=240)
@@ -127,6 +132,7 @@ def test_a_worker_stuck_between_pause_and_ack_is_evicted_and_its_work_finishes_e
     healthy = workers("healthy")
     os.kill(stuck.pid, signal.SIGSTOP)  # frozen: it will never ack
     assert client.publish_weights(tiny_model_dir_v1, mode="abort", ack_timeout_s=3) == 1
+    assert client.last_sync is not None
     assert client.last_sync.acked == ["healthy"] and client.last_sync.evicted == ["stuck"]
     os.kill(stuck.pid, signal.SIGCONT)  # it wakes up evicted, and leaves
     assert stuck.wait(timeout=60) == 1
@@ -145,6 +151,7 @@ def test_a_late_worker_loads_the_current_version_before_taking_work(
 ) -> None:
     client = RolloutClient(redis_server.url, ns)
     assert client.publish_weights(tiny_model_dir_v1) == 1  # no worker yet: the state alone moves
+    assert client.last_sync is not None
     assert client.last_sync.acked == []
     workers("late")
     assert client.streams.redis.hget(client.streams.keys.worker("late"), "version") == b"1"
@@ -210,6 +217,7 @@ def test_with_nccl_a_worker_generates_while_the_sync_waits_for_the_others_to_joi
         assert r.hget(keys.worker("healthy"), "status") == b"serving" and read_state(r, keys).paused
         os.kill(slow.pid, signal.SIGCONT)
         assert sync.result(timeout=120) == 1
+    assert client.last_sync is not None
     assert sorted(client.last_sync.acked) == ["healthy", "slow"] and client.last_broadcast is not None
     wait_until(lambda: r.hget(keys.worker("healthy"), "status") == b"serving", 30, "the resume")
     stall_s = float(r.hget(keys.worker("healthy"), "stall_s") or 0)
@@ -235,6 +243,7 @@ def test_a_worker_that_cannot_load_a_broadcast_stops_and_its_work_finishes_elsew
     ids = [client.submit(tokens=[6 + i, 50, 51], n=2, max_tokens=100, seed=i) for i in range(8)]
     wait_until(generating(client, 4), 60, "generation to start")
     assert client.publish_weights(tiny_model_dir_v1, transport=f"nccl://127.0.0.1:{free_port()}", ack_timeout_s=60) == 1
+    assert client.last_sync is not None
     assert client.last_sync.acked == ["fits"] and client.last_sync.evicted == []
     assert client.last_sync.stall_s < 30, "the sync waited for a worker that declined"
     assert wide.wait(timeout=60) == 1
@@ -370,7 +379,8 @@ def test_workers_wait_on_their_bell_not_on_control_and_an_unrung_command_still_a
     assert not any(client.streams.keys.control in read for read in blocking_reads), blocking_reads
 
     proc = workers("syn2", "--engine", "synthetic")
-    client.streams.redis.xadd(client.streams.keys.control, Control(cmd="stop").to_fields())  # written, never rung
+    stop = for_redis(Control(cmd="stop").to_fields())
+    client.streams.redis.xadd(client.streams.keys.control, stop)  # written, never rung
     wait_until(lambda: proc.poll() is not None, CONTROL_RECHECK_S + 30, "the worker to read the unrung stop")
     assert proc.returncode == 0
 
@@ -392,7 +402,7 @@ def test_publish_weights_returns_before_the_resume_is_rung_and_settle_waits_for_
     returned = time.monotonic()
     client.settle()
     assert time.monotonic() - returned >= 0.5 * wave_gap(fleet, WAKE_COST_S) * 31  # the ring went on meanwhile
-    assert all(client.streams.redis.xrange(bell)[0][1] == {b"cmd": b"resume"} for bell in bells)
+    assert all(as_entries(client.streams.redis.xrange(bell))[0][1] == {b"cmd": b"resume"} for bell in bells)
     assert client.publish_weights({"w": torch.ones(2)}, mode="keep") == 2
     client.settle()
     assert read_state(client.streams.redis, client.streams.keys).version == 2
@@ -449,9 +459,12 @@ def test_a_worker_that_stops_before_the_resume_hands_its_interrupted_samples_to_
         wait_until(lambda: client.streams.redis.hget(worker_key, "epoch") == b"1", 20, "`leaving` to ack")
         os.kill(leaving.pid, signal.SIGTERM)
         assert leaving.wait(timeout=30) == 0
-        handed = [Partial.from_fields(f) for _, f in client.streams.redis.xrange(client.streams.keys.partials)]
+        handed = [
+            Partial.from_fields(f) for _, f in as_entries(client.streams.redis.xrange(client.streams.keys.partials))
+        ]
         assert handed, "the interrupted samples were handed off"
         assert sync.result(timeout=60) == 1
+    assert client.last_sync is not None
     assert client.last_sync.evicted == ["frozen"]
     os.kill(frozen.pid, signal.SIGCONT)  # it wakes up evicted, and leaves
     assert frozen.wait(timeout=60) == 1

@@ -16,6 +16,7 @@ from consumers.engines.synthetic_engine import SyntheticEngine
 from consumers.engines.torch_engine import TorchEngine
 from consumers.engines.torch_scheduler import Request
 from consumers.worker import Worker, WorkerSettings
+from pipeline.codec import for_redis
 from pipeline.connections import connect
 from pipeline.local import RedisServer
 from pipeline.streams import Streams
@@ -130,7 +131,7 @@ def test_a_worker_with_partials_waiting_serves_them_before_it_takes_a_prompt(
     for k in range(4):
         made, logprobs = np.arange(4, dtype=np.int32) + 10, np.full(4, -1.0, np.float32)
         partial = Partial(prompt=old, sample=k, generated=made, logprobs=logprobs, spans=[(0, 0, 4)])
-        streams.redis.xadd(streams.keys.partials, partial.to_fields())
+        streams.redis.xadd(streams.keys.partials, for_redis(partial.to_fields()))
     client.submit_prompts([client.make_prompt(tokens=[5, 6, 8], n=4, sampling=sampling, id="new")])
     worker = Worker(streams, PeakEngine(steps_per_s=200), "drainer", WorkerSettings(max_inflight=4, block_ms=2000))
 

@@ -39,7 +39,7 @@ SAMPLING = {"temperature": 0.7, "top_p": 0.9, "top_k": -1, "repetition_penalty":
 and top-p where processed logprobs (verl's default `logprobs_mode`) differ from raw ones."""
 
 
-class Actor(Worker):  # type: ignore[misc]
+class Actor(Worker):
     """A trainer rank as verl's engine workers build one: the model, and the checkpoint engine the config names."""
 
     def __init__(self, weights_dir: str, checkpoint_engine: dict[str, Any]) -> None:
@@ -53,7 +53,7 @@ class Actor(Worker):  # type: ignore[misc]
             **config.engine_kwargs.get(config.backend, {}),
         )
 
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)  # type: ignore[untyped-decorator]
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
     async def update_weights(self, global_steps: int | None = None, mode: str = "auto") -> dict[str, Any]:
         per_tensor = ((name, tensor.detach()) for name, tensor in self.model.state_dict().items())
         return await self.checkpoint_engine.send_weights(per_tensor, global_steps=global_steps) or {}

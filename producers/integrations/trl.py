@@ -43,7 +43,7 @@ import logging
 import time
 import uuid
 import warnings
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, cast
 
@@ -352,7 +352,7 @@ class TrlRollouts:
         if done():
             return
         later = set(self._pending.ids) if self._pending is not None else set()
-        stream = cast(Generator[Group, None, None], self.client.groups(timeout=timeout_s))
+        stream = self.client.groups(timeout=timeout_s)
         try:
             for group in stream:
                 pid = group.prompt_id
