@@ -4,7 +4,7 @@
     python docs/gen_cli.py --check    # exit 1 if docs/cli.md differs from what the app prints now
 
 The commands come from the typer app itself (hidden ones, the lab's among them, are left out), so the page
-cannot name a command or a flag the app does not have. `tests/test_docs.py` regenerates it and compares.
+cannot name a command or a flag the app does not have. `tests/system/test_docs.py` regenerates it and compares.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ WIDTH = 100
 HEADER = """# CLI reference
 
 This page lists `rollouts --help` and the `--help` of every user command, as the app prints them. It is
-generated: `python docs/gen_cli.py` rewrites it, and `tests/test_docs.py` fails when it is stale. The lab's
+generated: `python docs/gen_cli.py` rewrites it, and `tests/system/test_docs.py` fails when it is stale. The lab's
 commands (`rollouts bench`, `bench-sync`, `soak`, `scale`, `chaos`, ...) are not the product's: installed from a
 checkout (`pip install -e ./benchmarks`), they are hidden from `rollouts --help`, `rollouts-bench --help` lists them,
 and [benchmarks.md](benchmarks.md) says what each one measures.

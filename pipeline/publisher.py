@@ -5,7 +5,7 @@ rollouts a second a round trip per prompt leaves both the worker and Redis waiti
 `senders` pipelines are on the wire at a time, and every prompt finished meanwhile waits for one and goes in the
 next (`Streams.publish_many`), at most `max_batch` together. A lone publish goes at once, as before: batching adds
 no wait, only coalesces what is waiting anyway. Each prompt keeps its own atomic script, so the guarantees are
-those of `Streams.publish_rollouts` (tested in `tests/test_streams.py`).
+those of `Streams.publish_rollouts` (tested in `tests/pipeline/test_streams.py`).
 
 Batches are kept small (16 prompts) and several are on the wire at once, so that Redis always has one to run while
 the worker encodes the next and builds what comes after: with large batches a worker's whole window goes out as one

@@ -97,7 +97,7 @@ statistics only swell every row group's metadata."""
 
 UNREADABLE = (pa.ArrowException, OSError, UnicodeDecodeError)
 """What pyarrow raises for a damaged file: a corrupt page is an OSError (its ArrowIOError), damaged footer
-metadata may not be UTF-8; found by fuzzing (`tests/test_hostile_input.py`)."""
+metadata may not be UTF-8; found by fuzzing (`tests/system/test_hostile_input.py`)."""
 
 
 class Recorded(NamedTuple):

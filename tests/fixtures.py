@@ -298,7 +298,7 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
-XDIST_GROUPS = {"vllm": "vllm", "tests/test_ray_launcher.py": "ray"}
+XDIST_GROUPS = {"vllm": "vllm", "tests/consumers/test_ray_launcher.py": "ray"}
 """Under `-n 2 --dist loadgroup` (opt-in, README), tests of one group run on one xdist worker, one after another:
 vLLM tests, because two vLLM engines at once on 2 cores each spin a core and starve everything else; the Ray tests,
 because their module shares one Ray cluster (start it once, not once a worker). The rest is spread over both workers."""

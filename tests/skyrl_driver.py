@@ -1,5 +1,6 @@
-"""SkyRL 0.4.0's own client code against `rollouts gateway`: run by tests/test_skyrl_client.py in a Python 3.12 venv
-that has `skyrl` installed without its dependencies, plus what its client modules import (not torch: see below).
+"""SkyRL 0.4.0's own client code against `rollouts gateway`: run by tests/producers/test_skyrl_client.py in a Python
+3.12 venv that has `skyrl` installed without its dependencies, plus what its client modules import (not torch: see
+below).
 
 It drives a generate → pause → weights → resume cycle with SkyRL's classes, unmodified:
 `RemoteInferenceClient` (the data plane and the fanned-out control plane: `get_world_size`, `generate`, `sample`,

@@ -1,4 +1,5 @@
-"""verl 0.9.1's own machinery driving Rollout Streams (run by tests/test_verl.py in a venv where verl is installed).
+"""verl 0.9.1's own machinery driving Rollout Streams (run by tests/producers/test_verl.py in a venv where verl is
+installed).
 
 It finds `rollout_streams` in verl's registries (the `verl.plugins` entry point loads producers.integrations.verl when
 verl is imported), starts the replica with verl's `LLMServerManager` (standalone: no GPU), generates through verl's

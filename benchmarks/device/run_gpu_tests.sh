@@ -2,7 +2,7 @@
 # On the device machine, from the project's root: the tests that need a GPU (and vLLM's CUDA build 0.26), which CI skips
 # or cannot run, with the carried test wheels and Redis 7 (.vt/, make_test_carry.sh) and vLLM's carry
 # (vllm_cuda_env.sh). Args are pytest's: the tests to run. One process (no xdist); the log to $OUT/pytest-gpu.log.
-#   OUT=$OUT bash benchmarks/device/run_gpu_tests.sh tests/test_ipc.py
+#   OUT=$OUT bash benchmarks/device/run_gpu_tests.sh tests/staleness/test_ipc.py
 set -euo pipefail
 OUT="${OUT:-$(mktemp -d)}"
 source benchmarks/device/vllm_cuda_env.sh

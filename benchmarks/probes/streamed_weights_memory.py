@@ -4,8 +4,9 @@ benchmarks/results/2026-11-29-streamed-weights.md).
 A fresh Python process (`MEASURE`) connects a `RolloutClient`, resets its peak resident memory
 (`/proc/self/clear_refs`), publishes a generator of N tensors of SIZE bytes, each made when asked for (`torch.full`:
 every page written), with `bucket_bytes=BUCKET` and no worker live, and prints the rise of `VmHWM` over the `VmRSS`
-before, with `last_publish`. `control` holds the generator's tensors instead. `tests/test_streamed_weights.py` runs
-the same script and asserts on it; this probe runs every variant a few times side by side (Linux only: `/proc`).
+before, with `last_publish`. `control` holds the generator's tensors instead.
+`tests/staleness/test_streamed_weights.py` runs the same script and asserts on it; this probe runs every variant a few
+times side by side (Linux only: `/proc`).
 
     PYTHONPATH=$PWD python benchmarks/probes/streamed_weights_memory.py [--rounds 3]
 """

@@ -15,7 +15,7 @@ from benchmarks.bench import SharedEngine, balanced_ratio, room_for_both
 from consumers.engines.synthetic_engine import SyntheticEngine
 from pipeline.cli.engine_spec import EngineSpec
 from pipeline.local import RedisServer
-from tests.test_cli import rollouts
+from tests.cli.test_cli import rollouts
 
 
 def small_bench(model: Path, *flags: str) -> dict[str, Any]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tests.test_cli import assert_clean_error, rollouts
+from tests.cli.test_cli import assert_clean_error, rollouts
 
 
 def test_fleet_reports_the_spread_of_a_step_and_a_takeover(tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ import pytest
 
 from benchmarks.bench_sync import cannot_run, plot_bench_sync
 from pipeline.cli.engine_spec import EngineSpec
-from tests.test_cli import assert_clean_error, rollouts
+from tests.cli.test_cli import assert_clean_error, rollouts
 
 
 def test_bench_sync_reports_the_stall_per_transport(tmp_path: Path) -> None:

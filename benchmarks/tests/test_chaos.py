@@ -3,7 +3,7 @@ the scorer and a trainer, each a process, and every kind of fault injected at le
 the scorer, the trainer and the manager mid-sync, SIGSTOP of a worker, connections cut by a proxy. The full run
 (hundreds of faults) is in the README; this one checks in about a minute that nothing was lost or handed over twice,
 that the staleness bound held and that every fault was recovered from. The fixes it led to are tested on their own
-in tests/test_chaos.py.
+in tests/system/test_chaos.py.
 """
 
 from __future__ import annotations

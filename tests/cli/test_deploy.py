@@ -1,0 +1,153 @@
+"""`compose.yaml` and the `Dockerfile`, checked structurally (Docker is not on these machines).
+
+The file must parse; Redis must keep an append-only file on a named volume behind a health check;
+workers must reserve a GPU, restart, outwait their drain and wait for a healthy Redis; and every
+service's command must be a `rollouts` command line that the real CLI parses (options, types and
+required values), with its settings where the CLI reads them.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import typer
+import yaml
+from typer.main import get_command
+
+from pipeline.cli import app
+
+ROOT = Path(__file__).resolve().parents[2]
+UsageError = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
+"""The CLI's own usage error (typer vendors click), which a wrong, mistyped or missing option raises."""
+
+
+def compose() -> dict[str, Any]:
+    return yaml.safe_load((ROOT / "compose.yaml").read_text())
+
+
+def interpolate(value: str, env: dict[str, str]) -> str:
+    """Compose's `${VAR:-default}` and `${VAR}`, from `env`."""
+
+    def one(match: re.Match[str]) -> str:
+        return env.get(match.group(1)) or (match.group(3) or "")
+
+    return re.sub(r"\$\{(\w+)(:-([^}]*))?\}", one, value)
+
+
+def rollouts_services() -> dict[str, dict[str, Any]]:
+    return {name: s for name, s in compose()["services"].items() if s.get("image", "").startswith("${ROLLOUTS_IMAGE")}
+
+
+def parse_with_the_cli(args: list[str], env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> typer.Context:
+    """Parse `rollouts ARGS` as the CLI would (environment variables included), without running it."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    group = get_command(app)
+    parent = group.make_context("rollouts", list(args))
+    command = group.get_command(parent, args[0])  # type: ignore[attr-defined]  # typer's app is a click Group
+    assert command is not None, f"rollouts has no command {args[0]!r}"
+    return command.make_context(args[0], args[1:], parent=parent)
+
+
+def test_redis_keeps_an_append_only_file_on_a_named_volume_behind_a_health_check() -> None:
+    spec = compose()
+    redis = spec["services"]["redis"]
+    assert re.fullmatch(r"redis:7(\.\d+)*", redis["image"])
+    command = redis["command"]
+    assert command[0] == "redis-server"
+    assert command[command.index("--appendonly") + 1] == "yes"
+    assert command[command.index("--appendfsync") + 1] == "everysec"
+    volume, target = redis["volumes"][0].split(":")[:2]
+    assert target == "/data" and volume in spec["volumes"], "the data lives on a named volume"
+    assert redis["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"]
+    assert redis["restart"] == "unless-stopped"
+    assert all(port.startswith("127.0.0.1:") for port in redis["ports"]), "no Redis without a password on 0.0.0.0"
+
+
+def test_workers_reserve_a_gpu_restart_outwait_their_drain_and_wait_for_redis() -> None:
+    worker = compose()["services"]["worker"]
+    assert worker["command"][:3] == ["worker", "--engine", "vllm"]
+    (device,) = worker["deploy"]["resources"]["reservations"]["devices"]
+    assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"] and device["count"] == 1
+    assert interpolate(str(worker["deploy"]["replicas"]), {}) == "1"
+    assert interpolate(str(worker["deploy"]["replicas"]), {"ROLLOUTS_WORKERS": "8"}) == "8"
+    assert worker["restart"] == "unless-stopped"
+    assert int(worker["stop_grace_period"].rstrip("s")) > 30, "longer than the worker's 30 s drain"
+    assert worker["depends_on"]["redis"]["condition"] == "service_healthy"
+    manager = compose()["services"]["manager"]
+    assert manager["command"][0] == "manager" and manager["restart"] == "unless-stopped"
+    assert manager["depends_on"]["redis"]["condition"] == "service_healthy"
+
+
+def test_every_service_runs_a_command_line_the_cli_accepts(monkeypatch: pytest.MonkeyPatch) -> None:
+    services = rollouts_services()
+    assert {"manager", "worker", "scorer", "score-worker", "exporter", "tiny-model", "submit", "top"} <= set(services)
+    for name, service in services.items():
+        env = {k: interpolate(str(v), {}) for k, v in service["environment"].items()}
+        assert env["ROLLOUTS_REDIS"] == "redis://redis:6379/0" and env["ROLLOUTS_NS"] == "exp1", name
+        args = [interpolate(arg, {}) for arg in service["command"]]
+        ctx = parse_with_the_cli(args, env, monkeypatch)
+        if "redis_url" in ctx.params:  # read from ROLLOUTS_REDIS / ROLLOUTS_NS, as the containers do
+            assert ctx.params["redis_url"] == env["ROLLOUTS_REDIS"], name
+        if "ns" in ctx.params:  # all but the RQ score-worker, which serves a queue, not a namespace
+            assert ctx.params["ns"] == env["ROLLOUTS_NS"], name
+        if "model" in ctx.params:
+            assert str(ctx.params["model"]) == "/models/tiny", name
+    assert parse_with_the_cli(["worker", "--model", "/m", "--engine", "vllm"], {}, monkeypatch).params["engine"]
+
+
+def test_the_exporter_is_on_loopback_and_workers_and_the_manager_serve_metrics(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Prometheus: the exporter published on 127.0.0.1 at the port it listens on; workers and the manager
+    serve `--metrics-port` on the compose network (not published: worker replicas would clash)."""
+    services = compose()["services"]
+    exporter = parse_with_the_cli(services["exporter"]["command"], {}, monkeypatch).params
+    (published,) = services["exporter"]["ports"]
+    host, port, target = interpolate(published, {}).split(":")
+    assert host == "127.0.0.1" and target == str(exporter["port"]) == port == "9650"
+    assert interpolate(published, {"ROLLOUTS_EXPORTER_PORT": "19650"}) == "127.0.0.1:19650:9650"
+    assert services["exporter"]["restart"] == "unless-stopped"
+    for name in ("worker", "manager"):
+        args = [interpolate(arg, {}) for arg in services[name]["command"]]
+        port = parse_with_the_cli(args, {}, monkeypatch).params["metrics_port"]
+        assert services[name]["expose"] == [str(port)] and "ports" not in services[name], name
+
+
+def test_a_command_the_cli_refuses_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check above can fail: a wrong option, a wrong type or a missing required option is refused."""
+    for args in (["submit", "--ns", "exp1"], ["worker", "--model", "/m", "--max-inflight", "many"], ["top", "-x"]):
+        with pytest.raises(UsageError):
+            parse_with_the_cli(args, {}, monkeypatch)
+    with pytest.raises(AssertionError, match="no command"):
+        parse_with_the_cli(["serve"], {}, monkeypatch)
+
+
+def test_the_profiles_keep_one_shot_tools_out_of_up_and_the_model_is_shared() -> None:
+    services = compose()["services"]
+    assert services["tiny-model"]["profiles"] == ["tiny"] and services["tiny-model"]["depends_on"] == {}
+    assert services["submit"]["profiles"] == services["top"]["profiles"] == ["tools"]
+    for name in ("worker", "tiny-model", "submit"):
+        assert "models:/models" in services[name]["volumes"], name
+    assert services["submit"]["volumes"][1].endswith(":/data/prompts.jsonl:ro")
+
+
+def test_the_dockerfile_installs_this_package_and_runs_rollouts() -> None:
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert dockerfile.startswith("#") and re.search(r"^FROM python:3\.1[1-9]", dockerfile, re.MULTILINE)
+    copied = re.findall(r"^COPY (.+) \S+$", dockerfile, re.MULTILINE)
+    for sources in copied:
+        for source in sources.split():
+            assert (ROOT / source).exists(), f"the Dockerfile copies {source}, which is not in the repository"
+    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    assert {p.rstrip("*") for p in packages} <= {s for line in copied for s in line.split()}
+    extras = re.search(r"^ARG EXTRAS=(\S+)$", dockerfile, re.MULTILINE)
+    assert extras is not None
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert set(extras.group(1).split(",")) <= set(declared)
+    assert 'ENTRYPOINT ["rollouts"]' in dockerfile
+    assert "tests" in (ROOT / ".dockerignore").read_text().split()
