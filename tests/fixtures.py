@@ -25,7 +25,6 @@ import redis
 from pipeline.local import RedisServer, bundled_server, find_redis_server
 from pipeline.processes import start_command, start_worker, stop_processes, wait_for_worker
 
-StartWorker = Callable[..., subprocess.Popen[bytes]]
 FAST = ("--claim-idle-ms", "1500", "--heartbeat-s", "0.3")
 """Worker flags for tests: a dead worker's work is claimed after 1.5 s, heartbeats every 0.3 s."""
 
@@ -142,7 +141,7 @@ def vllm_served(tiny_model_dir: Path) -> Iterator[Any]:
     """One in-process `VllmEngine(tiny_model_dir)` (vLLM's default options) on a loop thread of its own (`Served`),
     for every test file that builds this same engine (test_transports, test_vllm_engine): it takes ~20-40 s to start
     on 2 cores. `engine_pids`: the processes it started. Tests leave it serving, at any version (a user loads the
-    version it needs); test_vllm_engine's last test shuts it down."""
+    version it needs); test_vllm_engine's `closes_shared_engine` test shuts it down, after every other test."""
     import psutil
 
     from consumers.engines.vllm_engine import VllmEngine
@@ -169,29 +168,50 @@ def vllm_served(tiny_model_dir: Path) -> Iterator[Any]:
         served.close()
 
 
+class StartWorker:
+    """Starts named `rollouts worker` processes on a test's namespace and waits for each to reach a status; the
+    `workers` fixture's value. One at a time by a call, or several at once by `many` (their starts overlap)."""
+
+    def __init__(self, url: str, ns: str, model_dir: Path, logs: Path) -> None:
+        self.url, self.ns, self.model_dir, self.logs = url, ns, model_dir, logs
+        self.started: list[subprocess.Popen[bytes]] = []
+        self.client = redis.Redis.from_url(url)
+
+    def __call__(self, name: str, *extra: str, until: str = "serving") -> subprocess.Popen[bytes]:
+        """Start worker `name` with `extra` flags and wait until its heartbeat says `until`."""
+        return self.many((name, *extra), until=until)[0]
+
+    def many(self, *workers: tuple[str, ...], until: str = "serving") -> list[subprocess.Popen[bytes]]:
+        """Start every worker of `workers` (each its name, then its flags), then wait until each says `until`."""
+        procs = [self._spawn(name, *extra) for name, *extra in workers]
+        for (name, *_), proc in zip(workers, procs, strict=True):
+            try:
+                wait_for_worker(self.client, self.ns, name, proc, timeout_s=240, status=until)
+            except Exception:
+                print((self.logs / f"{name}.log").read_text())
+                raise
+        return procs
+
+    def _spawn(self, name: str, *extra: str) -> subprocess.Popen[bytes]:
+        log = self.logs / f"{name}.log"
+        proc = start_worker(self.url, self.ns, self.model_dir, name, *FAST, *extra, log_file=log)
+        self.started.append(proc)
+        return proc
+
+    def stop_all(self) -> None:
+        for proc in self.started:
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGCONT)  # a test may have frozen it
+        stop_processes(self.started)
+        self.client.close()
+
+
 @pytest.fixture
 def workers(redis_server: RedisServer, ns: str, tiny_model_dir: Path, tmp_path: Path) -> Iterator[StartWorker]:
     """Start named `rollouts worker` processes on this test's namespace; all are stopped by PID at the end."""
-    started: list[subprocess.Popen[bytes]] = []
-    client = redis.Redis.from_url(redis_server.url)
-
-    def start(name: str, *extra: str, until: str = "serving") -> subprocess.Popen[bytes]:
-        log = tmp_path / f"{name}.log"
-        proc = start_worker(redis_server.url, ns, tiny_model_dir, name, *FAST, *extra, log_file=log)
-        started.append(proc)
-        try:
-            wait_for_worker(client, ns, name, proc, timeout_s=240, status=until)
-        except Exception:
-            print(log.read_text())
-            raise
-        return proc
-
-    yield start
-    for proc in started:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGCONT)  # a test may have frozen it
-    stop_processes(started)
-    client.close()
+    starter = StartWorker(redis_server.url, ns, tiny_model_dir, tmp_path)
+    yield starter
+    starter.stop_all()
 
 
 StartGateway = Callable[..., str]
@@ -306,7 +326,10 @@ because their module shares one Ray cluster (start it once, not once a worker). 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark the groups before xdist reads its `xdist_group` marks (it does in its own hook of this name)."""
+    """Tests that close a session's shared engine go last, whatever folder they are in (the engine's other users run
+    before them); then mark the groups before xdist reads its `xdist_group` marks (it does in its own hook of this
+    name, and keeps a group's tests in this order)."""
+    items.sort(key=lambda item: item.get_closest_marker("closes_shared_engine") is not None)
     for item in items:
         module = item.nodeid.split("::")[0]
         group = XDIST_GROUPS["vllm"] if item.get_closest_marker("vllm") else XDIST_GROUPS.get(module)

@@ -38,8 +38,8 @@ def test_a_step_spreads_over_four_workers_and_none_takes_more_than_its_share(
     step (64 samples of room): no worker serves more than 24 of a step's 64 (its quarter and two groups: a loaded
     machine may wake one late), and every worker serves some."""
     names = [f"w{k}" for k in range(4)]
-    for name in names:
-        workers(name, *SYNTHETIC, "--engine-args", '{"steps_per_s": 100}', "--max-inflight", "64")
+    flags = (*SYNTHETIC, "--engine-args", '{"steps_per_s": 100}', "--max-inflight", "64")
+    workers.many(*[(name, *flags) for name in names])
     client = RolloutClient(redis_server.url, ns)
     for step in range(3):
         ids = [client.submit(tokens=[4, 5, step, k], n=4, max_tokens=60, seed=k) for k in range(16)]
@@ -153,8 +153,8 @@ def test_partials_after_an_abort_sync_spread_over_the_workers(
     the 16 (its quarter and two: a loaded machine may wake one late, as in the step test above), and every worker
     continues some."""
     names = [f"w{k}" for k in range(4)]
-    for name in names:
-        workers(name, *SYNTHETIC, "--engine-args", '{"steps_per_s": 20}', "--max-inflight", "16", "--hand-off-partials")
+    flags = (*SYNTHETIC, "--engine-args", '{"steps_per_s": 20}', "--max-inflight", "16", "--hand-off-partials")
+    workers.many(*[(name, *flags) for name in names])
     client = RolloutClient(redis_server.url, ns)
     ids = [client.submit(tokens=[4, 5, k], n=1, max_tokens=200, seed=k) for k in range(16)]  # 10 s a sample
     r, key = client.streams.redis, client.streams.keys.prompts

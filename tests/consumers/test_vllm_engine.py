@@ -468,9 +468,10 @@ def test_many_seeded_requests_with_long_prompts_are_all_served(served: Served, e
     assert all(g.finish_reason in ("stop", "length") for g in generations)
 
 
+@pytest.mark.closes_shared_engine
 def test_shutdown_fails_pending_requests_and_leaves_no_process(served: Served, engine: VllmEngine) -> None:
-    """Last in the module: it stops the shared engine (the fixture's own shutdown is then a no-op); the session's
-    other users of it (test_transports) run before this module."""
+    """Last in the session (`closes_shared_engine`): it stops the shared engine (the fixture's own shutdown is then a
+    no-op) after its other users (test_transports, test_top_logprobs) ran."""
     assert served.engine_pids, "the engine started no process of its own?"
     assert any("EngineCore" in cmd for pid, cmd in children().items() if pid in served.engine_pids), children()
 

@@ -171,8 +171,8 @@ def test_sessions_stick_to_the_least_loaded_worker_and_replicas_share_the_pins(
 ) -> None:
     """Four sessions start on gateway A and spread 2 + 2 over two workers; their later turns through gateway B go to
     the same workers; finished on B as one group of 4, the trainer gets one group whose every trajectory stayed put."""
-    workers("w1", "--engine", "synthetic")  # the routing is tested, not the engine's numbers: they serve sooner
-    workers("w2", "--engine", "synthetic")
+    # the routing is tested, not the engine's numbers: they serve sooner
+    workers.many(("w1", "--engine", "synthetic"), ("w2", "--engine", "synthetic"))
     a, b = openai_client(gateways("gw-a")), gateways("gw-b")
     sessions = [f"task-7-{k}" for k in range(4)]
     histories: dict[str, list[dict[str, Any]]] = {}
@@ -204,7 +204,7 @@ def test_a_session_whose_worker_is_killed_mid_turn_finishes_on_another(
 ) -> None:
     """kill -9 of the pinned worker while a turn is in flight: the caller still gets the whole reply (its inbox moved
     back to the shared queue), the session moves to the survivor, and the trajectory loses nothing."""
-    procs = {"s1": workers("s1", *SLOW), "s2": workers("s2", *SLOW)}
+    procs = dict(zip(("s1", "s2"), workers.many(("s1", *SLOW), ("s2", *SLOW)), strict=True))
     base = gateways("gw")
     client = openai_client(base)
     history: list[dict[str, Any]] = [{"role": "user", "content": "Tell me a long story."}]
@@ -434,8 +434,7 @@ def test_calls_without_a_session_spread_over_the_workers(
     """Sixteen concurrent completions without a session, four idle workers that could each take all of them: each
     worker serves some, and none more than its quarter and one."""
     names = [f"w{k}" for k in range(4)]
-    for name in names:
-        workers(name, *SLOW, "--max-inflight", "64")
+    workers.many(*[(name, *SLOW, "--max-inflight", "64") for name in names])
     client = openai_client(gateways("gw"))
 
     def call(k: int) -> None:

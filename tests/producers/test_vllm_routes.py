@@ -85,8 +85,7 @@ def test_generate_route_tokens_in_tokens_out_with_sessions(
     `weight_versions` out; `n`; `stop_token_ids` end a sample on that token; `X-Session-ID` pins the calls of a
     session to one worker (sticky least-loaded, as chat sessions) until `/finish_session`; `/tokenize` and
     `/detokenize` round-trip; `/get_world_size` counts the live workers."""
-    workers("w1")
-    workers("w2")
+    workers.many(("w1",), ("w2",))
     url = root(gateways("gw"))
     http = httpx.Client(base_url=url, timeout=120)
     prompt = http.post("/tokenize", json={"model": "tiny", "prompt": "Once upon a time"}).json()["tokens"]

@@ -292,8 +292,7 @@ def test_an_adapter_broadcast_over_nccl_reaches_every_worker_and_a_late_one_wait
     sync and keeps a copy to load from; a worker started later has none, so its request for the adapter waits for
     the adapter's next broadcast, and then runs entirely under that version."""
     client = RolloutClient(redis_server.url, ns)
-    workers("w1")
-    workers("w2")
+    workers.many(("w1",), ("w2",))
     nccl = f"nccl://127.0.0.1:{free_port()}"
     client.publish_weights(adapters["a1"][0], adapter="a", adapter_config=adapters["a1"][1], transport=nccl)
     assert sorted(client.last_sync.acked) == ["w1", "w2"]  # type: ignore[union-attr]  # publish_weights set it

@@ -272,7 +272,7 @@ def test_a_fleet_sleeps_through_a_training_step_and_the_publish_after_it_wakes_a
     workers: StartWorker,
     one_thread: None,
 ) -> None:
-    fleet = [workers("w1"), workers("w2")]
+    fleet = workers.many(("w1",), ("w2",))
     client = RolloutClient(redis_server.url, ns)
     beat = lambda name: client.streams.redis.hgetall(client.streams.keys.worker(name))  # noqa: E731
     for i in range(4):
@@ -375,8 +375,7 @@ def test_a_worker_whose_engine_cannot_sleep_pauses_acks_awake_and_syncs_with_the
 ) -> None:
     """A vLLM worker started without sleep mode beside a torch worker: the sleep pauses both, the trainer's report
     names the one that stayed awake, and the publish after the step syncs and resumes both."""
-    workers("torch-w")
-    workers("vllm-w", "--engine", "vllm")
+    workers.many(("torch-w",), ("vllm-w", "--engine", "vllm"))
     client = RolloutClient(redis_server.url, ns)
     beat = lambda name: client.streams.redis.hgetall(client.streams.keys.worker(name))  # noqa: E731
 

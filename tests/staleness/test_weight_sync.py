@@ -54,8 +54,7 @@ def test_weights_published_mid_generation_reach_every_sample_exactly_once(
     modes: tuple[PauseMode, ...],
     engine: str,
 ) -> None:
-    workers("w1", "--engine", engine)
-    workers("w2", "--engine", engine)
+    workers.many(("w1", "--engine", engine), ("w2", "--engine", engine))
     client = RolloutClient(redis_server.url, ns)
     weights = {0: tiny_model_dir}
     for turn, mode in enumerate(modes):
@@ -98,8 +97,7 @@ def test_inflight_syncs_mid_generation_reach_every_sample_once_with_spans_over_t
     """`publish_weights(..., mode="inflight")` twice while two torch workers generate: every sample arrives once,
     nothing is interrupted (no partials), and each token's logprob is its version's over the cache the earlier
     versions wrote (the running samples were neither ended nor prefilled again)."""
-    workers("w1", "--engine", "torch")
-    workers("w2", "--engine", "torch")
+    workers.many(("w1", "--engine", "torch"), ("w2", "--engine", "torch"))
     client = RolloutClient(redis_server.url, ns)
     prompts = [client.submit(tokens=[5 + i, 40, 41, 42], n=2, max_tokens=300, seed=i) for i in range(16)]
     wait_until(generating(client, 8), 60, "generation to start")
