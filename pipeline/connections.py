@@ -23,8 +23,9 @@ from __future__ import annotations
 import contextlib
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 import redis
 import redis.asyncio.connection
@@ -86,10 +87,8 @@ def redact(url: str) -> str:
     if parts.password is None:
         return url
     user = parts.username or ""
-    host = parts.hostname or ""
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+    hosts = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{hosts}"))
 
 
 RECONNECT_S = 30.0
@@ -224,7 +223,7 @@ def connect(url: str, *, reconnect: bool = True, ns: str | None = None, **option
     hang on a stuck server). With `ns`, a `url` that names any node of a Redis Cluster gives a client of the
     node that owns the namespace (see the module's docstring)."""
     client = _connect_one(url, reconnect=reconnect, **options)
-    if ns is None:
+    if ns is None or is_sentinel_url(url):
         return client
     owner = slot_owner(client, namespace_slot(ns))
     here = client.connection_pool.connection_kwargs
@@ -234,11 +233,89 @@ def connect(url: str, *, reconnect: bool = True, ns: str | None = None, **option
     return _connect_one(_at(url, *owner), reconnect=reconnect, **options)
 
 
-def _connect_one(url: str, *, reconnect: bool, **options: Any) -> redis.Redis:
-    """`connect` to exactly the server that `url` names."""
-    client = redis.Redis.from_url(
-        url, decode_responses=False, health_check_interval=30, retry=Retry(NoBackoff(), 0), **options
+SENTINEL_SCHEMES = {"redis+sentinel": False, "rediss+sentinel": True}
+"""The URL schemes of a primary found through Sentinel, and whether its connections use TLS."""
+
+
+@dataclass(frozen=True)
+class SentinelTarget:
+    """What a `redis+sentinel://[user:password@]HOST:PORT[,HOST:PORT...]/SERVICE[/DB]` URL names: the Sentinels to
+    ask, the service (Sentinel's name for the primary) and the primary's database, credentials and TLS. The
+    credentials are the primary's; Sentinels are asked without them."""
+
+    sentinels: tuple[tuple[str, int], ...]
+    service: str
+    db: int = 0
+    username: str | None = None
+    password: str | None = None
+    tls: bool = False
+
+
+def is_sentinel_url(url: str) -> bool:
+    return urlsplit(url).scheme in SENTINEL_SCHEMES
+
+
+def parse_sentinel_url(url: str) -> SentinelTarget:
+    """The parts of a Sentinel URL; `ValueError` saying what to fix when one is missing or malformed."""
+    parts = urlsplit(url)
+    if parts.scheme not in SENTINEL_SCHEMES:
+        raise ValueError(f"not a Sentinel URL: {redact(url)} (redis+sentinel:// or rediss+sentinel://)")
+    auth, _, hosts = parts.netloc.rpartition("@")
+    sentinels = []
+    for where in filter(None, hosts.split(",")):
+        host, colon, port = where.rpartition(":")
+        if not colon or not port.isdigit():
+            raise ValueError(f"a Sentinel without its port in {redact(url)}: HOST:PORT[,HOST:PORT...]")
+        sentinels.append((host.strip("[]"), int(port)))
+    if not sentinels:
+        raise ValueError(f"no Sentinel in {redact(url)}: redis+sentinel://HOST:PORT[,HOST:PORT...]/SERVICE[/DB]")
+    path = [p for p in parts.path.split("/") if p]
+    if not path or len(path) > 2 or (len(path) == 2 and not path[1].isdigit()):
+        raise ValueError(f"{redact(url)} names no service: redis+sentinel://HOST:PORT[,HOST:PORT...]/SERVICE[/DB]")
+    username, _, password = auth.partition(":") if auth else ("", "", "")
+    return SentinelTarget(
+        sentinels=tuple(sentinels),
+        service=unquote(path[0]),
+        db=int(path[1]) if len(path) == 2 else 0,
+        username=unquote(username) or None,
+        password=unquote(password) or None,
+        tls=SENTINEL_SCHEMES[parts.scheme],
     )
+
+
+def _sentinel_primary(url: str, **options: Any) -> redis.Redis:
+    """A client of the primary that Sentinel names for the URL's service, unconnected: each connection asks the
+    Sentinels where the primary is when it connects, and a demoted primary's READONLY drops the connection
+    (redis-py's `SentinelManagedConnection`), so that the client's retry policy finds the new one."""
+    from redis.sentinel import Sentinel
+
+    target = parse_sentinel_url(url)
+    timeouts = {k: options[k] for k in ("socket_timeout", "socket_connect_timeout") if k in options}
+    sentinel = Sentinel(list(target.sentinels), sentinel_kwargs={"socket_timeout": 2.0, "socket_connect_timeout": 2.0})
+    client: redis.Redis = sentinel.master_for(
+        target.service,
+        redis_class=redis.Redis,
+        db=target.db,
+        username=target.username,
+        password=target.password,
+        ssl=target.tls,
+        decode_responses=False,
+        health_check_interval=30,
+        retry=Retry(NoBackoff(), 0),
+        **timeouts,
+        **{k: v for k, v in options.items() if k not in timeouts},
+    )
+    return client
+
+
+def _connect_one(url: str, *, reconnect: bool, **options: Any) -> redis.Redis:
+    """`connect` to exactly the server that `url` names (or, for a Sentinel URL, the primary Sentinel names)."""
+    if is_sentinel_url(url):
+        client = _sentinel_primary(url, **options)
+    else:
+        client = redis.Redis.from_url(
+            url, decode_responses=False, health_check_interval=30, retry=Retry(NoBackoff(), 0), **options
+        )
     try:
         client.ping()
     except redis.ResponseError as exc:
@@ -293,7 +370,11 @@ def redis_unreachable(client: redis.Redis) -> str | None:
 
 def redis_address(client: redis.Redis) -> str:
     """Where `client` connects (`host:port`, or its socket's path), without credentials."""
-    kwargs: dict[str, Any] = getattr(getattr(client, "connection_pool", None), "connection_kwargs", {})
+    pool: Any = getattr(client, "connection_pool", None)
+    service = getattr(pool, "service_name", None)
+    if service is not None:
+        return f"the primary of {service!r} (Sentinel)"
+    kwargs: dict[str, Any] = getattr(pool, "connection_kwargs", {})
     if "path" in kwargs:
         return str(kwargs["path"])
     return f"{kwargs.get('host', '?')}:{kwargs.get('port', '?')}"
