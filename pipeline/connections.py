@@ -16,6 +16,9 @@ Redis Cluster: every key of a namespace carries the hash tag `{ns}`, so a namesp
 node. A process that names its namespace (`connect(url, ns=...)`) and is given any node of a cluster gets a plain
 client to the node that owns the namespace's slot (`CLUSTER SLOTS`), so scripts, transactions and blocking reads
 work as on a single Redis, and a fleet shards by namespace.
+
+Redis behind Sentinel (`redis+sentinel://HOST:PORT[,...]/SERVICE`): `connect` gives a client of the primary the
+Sentinels name, which follows a failover by itself (`pipeline.sentinel`).
 """
 
 from __future__ import annotations
@@ -23,9 +26,8 @@ from __future__ import annotations
 import contextlib
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
-from urllib.parse import unquote, urlsplit, urlunsplit
+from urllib.parse import urlsplit, urlunsplit
 
 import redis
 import redis.asyncio.connection
@@ -35,6 +37,8 @@ import redis.exceptions
 from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
 from redis.crc import key_slot
 from redis.retry import Retry
+
+from pipeline.sentinel import async_connections, is_sentinel_pool, is_sentinel_url, plain_settings, primary_client
 
 MIN_REDIS_VERSION = (6, 2, 0)
 """The oldest Redis we support."""
@@ -158,14 +162,15 @@ def async_twin(client: redis.Redis) -> Callable[[], redis.asyncio.connection.Abs
     `socket_timeout_s(client)` and `async_retry(client)`); None for a client whose connections are not redis-py's
     own (fakeredis, a stand-in). For asyncio code that must not hand each call to a thread (`pipeline.pipelined`)."""
     pool: Any = getattr(client, "connection_pool", None)  # duck-typed: a stand-in client may have none
-    connection_class: Any = getattr(pool, "connection_class", None)
-    twin = ASYNC_CONNECTIONS.get(connection_class)
-    if twin is None:
+    twin = ASYNC_CONNECTIONS.get(getattr(pool, "connection_class", None))
+    if twin is None and not is_sentinel_pool(pool):
         return None
-    kwargs = pool.connection_kwargs
-    settings = {k: v for k, v in kwargs.items() if k in ASYNC_SETTINGS or k.startswith("ssl_")}
+    settings = {k: v for k, v in pool.connection_kwargs.items() if k in ASYNC_SETTINGS or k.startswith("ssl_")}
     # No socket timeout: the caller times a whole batch (redis-py's asyncio would time each write with a task).
-    return lambda: twin(**settings, socket_timeout=None, retry=redis.asyncio.retry.Retry(NoBackoff(), 0))
+    settings |= {"socket_timeout": None, "retry": redis.asyncio.retry.Retry(NoBackoff(), 0)}
+    if twin is None:
+        return async_connections(pool, settings)  # Sentinel's primary, asked for at each connect
+    return lambda: twin(**settings)
 
 
 def async_retry(client: redis.Redis) -> redis.asyncio.retry.Retry:
@@ -233,85 +238,10 @@ def connect(url: str, *, reconnect: bool = True, ns: str | None = None, **option
     return _connect_one(_at(url, *owner), reconnect=reconnect, **options)
 
 
-SENTINEL_SCHEMES = {"redis+sentinel": False, "rediss+sentinel": True}
-"""The URL schemes of a primary found through Sentinel, and whether its connections use TLS."""
-
-
-@dataclass(frozen=True)
-class SentinelTarget:
-    """What a `redis+sentinel://[user:password@]HOST:PORT[,HOST:PORT...]/SERVICE[/DB]` URL names: the Sentinels to
-    ask, the service (Sentinel's name for the primary) and the primary's database, credentials and TLS. The
-    credentials are the primary's; Sentinels are asked without them."""
-
-    sentinels: tuple[tuple[str, int], ...]
-    service: str
-    db: int = 0
-    username: str | None = None
-    password: str | None = None
-    tls: bool = False
-
-
-def is_sentinel_url(url: str) -> bool:
-    return urlsplit(url).scheme in SENTINEL_SCHEMES
-
-
-def parse_sentinel_url(url: str) -> SentinelTarget:
-    """The parts of a Sentinel URL; `ValueError` saying what to fix when one is missing or malformed."""
-    parts = urlsplit(url)
-    if parts.scheme not in SENTINEL_SCHEMES:
-        raise ValueError(f"not a Sentinel URL: {redact(url)} (redis+sentinel:// or rediss+sentinel://)")
-    auth, _, hosts = parts.netloc.rpartition("@")
-    sentinels = []
-    for where in filter(None, hosts.split(",")):
-        host, colon, port = where.rpartition(":")
-        if not colon or not port.isdigit():
-            raise ValueError(f"a Sentinel without its port in {redact(url)}: HOST:PORT[,HOST:PORT...]")
-        sentinels.append((host.strip("[]"), int(port)))
-    if not sentinels:
-        raise ValueError(f"no Sentinel in {redact(url)}: redis+sentinel://HOST:PORT[,HOST:PORT...]/SERVICE[/DB]")
-    path = [p for p in parts.path.split("/") if p]
-    if not path or len(path) > 2 or (len(path) == 2 and not path[1].isdigit()):
-        raise ValueError(f"{redact(url)} names no service: redis+sentinel://HOST:PORT[,HOST:PORT...]/SERVICE[/DB]")
-    username, _, password = auth.partition(":") if auth else ("", "", "")
-    return SentinelTarget(
-        sentinels=tuple(sentinels),
-        service=unquote(path[0]),
-        db=int(path[1]) if len(path) == 2 else 0,
-        username=unquote(username) or None,
-        password=unquote(password) or None,
-        tls=SENTINEL_SCHEMES[parts.scheme],
-    )
-
-
-def _sentinel_primary(url: str, **options: Any) -> redis.Redis:
-    """A client of the primary that Sentinel names for the URL's service, unconnected: each connection asks the
-    Sentinels where the primary is when it connects, and a demoted primary's READONLY drops the connection
-    (redis-py's `SentinelManagedConnection`), so that the client's retry policy finds the new one."""
-    from redis.sentinel import Sentinel
-
-    target = parse_sentinel_url(url)
-    timeouts = {k: options[k] for k in ("socket_timeout", "socket_connect_timeout") if k in options}
-    sentinel = Sentinel(list(target.sentinels), sentinel_kwargs={"socket_timeout": 2.0, "socket_connect_timeout": 2.0})
-    client: redis.Redis = sentinel.master_for(
-        target.service,
-        redis_class=redis.Redis,
-        db=target.db,
-        username=target.username,
-        password=target.password,
-        ssl=target.tls,
-        decode_responses=False,
-        health_check_interval=30,
-        retry=Retry(NoBackoff(), 0),
-        **timeouts,
-        **{k: v for k, v in options.items() if k not in timeouts},
-    )
-    return client
-
-
 def _connect_one(url: str, *, reconnect: bool, **options: Any) -> redis.Redis:
     """`connect` to exactly the server that `url` names (or, for a Sentinel URL, the primary Sentinel names)."""
     if is_sentinel_url(url):
-        client = _sentinel_primary(url, **options)
+        client = primary_client(url, **options)
     else:
         client = redis.Redis.from_url(
             url, decode_responses=False, health_check_interval=30, retry=Retry(NoBackoff(), 0), **options
@@ -346,10 +276,16 @@ def redis_unreachable(client: redis.Redis) -> str | None:
     `client` is no redis-py client of a server (fakeredis, a stand-in: nothing to check)."""
     pool: Any = getattr(client, "connection_pool", None)
     connection_class = getattr(pool, "connection_class", None)
-    if connection_class not in _REDIS_CONNECTIONS:
+    kwargs = getattr(pool, "connection_kwargs", {})
+    if is_sentinel_pool(pool):
+        try:
+            connection_class, kwargs = plain_settings(pool)  # asks the Sentinels where the primary is now
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            return str(exc) or type(exc).__name__
+    elif connection_class not in _REDIS_CONNECTIONS:
         return None
     settings = {
-        **pool.connection_kwargs,
+        **kwargs,
         "socket_timeout": REDIS_CHECK_TIMEOUT_S,
         "socket_connect_timeout": REDIS_CHECK_TIMEOUT_S,
         "retry": Retry(NoBackoff(), 0),

@@ -24,7 +24,7 @@ import logging
 import re
 import time
 import uuid
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -311,6 +311,8 @@ class RolloutClient:
         self._tokenizer_path = tokenizer
         self._tokenizer: Any = None
         self._groups = GroupAssembler(remember_ids)
+        self._whole: deque[Group] = deque()
+        """Groups made whole and not yet handed over: one read can complete more than the caller asked for."""
         self._pending_after: bytes | None = b"0"
         """First re-read what this consumer was handed before a restart, from this id on (None: done)."""
         self._rereading = False
@@ -659,17 +661,22 @@ class RolloutClient:
         """The next `n_groups` whole groups, all acked in one round trip once they are here; a convenience for scripts
         and tests. (Through `groups()`, each group's ack is a round trip of its own, which a burst of groups finishing
         together, as vLLM's last step of a batch makes, would wait for.) A timeout leaves the groups
-        it gathered pending, so that a client started again reads them back, rather than acked and lost."""
+        it gathered pending, so that a client started again reads them back, rather than acked and lost; this client's
+        next call returns them first. Groups one read made whole beyond `n_groups` wait for the next call."""
         got: list[Group] = []
         if n_groups <= 0:
             return got
         bound = self._bound(max_staleness, park)
-        for group in self._whole_groups(timeout):
-            if bound is not None and not self._fresh([group], bound):
-                continue
-            got.append(group)
-            if len(got) == n_groups:
-                break
+        try:
+            for group in self._whole_groups(timeout):
+                if bound is not None and not self._fresh([group], bound):
+                    continue
+                got.append(group)
+                if len(got) == n_groups:
+                    break
+        except TimeoutError:
+            self._whole.extendleft(reversed(got))
+            raise
         self._ack([entry for group in got for entry in group.entry_ids])
         return got
 
@@ -723,8 +730,12 @@ class RolloutClient:
             self.streams.trim_consumed(self.streams.keys.rollouts)
 
     def _whole_groups(self, timeout: float | None, block_ms: int = 500) -> Iterator[Group]:
+        """Whole groups as they come, each handed over once: those a read completed beyond what the caller took
+        wait in `_whole` for its next call."""
         last_news = time.monotonic()
         while True:
+            while self._whole:
+                yield self._whole.popleft()
             entries = self._read(block_ms)
             if entries:
                 last_news = time.monotonic()
@@ -733,7 +744,7 @@ class RolloutClient:
                     f"no rollout arrived in {timeout:.0f}s; {len(self._groups.open)} groups are incomplete. "
                     f"Is a worker running on this namespace (`rollouts top`)?{self._scoring_hint()}"
                 )
-            yield from self._take(entries)
+            self._whole.extend(self._take(entries))
 
     def _scoring_hint(self) -> str:
         keys = self.streams.keys

@@ -55,6 +55,7 @@ from pipeline.cli.engine_spec import (
 )
 from pipeline.codec import as_text
 from pipeline.connections import redact
+from pipeline.sentinel import is_sentinel_url, parse_sentinel_url
 from pipeline.streams import Streams
 
 ACTOR_ENV = ("HF_HUB_OFFLINE", "HF_HUB_DISABLE_PROGRESS_BARS", "VLLM_LOGGING_STREAM")
@@ -222,9 +223,12 @@ def _warn_loopback(redis_url: str) -> None:
     """Every node must reach Redis at the URL given: a loopback one works only on a one-node cluster."""
     import ray
 
-    host = urlparse(redis_url).hostname or ""
+    if is_sentinel_url(redis_url):
+        hosts = {host for host, _port in parse_sentinel_url(redis_url).sentinels}
+    else:
+        hosts = {urlparse(redis_url).hostname or ""}
     nodes = [node for node in ray.nodes() if node.get("Alive")]  # type: ignore[no-untyped-call]  # ray: unannotated
-    if host in ("127.0.0.1", "localhost", "::1") and len(nodes) > 1:
+    if hosts <= {"127.0.0.1", "localhost", "::1"} and len(nodes) > 1:
         console.print(
             f"[yellow]warning:[/] --redis {redact(redis_url)} is loopback, but the cluster has {len(nodes)} nodes: "
             "workers on the others will not reach it; pass an address they can reach"

@@ -3,6 +3,7 @@ primary Sentinel names, through a failover too (a primary, a replica and three S
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -13,9 +14,10 @@ from pathlib import Path
 import pytest
 import redis
 
-from pipeline.connections import connect, parse_sentinel_url, redact
+from pipeline.connections import connect, redact
 from pipeline.local import RedisServer, find_redis_server, free_port
 from pipeline.processes import start_worker, stop_processes, wait_for_worker
+from pipeline.sentinel import parse_sentinel_url
 from producers.client import RolloutClient
 from tests.fixtures import FAST, wait_until
 
@@ -50,10 +52,18 @@ def test_a_malformed_sentinel_url_is_refused_saying_what_to_fix(url: str, says: 
         parse_sentinel_url(url)
 
 
+@dataclass(frozen=True)
+class Shape:
+    """How many replicas the primary has, and its `min-replicas-to-write` (every server's: a replica is promoted)."""
+
+    replicas: int = 1
+    min_replicas_to_write: int = 0
+
+
 @dataclass
 class Topology:
     primary: RedisServer
-    replica: RedisServer
+    replicas: list[RedisServer]
     sentinels: list[subprocess.Popen[bytes]]
     ports: list[int]
 
@@ -71,13 +81,20 @@ class Topology:
 
 
 @pytest.fixture
-def topology(tmp_path: Path) -> Iterator[Topology]:
-    """A primary, its replica and three Sentinels (quorum 2) that call a primary down after 1 s of silence."""
+def topology(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Topology]:
+    """A primary, its replicas (`Shape`, one by default) and three Sentinels (quorum 2) that call a primary down after
+    1 s of silence. A replica is in sync before the test starts: one never synced would take the stream with it."""
+    shape: Shape = getattr(request, "param", Shape())
     binary = find_redis_server()
     primary = RedisServer(binary=binary).start()
-    replica = RedisServer(binary=binary).start()
-    redis.Redis(port=primary.port).config_set("repl-diskless-sync-delay", 0)
-    redis.Redis(port=replica.port).replicaof("127.0.0.1", primary.port)
+    replicas = [RedisServer(binary=binary).start() for _ in range(shape.replicas)]
+    for server in (primary, *replicas):
+        with contextlib.closing(redis.Redis(port=server.port)) as admin:
+            admin.config_set("repl-diskless-sync-delay", 0)
+            admin.config_set("min-replicas-to-write", shape.min_replicas_to_write)
+            admin.config_set("min-replicas-max-lag", 1)
+            if server is not primary:
+                admin.replicaof("127.0.0.1", primary.port)
     ports = [free_port() for _ in range(3)]
     sentinels = []
     for port in ports:
@@ -89,15 +106,15 @@ def topology(tmp_path: Path) -> Iterator[Topology]:
             f"sentinel failover-timeout {SERVICE} 5000\n"
         )
         sentinels.append(subprocess.Popen([binary.path, str(conf), "--sentinel"], stdout=subprocess.DEVNULL))
-    up = Topology(primary, replica, sentinels, ports)
+    up = Topology(primary, replicas, sentinels, ports)
     try:
-        wait_until(lambda: _in_sync(replica), 30, "the replica in sync")
-        wait_until(lambda: _replicas_seen(up) >= 1, 30, "the Sentinels to see the replica")
+        wait_until(lambda: all(map(_in_sync, replicas)), 30, "the replicas in sync")
+        wait_until(lambda: _replicas_seen(up) >= len(replicas), 30, "the Sentinels to see the replicas")
         yield up
     finally:
         stop_processes(sentinels)
-        replica.stop()
-        primary.stop()
+        for server in (*replicas, primary):
+            server.stop()
 
 
 def _in_sync(replica: RedisServer) -> bool:
@@ -119,12 +136,13 @@ def _replicas_seen(up: Topology) -> int:
         return 0
 
 
-def test_a_fleet_given_only_the_sentinels_delivers_every_sample_once_through_a_failover(
-    topology: Topology, tiny_model_dir: Path, tmp_path: Path
+def test_a_fleet_given_only_the_sentinels_delivers_every_sample_once_through_a_failover_then_syncs(
+    topology: Topology, tiny_model_dir: Path, tiny_model_dir_v1: Path, tmp_path: Path
 ) -> None:
     """A trainer client and two synthetic workers know only the Sentinels. The primary is killed (`kill -9`) while
     prompts are under way; Sentinel promotes the replica, and every part follows it by itself: every prompt comes
-    back once, none twice."""
+    back once, none twice; then a weight sync on the new primary is acked by both workers, and what they generate
+    next is tagged with the new version."""
     ns = "sentinel"
     client = RolloutClient(topology.url, ns)
     assert isinstance(connect(topology.url), redis.Redis)
@@ -148,5 +166,56 @@ def test_a_fleet_given_only_the_sentinels_delivers_every_sample_once_through_a_f
         assert sorted(got) == sorted(ids)
         assert client.stats["duplicates"] == 0
         assert all(p.poll() is None for p in procs), "a worker gave up on the failover"
+
+        assert client.publish_weights(tiny_model_dir_v1, ack_timeout_s=60) == 1
+        report = client.last_sync
+        assert report is not None and sorted(report.acked) == ["w1", "w2"] and report.evicted == [], report
+        after = [client.submit(tokens=[6, 5, k], n=2, max_tokens=10, seed=k) for k in range(6)]
+        groups = client.collect(len(after), timeout=60)
+        assert sorted(g.prompt_id for g in groups) == sorted(after)
+        assert {r.version for g in groups for r in g.rollouts} == {1}
     finally:
         stop_processes(procs)
+
+
+def _refused_writes(server: RedisServer) -> int:
+    """How many commands `server` refused for not being a primary that may write (`INFO errorstats`)."""
+    with contextlib.closing(redis.Redis(port=server.port, decode_responses=True)) as admin:
+        stats = admin.info("errorstats")
+    return sum(int(stats.get(f"errorstat_{kind}", {}).get("count", 0)) for kind in ("NOREPLICAS", "READONLY"))
+
+
+@pytest.mark.parametrize("topology", [Shape(replicas=2, min_replicas_to_write=1)], indirect=True)
+def test_a_stale_primary_that_comes_back_after_a_failover_takes_no_write_and_its_clients_move_on(
+    topology: Topology, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The primary is stopped (SIGSTOP) past Sentinel's down-after, and a replica is promoted. The old primary comes
+    back (SIGCONT) still taking itself for the primary, and the trainer client still holds a connection to it. With
+    `min-replicas-to-write 1` it refuses that client's writes (`NOREPLICAS`: no replica follows it any more; once
+    Sentinel demotes it, `READONLY`), and the client takes them to the new primary: every prompt submitted right then
+    comes back once. Written on the stale primary, they would have been lost when Sentinel made it a replica."""
+    ns = "stale"
+    client = RolloutClient(topology.url, ns)
+    worker = start_worker(topology.url, ns, tiny_model_dir, "w1", *FAST, "--engine", "synthetic",
+                          log_file=tmp_path / "w1.log")  # fmt: skip
+    try:
+        wait_for_worker(connect(topology.url), ns, "w1", worker, timeout_s=120)
+        warm = [client.submit(tokens=[4, 5, k], n=1, max_tokens=8, seed=k) for k in range(4)]
+        assert sorted(g.prompt_id for g in client.collect(len(warm), timeout=60)) == sorted(warm)
+        old = topology.primary
+        assert old.process is not None and topology.primary_port() == old.port
+        os.kill(old.process.pid, signal.SIGSTOP)
+        try:
+            wait_until(lambda: topology.primary_port() != old.port, 60, "Sentinel to promote a replica")
+        finally:
+            os.kill(old.process.pid, signal.SIGCONT)
+        import time; t0 = time.time()
+        ids = [client.submit(tokens=[6, 5, k], n=1, max_tokens=8, seed=k) for k in range(8)]
+        print("DEBUG submitted", time.time() - t0, _refused_writes(old), topology.primary_port(), old.port)
+        groups = client.collect(len(ids), timeout=90)
+        print("DEBUG collected", time.time() - t0)
+        assert sorted(g.prompt_id for g in groups) == sorted(ids)
+        assert client.stats["duplicates"] == 0
+        assert _refused_writes(old) >= 1, "the client's writes never reached the stale primary: nothing was tested"
+    finally:
+        stop_processes([worker])

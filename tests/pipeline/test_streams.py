@@ -819,6 +819,27 @@ def test_collect_acks_its_groups_together_and_a_timeout_leaves_them_for_the_next
     assert any_redis.xpending(streams.keys.rollouts, TRAINER)["pending"] == 0
 
 
+def test_groups_one_read_completes_beyond_what_collect_asked_for_come_with_the_next_call(
+    any_redis: redis.Redis, ns: str
+) -> None:
+    """Three groups whole in one read, `collect(1)` takes one: the other two are this client's next, with nothing
+    new arriving (they were dropped once: read, never handed over, never acked, waiting for a restart). A collect
+    that times out hands what it gathered to the next call too."""
+    from producers.client import RolloutClient
+
+    streams = Streams(any_redis, ns)
+    streams.ensure_groups()
+    for name in ("a", "b", "c"):
+        for rollout in rollouts_for(prompt(name)):
+            any_redis.xadd(streams.keys.rollouts, for_redis(rollout.to_fields()))
+    client = RolloutClient(any_redis, ns, consumer="t")
+    assert [g.prompt_id for g in client.collect(1, timeout=5)] == ["a"]
+    with pytest.raises(TimeoutError):
+        client.collect(3, timeout=0.3)  # b and c, and no third
+    assert [g.prompt_id for g in client.collect(2, timeout=1)] == ["b", "c"]
+    assert client.stats["duplicates"] == 0 and any_redis.xpending(streams.keys.rollouts, TRAINER)["pending"] == 0
+
+
 def test_a_fleet_sweeps_departed_inboxes_about_twice_a_heartbeat_whatever_its_size() -> None:
     """Every worker sweeping every heartbeat made Redis check N² heartbeats a second (a million at 1,000 workers);
     a small fleet still sweeps every heartbeat, a large one a couple of times a period in all."""
