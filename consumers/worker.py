@@ -639,7 +639,7 @@ class Worker:
             results = await asyncio.gather(*(self._generate_sample(prompt, k, entry, done) for k, done in samples))
             rollouts = [r for r in results if isinstance(r, Rollout)]
             partials = [r for r in results if isinstance(r, Partial)]
-            published = await self.publisher.publish(rollouts, entry, partials, prompt.reply_to)
+            published = await self._publish(rollouts, entry, partials, prompt)
             if published > 0:
                 self.state.published += published
                 self.metrics.published(published)
@@ -653,6 +653,19 @@ class Worker:
             # Not the prompt's fault (a failed engine step, Redis gone): leave it pending for a retry elsewhere.
             log.exception("%s: prompt %s failed; it stays pending", self.name, prompt.id)
             self.metrics.prompt_failed()
+
+    async def _publish(self, rollouts: list[Rollout], entry: Entry, partials: list[Partial], prompt: Prompt) -> int:
+        """Publish what was made of `entry`, trying again while Redis is out of reach for longer than the client's
+        reconnects (a failover, a restart): the work is done and only needs delivering, and the entry, held here all
+        the while, is one nobody else claims. Given up only when the worker stops."""
+        while True:
+            try:
+                return await self.publisher.publish(rollouts, entry, partials, prompt.reply_to)
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                if self.state.stopping.is_set() or self.state.redis_gone:
+                    raise
+                log.warning("%s: publishing prompt %s failed (%s); trying again", self.name, prompt.id, exc)
+                await asyncio.sleep(self.settings.heartbeat_s)
 
     async def _generate_sample(
         self, prompt: Prompt, sample: int, entry: Entry, done: Partial | None

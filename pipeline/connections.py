@@ -14,8 +14,9 @@ command): every write the pipeline makes is safe to run twice (see "Semantics we
 
 Redis Cluster: every key of a namespace carries the hash tag `{ns}`, so a namespace lives in one slot, on one
 node. A process that names its namespace (`connect(url, ns=...)`) and is given any node of a cluster gets a plain
-client to the node that owns the namespace's slot (`CLUSTER SLOTS`), so scripts, transactions and blocking reads
-work as on a single Redis, and a fleet shards by namespace.
+client whose connections go to the node that serves the namespace's slot and follow it when it moves
+(`pipeline.cluster`), so scripts, transactions and blocking reads work as on a single Redis, and a fleet shards by
+namespace.
 
 Redis behind Sentinel (`redis+sentinel://HOST:PORT[,...]/SERVICE`): `connect` gives a client of the primary the
 Sentinels name, which follows a failover by itself (`pipeline.sentinel`).
@@ -35,9 +36,10 @@ import redis.asyncio.retry
 import redis.connection
 import redis.exceptions
 from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
-from redis.crc import key_slot
 from redis.retry import Retry
 
+from pipeline import cluster
+from pipeline.durability import Durability, DurableRedis, split_url
 from pipeline.sentinel import async_connections, is_sentinel_pool, is_sentinel_url, plain_settings, primary_client
 
 MIN_REDIS_VERSION = (6, 2, 0)
@@ -147,11 +149,12 @@ ASYNC_CONNECTIONS: dict[type, type[redis.asyncio.connection.AbstractConnection]]
     redis.connection.Connection: redis.asyncio.connection.Connection,
     redis.connection.UnixDomainSocketConnection: redis.asyncio.connection.UnixDomainSocketConnection,
     redis.connection.SSLConnection: redis.asyncio.connection.SSLConnection,
+    **cluster.ASYNC_CONNECTIONS,
 }
-"""redis-py's asyncio twin of each of its connection classes."""
+"""redis-py's asyncio twin of each of its connection classes, and of ours that follow a cluster's slot."""
 ASYNC_SETTINGS = (
     "host", "port", "path", "db", "username", "password", "credential_provider", "client_name", "protocol",
-    "socket_connect_timeout", "socket_keepalive", "socket_keepalive_options",
+    "socket_connect_timeout", "socket_keepalive", "socket_keepalive_options", "route",
 )  # fmt: skip
 """The settings of a client's connections that its asyncio twin takes over (and every `ssl_*` one)."""
 
@@ -186,39 +189,6 @@ def retried_failures(client: redis.Redis) -> int:
     return getattr(client.get_retry(), "failures", 0)
 
 
-def namespace_slot(ns: str) -> int:
-    """The Redis Cluster slot of every key of namespace `ns` (they share the hash tag `{ns}`)."""
-    return key_slot(("{" + ns + "}").encode())
-
-
-def slot_owner(client: redis.Redis, slot: int) -> tuple[str, int] | None:
-    """The (host, port) of the cluster node serving `slot`, or None when `client`'s server is no cluster node.
-
-    `CLUSTER SLOTS` (Redis 3 to 7, unlike 7.0's `CLUSTER SHARDS`) lists ranges with their primary first; a node
-    that announces no address (an empty host) is reached at the address we already use. A server that refuses
-    the command (cluster support disabled, or a proxy or user without it) is taken for a single Redis: were it a
-    cluster node after all, a command on a key it does not own fails with `MOVED`, which names the slot."""
-    try:
-        ranges = client.execute_command("CLUSTER", "SLOTS")
-    except redis.ResponseError:
-        return None
-    for start, end, primary, *_replicas in ranges:
-        if int(start) <= slot <= int(end):
-            host = primary[0].decode() if isinstance(primary[0], bytes) else str(primary[0])
-            return host or client.connection_pool.connection_kwargs.get("host", "localhost"), int(primary[1])
-    raise redis.exceptions.ClusterDownError(
-        f"no node of the cluster serves slot {slot} (not every slot is assigned yet?)"
-    )
-
-
-def _at(url: str, host: str, port: int) -> str:
-    """`url` with its host and port replaced (user, password, database and options kept)."""
-    parts = urlsplit(url)
-    auth = parts.netloc.rpartition("@")[0]
-    where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    return urlunsplit(parts._replace(netloc=f"{auth}@{where}" if auth else where))
-
-
 def connect(url: str, *, reconnect: bool = True, ns: str | None = None, **options: Any) -> redis.Redis:
     """A client for binary payloads (`decode_responses=False`), checked with a PING and for the version.
 
@@ -226,26 +196,32 @@ def connect(url: str, *, reconnect: bool = True, ns: str | None = None, **option
     (`Reconnecting`), unless `reconnect` is off (the exporter: a scrape must answer within its timeout, and
     the next scrape connects again). `options` go to redis-py (`socket_timeout=` for a reader that must not
     hang on a stuck server). With `ns`, a `url` that names any node of a Redis Cluster gives a client of the
-    node that owns the namespace (see the module's docstring)."""
-    client = _connect_one(url, reconnect=reconnect, **options)
+    node that serves the namespace, wherever it moves (see the module's docstring).
+
+    The URL's `durability=` option (`replica`, `aof`, `replica-aof`; with `replicas=N`, `durability_timeout_ms=T`)
+    makes every write of the client wait until it is that durable (`pipeline.durability`)."""
+    url, durability = split_url(url)
+    client = _connect_one(url, durability, reconnect=reconnect, **options)
     if ns is None or is_sentinel_url(url):
         return client
-    owner = slot_owner(client, namespace_slot(ns))
-    here = client.connection_pool.connection_kwargs
-    if owner is None or owner == (here.get("host"), here.get("port")):
+    following = cluster.following_options(client, ns)
+    if following is None:
         return client
     client.close()
-    return _connect_one(_at(url, *owner), reconnect=reconnect, **options)
+    return _connect_one(url, durability, reconnect=reconnect, **options, **following)
 
 
-def _connect_one(url: str, *, reconnect: bool, **options: Any) -> redis.Redis:
+def _connect_one(url: str, durability: Durability, *, reconnect: bool, **options: Any) -> redis.Redis:
     """`connect` to exactly the server that `url` names (or, for a Sentinel URL, the primary Sentinel names)."""
+    redis_class = DurableRedis if durability.waits else redis.Redis
     if is_sentinel_url(url):
-        client = primary_client(url, **options)
+        client = primary_client(url, redis_class=redis_class, **options)
     else:
-        client = redis.Redis.from_url(
+        client = redis_class.from_url(
             url, decode_responses=False, health_check_interval=30, retry=Retry(NoBackoff(), 0), **options
         )
+    if durability.waits:
+        client.durability = durability  # type: ignore[attr-defined]  # DurableRedis's
     try:
         client.ping()
     except redis.ResponseError as exc:
@@ -256,6 +232,12 @@ def _connect_one(url: str, *, reconnect: bool, **options: Any) -> redis.Redis:
     version = server_version(client)
     if version is not None:
         check_version(version, f"the server at {redact(url)}")
+        needed = durability.needs_server()
+        if needed is not None and version < needed:
+            raise UnsupportedRedisError(
+                f"durability={durability.mode} waits with WAITAOF, which Redis {version_text(needed)} added; the "
+                f"server at {redact(url)} is {version_text(version)}: use durability=replica, or a newer server"
+            )
     if reconnect:
         client.set_retry(Reconnecting())
     return client
@@ -267,6 +249,7 @@ _REDIS_CONNECTIONS = (
     redis.connection.Connection,
     redis.connection.SSLConnection,
     redis.connection.UnixDomainSocketConnection,
+    *cluster.FOLLOWING.values(),
 )
 
 
@@ -311,6 +294,8 @@ def redis_address(client: redis.Redis) -> str:
     if service is not None:
         return f"the primary of {service!r} (Sentinel)"
     kwargs: dict[str, Any] = getattr(pool, "connection_kwargs", {})
+    if isinstance(route := kwargs.get("route"), cluster.SlotRoute):
+        return route.describe()
     if "path" in kwargs:
         return str(kwargs["path"])
     return f"{kwargs.get('host', '?')}:{kwargs.get('port', '?')}"

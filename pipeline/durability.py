@@ -4,19 +4,23 @@ Redis acknowledges a write once it is in the primary's memory; its replicas and 
 primary that dies takes the writes not yet on a replica with it (asynchronous replication), and one restarted from its
 AOF loses up to a second of writes under `appendfsync everysec`. The modes:
 
-| mode | a write is done once | what a dead primary can lose |
-|---|---|---|
-| `default` | the primary has it | what its replicas (or its AOF, if it restarts from it) had not yet got |
-| `aof` | the primary's AOF has it on disk (`WAITAOF 1 0`, Redis >= 7.2, Valkey) | nothing, if it restarts from that disk |
-| `replica` | `replicas` replicas have it (`WAIT N`) | nothing, if a replica that had it is the one promoted |
-| `replica-aof` | `replicas` replicas have it on disk (`WAITAOF 0 N`, Redis >= 7.2, Valkey) | nothing, even if every server restarts |
+- `default`: done once the primary has it. A dead primary loses what its replicas (or its AOF, if it restarts from
+  it) had not yet got.
+- `aof`: done once the primary's AOF has it on disk (`WAITAOF 1 0`: Redis >= 7.2, Valkey). Nothing lost if the
+  primary restarts from that disk; a failover to a replica still loses what the replica lacked.
+- `replica`: done once `replicas` replicas have it (`WAIT N`). Nothing lost if a replica that had it is the one
+  promoted (Sentinel promotes the most up-to-date replica).
+- `replica-aof`: done once `replicas` replicas have it on disk (`WAITAOF 0 N`: Redis >= 7.2, Valkey). Nothing lost
+  even if every server restarts at once.
 
 How: after each write, on the same connection (`WAIT` counts that connection's writes), the client asks for the
-mode's `WAIT`/`WAITAOF` and checks the count it returns. A count short of the mode's (`timeout_ms` passed first: a
-replica down, or a stale primary cut off from them) fails the call with `NotDurableError`, a `redis.ConnectionError`:
-the client's retry policy drops the connection and sends the write again (every write the pipeline makes is safe to
-run twice), to the primary Sentinel names now, until it is durable or the retries run out; then the caller treats it
-as not done (a worker leaves its prompt pending, a trainer's `submit` raises). The writes covered are every write
+mode's `WAIT`/`WAITAOF` and checks the count it returns. A short count (`timeout_ms` passed: a replica down or
+lagging) asks again on that connection, for up to `patience_s`. Past that, or if the server refuses to wait (Sentinel
+made it a replica), the call fails with `NotDurableError`, a `redis.ConnectionError`: the client's retry policy drops
+the connection and sends the write again, to the primary Sentinel names now (a command retried after a lost
+connection may run twice already: every write the pipeline makes allows it), until it is durable or the retries run
+out; then the caller treats it as not done (a worker leaves its prompt pending, a trainer's `submit` raises).
+The writes covered are every write
 command, script and transaction of a client that `connections.connect` made: publishes and their acks, admissions,
 syncs' begins, acks and version bumps, heartbeats. A blocking read that moves entries into a group's pending list
 (`XREADGROUP`) is not waited for: lost, the entries are handed out again, and a publish already made of them is
@@ -25,6 +29,7 @@ dropped as a duplicate.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
@@ -59,7 +64,9 @@ class Durability:
     replicas: int = 1
     """How many replicas must have a write (`replica`, `replica-aof`)."""
     timeout_ms: int = 1000
-    """How long one wait may take before the write counts as not done (and is sent again)."""
+    """How long one wait may take; a short count waits again, on the same connection, for up to `patience_s`."""
+    patience_s: float = 10.0
+    """How long a write waits for its acknowledgements in all before it counts as not done and is sent again."""
 
     @property
     def waits(self) -> bool:
@@ -120,13 +127,22 @@ def durability_of(client: object) -> Durability:
 
 
 def confirm(connection: Any, durability: Durability) -> None:
-    """Wait on `connection` for what it wrote last to be as durable as `durability` asks; `NotDurableError` if not."""
-    connection.send_command(*durability.wait_args())
-    try:
-        reply = connection.read_response()
-    except redis.ResponseError as exc:
-        reply = exc
-    durability.check(reply)
+    """Wait on `connection` for what it wrote last to be as durable as `durability` asks: a short count waits again on
+    the same connection (the write is not sent twice while the connection lives) for up to `patience_s`; then, or
+    when the server refuses to wait (it became a replica), `NotDurableError`."""
+    deadline = time.monotonic() + durability.patience_s
+    while True:
+        connection.send_command(*durability.wait_args())
+        try:
+            reply = connection.read_response()
+        except redis.ResponseError as exc:
+            reply = exc
+        try:
+            durability.check(reply)
+            return
+        except NotDurableError:
+            if isinstance(reply, Exception) or time.monotonic() >= deadline:
+                raise
 
 
 def _writes(command_name: Any) -> bool:

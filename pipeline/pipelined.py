@@ -57,6 +57,8 @@ class PipelinedConnection:
         self._timeout_s = timeout_s
         """How long a batch may take to be written, and then to be answered (the sync client's socket timeout)."""
         self._connection: AbstractConnection | None = None
+        self.connections = 0
+        """Connections made so far: a caller that sees it unchanged across two calls knows they shared one."""
         self._writing = asyncio.Lock()
         self._turn: asyncio.Future[None] | None = None
         """Done once the batch written last has read its replies (or given up on them)."""
@@ -74,7 +76,10 @@ class PipelinedConnection:
         connection = None
         try:
             async with self._writing:
-                connection = self._connection = self._connection or self._make()  # connected by its first write
+                if self._connection is None:
+                    self._connection = self._make()  # connected by its first write
+                    self.connections += 1
+                connection = self._connection
                 async with asyncio.timeout(self._timeout_s):
                     for write in writes(commands):  # not the list at once: Python 3.11's transport joins it all
                         await connection.send_packed_command(write, check_health=False)

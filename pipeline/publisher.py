@@ -23,9 +23,12 @@ import asyncio
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, cast
+
+import hiredis
 
 from pipeline.connections import async_retry, async_twin, socket_timeout_s
+from pipeline.durability import NotDurableError
 from pipeline.pipelined import PipelinedConnection
 from pipeline.streams import Entry, Publish, Streams, publish_results, script_unknown
 from pipeline.wire import Partial, Rollout
@@ -127,12 +130,43 @@ class Publisher:
             return await loop.run_in_executor(self._threads, self.streams.publish_many, publishes)
         pipe = self._pipeline(loop)
         commands = self.streams.publish_commands(publishes)
-        replies: list[Any] = await pipe.call(commands)
+        replies: list[Any] = await self._call(pipe, commands)
         if unknown := script_unknown(replies):  # Redis restarted or its scripts were flushed: those ran nothing
             await asyncio.to_thread(self.streams.load_publish)  # rare: behind the worker's other calls is fine
-            for i, reply in zip(unknown, await pipe.call([commands[i] for i in unknown]), strict=True):
+            for i, reply in zip(unknown, await self._call(pipe, [commands[i] for i in unknown]), strict=True):
                 replies[i] = reply
         return publish_results(replies)
+
+    async def _call(self, pipe: PipelinedConnection, commands: list[bytes]) -> list[Any]:
+        """`commands`' replies, once as durable as the client's mode asks (`pipeline.durability`): the mode's wait goes
+        after them on the same connection, and a short count waits again while that connection lives (up to the
+        mode's patience); a new connection, or patience run out, sends them all again (a publish already made writes
+        nothing the second time), with the client's retry policy."""
+        durability = self.streams.durability
+        if not durability.waits:
+            return await pipe.call(commands)
+        wait = cast(bytes, hiredis.pack_command(durability.wait_args()))
+
+        async def durable() -> list[Any]:
+            deadline = time.monotonic() + durability.patience_s
+            replies = await pipe.call([*commands, wait])
+            made, reply = pipe.connections, replies.pop()
+            while True:
+                try:
+                    durability.check(reply)
+                    return replies
+                except NotDurableError:
+                    if isinstance(reply, Exception) or time.monotonic() >= deadline:
+                        raise
+                (reply,) = await pipe.call([wait])
+                if pipe.connections != made:  # the wait went on a new connection: it says nothing of the writes
+                    raise NotDurableError("the connection was lost while waiting for the acknowledgements")
+
+        async def again(_error: Exception) -> None:
+            return None
+
+        replies: list[Any] = await async_retry(self.streams.redis).call_with_retry(durable, again)
+        return replies
 
     def _pipeline(self, loop: asyncio.AbstractEventLoop) -> PipelinedConnection:
         """The connection of this event loop (a publisher used from a second `asyncio.run` gets a new one)."""

@@ -24,6 +24,8 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 import redis
 import redis.asyncio.connection
 import redis.connection
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 from redis.sentinel import Sentinel, SentinelConnectionPool, SentinelManagedConnection
 
 SCHEMES = {"redis+sentinel": False, "rediss+sentinel": True}
@@ -129,22 +131,24 @@ class PrimarySSLConnection(PrimaryConnection, redis.connection.SSLConnection):
     """`PrimaryConnection` over TLS."""
 
 
-def primary_client(url: str, **options: Any) -> redis.Redis:
-    """A client of the primary that the URL's Sentinels name for its service, unconnected and never retrying by
-    itself (`connections.connect` sets the retry policy). `options` go to each connection (`socket_timeout=`)."""
+def primary_client(url: str, redis_class: type[redis.Redis] = redis.Redis, **options: Any) -> redis.Redis:
+    """A client (of `redis_class`) of the primary that the URL's Sentinels name for its service, unconnected and
+    never retrying by itself (`connections.connect` sets the retry policy). `options` go to each connection
+    (`socket_timeout=`)."""
     target = parse_sentinel_url(url)
     tls = {"ssl": True, **target.tls_options} if target.tls else {}
     asking = {"socket_timeout": SENTINEL_TIMEOUT_S, "socket_connect_timeout": SENTINEL_TIMEOUT_S, **tls}
     sentinel = Sentinel(list(target.sentinels), sentinel_kwargs=asking)
     client: redis.Redis = sentinel.master_for(
         target.service,
-        redis_class=redis.Redis,
+        redis_class=redis_class,
         connection_class=PrimarySSLConnection if target.tls else PrimaryConnection,
         db=target.db,
         username=target.username,
         password=target.password,
         decode_responses=False,
         health_check_interval=30,
+        retry=Retry(NoBackoff(), 0),
         **target.tls_options,
         **options,
     )

@@ -21,6 +21,7 @@ import redis
 from pipeline.codec import for_redis, stream_ids
 from pipeline.connections import socket_timeout_s
 from pipeline.control import ControlStream
+from pipeline.durability import confirm, durability_of
 from pipeline.lua import register_all
 from pipeline.registry import Registry, touch_pending
 from pipeline.wire import (
@@ -86,6 +87,8 @@ class Streams:
         self._publish, self._claim, self._forward = scripts["publish"], scripts["claim"], scripts["forward"]
         self._share = scripts["share"]
         self._dead_letter = scripts["dead_letter"]
+        self.durability = durability_of(client)
+        """When a write counts as done (the URL's `durability=`): `_pipelined` waits for it as the client does."""
         timeout_s = socket_timeout_s(client)
         self._max_block_ms = None if timeout_s is None else max(1, int(timeout_s * 1000) - BLOCK_MARGIN_MS)
         """The longest a blocking read may wait on this client (`_block`); None: any."""
@@ -325,6 +328,10 @@ class Streams:
                     replies.append(connection.read_response())
                 except redis.ResponseError as exc:  # this command's error: the next replies are still read
                     replies.append(exc)
+            if self.durability.waits:
+                confirm(
+                    connection, self.durability
+                )  # NotDurableError: the batch is sent again, as on a lost connection
             return replies
 
         try:
