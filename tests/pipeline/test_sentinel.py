@@ -14,10 +14,10 @@ import pytest
 import redis
 
 from pipeline.connections import connect, parse_sentinel_url, redact
-from pipeline.local import RedisServer, find_redis_server, free_port
+from pipeline.local import RedisServer, find_redis_server, free_port, valkey_binary
 from pipeline.processes import start_worker, stop_processes, wait_for_worker
 from producers.client import RolloutClient
-from tests.fixtures import FAST, wait_until
+from tests.fixtures import FAST, VALKEY_MISSING, wait_until
 
 SERVICE = "rollouts"
 
@@ -70,10 +70,17 @@ class Topology:
             sentinel.close()
 
 
+SERVERS = ["installed", "valkey"]
+"""`topology` params: the installed Redis (`redis-server --sentinel`) and Valkey 8.1 (`valkey-server --sentinel`)."""
+
+
 @pytest.fixture
-def topology(tmp_path: Path) -> Iterator[Topology]:
-    """A primary, its replica and three Sentinels (quorum 2) that call a primary down after 1 s of silence."""
-    binary = find_redis_server()
+def topology(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Topology]:
+    """A primary, its replica and three Sentinels (quorum 2) that call a primary down after 1 s of silence, all of
+    the server its param names (`SERVERS`; the installed Redis by default)."""
+    binary = valkey_binary() if getattr(request, "param", "installed") == "valkey" else find_redis_server()
+    if binary is None:
+        pytest.skip(VALKEY_MISSING)
     primary = RedisServer(binary=binary).start()
     replica = RedisServer(binary=binary).start()
     redis.Redis(port=primary.port).config_set("repl-diskless-sync-delay", 0)
@@ -119,6 +126,7 @@ def _replicas_seen(up: Topology) -> int:
         return 0
 
 
+@pytest.mark.parametrize("topology", SERVERS, indirect=True)
 def test_a_fleet_given_only_the_sentinels_delivers_every_sample_once_through_a_failover(
     topology: Topology, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
