@@ -79,7 +79,10 @@ def check_version(version: tuple[int, int, int], what: str) -> None:
 
 
 def server_version(client: redis.Redis) -> tuple[int, int, int] | None:
-    """The server's `redis_version`, or None when it does not answer `INFO` (renamed, or not a real Redis)."""
+    """The server's `redis_version`, or None when it does not answer `INFO` (renamed, or not a real Redis).
+
+    That is the Redis whose commands it serves, what the checks want: a Valkey says 7.2.4 there (the Redis it forked
+    from; its own version is `valkey_version`), and has every command of Redis 7.2 (`WAITAOF` included)."""
     try:
         info = client.info("server")
     except redis.ResponseError:

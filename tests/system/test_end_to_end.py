@@ -21,7 +21,16 @@ from pipeline.local import RedisServer, find_redis_cli
 from pipeline.processes import start_worker, stop_processes, wait_for_worker
 from pipeline.wire import GENERATORS, Keys, Prompt, Sampling
 from producers.client import RolloutClient
-from tests.fixtures import ENGINES_ON_BOTH_REDIS, FAST, REDIS_VERSIONS, StartWorker, holds_work, wait_until
+from tests.fixtures import (
+    ENGINES_ON_BOTH_REDIS,
+    ENGINES_ON_EVERY_SERVER,
+    EVERY_SERVER,
+    FAST,
+    REDIS_VERSIONS,
+    StartWorker,
+    holds_work,
+    wait_until,
+)
 from tests.reference import forward_logprobs
 
 SYNTHETIC = ("--engine", "synthetic")
@@ -77,7 +86,7 @@ def serve_w1(
     return ns, workers("w1", "--engine", engine)
 
 
-@pytest.mark.parametrize(("engine", "redis_server"), ENGINES_ON_BOTH_REDIS, indirect=["redis_server"])
+@pytest.mark.parametrize(("engine", "redis_server"), ENGINES_ON_EVERY_SERVER, indirect=["redis_server"])
 def test_every_sample_delivered_once_with_true_logprobs(
     request: pytest.FixtureRequest,
     redis_server: RedisServer,
@@ -178,7 +187,7 @@ def test_bad_input_is_dead_lettered_or_errored_and_the_worker_goes_on(
     assert proc.poll() is None, "the worker must keep serving"
 
 
-@pytest.mark.parametrize("redis_server", REDIS_VERSIONS, indirect=True)
+@pytest.mark.parametrize("redis_server", EVERY_SERVER, indirect=True)
 def test_a_killed_workers_prompts_finish_on_another_worker(
     redis_server: RedisServer, ns: str, workers: StartWorker
 ) -> None:

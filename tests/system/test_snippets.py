@@ -122,8 +122,9 @@ def snippets(path: Path) -> list[Snippet]:
         while end < len(lines) and not lines[end].startswith(fence):
             end += 1
         previous = MARKER.match(lines[number - 1]) if number else None
-        snippet = Snippet(path, number + 1, lang, "\n".join(lines[number + 1 : end]) + "\n",
-                          previous.group(1) if previous else None)
+        snippet = Snippet(
+            path, number + 1, lang, "\n".join(lines[number + 1 : end]) + "\n", previous.group(1) if previous else None
+        )
         if lang in RUN_LANGS:
             parse_marker(snippet)
             found.append(snippet)
@@ -136,9 +137,7 @@ ALL = [s for path in DOCS for s in snippets(path)]
 
 def rewrite(code: str, port: int) -> str:
     """The test's only change to a block: the docs' Redis port becomes the test's."""
-    return code.replace(f"127.0.0.1:{DOCS_PORT}", f"127.0.0.1:{port}").replace(
-        f"--port {DOCS_PORT}", f"--port {port}"
-    )
+    return code.replace(f"127.0.0.1:{DOCS_PORT}", f"127.0.0.1:{port}").replace(f"--port {DOCS_PORT}", f"--port {port}")
 
 
 RUNNER = '''\
@@ -228,8 +227,16 @@ def make_recording(server: RedisServer, tiny: Path, runs: Path) -> Path:
     from pipeline.wire import Keys
     from producers.client import RolloutClient
 
-    recorder = start_command("record", "--redis", server.url, "--ns", DOCS_NS, "--to", str(runs / "exp1"),
-                             log_file=runs.parent / "recorder.log")
+    recorder = start_command(
+        "record",
+        "--redis",
+        server.url,
+        "--ns",
+        DOCS_NS,
+        "--to",
+        str(runs / "exp1"),
+        log_file=runs.parent / "recorder.log",
+    )
     client = RolloutClient(server.url, DOCS_NS, tokenizer=tiny)
     try:
         for i in range(16):
@@ -332,9 +339,14 @@ def run_python(
         if "RolloutClient(" in code or uses_gateway:
             stack.enter_context(docs_worker(server, tiny, tmp_path, gateway_port if uses_gateway else None))
         with open(log, "wb") as out:
-            process = subprocess.Popen([sys.executable, "runner.py", "snippet.py", snippet.id], cwd=cwd,
-                                       env=environment(snippet), stdout=out, stderr=subprocess.STDOUT,
-                                       start_new_session=True)
+            process = subprocess.Popen(
+                [sys.executable, "runner.py", "snippet.py", snippet.id],
+                cwd=cwd,
+                env=environment(snippet),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
             rc = wait_for(process, snippet.timeout_s, snippet.id, log)
     output = log.read_text()
     assert rc == 0, f"{snippet.id} exited {rc}:\n{output[-4000:]}"
@@ -347,9 +359,14 @@ def run_bash(snippet: Snippet, server: RedisServer, tmp_path: Path) -> str:
     port = free_port() if f"redis-server --port {DOCS_PORT}" in snippet.code else server.port
     log = tmp_path / "snippet.log"
     with open(log, "wb") as out:
-        process = subprocess.Popen(["bash", "-e", "-c", rewrite(snippet.code, port)], cwd=cwd,
-                                   env=environment(snippet), stdout=out, stderr=subprocess.STDOUT,
-                                   start_new_session=True)
+        process = subprocess.Popen(
+            ["bash", "-e", "-c", rewrite(snippet.code, port)],
+            cwd=cwd,
+            env=environment(snippet),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
             rc = wait_for(process, snippet.timeout_s, snippet.id, log)
         finally:
@@ -373,8 +390,11 @@ def test_snippet_runs_as_written(
 ) -> None:
     if snippet.skip_reason is not None:
         pytest.skip(snippet.skip_reason)
-    output = (run_python(snippet, server, tiny, tmp_path, request) if snippet.lang == "python"
-              else run_bash(snippet, server, tmp_path))
+    output = (
+        run_python(snippet, server, tiny, tmp_path, request)
+        if snippet.lang == "python"
+        else run_bash(snippet, server, tmp_path)
+    )
     first = next(line for line in snippet.code.splitlines() if line.strip()).split("  #")[0].strip()
     for expected, times in CHECKS.get((snippet.path.name, first), {}).items():
         wanted = f"{snippet.id}: wanted {expected!r} at least {times} times in:\n{output[-4000:]}"
