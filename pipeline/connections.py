@@ -168,7 +168,7 @@ def async_twin(client: redis.Redis) -> Callable[[], redis.asyncio.connection.Abs
     `socket_timeout_s(client)` and `async_retry(client)`); None for a client whose connections are not redis-py's
     own (fakeredis, a stand-in). For asyncio code that must not hand each call to a thread (`pipeline.pipelined`)."""
     pool: Any = getattr(client, "connection_pool", None)  # duck-typed: a stand-in client may have none
-    twin = ASYNC_CONNECTIONS.get(getattr(pool, "connection_class", None))
+    twin = ASYNC_CONNECTIONS.get(getattr(pool, "connection_class", type(None)))
     if twin is None and not is_sentinel_pool(pool):
         return None
     settings = {k: v for k, v in pool.connection_kwargs.items() if k in ASYNC_SETTINGS or k.startswith("ssl_")}

@@ -22,7 +22,9 @@ connection may run twice already: every write the pipeline makes allows it), unt
 out; then the caller treats it as not done (a worker leaves its prompt pending, a trainer's `submit` raises).
 The writes covered are every write
 command, script and transaction of a client that `connections.connect` made: publishes and their acks, admissions,
-syncs' begins, acks and version bumps, heartbeats. A blocking read that moves entries into a group's pending list
+syncs' begins, acks and version bumps; not heartbeats (`without_waiting`: soft state, written again every period; one
+held back while no replica follows a new primary would make its worker look dead).
+A blocking read that moves entries into a group's pending list
 (`XREADGROUP`) is not waited for: lost, the entries are handed out again, and a publish already made of them is
 dropped as a duplicate.
 """
@@ -31,7 +33,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Literal, cast
+from typing import Any, Literal
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis
@@ -117,13 +119,21 @@ def split_url(url: str) -> tuple[str, Durability]:
     if replicas < 1 or timeout_ms < 1:
         raise ValueError("replicas= and durability_timeout_ms= in the Redis URL must be at least 1")
     rest = urlencode([(k, v) for k, v in query if k not in OPTIONS])
-    return urlunsplit(parts._replace(query=rest)), Durability(cast(Mode, mode), replicas, timeout_ms)
+    return urlunsplit(parts._replace(query=rest)), Durability(mode, replicas, timeout_ms)
 
 
 def durability_of(client: object) -> Durability:
     """The mode of a client that `connections.connect` made (`default` for any other)."""
     found = getattr(client, "durability", None)
     return found if isinstance(found, Durability) else Durability()
+
+
+def without_waiting(client: redis.Redis) -> redis.Redis:
+    """`client` without its durability mode's wait (the same pool, connections and retry policy): for soft state that
+    is written again every period and whose loss costs nothing, such as heartbeats."""
+    if not isinstance(client, DurableRedis):
+        return client
+    return redis.Redis(connection_pool=client.connection_pool)
 
 
 def confirm(connection: Any, durability: Durability) -> None:
@@ -162,7 +172,7 @@ class DurablePipeline(redis.client.Pipeline):
         return replies
 
     def _execute_pipeline(self, connection: Any, commands: Any, raise_on_error: bool) -> list[Any]:
-        replies: list[Any] = super()._execute_pipeline(connection, commands, raise_on_error)
+        replies: list[Any] = super()._execute_pipeline(connection, commands, raise_on_error)  # type: ignore[no-untyped-call]  # redis-py: unannotated
         if any(_writes(args[0]) for args, _ in commands):
             confirm(connection, self.durability)
         return replies
@@ -174,7 +184,7 @@ class DurableRedis(redis.Redis):
     durability = Durability()
 
     def _send_command_parse_response(self, conn: Any, command_name: Any, *args: Any, **options: Any) -> Any:
-        reply = super()._send_command_parse_response(conn, command_name, *args, **options)
+        reply = super()._send_command_parse_response(conn, command_name, *args, **options)  # type: ignore[no-untyped-call]  # redis-py
         if _writes(command_name):
             confirm(conn, self.durability)
         return reply

@@ -28,9 +28,25 @@ def sources(folder: Path) -> dict[str, str]:
     return found
 
 
+class ReloadingScript(Script):
+    """redis-py's `Script`, loaded again as often as a call finds it unknown (up to `LOADS` times), not once: around a
+    failover a call retried after a lost connection, or one whose load went out just before the primary changed,
+    can meet a server that has not seen it yet more than once."""
+
+    LOADS = 3
+
+    def __call__(self, keys: Any = None, args: Any = None, client: Any = None) -> Any:
+        for _ in range(self.LOADS - 1):
+            try:
+                return super().__call__(keys, args, client)  # loads it once itself on a NOSCRIPT
+            except NoScriptError:
+                continue
+        return super().__call__(keys, args, client)
+
+
 def register_all(client: redis.Redis, folder: Path) -> dict[str, Script]:
     """Every script of `folder`, ready to call on `client` as `script(keys=[...], args=[...])`."""
-    return {name: client.register_script(source) for name, source in sources(folder).items()}
+    return {name: ReloadingScript(client, source) for name, source in sources(folder).items()}
 
 
 def queue(pipe: Pipeline, script: Script, keys: Sequence[Any], args: Sequence[Any]) -> None:

@@ -13,6 +13,7 @@ import redis
 from redis.commands.core import Script
 from redis.typing import StreamIdT
 
+from pipeline.durability import without_waiting
 from pipeline.lua import load_missing, queue, raise_first_error
 from pipeline.wire import GENERATORS, Keys
 
@@ -52,6 +53,9 @@ class Registry:
 
     def __init__(self, client: redis.Redis, keys: Keys, rehome_script: Script, beat_script: Script) -> None:
         self._redis = client
+        self._soft = without_waiting(client)
+        """For heartbeats: soft state, written again every period, that no durability mode waits for (a heartbeat held
+        back until a replica follows a new primary would make its worker look dead)."""
         self._keys = keys
         self._rehome_script = rehome_script
         """`lua/rehome.lua`, registered by the `Streams` this registry belongs to."""
@@ -80,7 +84,7 @@ class Registry:
         touch = list(touch)
 
         def beat() -> list[Any]:
-            pipe = self._redis.pipeline(transaction=True)
+            pipe = self._soft.pipeline(transaction=True)
             touch_pending(pipe, name, touch)
             if dead_after_s is not None:
                 keys = [self._keys.beats, self._keys.ready, self._keys.ready_held]

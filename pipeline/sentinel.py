@@ -123,7 +123,7 @@ class PrimaryConnection(SentinelManagedConnection):
         except redis.ResponseError as exc:
             if not no_longer_primary(exc):
                 raise
-            self.disconnect()
+            self.disconnect()  # type: ignore[no-untyped-call]  # redis-py: unannotated
             raise _lost_primary(self, exc) from exc
 
 
@@ -153,6 +153,21 @@ def primary_client(url: str, redis_class: type[redis.Redis] = redis.Redis, **opt
         **options,
     )
     return client
+
+
+def every_server(url: str) -> list[redis.Redis]:
+    """A plain client (no retries) of each server of the URL's service, the primary first, then every replica the
+    Sentinels know: for what each server keeps for itself and no replica copies, such as ACL users."""
+    target = parse_sentinel_url(url)
+    tls = {"ssl": True, **target.tls_options} if target.tls else {}
+    asking = {"socket_timeout": SENTINEL_TIMEOUT_S, "socket_connect_timeout": SENTINEL_TIMEOUT_S, **tls}
+    sentinel = Sentinel(list(target.sentinels), sentinel_kwargs=asking)
+    addresses = [sentinel.discover_master(target.service), *sentinel.discover_slaves(target.service)]
+    settings: dict[str, Any] = {
+        "db": target.db, "username": target.username, "password": target.password, "retry": Retry(NoBackoff(), 0),
+        **tls,
+    }  # fmt: skip
+    return [redis.Redis(host=host, port=int(port), **settings) for host, port in addresses]
 
 
 def is_sentinel_pool(pool: object) -> bool:

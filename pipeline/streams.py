@@ -21,7 +21,7 @@ import redis
 from pipeline.codec import for_redis, stream_ids
 from pipeline.connections import socket_timeout_s
 from pipeline.control import ControlStream
-from pipeline.durability import confirm, durability_of
+from pipeline.durability import confirm, durability_of, without_waiting
 from pipeline.lua import register_all
 from pipeline.registry import Registry, touch_pending
 from pipeline.wire import (
@@ -512,9 +512,10 @@ class Streams:
                 keep_from.append((ms, seq + 1))
         ms, seq = min(keep_from)
         minid, trimmed = f"{ms}-{seq}", 0
-        while freed := self.redis.xtrim(stream, minid=minid, approximate=True, limit=TRIM_CHUNK):
+        soft = without_waiting(self.redis)  # a trim lost with a primary is done again at the next: no durability wait
+        while freed := soft.xtrim(stream, minid=minid, approximate=True, limit=TRIM_CHUNK):
             trimmed += freed  # whole stream nodes, at most TRIM_CHUNK entries a command
-        return trimmed + self.redis.xtrim(stream, minid=minid, approximate=False)  # what is left: part of one node
+        return trimmed + soft.xtrim(stream, minid=minid, approximate=False)  # what is left: part of one node
 
 
 class Publish(NamedTuple):

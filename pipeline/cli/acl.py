@@ -11,6 +11,7 @@ import typer
 from pipeline.acl import ROLES, acl_rules
 from pipeline.cli.app import DEFAULT_NS, DEFAULT_REDIS, NsOpt, RedisOpt, app, console, fail, user_errors
 from pipeline.connections import connect, server_version
+from pipeline.sentinel import every_server, is_sentinel_url
 
 
 @app.command()
@@ -46,5 +47,10 @@ def acl(
         print(shlex.join(["ACL", "SETUSER", user, *rules]))
         return
     with user_errors(redis_url):
-        client.execute_command("ACL", "SETUSER", user, *rules)
-    console.print(f"user {user!r} now has the {role} role on namespace {ns!r}")
+        # ACL users are each server's own (no replica copies them): behind Sentinel, every server gets the user, so
+        # that a replica promoted by a failover lets the role in too.
+        servers = every_server(redis_url) if is_sentinel_url(redis_url) else [client]
+        for server in servers:
+            server.execute_command("ACL", "SETUSER", user, *rules)
+    where = f" on the {len(servers)} servers the Sentinels know" if is_sentinel_url(redis_url) else ""
+    console.print(f"user {user!r} now has the {role} role on namespace {ns!r}{where}")

@@ -322,7 +322,7 @@ def test_a_namespace_rides_out_its_node_killed_and_its_replica_promoted_and_ever
             up.nodes[3].port,
         )
         promoted = up.clients[3]
-        assert promoted.xlen(keys.rollouts) == 2 * len(ids)
+        assert promoted.exists(keys.rollouts)  # its length is not asserted: the worker trims what the trainer acked
         wait_until(lambda: promoted.hget(keys.worker("w"), "status") == b"serving", 10, "the worker's heartbeat there")
         assert worker.poll() is None
     finally:
