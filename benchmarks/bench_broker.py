@@ -21,13 +21,14 @@ machine hits every side; rates are medians over the rounds, ratios are medians o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import json
 import statistics
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -41,6 +42,8 @@ from rich.console import Console
 
 from pipeline.cli.app import MaxInflightOpt, console, fail, user_errors
 from pipeline.codec import RawFields, for_redis
+from pipeline.connections import connect
+from pipeline.durability import MODES
 from pipeline.local import RedisServer
 from pipeline.publisher import Publisher
 from pipeline.streams import Entry, Streams
@@ -271,16 +274,45 @@ def _training_text(rollouts_mod: ModuleType, sample: Sample, group_id: str) -> A
 # -- the run ------------------------------------------------------------------------------------
 
 
+def with_replica(stack: contextlib.ExitStack, primary: RedisServer, aof: bool) -> RedisServer:
+    """A replica of `primary`, in sync before it returns (and both with an AOF fsynced every second, for `aof`)."""
+    replica = stack.enter_context(RedisServer())
+    for server in (primary, replica):
+        with contextlib.closing(redis.Redis.from_url(server.url)) as admin:
+            admin.config_set("repl-diskless-sync-delay", 0)
+            if aof:
+                admin.config_set("appendonly", "yes")
+    with contextlib.closing(redis.Redis.from_url(replica.url, decode_responses=True)) as admin:
+        admin.replicaof("127.0.0.1", primary.port)
+        deadline = time.monotonic() + 30
+        while admin.info("replication").get("master_link_status") != "up":
+            if time.monotonic() > deadline:
+                raise RuntimeError("the replica did not sync with the primary within 30 s")
+            time.sleep(0.05)
+    return replica
+
+
 def run_bench_broker(
-    out: Console, shape: Shape, rounds: int, pipelinerl_src: Path | None, in_flight: int = 256
+    out: Console,
+    shape: Shape,
+    rounds: int,
+    pipelinerl_src: Path | None,
+    in_flight: int = 256,
+    durability: Sequence[str] = (),
 ) -> dict[str, Any]:
     samples = make_samples(shape)
     theirs = load_pipelinerl(pipelinerl_src) if pipelinerl_src is not None else None
     results: dict[str, list[dict[str, Any]]] = {"raw": [], "ours": []}
     if theirs:
         results["pipelinerl"] = []
-    with RedisServer() as server:
+    for mode in durability:
+        results[f"ours-{mode}"] = []
+    with contextlib.ExitStack() as stack:
+        server = stack.enter_context(RedisServer())
+        if durability:  # every side then runs with the replica attached: only the waiting differs
+            with_replica(stack, server, aof=any("aof" in mode for mode in durability))
         client = redis.Redis.from_url(server.url)
+        durable = {mode: f"{server.url}?durability={mode}" for mode in durability}
         if theirs is not None:
             theirs[0].set_streams_backend("redis", host="127.0.0.1", port=server.port)
         for r in range(rounds):
@@ -288,6 +320,8 @@ def run_bench_broker(
                 "raw": lambda: round_raw(client, shape, samples),
                 "ours": partial(round_ours, client, server.url, shape, samples, f"r{r}", in_flight),
             }
+            for mode, url in durable.items():
+                sides[f"ours-{mode}"] = partial(round_ours, connect(url), url, shape, samples, f"r{r}", in_flight)
             if theirs is not None:
                 sides["pipelinerl"] = partial(round_pipelinerl, *theirs, shape, samples, f"r{r}")
             for side, run in sides.items():
@@ -299,7 +333,7 @@ def run_bench_broker(
                     f"consume {shape.rollouts / row['consume_s']:,.0f}/s"
                 )
         client.flushall()
-        redis_text = server.binary.describe()
+        redis_text = server.binary.describe() + (" with a replica" if durability else "")
     return summarize(shape, rounds, results, redis_text)
 
 
@@ -327,7 +361,15 @@ def summarize(shape: Shape, rounds: int, results: dict[str, list[dict[str, Any]]
     report["ours"]["consumed"] = [row["consumed"] for row in ours]
     report["ours"]["prompts_left_pending"] = max(row["prompts_left_pending"] for row in ours)
     report["ratios"] = {}
-    for other in (side for side in results if side != "ours"):
+    for side in (side for side in results if side.startswith("ours-")):  # a durability mode against the default
+        report[side]["exactly_once"] = all(row["exactly_once"] for row in results[side])
+        report["ratios"][f"{side}_over_ours"] = {
+            phase: round(
+                statistics.median(a / b for a, b in zip(rates(side, phase), rates("ours", phase), strict=True)), 3
+            )
+            for phase in ("publish", "consume")
+        }
+    for other in (side for side in results if side != "ours" and not side.startswith("ours-")):
         report["ratios"][f"ours_over_{other}"] = {
             phase: round(
                 statistics.median(a / b for a, b in zip(rates("ours", phase), rates(other, phase), strict=True)), 3
@@ -348,14 +390,24 @@ def bench_broker(
         Path | None,
         typer.Option(help="A checkout of ServiceNow/PipelineRL: also run its Redis stream writer and reader."),
     ] = None,
+    durability: Annotated[
+        str,
+        typer.Option(
+            help="Durability modes to run beside the default, comma-separated (replica, aof, replica-aof): every "
+            "side then runs with a replica attached."
+        ),
+    ] = "",
 ) -> None:
     """Publish and consume rollouts/s of our broker path, raw pipelined XADD of the same bytes beside it, and with
     --pipelinerl-src PipelineRL's own streams and the ratios; JSON out."""
     if rollouts % (n * batch_groups):
         fail(f"--rollouts {rollouts} is not a whole number of batches of {batch_groups} groups of {n}")
     assert max_inflight is not None  # the option's default here is 256: only a caller in Python could pass None
+    modes = [mode for mode in durability.split(",") if mode]
+    if unknown := [mode for mode in modes if mode not in MODES or mode == "default"]:
+        fail(f"--durability {','.join(unknown)}: name modes among {', '.join(m for m in MODES if m != 'default')}")
     with user_errors():
         result = run_bench_broker(
-            console, Shape(rollouts, n, tokens, batch_groups), rounds, pipelinerl_src, max_inflight
+            console, Shape(rollouts, n, tokens, batch_groups), rounds, pipelinerl_src, max_inflight, modes
         )
     print(json.dumps(result, indent=2))

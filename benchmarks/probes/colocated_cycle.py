@@ -161,9 +161,7 @@ def cycle(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             stop_processes([worker, manager])
     timed = rounds[1:] or rounds
     medians = {
-        key: statistics.median(r[key] for r in timed)
-        for key in MEDIANS
-        if all(r.get(key) is not None for r in timed)
+        key: statistics.median(r[key] for r in timed) for key in MEDIANS if all(r.get(key) is not None for r in timed)
     }
     names = ("engine", "device", "level", "transport", "hidden", "layers", "prompts", "n")
     settings = {k: getattr(args, k) for k in names}

@@ -117,3 +117,31 @@ def test_bench_broker_refuses_a_checkout_without_pipelinerls_streams(tmp_path: P
     )
     assert result.returncode == 2 and "ServiceNow/PipelineRL" in result.stderr
     assert result.stdout == ""
+
+
+def test_bench_broker_runs_a_durability_mode_beside_the_default_on_a_replicated_server() -> None:
+    """`--durability replica`: a replica attached, the default and the replica-acked publish side by side, every
+    rollout once on both, and the mode's rates over the default's."""
+    args = ["--rollouts", str(ROLLOUTS), "--n", str(N), "--tokens", "64", "--batch-groups", str(BATCH), "--rounds", "1"]
+    result = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "bench-broker", *args, "--durability", "replica"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    assert report["redis"].endswith("with a replica")
+    assert report["ours"]["exactly_once"] is True and report["ours-replica"]["exactly_once"] is True
+    ratio = report["ratios"]["ours-replica_over_ours"]
+    assert set(ratio) == {"publish", "consume"} and all(value > 0 for value in ratio.values())
+
+
+def test_bench_broker_refuses_a_durability_mode_it_does_not_know() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "bench-broker", "--rounds", "1", "--durability", "fsync"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2 and "--durability fsync: name modes among aof, replica, replica-aof" in result.stderr
