@@ -555,7 +555,7 @@ class RolloutClient:
             adapter=adapter,
             bucket_bytes=bucket_bytes,
         )
-        version = previous.version + 1
+        version = manager.next_version(previous)  # above any a worker serves: a failover may have lost the last bump
         store.remove(version)  # left over by a publish whose sync failed: never announced, safe to replace
         check = LayoutCheck(fleet_layouts(self.streams)) if adapter is None else None
         if check:  # checked as they pass: the transport stores what passed, and drops it all if one fails
@@ -569,7 +569,8 @@ class RolloutClient:
             raise WeightsMismatch(refused)
         self.last_publish = store.last_publish
         broadcast = store if isinstance(store, NcclTransport) else None  # sent during the sync, not before
-        self.last_sync = manager.sync(version, uri, mode, transfer=broadcast.broadcast if broadcast else None)
+        transfer = broadcast.broadcast if broadcast else None
+        self.last_sync = manager.sync(version, uri, mode, transfer=transfer, expected=previous.version)
         self.last_broadcast = broadcast.last if broadcast else None
         store.release(keep=[version])
         if previous.weights_uri:  # the version before may sit in another transport

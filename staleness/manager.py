@@ -107,12 +107,36 @@ class Manager:
         """Workers whose heartbeat has not expired, with their heartbeat fields."""
         return self.streams.registry.live_workers()
 
+    def taken(self) -> tuple[int, int]:
+        """The highest version (of the base model) and epoch (of this manager's syncs) that a live worker reports. A
+        failover that lost the state's last bump leaves the state below them: those numbers name weights and syncs
+        already, and the next ones go above (`next_version`, `begin_sync.lua`)."""
+
+        def highest(field: str) -> int:
+            values = self.streams.registry.live_workers_with(field).values()
+            return max((int(v) for v in values if v.lstrip("-").isdigit()), default=0)
+
+        return (highest("version") if self.adapter is None else 0), highest(self._ack_field)
+
+    def next_version(self, state: PolicyState | None = None) -> int:
+        """The version the next sync makes: one above both the state's and any live worker's, so that no number ever
+        names two different weights, even after a failover that lost the last `publish_weights`'s bump."""
+        state = self.state() if state is None else state
+        version, _epoch = self.taken()
+        if version > state.version:
+            log.warning(
+                "the state is at version %d but a worker serves version %d (a failover lost the last bump?): the next "
+                "version is %d", state.version, version, version + 1,
+            )  # fmt: skip
+        return max(state.version, version) + 1
+
     def sync(
         self,
         version: int,
         uri: str,
         mode: PauseMode = "abort",
         transfer: Callable[[int, int], object] | None = None,
+        expected: int | None = None,
     ) -> SyncReport:
         """Move every live worker to `version` (loadable from `uri`); returns who acked, who was evicted.
 
@@ -127,7 +151,9 @@ class Manager:
             self.streams.redis.sadd(self.streams.keys.adapters, self.adapter)  # `top` and joiners find it
         try:
             token = uuid.uuid4().hex  # the same call retried by redis-py begins no second sync
-            epoch = int(self._begin(keys=self._keys, args=[version - 1, version, token, *_flat(weights)]))
+            current = version - 1 if expected is None else expected
+            _version, epoch_taken = self.taken()
+            epoch = int(self._begin(keys=self._keys, args=[current, version, token, epoch_taken, *_flat(weights)]))
         except Exception as exc:  # the script's error replies say why
             raise SyncError(str(exc)) from None
         waiting, hand_off = self._fleet(mode)

@@ -1,4 +1,5 @@
--- KEYS: state, control. ARGV: expected current version, new version, the sync's token (unique per call),
+-- KEYS: state, control. ARGV: expected current version, new version, the sync's token (unique per call), the
+-- highest epoch any live worker has acked (a failover may have lost the state's last epochs: the new one is above it),
 -- then the `weights` command's fields (name, value, ...) with the epoch left to this script to fill in.
 -- Run again with the same token (redis-py retrying after a lost reply), it returns the epoch it began. A fleet asleep
 -- (`begin_sleep.lua`) is paused already: its sync begins all the same, and wakes it.
@@ -9,11 +10,11 @@ if state[2] == '1' and (state[5] or '0') == '0' then return redis.error_reply('a
 if version ~= tonumber(ARGV[1]) then
   return redis.error_reply('version conflict: the state is at version ' .. version .. ', not ' .. ARGV[1])
 end
-local epoch = tonumber(state[3] or '0') + 1
+local epoch = math.max(tonumber(state[3] or '0'), tonumber(ARGV[4])) + 1
 redis.call('HSET', KEYS[1], 'paused', '1', 'epoch', epoch, 'pending_version', ARGV[2], 'version', version,
   'sync_token', ARGV[3], 'asleep', '0')
 local command = {}
-for i = 4, #ARGV, 2 do
+for i = 5, #ARGV, 2 do
   command[#command + 1] = ARGV[i]
   command[#command + 1] = (ARGV[i] == 'epoch') and tostring(epoch) or ARGV[i + 1]
 end

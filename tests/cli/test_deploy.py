@@ -151,3 +151,35 @@ def test_the_dockerfile_installs_this_package_and_runs_rollouts() -> None:
     assert set(extras.group(1).split(",")) <= set(declared)
     assert 'ENTRYPOINT ["rollouts"]' in dockerfile
     assert "tests" in (ROOT / ".dockerignore").read_text().split()
+
+
+def test_the_sentinel_override_gives_every_service_the_sentinels_and_runs_a_primary_two_replicas_and_three(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`compose.sentinel.yaml` over `compose.yaml`: three Sentinels that watch `redis` (quorum 2), two replicas of it,
+    every server with the append-only file and `min-replicas-to-write 1`, and every rollouts service given a Sentinel
+    URL (the replica-acked mode by default) that the CLI takes and that names those Sentinels."""
+    from pipeline.durability import split_url
+    from pipeline.sentinel import parse_sentinel_url
+
+    override = yaml.safe_load((ROOT / "compose.sentinel.yaml").read_text())["services"]
+    sentinels = {name for name in override if name.startswith("sentinel-")}
+    assert len(sentinels) == 3
+    for name in sentinels:
+        script = " ".join(override[name]["command"])
+        assert "sentinel monitor rollouts redis 6379 2" in script and "--sentinel" in script, name
+    for name in ("redis", "redis-replica-1", "redis-replica-2"):
+        args = override[name]["command"]
+        setting = {args[i]: args[i + 1] for i in range(1, len(args) - 1) if args[i].startswith("--")}
+        assert setting["--appendonly"] == "yes" and setting["--min-replicas-to-write"] == "1", name
+        assert setting["--replica-announce-ip"] == name, name
+        assert (name == "redis") == ("--replicaof" not in setting), name
+    for name, service in rollouts_services().items():
+        env = {k: interpolate(str(v), {}) for k, v in override[name]["environment"].items()}
+        url, durability = split_url(env["ROLLOUTS_REDIS"])
+        target = parse_sentinel_url(url)
+        assert {host for host, _ in target.sentinels} == sentinels and target.service == "rollouts", name
+        assert durability.mode == "replica", name
+        ctx = parse_with_the_cli([interpolate(arg, {}) for arg in service["command"]], env, monkeypatch)
+        if "redis_url" in ctx.params:
+            assert ctx.params["redis_url"] == env["ROLLOUTS_REDIS"], name

@@ -304,3 +304,21 @@ def test_entries_that_died_with_their_worker_twice_run_apart_from_each_other(
     assert {r.worker for g in groups for r in g.rollouts} == {"rescuer"}
     assert client.stats["duplicates"] == 0
     assert peak[0] == 2, f"{peak[0]} samples in flight at once"
+
+
+def test_a_publish_after_a_failover_lost_the_last_bump_takes_a_version_and_epoch_no_worker_has_seen(
+    redis_server: RedisServer, ns: str, workers: StartWorker, tiny_model_dir_v1: Path
+) -> None:
+    """Two workers serve version 1 (epoch 1). The state then reads version 0, epoch 0, as after a failover that lost
+    the last sync's bump with an unreplicated primary. The next publish must not call other weights "1" again: it
+    takes version 2 and epoch 2 (above what the workers report), both workers ack it, and what they make next says 2."""
+    workers.many(("a", *SYNTHETIC), ("b", *SYNTHETIC))
+    client = RolloutClient(redis_server.url, ns)
+    assert client.publish_weights(tiny_model_dir_v1) == 1
+    state = client.streams.keys.state
+    client.streams.redis.hset(state, mapping={"version": 0, "epoch": 0})  # what a failover can leave
+    assert client.publish_weights(tiny_model_dir_v1) == 2
+    report = client.last_sync
+    assert report is not None and report.epoch == 2 and sorted(report.acked) == ["a", "b"], report
+    ids = [client.submit(tokens=[4, 5, k], n=2, max_tokens=8, seed=k) for k in range(4)]
+    assert {r.version for g in client.collect(len(ids), timeout=60) for r in g.rollouts} == {2}
