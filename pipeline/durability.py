@@ -14,20 +14,20 @@ AOF loses up to a second of writes under `appendfsync everysec`. The modes:
   even if every server restarts at once.
 
 How: after each write, on the same connection (`WAIT` counts that connection's writes), the client asks for the
-mode's `WAIT`/`WAITAOF` and checks the count it returns. A short count (`timeout_ms` passed: a replica down or
-lagging) asks again on that connection, for up to `patience_s`. Past that, or if the server refuses to wait (Sentinel
-made it a replica), the call fails with `NotDurableError`, a `redis.ConnectionError`: the client's retry policy drops
-the connection and sends the write again, to the primary Sentinel names now (a command retried after a lost
-connection may run twice already: every write the pipeline makes allows it), until it is durable or the retries run
-out; then the caller treats it as not done (a worker leaves its prompt pending, a trainer's `submit` raises).
-The writes covered are every write
-command, script and transaction of a client that `connections.connect` made: publishes and their acks, admissions,
-syncs' begins, acks and version bumps; not heartbeats (`without_waiting`: soft state, written again every period; one
-held back while no replica follows a new primary would make its worker look dead).
-A blocking read that moves entries into a group's pending list
-(`XREADGROUP`) is not waited for: lost, the entries are handed out again, and a publish already made of them is
-dropped as a duplicate.
-"""
+mode's `WAIT`/`WAITAOF` and checks the count it returns; behind Sentinel it then checks that the Sentinels still name
+that server the primary (a stale primary back after a failover can have a replica that acknowledges, until Sentinel
+makes that replica follow the new primary and it drops what it had).
+A short count (`timeout_ms` passed: a replica down or lagging) asks again on that connection, for up to
+`patience_s`. Past that, or if the server refuses to wait (Sentinel made it a replica), the call fails with
+`NotDurableError`, a `redis.ConnectionError`: the client's retry policy drops the connection and sends the write
+again, to the primary Sentinel names now (a command retried after a lost connection may run twice already: every
+write the pipeline makes allows it), until it is durable or the retries run out; then the caller treats it as not
+done (a worker leaves its prompt pending, a trainer's `submit` raises). The writes covered are every write command,
+script and transaction of a client that `connections.connect` made: publishes and their acks, admissions, syncs'
+begins, acks and version bumps; not heartbeats (`without_waiting`: soft state, written again every period; one held
+back while no replica follows a new primary would make its worker look dead). A blocking read that moves entries
+into a group's pending list (`XREADGROUP`) is not waited for: lost, the entries are handed out again, and a publish
+already made of them is dropped as a duplicate."""
 
 from __future__ import annotations
 
@@ -53,6 +53,12 @@ WRITES = frozenset(
     b"LMOVE RPOPLPUSH PFADD RESTORE".split()
 )
 """Commands that change data: each is followed by the mode's wait. (`EVAL_RO` is listed for safety: cheap.)"""
+
+
+STALE = (
+    "acknowledged by a server the Sentinels no longer name the primary (a stale primary, back after a failover with "
+    "a replica still following it): sending it again, to the primary they name"
+)
 
 
 class NotDurableError(redis.ConnectionError):
@@ -141,6 +147,7 @@ def confirm(connection: Any, durability: Durability) -> None:
     the same connection (the write is not sent twice while the connection lives) for up to `patience_s`; then, or
     when the server refuses to wait (it became a replica), `NotDurableError`."""
     deadline = time.monotonic() + durability.patience_s
+    named_primary = getattr(connection, "named_primary", None)  # behind Sentinel (`pipeline.sentinel`)
     while True:
         connection.send_command(*durability.wait_args())
         try:
@@ -149,10 +156,14 @@ def confirm(connection: Any, durability: Durability) -> None:
             reply = exc
         try:
             durability.check(reply)
-            return
+            break
         except NotDurableError:
             if isinstance(reply, Exception) or time.monotonic() >= deadline:
                 raise
+            if named_primary is not None and not named_primary():  # no use waiting on a stale primary
+                raise NotDurableError(STALE) from None
+    if named_primary is not None and not named_primary():
+        raise NotDurableError(STALE)
 
 
 def _writes(command_name: Any) -> bool:

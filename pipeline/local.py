@@ -20,6 +20,7 @@ stopped by PID and never touch a server a user may run on 6379.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import random
@@ -31,7 +32,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import redis
 
@@ -247,8 +248,12 @@ class RedisServer:
         binary: RedisBinary | None = None,
         tls: TlsFiles | None = None,
         cluster: bool = False,
+        settings: dict[str, str] | None = None,
     ) -> None:
         self.binary = binary or find_redis_server()
+        self.settings = dict(settings or {})
+        """More of the server's configuration (`{"min-replicas-to-write": "1"}`), given at each start; change it
+        between starts (`replicaof`)."""
         self.tls = tls
         """Serve TLS only (on `port`), with this certificate, key and CA; clients need `url`'s `ssl_ca_certs`."""
         self.cluster = cluster
@@ -281,6 +286,8 @@ class RedisServer:
             args += ["--tls-ca-cert-file", str(self.tls.ca), "--tls-auth-clients", "no"]
         if self.cluster:
             args += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
+        for name, value in self.settings.items():
+            args += [f"--{name}", *value.split()]
         if self._own_dir:
             self.data_dir.mkdir(parents=True, exist_ok=True)  # removed by an earlier `with` block
         self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -332,3 +339,142 @@ class RedisServer:
         self.stop()
         if self._own_dir:
             shutil.rmtree(self.data_dir, ignore_errors=True)
+
+
+class SentinelTopology:
+    """A primary, its replicas and Sentinels (quorum: a majority) on loopback, each a process of our own, for tests and
+    the lab's failover runs. A Sentinel calls a primary down after `down_after_ms` of silence. `start` returns once
+    every replica is in sync and the Sentinels know them all (a replica never synced that is promoted starts empty).
+    Every server gets `settings`; a server restarted after a kill comes back as a replica of the primary of then."""
+
+    def __init__(
+        self,
+        replicas: int = 1,
+        sentinels: int = 3,
+        binary: RedisBinary | None = None,
+        service: str = "rollouts",
+        down_after_ms: int = 1000,
+        settings: dict[str, str] | None = None,
+        appendonly: bool = False,
+    ) -> None:
+        self.binary = binary or find_redis_server()
+        self.service = service
+        self.down_after_ms = down_after_ms
+        common = {"repl-diskless-sync-delay": "0", **(settings or {})}
+        self.servers = [
+            RedisServer(binary=self.binary, appendonly=appendonly, settings=common) for _ in range(1 + replicas)
+        ]
+        """Every data server; the first is the primary at the start."""
+        self.sentinel_ports = [free_port() for _ in range(sentinels)]
+        self.sentinels: list[subprocess.Popen[bytes]] = []
+        self._dir = Path(tempfile.mkdtemp(prefix="rollouts-sentinel-"))
+
+    @property
+    def url(self) -> str:
+        """`redis+sentinel://` of every Sentinel and the service."""
+        return "redis+sentinel://" + ",".join(f"127.0.0.1:{p}" for p in self.sentinel_ports) + f"/{self.service}"
+
+    def start(self, timeout_s: float = 30.0) -> SentinelTopology:
+        try:
+            primary, *replicas = self.servers
+            primary.start()
+            for replica in replicas:
+                replica.settings["replicaof"] = f"127.0.0.1 {primary.port}"
+                replica.start()
+            for port in self.sentinel_ports:
+                conf = self._dir / f"sentinel-{port}.conf"
+                conf.write_text(
+                    f"port {port}\nbind 127.0.0.1\ndir {self._dir}\n"
+                    f"sentinel monitor {self.service} 127.0.0.1 {primary.port} {len(self.sentinel_ports) // 2 + 1}\n"
+                    f"sentinel down-after-milliseconds {self.service} {self.down_after_ms}\n"
+                    f"sentinel failover-timeout {self.service} {max(5000, 5 * self.down_after_ms)}\n"
+                )
+                self.sentinels.append(
+                    subprocess.Popen([self.binary.path, str(conf), "--sentinel"], stdout=subprocess.DEVNULL)
+                )
+            self.wait_in_sync(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def ask(self, *command: str) -> object:
+        """A Sentinel's answer (the first that answers)."""
+        for port in self.sentinel_ports:
+            try:
+                with contextlib.closing(redis.Redis(port=port, socket_timeout=2, decode_responses=True)) as sentinel:
+                    return sentinel.execute_command("SENTINEL", *command)
+            except redis.RedisError:
+                continue
+        raise redis.ConnectionError("no Sentinel answers")
+
+    def primary_port(self) -> int:
+        """The port of the primary the Sentinels name now."""
+        _host, port = cast(list[str], self.ask("GET-MASTER-ADDR-BY-NAME", self.service))
+        return int(port)
+
+    def server(self, port: int) -> RedisServer:
+        return next(server for server in self.servers if server.port == port)
+
+    def wait_in_sync(self, timeout_s: float = 30.0) -> None:
+        """Until every running replica's link to the primary is up and the Sentinels list every replica."""
+        deadline = time.monotonic() + timeout_s
+        while not self._in_sync():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the replicas of {self.service} did not sync within {timeout_s:.0f} s")
+            time.sleep(0.05)
+
+    def _in_sync(self) -> bool:
+        try:
+            primary = self.primary_port()
+            known = len(cast(list[object], self.ask("REPLICAS", self.service)))
+        except redis.RedisError:
+            return False
+        running = [s for s in self.servers if s.process is not None and s.port != primary]
+        if known < len(self.servers) - 1:
+            return False
+        for replica in running:
+            with contextlib.closing(redis.Redis(port=replica.port, decode_responses=True, socket_timeout=2)) as client:
+                try:
+                    if client.info("replication").get("master_link_status") != "up":
+                        return False
+                except redis.RedisError:
+                    return False
+        return True
+
+    def wait_for_failover(self, old_port: int, timeout_s: float = 60.0) -> int:
+        """Until the Sentinels name a primary other than `old_port`'s; returns its port."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with contextlib.suppress(redis.RedisError):
+                port = self.primary_port()
+                if port != old_port:
+                    return port
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the Sentinels promoted no replica within {timeout_s:.0f} s")
+            time.sleep(0.05)
+
+    def restart(self, server: RedisServer) -> None:
+        """Start a killed server again, on its port and data, as a replica of the primary the Sentinels name now."""
+        server.settings["replicaof"] = f"127.0.0.1 {self.primary_port()}"
+        server.start()
+
+    def stop(self) -> None:
+        for sentinel in self.sentinels:
+            if sentinel.poll() is None:
+                sentinel.terminate()
+                try:
+                    sentinel.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    sentinel.kill()
+                    sentinel.wait()
+        self.sentinels = []
+        for server in self.servers:
+            server.__exit__()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def __enter__(self) -> SentinelTopology:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

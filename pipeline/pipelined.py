@@ -63,6 +63,11 @@ class PipelinedConnection:
         self._turn: asyncio.Future[None] | None = None
         """Done once the batch written last has read its replies (or given up on them)."""
 
+    @property
+    def connection(self) -> AbstractConnection | None:
+        """The connection the next batch goes on, if one is open."""
+        return self._connection
+
     async def call(self, commands: list[bytes]) -> list[Any]:
         return await self._retry.call_with_retry(lambda: self._exchange(commands), self._failed)
 

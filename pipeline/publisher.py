@@ -28,7 +28,7 @@ from typing import Any, cast
 import hiredis
 
 from pipeline.connections import async_retry, async_twin, socket_timeout_s
-from pipeline.durability import NotDurableError
+from pipeline.durability import STALE, NotDurableError
 from pipeline.pipelined import PipelinedConnection
 from pipeline.streams import Entry, Publish, Streams, publish_results, script_unknown
 from pipeline.wire import Partial, Rollout
@@ -151,19 +151,24 @@ class Publisher:
             deadline = time.monotonic() + durability.patience_s
             replies = await pipe.call([*commands, wait])
             made, reply = pipe.connections, replies.pop()
+            named_primary = getattr(pipe.connection, "named_primary", None)  # behind Sentinel
             while True:
                 try:
                     durability.check(reply)
+                    if named_primary is not None and not await named_primary():
+                        raise NotDurableError(STALE)
                     return replies
                 except NotDurableError:
                     if isinstance(reply, Exception) or time.monotonic() >= deadline:
+                        raise
+                    if named_primary is not None and not await named_primary():  # no use waiting on a stale primary
                         raise
                 (reply,) = await pipe.call([wait])
                 if pipe.connections != made:  # the wait went on a new connection: it says nothing of the writes
                     raise NotDurableError("the connection was lost while waiting for the acknowledgements")
 
         async def again(_error: Exception) -> None:
-            return None
+            await pipe.close()  # the next try connects anew: to the primary the Sentinels name now, behind them
 
         replies: list[Any] = await async_retry(self.streams.redis).call_with_retry(durable, again)
         return replies

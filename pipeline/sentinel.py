@@ -26,7 +26,7 @@ import redis.asyncio.connection
 import redis.connection
 from redis.backoff import NoBackoff
 from redis.retry import Retry
-from redis.sentinel import Sentinel, SentinelConnectionPool, SentinelManagedConnection
+from redis.sentinel import MasterNotFoundError, Sentinel, SentinelConnectionPool, SentinelManagedConnection
 
 SCHEMES = {"redis+sentinel": False, "rediss+sentinel": True}
 """The URL schemes of a primary found through Sentinel, and whether its connections (and the Sentinels') use TLS."""
@@ -111,9 +111,14 @@ class PrimaryConnection(SentinelManagedConnection):
     retried after a lost connection reconnects through `connect_check_health`, which would try the old address for
     the whole retry policy (~`connections.RECONNECT_S`) before the next command asked again."""
 
+    def named_primary(self) -> bool:
+        """Whether the Sentinels name this connection's server the primary now (a stale primary, back after a failover
+        with a replica still following it, acknowledges writes that the new primary never gets)."""
+        return bool(primary_address(self.connection_pool) == (str(self.host), int(self.port)))
+
     def connect_check_health(self, check_health: bool = True, retry_socket_connect: bool = True) -> None:
         if self._sock is None:
-            self.host, self.port = self.connection_pool.get_master_address()
+            self.host, self.port = primary_address(self.connection_pool)
         # One try a connect: the client's retry policy tries again, and each try asks the Sentinels anew.
         super().connect_check_health(check_health, retry_socket_connect=False)
 
@@ -175,10 +180,25 @@ def is_sentinel_pool(pool: object) -> bool:
 
 
 def primary_address(pool: SentinelConnectionPool) -> tuple[str, int]:
-    """Where the Sentinels say the primary of `pool`'s service is now; `redis.ConnectionError`
-    (`MasterNotFoundError`) when no Sentinel answers with one."""
-    host, port = pool.sentinel_manager.discover_master(pool.service_name)
-    return str(host), int(port)
+    """Where the primary of `pool`'s service is by the Sentinels' latest configuration: of every Sentinel that answers,
+    the answer with the highest configuration epoch (each failover raises it). redis-py takes the first Sentinel's
+    answer, and one that has not heard of a failover yet names the old primary: back from a stop, that stale primary
+    takes writes (and, with a replica still following it, acknowledges them) that the new primary never gets.
+    `redis.ConnectionError` (`MasterNotFoundError`) when no Sentinel names a primary that is up."""
+    manager, newest = pool.sentinel_manager, None
+    for sentinel in manager.sentinels:
+        try:
+            state = sentinel.sentinel_master(pool.service_name)
+        except (redis.ConnectionError, redis.TimeoutError, redis.ResponseError):
+            continue
+        if not manager.check_master_state(state, pool.service_name):
+            continue
+        epoch = int(state.get("config-epoch", 0))
+        if newest is None or epoch > newest[0]:
+            newest = (epoch, str(state["ip"]), int(state["port"]))
+    if newest is None:
+        raise MasterNotFoundError(f"no Sentinel names a primary of {pool.service_name!r} that is up")
+    return newest[1], newest[2]
 
 
 def plain_settings(pool: SentinelConnectionPool) -> tuple[type[redis.connection.AbstractConnection], dict[str, Any]]:
@@ -198,6 +218,10 @@ class AsyncPrimaryConnection(redis.asyncio.connection.Connection):
     def __init__(self, *, find_primary: Callable[[], tuple[str, int]], **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._find_primary = find_primary
+
+    async def named_primary(self) -> bool:
+        """Whether the Sentinels name this connection's server the primary now (see `PrimaryConnection`)."""
+        return bool(await asyncio.to_thread(self._find_primary) == (str(self.host), int(self.port)))
 
     async def connect_check_health(self, check_health: bool = True, retry_socket_connect: bool = True) -> None:
         if not self.is_connected:

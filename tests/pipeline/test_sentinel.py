@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import subprocess
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,16 +15,17 @@ import pytest
 import redis
 
 from pipeline.connections import connect, redact
-from pipeline.local import RedisServer, find_redis_server, free_port, valkey_binary
+from pipeline.local import SentinelTopology, find_redis_server, valkey_binary
 from pipeline.processes import start_worker, stop_processes, wait_for_worker
 from pipeline.sentinel import parse_sentinel_url
 from producers.client import RolloutClient
 from tests.fixtures import VALKEY_MISSING, wait_until
 
 SERVICE = "rollouts"
-STEADY = ("--claim-idle-ms", "3000", "--heartbeat-s", "1")
-"""Worker flags: a heartbeat a second (not `FAST`'s 0.3 s: on a loaded machine, a failover's few seconds of retries
-and the servers' own work left a worker silent past its 2.5 s for no fault of its own)."""
+STEADY = ("--claim-idle-ms", "5000", "--heartbeat-s", "2")
+"""Worker flags: a worker is dead to the others after 5 s of silence (2.5 heartbeats), longer than a failover takes
+here (1 s down-after, then the election; a few seconds on a loaded machine). With `FAST`'s 0.3 s heartbeat, a failover
+made every worker look dead for a moment: its work was claimed, and a sync right after passed it by."""
 
 
 def test_a_sentinel_url_names_its_sentinels_service_database_and_credentials() -> None:
@@ -65,83 +66,17 @@ class Shape:
     """`installed` (`redis-server --sentinel`) or `valkey` (Valkey 8.1, `valkey-server --sentinel`)."""
 
 
-@dataclass
-class Topology:
-    primary: RedisServer
-    replicas: list[RedisServer]
-    sentinels: list[subprocess.Popen[bytes]]
-    ports: list[int]
-
-    @property
-    def url(self) -> str:
-        return "redis+sentinel://" + ",".join(f"127.0.0.1:{p}" for p in self.ports) + f"/{SERVICE}"
-
-    def primary_port(self) -> int:
-        sentinel = redis.Redis(port=self.ports[0], socket_timeout=2)
-        try:
-            _host, port = sentinel.execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", SERVICE)
-            return int(port)
-        finally:
-            sentinel.close()
-
-
 @pytest.fixture
-def topology(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Topology]:
+def topology(request: pytest.FixtureRequest) -> Iterator[SentinelTopology]:
     """A primary, its replicas (`Shape`, one by default) and three Sentinels (quorum 2) that call a primary down after
-    1 s of silence, all of the server the shape names. A replica is in sync before the test starts: one
-    never synced would take the stream with it."""
+    1 s of silence, all of the server the shape names, the replicas in sync (`SentinelTopology`)."""
     shape: Shape = getattr(request, "param", Shape())
     binary = valkey_binary() if shape.server == "valkey" else find_redis_server()
     if binary is None:
         pytest.skip(VALKEY_MISSING)
-    primary = RedisServer(binary=binary).start()
-    replicas = [RedisServer(binary=binary).start() for _ in range(shape.replicas)]
-    for server in (primary, *replicas):
-        with contextlib.closing(redis.Redis(port=server.port)) as admin:
-            admin.config_set("repl-diskless-sync-delay", 0)
-            admin.config_set("min-replicas-to-write", shape.min_replicas_to_write)
-            admin.config_set("min-replicas-max-lag", 1)
-            if server is not primary:
-                admin.replicaof("127.0.0.1", primary.port)
-    ports = [free_port() for _ in range(3)]
-    sentinels = []
-    for port in ports:
-        conf = tmp_path / f"sentinel-{port}.conf"
-        conf.write_text(
-            f"port {port}\nbind 127.0.0.1\ndir {tmp_path}\n"
-            f"sentinel monitor {SERVICE} 127.0.0.1 {primary.port} 2\n"
-            f"sentinel down-after-milliseconds {SERVICE} 1000\n"
-            f"sentinel failover-timeout {SERVICE} 5000\n"
-        )
-        sentinels.append(subprocess.Popen([binary.path, str(conf), "--sentinel"], stdout=subprocess.DEVNULL))
-    up = Topology(primary, replicas, sentinels, ports)
-    try:
-        wait_until(lambda: all(map(_in_sync, replicas)), 30, "the replicas in sync")
-        wait_until(lambda: _replicas_seen(up) >= len(replicas), 30, "the Sentinels to see the replicas")
+    settings = {"min-replicas-to-write": str(shape.min_replicas_to_write), "min-replicas-max-lag": "1"}
+    with SentinelTopology(replicas=shape.replicas, binary=binary, service=SERVICE, settings=settings) as up:
         yield up
-    finally:
-        stop_processes(sentinels)
-        for server in (*replicas, primary):
-            server.stop()
-
-
-def _in_sync(replica: RedisServer) -> bool:
-    client = redis.Redis(port=replica.port, decode_responses=True)
-    try:
-        return bool(client.info("replication").get("master_link_status") == "up")
-    finally:
-        client.close()
-
-
-def _replicas_seen(up: Topology) -> int:
-    try:
-        sentinel = redis.Redis(port=up.ports[0], socket_timeout=1)
-        try:
-            return len(sentinel.execute_command("SENTINEL", "REPLICAS", SERVICE))
-        finally:
-            sentinel.close()
-    except redis.RedisError:
-        return 0
 
 
 @pytest.mark.parametrize(
@@ -155,7 +90,7 @@ def _replicas_seen(up: Topology) -> int:
     ids=["default", "replica", "valkey-replica"],
 )
 def test_a_fleet_given_only_the_sentinels_delivers_every_sample_once_through_a_failover_then_syncs(
-    topology: Topology, durability: str, tiny_model_dir: Path, tiny_model_dir_v1: Path, tmp_path: Path
+    topology: SentinelTopology, durability: str, tiny_model_dir: Path, tiny_model_dir_v1: Path, tmp_path: Path
 ) -> None:
     """A trainer client and two synthetic workers know only the Sentinels. The primary is killed (`kill -9`) while
     prompts are under way; Sentinel promotes the replica, and every part follows it by itself: every prompt comes
@@ -177,19 +112,23 @@ def test_a_fleet_given_only_the_sentinels_delivers_every_sample_once_through_a_f
         ids = [client.submit(tokens=[4, 5, k], n=2, max_tokens=40, seed=k) for k in range(24)]
         first = client.collect(2, timeout=60)
         before = topology.primary_port()
-        assert topology.primary.process is not None
-        os.kill(topology.primary.process.pid, signal.SIGKILL)
+        primary = topology.server(before)
+        assert primary.process is not None
+        os.kill(primary.process.pid, signal.SIGKILL)
         wait_until(lambda: topology.primary_port() != before, 60, "Sentinel to promote the replica")
+        failed_over = time.time()
         rest = client.collect(len(ids) - len(first), timeout=120)
         got = [g.prompt_id for g in first + rest]
         assert sorted(got) == sorted(ids)
         assert client.stats["duplicates"] == 0
         assert all(p.poll() is None for p in procs), "a worker gave up on the failover"
 
-        # Both on the registry of the new primary (a heartbeat that expired during the failover is written again at
-        # the next period, and the worker is back on the registry then): the sync asks both.
-        registry = client.streams.registry
-        wait_until(lambda: registry.live_worker_names() == ["w1", "w2"], 60, "both workers on the new primary")
+        # Both beating on the new primary since the failover: the sync then asks both.
+        def beating_since(when: float) -> bool:
+            beats = client.streams.registry.live_workers()
+            return sorted(beats) == ["w1", "w2"] and all(float(b["ts"]) > when for b in beats.values())
+
+        wait_until(lambda: beating_since(failed_over), 60, "both workers beating on the new primary")
         assert client.publish_weights(tiny_model_dir_v1, ack_timeout_s=60) == 1
         report = client.last_sync
         assert report is not None and sorted(report.acked) == ["w1", "w2"] and report.evicted == [], report
@@ -203,7 +142,7 @@ def test_a_fleet_given_only_the_sentinels_delivers_every_sample_once_through_a_f
 
 @pytest.mark.parametrize("topology", [Shape(replicas=2, min_replicas_to_write=1)], indirect=True)
 def test_a_stale_primary_that_comes_back_after_a_failover_takes_no_write_and_its_clients_move_on(
-    topology: Topology, tiny_model_dir: Path, tmp_path: Path
+    topology: SentinelTopology, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     """The primary is stopped (SIGSTOP) past Sentinel's down-after, and a replica is promoted. The old primary comes
     back (SIGCONT) still taking itself for the primary, and the trainer client still holds a connection to it. With
@@ -222,8 +161,8 @@ def test_a_stale_primary_that_comes_back_after_a_failover_takes_no_write_and_its
         wait_for_worker(connect(url), ns, "w1", worker, timeout_s=120)
         warm = [client.submit(tokens=[4, 5, k], n=1, max_tokens=8, seed=k) for k in range(4)]
         assert sorted(g.prompt_id for g in client.collect(len(warm), timeout=60)) == sorted(warm)
-        old = topology.primary
-        assert old.process is not None and topology.primary_port() == old.port
+        old = topology.server(topology.primary_port())
+        assert old.process is not None
         os.kill(old.process.pid, signal.SIGSTOP)
         try:
             wait_until(lambda: topology.primary_port() != old.port, 60, "Sentinel to promote a replica")
@@ -238,7 +177,7 @@ def test_a_stale_primary_that_comes_back_after_a_failover_takes_no_write_and_its
 
 
 def test_the_cli_given_only_the_sentinels_submits_shows_and_creates_acl_users_on_every_server(
-    topology: Topology, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    topology: SentinelTopology, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """`rollouts submit` and `rollouts top` take a Sentinel URL like any other. ACL users are each server's own:
     `rollouts acl --apply` given the Sentinels creates the user on every server, so that the role still gets in once a
@@ -263,6 +202,6 @@ def test_the_cli_given_only_the_sentinels_submits_shows_and_creates_acl_users_on
     )
     assert result.exit_code == 0, result.output
     assert "on the 2 servers the Sentinels know" in " ".join(result.output.split())
-    for server in (topology.primary, *topology.replicas):
+    for server in topology.servers:
         with contextlib.closing(redis.Redis(port=server.port)) as admin:
             assert admin.acl_getuser("w1") is not None, f"no user w1 on {server.port}"
