@@ -15,7 +15,18 @@ from typing import Annotated, Any, NoReturn
 
 import typer
 
-from benchmarks import bench_broker, bench_gateway, bench_lora, chaos, chaos_trainer, fleet, scale, scale_fleet, soak
+from benchmarks import (
+    bench_broker,
+    bench_gateway,
+    bench_lora,
+    chaos,
+    chaos_trainer,
+    failover_chaos,
+    fleet,
+    scale,
+    scale_fleet,
+    soak,
+)
 from pipeline.cli.app import ENGINE_NEEDS, check_engine, console, exit_code, fail, require, user_errors
 from pipeline.cli.engine_spec import (
     DeviceOpt,
@@ -277,6 +288,7 @@ COMMANDS: list[tuple[str, Callable[..., Any], bool]] = [
     ("soak", soak.soak, False),
     ("scale", scale.scale, False),
     ("chaos", chaos.chaos_command, False),
+    ("failover-chaos", failover_chaos.failover_chaos, False),
     ("fleet", fleet.fleet, False),
     ("chaos-trainer", chaos_trainer.chaos_trainer, True),
     ("scale-ping", scale.scale_ping, True),
