@@ -35,8 +35,9 @@ def test_a_step_spreads_over_four_workers_and_none_takes_more_than_its_share(
     redis_server: RedisServer, ns: str, workers: StartWorker
 ) -> None:
     """Three steps of 16 prompts x 4 samples, one step at a time, over four idle workers that could each take a whole
-    step (64 samples of room): no worker serves more than 24 of a step's 64 (its quarter and two groups: a loaded
-    machine may wake one late), and every worker serves some."""
+    step (64 samples of room): no worker serves more than half of a step's 64 (before the fleet shared, one served
+    52-64; its quarter and two groups was the bound here, which a loaded 2-core machine, waking one worker late, broke
+    at 28 about once in three runs, on main too), and every worker serves some."""
     names = [f"w{k}" for k in range(4)]
     flags = (*SYNTHETIC, "--engine-args", '{"steps_per_s": 100}', "--max-inflight", "64")
     workers.many(*[(name, *flags) for name in names])
@@ -46,7 +47,7 @@ def test_a_step_spreads_over_four_workers_and_none_takes_more_than_its_share(
         groups = client.collect(len(ids), timeout=120)
         served = Counter(r.worker for g in groups for r in g.rollouts)
         assert sum(served.values()) == 64
-        assert max(served.values()) <= 24, f"step {step}: {dict(served)}"
+        assert max(served.values()) <= 32, f"step {step}: {dict(served)}"
         assert set(served) == set(names), f"step {step}: {dict(served)}"
 
 
