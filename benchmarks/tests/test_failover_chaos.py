@@ -13,12 +13,12 @@ from pathlib import Path
 
 
 def test_a_short_failover_run_in_the_replica_mode_loses_nothing_acknowledged(tmp_path: Path) -> None:
-    args = ["--modes", "replica", "--duration-s", "26", "--every-s", "5", "--workers", "2", "--drain-timeout-s", "90"]
+    args = ["--modes", "replica", "--duration-s", "26", "--every-s", "5", "--workers", "2", "--drain-timeout-s", "150"]
     result = subprocess.run(
         [sys.executable, "-m", "pipeline.cli", "failover-chaos", *args, "--keep-logs", str(tmp_path / "logs")],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=420,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     (run,) = json.loads(result.stdout)["runs"]

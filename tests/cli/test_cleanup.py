@@ -152,7 +152,8 @@ def test_the_manager_logs_what_it_watches_and_each_sync_it_finishes(tmp_path: Pa
             streams.registry.heartbeat("ghost", {"status": "serving"}, ttl_s=60)
             driver = Manager(streams)
             weights = Control(cmd="weights", version=1, uri="/nowhere/v1", mode="abort").to_fields()
-            driver._begin(keys=driver._keys, args=[0, 1, "token", *(x for pair in weights.items() for x in pair)])
+            fields = (x for pair in weights.items() for x in pair)
+            driver._begin(keys=driver._keys, args=[0, 1, "token", 0, *fields])  # 0: the highest epoch a worker acked
             wait_until(lambda: "sync 1 done" in log.read_text(), 30, "the manager to finish the abandoned sync")
             text = log.read_text()
             assert "sync 1 began: version 1 from /nowhere/v1 (pause: abort)" in text, text

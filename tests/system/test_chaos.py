@@ -64,12 +64,12 @@ def test_a_retried_submission_is_queued_and_counted_once(real_redis: redis.Redis
 def test_a_retried_sync_begin_begins_one_sync(redis_server: RedisServer, ns: str) -> None:
     """The same begin run twice (a lost reply, retried) is one sync; another begin meanwhile is refused."""
     manager = Manager(Streams(connect(redis_server.url), ns), ack_timeout_s=1)
-    args: list[EncodableT] = [0, 1, "token-a", b"cmd", b"weights", b"epoch", b"0", b"version", b"1"]
+    args: list[EncodableT] = [0, 1, "token-a", 0, b"cmd", b"weights", b"epoch", b"0", b"version", b"1"]
     epoch = manager._begin(keys=manager._keys, args=args)
     assert manager._begin(keys=manager._keys, args=args) == epoch
     assert manager.streams.redis.xlen(manager.streams.keys.control) == 1
     with pytest.raises(redis.ResponseError, match="already under way"):
-        manager._begin(keys=manager._keys, args=[0, 1, "token-b", *args[3:]])
+        manager._begin(keys=manager._keys, args=[0, 1, "token-b", *args[3:]])  # the same epoch floor and fields
 
 
 def test_a_trainer_restored_from_its_checkpoint_skips_what_it_trained_on(redis_server: RedisServer, ns: str) -> None:
