@@ -107,22 +107,18 @@ class Manager:
         """Workers whose heartbeat has not expired, with their heartbeat fields."""
         return self.streams.registry.live_workers()
 
-    def taken(self) -> tuple[int, int]:
-        """The highest version (of the base model) and epoch (of this manager's syncs) that a live worker reports. A
-        failover that lost the state's last bump leaves the state below them: those numbers name weights and syncs
-        already, and the next ones go above (`next_version`, `begin_sync.lua`)."""
-
-        def highest(field: str) -> int:
-            values = self.streams.registry.live_workers_with(field).values()
-            return max((int(v) for v in values if v.lstrip("-").isdigit()), default=0)
-
-        return (highest("version") if self.adapter is None else 0), highest(self._ack_field)
+    def highest(self, field: str) -> int:
+        """The highest number a live worker reports in heartbeat `field` (0: none). A failover that lost the state's
+        last bump leaves the state below what the workers report: those numbers name weights and syncs already, and
+        the next ones go above (`next_version` for `version`; `sync` and `begin_sync.lua` for the ack field's epoch)."""
+        values = self.streams.registry.live_workers_with(field).values()
+        return max((int(v) for v in values if v.lstrip("-").isdigit()), default=0)
 
     def next_version(self, state: PolicyState | None = None) -> int:
         """The version the next sync makes: one above both the state's and any live worker's, so that no number ever
         names two different weights, even after a failover that lost the last `publish_weights`'s bump."""
         state = self.state() if state is None else state
-        version, _epoch = self.taken()
+        version = self.highest("version") if self.adapter is None else 0
         if version > state.version:
             log.warning(
                 "the state is at version %d but a worker serves version %d (a failover lost the last bump?): the next "
@@ -152,8 +148,8 @@ class Manager:
         try:
             token = uuid.uuid4().hex  # the same call retried by redis-py begins no second sync
             current = version - 1 if expected is None else expected
-            _version, epoch_taken = self.taken()
-            epoch = int(self._begin(keys=self._keys, args=[current, version, token, epoch_taken, *_flat(weights)]))
+            floor = self.highest(self._ack_field)  # one read of the fleet: the epoch only
+            epoch = int(self._begin(keys=self._keys, args=[current, version, token, floor, *_flat(weights)]))
         except Exception as exc:  # the script's error replies say why
             raise SyncError(str(exc)) from None
         waiting, hand_off = self._fleet(mode)

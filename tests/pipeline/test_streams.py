@@ -787,6 +787,16 @@ def test_a_restarted_trainer_rereads_an_open_group_once_and_acks_it_only_when_us
     assert any_redis.xpending(streams.keys.rollouts, TRAINER)["pending"] == 4, "nothing acked before it is used"
 
 
+def whole_groups_waiting(client: redis.Redis, ns: str, *names: str) -> Streams:
+    """The namespace's streams with a whole group of rollouts for each prompt name waiting on `rollouts`."""
+    streams = Streams(client, ns)
+    streams.ensure_groups()
+    for name in names:
+        for rollout in rollouts_for(prompt(name)):
+            client.xadd(streams.keys.rollouts, for_redis(rollout.to_fields()))
+    return streams
+
+
 def test_collect_acks_its_groups_together_and_a_timeout_leaves_them_for_the_next_client(
     any_redis: redis.Redis, ns: str
 ) -> None:
@@ -794,11 +804,7 @@ def test_collect_acks_its_groups_together_and_a_timeout_leaves_them_for_the_next
     a client started again (same consumer) gets those groups back instead of their being acked and lost."""
     from producers.client import RolloutClient
 
-    streams = Streams(any_redis, ns)
-    streams.ensure_groups()
-    for name in ("a", "b", "c"):
-        for rollout in rollouts_for(prompt(name)):
-            any_redis.xadd(streams.keys.rollouts, for_redis(rollout.to_fields()))
+    streams = whole_groups_waiting(any_redis, ns, "a", "b", "c")
     client = RolloutClient(any_redis, ns, consumer="t")
     acks: list[int] = []
     ack = streams.ack_rollouts
@@ -827,11 +833,7 @@ def test_groups_one_read_completes_beyond_what_collect_asked_for_come_with_the_n
     that times out hands what it gathered to the next call too."""
     from producers.client import RolloutClient
 
-    streams = Streams(any_redis, ns)
-    streams.ensure_groups()
-    for name in ("a", "b", "c"):
-        for rollout in rollouts_for(prompt(name)):
-            any_redis.xadd(streams.keys.rollouts, for_redis(rollout.to_fields()))
+    streams = whole_groups_waiting(any_redis, ns, "a", "b", "c")
     client = RolloutClient(any_redis, ns, consumer="t")
     assert [g.prompt_id for g in client.collect(1, timeout=5)] == ["a"]
     with pytest.raises(TimeoutError):
