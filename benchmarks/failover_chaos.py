@@ -84,10 +84,11 @@ class Run:
         for k in range(self.o["workers"]):
             args = ["worker", "--redis", url, "--ns", NS, "--model", "synthetic", "--engine", "synthetic"]
             args += ["--engine-args", engine, "--name", f"w{k}", "--heartbeat-s", str(self.o["heartbeat_s"])]
-            args += ["--claim-idle-ms", str(int(self.o["heartbeat_s"] * 2500)), "--log-level", "warning"]
+            args += ["--claim-idle-ms", str(int(self.o["heartbeat_s"] * 2500)), "--log-level", self.o["log_level"]]
             self.members[f"w{k}"] = Member(f"w{k}", args, self.tmp / f"w{k}.log")
         manager = ["manager", "--redis", url, "--ns", NS, "--ack-timeout-s", str(self.o["ack_timeout_s"])]
         manager += ["--abandoned-after-s", str(self.o["ack_timeout_s"] + 3), "--interval", "0.5"]
+        manager += ["--log-level", self.o["log_level"]]
         self.members["manager"] = Member("manager", manager, self.tmp / "manager.log")
         trainer = ["chaos-trainer", "--redis", url, "--ns", NS, "--ledger", str(self.ledger.path)]
         trainer += ["--chunk", str(self.o["chunk"]), "--n", str(self.o["n"]), "--tokens", str(self.o["tokens"])]
@@ -243,6 +244,7 @@ def failover_chaos(
     drain_timeout_s: Annotated[float, typer.Option(help="After the faults: stalled if not done within.")] = 120.0,
     seed: Annotated[int, typer.Option(help="The schedule's seed.")] = 0,
     keep_logs: Annotated[Path | None, typer.Option(help="Copy every process's log and the ledger here.")] = None,
+    log_level: Annotated[str, typer.Option(help="Workers' and manager's log level: info to diagnose.")] = "warning",
 ) -> None:
     """Fail the primary behind Sentinel over and over (kill -9, SIGSTOP past down-after, a crash that loses the AOF's
     tail) under a running pipeline, once per durability mode; report acknowledged-then-lost, duplicates trained,

@@ -498,8 +498,14 @@ class Streams:
         """Drop entries every consumer group has finished with, never one still unread or pending.
 
         In chunks of `TRIM_CHUNK` entries, one command each, so that Redis serves other clients in between: one
-        `XTRIM` of tens of thousands of large entries holds Redis for tens of milliseconds."""
-        groups = self.redis.xinfo_groups(stream)
+        `XTRIM` of tens of thousands of large entries holds Redis for tens of milliseconds. A stream that is not
+        there (never written, or lost with a primary whose writes no replica had) has nothing to trim."""
+        try:
+            groups = self.redis.xinfo_groups(stream)
+        except redis.ResponseError as exc:
+            if "no such key" not in str(exc).lower():
+                raise
+            return 0
         if not groups:
             return 0
         keep_from = []

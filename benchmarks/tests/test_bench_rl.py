@@ -50,6 +50,11 @@ def run_bench_piped(*args: str, timeout: float = 600) -> tuple[dict[str, Any], s
     return report, result.stderr
 
 
+def rewards(run: dict[str, Any]) -> dict[int, float]:
+    """A run's eval reward by step, the whole curve (a failure's message shows it all)."""
+    return {int(step): reward for step, _, reward in run["curve"]}
+
+
 def progress_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("bench-rl [")]
 
@@ -281,15 +286,20 @@ def test_async_at_eta_1_with_long_tails_reaches_the_reward_sync_reaches_within_a
     2-core machine under a full suite its crossing wandered from 46 to 80 steps against sync's 32-50 (2026-11-28 and
     -29, `benchmarks/results/2026-11-29-eta4.md` and the closing notes): it learns less per step, an open question, not
     a bound to gate CI on. 30 steps of margin: async still has to learn, in 80 steps, what sync learns. The policy
-    after every other step is evaluated (`--eval-every 2`): either mode's crossing is found to within a step."""
-    args = ["--modes", "sync,async:1", "--seeds", "0", "--steps", "80", "--target", "0.3", "--eval-prompts", "16"]
+    after every other step is evaluated (`--eval-every 2`): either mode's crossing is found to within a step.
+
+    The target is 0.15 (about 10x the base policy's 0.013): one seed's run is not one run. A batch's rows are batched
+    differently from run to run, their rounding flips a sampled token now and then, and RL amplifies it: sync alone,
+    seed 0, reached 0.3 in 32, 36, 50, 56 and 74 steps and once not in 80 (CI, 2026-12-02), and 0.15 in 27 to 42
+    (`benchmarks/results/2026-12-02-bench-rl-seed-spread.md`)."""
+    args = ["--modes", "sync,async:1", "--seeds", "0", "--steps", "80", "--target", "0.15", "--eval-prompts", "16"]
     args += ["--eval-every", "2"]
     report = run_bench(*args, timeout=840)
     runs = {run["mode"]: run for run in report["runs"]}
     sync, async_1 = runs["sync"], runs["async:1"]
-    assert sync["steps_to_target"] is not None, sync["curve"]
-    assert async_1["steps_to_target"] is not None, async_1["curve"]
-    assert async_1["steps_to_target"] <= sync["steps_to_target"] + 30, (sync["curve"], async_1["curve"])
+    assert sync["steps_to_target"] is not None, rewards(sync)
+    assert async_1["steps_to_target"] is not None, rewards(async_1)
+    assert async_1["steps_to_target"] <= sync["steps_to_target"] + 30, (rewards(sync), rewards(async_1))
     assert async_1["tokens"]["parked"] == 0 and async_1["tokens"]["trained_share"] >= 0.95
 
 

@@ -505,6 +505,19 @@ def test_trim_never_passes_the_slowest_group(any_redis: redis.Redis, ns: str) ->
     assert [i for i, _ in as_entries(any_redis.xrange(rollouts))] == ids[3:]
 
 
+def test_a_stream_that_is_gone_has_nothing_to_trim_and_a_read_makes_it_again(any_redis: redis.Redis, ns: str) -> None:
+    """A worker's inbox lost with a primary whose writes no replica had: its upkeep's trim finds nothing to do (not an
+    error every period), and its next read makes the inbox and its group again."""
+    streams = Streams(any_redis, ns)
+    streams.ensure_groups()
+    streams.join("w1")
+    inbox = streams.keys.inbox("w1")
+    any_redis.delete(inbox)
+    assert streams.trim_consumed(inbox) == 0
+    streams.read_work("w1", count=1, block_ms=None)
+    assert [g["name"] for g in any_redis.xinfo_groups(inbox)] == [GENERATORS.encode()]
+
+
 def test_a_large_backlog_is_trimmed_in_commands_of_a_bounded_size(real_redis: redis.Redis, ns: str) -> None:
     """Freeing a long consumed backlog (10 s of a busy trainer's rollouts) in one command holds Redis, and every
     client, for tens of ms; it goes in chunks of at most `TRIM_CHUNK` entries, and still exactly to the slowest group
