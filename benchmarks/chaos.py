@@ -94,6 +94,8 @@ class Member:
     log: Path
     module: str = "pipeline.cli"
     """The program it is a command of: `rollouts`, or the lab's own (`benchmarks.PROGRAM`)."""
+    launcher: tuple[str, ...] = ()
+    """What its command line starts with (`ip netns exec NS`: a network namespace of its own)."""
     process: subprocess.Popen[bytes] | None = None
     starts: int = 0
     stopped_until: float = 0.0
@@ -102,7 +104,7 @@ class Member:
     """While killed: when to start again (monotonic)."""
 
     def start(self) -> None:
-        self.process = start_command(*self.args, log_file=self.log, module=self.module)
+        self.process = start_command(*self.args, log_file=self.log, module=self.module, launcher=self.launcher)
         self.starts += 1
 
     def alive(self) -> bool:

@@ -11,7 +11,11 @@ fails the primary every `--every-s` seconds, one of:
 - `primary-stop`: SIGSTOP past `down-after` (Sentinel promotes a replica), then SIGCONT: a stale primary that still
   takes itself for the primary, with clients still connected to it, until Sentinel makes it a replica;
 - `primary-crash`: `kill -9` and the last `--crash-tail-bytes` of its AOF cut off (what a host crash loses with the
-  page cache under `appendfsync everysec`), back once a replica was promoted, as a replica.
+  page cache under `appendfsync everysec`), back once a replica was promoted, as a replica;
+- `primary-partition` (root only; not in the default `--kinds`): the primary and one worker (`w0`) cut off from the
+  replicas, the Sentinels and every other client, past a replica's promotion and `--partition-hold-s` more, then
+  joined again: `w0` keeps its open connections to a primary that the majority has replaced. For it the run moves
+  into a network namespace of its own and gives each server and `w0` one of their own (`benchmarks.netns`).
 
 Then the producer stops and the run waits until the trainer has accounted for every prompt. From the ledger and
 Redis it reports, per mode: the faults and failovers; prompts acknowledged and lost (submitted, never trained on,
@@ -19,7 +23,6 @@ parked or dead-lettered: the run stalls on them until `--drain-timeout-s`); roll
 reused (two syncs that reported one number); how long each failover took (fault to a new primary named) and each
 recovery (fault to the first group trained after it), p50/p99. `goals` checks issue 56's for the `replica` mode.
 
-Not injected: a partition of the primary and one client from the majority (it needs network namespaces).
 """
 
 from __future__ import annotations
@@ -41,16 +44,20 @@ from typing import Annotated, Any
 import redis
 import typer
 
-from benchmarks import PROGRAM
+from benchmarks import PROGRAM, netns
 from benchmarks.chaos import Ledger, Member, percentiles
 from benchmarks.chaos_trainer import parked_and_dead, prompt_ids
 from pipeline.cli.app import console, fail
 from pipeline.durability import MODES
-from pipeline.local import RedisServer, SentinelTopology
+from pipeline.local import Place, RedisServer, SentinelTopology
 from pipeline.streams import Streams
 
 NS = "failover"
-KINDS = ("primary-kill", "primary-stop", "primary-crash")
+KINDS = ("primary-kill", "primary-stop", "primary-crash", "primary-partition")
+DEFAULT_KINDS = KINDS[:3]
+"""A partition needs root: it is asked for by name."""
+MINORITY = "w0"
+"""The client a partition leaves with the old primary."""
 
 
 @dataclass
@@ -72,6 +79,8 @@ class Run:
     topology: SentinelTopology
     tmp: Path
     o: dict[str, Any]
+    network: netns.Network | None = None
+    """The namespaces of the servers and of `MINORITY` (a run with partitions), else None: all on loopback."""
     members: dict[str, Member] = field(default_factory=dict)
     faults: list[Failover] = field(default_factory=list)
     started: float = field(default_factory=time.monotonic)
@@ -85,7 +94,8 @@ class Run:
             args = ["worker", "--redis", url, "--ns", NS, "--model", "synthetic", "--engine", "synthetic"]
             args += ["--engine-args", engine, "--name", f"w{k}", "--heartbeat-s", str(self.o["heartbeat_s"])]
             args += ["--claim-idle-ms", str(int(self.o["heartbeat_s"] * 2500)), "--log-level", self.o["log_level"]]
-            self.members[f"w{k}"] = Member(f"w{k}", args, self.tmp / f"w{k}.log")
+            place = self.network.node(MINORITY) if self.network is not None and k == 0 else Place()
+            self.members[f"w{k}"] = Member(f"w{k}", args, self.tmp / f"w{k}.log", launcher=place.launcher)
         manager = ["manager", "--redis", url, "--ns", NS, "--ack-timeout-s", str(self.o["ack_timeout_s"])]
         manager += ["--abandoned-after-s", str(self.o["ack_timeout_s"] + 3), "--interval", "0.5"]
         manager += ["--log-level", self.o["log_level"]]
@@ -145,7 +155,10 @@ class Run:
         fault = Failover(kind, self.now(), port)
         self.faults.append(fault)
         assert server.process is not None
-        if kind == "primary-stop":
+        if kind == "primary-partition":
+            assert self.network is not None
+            self.network.partition([server_node(port, self.topology), MINORITY])
+        elif kind == "primary-stop":
             os.kill(server.process.pid, signal.SIGSTOP)
         else:
             server.kill()
@@ -154,8 +167,13 @@ class Run:
         try:
             self.topology.wait_for_failover(port, timeout_s=60)
             fault.promoted_after_s = round(self.now() - fault.t, 3)
+            if kind == "primary-partition":  # the old primary serves the minority alone for a while
+                time.sleep(self.o["partition_hold_s"])
         finally:
-            if kind == "primary-stop":
+            if kind == "primary-partition":
+                assert self.network is not None
+                self.network.heal()  # back, stale, until Sentinel makes it a replica
+            elif kind == "primary-stop":
                 os.kill(server.process.pid, signal.SIGCONT)  # back, stale, until Sentinel makes it a replica
             else:
                 self.topology.restart(server)
@@ -173,6 +191,11 @@ class Run:
                 member.process.wait()
 
 
+def server_node(port: int, topology: SentinelTopology) -> str:
+    """The network node of the server on `port` (a run with partitions names them `s0`, `s1`, ...)."""
+    return f"s{topology.servers.index(topology.server(port))}"
+
+
 def cut_aof_tail(server: RedisServer, size: int) -> None:
     """Cut the last `size` bytes off the server's newest AOF file (Redis 7's `appendonlydir`, or 6.2's one file)."""
     files = sorted(server.data_dir.rglob("*.aof"), key=lambda p: p.stat().st_mtime)
@@ -188,7 +211,7 @@ def report(run: Run, wall_s: float) -> dict[str, Any]:
     chunks = 1 + max((r["chunk"] for r in records if r["kind"] == "submit"), default=-1)
     submitted = {p for c in range(chunks) for p in prompt_ids(c, run.o["chunk"])}
     trained = {r["prompt"] for r in groups}
-    client = redis.Redis(port=run.topology.primary_port())
+    client = redis.Redis.from_url(run.topology.server(run.topology.primary_port()).url)
     parked, dead = parked_and_dead(Streams(client, NS))
     ids = Counter(i for r in groups for i in r["ids"])
     versions = Counter(r["version"] for r in records if r["kind"] == "sync")
@@ -227,7 +250,10 @@ def failover_chaos(
     modes: Annotated[str, typer.Option(help="Durability modes, comma-separated: one run each.")] = "default,replica",
     duration_s: Annotated[float, typer.Option(help="Seconds of faults per mode (then it drains).")] = 240.0,
     every_s: Annotated[float, typer.Option(help="Seconds between failovers.")] = 10.0,
-    kinds: Annotated[str, typer.Option(help="Fault kinds, comma-separated.")] = ",".join(KINDS),
+    kinds: Annotated[
+        str, typer.Option(help=f"Fault kinds, comma-separated, of {', '.join(KINDS)} (a partition needs root).")
+    ] = ",".join(DEFAULT_KINDS),
+    partition_hold_s: Annotated[float, typer.Option(help="A partition lasts this long past the promotion.")] = 3.0,
     replicas: Annotated[int, typer.Option(min=2, help="Replicas of the primary (a replica mode needs one left).")] = 2,
     down_after_ms: Annotated[int, typer.Option(help="Sentinel's down-after-milliseconds.")] = 1000,
     workers: Annotated[int, typer.Option(min=1, help="Synthetic workers.")] = 3,
@@ -253,18 +279,31 @@ def failover_chaos(
     options["kinds"] = kinds.split(",")
     if unknown := [k for k in options["kinds"] if k not in KINDS]:
         fail(f"unknown fault kinds {unknown}; choose from {', '.join(KINDS)}")
+    partitions = "primary-partition" in options["kinds"]
+    if partitions and (why := netns.why_not()):
+        fail(why)
     chosen = modes.split(",")
     if unknown := [m for m in chosen if m not in MODES]:
         fail(f"unknown durability modes {unknown}; choose from {', '.join(MODES)}")
     from rich.live import Live
 
+    if partitions:
+        netns.enter_private_network()
     settings = {"min-replicas-to-write": "1", "min-replicas-max-lag": "1", "appendfsync": "everysec"}
     results = []
     for mode in chosen:
         tmp = Path(tempfile.mkdtemp(prefix=f"rollouts-failover-{mode}-"))
-        topology = SentinelTopology(replicas=replicas, down_after_ms=down_after_ms, settings=settings, appendonly=True)
-        with topology:
-            run = Run(mode, topology, tmp, options)
+        with contextlib.ExitStack() as cleanup:
+            network = netns.Network() if partitions else None
+            if network is not None:
+                cleanup.callback(network.close)  # last: once the servers are stopped
+            places = [network.node(f"s{i}") for i in range(1 + replicas)] if network is not None else None
+            topology = SentinelTopology(
+                replicas=replicas, down_after_ms=down_after_ms, settings=settings, appendonly=True, places=places,
+                sentinel_host=netns.HOST if network is not None else Place().host,
+            )  # fmt: skip
+            cleanup.enter_context(topology)
+            run = Run(mode, topology, tmp, options, network)
             try:
                 with Live(console=console, transient=True) as live:
                     wall_s = run.run(lambda line: live.update(line))

@@ -30,6 +30,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple, cast
@@ -237,6 +238,17 @@ class TlsFiles:
     ca: Path
 
 
+class Place(NamedTuple):
+    """Where a server of ours runs: the address it binds, and what its command line starts with (`ip netns exec NS`
+    for a network namespace of its own: the lab's partitions)."""
+
+    host: str = "127.0.0.1"
+    launcher: tuple[str, ...] = ()
+
+
+LOOPBACK = Place()
+
+
 class RedisServer:
     """A `redis-server` (or `valkey-server`) process of our own, with its data in a temporary directory."""
 
@@ -249,8 +261,10 @@ class RedisServer:
         tls: TlsFiles | None = None,
         cluster: bool = False,
         settings: dict[str, str] | None = None,
+        place: Place = LOOPBACK,
     ) -> None:
         self.binary = binary or find_redis_server()
+        self.place = place
         self.settings = dict(settings or {})
         """More of the server's configuration (`{"min-replicas-to-write": "1"}`), given at each start; change it
         between starts (`replicaof`)."""
@@ -267,10 +281,14 @@ class RedisServer:
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
+    def host(self) -> str:
+        return self.place.host
+
+    @property
     def url(self) -> str:
         if self.tls is not None:
-            return f"rediss://127.0.0.1:{self.port}/0?ssl_ca_certs={self.tls.ca}"
-        return f"redis://127.0.0.1:{self.port}/0"
+            return f"rediss://{self.host}:{self.port}/0?ssl_ca_certs={self.tls.ca}"
+        return f"redis://{self.host}:{self.port}/0"
 
     @property
     def version(self) -> str:
@@ -278,7 +296,7 @@ class RedisServer:
         return version_text(self.binary.version)
 
     def start(self, timeout_s: float = 10.0) -> RedisServer:
-        args = [self.binary.path, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.data_dir)]
+        args = [self.binary.path, "--port", str(self.port), "--bind", self.host, "--dir", str(self.data_dir)]
         args += ["--save", "", "--appendonly", "yes" if self.appendonly else "no", "--protected-mode", "no"]
         if self.tls is not None:
             args[1:3] = ["--port", "0", "--tls-port", str(self.port)]
@@ -290,7 +308,8 @@ class RedisServer:
             args += [f"--{name}", *value.split()]
         if self._own_dir:
             self.data_dir.mkdir(parents=True, exist_ok=True)  # removed by an earlier `with` block
-        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        launched = [*self.place.launcher, *args]
+        self.process = subprocess.Popen(launched, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             self._wait_until_up(self.process, timeout_s)
         except BaseException:  # a server that did not come up, or a Ctrl-C or SIGTERM meanwhile: none is left running
@@ -345,7 +364,9 @@ class SentinelTopology:
     """A primary, its replicas and Sentinels (quorum: a majority) on loopback, each a process of our own, for tests and
     the lab's failover runs. A Sentinel calls a primary down after `down_after_ms` of silence. `start` returns once
     every replica is in sync and the Sentinels know them all (a replica never synced that is promoted starts empty).
-    Every server gets `settings`; a server restarted after a kill comes back as a replica of the primary of then."""
+    Every server gets `settings`; a server restarted after a kill comes back as a replica of the primary of then.
+    `places` puts each server elsewhere (the primary's first) and `sentinel_host` the Sentinels: the lab's partition
+    runs give each server a network namespace of its own."""
 
     def __init__(
         self,
@@ -356,15 +377,21 @@ class SentinelTopology:
         down_after_ms: int = 1000,
         settings: dict[str, str] | None = None,
         appendonly: bool = False,
+        places: Sequence[Place] | None = None,
+        sentinel_host: str = LOOPBACK.host,
     ) -> None:
         self.binary = binary or find_redis_server()
         self.service = service
         self.down_after_ms = down_after_ms
         common = {"repl-diskless-sync-delay": "0", **(settings or {})}
+        places = places or [LOOPBACK] * (1 + replicas)
+        if len(places) != 1 + replicas:
+            raise ValueError(f"{len(places)} places for {1 + replicas} servers")
         self.servers = [
-            RedisServer(binary=self.binary, appendonly=appendonly, settings=common) for _ in range(1 + replicas)
+            RedisServer(binary=self.binary, appendonly=appendonly, settings=common, place=place) for place in places
         ]
         """Every data server; the first is the primary at the start."""
+        self.sentinel_host = sentinel_host
         self.sentinel_ports = [free_port() for _ in range(sentinels)]
         self.sentinels: list[subprocess.Popen[bytes]] = []
         self._dir = Path(tempfile.mkdtemp(prefix="rollouts-sentinel-"))
@@ -372,20 +399,22 @@ class SentinelTopology:
     @property
     def url(self) -> str:
         """`redis+sentinel://` of every Sentinel and the service."""
-        return "redis+sentinel://" + ",".join(f"127.0.0.1:{p}" for p in self.sentinel_ports) + f"/{self.service}"
+        hosts = ",".join(f"{self.sentinel_host}:{port}" for port in self.sentinel_ports)
+        return f"redis+sentinel://{hosts}/{self.service}"
 
     def start(self, timeout_s: float = 30.0) -> SentinelTopology:
         try:
             primary, *replicas = self.servers
             primary.start()
             for replica in replicas:
-                replica.settings["replicaof"] = f"127.0.0.1 {primary.port}"
+                replica.settings["replicaof"] = f"{primary.host} {primary.port}"
                 replica.start()
+            quorum = len(self.sentinel_ports) // 2 + 1
             for port in self.sentinel_ports:
                 conf = self._dir / f"sentinel-{port}.conf"
                 conf.write_text(
-                    f"port {port}\nbind 127.0.0.1\ndir {self._dir}\n"
-                    f"sentinel monitor {self.service} 127.0.0.1 {primary.port} {len(self.sentinel_ports) // 2 + 1}\n"
+                    f"port {port}\nbind {self.sentinel_host}\ndir {self._dir}\n"
+                    f"sentinel monitor {self.service} {primary.host} {primary.port} {quorum}\n"
                     f"sentinel down-after-milliseconds {self.service} {self.down_after_ms}\n"
                     f"sentinel failover-timeout {self.service} {max(5000, 5 * self.down_after_ms)}\n"
                 )
@@ -402,14 +431,15 @@ class SentinelTopology:
         """A Sentinel's answer (the first that answers)."""
         for port in self.sentinel_ports:
             try:
-                with contextlib.closing(redis.Redis(port=port, socket_timeout=2, decode_responses=True)) as sentinel:
+                sentinel_client = redis.Redis(self.sentinel_host, port, socket_timeout=2, decode_responses=True)
+                with contextlib.closing(sentinel_client) as sentinel:
                     return sentinel.execute_command("SENTINEL", *command)
             except redis.RedisError:
                 continue
         raise redis.ConnectionError("no Sentinel answers")
 
     def primary_port(self) -> int:
-        """The port of the primary the Sentinels name now."""
+        """The port of the primary the Sentinels name now (every server has a port of its own)."""
         _host, port = cast(list[str], self.ask("GET-MASTER-ADDR-BY-NAME", self.service))
         return int(port)
 
@@ -434,7 +464,8 @@ class SentinelTopology:
         if known < len(self.servers) - 1:
             return False
         for replica in running:
-            with contextlib.closing(redis.Redis(port=replica.port, decode_responses=True, socket_timeout=2)) as client:
+            replica_client = redis.Redis(replica.host, replica.port, decode_responses=True, socket_timeout=2)
+            with contextlib.closing(replica_client) as client:
                 try:
                     if client.info("replication").get("master_link_status") != "up":
                         return False
@@ -456,7 +487,8 @@ class SentinelTopology:
 
     def restart(self, server: RedisServer) -> None:
         """Start a killed server again, on its port and data, as a replica of the primary the Sentinels name now."""
-        server.settings["replicaof"] = f"127.0.0.1 {self.primary_port()}"
+        primary = self.server(self.primary_port())
+        server.settings["replicaof"] = f"{primary.host} {primary.port}"
         server.start()
 
     def stop(self) -> None:

@@ -23,14 +23,16 @@ def start_command(
     new_session: bool = False,
     env: Mapping[str, str] | None = None,
     module: str = "pipeline.cli",
+    launcher: Sequence[str] = (),
 ) -> subprocess.Popen[bytes]:
     """`rollouts ARGS...` in its own process, as a user would run it (`new_session`: its own process group,
     so that a test can kill it with its children, as a machine that dies would; `env`: variables set for it alone,
     e.g. `CUDA_VISIBLE_DEVICES` for a vLLM worker on a GPU of its own; `module`: the program, run as `python -m
-    MODULE`, e.g. the lab's `benchmarks` for a command of its own)."""
+    MODULE`, e.g. the lab's `benchmarks` for a command of its own; `launcher`: what the command line starts with, a
+    program that execs the rest, e.g. `ip netns exec NS` for a network namespace of its own)."""
     out = open(log_file, "ab") if log_file else subprocess.DEVNULL  # noqa: SIM115 - the child owns it
     return subprocess.Popen(
-        [sys.executable, "-m", module, *args],
+        [*launcher, sys.executable, "-m", module, *args],
         stdout=out,
         stderr=subprocess.STDOUT,
         env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},

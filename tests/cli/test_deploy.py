@@ -8,6 +8,7 @@ required values), with its settings where the CLI reads them.
 
 from __future__ import annotations
 
+import itertools
 import re
 import tomllib
 from pathlib import Path
@@ -183,3 +184,100 @@ def test_the_sentinel_override_gives_every_service_the_sentinels_and_runs_a_prim
         ctx = parse_with_the_cli([interpolate(arg, {}) for arg in service["command"]], env, monkeypatch)
         if "redis_url" in ctx.params:
             assert ctx.params["redis_url"] == env["ROLLOUTS_REDIS"], name
+
+
+def cluster_seed(url: str) -> tuple[str, int]:
+    """The node that `connect(url, ns=...)` asks first where its namespace's slot is served, read as `connect` reads
+    `url` (`split_url`, then redis-py's `from_url`, as `_connect_one` calls it, unconnected); `ValueError` for a URL
+    that it would not follow a slot from: a Sentinel URL, a Unix socket (one node, not in `cluster.FOLLOWING`), or a
+    database other than 0 (a cluster has no other)."""
+    import redis
+
+    from pipeline import cluster
+    from pipeline.durability import split_url
+    from pipeline.sentinel import is_sentinel_url
+
+    plain, _ = split_url(url)
+    if is_sentinel_url(plain):
+        raise ValueError(f"{url}: a Sentinel URL, not a node of a cluster")
+    pool = redis.Redis.from_url(plain).connection_pool
+    if pool.connection_class not in cluster.FOLLOWING:
+        raise ValueError(f"{url}: {pool.connection_class.__name__} cannot follow a slot")
+    if pool.connection_kwargs.get("db", 0) != 0:
+        raise ValueError(f"{url}: a cluster has database 0 only")
+    return pool.connection_kwargs["host"], pool.connection_kwargs["port"]
+
+
+def test_the_cluster_override_joins_six_nodes_into_three_primaries_with_a_replica_each_before_any_service_starts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`compose.cluster.yaml` over `compose.yaml`: six `redis-server`s with cluster support and the append-only file,
+    each announcing its compose name and keeping nodes.conf on a volume of its own behind the health check; a one-shot
+    init service that waits for all six and `redis-cli --cluster create`s them with one replica each (three primaries);
+    every rollouts service that takes a Redis URL given a URL of one of those nodes that `connect` follows a slot from,
+    and started once the init service has finished; the scorer inline and no score-worker (RQ's keys span slots)."""
+    from pipeline.durability import split_url
+
+    base = compose()
+    spec = yaml.safe_load((ROOT / "compose.cluster.yaml").read_text())
+    override = spec["services"]
+    nodes = {name for name, service in override.items() if service.get("command", [""])[0] == "redis-server"}
+    assert len(nodes) == 6 and "redis" in nodes, "compose.yaml's redis is a node too: the fleet waits for it"
+    volumes = set()
+    for name in nodes:
+        service = {**base["services"].get(name, {}), **override[name]}
+        args = service["command"]
+        setting = {args[i]: args[i + 1] for i in range(1, len(args) - 1) if args[i].startswith("--")}
+        assert setting["--cluster-enabled"] == "yes" and setting["--cluster-config-file"] == "nodes.conf", name
+        assert setting["--appendonly"] == "yes" and setting["--appendfsync"] == "everysec", name
+        assert setting["--cluster-announce-hostname"] == name, name
+        assert setting["--cluster-preferred-endpoint-type"] == "hostname", name
+        assert re.fullmatch(r"redis:7(\.\d+)*", service["image"]), "cluster-announce-hostname: Redis 7"
+        (volume,) = (v.split(":")[0] for v in service["volumes"] if v.split(":")[1] == "/data")
+        assert volume in {**base["volumes"], **spec["volumes"]}, name
+        volumes.add(volume)
+        assert service["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"], name
+        assert service["restart"] == "unless-stopped", name
+    assert len(volumes) == 6, "each node its own nodes.conf"
+
+    (init,) = (name for name, service in override.items() if "--cluster create" in " ".join(service.get("command", [])))
+    words = " ".join(override[init]["command"]).split()
+    start = words.index("create") + 1
+    assert words[start - 2] == "--cluster"
+    addresses = list(itertools.takewhile(lambda word: not word.startswith("--"), words[start:]))
+    assert sorted(a.rpartition(":")[0] for a in addresses) == sorted(nodes), "every node, once"
+    assert {a.rpartition(":")[2] for a in addresses} == {"6379"}
+    options = words[start + len(addresses) :]
+    replicas = int(options[options.index("--cluster-replicas") + 1])
+    assert replicas == 1 and "--cluster-yes" in options and len(addresses) // (1 + replicas) == 3, "three primaries"
+    assert override[init]["image"] == "redis:7.2" and override[init]["restart"] == "no"
+    assert override[init]["depends_on"] == {name: {"condition": "service_healthy"} for name in nodes}
+
+    for name, service in rollouts_services().items():
+        env = {k: interpolate(str(v), {}) for k, v in override[name]["environment"].items()}
+        host, port = cluster_seed(env["ROLLOUTS_REDIS"])
+        assert host in nodes and port == 6379, name
+        assert split_url(env["ROLLOUTS_REDIS"])[1].mode == "default", "no durability mode on a cluster yet"
+        args = [interpolate(arg, {}) for arg in override[name].get("command", service["command"])]
+        ctx = parse_with_the_cli(args, env, monkeypatch)
+        if "redis_url" in ctx.params:
+            assert ctx.params["redis_url"] == env["ROLLOUTS_REDIS"], name
+            assert override[name]["depends_on"][init] == {"condition": "service_completed_successfully"}, name
+        if "ns" in ctx.params:
+            assert ctx.params["ns"] == env["ROLLOUTS_NS"] == "exp1", name
+        assert not ctx.params.get("rq"), f"{name}: RQ's keys span slots"
+    assert override["score-worker"]["deploy"]["replicas"] == 0
+
+
+def test_a_url_that_connect_would_follow_no_cluster_slot_from_is_caught() -> None:
+    """The check above can fail: a mistyped scheme or durability mode, a Sentinel URL, a socket, database 1."""
+    assert cluster_seed("redis://redis-node-2:6379/0") == ("redis-node-2", 6379)
+    for url in (
+        "redsi://redis:6379/0",
+        "redis://redis:6379/0?durability=replcia",
+        "redis+sentinel://redis:26379/rollouts",
+        "unix:///data/redis.sock",
+        "redis://redis:6379/1",
+    ):
+        with pytest.raises(ValueError):
+            cluster_seed(url)
