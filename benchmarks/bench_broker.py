@@ -44,7 +44,7 @@ from pipeline.cli.app import MaxInflightOpt, console, fail, user_errors
 from pipeline.codec import RawFields, for_redis
 from pipeline.connections import connect
 from pipeline.durability import MODES
-from pipeline.local import RedisServer
+from pipeline.local import RedisServer, SentinelTopology
 from pipeline.publisher import Publisher
 from pipeline.streams import Entry, Streams
 from pipeline.wire import GENERATORS, TRAINER, Prompt, Rollout, Sampling
@@ -299,20 +299,31 @@ def run_bench_broker(
     pipelinerl_src: Path | None,
     in_flight: int = 256,
     durability: Sequence[str] = (),
+    sentinel: bool = False,
 ) -> dict[str, Any]:
+    """With `sentinel`, the server is the primary of a `SentinelTopology` (one replica, three Sentinels), `ours` goes
+    to it directly and `ours-sentinel` and `ours-sentinel-MODE` through the Sentinels (whose every durable write also
+    asks them whether its server is still the primary)."""
     samples = make_samples(shape)
     theirs = load_pipelinerl(pipelinerl_src) if pipelinerl_src is not None else None
     results: dict[str, list[dict[str, Any]]] = {"raw": [], "ours": []}
     if theirs:
         results["pipelinerl"] = []
-    for mode in durability:
-        results[f"ours-{mode}"] = []
+    aof = any("aof" in mode for mode in durability)
     with contextlib.ExitStack() as stack:
-        server = stack.enter_context(RedisServer())
-        if durability:  # every side then runs with the replica attached: only the waiting differs
-            with_replica(stack, server, aof=any("aof" in mode for mode in durability))
+        if sentinel:
+            topology = stack.enter_context(SentinelTopology(replicas=1, appendonly=aof))
+            server = topology.servers[0]
+            durable = {"sentinel": topology.url}
+            durable |= {f"sentinel-{mode}": f"{topology.url}?durability={mode}" for mode in durability}
+        else:
+            server = stack.enter_context(RedisServer())
+            if durability:  # every side then runs with the replica attached: only the waiting differs
+                with_replica(stack, server, aof=aof)
+            durable = {mode: f"{server.url}?durability={mode}" for mode in durability}
+        for side in durable:
+            results[f"ours-{side}"] = []
         client = redis.Redis.from_url(server.url)
-        durable = {mode: f"{server.url}?durability={mode}" for mode in durability}
         if theirs is not None:
             theirs[0].set_streams_backend("redis", host="127.0.0.1", port=server.port)
         for r in range(rounds):
@@ -333,7 +344,8 @@ def run_bench_broker(
                     f"consume {shape.rollouts / row['consume_s']:,.0f}/s"
                 )
         client.flushall()
-        redis_text = server.binary.describe() + (" with a replica" if durability else "")
+        redis_text = server.binary.describe() + (" with a replica" if durability or sentinel else "")
+        redis_text += " and three Sentinels" if sentinel else ""
     return summarize(shape, rounds, results, redis_text)
 
 
@@ -397,6 +409,9 @@ def bench_broker(
             "side then runs with a replica attached."
         ),
     ] = "",
+    sentinel: Annotated[
+        bool, typer.Option(help="Behind three Sentinels: ours through them beside ours direct, each mode through them.")
+    ] = False,
 ) -> None:
     """Publish and consume rollouts/s of our broker path, raw pipelined XADD of the same bytes beside it, and with
     --pipelinerl-src PipelineRL's own streams and the ratios; JSON out."""
@@ -408,6 +423,6 @@ def bench_broker(
         fail(f"--durability {','.join(unknown)}: name modes among {', '.join(m for m in MODES if m != 'default')}")
     with user_errors():
         result = run_bench_broker(
-            console, Shape(rollouts, n, tokens, batch_groups), rounds, pipelinerl_src, max_inflight, modes
+            console, Shape(rollouts, n, tokens, batch_groups), rounds, pipelinerl_src, max_inflight, modes, sentinel
         )
     print(json.dumps(result, indent=2))

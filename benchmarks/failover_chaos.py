@@ -50,6 +50,7 @@ from benchmarks.chaos_trainer import parked_and_dead, prompt_ids
 from pipeline.cli.app import console, fail
 from pipeline.durability import MODES
 from pipeline.local import Place, RedisServer, SentinelTopology
+from pipeline.processes import stop_signals_unwind
 from pipeline.streams import Streams
 
 NS = "failover"
@@ -273,7 +274,7 @@ def failover_chaos(
     log_level: Annotated[str, typer.Option(help="Workers' and manager's log level: info to diagnose.")] = "warning",
 ) -> None:
     """Fail the primary behind Sentinel over and over (kill -9, SIGSTOP past down-after, a crash that loses the AOF's
-    tail) under a running pipeline, once per durability mode; report acknowledged-then-lost, duplicates trained,
+    tail, a partition of it and one worker: root) under a running pipeline, once per durability mode; report acknowledged-then-lost, duplicates trained,
     versions reused and recovery times; JSON out."""
     options = {k: v for k, v in locals().items() if k not in ("keep_logs", "modes")}
     options["kinds"] = kinds.split(",")
@@ -282,43 +283,47 @@ def failover_chaos(
     partitions = "primary-partition" in options["kinds"]
     if partitions and (why := netns.why_not()):
         fail(why)
-    chosen = modes.split(",")
-    if unknown := [m for m in chosen if m not in MODES]:
+    if unknown := [m for m in modes.split(",") if m not in MODES]:
         fail(f"unknown durability modes {unknown}; choose from {', '.join(MODES)}")
-    from rich.live import Live
-
     if partitions:
         netns.enter_private_network()
-    settings = {"min-replicas-to-write": "1", "min-replicas-max-lag": "1", "appendfsync": "everysec"}
-    results = []
-    for mode in chosen:
-        tmp = Path(tempfile.mkdtemp(prefix=f"rollouts-failover-{mode}-"))
-        with contextlib.ExitStack() as cleanup:
-            network = netns.Network() if partitions else None
-            if network is not None:
-                cleanup.callback(network.close)  # last: once the servers are stopped
-            places = [network.node(f"s{i}") for i in range(1 + replicas)] if network is not None else None
-            topology = SentinelTopology(
-                replicas=replicas, down_after_ms=down_after_ms, settings=settings, appendonly=True, places=places,
-                sentinel_host=netns.HOST if network is not None else Place().host,
-            )  # fmt: skip
-            cleanup.enter_context(topology)
-            run = Run(mode, topology, tmp, options, network)
-            try:
-                with Live(console=console, transient=True) as live:
-                    wall_s = run.run(lambda line: live.update(line))
-                result = report(run, wall_s)
-            finally:
-                run.stop()
-                if keep_logs is not None:
-                    shutil.copytree(tmp, keep_logs / mode, dirs_exist_ok=True)
-                shutil.rmtree(tmp, ignore_errors=True)
-        if mode == "replica":
-            result["goals"] = goals(result)
-        console.print(
-            f"{mode}: {result['failovers']} failovers, {len(result['acknowledged_lost'])} lost, "
-            f"{result['duplicates_trained']} duplicates, versions reused {result['versions_reused']}, "
-            f"recovery p50 {result['recovery_s'].get('p50')} s p99 {result['recovery_s'].get('p99')} s"
-        )
-        results.append(result)
+    with stop_signals_unwind():  # SIGTERM stops every process and server of the run, as Ctrl-C does
+        results = [run_mode(mode, options, keep_logs, partitions) for mode in modes.split(",")]
     print(json.dumps({"runs": results}, indent=2))
+
+
+def run_mode(mode: str, options: dict[str, Any], keep_logs: Path | None, partitions: bool) -> dict[str, Any]:
+    """One durability mode's run, from a topology of its own to its report."""
+    from rich.live import Live
+
+    settings = {"min-replicas-to-write": "1", "min-replicas-max-lag": "1", "appendfsync": "everysec"}
+    replicas = options["replicas"]
+    tmp = Path(tempfile.mkdtemp(prefix=f"rollouts-failover-{mode}-"))
+    with contextlib.ExitStack() as cleanup:
+        network = netns.Network() if partitions else None
+        if network is not None:
+            cleanup.callback(network.close)  # last: once the servers are stopped
+        places = [network.node(f"s{i}") for i in range(1 + replicas)] if network is not None else None
+        topology = SentinelTopology(
+            replicas=replicas, down_after_ms=options["down_after_ms"], settings=settings, appendonly=True,
+            places=places, sentinel_host=netns.HOST if network is not None else Place().host,
+        )  # fmt: skip
+        cleanup.enter_context(topology)
+        run = Run(mode, topology, tmp, options, network)
+        try:
+            with Live(console=console, transient=True) as live:
+                wall_s = run.run(lambda line: live.update(line))
+            result = report(run, wall_s)
+        finally:
+            run.stop()
+            if keep_logs is not None:
+                shutil.copytree(tmp, keep_logs / mode, dirs_exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+    if mode == "replica":
+        result["goals"] = goals(result)
+    console.print(
+        f"{mode}: {result['failovers']} failovers, {len(result['acknowledged_lost'])} lost, "
+        f"{result['duplicates_trained']} duplicates, versions reused {result['versions_reused']}, "
+        f"recovery p50 {result['recovery_s'].get('p50')} s p99 {result['recovery_s'].get('p99')} s"
+    )
+    return result

@@ -3,12 +3,14 @@ and stop by PID."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -104,3 +106,34 @@ def stop_processes(processes: Sequence[subprocess.Popen[Any]], timeout_s: float 
             process.kill()
             process.wait()
     return [process.returncode for process in processes]
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+"""What ends a command that starts processes as Ctrl-C does (`stop_signals_unwind`)."""
+
+
+@contextlib.contextmanager
+def stop_signals_unwind() -> Iterator[None]:
+    """SIGTERM and SIGHUP end the command (`rollouts demo`, the lab's chaos runs) as Ctrl-C does: a
+    `KeyboardInterrupt`, so that every `finally` stops its processes and removes its files (Python's default for them
+    ends the process at once, leaving its Redis, manager and workers running and its temporary directory behind).
+    Only the first of them interrupts: one that comes while the command cleans up is ignored, so that the cleanup is
+    not cut short. A signal ignored already stays ignored (SIGHUP under `nohup`, SIGINT for a job that a script started
+    in the background); outside the main thread (run inside another program's thread) signals stay as they are."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+
+    def interrupt(signum: int, _frame: object) -> None:
+        if not received:
+            received.append(signum)
+            raise KeyboardInterrupt
+
+    ignored = {sig for sig in STOP_SIGNALS if signal.getsignal(sig) == signal.SIG_IGN}
+    previous = {sig: signal.signal(sig, interrupt) for sig in STOP_SIGNALS if sig not in ignored}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

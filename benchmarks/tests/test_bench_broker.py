@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROLLOUTS, N, BATCH = 256, 4, 16
 
 STAND_IN_STREAMS = """
@@ -119,10 +121,13 @@ def test_bench_broker_refuses_a_checkout_without_pipelinerls_streams(tmp_path: P
     assert result.stdout == ""
 
 
-def test_bench_broker_runs_a_durability_mode_beside_the_default_on_a_replicated_server() -> None:
+@pytest.mark.parametrize("behind", ["direct", "sentinel"])
+def test_bench_broker_runs_a_durability_mode_beside_the_default_on_a_replicated_server(behind: str) -> None:
     """`--durability replica`: a replica attached, the default and the replica-acked publish side by side, every
-    rollout once on both, and the mode's rates over the default's."""
+    rollout once on each, and the mode's rates over the default's; `--sentinel`: through three Sentinels too, in the
+    default and the replica mode, beside the primary reached directly."""
     args = ["--rollouts", str(ROLLOUTS), "--n", str(N), "--tokens", "64", "--batch-groups", str(BATCH), "--rounds", "1"]
+    args += ["--sentinel"] if behind == "sentinel" else []
     result = subprocess.run(
         [sys.executable, "-m", "pipeline.cli", "bench-broker", *args, "--durability", "replica"],
         capture_output=True,
@@ -131,10 +136,12 @@ def test_bench_broker_runs_a_durability_mode_beside_the_default_on_a_replicated_
     )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout)
-    assert report["redis"].endswith("with a replica")
-    assert report["ours"]["exactly_once"] is True and report["ours-replica"]["exactly_once"] is True
-    ratio = report["ratios"]["ours-replica_over_ours"]
-    assert set(ratio) == {"publish", "consume"} and all(value > 0 for value in ratio.values())
+    sides = ["ours-sentinel", "ours-sentinel-replica"] if behind == "sentinel" else ["ours-replica"]
+    assert report["redis"].endswith("with a replica and three Sentinels" if behind == "sentinel" else "with a replica")
+    assert all(report[side]["exactly_once"] is True for side in ["ours", *sides])
+    for side in sides:
+        ratio = report["ratios"][f"{side}_over_ours"]
+        assert set(ratio) == {"publish", "consume"} and all(value > 0 for value in ratio.values())
 
 
 def test_bench_broker_refuses_a_durability_mode_it_does_not_know() -> None:

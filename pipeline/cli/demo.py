@@ -16,7 +16,6 @@ import itertools
 import random
 import shlex
 import shutil
-import signal
 import subprocess
 import tempfile
 import threading
@@ -32,12 +31,10 @@ from rich.table import Table
 
 from consumers.engines.tiny_model import build_tiny_model
 from pipeline.local import RedisServer, find_redis_cli
-from pipeline.processes import start_command, start_worker, stop_processes, wait_for_worker
+from pipeline.processes import start_command, start_worker, stop_processes, stop_signals_unwind, wait_for_worker
 from producers.client import Group, RolloutClient
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
-
     from producers.tasks import TokenSetTask
 
 NS = "demo"
@@ -61,7 +58,7 @@ def run_demo(
         raise ValueError(f"--train-steps must be >= 0, got {train_steps}")
     if plot is not None and train_steps and not plot.parent.is_dir():
         raise ValueError(f"--plot {plot}: there is no directory {plot.parent}")  # say so now, not after training
-    with _stop_signals_unwind():
+    with stop_signals_unwind():
         tmp: Path | None = None
         try:
             tmp = Path(tempfile.mkdtemp(prefix="rollouts-demo-"))
@@ -69,37 +66,6 @@ def run_demo(
         finally:  # however it ended: done, a failure, Ctrl-C, SIGTERM
             if tmp is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
-
-
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-"""What ends the demo as Ctrl-C does (`_stop_signals_unwind`)."""
-
-
-@contextlib.contextmanager
-def _stop_signals_unwind() -> Iterator[None]:
-    """SIGTERM and SIGHUP end the demo as Ctrl-C does: a `KeyboardInterrupt`, so that every `finally` stops its
-    processes and removes its files (Python's default for them ends the process at once, leaving its Redis, manager
-    and worker running and its temporary directory behind). Only the first of them interrupts: one that comes while
-    the demo cleans up is ignored, so that the cleanup is not cut short. A signal ignored already stays ignored
-    (SIGHUP under `nohup`, SIGINT for a job that a script started in the background); outside the main thread (the
-    demo run inside another program's thread) signals stay as they are."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    received: list[int] = []
-
-    def interrupt(signum: int, _frame: object) -> None:
-        if not received:
-            received.append(signum)
-            raise KeyboardInterrupt
-
-    ignored = {sig for sig in STOP_SIGNALS if signal.getsignal(sig) == signal.SIG_IGN}
-    previous = {sig: signal.signal(sig, interrupt) for sig in STOP_SIGNALS if sig not in ignored}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 def _run(
