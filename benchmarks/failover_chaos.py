@@ -274,8 +274,8 @@ def failover_chaos(
     log_level: Annotated[str, typer.Option(help="Workers' and manager's log level: info to diagnose.")] = "warning",
 ) -> None:
     """Fail the primary behind Sentinel over and over (kill -9, SIGSTOP past down-after, a crash that loses the AOF's
-    tail, a partition of it and one worker: root) under a running pipeline, once per durability mode; report acknowledged-then-lost, duplicates trained,
-    versions reused and recovery times; JSON out."""
+    tail, a partition of it and one worker: root) under a running pipeline, once per durability mode; report
+    acknowledged-then-lost, duplicates trained, versions reused and recovery times; JSON out."""
     options = {k: v for k, v in locals().items() if k not in ("keep_logs", "modes")}
     options["kinds"] = kinds.split(",")
     if unknown := [k for k in options["kinds"] if k not in KINDS]:
