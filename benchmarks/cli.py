@@ -8,6 +8,7 @@ loads only when asked for a command that is not its own: `rollouts bench ...` ru
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -43,6 +44,7 @@ from pipeline.cli.engine_spec import (
     TpOpt,
 )
 from pipeline.fast_exit import leave
+from pipeline.processes import stop_signals_unwind
 from pipeline.wire import is_pause_mode
 
 lab = typer.Typer(
@@ -297,14 +299,28 @@ COMMANDS: list[tuple[str, Callable[..., Any], bool]] = [
 """Every lab command: its name, its function, and whether even `rollouts-bench --help` leaves it out (the processes
 that `chaos` and `scale` start)."""
 
+
+def unwinding(command: Callable[..., Any]) -> Callable[..., Any]:
+    """`command` with SIGTERM and SIGHUP unwinding it as Ctrl-C does (`stop_signals_unwind`): the servers, workers and
+    namespaces it started are stopped by its `finally` blocks, not left behind. The processes that a run starts
+    (the hidden commands) keep their own signal handling."""
+
+    @functools.wraps(command)
+    def unwound(*args: Any, **kwargs: Any) -> Any:
+        with stop_signals_unwind():
+            return command(*args, **kwargs)
+
+    return unwound
+
+
 for _name, _command, _hidden in COMMANDS:
-    lab.command(_name, hidden=_hidden)(_command)
+    lab.command(_name, hidden=_hidden)(_command if _hidden else unwinding(_command))
 
 
 def register(app: typer.Typer) -> None:
     """The `rollouts.commands` entry point: every lab command on `rollouts` too, hidden from its help."""
-    for name, command, _ in COMMANDS:
-        app.command(name, hidden=True)(command)
+    for name, command, hidden in COMMANDS:
+        app.command(name, hidden=True)(command if hidden else unwinding(command))
 
 
 def main() -> NoReturn:

@@ -37,7 +37,7 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -50,7 +50,6 @@ from benchmarks.chaos_trainer import parked_and_dead, prompt_ids
 from pipeline.cli.app import console, fail
 from pipeline.durability import MODES
 from pipeline.local import Place, RedisServer, SentinelTopology
-from pipeline.processes import stop_signals_unwind
 from pipeline.streams import Streams
 
 NS = "failover"
@@ -231,6 +230,8 @@ def report(run: Run, wall_s: float) -> dict[str, Any]:
         "promotion_s": percentiles([f.promoted_after_s for f in run.faults if f.promoted_after_s is not None]),
         "recovery_s": percentiles([f.recovered_after_s for f in run.faults if f.recovered_after_s is not None]),
         "unrecovered": sum(1 for f in run.faults if f.recovered_after_s is None),
+        "each_fault": [asdict(f) | {"t": round(f.t, 3)} for f in run.faults],
+        "started_at": round(run.wall(0.0), 3),
     }
 
 
@@ -287,8 +288,7 @@ def failover_chaos(
         fail(f"unknown durability modes {unknown}; choose from {', '.join(MODES)}")
     if partitions:
         netns.enter_private_network()
-    with stop_signals_unwind():  # SIGTERM stops every process and server of the run, as Ctrl-C does
-        results = [run_mode(mode, options, keep_logs, partitions) for mode in modes.split(",")]
+    results = [run_mode(mode, options, keep_logs, partitions) for mode in modes.split(",")]
     print(json.dumps({"runs": results}, indent=2))
 
 

@@ -7,13 +7,18 @@ twice and no version reused."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import psutil
+
 from benchmarks import netns
 from benchmarks.failover_chaos import DEFAULT_KINDS, KINDS
+from tests.fixtures import wait_until
 
 
 def test_a_short_failover_run_in_the_replica_mode_loses_nothing_acknowledged(tmp_path: Path) -> None:
@@ -44,3 +49,54 @@ def test_failover_chaos_refuses_a_mode_or_a_fault_it_does_not_know() -> None:
             [sys.executable, "-m", "pipeline.cli", "failover-chaos", *args], capture_output=True, text=True, timeout=60
         )
         assert result.returncode == 2 and says in result.stderr, result.stderr
+
+
+def test_a_failover_run_stopped_by_sigterm_leaves_no_server_sentinel_worker_or_namespace(tmp_path: Path) -> None:
+    """SIGTERM unwinds a lab command as Ctrl-C does: its Redis servers, Sentinels, workers, manager and trainer stop,
+    and a partition run's network namespaces go (where this machine lets the run make them)."""
+    kinds = KINDS if netns.why_not() is None else DEFAULT_KINDS
+    args = ["--modes", "replica", "--duration-s", "120", "--workers", "2", "--kinds", ",".join(kinds)]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "benchmarks", "failover-chaos", *args],
+        stdout=subprocess.DEVNULL,
+        stderr=(tmp_path / "run.log").open("wb"),
+    )
+    children: list[psutil.Process] = []
+
+    def started() -> bool:
+        nonlocal children
+        children = psutil.Process(process.pid).children(recursive=True) if process.poll() is None else []
+        names = " ".join(command_line(child) for child in children)
+        return process.poll() is not None or all(part in names for part in ("[sentinel]", " worker ", "chaos-trainer"))
+
+    try:
+        wait_until(started, 120, "the run's servers, Sentinels, workers and trainer")
+        assert process.poll() is None, (tmp_path / "run.log").read_text()[-3000:]
+        namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+        assert kinds == DEFAULT_KINDS or namespaces, "a partition run makes a namespace a server"
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=120)
+        _gone, alive = psutil.wait_procs(children, timeout=30)
+        assert not alive, [command_line(p) for p in alive]
+        if kinds != DEFAULT_KINDS:
+            left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+            assert not set(left) & set(namespaces), left
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)  # its own cleanup first: a kill leaves its namespaces behind
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        for child in children:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.kill()
+
+
+def command_line(process: psutil.Process) -> str:
+    """Its command line ("" once it has exited: a zombie has none)."""
+    try:
+        return " ".join(process.cmdline())
+    except psutil.Error:
+        return ""
