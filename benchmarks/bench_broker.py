@@ -274,14 +274,15 @@ def _training_text(rollouts_mod: ModuleType, sample: Sample, group_id: str) -> A
 # -- the run ------------------------------------------------------------------------------------
 
 
-def with_replica(stack: contextlib.ExitStack, primary: RedisServer, aof: bool) -> RedisServer:
-    """A replica of `primary`, in sync before it returns (and both with an AOF fsynced every second, for `aof`)."""
+def with_replica(stack: contextlib.ExitStack, primary: RedisServer, aof: bool, fsync: str = "everysec") -> RedisServer:
+    """A replica of `primary`, in sync before it returns (and both with an AOF fsynced as `fsync` says, for `aof`)."""
     replica = stack.enter_context(RedisServer())
     for server in (primary, replica):
         with contextlib.closing(redis.Redis.from_url(server.url)) as admin:
             admin.config_set("repl-diskless-sync-delay", 0)
             if aof:
                 admin.config_set("appendonly", "yes")
+                admin.config_set("appendfsync", fsync)
     with contextlib.closing(redis.Redis.from_url(replica.url, decode_responses=True)) as admin:
         admin.replicaof("127.0.0.1", primary.port)
         deadline = time.monotonic() + 30
@@ -300,6 +301,7 @@ def run_bench_broker(
     in_flight: int = 256,
     durability: Sequence[str] = (),
     sentinel: bool = False,
+    fsync: str = "everysec",
 ) -> dict[str, Any]:
     """With `sentinel`, the server is the primary of a `SentinelTopology` (one replica, three Sentinels), `ours` goes
     to it directly and `ours-sentinel` and `ours-sentinel-MODE` through the Sentinels (whose every durable write also
@@ -312,14 +314,15 @@ def run_bench_broker(
     aof = any("aof" in mode for mode in durability)
     with contextlib.ExitStack() as stack:
         if sentinel:
-            topology = stack.enter_context(SentinelTopology(replicas=1, appendonly=aof))
+            fsyncing = {"appendfsync": fsync} if aof else {}
+            topology = stack.enter_context(SentinelTopology(replicas=1, appendonly=aof, settings=fsyncing))
             server = topology.servers[0]
             durable = {"sentinel": topology.url}
             durable |= {f"sentinel-{mode}": f"{topology.url}?durability={mode}" for mode in durability}
         else:
             server = stack.enter_context(RedisServer())
             if durability:  # every side then runs with the replica attached: only the waiting differs
-                with_replica(stack, server, aof=aof)
+                with_replica(stack, server, aof=aof, fsync=fsync)
             durable = {mode: f"{server.url}?durability={mode}" for mode in durability}
         for side in durable:
             results[f"ours-{side}"] = []
@@ -346,6 +349,7 @@ def run_bench_broker(
         client.flushall()
         redis_text = server.binary.describe() + (" with a replica" if durability or sentinel else "")
         redis_text += " and three Sentinels" if sentinel else ""
+        redis_text += f", AOF fsynced {'every write' if fsync == 'always' else 'every second'}" if aof else ""
     return summarize(shape, rounds, results, redis_text)
 
 
@@ -412,17 +416,23 @@ def bench_broker(
     sentinel: Annotated[
         bool, typer.Option(help="Behind three Sentinels: ours through them beside ours direct, each mode through them.")
     ] = False,
+    appendfsync: Annotated[
+        str, typer.Option(help="The servers' AOF fsync policy in the aof modes: everysec or always.")
+    ] = "everysec",
 ) -> None:
     """Publish and consume rollouts/s of our broker path, raw pipelined XADD of the same bytes beside it, and with
     --pipelinerl-src PipelineRL's own streams and the ratios; JSON out."""
     if rollouts % (n * batch_groups):
         fail(f"--rollouts {rollouts} is not a whole number of batches of {batch_groups} groups of {n}")
     assert max_inflight is not None  # the option's default here is 256: only a caller in Python could pass None
+    if appendfsync not in ("everysec", "always"):
+        fail(f"--appendfsync {appendfsync}: everysec or always")
     modes = [mode for mode in durability.split(",") if mode]
     if unknown := [mode for mode in modes if mode not in MODES or mode == "default"]:
         fail(f"--durability {','.join(unknown)}: name modes among {', '.join(m for m in MODES if m != 'default')}")
     with user_errors():
         result = run_bench_broker(
-            console, Shape(rollouts, n, tokens, batch_groups), rounds, pipelinerl_src, max_inflight, modes, sentinel
-        )
+            console, Shape(rollouts, n, tokens, batch_groups), rounds, pipelinerl_src, max_inflight, modes, sentinel,
+            appendfsync,
+        )  # fmt: skip
     print(json.dumps(result, indent=2))

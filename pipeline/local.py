@@ -33,7 +33,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple, cast
+from typing import Any, NamedTuple, cast
 
 import redis
 
@@ -366,7 +366,8 @@ class SentinelTopology:
     every replica is in sync and the Sentinels know them all (a replica never synced that is promoted starts empty).
     Every server gets `settings`; a server restarted after a kill comes back as a replica of the primary of then.
     `places` puts each server elsewhere (the primary's first) and `sentinel_host` the Sentinels: the lab's partition
-    runs give each server a network namespace of its own."""
+    runs give each server a network namespace of its own. With `tls`, servers, replication and Sentinels speak TLS
+    only (`url` is then `rediss+sentinel://` with the CA)."""
 
     def __init__(
         self,
@@ -379,16 +380,21 @@ class SentinelTopology:
         appendonly: bool = False,
         places: Sequence[Place] | None = None,
         sentinel_host: str = LOOPBACK.host,
+        tls: TlsFiles | None = None,
     ) -> None:
         self.binary = binary or find_redis_server()
+        self.tls = tls
         self.service = service
         self.down_after_ms = down_after_ms
         common = {"repl-diskless-sync-delay": "0", **(settings or {})}
+        if tls is not None:
+            common["tls-replication"] = "yes"
         places = places or [LOOPBACK] * (1 + replicas)
         if len(places) != 1 + replicas:
             raise ValueError(f"{len(places)} places for {1 + replicas} servers")
         self.servers = [
-            RedisServer(binary=self.binary, appendonly=appendonly, settings=common, place=place) for place in places
+            RedisServer(binary=self.binary, appendonly=appendonly, settings=common, place=place, tls=tls)
+            for place in places
         ]
         """Every data server; the first is the primary at the start."""
         self.sentinel_host = sentinel_host
@@ -400,6 +406,8 @@ class SentinelTopology:
     def url(self) -> str:
         """`redis+sentinel://` of every Sentinel and the service."""
         hosts = ",".join(f"{self.sentinel_host}:{port}" for port in self.sentinel_ports)
+        if self.tls is not None:
+            return f"rediss+sentinel://{hosts}/{self.service}?ssl_ca_certs={self.tls.ca}"
         return f"redis+sentinel://{hosts}/{self.service}"
 
     def start(self, timeout_s: float = 30.0) -> SentinelTopology:
@@ -412,8 +420,14 @@ class SentinelTopology:
             quorum = len(self.sentinel_ports) // 2 + 1
             for port in self.sentinel_ports:
                 conf = self._dir / f"sentinel-{port}.conf"
+                listen = f"port {port}\n"
+                if self.tls is not None:
+                    listen = (
+                        f"port 0\ntls-port {port}\ntls-cert-file {self.tls.cert}\ntls-key-file {self.tls.key}\n"
+                        f"tls-ca-cert-file {self.tls.ca}\ntls-auth-clients no\ntls-replication yes\n"
+                    )
                 conf.write_text(
-                    f"port {port}\nbind {self.sentinel_host}\ndir {self._dir}\n"
+                    f"{listen}bind {self.sentinel_host}\ndir {self._dir}\n"
                     f"sentinel monitor {self.service} {primary.host} {primary.port} {quorum}\n"
                     f"sentinel down-after-milliseconds {self.service} {self.down_after_ms}\n"
                     f"sentinel failover-timeout {self.service} {max(5000, 5 * self.down_after_ms)}\n"
@@ -431,7 +445,9 @@ class SentinelTopology:
         """A Sentinel's answer (the first that answers)."""
         for port in self.sentinel_ports:
             try:
-                sentinel_client = redis.Redis(self.sentinel_host, port, socket_timeout=2, decode_responses=True)
+                sentinel_client = redis.Redis(
+                    self.sentinel_host, port, socket_timeout=2, decode_responses=True, **self._tls_options()
+                )
                 with contextlib.closing(sentinel_client) as sentinel:
                     return sentinel.execute_command("SENTINEL", *command)
             except redis.RedisError:
@@ -464,7 +480,9 @@ class SentinelTopology:
         if known < len(self.servers) - 1:
             return False
         for replica in running:
-            replica_client = redis.Redis(replica.host, replica.port, decode_responses=True, socket_timeout=2)
+            replica_client = redis.Redis(
+                replica.host, replica.port, decode_responses=True, socket_timeout=2, **self._tls_options()
+            )
             with contextlib.closing(replica_client) as client:
                 try:
                     if client.info("replication").get("master_link_status") != "up":
@@ -472,6 +490,9 @@ class SentinelTopology:
                 except redis.RedisError:
                     return False
         return True
+
+    def _tls_options(self) -> dict[str, Any]:
+        return {"ssl": True, "ssl_ca_certs": str(self.tls.ca)} if self.tls is not None else {}
 
     def wait_for_failover(self, old_port: int, timeout_s: float = 60.0) -> int:
         """Until the Sentinels name a primary other than `old_port`'s; returns its port."""

@@ -20,6 +20,7 @@ from pipeline.processes import start_worker, stop_processes, wait_for_worker
 from pipeline.sentinel import parse_sentinel_url
 from producers.client import RolloutClient
 from tests.fixtures import VALKEY_MISSING, wait_until
+from tests.pipeline.test_acl import make_ca
 
 SERVICE = "rollouts"
 STEADY = ("--claim-idle-ms", "5000", "--heartbeat-s", "2")
@@ -64,6 +65,8 @@ class Shape:
     min_replicas_to_write: int = 0
     server: str = "installed"
     """`installed` (`redis-server --sentinel`) or `valkey` (Valkey 8.1, `valkey-server --sentinel`)."""
+    tls: bool = False
+    """Servers, replication and Sentinels on TLS only, with a test CA (`rediss+sentinel://`)."""
 
 
 @pytest.fixture
@@ -75,7 +78,8 @@ def topology(request: pytest.FixtureRequest) -> Iterator[SentinelTopology]:
     if binary is None:
         pytest.skip(VALKEY_MISSING)
     settings = {"min-replicas-to-write": str(shape.min_replicas_to_write), "min-replicas-max-lag": "1"}
-    with SentinelTopology(replicas=shape.replicas, binary=binary, service=SERVICE, settings=settings) as up:
+    tls = make_ca(request.getfixturevalue("tmp_path")) if shape.tls else None
+    with SentinelTopology(replicas=shape.replicas, binary=binary, service=SERVICE, settings=settings, tls=tls) as up:
         yield up
 
 
@@ -85,19 +89,20 @@ def topology(request: pytest.FixtureRequest) -> Iterator[SentinelTopology]:
         (Shape(replicas=1), "default"),
         (Shape(replicas=2), "replica"),
         (Shape(replicas=2, server="valkey"), "replica"),
+        (Shape(replicas=2, tls=True), "replica"),
     ],
     indirect=["topology"],
-    ids=["default", "replica", "valkey-replica"],
+    ids=["default", "replica", "valkey-replica", "tls-replica"],
 )
 def test_a_fleet_given_only_the_sentinels_delivers_every_sample_once_through_a_failover_then_syncs(
     topology: SentinelTopology, durability: str, tiny_model_dir: Path, tiny_model_dir_v1: Path, tmp_path: Path
 ) -> None:
-    """A trainer client and two synthetic workers know only the Sentinels. The primary is killed (`kill -9`) while
-    prompts are under way; Sentinel promotes the replica, and every part follows it by itself: every prompt comes
-    back once, none twice; then a weight sync on the new primary is acked by both workers, and what they generate
-    next is tagged with the new version."""
+    """A trainer client and two synthetic workers know only the Sentinels (over TLS too: `rediss+sentinel://`). The
+    primary is killed (`kill -9`) while prompts are under way; Sentinel promotes the replica, and every part follows
+    it by itself: every prompt comes back once, none twice; then a weight sync on the new primary is acked by both
+    workers, and what they generate next is tagged with the new version."""
     ns = "sentinel"
-    url = f"{topology.url}?durability={durability}"
+    url = f"{topology.url}{'&' if '?' in topology.url else '?'}durability={durability}"
     client = RolloutClient(url, ns)
     assert isinstance(connect(url), redis.Redis)
     slow = ("--engine", "synthetic", "--engine-args", '{"steps_per_s": 40}')
