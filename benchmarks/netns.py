@@ -52,6 +52,11 @@ def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True)
 
 
+def process_tag(pid: int, tag: str = "rs") -> str:
+    """What the names of every namespace, veth and bridge that process `pid` makes begin with."""
+    return f"{tag}{pid % 100_000}"
+
+
 class Network:
     """Two bridges and a namespace a node, inside the run's own network namespace (`enter_private_network` first)."""
 
@@ -60,7 +65,7 @@ class Network:
 
     def __init__(self, tag: str = "rs") -> None:
         Network.made += 1
-        self.tag = f"{tag}{os.getpid() % 100_000}{chr(ord('a') + Network.made % 26)}"
+        self.tag = f"{process_tag(os.getpid(), tag)}{chr(ord('a') + Network.made % 26)}"
         self.side_a, self.side_b = f"{self.tag}A", f"{self.tag}B"
         self.nodes: dict[str, int] = {}
         """Node name -> its index: its namespace is `{tag}-{index}`, its address `{SUBNET}.{index + 1}`."""

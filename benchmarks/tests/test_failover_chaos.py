@@ -72,15 +72,14 @@ def test_a_failover_run_stopped_by_sigterm_leaves_no_server_sentinel_worker_or_n
     try:
         wait_until(started, 120, "the run's servers, Sentinels, workers and trainer")
         assert process.poll() is None, (tmp_path / "run.log").read_text()[-3000:]
-        namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+        namespaces = run_namespaces(process.pid)
         assert kinds == DEFAULT_KINDS or namespaces, "a partition run makes a namespace a server"
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=120)
         _gone, alive = psutil.wait_procs(children, timeout=30)
         assert not alive, [command_line(p) for p in alive]
         if kinds != DEFAULT_KINDS:
-            left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
-            assert not set(left) & set(namespaces), left
+            assert not run_namespaces(process.pid), namespaces
     finally:
         if process.poll() is None:
             process.send_signal(signal.SIGTERM)  # its own cleanup first: a kill leaves its namespaces behind
@@ -100,3 +99,10 @@ def command_line(process: psutil.Process) -> str:
         return " ".join(process.cmdline())
     except psutil.Error:
         return ""
+
+
+def run_namespaces(pid: int) -> list[str]:
+    """The network namespaces that the run of process `pid` made (other runs may make theirs meanwhile)."""
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    tag = netns.process_tag(pid)  # then a letter a network: rs123 is not rs1234's
+    return [name for name in listed if name.startswith(tag) and name[len(tag) : len(tag) + 1].isalpha()]
