@@ -154,7 +154,12 @@ def test_the_manager_logs_what_it_watches_and_each_sync_it_finishes(tmp_path: Pa
             weights = Control(cmd="weights", version=1, uri="/nowhere/v1", mode="abort").to_fields()
             fields = (x for pair in weights.items() for x in pair)
             driver._begin(keys=driver._keys, args=[0, 1, "token", 0, *fields])  # 0: the highest epoch a worker acked
-            wait_until(lambda: "sync 1 done" in log.read_text(), 30, "the manager to finish the abandoned sync")
+
+            def finished() -> bool:  # the resume's line (read back from control) and the finish's, in either order
+                text = log.read_text()
+                return "sync 1 done" in text and "finished an abandoned sync" in text
+
+            wait_until(finished, 30, "the manager to finish the abandoned sync")
             text = log.read_text()
             assert "sync 1 began: version 1 from /nowhere/v1 (pause: abort)" in text, text
             assert "worker ghost evicted" in text, text
