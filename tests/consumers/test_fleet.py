@@ -37,18 +37,22 @@ def test_a_step_spreads_over_four_workers_and_none_takes_more_than_its_share(
     """Three steps of 16 prompts x 4 samples, one step at a time, over four idle workers that could each take a whole
     step (64 samples of room): no worker serves more than half of a step's 64 (before the fleet shared, one served
     52-64; its quarter and two groups was the bound here, which a loaded 2-core machine, waking one worker late, broke
-    at 28 about once in three runs, on main too), and every worker serves some."""
+    at 28 about once in three runs, on main too), at least three workers serve each step, and every worker serves
+    some of the three (a loaded CI once left one worker out of a whole step, that step lasting about a second)."""
     names = [f"w{k}" for k in range(4)]
     flags = (*SYNTHETIC, "--engine-args", '{"steps_per_s": 100}', "--max-inflight", "64")
     workers.many(*[(name, *flags) for name in names])
     client = RolloutClient(redis_server.url, ns)
+    everyone: Counter[str] = Counter()
     for step in range(3):
         ids = [client.submit(tokens=[4, 5, step, k], n=4, max_tokens=60, seed=k) for k in range(16)]
         groups = client.collect(len(ids), timeout=120)
         served = Counter(r.worker for g in groups for r in g.rollouts)
         assert sum(served.values()) == 64
         assert max(served.values()) <= 32, f"step {step}: {dict(served)}"
-        assert set(served) == set(names), f"step {step}: {dict(served)}"
+        assert len(served) >= 3, f"step {step}: {dict(served)}"
+        everyone += served
+    assert set(everyone) == set(names), dict(everyone)
 
 
 def test_a_lone_worker_still_fills_its_engines_batch(redis_server: RedisServer, ns: str, workers: StartWorker) -> None:
