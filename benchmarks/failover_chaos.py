@@ -49,7 +49,7 @@ from benchmarks.chaos import Ledger, Member, percentiles
 from benchmarks.chaos_trainer import parked_and_dead, prompt_ids
 from pipeline.cli.app import console, fail
 from pipeline.durability import MODES
-from pipeline.local import Place, RedisServer, SentinelTopology
+from pipeline.local import LOOPBACK, RedisServer, SentinelTopology
 from pipeline.streams import Streams
 
 NS = "failover"
@@ -94,7 +94,7 @@ class Run:
             args = ["worker", "--redis", url, "--ns", NS, "--model", "synthetic", "--engine", "synthetic"]
             args += ["--engine-args", engine, "--name", f"w{k}", "--heartbeat-s", str(self.o["heartbeat_s"])]
             args += ["--claim-idle-ms", str(int(self.o["heartbeat_s"] * 2500)), "--log-level", self.o["log_level"]]
-            place = self.network.node(MINORITY) if self.network is not None and k == 0 else Place()
+            place = self.network.node(MINORITY) if self.network is not None and k == 0 else LOOPBACK
             self.members[f"w{k}"] = Member(f"w{k}", args, self.tmp / f"w{k}.log", launcher=place.launcher)
         manager = ["manager", "--redis", url, "--ns", NS, "--ack-timeout-s", str(self.o["ack_timeout_s"])]
         manager += ["--abandoned-after-s", str(self.o["ack_timeout_s"] + 3), "--interval", "0.5"]
@@ -306,7 +306,7 @@ def run_mode(mode: str, options: dict[str, Any], keep_logs: Path | None, partiti
         places = [network.node(f"s{i}") for i in range(1 + replicas)] if network is not None else None
         topology = SentinelTopology(
             replicas=replicas, down_after_ms=options["down_after_ms"], settings=settings, appendonly=True,
-            places=places, sentinel_host=netns.HOST if network is not None else Place().host,
+            places=places, sentinel_host=netns.HOST if network is not None else LOOPBACK.host,
         )  # fmt: skip
         cleanup.enter_context(topology)
         run = Run(mode, topology, tmp, options, network)

@@ -144,11 +144,19 @@ def test_bench_broker_runs_a_durability_mode_beside_the_default_on_a_replicated_
         assert set(ratio) == {"publish", "consume"} and all(value > 0 for value in ratio.values())
 
 
-def test_bench_broker_refuses_a_durability_mode_it_does_not_know() -> None:
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--durability", "fsync"], "--durability fsync: name modes among aof, replica, replica-aof"),
+        (["--appendfsync", "sometimes"], "--appendfsync sometimes: everysec or always"),
+    ],
+    ids=["durability", "appendfsync"],
+)
+def test_bench_broker_refuses_a_durability_mode_or_fsync_policy_it_does_not_know(args: list[str], says: str) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "bench-broker", "--rounds", "1", "--durability", "fsync"],
+        [sys.executable, "-m", "pipeline.cli", "bench-broker", "--rounds", "1", *args],
         capture_output=True,
         text=True,
         timeout=120,
     )
-    assert result.returncode == 2 and "--durability fsync: name modes among aof, replica, replica-aof" in result.stderr
+    assert result.returncode == 2 and says in result.stderr, result.stderr
