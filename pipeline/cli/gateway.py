@@ -81,7 +81,7 @@ def gateway(
     if weights_transport.split("://")[0] not in ("redis", "fs", "nccl"):
         fail(f"--weights-transport must be redis://, fs:///DIR or nccl://HOST:PORT, not {weights_transport!r}")
     check_port(port)
-    check_tokenizer_dir(model, purpose="rollouts gateway")
+    model = check_tokenizer_dir(model, purpose="rollouts gateway")
     setup_logging(log_level)
     streams = open_streams(redis_url, ns)
     import uvicorn

