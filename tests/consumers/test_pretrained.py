@@ -163,3 +163,65 @@ def _cache_env(smollm2_dir: Path) -> dict[str, str]:
     """Where `--model smollm2` finds the built folder: the cache `smollm2_dir` lies in."""
     assert (smollm2_dir / MANIFEST).is_file() and smollm2_dir.parent.name == "models"
     return {"XDG_CACHE_HOME": str(smollm2_dir.parents[2])}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("smollm2_worker", ENGINES[:1], indirect=True)
+def test_a_chat_through_the_gateway_answers_and_its_session_is_the_templates_trajectory(
+    smollm2_worker: RolloutClient, smollm2_dir: Path, redis_server: RedisServer, ns: str, tmp_path: Path
+) -> None:
+    """`rollouts gateway --model smollm2` and the official `openai` client: a two-turn session answers with the model's
+    text, and its trajectory is the chat template's rendering token for token, with forward-pass logprobs on the
+    model's own tokens."""
+    import httpx
+
+    from pipeline.local import free_port
+    from pipeline.processes import start_command
+    from tests.fixtures import openai_client, wait_until
+
+    port = free_port()
+    gateway = start_command("gateway", "--redis", redis_server.url, "--ns", ns, "--model", "smollm2", "--port",
+                            str(port), "--log-level", "warning", log_file=tmp_path / "gateway.log",
+                            env=_cache_env(smollm2_dir))  # fmt: skip
+    try:
+        base = f"http://127.0.0.1:{port}/v1"
+
+        def listening() -> bool:
+            assert gateway.poll() is None, (tmp_path / "gateway.log").read_text()
+            try:
+                return httpx.get(f"{base.removesuffix('/v1')}/health", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_until(listening, 120, "the gateway to serve")
+        client = openai_client(base)
+        assert [m.id for m in client.models.list().data] == ["smollm2"]
+        messages: list[dict[str, str]] = [{"role": "user", "content": QUESTION}]
+        replies = []
+        for follow_up in ("And 4+4? Answer briefly.", None):
+            answer = client.chat.completions.create(
+                model="smollm2", messages=messages, max_tokens=24, temperature=0,  # type: ignore[arg-type]  # plain dicts
+                extra_headers={"X-Session-ID": "real"},
+            )  # fmt: skip
+            replies.append(answer.choices[0])
+            messages.append({"role": "assistant", "content": answer.choices[0].message.content or ""})
+            if follow_up:
+                messages.append({"role": "user", "content": follow_up})
+        assert "5" in (replies[0].message.content or "")  # greedy: "The answer is 5."; 4+4 it gets wrong ("9")
+        assert any(c.isdigit() for c in replies[1].message.content or "")
+        assert all(reply.finish_reason == "stop" for reply in replies)
+        assert httpx.post(f"{base}/sessions/real/finish", json={"reward": 1.0}, timeout=30).status_code == 200
+        [group] = _take(smollm2_worker, 1)
+        [r] = group.rollouts
+        tok = smollm2_worker.tokenizer
+        first = tok.apply_chat_template(messages[:1], add_generation_prompt=True, tokenize=True, return_dict=False)
+        assert r.prompt_tokens.tolist() == list(first) and r.mask is not None and len(r.mask) == 2
+        everything = np.concatenate([r.prompt_tokens, r.tokens]).tolist()
+        rendered = tok.apply_chat_template(messages, tokenize=False)
+        assert isinstance(rendered, str)
+        assert tok.decode(everything, skip_special_tokens=False) == rendered.removesuffix("\n")
+        model_tokens = r.model_token_mask()
+        reference = forward_logprobs(smollm2_dir, r.prompt_tokens.tolist(), r.tokens.tolist())
+        np.testing.assert_allclose(r.logprobs[model_tokens], reference[model_tokens], rtol=0, atol=ATOL)
+    finally:
+        stop_processes([gateway])
