@@ -200,7 +200,7 @@ def test_a_chat_through_the_gateway_answers_and_its_session_is_the_templates_tra
         replies = []
         for follow_up in ("And 4+4? Answer briefly.", None):
             answer = client.chat.completions.create(
-                model="smollm2", messages=messages, max_tokens=24, temperature=0,  # type: ignore[arg-type]  # plain dicts
+                model="smollm2", messages=messages, max_tokens=24, temperature=0,
                 extra_headers={"X-Session-ID": "real"},
             )  # fmt: skip
             replies.append(answer.choices[0])
