@@ -3,7 +3,8 @@
 The same function runs on RQ workers (`score_group` is the job; its arguments and result are JSON,
 never pickle) and inline, so that both modes score alike. A reward function takes one rollout (a
 dict, see `rollout_view`) and returns a number, or, marked with `group_reward`, takes the whole
-group (a list of those dicts) and returns one number per sample. Either may be `async def`.
+group (a list of those dicts) and returns one number per sample. Either may be `async def`. Where the stage has a
+tokenizer, each dict has the reply decoded in `text` too.
 
 Nothing the function does escapes as an exception: raising, hanging past the RQ job timeout (RQ
 raises its timeout inside the call) or returning a non-number all become `{"error": ...}`, which
@@ -34,9 +35,10 @@ def group_reward(fn: F) -> F:
     return fn
 
 
-def rollout_view(rollout: Rollout) -> RolloutView:
-    """The JSON-able view of a rollout that reward functions get (token ids as lists, no logprobs)."""
-    return {
+def rollout_view(rollout: Rollout, text: str | None = None) -> RolloutView:
+    """The JSON-able view of a rollout that reward functions get (token ids as lists, no logprobs), with the reply
+    decoded as `text` where the stage has a tokenizer (`rollouts scorer --tokenizer DIR`)."""
+    view: RolloutView = {
         "id": rollout.id,
         "prompt_id": rollout.prompt_id,
         "sample": rollout.sample,
@@ -48,6 +50,9 @@ def rollout_view(rollout: Rollout) -> RolloutView:
         "meta": rollout.meta,
         "error": rollout.error,
     }
+    if text is not None:
+        view["text"] = text
+    return view
 
 
 def load_reward_fn(path: str) -> Callable[..., Any]:

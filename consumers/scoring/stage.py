@@ -23,7 +23,8 @@ from redis.exceptions import LockError
 from redis.lock import Lock
 
 from consumers.scoring.backend import Outcome, ScoringBackend
-from consumers.scoring.job import rollout_view
+from consumers.scoring.job import RolloutView, rollout_view
+from consumers.scoring.text import Decode
 from pipeline.streams import Entry, Streams
 from pipeline.wire import Rollout, WireError
 
@@ -52,10 +53,18 @@ class _OpenGroup:
 
 class ScoringStage:
     def __init__(
-        self, streams: Streams, backend: ScoringBackend, name: str, settings: StageSettings | None = None
+        self,
+        streams: Streams,
+        backend: ScoringBackend,
+        name: str,
+        settings: StageSettings | None = None,
+        decode: Decode | None = None,
     ) -> None:
+        """`decode`: the replies' tokens to text (`consumers.scoring.text.load_decoder`), for reward functions that
+        read `text`; without it the views have none."""
         self.streams = streams
         self.backend = backend
+        self.decode = decode
         self.name = name
         self.settings = settings or StageSettings()
         self.leading = False
@@ -129,8 +138,12 @@ class ScoringStage:
             group.rollouts.setdefault(rollout.sample, rollout)
             if not group.submitted and len(group.rollouts) == rollout.n:  # whole: score it now, once
                 ordered = [group.rollouts[k] for k in sorted(group.rollouts)]
-                self.backend.submit(rollout.prompt_id, rollout.reward_fn, [rollout_view(r) for r in ordered])
+                self.backend.submit(rollout.prompt_id, rollout.reward_fn, [self._view(r) for r in ordered])
                 group.submitted = True
+
+    def _view(self, rollout: Rollout) -> RolloutView:
+        text = self.decode(rollout.tokens.tolist()) if self.decode is not None else None
+        return rollout_view(rollout, text=text)
 
     def _forward(self, outcome: Outcome) -> None:
         group = self._open.pop(outcome.key, None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import threading
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -11,6 +12,7 @@ import typer
 from pipeline.cli.app import (
     DEFAULT_NS,
     DEFAULT_REDIS,
+    TOKENIZER_FILES,
     NsOpt,
     RedisOpt,
     app,
@@ -38,6 +40,13 @@ def scorer(
     attempts: Annotated[int, typer.Option(help="RQ: jobs whose worker died are retried up to this many times.")] = 3,
     threads: Annotated[int, typer.Option(help="Inline: reward calls at once.")] = 4,
     lease_s: Annotated[float, typer.Option(help="A scorer silent this long is replaced by a standby.")] = 5.0,
+    tokenizer: Annotated[
+        Path | None,
+        typer.Option(
+            help="A local model or tokenizer directory: reward functions get each reply decoded as `text` "
+            "(the task library's `producers.tasks.rewards` need it)."
+        ),
+    ] = None,
     name: Annotated[str | None, typer.Option(help="Name in the scorer's status; default host-pid.")] = None,
     log_level: Annotated[str, typer.Option(help="debug, info, warning.")] = "info",
 ) -> None:
@@ -47,6 +56,7 @@ def scorer(
     """
     from consumers.scoring.backend import make_backend
     from consumers.scoring.stage import ScoringStage, StageSettings
+    from consumers.scoring.text import Decode, load_decoder
 
     if rq:
         require("rq", purpose="rollouts scorer --rq")
@@ -58,6 +68,18 @@ def scorer(
             fail(f"{flag} must be at least 1, not {count}")
     if rq and not queue:
         fail("--queue must name an RQ queue")
+    decode: Decode | None = None
+    if tokenizer is not None:
+        require("transformers", purpose="rollouts scorer --tokenizer")
+        if not tokenizer.is_dir():
+            fail(f"--tokenizer {tokenizer}: no such directory (a local model or tokenizer directory)")
+        if not any((tokenizer / file).is_file() for file in TOKENIZER_FILES):
+            fail(f"--tokenizer {tokenizer}: no tokenizer there ({' or '.join(TOKENIZER_FILES)} missing)")
+        try:
+            decode = load_decoder(tokenizer)
+        except (OSError, ValueError) as exc:
+            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            fail(f"--tokenizer {tokenizer}: cannot load its tokenizer: {reason}")
     setup_logging(log_level)
     streams = open_streams(redis_url, ns)
     with user_errors(redis_url):
@@ -69,11 +91,12 @@ def scorer(
             attempts=attempts,
             threads=threads,
         )
-        stage = ScoringStage(streams, backend, name or default_name(), StageSettings(lease_s=lease_s))
+        stage = ScoringStage(streams, backend, name or default_name(), StageSettings(lease_s=lease_s), decode=decode)
         stop = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
-        console.print(f"scorer {stage.name} on {streams.keys.scoring} ({backend.mode})")
+        decoding = f", decoding with {tokenizer}" if tokenizer is not None else ""
+        console.print(f"scorer {stage.name} on {streams.keys.scoring} ({backend.mode}{decoding})")
         stage.run(stop)
     console.print(f"scorer {stage.name} stopped")
 
