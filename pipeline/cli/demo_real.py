@@ -140,6 +140,10 @@ def train_real(
             while evals and received.has(evals[0]):
                 run.evals.append(_evaluated(received.wait_for(evals.pop(0)), reward, row.elapsed_s, step))
             live.update(_table(run, steps), refresh=True)
+            if not console.is_terminal:  # a Live table shows only at its end there: a line a step meanwhile
+                held = _held(run.evals[-1]) if run.evals else ""
+                console.print(f"step {step + 1}/{steps}: version {version}, reward {out.reward:.2f}, held-out "
+                              f"{held}, {row.elapsed_s:.0f} s", soft_wrap=True)  # fmt: skip
         for ids in evals:  # the last versions' accuracy, off the training clock
             run.evals.append(_evaluated(received.wait_for(ids), reward, time.monotonic() - started, steps))
         live.update(_table(run, steps), refresh=True)
