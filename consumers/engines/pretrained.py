@@ -161,7 +161,13 @@ def sha256_of(path: Path) -> str:
 def _require_converters() -> None:
     import importlib.util
 
-    missing = [m for m in ("torch", "transformers", "gguf", "accelerate") if importlib.util.find_spec(m) is None]
+    def absent(module: str) -> bool:
+        try:
+            return importlib.util.find_spec(module) is None
+        except (ImportError, ValueError):  # a parent package missing, or a module without a spec
+            return True
+
+    missing = [m for m in ("torch", "transformers", "gguf", "accelerate") if absent(m)]
     if missing:
         raise PretrainedError(
             f"building the model needs {', '.join(missing)}: pip install 'rollout-streams[torch,pretrained]'"

@@ -168,6 +168,12 @@ class GeneratedTask(ABC):
             raise ValueError(f"{self.name}: only {len(found)} distinct {split} problems in {attempts} draws")
         return list(found.values())
 
+    def split_size(self, split: Split) -> int | None:
+        """How many problems `split` holds where the level is small enough to list them (one-digit sums: 16 eval
+        problems); None where it is not (draw as many as you like)."""
+        pool = self._pool(split)
+        return None if pool is None else len(pool)
+
     def _pool(self, split: Split) -> list[Problem] | None:
         """The listed problems of `split` (None for a level too large to list), worked out once per task and split."""
         key = (type(self).__qualname__, self.name, split)

@@ -112,7 +112,7 @@ def test_a_bad_prompts_file_queues_nothing_and_names_every_bad_line(
     [
         (["top", "--once", "--redis", "redis://127.0.0.1:{port}/0"], ["cannot reach Redis", "--redis URL"]),
         (["submit", "--file", "/no/such/file.jsonl"], ["no prompts file at /no/such/file.jsonl"]),
-        (["worker", "--model", "/no/such/model"], ["no model at /no/such/model", "rollouts tiny-model"]),
+        (["worker", "--model", "/no/such/model"], ["--model /no/such/model: no such directory", "--model smollm2"]),
         (["worker", "--model", "/tmp", "--engine", "tensorflow"], ["unknown engine 'tensorflow'"]),
         (["worker", "--model", "/tmp", "--engine-args", "[1, 2]"], ["--engine-args must be a JSON object"]),
         (["publish-weights", "--from", "/tmp", "--mode", "pause"], ["--mode must be one of abort, keep, inflight"]),
