@@ -149,17 +149,20 @@ def generate_answer(
 
 
 def _token_id_logprobs(reply: Reply, top: int) -> list[dict[str, Any]]:
-    """vLLM's `GenerateLogProbs.content` of a sample: each token's id and logprob and, with `top` (k), vLLM's
+    """vLLM's `GenerateLogProbs.content` of a sample: each token's id, its `token` as vLLM writes it for token ids
+    (`token_id:N`: what renderers' client, verifiers' train client, requires) and logprob and, with `top` (k), vLLM's
     `top_logprobs` (the engine's order: the sampled token, then the k most likely without it; `max(k, 1)` of them)."""
     rollout, content = reply.rollout, []
     for i, (token, logprob) in enumerate(zip(rollout.tokens, rollout.logprobs, strict=True)):
-        entry: dict[str, Any] = {"token_id": int(token), "logprob": clamp_logprob(logprob), "rank": None}
+        entry: dict[str, Any] = {"token_id": int(token), "token": f"token_id:{int(token)}",
+                                 "logprob": clamp_logprob(logprob), "rank": None}  # fmt: skip
         entry["top_logprobs"] = []
         if top:
             order = engine_order(rollout, i)
             entry["rank"] = order[0][2]
             entry["top_logprobs"] = [
-                {"token_id": t, "logprob": clamp_logprob(lp), "rank": r} for t, lp, r in order[: max(top, 1)]
+                {"token_id": t, "token": f"token_id:{t}", "logprob": clamp_logprob(lp), "rank": r}
+                for t, lp, r in order[: max(top, 1)]
             ]
         content.append(entry)
     return content

@@ -96,6 +96,7 @@ def test_generate_route_tokens_in_tokens_out_with_sessions(
     for choice in answer["choices"]:
         tokens = choice["token_ids"]
         assert [c["token_id"] for c in choice["logprobs"]["content"]] == tokens
+        assert [c["token"] for c in choice["logprobs"]["content"]] == [f"token_id:{t}" for t in tokens]  # renderers
         got = [c["logprob"] for c in choice["logprobs"]["content"]]
         np.testing.assert_allclose(got, forward_logprobs(tiny_model_dir, prompt, tokens), atol=2e-4)
         assert choice["weight_versions"] == [{"version": "0", "start": 0, "end": len(tokens)}]
