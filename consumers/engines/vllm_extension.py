@@ -10,7 +10,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors.torch import load
+from safetensors.torch import load, load_file
 
 from staleness.weights.ipc import Manifest, opened
 from staleness.weights.nccl import BroadcastLink, prepare_receiver, receive_broadcast
@@ -36,6 +36,13 @@ class RolloutsWorkerExtension:
     def rollouts_load_safetensors(self, blob: bytes) -> int:
         """Load weights (checkpoint names) from a safetensors blob in place; returns how many tensors."""
         tensors = load(blob)
+        self.reload_weights(weights_iterator=iter(tensors.items()))
+        return len(tensors)
+
+    def rollouts_load_safetensors_file(self, path: str) -> int:
+        """Load weights (checkpoint names) from a safetensors file on this host in place (a version staged in memory
+        by the engine, `/dev/shm` where it has room); returns how many tensors."""
+        tensors = load_file(path)
         self.reload_weights(weights_iterator=iter(tensors.items()))
         return len(tensors)
 

@@ -425,6 +425,43 @@ def test_bad_checkpoints_are_refused_and_tensors_load_from_memory(
     assert_matches_forward(tiny_model_dir, LONG_PROMPT, from_file)
 
 
+def test_tensors_are_staged_in_memory_or_on_disk_and_past_the_rpc_limit_with_no_room_refused(
+    served: Served, engine: VllmEngine, tiny_model_dir: Path, tiny_model_dir_v1: Path, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """A version sent as tensors reaches vLLM's worker processes as a file staged where this host has room (`/dev/shm`
+    first, the temp dir next), as a blob through vLLM's RPC where none has, and is refused in one line where it is
+    past the RPC's 4 GiB and none has room: each load serves the weights it was given, and the staged file is gone."""
+    from safetensors.torch import load_file
+
+    import consumers.engines.vllm_engine as module
+
+    v1 = load_file(str(tiny_model_dir_v1 / "model.safetensors"))
+    v0 = load_file(str(tiny_model_dir / "model.safetensors"))
+    staged = tmp_path / "staged"
+    staged.mkdir()
+    monkeypatch.setattr(module, "STAGING_DIRS", (str(staged),))
+    assert module.staging_dir(1 << 20) == str(staged)
+
+    async def go() -> tuple[Generation, Generation]:
+        await engine.load_tensors(v1, version=11)  # staged under `staged`, then removed
+        first = await engine.generate("g-staged", LONG_PROMPT, Sampling(max_tokens=10, seed=1))
+        monkeypatch.setattr(module, "staging_dir", lambda nbytes: None)  # no room anywhere: through the RPC
+        await engine.load_tensors(v0, version=12)
+        second = await engine.generate("g-rpc", LONG_PROMPT, Sampling(max_tokens=10, seed=1))
+        monkeypatch.setattr(module, "RPC_LIMIT", 1024)  # and past the RPC's limit: refused, weights as they were
+        with pytest.raises(ValueError, match=r"more than vLLM's RPC carries \(4 GiB\), and neither /dev/shm nor"):
+            await engine.load_tensors(v1, version=13)
+        assert engine.version == 12
+        return first, second
+
+    first, second = served.run(go())
+    assert first.spans == [(11, 0, 10)] and second.spans == [(12, 0, 10)]
+    assert_matches_forward(tiny_model_dir_v1, LONG_PROMPT, first)
+    assert_matches_forward(tiny_model_dir, LONG_PROMPT, second)
+    assert not any(staged.iterdir())
+
+
 # -- (e) bad input on a running engine ---------------------------------------------------------
 
 
