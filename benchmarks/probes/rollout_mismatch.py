@@ -83,6 +83,20 @@ def mismatch(outs: list[Any], prompts: list[np.ndarray], model: Any, device: str
     }
 
 
+def task_prompts(model_dir: Path, task: str, count: int, seed: int) -> list[np.ndarray]:
+    """`count` train problems of `task` (`producers.tasks`) through the model's chat template: what a real run samples
+    (the real model's replies end at its EOS, so their lengths are the model's own)."""
+    from transformers import AutoTokenizer
+
+    from producers.tasks import get_task
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    problems = get_task(task).problems("train", count, seed=seed)
+    rendered = [tokenizer.apply_chat_template(p.messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+                for p in problems]  # fmt: skip
+    return [np.asarray(ids, dtype=np.int64) for ids in rendered]
+
+
 async def probe(args: argparse.Namespace) -> dict[str, Any]:
     model_dir = Path(args.model)
     options: dict[str, Any] = {"dtype": args.dtype}
@@ -100,7 +114,10 @@ async def probe(args: argparse.Namespace) -> dict[str, Any]:
     trainer = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(args.trainer_device).eval()
     rng = np.random.default_rng(args.seed)
     vocab = min(engine.vocab_size, trainer.config.vocab_size)
-    prompts = [rng.integers(3, vocab, size=args.prompt_len).astype(np.int64) for _ in range(args.prompts)]
+    if args.task:
+        prompts = task_prompts(model_dir, args.task, args.prompts, args.seed)
+    else:
+        prompts = [rng.integers(3, vocab, size=args.prompt_len).astype(np.int64) for _ in range(args.prompts)]
     await sample(engine, prompts[:4], 4, "warm")  # compile and capture before anything is timed
     rows = []
     for version in (0, 1):
@@ -121,6 +138,7 @@ async def probe(args: argparse.Namespace) -> dict[str, Any]:
         "engine_args": json.loads(args.engine_args),
         "trainer": f"{args.trainer_dtype} on {args.trainer_device}",
         "prompts": args.prompts,
+        "task": args.task or None,
         "max_tokens": args.max_tokens,
         "start_s": start_s,
         "versions": rows,
@@ -138,6 +156,7 @@ def main() -> None:
     parser.add_argument("--trainer-device", default="cpu")
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=16)
+    parser.add_argument("--task", default="", help="chat prompts of this task (e.g. arithmetic:sum-1d), not random ids")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--step", type=float, default=0.01, help="the weight change of the sync, relative")
     parser.add_argument("--is-cap", type=float, default=2.0)
