@@ -6,7 +6,9 @@ One Unix socket pair, msgpack messages back to back (msgpack needs no framing), 
   `cancel` (args: the call to give up on) gets no answer, `shutdown` one once the engine is down;
 - token ids and logprobs go as raw little-endian int32 / float32 bytes, as on the wire contract (the alternatives of
   each token, `top_token_ids` / `top_logprobs`, too, with their k);
-- tensors go as one safetensors blob (`pack_tensors`), what the redis transport stores too.
+- an adapter's tensors go as one safetensors blob (`pack_tensors`); a model's weights (`load_tensors`) as the path of a
+  safetensors file (`save_tensors`, `load_tensors_file`): packing and queueing hundreds of MB as a message held the
+  worker's event loop, and its heartbeat, for seconds.
 
 Writes are gathered: everything sent in one turn of the event loop leaves in one `write` (a step that ends 64
 samples is one syscall, not 64).
@@ -18,6 +20,7 @@ import asyncio
 import contextlib
 import socket
 from collections.abc import AsyncIterator, Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -27,7 +30,7 @@ from consumers.engines.base import EngineClosedError, EngineInputError, Generati
 
 READ_CHUNK = 1 << 20
 MAX_MESSAGE = 2**32 - 1
-"""msgpack's own limit of a message: weights bigger than this reach a process engine by fs:// or nccl://."""
+"""msgpack's own limit of a message (an adapter's blob; a model's weights cross as a file, whatever their size)."""
 
 ERRORS: dict[str, type[Exception]] = {
     cls.__name__: cls
@@ -158,6 +161,21 @@ def pack_tensors(named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]]) -
             "use fs:// or nccl:// with --engine-process"
         )
     return blob
+
+
+def save_tensors(named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]], path: Path) -> None:
+    """Named torch tensors or numpy arrays as one safetensors file (written without holding the GIL)."""
+    from safetensors.torch import save_file
+
+    from consumers.engines.model_files import as_cpu_tensors
+
+    save_file(as_cpu_tensors(named_tensors), str(path))
+
+
+def load_tensors_file(path: str) -> dict[str, Any]:
+    from safetensors.torch import load_file
+
+    return load_file(path)
 
 
 def unpack_tensors(blob: bytes) -> dict[str, Any]:

@@ -20,7 +20,13 @@ import numpy as np
 
 from consumers.engines import create_engine
 from consumers.engines.base import Engine
-from consumers.engines.engine_channel import Channel, error_to_wire, generation_to_wire, unpack_tensors
+from consumers.engines.engine_channel import (
+    Channel,
+    error_to_wire,
+    generation_to_wire,
+    load_tensors_file,
+    unpack_tensors,
+)
 from pipeline.fast_exit import leave
 from pipeline.wire import Sampling
 from staleness.weights.nccl import BroadcastLink
@@ -118,8 +124,8 @@ class Host:
         generation = await self.engine.generate(request_id, tokens, Sampling.model_validate(sampling), adapter)
         return generation_to_wire(generation)
 
-    async def _load_tensors(self, blob: bytes, version: int) -> None:
-        await self.engine.load_tensors(unpack_tensors(blob), version)
+    async def _load_tensors(self, path: str, version: int) -> None:
+        await self.engine.load_tensors(await asyncio.to_thread(load_tensors_file, path), version)
 
     async def _prepare_broadcast(self, link: dict[str, Any]) -> None:
         await self.engine.prepare_broadcast(BroadcastLink.from_dict(link))

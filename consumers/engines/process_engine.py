@@ -10,9 +10,10 @@ worker's narrow client of it: the same `Engine` protocol, each call a message on
 What stays here: the engine's name and limits (from an unstarted copy of it built here, which reads only the model's
 config and checks the options, so a bad option fails at once and a lazy worker knows its limits before any start),
 its version (the process answers each load with it), and `check_fits` (from the model's `WeightLayout`, sent at
-start). What crosses: token ids and logprobs as raw bytes, tensors as one safetensors blob, a broadcast's
-`BroadcastLink` as plain data (the process takes the nccl rank itself). `ipc://` is refused: it opens the trainer's
-GPU buffer in the worker's process, not the engine's.
+start). What crosses: token ids and logprobs as raw bytes, an adapter's tensors as one safetensors blob, a model's
+as the path of a safetensors file (`load_tensors`), a broadcast's `BroadcastLink` as plain data (the process takes
+the nccl rank itself). `ipc://` is refused: it opens the trainer's GPU buffer in the worker's process, not the
+engine's.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -40,7 +42,13 @@ from consumers.engines.base import (
     WakePart,
     check_request,
 )
-from consumers.engines.engine_channel import Channel, error_from_wire, generation_from_wire, pack_tensors
+from consumers.engines.engine_channel import (
+    Channel,
+    error_from_wire,
+    generation_from_wire,
+    pack_tensors,
+    save_tensors,
+)
 from consumers.engines.model_files import WeightLayout
 from pipeline.wire import PauseMode, Sampling
 
@@ -235,8 +243,13 @@ class ProcessEngine(LoadsIpcInProcess, EngineLifecycle):
         self.version = await self._call("load_weights", str(path), version)
 
     async def load_tensors(self, named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]], version: int) -> None:
-        blob = await asyncio.to_thread(pack_tensors, named_tensors)
-        self.version = await self._call("load_tensors", blob, version)
+        """The tensors cross as a safetensors file in a temporary directory of this worker, which the engine's process
+        reads, not as a message: written on a thread without the GIL, it never holds the worker's event loop (its
+        heartbeat), which packing and queueing a model's worth of bytes did for seconds."""
+        with tempfile.TemporaryDirectory(prefix="rollouts-weights-") as folder:
+            path = Path(folder) / "weights.safetensors"
+            await asyncio.to_thread(save_tensors, named_tensors, path)
+            self.version = await self._call("load_tensors", str(path), version)
 
     async def prepare_broadcast(self, link: BroadcastLink) -> None:
         await self._call("prepare_broadcast", link.to_dict())
