@@ -24,16 +24,40 @@ reported on its own (`first_stall_s`, `first_setup_s`, ...), the others as media
 --trainer-device cuda:0`); it also reports the GPU memory the trainer holds for the workers (`trainer_held_mib`).
 A transport that cannot run with the devices given is not run: its row says why (`skipped`), e.g. nccl with
 both sides on one GPU, where NCCL cannot put two ranks.
+
+Real shapes: `--model DIR` measures a real model (a Hugging Face folder, e.g. `rollouts pretrained smollm2`'s), the
+trainer holding it and a second version (each weight x 1.01); the sizes in `SHAPES` are real configurations
+(`qwen2.5-1.5b`, `qwen2.5-7b`) built here as random Qwen2 models, no download: the worker's folder holds the config, a
+tokenizer and a zero-filled checkpoint (a sparse file: the header is real, the data a hole), and the trainer draws its
+versions at random on its own device, in the engine's dtype. A trainer on a GPU holds two versions when they take at
+most a fifth of its memory, else one, negated in place before each publish (`trainer_copies`: 7B on an 80 GB GPU).
+`--one-worker` syncs one worker a size by every transport in turn: one engine start a size, not one a transport.
+
+Beside the stall (median and p90 over the rounds after the first): the floor, one device-to-device copy of the
+model's bytes at the rate a torch copy of a 1 GiB buffer measures on the trainer's GPU in the same run
+(`copy_tb_per_s` counts the bytes read and written, so `floor_s` = 2 x bytes / that rate), `stall_over_floor`, and
+`per_tensor_copy_s`, one `copy_` per tensor of the version into tensors of its own (a loader's least cost). And where
+the stall went, read from the worker's log (one worker): `pause_s` (the engine's pause), `load_s` (the version loaded
+and acked), `resume_s` (the rest: the ack, the manager's resume, the engine's resume), `fetch_s` (before the pause:
+a redis:// prefetch). A vLLM worker runs `TimedWorkerExtension`, which splits its load: `engine_open_s` (ipc:// the
+handle opened; the others: the blob read into tensors), `engine_reload_s` (vLLM's `reload_weights`: its per-tensor
+loaders until the last copy is queued), `engine_wait_s` (the GPU finishing those copies) and `engine_rest_s` (the
+rest of `load_s`: the call into vLLM's process and back, the version tag, the prefix cache's reset, the ack).
 """
 
 from __future__ import annotations
 
+import json
 import math
+import re
 import shutil
 import statistics
+import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterable
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, cast
@@ -42,15 +66,18 @@ import torch
 import torch.distributed as dist
 from rich.console import Console
 from rich.progress import Progress
+from safetensors.torch import load
 
 from consumers.engines.tiny_model import build_tiny_model
+from consumers.engines.vllm_extension import RolloutsWorkerExtension
 from pipeline.cli.engine_spec import EngineSpec
 from pipeline.local import RedisServer, free_port
 from pipeline.processes import gpu_of, start_worker, stop_process, wait_for_worker
 from pipeline.wire import PauseMode
 from producers.client import RolloutClient
 from staleness.weights import open_transport
-from staleness.weights.base import read_checkpoint
+from staleness.weights.base import checkpoint_files, read_checkpoint
+from staleness.weights.ipc import Manifest, opened
 
 NS = "bench-sync"
 SIZES = {
@@ -65,7 +92,40 @@ SIZES = {
 size, a tiny vocabulary), 13.8 GiB in bf16: the size issue 45 names for NCCL into vLLM."""
 
 
+@dataclass(frozen=True)
+class Qwen2Shape:
+    """A Qwen2 configuration's shapes: what a random model of a real model's size is built from."""
+
+    hidden_size: int
+    num_layers: int
+    heads: int
+    kv_heads: int
+    intermediate_size: int
+    vocab_size: int
+    tied: bool
+    """`tie_word_embeddings`: no `lm_head.weight` of its own."""
+    max_position_embeddings: int = 32768
+
+
+SHAPES = {
+    "qwen2-tiny": Qwen2Shape(64, 2, 2, 1, 160, 1024, tied=True),
+    "qwen2.5-1.5b": Qwen2Shape(1536, 28, 12, 2, 8960, 151936, tied=True),
+    "qwen2.5-7b": Qwen2Shape(3584, 28, 28, 4, 18944, 152064, tied=False),
+}
+"""Real configurations, built as random Qwen2 models (`build_shaped_model`): Qwen2.5-1.5B's (1.54 B parameters, 2.9 GiB
+in bf16) and Qwen2.5-7B's (7.62 B, 14.2 GiB); `qwen2-tiny` has their features (grouped KV heads, biases, tied
+embeddings) at a size for tests."""
+
 TRANSPORTS = ("redis", "fs", "nccl", "ipc")
+COPY_BYTES = 2**30
+"""The buffer of the device-to-device copy whose rate sets the floor."""
+TWO_COPIES_SHARE = 0.2
+"""A trainer on a GPU holds two versions when both take at most this share of its memory, else one."""
+TIMED_EXTENSION = "benchmarks.bench_sync.TimedWorkerExtension"
+
+
+def size_names() -> list[str]:
+    return [*SIZES, *SHAPES]
 
 
 def run_bench_sync(
@@ -79,44 +139,58 @@ def run_bench_sync(
     logs: Path | None = None,
     idle: bool = False,
     workers: int = 1,
+    model: Path | None = None,
+    one_worker: bool = False,
 ) -> dict[str, Any]:
+    """`model`: a real model's folder, measured before `sizes` (its row's size is its name)."""
     tmp = Path(tempfile.mkdtemp(prefix="rollouts-bench-sync-"))
     if logs is not None:
         logs.mkdir(parents=True, exist_ok=True)
+    if spec.kind == "vllm":  # the lab's subclass of the engine's extension: it times the load in vLLM's process
+        spec.engine_args.setdefault("worker_extension_cls", TIMED_EXTENSION)
     results: list[dict[str, Any]] = []
+    copy = gpu_copy_rate(trainer_device) if _gpu(trainer_device) is not None else None
+    dtype = getattr(torch, spec.dtype)  # the trainer publishes in the engine's dtype (bf16: half the bytes)
+    measured: list[tuple[str, Path | None]] = [(model_name(model), model)] if model is not None else []
+    measured += [(size, None) for size in sizes]
+    stopped = False  # a SIGTERM or Ctrl-C ends the run, and the report keeps what ran (`INTERRUPTED`)
     try:
         with Progress(console=console) as progress:
-            task = progress.add_task("publish rounds", total=len(sizes) * len(transports) * rounds)
-            for size in sizes:
-                hidden, layers = SIZES[size]
-                models = [
-                    build_tiny_model(tmp / size / f"seed{s}", seed=s, hidden_size=hidden, num_layers=layers)
-                    for s in (0, 1)
-                ]
-                params = _parameters(models[0])
-                dtype = getattr(torch, spec.dtype)  # the trainer publishes in the engine's dtype (bf16: half the bytes)
-                weights = [{k: t.to(trainer_device, dtype) for k, t in read_checkpoint(m).items()} for m in models]
+            task = progress.add_task("publish rounds", total=len(measured) * len(transports) * rounds)
+            for size, folder in measured:
+                if stopped:
+                    results += [{"size": size, "transport": t, "skipped": "not run: interrupted"} for t in transports]
+                    continue
+                folder, weights = _versions(tmp, size, folder, dtype, trainer_device)
+                params = _parameters(folder)
                 nbytes = params * torch.empty(0, dtype=dtype).element_size()
+                base = {"size": size, "parameters": params, "bytes": nbytes, "trainer_copies": len(weights)}
+                floor = _floor(weights[0], nbytes, copy)
+                runnable: list[tuple[str, str]] = []
                 for transport in transports:
-                    row = {"size": size, "parameters": params, "bytes": nbytes, "transport": transport}
                     if reason := cannot_run(transport, spec, trainer_device):
-                        results.append(row | {"skipped": reason})
+                        results.append(base | {"transport": transport, "skipped": reason})
                         progress.advance(task, rounds)
+                    else:
+                        runnable.append((transport, _uri(transport, tmp / size)))
+                groups = [runnable] if one_worker and runnable else [[pair] for pair in runnable]
+                for group in groups:
+                    if stopped:
+                        results += [base | {"transport": t, "skipped": "not run: interrupted"} for t, _ in group]
                         continue
-                    uri = {
-                        "redis": "redis://",
-                        "fs": f"fs://{tmp / size / 'published'}",
-                        "nccl": f"nccl://127.0.0.1:{free_port()}",
-                        "ipc": "ipc://",
-                    }[transport]
-                    log = (logs or tmp) / f"{size}-{transport}.log"
-                    rows = _measure(spec, models[0], weights, uri, rounds, mode, log, progress, task, idle, workers)
-                    if transport == "nccl" and trainer_device.startswith("cuda") and spec.device.startswith("cuda"):
-                        receivers = [str(gpu) for gpu in worker_gpus(spec.device)]
-                        bare = bare_broadcast_gb_per_s(nbytes, trainer_device, receivers)
-                        rows |= {"bare_gb_per_s": round(bare, 2), "ratio": round(rows["gb_per_s"] / bare, 3)}
-                    results.append(row | rows)
+                    name = size if one_worker else f"{size}-{group[0][0]}"
+                    log = (logs or tmp) / f"{name}.log"
+                    rows = _measure(spec, folder, weights, group, rounds, mode, log, progress, task, idle, workers)
+                    for (transport, _), row in zip(group, rows, strict=True):
+                        if transport == "nccl" and _both_on_gpus(spec, trainer_device) and "gb_per_s" in row:
+                            receivers = [str(gpu) for gpu in worker_gpus(spec.device)]
+                            bare = bare_broadcast_gb_per_s(nbytes, trainer_device, receivers)
+                            row |= {"bare_gb_per_s": round(bare, 2), "ratio": round(row["gb_per_s"] / bare, 3)}
+                        results.append(base | {"transport": transport} | row | _beside_floor(row, floor))
+                        stopped = stopped or row.get("error") == INTERRUPTED
                 del weights
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return {
@@ -124,11 +198,300 @@ def run_bench_sync(
         "tensor_parallel_size": spec.tensor_parallel_size,
         "device": spec.device,
         "trainer_device": trainer_device,
+        "dtype": spec.dtype,
         "mode": mode,
         "rounds": rounds,
         "workers": workers,
+        "one_worker": one_worker,
+        "gpu": torch.cuda.get_device_name(_gpu(trainer_device)) if _gpu(trainer_device) is not None else None,
+        "copy_tb_per_s": None if copy is None else round(copy / 1e12, 3),
         "results": results,
     }
+
+
+def model_name(folder: Path) -> str:
+    """A real model's name in the report: its title where `rollouts pretrained` built it, else the folder's name."""
+    try:
+        return str(json.loads((folder / "rollouts-model.json").read_text())["title"])
+    except (OSError, ValueError, KeyError):
+        return folder.name
+
+
+def _uri(transport: str, where: Path) -> str:
+    return {
+        "redis": "redis://",
+        "fs": f"fs://{where / 'published'}",
+        "nccl": f"nccl://127.0.0.1:{free_port()}",
+        "ipc": "ipc://",
+    }[transport]
+
+
+def _both_on_gpus(spec: EngineSpec, trainer_device: str) -> bool:
+    return trainer_device.startswith("cuda") and spec.device.startswith("cuda")
+
+
+def _versions(
+    tmp: Path, size: str, folder: Path | None, dtype: torch.dtype, trainer_device: str
+) -> tuple[Path, list[dict[str, torch.Tensor]]]:
+    """The worker's model folder and the trainer's versions (two, or one where two would not fit: `copies`)."""
+    if folder is not None:  # a real model: its weights, and a second version of each weight x 1.01
+        first = {k: t.to(trainer_device, dtype) for k, t in read_checkpoint(folder).items()}
+        if copies(_bytes_of(first), trainer_device) == 1:
+            return folder, [first]
+        return folder, [first, {k: (t.float() * 1.01).to(dtype) for k, t in first.items()}]
+    if size in SHAPES:
+        folder = build_shaped_model(tmp / size, SHAPES[size])
+        shapes = shaped_tensors(SHAPES[size])
+        nbytes = sum(math.prod(shape) for _, shape in shapes) * torch.empty(0, dtype=dtype).element_size()
+        seeds = range(copies(nbytes, trainer_device))
+        return folder, [random_version(shapes, dtype, trainer_device, seed) for seed in seeds]
+    hidden, layers = SIZES[size]
+    models = [build_tiny_model(tmp / size / f"seed{s}", seed=s, hidden_size=hidden, num_layers=layers) for s in (0, 1)]
+    weights = [{k: t.to(trainer_device, dtype) for k, t in read_checkpoint(models[0]).items()}]
+    if copies(_bytes_of(weights[0]), trainer_device) == 2:
+        weights.append({k: t.to(trainer_device, dtype) for k, t in read_checkpoint(models[1]).items()})
+    return models[0], weights
+
+
+def copies(nbytes: int, trainer_device: str) -> int:
+    """How many versions the trainer holds: two, unless they would take more than `TWO_COPIES_SHARE` of its GPU."""
+    gpu = _gpu(trainer_device)
+    if gpu is None:
+        return 2
+    return 2 if 2 * nbytes <= TWO_COPIES_SHARE * torch.cuda.get_device_properties(gpu).total_memory else 1
+
+
+def _bytes_of(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.nbytes for t in tensors.values())
+
+
+def _next_version(weights: list[dict[str, torch.Tensor]], publish: int) -> dict[str, torch.Tensor]:
+    """What publish number `publish` (0, 1, ...) sends: the two versions in turn, never the one the worker has; with one
+    version held, that one negated in place first (each publish then differs from the last)."""
+    if len(weights) == 1:
+        torch._foreach_neg_(list(weights[0].values()))
+        return weights[0]
+    return weights[(publish + 1) % 2]
+
+
+def shaped_tensors(shape: Qwen2Shape) -> list[tuple[str, tuple[int, ...]]]:
+    """The checkpoint's tensors of a Qwen2 model of `shape`, in order: transformers' own, built on the meta device (no
+    memory), a tied `lm_head` left out as a checkpoint leaves it out."""
+    from transformers import Qwen2ForCausalLM
+
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(_qwen2_config(shape))
+    return [(name, tuple(param.shape)) for name, param in model.named_parameters()]
+
+
+def _qwen2_config(shape: Qwen2Shape, ids: tuple[int, int, int] = (0, 1, 2)) -> Any:
+    from transformers import Qwen2Config
+
+    config = Qwen2Config(
+        vocab_size=shape.vocab_size,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        max_position_embeddings=shape.max_position_embeddings,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=shape.tied,
+        use_sliding_window=False,
+        pad_token_id=ids[0],
+        bos_token_id=ids[1],
+        eos_token_id=ids[2],
+    )
+    config.architectures = ["Qwen2ForCausalLM"]
+    config.dtype = torch.bfloat16
+    return config
+
+
+def build_shaped_model(out_dir: Path, shape: Qwen2Shape) -> Path:
+    """A Qwen2 model folder of `shape` that any engine loads: config, the tiny model's tokenizer (its ids fit any
+    vocabulary) and `model.safetensors` in bf16 with every weight zero, written as a sparse file (a real header, the
+    data a hole): a 7B folder costs no disk and no time. The trainer's versions are drawn elsewhere
+    (`random_version`); a worker generates uniformly random tokens until the first sync."""
+    from consumers.engines.tiny_model import BOS, EOS, PAD, _add_legacy_keys, build_tokenizer
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()
+    ids = cast(list[int], tokenizer.convert_tokens_to_ids([PAD, BOS, EOS]))
+    config = _qwen2_config(shape, (ids[0], ids[1], ids[2]))
+    config.save_pretrained(out_dir)
+    _add_legacy_keys(out_dir / "config.json")
+    (out_dir / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": ids[1], "eos_token_id": ids[2], "pad_token_id": ids[0]}) + "\n"
+    )
+    tokenizer.save_pretrained(out_dir)
+    write_sparse_safetensors(out_dir / "model.safetensors", shaped_tensors(shape), "BF16", 2)
+    return out_dir
+
+
+def write_sparse_safetensors(path: Path, tensors: list[tuple[str, tuple[int, ...]]], dtype: str, itemsize: int) -> None:
+    """A safetensors file of zeros: the header written, the data left a hole (read back as zeros)."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape in tensors:
+        size = math.prod(shape) * itemsize
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little") + text)
+        f.truncate(8 + len(text) + offset)
+
+
+def random_version(
+    shapes: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype, device: str, seed: int
+) -> dict[str, torch.Tensor]:
+    """A version of a model of these tensors drawn on `device` in `dtype`: weights N(0, 0.02), norms one."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    tensors = {}
+    for name, shape in shapes:
+        if name.endswith("norm.weight"):
+            tensors[name] = torch.ones(shape, dtype=dtype, device=device)
+        else:
+            tensors[name] = torch.randn(shape, generator=generator, dtype=dtype, device=device).mul_(0.02)
+    return tensors
+
+
+# -- the floor ---------------------------------------------------------------------------------
+
+
+def gpu_copy_rate(device: str, nbytes: int = COPY_BYTES, repeats: int = 20) -> float:
+    """Bytes read and written per second by a device-to-device `copy_` of an `nbytes` buffer on `device` (after two
+    warm-up copies; CUDA events around `repeats` copies)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(2):
+        dst.copy_(src)
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    seconds = start.elapsed_time(end) / 1e3 / repeats
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / seconds
+
+
+def per_tensor_copy_s(tensors: dict[str, torch.Tensor], repeats: int = 3) -> float:
+    """Seconds of one `copy_` per tensor into tensors of its own on the same GPU (median of `repeats`): the least a
+    loader that takes a version tensor by tensor costs there."""
+    targets = [torch.empty_like(t) for t in tensors.values()]
+    seconds = []
+    for _ in range(repeats + 1):  # the first allocates nothing new but warms the copy kernels
+        torch.cuda.synchronize()
+        began = time.perf_counter()
+        for target, tensor in zip(targets, tensors.values(), strict=True):
+            target.copy_(tensor)
+        torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - began)
+    del targets
+    torch.cuda.empty_cache()
+    return statistics.median(seconds[1:])
+
+
+def _floor(tensors: dict[str, torch.Tensor], nbytes: int, copy: float | None) -> dict[str, float]:
+    """The floor of a sync of these tensors on their GPU (none off a GPU, or without a measured rate)."""
+    first = next(iter(tensors.values()), None)
+    if copy is None or first is None or first.device.type != "cuda":
+        return {}
+    return {"floor_s": round(2 * nbytes / copy, 6), "per_tensor_copy_s": round(per_tensor_copy_s(tensors), 6)}
+
+
+def _beside_floor(row: dict[str, Any], floor: dict[str, float]) -> dict[str, Any]:
+    if not floor or "stall_s" not in row:
+        return floor
+    return floor | {"stall_over_floor": round(row["stall_s"] / floor["floor_s"], 1)}
+
+
+# -- the lab's worker extension -----------------------------------------------------------------
+
+
+class TimedWorkerExtension(RolloutsWorkerExtension):
+    """The engine's vLLM worker extension with its loads timed, each line on stderr (the worker's log) for
+    `read_breakdown`: what was opened or read, vLLM's `reload_weights` until it returns, the wait for the GPU. The
+    bodies are `RolloutsWorkerExtension`'s with the clocks between their steps (a test keeps the two in step)."""
+
+    def rollouts_load_ipc(self, manifest: str, version: int) -> int:
+        began = time.perf_counter()
+        with opened(Manifest.from_json(manifest, "the manifest sent", version), self.device) as tensors:
+            was_open = time.perf_counter()
+            self.reload_weights(weights_iterator=iter(tensors.items()))
+            reloaded = time.perf_counter()
+            torch.cuda.synchronize(self.device)
+            _say_load("ipc", version, was_open - began, reloaded - was_open, time.perf_counter() - reloaded, tensors)
+            return len(tensors)
+
+    def rollouts_load_safetensors(self, blob: bytes) -> int:
+        began = time.perf_counter()
+        tensors = load(blob)
+        was_open = time.perf_counter()
+        self.reload_weights(weights_iterator=iter(tensors.items()))
+        reloaded = time.perf_counter()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        _say_load("blob", -1, was_open - began, reloaded - was_open, time.perf_counter() - reloaded, tensors)
+        return len(tensors)
+
+
+def _say_load(kind: str, version: int, open_s: float, reload_s: float, wait_s: float, tensors: dict[str, Any]) -> None:
+    print(
+        f"bench-sync engine load: {kind} version {version} open_s {open_s:.6f} reload_s {reload_s:.6f} "
+        f"wait_s {wait_s:.6f} tensors {len(tensors)}",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+SYNC_LINE = re.compile(
+    r"sync (\d+): fetched or joined in ([\d.]+) s, paused in ([\d.]+) s, version (\d+) loaded and acked in ([\d.]+) s"
+)
+ENGINE_LINE = re.compile(r"bench-sync engine load: (\w+) version (-?\d+) open_s ([\d.]+) reload_s ([\d.]+) "
+                         r"wait_s ([\d.]+) tensors (\d+)")  # fmt: skip
+
+
+def read_breakdown(log: Path) -> dict[int, dict[str, float]]:
+    """Per version the worker synced to: its log's timings of that sync (`fetch_s`, `pause_s`, `load_s`) and, from a
+    vLLM worker running `TimedWorkerExtension`, its load's (`engine_open_s`, `engine_reload_s`, `engine_wait_s`). The
+    extension's lines are matched to the syncs in order (one load a sync)."""
+    text = log.read_text(errors="replace") if log.exists() else ""
+    syncs = [m.groups() for m in SYNC_LINE.finditer(text)]
+    loads = [m.groups() for m in ENGINE_LINE.finditer(text)]
+    found: dict[int, dict[str, float]] = {}
+    for i, (_, fetch, pause, version, load_s) in enumerate(syncs):
+        timing = {"fetch_s": float(fetch), "pause_s": float(pause), "load_s": float(load_s)}
+        if len(loads) == len(syncs):
+            _, _, open_s, reload_s, wait_s, _ = loads[i]
+            timing |= {
+                "engine_open_s": float(open_s),
+                "engine_reload_s": float(reload_s),
+                "engine_wait_s": float(wait_s),
+            }
+            timing["engine_rest_s"] = timing["load_s"] - sum(float(v) for v in (open_s, reload_s, wait_s))
+        found[int(version)] = timing
+    return found
+
+
+def breakdown_rounds(
+    stalls: list[float], versions: list[int], found: dict[int, dict[str, float]]
+) -> dict[str, list[float]]:
+    """The breakdown's lists over the rounds (versions `versions`, stalls `stalls`), with `resume_s`: the stall less
+    its pause and load. Empty when a round's sync is not in the log."""
+    if not versions or any(v not in found for v in versions):
+        return {}
+    rounds: dict[str, list[float]] = {}
+    for stall, version in zip(stalls, versions, strict=True):
+        timing = found[version] | {"resume_s": stall - found[version]["pause_s"] - found[version]["load_s"]}
+        for name, value in timing.items():
+            rounds.setdefault(name, []).append(value)
+    return rounds
 
 
 def cannot_run(transport: str, spec: EngineSpec, trainer_device: str) -> str | None:
@@ -140,12 +503,18 @@ def cannot_run(transport: str, spec: EngineSpec, trainer_device: str) -> str | N
             f"the trainer and the worker are both on {trainer}, and NCCL cannot put two ranks on one GPU "
             "(use two GPUs, or ipc:// on one)"
         )
-    if transport == "ipc" and (trainer is None or trainer != worker or spec.kind != "torch"):
+    if transport == "ipc" and (
+        trainer is None or trainer != worker or len(workers) != 1 or spec.kind not in IPC_ENGINES
+    ):
         return (
-            "ipc:// needs the trainer's weights and a torch worker on the same GPU; here: trainer on "
+            "ipc:// needs the trainer's weights and a torch or vllm worker on the same one GPU; here: trainer on "
             f"{trainer_device}, {spec.kind} worker on {spec.device}"
         )
     return None
+
+
+IPC_ENGINES = ("torch", "vllm")
+"""The engines that open an ipc:// version: torch in the worker's process, vLLM in its worker process (one GPU)."""
 
 
 def _gpu(device: str) -> torch.device | None:
@@ -167,7 +536,7 @@ def _measure(
     spec: EngineSpec,
     model: Path,
     weights: list[dict[str, torch.Tensor]],
-    transport: str,
+    transports: list[tuple[str, str]],
     rounds: int,
     mode: PauseMode,
     log: Path,
@@ -175,23 +544,19 @@ def _measure(
     task: Any,
     idle: bool = False,
     workers: int = 1,
-) -> dict[str, Any]:
-    timings: dict[str, list[float]] = {"publish_s": [], "sync_s": [], "publish_to_serving_s": [], "stall_s": []}
-    if workers > 1:
-        timings["stall_max_s"] = []
-    broadcasts: dict[str, list[float]] = {
-        "join_s": [],
-        "setup_s": [],
-        "ready_s": [],
-        "broadcast_s": [],
-        "gb_per_s": [],
-    }
+) -> list[dict[str, Any]]:
+    """Start the workers on `model`, keep them busy, and publish `rounds` versions by each of `transports` ((name, uri)
+    pairs) in turn; one row per transport. A failure (a worker that exits, a sync that fails) ends the measurement:
+    the transport's row says why (`error`), with what its rounds so far measured, and those after it did not run."""
+    rows: list[dict[str, Any]] = []
     with RedisServer() as server:
         url = server.url
-        env = gpu_of(spec.device) if spec.kind == "vllm" else None  # vLLM takes the first GPU it sees
+        gpus = (gpu_of(spec.device) or {}) if spec.kind == "vllm" else {}  # vLLM takes the first GPU it sees
+        env = {"COLUMNS": "250"} | gpus  # the worker's log lines unwrapped, for `read_breakdown`
         names = ["bench-sync-worker"] if workers == 1 else [f"bench-sync-worker-{i}" for i in range(workers)]
         logs = [log] if workers == 1 else [log.with_name(f"{log.stem}-{i}{log.suffix}") for i in range(workers)]
         started_workers: list[Any] = []
+        published = 0
         try:
             for name, worker_log in zip(names, logs, strict=True):
                 started_workers.append(
@@ -204,43 +569,113 @@ def _measure(
             for i in range(0 if idle else 64 * workers):  # keep the workers busy: a sync interrupts real generation
                 client.submit(tokens=[5 + i % 100, 6, 7, 8], n=2, max_tokens=400, seed=i)
             heartbeats = [client.streams.keys.worker(name) for name in names]
-            for r in range(rounds):
-                started = time.perf_counter()
-                version = client.publish_weights(weights[(r + 1) % 2], transport=transport, mode=mode)
-                published = time.perf_counter()
-                stalls: dict[int, float] = {}
-                while len(stalls) < workers:  # every worker serving the new version, each with its own stall
-                    for index, heartbeat in enumerate(heartbeats):
-                        if index in stalls:
-                            continue
-                        status, served, stall = client.streams.redis.hmget(heartbeat, "status", "version", "stall_s")
-                        if (status, served) == (b"serving", str(version).encode()):
-                            stalls[index] = float(stall or 0.0)
-                        elif started_workers[index].poll() is not None:
-                            code = started_workers[index].returncode
-                            raise RuntimeError(f"a worker exited with code {code}; its log: {logs[index]}")
-                    time.sleep(0.001)
-                resumed = time.perf_counter()
-                sync_s = client.last_sync.stall_s if client.last_sync else 0.0
-                timings["sync_s"].append(sync_s)
-                timings["publish_s"].append(published - started - sync_s)
-                timings["publish_to_serving_s"].append(resumed - started)
-                timings["stall_s"].append(statistics.median(stalls.values()))
-                if workers > 1:
-                    timings["stall_max_s"].append(max(stalls.values()))
-                if transport.startswith("nccl://") and client.last_broadcast is not None:
-                    stats = client.last_broadcast
-                    broadcasts["join_s"].append(stats.join_s)
-                    broadcasts["setup_s"].append(stats.setup_s)
-                    broadcasts["ready_s"].append(stats.ready_s)
-                    broadcasts["broadcast_s"].append(stats.transfer_s)
-                    broadcasts["gb_per_s"].append(stats.gb_per_s)
-                progress.advance(task)
-            held = _forget_exports(client, transport)
+            for transport, uri in transports:
+                run = _Rounds(workers)
+                try:
+                    for _ in range(rounds):
+                        run.publish(client, _next_version(weights, published), uri, mode, heartbeats, started_workers,
+                                    logs)  # fmt: skip
+                        published += 1
+                        progress.advance(task)
+                    rows.append(run.row(_held(transport)))
+                except (Exception, KeyboardInterrupt) as exc:  # the row says why; what ran so far stays in it
+                    rows.append(run.row({}) | {"error": why(exc)})
+                    break
+            _forget_exports(client, [uri for _, uri in transports])
+        except (Exception, KeyboardInterrupt) as exc:  # starting the workers, or after the rounds: a row says why
+            if not rows or "error" not in rows[-1]:
+                rows[-1:] = [(rows[-1:] or [{}])[0] | {"error": why(exc)}]
         finally:
             for worker in started_workers:
                 stop_process(worker)
-    return summarize(timings | broadcasts) | held
+    failed = next((str(row["error"]) for row in rows if "error" in row), "")
+    rows += [{"skipped": f"not run: the worker failed before ({failed})"} for _ in transports[len(rows) :]]
+    if workers == 1:  # where the stall went, from the worker's log (complete once it stopped)
+        found = read_breakdown(log)
+        for row in rows:
+            if rounds_of := breakdown_rounds(row.pop("_stalls", []), row.pop("_versions", []), found):
+                row |= summarize(rounds_of, keep=())
+    for row in rows:
+        row.pop("_stalls", None)
+        row.pop("_versions", None)
+    return rows
+
+
+INTERRUPTED = "interrupted (SIGTERM or Ctrl-C): the rounds before are kept"
+
+
+def why(exc: BaseException) -> str:
+    """A failure as a row's `error`."""
+    return INTERRUPTED if isinstance(exc, KeyboardInterrupt) else f"{type(exc).__name__}: {exc}"
+
+
+class _Rounds:
+    """One transport's publishes and what each measured."""
+
+    def __init__(self, workers: int) -> None:
+        self.workers = workers
+        self.timings: dict[str, list[float]] = {
+            "publish_s": [],
+            "sync_s": [],
+            "publish_to_serving_s": [],
+            "stall_s": [],
+        }
+        if workers > 1:
+            self.timings["stall_max_s"] = []
+        self.broadcasts: dict[str, list[float]] = {
+            "join_s": [],
+            "setup_s": [],
+            "ready_s": [],
+            "broadcast_s": [],
+            "gb_per_s": [],
+        }
+        self.versions: list[int] = []
+
+    def publish(
+        self,
+        client: RolloutClient,
+        tensors: dict[str, torch.Tensor],
+        transport: str,
+        mode: PauseMode,
+        heartbeats: list[str],
+        started_workers: list[Any],
+        logs: list[Path],
+    ) -> None:
+        started = time.perf_counter()
+        version = client.publish_weights(tensors, transport=transport, mode=mode)
+        published = time.perf_counter()
+        stalls: dict[int, float] = {}
+        while len(stalls) < self.workers:  # every worker serving the new version, each with its own stall
+            for index, heartbeat in enumerate(heartbeats):
+                if index in stalls:
+                    continue
+                status, served, stall = client.streams.redis.hmget(heartbeat, "status", "version", "stall_s")
+                if (status, served) == (b"serving", str(version).encode()):
+                    stalls[index] = float(stall or 0.0)
+                elif started_workers[index].poll() is not None:
+                    code = started_workers[index].returncode
+                    raise RuntimeError(f"a worker exited with code {code}; its log: {logs[index]}")
+            time.sleep(0.001)
+        resumed = time.perf_counter()
+        sync_s = client.last_sync.stall_s if client.last_sync else 0.0
+        self.versions.append(version)
+        self.timings["sync_s"].append(sync_s)
+        self.timings["publish_s"].append(published - started - sync_s)
+        self.timings["publish_to_serving_s"].append(resumed - started)
+        self.timings["stall_s"].append(statistics.median(stalls.values()))
+        if self.workers > 1:
+            self.timings["stall_max_s"].append(max(stalls.values()))
+        if transport.startswith("nccl://") and client.last_broadcast is not None:
+            stats = client.last_broadcast
+            self.broadcasts["join_s"].append(stats.join_s)
+            self.broadcasts["setup_s"].append(stats.setup_s)
+            self.broadcasts["ready_s"].append(stats.ready_s)
+            self.broadcasts["broadcast_s"].append(stats.transfer_s)
+            self.broadcasts["gb_per_s"].append(stats.gb_per_s)
+
+    def row(self, held: dict[str, Any]) -> dict[str, Any]:
+        summary = summarize(self.timings | self.broadcasts) if self.timings["stall_s"] else {}
+        return summary | held | {"_stalls": self.timings["stall_s"], "_versions": self.versions}
 
 
 def warm_up(client: RolloutClient, groups: int = 64, timeout_s: float = 600.0) -> None:
@@ -252,29 +687,45 @@ def warm_up(client: RolloutClient, groups: int = 64, timeout_s: float = 600.0) -
     client.collect(groups, timeout=timeout_s)
 
 
-def _forget_exports(client: RolloutClient, transport: str) -> dict[str, Any]:
-    """For ipc: how much GPU memory the trainer held for the worker, then free it (the next run starts at v1)."""
-    if not transport.startswith("ipc://"):
+def _held(transport: str) -> dict[str, Any]:
+    """For ipc: how much GPU memory the trainer holds for the workers now (its last two versions' buffers)."""
+    if transport != "ipc":
         return {}
     from staleness.weights.ipc import held_bytes
 
-    held = {"trainer_held_mib": round(held_bytes() / 2**20, 1)}
-    exports = open_transport(transport, redis_client=client.streams.redis, ns=NS)
-    for version in exports.versions():
-        exports.remove(version)
-    return held
+    return {"trainer_held_mib": round(held_bytes() / 2**20, 1)}
 
 
-def summarize(rounds: dict[str, list[float]]) -> dict[str, Any]:
-    """The first sync on its own (`first_*`: it may build what later ones keep), medians of the later ones, and
-    every round's stall and setup."""
+def _forget_exports(client: RolloutClient, uris: list[str]) -> None:
+    """Free what ipc:// holds for the workers (the next run starts at v1 again)."""
+    for uri in uris:
+        if uri.startswith("ipc://"):
+            exports = open_transport(uri, redis_client=client.streams.redis, ns=NS)
+            for version in exports.versions():
+                exports.remove(version)
+
+
+def summarize(
+    rounds: dict[str, list[float]], keep: Iterable[str] = ("stall_s", "publish_to_serving_s", "setup_s")
+) -> dict[str, Any]:
+    """The first sync on its own (`first_*`: it may build what later ones keep), medians of the later ones, the stall's
+    p90 over them, and every round's values of `keep`."""
     later = {name: values[1:] or values for name, values in rounds.items() if values}
     summary: dict[str, Any] = {name: round(statistics.median(values), 4) for name, values in later.items()}
+    if "stall_s" in later:
+        summary["stall_p90_s"] = round(p90(later["stall_s"]), 4)
     summary |= {f"first_{name}": round(values[0], 4) for name, values in rounds.items() if values}
-    for name in ("stall_s", "publish_to_serving_s", "setup_s"):
+    for name in keep:
         if rounds.get(name):
             summary[f"{name}_rounds"] = [round(v, 4) for v in rounds[name]]
     return summary
+
+
+def p90(values: list[float]) -> float:
+    """The 90th percentile (linear between the order statistics; one value: itself)."""
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=10, method="inclusive")[-1]
 
 
 def bare_broadcast_gb_per_s(nbytes: int, source: str, targets: list[str], repeats: int = 5) -> float:
@@ -318,8 +769,11 @@ def bare_broadcast_gb_per_s(nbytes: int, source: str, targets: list[str], repeat
 def _parameters(model_dir: Path) -> int:
     from safetensors import safe_open
 
-    with safe_open(model_dir / "model.safetensors", framework="pt") as handle:
-        return sum(math.prod(handle.get_slice(key).get_shape()) for key in handle.keys())  # noqa: SIM118
+    count = 0
+    for path in checkpoint_files(model_dir):
+        with safe_open(path, framework="pt") as handle:
+            count += sum(math.prod(handle.get_slice(key).get_shape()) for key in handle.keys())  # noqa: SIM118
+    return count
 
 
 def plot_bench_sync(result: dict[str, Any], path: Path) -> None:
@@ -335,7 +789,7 @@ def plot_bench_sync(result: dict[str, Any], path: Path) -> None:
         rows = [row for row in measured if row["transport"] == transport]
         ax.plot([row["bytes"] / 2**20 for row in rows], [row["stall_s"] for row in rows], marker="o", label=transport)
     ax.set_xscale("log")
-    ax.set_xlabel("weights (MiB, fp32)")
+    ax.set_xlabel(f"weights (MiB, {result.get('dtype', 'float32')})")
     ax.set_ylabel("stall (s, median)")
     ax.set_title(f"{result['engine']} worker: how long it stood still in a sync ({result['mode']})")
     ax.legend()

@@ -119,8 +119,17 @@ def bench_sync(
     ctx: typer.Context,
     engine: EngineOpt = "torch",
     sizes: Annotated[
-        str, typer.Option(help="Model sizes, comma-separated: tiny, small, medium, large, xl, 7b.")
-    ] = "tiny,small,medium",
+        str | None,
+        typer.Option(
+            help="Model sizes, comma-separated: tiny, small, medium, large, xl, 7b (random Qwen2 models), and real "
+            "configurations built as random Qwen2 models: qwen2.5-1.5b, qwen2.5-7b (qwen2-tiny: their features, tiny). "
+            "Default: tiny,small,medium, or none beside --model."
+        ),
+    ] = None,
+    model: Annotated[
+        Path | None,
+        typer.Option(help="A real model's folder (Hugging Face, safetensors), measured before --sizes."),
+    ] = None,
     transports: Annotated[
         str, typer.Option(help="Transports, comma-separated: redis, fs, nccl, ipc.")
     ] = "redis,fs,nccl",
@@ -134,6 +143,7 @@ def bench_sync(
     num_threads: ThreadsOpt = None,
     kv_cache_bytes: KvCacheOpt = None,
     tensor_parallel_size: TpOpt = 1,
+    engine_args: EngineArgsOpt = None,
     trainer_device: Annotated[
         str, typer.Option(help="Where the trainer's weights live (cpu, cuda:0): nccl broadcasts from there.")
     ] = "cpu",
@@ -145,15 +155,27 @@ def bench_sync(
     workers: Annotated[
         int, typer.Option(help="Workers synced at once (the stall: their median; stall_max_s: the slowest).")
     ] = 1,
+    one_worker: Annotated[
+        bool,
+        typer.Option(
+            help="One worker a size, synced by each transport in turn: one engine start a size, not one a transport."
+        ),
+    ] = False,
 ) -> None:
     """The stall of a weight sync (publish_weights → every worker generating again), per transport and size."""
-    from benchmarks.bench_sync import SIZES, TRANSPORTS, plot_bench_sync, run_bench_sync, worker_gpus
+    from benchmarks.bench_sync import TRANSPORTS, plot_bench_sync, run_bench_sync, size_names, worker_gpus
 
-    chosen, paths = sizes.split(","), transports.split(",")
-    if unknown := [s for s in chosen if s not in SIZES]:
-        fail(f"unknown sizes {unknown}; choose from {', '.join(SIZES)}")
+    if sizes is None:
+        sizes = "" if model is not None else "tiny,small,medium"
+    chosen, paths = [s for s in sizes.split(",") if s], transports.split(",")
+    if unknown := [s for s in chosen if s not in size_names()]:
+        fail(f"unknown sizes {unknown}; choose from {', '.join(size_names())}")
     if unknown := [t for t in paths if t not in TRANSPORTS]:
         fail(f"unknown transports {unknown}; choose from {', '.join(TRANSPORTS)}")
+    if model is not None and not (model / "config.json").is_file():
+        fail(f"--model {model}: not a model folder (no config.json there)")
+    if not chosen and model is None:
+        fail("nothing to measure: give --sizes or --model")
     if not is_pause_mode(mode):
         fail(f"--mode must be abort, keep or inflight, not {mode!r}")
     if workers < 1:
@@ -166,11 +188,16 @@ def bench_sync(
     if tensor_parallel_size > 1 and len(worker_gpus(device)) != tensor_parallel_size:
         fail(f"--tensor-parallel-size {tensor_parallel_size} needs as many GPUs in --device (cuda:1,2), not {device!r}")
     with user_errors():
-        result = run_bench_sync(console, spec, chosen, paths, rounds, mode, trainer_device, logs, idle, workers)
+        result = run_bench_sync(
+            console, spec, chosen, paths, rounds, mode, trainer_device, logs, idle, workers, model, one_worker
+        )
         if plot is not None:
             plot_bench_sync(result, plot)
             console.print(f"plot written to {plot}")
     print(json.dumps(result, indent=2))
+    if failed := [f"{row['size']}/{row['transport']}" for row in result["results"] if "error" in row]:
+        console.print(f"error: a sync failed ({', '.join(failed)}): its row says why")
+        raise typer.Exit(1)
 
 
 def bench_rl(
@@ -190,13 +217,24 @@ def bench_rl(
         ),
     ] = "1",
     steps: Annotated[int, typer.Option(help="Trainer steps of each run.")] = 60,
-    target: Annotated[float, typer.Option(help="The eval reward of the current policy to reach.")] = 0.3,
+    target: Annotated[
+        float | None,
+        typer.Option(help="The eval reward of the current policy to reach (default 0.3; a real model: --target-gain)."),
+    ] = None,
     eval_every: Annotated[int, typer.Option(help="Steps between two snapshots evaluated (off the clock).")] = 1,
-    eval_prompts: Annotated[int, typer.Option(help="Held-out prompts each snapshot is evaluated on.")] = 32,
-    groups_per_step: Annotated[int, typer.Option(help="Prompts a step.")] = 16,
+    eval_prompts: Annotated[
+        int, typer.Option(help="Held-out prompts a snapshot is evaluated on (a real model: a task's, at most all).")
+    ] = 32,
+    groups_per_step: Annotated[
+        int, typer.Option("--groups-per-step", "--prompts-per-step", help="Prompts a step.")
+    ] = 16,
     n: Annotated[int, typer.Option(help="Samples a prompt (the GRPO group).")] = 4,
-    max_tokens: Annotated[int, typer.Option(help="The shortest response; the tail goes 16x further.")] = 16,
-    length_alpha: Annotated[float, typer.Option(help="Pareto exponent of response lengths (0: all max_tokens).")] = 1.5,
+    max_tokens: Annotated[
+        int, typer.Option(help="The shortest response; the tail goes 16x further (a real model: a reply's cap).")
+    ] = 16,
+    length_alpha: Annotated[
+        float | None, typer.Option(help="Pareto exponent of response lengths (0: all max_tokens; default 1.5).")
+    ] = None,
     length_sets: Annotated[
         bool, typer.Option(help="The set a prompt names follows its length: the longest quarter is one set.")
     ] = True,
@@ -207,7 +245,7 @@ def bench_rl(
             "the length draw is what the reward demands, 16x --max-tokens the cap)."
         ),
     ] = 0,
-    lr: Annotated[float, typer.Option(help="AdamW's learning rate.")] = 1e-3,
+    lr: Annotated[float | None, typer.Option(help="AdamW's learning rate (default 1e-3; a real model 2e-5).")] = None,
     objective: Annotated[str, typer.Option(help="decoupled or ppo (producers.grpo).")] = "decoupled",
     is_cap: Annotated[float, typer.Option(help="The importance weight's cap (decoupled).")] = 2.0,
     minibatches: Annotated[int, typer.Option(help="Optimizer steps a batch.")] = 1,
@@ -233,10 +271,36 @@ def bench_rl(
         str, typer.Option(help="The worker's --log-level (info: every sync's parts).")
     ] = "warning",
     plot: Annotated[Path | None, typer.Option(help="Draw the eval reward against wall time to this PNG.")] = None,
+    model: Annotated[
+        Path | None,
+        typer.Option(
+            help="A real model: smollm2 (SmolLM2-135M-Instruct, built once) or a folder; text tasks, "
+            "held-out accuracy (default: a random tiny model on the token-set task)."
+        ),
+    ] = None,
+    task: Annotated[
+        str | None,
+        typer.Option(help="With --model: producers.tasks names, comma-separated (default arithmetic:sum-1d)."),
+    ] = None,
+    curriculum: Annotated[str, typer.Option(help="Several --task: mix (uniform) or staged (one more a stage)")] = "mix",
+    target_gain: Annotated[
+        float | None,
+        typer.Option(help="With --model: the target is the base policy's held-out accuracy + this (default 0.25)."),
+    ] = None,
+    eval_samples: Annotated[int, typer.Option(help="With --model: samples a held-out problem (temperature 1).")] = 4,
+    trainer_dtype: Annotated[str, typer.Option(help="The trainer's step: float32, or bfloat16 (autocast)")] = "float32",
+    worker_dtype: Annotated[str, typer.Option(help="The workers' weights: float32 or bfloat16.")] = "float32",
+    direct_steps: Annotated[
+        int,
+        typer.Option(help="With --model: the first steps' prompts generated by the engine called directly (0: none)."),
+    ] = 1,
 ) -> None:
     """Wall time to a target reward of the current policy: sync, one-step-off and async side by side (on fleets of
-    --workers workers); JSON out."""
+    --workers workers); JSON out. With --model: a real model on a text task, to a held-out accuracy."""
+    from dataclasses import replace
+
     from benchmarks.bench_rl import Mode, Settings, load_trainer, plot_bench_rl, run_bench_rl, trainer_errors
+    from benchmarks.bench_rl_real import real_choice
 
     if engine not in ("torch", "vllm"):
         fail(f"--engine must be torch or vllm, not {engine!r}")
@@ -249,20 +313,32 @@ def bench_rl(
         fleets = [int(w) if w.strip().isdigit() else 0 for w in workers.split(",")]
         if not fleets or min(fleets) < 1 or len(set(fleets)) < len(fleets):
             fail(f"--workers takes distinct worker counts >= 1, comma-separated (1,2,4), not {workers!r}")
+        for flag, dtype in (("--trainer-dtype", trainer_dtype), ("--worker-dtype", worker_dtype)):
+            if dtype not in ("float32", "bfloat16"):
+                fail(f"{flag} {dtype}: use float32 or bfloat16")
+        real = real_choice(model, task, target, target_gain, lr, length_alpha, stop_set, eval_samples)
         trainer = load_trainer()
         base = trainer.TrainConfig(
-            steps=steps, groups_per_step=groups_per_step, n=n, max_tokens=max_tokens, length_alpha=length_alpha,
-            length_sets=length_sets, stop_set=stop_set, lr=lr, objective=objective, is_cap=is_cap,
-            minibatches=minibatches, sync_every=sync_every, park_max_age=park_max_age, pause_mode=pause_mode,
-            transport=transport, device=trainer_device,
+            steps=steps, groups_per_step=groups_per_step, n=n, max_tokens=max_tokens,
+            length_alpha=1.5 if length_alpha is None else length_alpha, length_sets=length_sets, stop_set=stop_set,
+            lr=1e-3 if lr is None else lr, objective=objective, is_cap=is_cap, minibatches=minibatches,
+            sync_every=sync_every, park_max_age=park_max_age, pause_mode=pause_mode, transport=transport,
+            device=trainer_device, dtype=trainer_dtype,
         )  # fmt: skip
+        if real is not None:
+            base = replace(base, task=real.task, curriculum=curriculum, lr=real.lr, length_alpha=0.0,
+                           length_sets=False)  # fmt: skip
         worker_args: tuple[str, ...] = ("--max-batch", str(max_batch)) if max_batch else ()
         worker_args += ("--engine-args", engine_args) if engine_args else ()
+        worker_args += ("--dtype", worker_dtype) if worker_dtype != "float32" else ()
         worker_args += ("--log-level", worker_log_level)
         settings = Settings(
-            modes=chosen, seeds=seed_list, steps=steps, target=target, eval_every=eval_every,
+            modes=chosen, seeds=seed_list, steps=steps, eval_every=eval_every,
+            target=(0.3 if target is None else target) if real is None else (real.target or 0.0),
             eval_prompts=eval_prompts, engine=engine, worker_args=worker_args, worker_device=worker_device,
             logs=logs, hidden_size=hidden_size, num_layers=num_layers, workers=tuple(fleets),
+            model=None if real is None else real.model, target_gain=None if real is None else real.target_gain,
+            eval_samples=eval_samples, direct_steps=direct_steps,
         )  # fmt: skip
         torch_threads()
         with trainer_errors():

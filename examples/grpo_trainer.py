@@ -11,6 +11,15 @@ at a namespace whose workers you run yourself and pass `--workers 0`).
     python examples/grpo_trainer.py --steps 60 --mode sync
     python examples/grpo_trainer.py --engine remote --url http://127.0.0.1:8000 --model MODEL  # a vLLM server
 
+Tasks. `--task token-set` (the default) is the task the random tiny model learns, on token ids. With a real model
+(`--model smollm2`, SmolLM2-135M-Instruct), `--task` names text tasks of `producers.tasks`, comma-separated
+(`arithmetic:sum-1d,arithmetic:times-table`): prompts from their train splits through the model's chat template,
+exact-match rewards on the decoded reply, `--max-tokens` the cap of a reply the policy ends itself; with several,
+`--curriculum` mixes them (`mix`) or brings them in stage by stage (`staged`).
+
+    python examples/grpo_trainer.py --model smollm2 --task arithmetic:sum-1d --lr 2e-5 --groups-per-step 8 \
+        --max-tokens 64 --steps 8 --mode async --max-staleness 1
+
 Modes. `sync`: submit a step's prompts, wait for all of them, train, publish; every sample is of
 the current policy. `one-step-off`: the next step's prompts are generated while the trainer steps on
 this one's, and weights are published between batches (nothing is in flight then): every sample is one
@@ -52,12 +61,24 @@ from pipeline.wire import PauseMode, Rollout
 from producers.client import Batch, ParkingBound, RolloutClient
 from producers.grpo import grpo_step
 from producers.rl import ImportanceWeights
-from producers.tasks import TokenSetTask, token_set_reward
+from producers.tasks import Problem, TokenSetTask, get_task, text_reward, token_set_reward
+from producers.tasks.base import stable_hash
+
+TOKEN_SET = "token-set"
+"""`TrainConfig.task`'s default: the token-set task (`producers.tasks.TokenSetTask`), on token ids."""
+CURRICULA = ("mix", "staged")
 
 
 @dataclass
 class TrainConfig:
     steps: int = 60
+    task: str = TOKEN_SET
+    """`token-set` (the tiny model's task, on token ids), or text tasks of `producers.tasks`, comma-separated
+    (`arithmetic:sum-1d,arithmetic:times-table`; a real model's, with its chat template): prompts from their train
+    splits, exact-match rewards; `max_tokens` is then the cap of a reply the policy ends itself."""
+    curriculum: str = "mix"
+    """With several text tasks: `mix` (each prompt's task drawn uniformly) or `staged` (the run's steps in as many
+    stages as tasks; stage k draws uniformly from the first k + 1, so the earlier ones stay in the mix)."""
     mode: str = "async"
     """`sync`, `one-step-off` or `async`."""
     max_staleness: int = 2
@@ -127,7 +148,25 @@ class TrainConfig:
             out.append(f"--dtype {self.dtype}: use float32 or bfloat16")
         if self.park_max_age >= 0 and self.mode != "async":
             out.append("--park-max-age is for --mode async (nothing in sync or one-step-off is older than it must be)")
+        if self.curriculum not in CURRICULA:
+            out.append(f"--curriculum {self.curriculum}: use {' or '.join(CURRICULA)}")
+        if self.task != TOKEN_SET:
+            for name in self.task.split(","):
+                try:
+                    get_task(name)
+                except ValueError as exc:
+                    out.append(f"--task: {exc}")
+            if self.length_alpha > 0 or self.length_sets or self.stop_set:
+                out.append("--length-alpha, --length-sets and --stop-set are the token-set task's (a text task's "
+                           "policy ends its own reply; --max-tokens is its cap)")  # fmt: skip
+            if self.scoring != "trainer":
+                out.append("--scoring inline|rq is for the token-set task (text tasks are scored in the trainer)")
         return out
+
+    @property
+    def text_tasks(self) -> bool:
+        """Whether `task` names text tasks (a real model's) rather than the token-set task."""
+        return self.task != TOKEN_SET
 
 
 @dataclass
@@ -168,6 +207,9 @@ class StepLog:
     elapsed_s: float
     reward_errors: int = 0
     """Samples the scoring stage gave a `reward_error` (trained on with reward 0: no gradient from their group)."""
+    groups: int = 0
+    flat_groups: int = 0
+    """Groups whose rewards are all equal (all right or all wrong): no advantage, no signal for the update."""
     ids: list[str] = field(default_factory=list, repr=False)
 
 
@@ -273,6 +315,40 @@ def generation_side(
         stop_processes([process for process, _ in processes.values()])
 
 
+class TextPrompts:
+    """The prompts of a run on text tasks (`TrainConfig.task`): prompt `index` is a train problem of the task
+    `index` falls to (`TrainConfig.curriculum`), a pure function of the seed and the index, so every mode of one seed
+    sees the same sequence. Within each window of `WINDOW` indices a task's problems are distinct (drawn without
+    repeats from its train split); windows draw afresh."""
+
+    WINDOW = 32
+
+    def __init__(self, config: TrainConfig) -> None:
+        self.tasks = [get_task(name) for name in config.task.split(",")]
+        self.seed, self.curriculum = config.seed, config.curriculum
+        self.steps, self.groups_per_step = config.steps, config.groups_per_step
+        self._windows: dict[tuple[int, int], list[Problem]] = {}
+
+    def task_of(self, index: int) -> int:
+        """Which task prompt `index` is of: uniform over all (`mix`), or over those its stage has brought in."""
+        k = len(self.tasks)
+        if self.curriculum == "staged":
+            step = index // max(self.groups_per_step, 1)
+            k = min(k, 1 + step * k // max(self.steps, 1))
+        return stable_hash(f"{self.seed}|task|{index}") % k
+
+    def problem(self, index: int) -> Problem:
+        which = self.task_of(index)
+        task, window = self.tasks[which], index // self.WINDOW
+        if (which, window) not in self._windows:
+            size = task.split_size("train")
+            count = self.WINDOW if size is None else min(self.WINDOW, size)
+            seed = stable_hash(f"{self.seed}|{task.name}|{window}") % 2**31
+            self._windows[(which, window)] = task.problems("train", count, seed=seed)
+        drawn = self._windows[(which, window)]
+        return drawn[index % len(drawn)]
+
+
 def prompt_length(config: TrainConfig, rng: random.Random) -> tuple[int, int | None]:
     """A prompt's `max_tokens`, and with `length_sets` the set it names (the quarter of the length law it is in)."""
     if config.length_alpha <= 0:
@@ -283,11 +359,19 @@ def prompt_length(config: TrainConfig, rng: random.Random) -> tuple[int, int | N
     return max_tokens, min(n_sets - 1, int((1.0 - u) * n_sets)) if config.length_sets else None
 
 
-def submit_next(client: RolloutClient, task: TokenSetTask, config: TrainConfig, rng: random.Random, index: int,
-                run: str, timeout: float | None = None) -> None:  # fmt: skip
+def submit_next(client: RolloutClient, task: TokenSetTask | TextPrompts, config: TrainConfig, rng: random.Random,
+                index: int, run: str, timeout: float | None = None) -> None:  # fmt: skip
     """Make prompt `index` of the run (the same sequence in every mode, for one seed) and submit it, as prompt
     `{run}-s{seed}-p{index}`: `run` is new each run, so that a second run on the same namespace never reuses a
     rollout id (the publisher and the client drop a rollout whose id was seen)."""
+    if isinstance(task, TextPrompts):  # text through the chat template; the policy ends its reply, max_tokens caps it
+        problem = task.problem(index)
+        client.submit(
+            problem.prompt, n=config.n, max_tokens=config.max_tokens, temperature=config.temperature,
+            seed=config.seed * 1_000_000 + index, meta=problem.meta, id=f"{run}-s{config.seed}-p{index}",
+            timeout=timeout,
+        )  # fmt: skip
+        return
     max_tokens, named_set = prompt_length(config, rng)
     tokens, meta = task.prompt(rng, named_set)
     stop_ids = task.stop_ids(config.stop_set)
@@ -300,7 +384,9 @@ def submit_next(client: RolloutClient, task: TokenSetTask, config: TrainConfig, 
     )  # fmt: skip
 
 
-def produce(client: RolloutClient, task: TokenSetTask, config: TrainConfig, stop: threading.Event, run: str) -> None:
+def produce(
+    client: RolloutClient, task: TokenSetTask | TextPrompts, config: TrainConfig, stop: threading.Event, run: str
+) -> None:
     """Async mode: submit prompts for ever; admission holds this thread back when (η + v + 1) x B are in use."""
     rng = random.Random(config.seed)
     index = 0
@@ -314,7 +400,11 @@ def produce(client: RolloutClient, task: TokenSetTask, config: TrainConfig, stop
 
 
 def batches_of(
-    client: RolloutClient, task: TokenSetTask, config: TrainConfig, publish: Callable[[], None], run: str
+    client: RolloutClient,
+    task: TokenSetTask | TextPrompts,
+    config: TrainConfig,
+    publish: Callable[[], None],
+    run: str,
 ) -> Iterator[Batch]:
     """The batches the trainer steps on. In `one-step-off` mode this also publishes (`publish`): between batches,
     once the next one is generated and before its successor is submitted, so that no sample spans a sync."""
@@ -364,13 +454,20 @@ def train(config: TrainConfig, url: str, ns: str, model: Path, on_step: OnStep |
     policy.train()
     optimizer = torch.optim.AdamW(policy.parameters(), lr=config.lr)
     importance = ImportanceWeights(config.is_level, config.is_mode, config.is_cap)  # type: ignore[arg-type]  # argparse checked the names
-    task = TokenSetTask()
+    task = TextPrompts(config) if config.text_tasks else TokenSetTask()
     park = ParkingBound(config.park_max_age, config.park_max_share) if config.park_max_age >= 0 else None
     samples_per_version = config.batch_size * config.sync_every
+    tokenizer = model if config.text_tasks else None  # text prompts go through the model's chat template
     if config.mode == "async":
-        client = RolloutClient(url, ns, park=park, max_staleness=config.max_staleness, batch_size=samples_per_version)
+        client = RolloutClient(
+            url, ns, park=park, max_staleness=config.max_staleness, batch_size=samples_per_version, tokenizer=tokenizer
+        )
     else:
-        client = RolloutClient(url, ns, park=park)
+        client = RolloutClient(url, ns, park=park, tokenizer=tokenizer)
+    reward: Callable[[Rollout], float] = token_set_reward if config.scoring == "trainer" else stage_reward
+    if config.text_tasks:
+        decoder = client.tokenizer
+        reward = text_reward(lambda ids: str(decoder.decode(ids, skip_special_tokens=True)))
     version = client.admission_usage().version
     published: dict[str, float] = {}
 
@@ -394,7 +491,6 @@ def train(config: TrainConfig, url: str, ns: str, model: Path, on_step: OnStep |
             trainer_version = version
             t0 = time.monotonic()
             rollouts = batch.rollouts
-            reward = token_set_reward if config.scoring == "trainer" else stage_reward
             out = grpo_step(
                 policy, optimizer, batch, reward, objective=config.objective, importance=importance,  # type: ignore[arg-type]  # argparse checked it
                 clip_low=config.clip_low, clip_high=config.clip_high, minibatches=config.minibatches,
@@ -416,6 +512,7 @@ def train(config: TrainConfig, url: str, ns: str, model: Path, on_step: OnStep |
                 sync_stall_s=published.get("stall_s", 0.0), publish_s=published.get("s", 0.0), samples=len(rollouts),
                 tokens=sum(r.n_tokens for r in rollouts), parked=client.stats["stale"] - parked_before,
                 elapsed_s=elapsed, reward_errors=sum(r.reward_error is not None for r in rollouts),
+                groups=len(out.rewards), flat_groups=sum(len(set(g)) <= 1 for g in out.rewards),
                 ids=[r.id for r in rollouts],
             )  # fmt: skip
             parked_before = client.stats["stale"]
@@ -468,13 +565,15 @@ def main(argv: list[str] | None = None) -> None:
         "mode": ["sync", "one-step-off", "async"], "pause_mode": ["abort", "keep", "inflight"],
         "scoring": ["trainer", "inline", "rq"], "objective": ["decoupled", "ppo"],
         "is_level": ["token", "sequence", "geometric"], "is_mode": ["truncate", "mask"],
-        "dtype": ["float32", "bfloat16"],
+        "dtype": ["float32", "bfloat16"], "curriculum": list(CURRICULA),
     }  # fmt: skip
     for name, value in asdict(defaults).items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value, choices=choices.get(name))
     parser.add_argument("--redis", help="Redis URL (default: a private redis-server, started here).")
     parser.add_argument("--ns", default="grpo")
-    parser.add_argument("--model", type=Path, help="Model directory (default: a fresh tiny model).")
+    parser.add_argument(
+        "--model", type=Path, help="Model directory, or smollm2 (SmolLM2-135M-Instruct; default: a fresh tiny model)."
+    )
     parser.add_argument("--engine", default="torch", choices=["torch", "vllm", "remote"])
     parser.add_argument("--url", help="--engine remote: the vLLM server the workers drive (it serves --model).")
     parser.add_argument("--workers", type=int, default=1, help="Workers to start here (0: yours are running).")
@@ -489,6 +588,17 @@ def main(argv: list[str] | None = None) -> None:
     config = TrainConfig(**{name: getattr(args, name) for name in asdict(defaults)})
     for problem in config.problems():
         parser.error(problem)
+    if config.text_tasks and args.model is None:
+        parser.error(f"--task {config.task} needs a real model with a chat template: --model smollm2 (or a folder)")
+    if args.model is not None and not args.model.exists():  # `smollm2`: its cached folder, built on first use
+        from consumers.engines.pretrained import MODELS, PretrainedError, build_pretrained
+
+        if str(args.model) not in MODELS:
+            parser.error(f"--model {args.model}: no such folder (or a pretrained model's name: {', '.join(MODELS)})")
+        try:
+            args.model = build_pretrained(str(args.model))
+        except PretrainedError as exc:
+            parser.error(str(exc))
     torch.set_num_threads(1)  # the trainer on one core, the worker on the other
     with contextlib.ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="grpo-")))
@@ -519,7 +629,7 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(f"grpo_trainer: the run stopped after {len(logs)} steps: {exc}")
         print(json.dumps(summarize(config, logs, url, args.ns)), flush=True)
         if args.plot:
-            plot(logs, args.plot, f"GRPO on the token-set task ({config.mode})")
+            plot(logs, args.plot, f"GRPO on {config.task} ({config.mode})")
 
 
 if __name__ == "__main__":

