@@ -203,6 +203,7 @@ def run_bench_sync(
         "rounds": rounds,
         "workers": workers,
         "one_worker": one_worker,
+        "vllm_extension": spec.engine_args.get("worker_extension_cls") if spec.kind == "vllm" else None,
         "gpu": torch.cuda.get_device_name(_gpu(trainer_device)) if _gpu(trainer_device) is not None else None,
         "copy_tb_per_s": None if copy is None else round(copy / 1e12, 3),
         "results": results,
@@ -423,7 +424,7 @@ class TimedWorkerExtension(RolloutsWorkerExtension):
         began = time.perf_counter()
         with opened(Manifest.from_json(manifest, "the manifest sent", version), self.device) as tensors:
             was_open = time.perf_counter()
-            self.reload_weights(weights_iterator=iter(tensors.items()))
+            self.rollouts_reload(iter(tensors.items()))
             reloaded = time.perf_counter()
             torch.cuda.synchronize(self.device)
             _say_load("ipc", version, was_open - began, reloaded - was_open, time.perf_counter() - reloaded, tensors)
@@ -433,12 +434,20 @@ class TimedWorkerExtension(RolloutsWorkerExtension):
         began = time.perf_counter()
         tensors = load(blob)
         was_open = time.perf_counter()
-        self.reload_weights(weights_iterator=iter(tensors.items()))
+        self.rollouts_reload(iter(tensors.items()))
         reloaded = time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         _say_load("blob", -1, was_open - began, reloaded - was_open, time.perf_counter() - reloaded, tensors)
         return len(tensors)
+
+
+class TimedLayerwiseExtension(TimedWorkerExtension):
+    """`TimedWorkerExtension` held to vLLM's layerwise `reload_weights`, the load every version took before the
+    engine's direct one: `--engine-args '{"worker_extension_cls": "benchmarks.bench_sync.TimedLayerwiseExtension"}'`
+    measures the two side by side."""
+
+    _rollouts_layerwise = "held to it by bench-sync (TimedLayerwiseExtension)"
 
 
 def _say_load(kind: str, version: int, open_s: float, reload_s: float, wait_s: float, tensors: dict[str, Any]) -> None:

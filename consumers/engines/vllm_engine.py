@@ -257,6 +257,9 @@ class VllmEngine(EngineLifecycle):
         self._asleep: set[WakePart] = set()
         """The parts of a sleep not woken yet (`wake_up`)."""
         self._closing = False
+        self.load_path: str | None = None
+        """How vLLM's worker processes load a version, once started: "direct" or "layerwise: WHY"
+        (`RolloutsWorkerExtension.rollouts_load_path`)."""
         self._reference: WeightLayout | bool | None = False
         """Tensor names and shapes of the model's own checkpoint: what a new one must match."""
         self._finished_tokens = 0
@@ -307,6 +310,7 @@ class VllmEngine(EngineLifecycle):
                 await llm.update_weight_version(str(self.version))
                 if self.max_loras and current_platform.is_cpu():
                     await llm.collective_rpc("rollouts_mask_base_lora_rows")
+                self.load_path = " / ".join(sorted(set(await llm.collective_rpc("rollouts_load_path"))))
             except BaseException:
                 await asyncio.to_thread(llm.shutdown)
                 raise
@@ -314,7 +318,9 @@ class VllmEngine(EngineLifecycle):
             del llm  # only `self._llm` may hold it: `shutdown` must be able to free it
             self._died = asyncio.get_running_loop().create_future()
             self._monitor = asyncio.create_task(self._watch_engine(self._died))
-            log.info("vLLM engine on %s started (version %d)", self.model_dir, self.version)
+            log.info(
+                "vLLM engine on %s started (version %d); versions load %s", self.model_dir, self.version, self.load_path
+            )
 
     async def _watch_engine(self, died: asyncio.Future[None]) -> None:
         """Resolve `died` once the engine errored or was shut down.

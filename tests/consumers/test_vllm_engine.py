@@ -417,6 +417,9 @@ def test_bad_checkpoints_are_refused_and_tensors_load_from_memory(
         return old, from_memory, from_file
 
     old, from_memory, from_file = served.run(go())
+    # On a CPU vLLM repacks each linear layer's weight after loading it: a version goes through its layerwise reload
+    # (a GPU loads unquantized weights directly: tests/staleness/test_ipc.py's vLLM test, run on the device).
+    assert engine.load_path == "layerwise: vLLM repacks weights after loading them on cpu"
     assert old.spans == [(0, 0, 10)]
     assert_matches_forward(tiny_model_dir, LONG_PROMPT, old)
     assert from_memory.spans == [(7, 0, 10)]
