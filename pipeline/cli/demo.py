@@ -20,9 +20,10 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.live import Live
@@ -58,9 +59,12 @@ def run_demo(
     train_steps: int | None = None,
     plot: Path | None = None,
     model: str = "tiny",
+    out: Console | None = None,
 ) -> None:
     """The demo; `plot`: where to write the learning curve as a PNG (None: nowhere); `model`: one of `MODELS`;
-    `train_steps`: None for the model's default (`TRAIN_STEPS`, or the real model's `demo_real.TRAIN_STEPS`)."""
+    `train_steps`: None for the model's default (`TRAIN_STEPS`, or the real model's `demo_real.TRAIN_STEPS`);
+    `console` takes the progress and notices, `out` (default: `console`) the results: the summary, the learning, the
+    commands to look inside."""
     from pipeline.cli import demo_real
 
     if model not in MODELS:
@@ -75,7 +79,7 @@ def run_demo(
         tmp: Path | None = None
         try:
             tmp = Path(tempfile.mkdtemp(prefix="rollouts-demo-"))
-            _run(console, tmp, prompts, n, max_tokens, keep, train_steps, plot, model)
+            _run(console, out or console, tmp, prompts, n, max_tokens, keep, train_steps, plot, model)
         finally:  # however it ended: done, a failure, Ctrl-C, SIGTERM
             if tmp is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -83,6 +87,7 @@ def run_demo(
 
 def _run(
     console: Console,
+    out: Console,
     tmp: Path,
     prompts: int,
     n: int,
@@ -124,16 +129,16 @@ def _run(
                 )
             groups = _receive(console, client, prompts)
             elapsed = time.monotonic() - started
-            _summary(console, client, groups, elapsed)
+            _summary(out, client, groups, elapsed)
             if train_steps and kind == "tiny":
                 rows = _train(console, url, model, train_steps)
-                _report_training(console, rows, plot)
+                _report_training(out, rows, plot)
             elif train_steps:
                 from pipeline.cli.demo_real import report_real, train_real
 
-                report_real(console, train_real(console, url, NS, model, train_steps), plot)
+                report_real(out, train_real(console, url, NS, model, train_steps), plot)
             if keep:  # the lines to look inside while this Redis runs, then wait
-                _look_inside(console, client, server)
+                _look_inside(out, client, server)
                 console.print(
                     "[bold]--keep[/]: Redis and the worker stay up; Ctrl-C (or SIGTERM) stops them and removes the "
                     "demo's files.",
@@ -313,21 +318,33 @@ def _report_training(console: Console, rows: list[StepRow], plot: Path | None) -
         f"{rows[-1].elapsed_s:.1f} s; the worker now runs policy version {rows[-1].version}",
         soft_wrap=True,
     )
+    save_curve(console, plot, lambda path: _plot_curve(rows, path))
+
+
+def save_curve(console: Console, plot: Path | None, draw: Callable[[Path], None]) -> None:
+    """Have `draw` write the learning curve to `plot` as a PNG and say where; None: say how to have it."""
     if plot is None:
         console.print("[bold]learning curve[/]: not saved; --plot PATH writes it as a PNG", soft_wrap=True)
         return
-    _plot_curve(rows, plot)
+    draw(plot)
     console.print(f"[bold]learning curve[/]: {plot.resolve()}", soft_wrap=True)
 
 
-def _plot_curve(rows: list[StepRow], path: Path) -> None:
-    """Reward per step, and what it was trained on (staleness, KL), side by side."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg  # the Agg backend, without pyplot's global state
+def two_panels() -> tuple[Any, Any, Any]:
+    """A figure of two plots side by side (the demos' curves): the figure and its left and right axes. Matplotlib's
+    Agg backend, without pyplot's global state."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(10, 3.6))
     FigureCanvasAgg(fig)
     left, right = fig.subplots(1, 2)
+    return fig, left, right
+
+
+def _plot_curve(rows: list[StepRow], path: Path) -> None:
+    """Reward per step, and what it was trained on (staleness, KL), side by side."""
+    fig, left, right = two_panels()
     steps = [r.step + 1 for r in rows]
     left.plot(steps, [r.reward for r in rows], marker=".")
     left.set(xlabel="step (= policy version published)", ylabel="mean reward", ylim=(0, 1.02))

@@ -215,6 +215,8 @@ def _held(held: HeldOut | None) -> str:
 
 def report_real(console: Console, run: RealRun, plot: Path | None) -> None:
     """One line: the held-out accuracy from the base to the last version, and the curve as a PNG at `plot`."""
+    from pipeline.cli.demo import save_curve
+
     base, last = run.evals[0], run.evals[-1]
     console.print(
         f"[bold]held-out accuracy[/] {base.accuracy:.0%} (v{base.version}) → {last.accuracy:.0%} (v{last.version}) "
@@ -222,15 +224,14 @@ def report_real(console: Console, run: RealRun, plot: Path | None) -> None:
         f"{run.rows[-1].elapsed_s:.0f} s of training",
         soft_wrap=True,
     )
-    if plot is None:
-        console.print("[bold]learning curve[/]: not saved; --plot PATH writes it as a PNG", soft_wrap=True)
-        return
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    save_curve(console, plot, lambda path: _plot_real(run, path))
 
-    fig = Figure(figsize=(10, 3.6))
-    FigureCanvasAgg(fig)
-    left, right = fig.subplots(1, 2)
+
+def _plot_real(run: RealRun, path: Path) -> None:
+    """Held-out accuracy against time, and the train reward per step, side by side."""
+    from pipeline.cli.demo import two_panels
+
+    fig, left, right = two_panels()
     left.plot([e.elapsed_s for e in run.evals], [e.accuracy for e in run.evals], marker="o")
     left.set(xlabel="seconds", ylabel="held-out accuracy", ylim=(0, 1.02))
     left.set_title("SmolLM2-135M-Instruct, one-digit sums: held-out accuracy")
@@ -238,5 +239,4 @@ def report_real(console: Console, run: RealRun, plot: Path | None) -> None:
     right.set(xlabel="step", ylabel="train reward", ylim=(0, 1.02))
     right.set_title("train reward per step")
     fig.tight_layout()
-    fig.savefig(plot, dpi=110)
-    console.print(f"[bold]learning curve[/]: {plot.resolve()}", soft_wrap=True)
+    fig.savefig(path, dpi=110)
