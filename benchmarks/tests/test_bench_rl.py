@@ -280,6 +280,9 @@ def wait_for_generating_worker(root: int, name: str, timeout_s: float) -> int:
 
 
 @pytest.mark.timeout(900)
+@pytest.mark.long(
+    "bench-rl runs in test_on_two_workers_both_serve_and_the_report_has_the_fleet_figures_with_progress_lines_on_a_pipe"
+)
 def test_async_at_eta_1_with_long_tails_reaches_the_reward_sync_reaches_within_a_measured_margin() -> None:
     """Learning is the test: the eval reward of the current policy, not the training batches'. η = 1 is the setting of
     the README's figures (on the GPU it reached 0.1 in 28 steps against sync's 29). η = 2 is not tested here: on this

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from consumers.engines.tiny_model import build_tiny_model
 
@@ -43,6 +44,10 @@ def test_the_probe_builds_a_moe_whose_trainer_routes_are_top_k_per_layer_and_rep
         assert report["routed_alike"]["float32"] > 0.9
 
 
+@pytest.mark.long(
+    "a lab finding (vLLM's CPU build reloads a MoE wrongly); the engine's refusal of it runs in "
+    "tests/staleness/test_moe.py"
+)
 def test_the_reload_probe_finds_vllm_cpu_reloading_a_dense_model_exactly_and_a_moe_wrongly(tmp_path: Path) -> None:
     """The question the device answers for the CUDA build: here, vLLM 0.32's CPU build, the reason `VllmEngine`
     refuses a MoE reload on the CPU."""

@@ -60,7 +60,10 @@ def serve_one(client: RolloutClient, prompt_id: str, version: int, weights: dict
         check_spans_and_logprobs(rollout, weights)
 
 
-@pytest.mark.parametrize("engine", ["torch", pytest.param("vllm", marks=pytest.mark.vllm)])
+@pytest.mark.parametrize(
+    "engine",
+    ["torch", pytest.param("vllm", marks=[pytest.mark.vllm, pytest.mark.long("the same with the torch engine")])],
+)
 def test_a_lazy_worker_starts_on_the_first_prompt_releases_when_idle_and_serves_a_sync_made_while_released(
     redis_server: RedisServer,
     ns: str,

@@ -386,6 +386,7 @@ def one_digit_sums(size: int) -> Any:
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.long("TRL's GRPOTrainer through the integration: tests/producers/test_trl.py on the tiny model")
 def test_trls_grpo_trainer_trains_the_real_model_on_one_digit_sums_publishing_each_step(
     fleet: Fleet, tmp_path: Path
 ) -> None:
@@ -457,6 +458,7 @@ def test_trls_grpo_trainer_trains_the_real_model_on_one_digit_sums_publishing_ea
 
 @pytest.mark.vllm
 @pytest.mark.timeout(600)
+@pytest.mark.long("the remote engine on a vLLM server: tests/consumers/test_remote_engine.py on the tiny model")
 def test_the_remote_engine_on_a_vllm_server_of_the_real_model_answers_chats_and_long_prompts(
     installed_redis: RedisServer, ns: str, smollm2_dir: Path, real_text: str, tmp_path: Path
 ) -> None:

@@ -87,6 +87,10 @@ def test_the_async_trainer_trains_each_sample_once_throws_nothing_away_and_learn
     assert summary["final_reward"] > steps[0]["reward"] + 0.15, [round(s["reward"], 2) for s in steps]
 
 
+@pytest.mark.long(
+    "RQ scores rewards across processes in tests/consumers/test_scoring.py; the async trainer learns in "
+    "test_the_async_trainer_trains_each_sample_once_throws_nothing_away_and_learns"
+)
 def test_with_rewards_scored_on_rq_workers_the_async_trainer_learns(
     redis_server: RedisServer, ns: str, tiny_model_dir: Path
 ) -> None:
@@ -158,6 +162,10 @@ def test_with_vllm_workers_paused_in_keep_mode_the_async_trainer_learns(
 
 @pytest.mark.vllm
 @pytest.mark.timeout(600)  # ~2 min here (60 syncs of ~0.2 s); a worker that stops now ends the run (README)
+@pytest.mark.long(
+    "the async trainer learns through vLLM workers in keep mode: "
+    "test_with_vllm_workers_paused_in_keep_mode_the_async_trainer_learns"
+)
 def test_with_a_vllm_server_as_the_engine_paused_in_keep_mode_the_async_trainer_learns(
     redis_server: RedisServer, ns: str, tiny_model_dir: Path, tmp_path: Path
 ) -> None:

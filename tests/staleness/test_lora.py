@@ -156,7 +156,11 @@ def test_an_adapter_sync_pauses_that_adapter_alone_and_its_samples_go_on_under_t
 
 @pytest.mark.parametrize(
     ("engine", "mode"),
-    [("torch", "keep"), ("torch", "abort"), pytest.param("vllm", "keep", marks=pytest.mark.vllm)],
+    [
+        ("torch", "keep"),
+        ("torch", "abort"),
+        pytest.param("vllm", "keep", marks=[pytest.mark.vllm, pytest.mark.long("the same with the torch engine")]),
+    ],
 )
 def test_a_worker_stopped_inside_an_adapter_sync_hands_that_adapters_samples_on_at_once_and_another_finishes_them(
     redis_server: RedisServer,
