@@ -90,6 +90,16 @@ def server_version(client: redis.Redis) -> tuple[int, int, int] | None:
     return parse_version(str(info["redis_version"])) if "redis_version" in info else None
 
 
+class RedisUnreachable(redis.ConnectionError):
+    """No Redis answered at a URL: one line that names it (redacted) and what to check. A `redis.ConnectionError`,
+    so that code catching redis-py's own catches it too."""
+
+    @classmethod
+    def at(cls, url: str, exc: BaseException) -> RedisUnreachable:
+        reason = str(exc).rstrip().rstrip(".")
+        return cls(f"cannot reach Redis at {redact(url)}: {reason}. Is redis-server running there?")
+
+
 def redact(url: str) -> str:
     """The URL with its password replaced by `***`: what logs, errors and `top` may show."""
     parts = urlsplit(url)

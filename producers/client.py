@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import redis
 
-from pipeline.connections import connect, retried_failures
+from pipeline.connections import RedisUnreachable, connect, retried_failures
 from pipeline.streams import Entry, Streams
 from pipeline.wire import (
     ADAPTER_PATTERN,
@@ -59,6 +59,8 @@ READ_BYTES = 1 << 20
 """A read of `{ns}:rollouts` asks for about this many bytes at most (`read_count` is the cap in entries): Redis builds
 a reply in one go, and while it builds a large one every other client waits, a publishing worker too."""
 MIN_READ = 16
+NO_WORKER_NOTICE_S = 10.0
+"""A read that has waited this long for rollouts checks for live workers, and warns once if there is none."""
 """However big the rollouts, a read asks for at least this many (unless `read_count` is smaller)."""
 
 
@@ -265,6 +267,26 @@ def whole_batches(
         yield batch
 
 
+def _where(redis_url: str | redis.Redis) -> str:
+    if isinstance(redis_url, str):
+        return redis_url
+    kwargs = redis_url.connection_pool.connection_kwargs
+    return str(kwargs.get("path") or f"{kwargs.get('host')}:{kwargs.get('port')}")
+
+
+def check_tokenizer(tokenizer: str | Path | None) -> None:
+    """`ValueError` for a tokenizer given as a local path that is no folder (a name like `org/model` is left to
+    transformers, which fetches it from a hub where one is reachable)."""
+    if tokenizer is None or Path(tokenizer).expanduser().is_dir():
+        return
+    text = str(tokenizer)
+    if isinstance(tokenizer, Path) or text.startswith((".", "/", "~")) or text.count("/") != 1:
+        raise ValueError(
+            f"tokenizer {text}: no such folder; pass a local model folder (its tokenizer.json and chat template), "
+            "or None to submit token ids only"
+        )
+
+
 class RolloutClient:
     """Submit prompts and iterate over finished groups of one pipeline namespace."""
 
@@ -291,9 +313,15 @@ class RolloutClient:
             raise ValueError(
                 "admission control needs both max_staleness and batch_size (samples per training step), or neither"
             )
-        client = connect(redis_url, ns=ns) if isinstance(redis_url, str) else redis_url
-        self.streams = Streams(client, ns)
-        self.streams.ensure_groups()
+        try:
+            client = connect(redis_url, ns=ns) if isinstance(redis_url, str) else redis_url
+            self.streams = Streams(client, ns)
+            self.streams.ensure_groups()
+        except redis.AuthenticationError:
+            raise
+        except (redis.ConnectionError, redis.TimeoutError) as exc:  # one line, not redis-py's frames
+            raise RedisUnreachable.at(_where(redis_url), exc) from None
+        check_tokenizer(tokenizer)
         self.consumer = consumer
         self.read_count = read_count
         self.stats = {"received": 0, "duplicates": 0, "dead": 0, "groups": 0, "stale": 0}
@@ -433,15 +461,17 @@ class RolloutClient:
             adapter=adapter,
         )
 
-    def submit_prompts(self, prompts: Sequence[Prompt], *, timeout: float | None = None) -> None:
-        """Queue many prompts in one round trip, all or none, through admission control.
+    def submit_prompts(self, prompts: Sequence[Prompt], *, timeout: float | None = None) -> int:
+        """Queue many prompts in one round trip, all or none, through admission control; returns how many were
+        queued by this call (fewer than given only where they repeat a submission, below).
 
         Without limits they go in at once (and are counted in `{ns}:state` `submitted`). With limits,
         waits while they do not fit; raises `SubmissionTooLarge` at once if they never can, and
         `AdmissionTimeout` (a `TimeoutError`) when the policy version did not move on in `timeout` s.
 
         Safe to repeat: the same prompt ids submitted again within an hour (a call retried after a lost
-        reply, a producer restarted from its checkpoint) are not queued or counted twice.
+        reply, a producer restarted from its checkpoint) are not queued or counted twice; they count as not queued
+        in the returned number.
 
         Prompts of different adapters are admitted each against their own adapter's count, one adapter after
         the other (all or none per adapter, not across adapters).
@@ -450,10 +480,13 @@ class RolloutClient:
         for prompt in prompts:
             by_adapter.setdefault(prompt.adapter, []).append(prompt)
         wait = self.submit_timeout_s if timeout is None else timeout
+        queued = 0
         for adapter, some in by_adapter.items():
             samples = sum(p.n for p in some)
             submission = hashlib.sha1("\n".join(p.id for p in some).encode()).hexdigest()
-            self._admission(adapter).admit([p.to_fields() for p in some], samples, wait, submission)
+            usage = self._admission(adapter).admit([p.to_fields() for p in some], samples, wait, submission)
+            queued += 0 if usage.repeat else len(some)
+        return queued
 
     def _admission(self, adapter: str | None) -> Admission:
         if adapter is None:
@@ -734,18 +767,37 @@ class RolloutClient:
         """Whole groups as they come, each handed over once: those a read completed beyond what the caller took
         wait in `_whole` for its next call."""
         last_news = time.monotonic()
+        checked = False  # for live workers, once a silence
         while True:
             while self._whole:
                 yield self._whole.popleft()
             entries = self._read(block_ms)
+            silent_s = time.monotonic() - last_news
             if entries:
-                last_news = time.monotonic()
-            elif timeout is not None and time.monotonic() - last_news > timeout:
+                last_news, checked = time.monotonic(), False
+            elif timeout is not None and silent_s > timeout:
                 raise TimeoutError(
                     f"no rollout arrived in {timeout:.0f}s; {len(self._groups.open)} groups are incomplete. "
                     f"Is a worker running on this namespace (`rollouts top`)?{self._scoring_hint()}"
                 )
+            elif silent_s > NO_WORKER_NOTICE_S and not checked:
+                checked = True
+                self._warn_if_no_worker(silent_s, timeout)
             self._whole.extend(self._take(entries))
+
+    def _warn_if_no_worker(self, silent_s: float, timeout: float | None) -> None:
+        """Say so (a warning on this module's logger) when no worker is alive to send the rollouts being waited for."""
+        if self.streams.registry.live_worker_names():
+            return
+        keys = self.streams.keys
+        log.warning(
+            "no rollout for %.0f s and no worker is alive on namespace %s: start one (`rollouts worker --ns %s ...`); "
+            "%s",
+            silent_s,
+            keys.ns,
+            keys.ns,
+            "this read has no timeout and waits until rollouts come" if timeout is None else f"timeout {timeout:g} s",
+        )
 
     def _scoring_hint(self) -> str:
         keys = self.streams.keys

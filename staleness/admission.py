@@ -80,6 +80,8 @@ class Usage:
     """What the admission script saw, in samples."""
 
     admitted: bool
+    repeat: bool
+    """Admitted before, not now: the same submission (its prompt ids) within `SUBMISSION_TTL_S`; nothing queued."""
     submitted: int
     stale: int
     capacity: int | None
@@ -145,6 +147,7 @@ class Admission:
         admitted, submitted, stale, capacity, version, control_id, *entry_ids = reply
         return Usage(
             admitted=bool(admitted),
+            repeat=int(admitted) == 2,
             submitted=int(submitted),
             stale=int(stale),
             capacity=None if int(capacity) < 0 else int(capacity),
@@ -185,6 +188,7 @@ class Admission:
         v = int(version or 0)
         return Usage(
             admitted=True,
+            repeat=False,
             submitted=int(submitted or 0),
             stale=int(stale or 0),
             capacity=self.limits.capacity(v) if self.limits else None,

@@ -27,7 +27,7 @@ from rich.text import Text
 from typer.main import get_command_name
 
 from pipeline.cli.engine_spec import NO_MODEL, EngineSpec
-from pipeline.connections import UnsupportedRedisError, connect, redact
+from pipeline.connections import RedisUnreachable, UnsupportedRedisError, connect, redact
 from pipeline.fast_exit import leave
 from pipeline.streams import Streams
 from pipeline.wire import WireError
@@ -51,7 +51,20 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-console = Console(stderr=True)
+UNWRAPPED = 1000
+"""The width of a console that writes to a pipe or a file (no terminal, no COLUMNS): one line a line, where rich would
+cut at 80 characters."""
+
+
+def _unwrapped_when_piped(stderr: bool) -> Console:
+    out = Console(stderr=stderr)
+    if not out.is_terminal and "COLUMNS" not in os.environ:
+        out = Console(stderr=stderr, width=UNWRAPPED)
+    return out
+
+
+console = _unwrapped_when_piped(stderr=True)
+"""Progress, notices and errors, on stderr."""
 log = logging.getLogger(__name__)
 
 RedisOpt = Annotated[str, typer.Option("--redis", envvar="ROLLOUTS_REDIS", help="Redis URL.")]
@@ -231,6 +244,8 @@ def user_errors(redis_url: str | None = None) -> Iterator[None]:
         yield
     except redis.AuthenticationError as exc:  # a ConnectionError too: first
         fail(f"Redis at {where} refused the credentials: {_reason(exc)}. Check the user and password in --redis.")
+    except RedisUnreachable as exc:  # the client's own line already names the URL
+        fail(f"{exc} Pass --redis URL.")
     except (redis.ConnectionError, redis.TimeoutError) as exc:
         fail(f"cannot reach Redis at {where}: {_reason(exc)}. Is redis-server running there? Pass --redis URL.")
     except redis.ResponseError as exc:
@@ -381,6 +396,11 @@ def serve_metrics(registry: CollectorRegistry, port: int, addr: str, flag: str =
     return server.server_port
 
 
+def results_console() -> Console:
+    """A console on stdout, for a command's results (progress and logs go to stderr): unwrapped when piped."""
+    return _unwrapped_when_piped(stderr=False)
+
+
 def print_wide(renderable: RenderableType) -> None:
     """Print a table on stdout; piped or redirected (no terminal, no COLUMNS), as wide as it needs: rich would
     otherwise cut its columns at 80 characters."""
@@ -392,7 +412,16 @@ def print_wide(renderable: RenderableType) -> None:
 
 
 def setup_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format="%(message)s", handlers=[RichHandler(console=console)])
+    """Logs on stderr: rich's columns on a terminal; piped or redirected, one plain line a record (timestamped, never
+    wrapped), for grep and for files."""
+    handler: logging.Handler
+    if console.is_terminal:
+        handler = RichHandler(console=console)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+    else:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=level.upper(), handlers=[handler])
     for name, reason in skipped_plugins:
         log.debug("commands of %s left out: %s", name, reason)
 

@@ -48,14 +48,31 @@ def submit(
         model = check_tokenizer_dir(model, purpose="rollouts submit --model")
     with user_errors(redis_url):
         from producers.client import RolloutClient
+        from staleness.admission import SUBMISSION_TTL_S
 
         client = RolloutClient(redis_url, ns, tokenizer=model)
         prompts = read_prompts_file(file, client)
-        client.submit_prompts(prompts)
+        queued = client.submit_prompts(prompts)
         scored = sum(1 for p in prompts if p.reward_fn)
         unscored = scored > 0 and not client.streams.scorer_alive()
+        unserved = queued > 0 and not client.streams.registry.live_worker_names()
     samples = sum(p.n for p in prompts)
-    console.print(f"queued {len(prompts)} prompts ({samples} samples) on {client.streams.keys.prompts}")
+    if queued < len(prompts):
+        console.print(
+            f"[bold yellow]queued {queued} prompts:[/] {len(prompts) - queued} of {len(prompts)} were already "
+            f"submitted under the same ids within the last {SUBMISSION_TTL_S // 60} minutes on "
+            f"{client.streams.keys.prompts} (a repeat is never queued twice); give them new ids to queue them again",
+            soft_wrap=True,
+        )
+    else:
+        console.print(f"queued {len(prompts)} prompts ({samples} samples) on {client.streams.keys.prompts}")
+    if unserved:
+        keys = client.streams.keys
+        console.print(
+            f"[bold yellow]warning:[/] no worker is alive on namespace {escape(keys.ns)}: the prompts wait on "
+            f"{escape(keys.prompts)} until one starts (`rollouts worker --ns {escape(keys.ns)} ...`)",
+            soft_wrap=True,
+        )
     if unscored:
         keys = client.streams.keys
         console.print(

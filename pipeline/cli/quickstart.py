@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from pipeline.cli.app import app, check_output_dir, console, fail, require, user_errors
+from pipeline.cli.app import app, check_output_dir, console, fail, require, results_console, user_errors
 
 
 @app.command("tiny-model")
@@ -98,5 +98,5 @@ def demo(
     with user_errors():
         run_demo(
             console, prompts=prompts, n=n, max_tokens=max_tokens, keep=keep, train_steps=train_steps, plot=plot,
-            model=model,
+            model=model, out=results_console(),  # the results on stdout, progress on stderr
         )  # fmt: skip

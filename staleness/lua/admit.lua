@@ -1,12 +1,16 @@
 -- KEYS: state, prompts, control, admitted (the submission's marker).
 -- ARGV: samples, max_staleness ('' = no limit), batch_size, prompt count, then per prompt: field count, fields...,
 -- then the marker's ttl in seconds.
--- Returns {admitted (0|1), submitted, stale, capacity (-1 = no limit), version, last control id, entry ids...}.
+-- Returns {admitted (0|1|2), submitted, stale, capacity (-1 = no limit), version, last control id, entry ids...}.
 -- `submitted_version` in each prompt becomes the version the prompt was admitted under.
 -- A submission already admitted (its marker exists: the same call retried after a lost reply, or the same
--- prompts submitted again by a restarted producer) returns its first reply and writes nothing.
+-- prompts submitted again by a restarted producer) returns its first reply with admitted = 2 and writes nothing.
 local done = redis.call('GET', KEYS[4])
-if done then return cjson.decode(done) end
+if done then
+  local first = cjson.decode(done)
+  first[1] = 2
+  return first
+end
 local state = redis.call('HMGET', KEYS[1], 'version', 'submitted', 'stale')
 local version = tonumber(state[1] or '0')
 local submitted = tonumber(state[2] or '0')

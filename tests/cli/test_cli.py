@@ -47,6 +47,11 @@ def test_submit_file_then_top_json_shows_the_pipeline(
     submitted = rollouts("submit", "--redis", url, "--ns", ns, "--file", str(prompts), "--model", str(tiny_model_dir))
     assert submitted.returncode == 0, submitted.stderr
     assert "queued 2 prompts (5 samples)" in submitted.stderr
+    assert "no worker is alive on namespace" in " ".join(submitted.stderr.split())
+    # The same file again queues nothing (the ids are a repeat), and says so rather than claiming success.
+    again = rollouts("submit", "--redis", url, "--ns", ns, "--file", str(prompts), "--model", str(tiny_model_dir))
+    assert again.returncode == 0, again.stderr
+    assert "queued 0 prompts: 2 of 2 were already submitted under the same ids" in " ".join(again.stderr.split())
 
     snap = json.loads(rollouts("top", "--redis", url, "--ns", ns, "--once", "--json").stdout)
     assert snap["streams"]["prompts"]["length"] == 2
@@ -75,6 +80,10 @@ def test_submit_file_then_top_json_shows_the_pipeline(
         assert "cli-w" in table.stdout and "generators" in table.stdout
     finally:
         stop_process(worker)
+    # Its log, written to a file, has one plain line a record: timestamped, the logger named, never wrapped.
+    started = [line for line in (tmp_path / "w.log").read_text().splitlines() if "engine started" in line]
+    line = r"\d{4}-\d\d-\d\d [\d:,]+ INFO consumers\.worker: cli-w: engine started .* at version 0$"
+    assert started and re.match(line, started[0]), started
 
 
 def test_a_bad_prompts_file_queues_nothing_and_names_every_bad_line(
@@ -154,6 +163,8 @@ def test_demo_runs_end_to_end_and_its_reward_rises_as_the_weights_change(tmp_pat
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
     assert "demo summary" in output and "4 / 8" in output
+    assert "demo summary" in result.stdout and "reward " in result.stdout, "the results go to stdout"
+    assert "groups" in result.stderr and "demo summary" not in result.stderr, "progress goes to stderr"
     assert "redis-cli -p" not in output and "while its Redis runs: rollouts demo --keep" in output  # it is gone now
 
     assert "GRPO on the token-set task, fully async: step 100/100" in output, output

@@ -258,7 +258,7 @@ def test_submit_and_top_say_when_rollouts_would_wait_for_a_scorer_that_is_not_th
     def warnings(file: Path) -> list[str]:
         done = cli("submit", "--redis", url, "--ns", ns, "--file", str(file))
         assert done.returncode == 0, done.stderr
-        return [line for line in done.stderr.splitlines() if "warning" in line]
+        return [line for line in done.stderr.splitlines() if "warning" in line and "no worker is alive" not in line]
 
     def top() -> dict:
         done = cli("top", "--redis", url, "--ns", ns, "--once", "--json")

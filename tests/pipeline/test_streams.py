@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -928,3 +929,44 @@ def test_replies_go_to_the_gateway_that_asked(any_redis: redis.Redis, ns: str) -
     assert Rollout.from_fields(reply.fields).id == "call:0"
     streams.delete_replies("gw-1", [reply.id])
     assert streams.read_replies("gw-1", b"0", None) == []
+
+
+def test_a_read_waiting_with_no_worker_alive_says_so_within_seconds(
+    any_redis: redis.Redis, ns: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import producers.client
+
+    monkeypatch.setattr(producers.client, "NO_WORKER_NOTICE_S", 0.3)
+    client = RolloutClient(any_redis, ns, consumer="t")
+    client.submit(tokens=[1, 2], n=2)
+    with caplog.at_level("WARNING", logger="producers.client"), pytest.raises(TimeoutError):
+        client.collect(1, timeout=1.5)
+    said = [r.getMessage() for r in caplog.records if "no worker is alive" in r.getMessage()]
+    assert len(said) == 1 and f"namespace {ns}" in said[0] and "timeout 1.5 s" in said[0], said
+    # With a worker's heartbeat on the registry, the same wait says nothing of the kind.
+    caplog.clear()
+    client.streams.registry.heartbeat("w1", {"status": "serving"}, ttl_s=30)
+    with caplog.at_level("WARNING", logger="producers.client"), pytest.raises(TimeoutError):
+        client.collect(1, timeout=1.0)
+    assert not [r for r in caplog.records if "no worker is alive" in r.getMessage()]
+
+
+def test_a_client_of_a_redis_that_is_down_or_of_no_tokenizer_folder_fails_at_once_in_one_line(
+    redis_server: RedisServer, ns: str, tmp_path: Path
+) -> None:
+    from pipeline.connections import RedisUnreachable
+    from pipeline.local import free_port
+
+    url = f"redis://:secret@127.0.0.1:{free_port()}/0"
+    with pytest.raises(RedisUnreachable) as down:
+        RolloutClient(url, ns)
+    message = str(down.value)
+    assert "\n" not in message and "secret" not in message, message
+    assert message.startswith("cannot reach Redis at redis://:***@127.0.0.1:") and "Is redis-server running" in message
+    assert down.value.__suppress_context__, "redis-py's frames are left out"
+    assert isinstance(down.value, redis.ConnectionError)
+    with pytest.raises(ValueError, match=r"^tokenizer \./nope: no such folder; pass a local model folder"):
+        RolloutClient(redis_server.url, ns, tokenizer="./nope")
+    with pytest.raises(ValueError, match="no such folder"):
+        RolloutClient(redis_server.url, ns, tokenizer=tmp_path / "missing")
+    RolloutClient(redis_server.url, ns, tokenizer="org/model")  # a hub name is transformers' to fetch, on first use

@@ -193,6 +193,16 @@ def test_a_submission_larger_than_the_window_fails_at_once(redis_server: RedisSe
         RolloutClient(redis_server.url, ns, max_staleness=1)
 
 
+def test_the_same_prompt_ids_submitted_again_are_neither_queued_nor_counted_and_the_caller_is_told(
+    redis_server: RedisServer, ns: str
+) -> None:
+    client = RolloutClient(redis_server.url, ns, max_staleness=1, batch_size=8)
+    prompts = [client.make_prompt(tokens=[1, i], n=2, id=f"p{i}") for i in range(3)]
+    assert client.submit_prompts(prompts) == 3
+    assert client.submit_prompts(prompts) == 0  # a producer restarted from its checkpoint, or a retried call
+    assert client.streams.redis.xlen(client.streams.keys.prompts) == 3 and state(client)["submitted"] == "6"
+
+
 # -- the staleness bound -------------------------------------------------------------------------
 
 
