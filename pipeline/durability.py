@@ -13,21 +13,21 @@ AOF loses up to a second of writes under `appendfsync everysec`. The modes:
 - `replica-aof`: done once `replicas` replicas have it on disk (`WAITAOF 0 N`: Redis >= 7.2, Valkey). Nothing lost
   even if every server restarts at once.
 
-How: after each write, on the same connection (`WAIT` counts that connection's writes), the client asks for the
-mode's `WAIT`/`WAITAOF` and checks the count it returns; behind Sentinel it then checks that the Sentinels still name
-that server the primary (a stale primary back after a failover can have a replica that acknowledges, until Sentinel
-makes that replica follow the new primary and it drops what it had).
-A short count (`timeout_ms` passed: a replica down or lagging) asks again on that connection, for up to
-`patience_s`. Past that, or if the server refuses to wait (Sentinel made it a replica), the call fails with
-`NotDurableError`, a `redis.ConnectionError`: the client's retry policy drops the connection and sends the write
-again, to the primary Sentinel names now (a command retried after a lost connection may run twice already: every
-write the pipeline makes allows it), until it is durable or the retries run out; then the caller treats it as not
-done (a worker leaves its prompt pending, a trainer's `submit` raises). The writes covered are every write command,
-script and transaction of a client that `connections.connect` made: publishes and their acks, admissions, syncs'
-begins, acks and version bumps; not heartbeats (`without_waiting`: soft state, written again every period; one held
-back while no replica follows a new primary would make its worker look dead). A blocking read that moves entries
-into a group's pending list (`XREADGROUP`) is not waited for: lost, the entries are handed out again, and a publish
-already made of them is dropped as a duplicate."""
+How: after each write, on the same connection (`WAIT` counts that connection's writes), the client asks for the mode's
+`WAIT`/`WAITAOF` and checks the count it returns; behind Sentinel it then checks that the Sentinels still name that
+server the primary (a stale primary back after a failover can have a replica that acknowledges, until Sentinel makes
+that replica follow the new primary and it drops what it had). A short count (`timeout_ms` passed: a replica down or
+lagging) asks again on that connection, for up to `patience_s`. Past that, or if the server refuses to wait (Sentinel
+made it a replica), the call fails with `NotDurableError`, a `redis.ConnectionError`: the client's retry policy drops
+the connection and sends the write again, to the primary Sentinel names now (a command retried after a lost connection
+may run twice already: every write the pipeline makes allows it; a script that finds its first run done, an admission's
+marker or a sync's token, writes all the same, so that the wait on the new connection covers the first run's writes),
+until it is durable or the retries run out; then the caller treats it as not done (a worker leaves its prompt pending, a
+trainer's `submit` raises). The writes covered are every write command, script and transaction of a client that
+`connections.connect` made: publishes and their acks, admissions, syncs' begins, acks and version bumps; not heartbeats
+(`without_waiting`: soft state, written again every period; one held back while no replica follows a new primary would
+make its worker look dead). A blocking read that moves entries into a group's pending list (`XREADGROUP`) is not waited
+for: lost, the entries are handed out again, and a publish already made of them is dropped as a duplicate."""
 
 from __future__ import annotations
 

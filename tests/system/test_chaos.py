@@ -3,6 +3,7 @@ to."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from pathlib import Path
 
@@ -54,7 +55,7 @@ def test_a_retried_submission_is_queued_and_counted_once(real_redis: redis.Redis
     prompts = [{b"id": f"p{i}".encode(), b"n": b"2"} for i in range(3)]
     first = admission.try_admit(prompts, 6, "submission-1")
     again = admission.try_admit(prompts, 6, "submission-1")
-    assert again == first and len(first.entry_ids) == 3
+    assert again == dataclasses.replace(first, repeat=True) and len(first.entry_ids) == 3 and not first.repeat
     assert real_redis.xlen(keys.prompts) == 3
     assert int(real_redis.hget(keys.state, "submitted") or 0) == 6
     admission.try_admit(prompts, 6, "submission-2")  # another submission of the same fields is another submission
