@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipeline.install import pip_install
+
 MANIFEST = "rollouts-model.json"
 """Written last into a built folder: what it was built from and the sha256 of what was written."""
 
@@ -170,7 +172,7 @@ def _require_converters() -> None:
     missing = [m for m in ("torch", "transformers", "gguf", "accelerate") if absent(m)]
     if missing:
         raise PretrainedError(
-            f"building the model needs {', '.join(missing)}: pip install 'rollout-streams[torch,pretrained]'"
+            f"building the model needs {', '.join(missing)}: {pip_install('torch,pretrained')}"
         )
 
 

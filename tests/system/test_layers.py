@@ -1,4 +1,5 @@
-"""The packages' layering (DESIGN.md, "Packages"): importing a package pulls in nothing of a package above it.
+"""The packages' layering (docs/architecture.md, "Packages and import rules"): importing a package pulls in nothing
+of a package above it.
 
 `pipeline` is the ground floor and imports none of the others (its shell, `pipeline.cli`, composes all four and is
 left out); `staleness` imports `pipeline` only; `producers` and `consumers` never import each other; nothing imports

@@ -1,9 +1,10 @@
-"""Every fenced ```python and ```bash block of README.md and docs/guide/*.md runs as written.
+"""Every fenced ```python and ```bash block of README.md, docs/wire-contract.md and docs/guide/*.md runs as written.
 
 A small markdown parser takes each block out (test ids `FILE:LINE`, the line of the opening fence) and runs it:
 
 - python: in a process of its own (`python RUNNER`), in a fresh temp dir, against a real redis-server with a tiny
-  local model and (when the snippet makes a `RolloutClient`) a torch worker on namespace `exp1`, the docs' namespace.
+  local model and (when the snippet makes a `RolloutClient`) a torch worker on the namespace its client names (`exp1`,
+  the docs' namespace, where it names none: the README's trainer has one of its own).
   What a user brings is put in the namespace the snippet runs in, and nothing else: `model` (the tiny model of
   `./tiny`, a transformers `AutoModelForCausalLM`) and `train_step(...)` (a real SGD step: the completion tokens'
   cross-entropy on a batch's `to_arrays()` when one is passed, else on a short sequence; it returns the loss).
@@ -13,15 +14,14 @@ A small markdown parser takes each block out (test ids `FILE:LINE`, the line of 
 Each block has a deadline (`TIMEOUT_S`, or `<!-- snippet: timeout S -->`): one that runs past it fails as a hang
 (a trainer loop that submits past its admission capacity before reading, say).
 
-The rewriting, all of it: `127.0.0.1:6380` and `--port 6380` become the test's port (a bash block that starts its
-own `redis-server --port 6380` gets a free port of its own; every other block the module's server, flushed before
-each block that gets a fresh torch worker on `exp1`); `127.0.0.1:8000` (the gateway guide's) becomes the port of a
-`rollouts gateway` that the test starts for the python block that names it (on `exp1`, the model served as
-`policy`). The temp dir holds `./tiny` (python blocks: a link to the module's
-tiny model; bash blocks build it, as written) and `examples` (a link to the repository's `examples/`), as a
-checkout's root does, and, for a python block that reads `runs/exp1`, `runs/exp1`: a run of 16 prompts of 4 samples
-on `exp1` that `rollouts record` recorded, as the recording guide's first block does. Nothing else is changed: a
-block that needs more says so in the markdown.
+The rewriting, all of it: `127.0.0.1:6380`, `--port 6380` and `redis-cli -p 6380` become the test's port (a bash block
+that starts its own `redis-server --port 6380` gets a free port of its own; every other block the module's server,
+flushed before each block that gets a fresh torch worker on `exp1`); `127.0.0.1:8000` (the gateway guide's) becomes the
+port of a `rollouts gateway` that the test starts for the python block that names it (on `exp1`, the model served as
+`policy`). The temp dir holds `./tiny` (python blocks: a link to the module's tiny model; bash blocks build it, as
+written) and `examples` (a link to the repository's `examples/`), as a checkout's root does, and, for a python block
+that reads `runs/exp1`, `runs/exp1`: a run of 16 prompts of 4 samples on `exp1` that `rollouts record` recorded, as the
+recording guide's first block does. Nothing else is changed: a block that needs more says so in the markdown.
 
 A comment on the line right before a fence says how to treat a block that cannot run here, and is counted:
 `<!-- snippet: not run: WHY -->` (GPUs, docker compose, a Ray cluster, a network install, a fragment of a longer
@@ -54,13 +54,14 @@ from pipeline.processes import start_command, start_worker, stop_processes, wait
 from tests.fixtures import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs" / "guide").glob("*.md"))]
+DOCS = [ROOT / "README.md", ROOT / "docs" / "wire-contract.md", *sorted((ROOT / "docs" / "guide").glob("*.md"))]
 FENCE = re.compile(r"^(```|~~~)\s*([\w+-]*)")
 MARKER = re.compile(r"^\s*<!--\s*snippet:\s*(.*?)\s*-->\s*$")
 RUN_LANGS = ("python", "bash")
 TIMEOUT_S = 150.0
 DOCS_PORT = "6380"
 DOCS_NS = "exp1"
+CLIENT_NS = re.compile(r'RolloutClient\(\s*"[^"]*",\s*"([^"]+)"')
 GATEWAY_PORT = "8000"
 
 
@@ -136,8 +137,11 @@ ALL = [s for path in DOCS for s in snippets(path)]
 
 
 def rewrite(code: str, port: int) -> str:
-    """The test's only change to a block: the docs' Redis port becomes the test's."""
-    return code.replace(f"127.0.0.1:{DOCS_PORT}", f"127.0.0.1:{port}").replace(f"--port {DOCS_PORT}", f"--port {port}")
+    """The test's only change to a block: the docs' Redis port becomes the test's (`redis-cli -p` too)."""
+    for docs, test in ((f"127.0.0.1:{DOCS_PORT}", f"127.0.0.1:{port}"), (f"--port {DOCS_PORT}", f"--port {port}"),
+                       (f"redis-cli -p {DOCS_PORT} ", f"redis-cli -p {port} ")):  # fmt: skip
+        code = code.replace(docs, test)
+    return code
 
 
 RUNNER = '''\
@@ -171,7 +175,7 @@ if names & {"model", "train_step"}:
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        print(f"train_step: loss {loss.item():.4f} over {int(mask.sum())} tokens", flush=True)
+        print(f"train_step: loss {loss.item():.4f} over {int(mask.sum())} tokens of {ids.shape[0]} samples", flush=True)
         return loss.item()
 
     namespace.update(model=model, train_step=train_step)
@@ -194,19 +198,21 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @contextlib.contextmanager
-def docs_worker(server: RedisServer, tiny: Path, logs: Path, gateway_port: int | None = None) -> Iterator[None]:
-    """A fresh pipeline: the server flushed, then one torch worker on `exp1` (and a gateway on `gateway_port`, started
+def docs_worker(
+    server: RedisServer, tiny: Path, logs: Path, gateway_port: int | None = None, ns: str = DOCS_NS
+) -> Iterator[None]:
+    """A fresh pipeline: the server flushed, then one torch worker on `ns` (and a gateway on `gateway_port`, started
     beside it), stopped at the end. Each block gets its own: admission counts every sample ever submitted on a
     namespace, so blocks sharing one would hold each other back (the README trainer's 256 samples use up the
     capacity the trainer guide's admission block starts with)."""
     with redis.Redis.from_url(server.url) as client:
         client.flushall()
-        worker = start_worker(server.url, DOCS_NS, tiny, "snippets", "--engine", "torch", log_file=logs / "worker.log")
+        worker = start_worker(server.url, ns, tiny, "snippets", "--engine", "torch", log_file=logs / "worker.log")
         services = [worker]
         try:
             if gateway_port is not None:
                 services.append(start_gateway(server, tiny, gateway_port, logs / "gateway.log"))
-            wait_for_worker(client, DOCS_NS, "snippets", worker, timeout_s=90)
+            wait_for_worker(client, ns, "snippets", worker, timeout_s=90)
             if gateway_port is not None:
                 wait_listening(services[1], gateway_port, logs / "gateway.log")
             yield
@@ -337,7 +343,9 @@ def run_python(
     log = tmp_path / "snippet.log"
     with contextlib.ExitStack() as stack:
         if "RolloutClient(" in code or uses_gateway:
-            stack.enter_context(docs_worker(server, tiny, tmp_path, gateway_port if uses_gateway else None))
+            named = CLIENT_NS.search(code)  # the namespace the snippet's client names (the README's trainer: its own)
+            ns = named.group(1) if named else DOCS_NS
+            stack.enter_context(docs_worker(server, tiny, tmp_path, gateway_port if uses_gateway else None, ns))
         with open(log, "wb") as out:
             process = subprocess.Popen(
                 [sys.executable, "runner.py", "snippet.py", snippet.id],
@@ -379,7 +387,7 @@ def run_bash(snippet: Snippet, server: RedisServer, tmp_path: Path) -> str:
 CHECKS: dict[tuple[str, str], dict[str, int]] = {
     # What a user would see, beyond exit 0: (file, the block's first line) -> text -> at least how many times.
     # Keyed by the first line rather than the line number, which moves with every edit above the block.
-    ("README.md", "from producers.client import RolloutClient"): {"train_step: loss": 4},
+    ("README.md", "from producers.client import RolloutClient"): {"train_step: loss": 4, "of 64 samples": 4},
     ("README.md", "redis-server --port 6380 &"): {"tiny model (seed 0) written to": 1, "queued": 1, "prompts": 1},
 }
 
