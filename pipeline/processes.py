@@ -3,6 +3,7 @@ and stop by PID."""
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import os
 import signal
@@ -12,6 +13,7 @@ import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import redis
@@ -110,25 +112,43 @@ def stop_processes(processes: Sequence[subprocess.Popen[Any]], timeout_s: float 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 """What ends a command that starts processes as Ctrl-C does (`stop_signals_unwind`)."""
+REDELIVER_S = 0.05
+"""A stop signal that came inside a finalizer is delivered again this much later (`stop_signals_unwind`)."""
+
+
+def in_finalizer(frame: FrameType | None) -> bool:
+    """Whether `frame` runs inside an object's `__del__` (garbage collection can run one between any two bytecodes),
+    where Python prints an exception raised and drops it ("Exception ignored in ...")."""
+    while frame is not None:
+        if frame.f_code.co_name == "__del__":
+            return True
+        frame = frame.f_back
+    return False
 
 
 @contextlib.contextmanager
 def stop_signals_unwind() -> Iterator[None]:
-    """SIGTERM and SIGHUP end the command (`rollouts demo`, the lab's chaos runs) as Ctrl-C does: a
-    `KeyboardInterrupt`, so that every `finally` stops its processes and removes its files (Python's default for them
-    ends the process at once, leaving its Redis, manager and workers running and its temporary directory behind).
-    Only the first of them interrupts: one that comes while the command cleans up is ignored, so that the cleanup is
-    not cut short. A signal ignored already stays ignored (SIGHUP under `nohup`, SIGINT for a job that a script started
-    in the background); outside the main thread (run inside another program's thread) signals stay as they are."""
+    """SIGTERM and SIGHUP end the command (`rollouts demo`, the lab's chaos runs) as Ctrl-C does: a `KeyboardInterrupt`,
+    so that every `finally` stops its processes and removes its files (Python's default for them ends the process at
+    once, leaving its Redis, manager and workers running and its temporary directory behind). Only the first of them
+    interrupts: one that comes while the command cleans up is ignored, so that the cleanup is not cut short. One that
+    comes inside a finalizer (a redis-py connection pool's `__del__`, say), where the interrupt would be dropped, is
+    delivered again once it is done: a failover run went on for its whole duration. A signal ignored already stays
+    ignored (SIGHUP under `nohup`, SIGINT for a job that a script started in the background); outside the main thread
+    (run inside another program's thread) signals stay as they are."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     received: list[int] = []
 
-    def interrupt(signum: int, _frame: object) -> None:
-        if not received:
-            received.append(signum)
-            raise KeyboardInterrupt
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        if received:
+            return
+        if in_finalizer(frame):  # raised here it would be printed and dropped: interrupt once the finalizer is done
+            threading.Timer(REDELIVER_S, _thread.interrupt_main, args=(signum,)).start()
+            return
+        received.append(signum)
+        raise KeyboardInterrupt
 
     ignored = {sig for sig in STOP_SIGNALS if signal.getsignal(sig) == signal.SIG_IGN}
     previous = {sig: signal.signal(sig, interrupt) for sig in STOP_SIGNALS if sig not in ignored}

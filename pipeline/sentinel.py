@@ -1,12 +1,13 @@
 """Redis behind Sentinel: a `redis+sentinel://` URL names the Sentinels and the service, and every connection asks
 them where the primary is whenever it connects.
 
-A client follows a failover by itself. Its connections are redis-py's Sentinel-managed ones (`master_for`) under
-the retry policy that `connections.connect` gives every client, so a refused connection or a timeout reconnects,
-and a reconnect asks the Sentinels again. A server that is no longer a primary that may write answers `READONLY`
-(demoted to a replica) or `NOREPLICAS` (a stale primary cut off from its replicas, with `min-replicas-to-write`
-set): either drops the connection and counts as a lost one, so the command is sent again, to the primary the
-Sentinels name now. Every write the pipeline makes is safe to run twice (the README's "Semantics we chose").
+A client follows a failover by itself. Its connections are redis-py's Sentinel-managed ones (`master_for`) under the
+retry policy that `connections.connect` gives every client, so a refused connection or a timeout reconnects, and a
+reconnect asks the Sentinels again. A server that is no longer a primary that may write answers `READONLY` (demoted to a
+replica; a blocking read on it is woken with `UNBLOCKED`) or `NOREPLICAS` (a stale primary cut off from its replicas,
+with `min-replicas-to-write` set): either drops the connection and counts as a lost one, so the command is sent again,
+to the primary the Sentinels name now. Every write the pipeline makes is safe to run twice (the README's "Semantics we
+chose").
 
 The asyncio twin (`async_connections`, for `pipeline.pipelined`) does the same with connections of its own that ask
 the Sentinels through the synchronous client's manager, on a thread: no asyncio Sentinel client, so it works on
@@ -93,10 +94,16 @@ def parse_sentinel_url(url: str) -> SentinelTarget:
     )
 
 
+NOT_PRIMARY = ("READONLY", "NOREPLICAS", "You can't write against a read only replica", "UNBLOCKED")
+"""How the error replies of a server that is no primary that may write begin (`no_longer_primary`)."""
+
+
 def no_longer_primary(error: redis.ResponseError) -> bool:
     """An error reply that says the server is not (or no longer) a primary that may write: `READONLY` (a replica),
-    `NOREPLICAS` (a primary cut off from its replicas, with `min-replicas-to-write`)."""
-    return str(error).startswith(("READONLY", "NOREPLICAS", "You can't write against a read only replica"))
+    `NOREPLICAS` (a primary cut off from its replicas, with `min-replicas-to-write`), `UNBLOCKED` (a blocking read, a
+    worker's `XREADGROUP`, woken as its server was made a replica: "instance state changed (master -> replica?)").
+    Not counted, it reached the worker's read loop as an error that loop does not retry (it retries lost ones)."""
+    return str(error).startswith(NOT_PRIMARY)
 
 
 def _lost_primary(connection: Any, error: redis.ResponseError) -> redis.ConnectionError:

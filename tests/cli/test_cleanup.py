@@ -19,7 +19,7 @@ from rich.console import Console
 
 from pipeline.cli import demo
 from pipeline.local import RedisServer, find_redis_server
-from pipeline.processes import start_command, start_worker, stop_processes, wait_for_worker
+from pipeline.processes import start_command, start_worker, stop_processes, stop_signals_unwind, wait_for_worker
 from pipeline.streams import Streams
 from pipeline.wire import Control
 from producers.client import RolloutClient
@@ -167,3 +167,22 @@ def test_the_manager_logs_what_it_watches_and_each_sync_it_finishes(tmp_path: Pa
             assert "sync 1 done: the workers resume at version 1" in text, text
         finally:
             stop_processes([manager])
+
+
+def test_a_stop_signal_that_lands_inside_a_finalizer_still_interrupts_the_command() -> None:
+    """Garbage collection runs a `__del__` between any two bytecodes, and a `KeyboardInterrupt` raised there is printed
+    and dropped: a failover-chaos run stopped by SIGTERM while a redis-py pool was being collected ran on for its
+    whole duration. The signal is delivered again once the finalizer is done."""
+
+    class Collected:
+        def __del__(self) -> None:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.1)  # the handler runs when this returns: still inside `__del__`
+
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt), stop_signals_unwind():
+        Collected()  # dropped at once: its `__del__` runs here
+        while time.monotonic() - started < 5:
+            time.sleep(0.01)
+    interrupted_after = time.monotonic() - started
+    assert interrupted_after < 2, f"interrupted only after {interrupted_after:.1f} s"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -220,3 +221,36 @@ def test_the_cli_given_only_the_sentinels_submits_shows_and_creates_acl_users_on
     for server in topology.servers:
         with contextlib.closing(redis.Redis(port=server.port)) as admin:
             assert admin.acl_getuser("w1") is not None, f"no user w1 on {server.port}"
+
+
+def test_a_read_blocked_on_a_primary_that_is_made_a_replica_counts_as_a_lost_connection() -> None:
+    """A worker waits in `XREADGROUP ... BLOCK` on the primary; Sentinel makes that server a replica (a stale primary
+    back after a failover), and the server wakes the read with an `UNBLOCKED` error. The Sentinel client counts it as
+    a lost primary, as `READONLY`: the read is sent again, to the primary the Sentinels name now."""
+    from pipeline.local import RedisServer
+    from pipeline.sentinel import no_longer_primary
+
+    binary = find_redis_server()
+    stale, new = RedisServer(binary=binary).start(), RedisServer(binary=binary).start()
+    try:
+        reader = redis.Redis(port=stale.port)
+        reader.xgroup_create("s", "g", id="0", mkstream=True)
+        woken: list[BaseException] = []
+
+        def read() -> None:
+            try:
+                reader.xreadgroup("g", "w", {"s": ">"}, count=1, block=30_000)
+            except redis.ResponseError as exc:
+                woken.append(exc)
+
+        thread = threading.Thread(target=read, daemon=True)
+        thread.start()
+        with contextlib.closing(redis.Redis(port=stale.port)) as admin:
+            wait_until(lambda: int(admin.info("clients")["blocked_clients"]) == 1, 10, "the read to block")
+            admin.replicaof("127.0.0.1", new.port)
+        thread.join(10)
+        assert woken and str(woken[0]).startswith("UNBLOCKED"), woken
+        assert no_longer_primary(woken[0])  # PrimaryConnection drops itself and raises a ConnectionError: retried
+    finally:
+        stale.stop()
+        new.stop()
