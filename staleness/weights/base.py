@@ -27,7 +27,6 @@ if TYPE_CHECKING:
 
 Scheme = Literal["fs", "redis", "nccl", "ipc"]
 TensorLike = torch.Tensor | np.ndarray
-NamedTensors = Mapping[str, TensorLike]
 
 SCHEMES: tuple[Scheme, ...] = ("fs", "redis", "nccl", "ipc")
 ADAPTER_CONFIG = "adapter_config.json"

@@ -36,8 +36,6 @@ from staleness.weights.base import (
 from staleness.weights.buckets import raw_bytes
 
 WEIGHTS_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
-"""The shards' index, as `save_pretrained` writes it: `{"metadata": {"total_size": N}, "weight_map": {name: file}}`."""
 ADAPTER_FILE = "adapter_model.safetensors"
 """An adapter's tensors, as PEFT's `save_pretrained` writes them (and vLLM's LoRA loader reads them)."""
 PARTIAL_PREFIX = ".partial-"
