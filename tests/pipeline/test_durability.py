@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import pytest
 import redis
+from redis.typing import EncodableT
 
 from pipeline.connections import UnsupportedRedisError, connect
 from pipeline.durability import Durability, NotDurableError, split_url
@@ -179,7 +180,7 @@ def test_in_the_replica_mode_a_retried_admission_or_sync_begin_is_done_only_once
 
     usage = held_back_until_the_replica_returns(pair, admit_then_retry)
     assert isinstance(usage, Usage) and usage.repeat
-    args: list[object] = [0, 1, "token-a", 0, b"cmd", b"weights", b"epoch", b"0", b"version", b"1"]
+    args: list[EncodableT] = [0, 1, "token-a", 0, b"cmd", b"weights", b"epoch", b"0", b"version", b"1"]
 
     def begin_then_retry() -> object:
         Manager(Streams(plain, ns))._begin(keys=[Keys(ns).state, Keys(ns).control], args=args)

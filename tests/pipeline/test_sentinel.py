@@ -235,7 +235,7 @@ def test_a_read_blocked_on_a_primary_that_is_made_a_replica_counts_as_a_lost_con
     try:
         reader = redis.Redis(port=stale.port)
         reader.xgroup_create("s", "g", id="0", mkstream=True)
-        woken: list[BaseException] = []
+        woken: list[redis.ResponseError] = []
 
         def read() -> None:
             try:

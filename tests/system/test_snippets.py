@@ -381,6 +381,8 @@ def run_bash(snippet: Snippet, server: RedisServer, tmp_path: Path) -> str:
             stop_group(process.pid)
     output = log.read_text()
     assert rc == 0, f"{snippet.id} exited {rc}:\n{output[-4000:]}"
+    left = sorted(p.name for p in cwd.glob("dump.rdb"))  # a checkout's root: a later redis-server there reloads it
+    assert not left, f"{snippet.id} left {left} in its folder"
     return output
 
 
@@ -388,7 +390,11 @@ CHECKS: dict[tuple[str, str], dict[str, int]] = {
     # What a user would see, beyond exit 0: (file, the block's first line) -> text -> at least how many times.
     # Keyed by the first line rather than the line number, which moves with every edit above the block.
     ("README.md", "from producers.client import RolloutClient"): {"train_step: loss": 4, "of 64 samples": 4},
-    ("README.md", "redis-server --port 6380 &"): {"tiny model (seed 0) written to": 1, "queued": 1, "prompts": 1},
+    ("README.md", 'redis-server --port 6380 --save "" &'): {
+        "tiny model (seed 0) written to": 1,
+        "queued": 1,
+        "prompts": 1,
+    },
 }
 
 
