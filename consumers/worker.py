@@ -32,7 +32,7 @@ import numpy as np
 import redis
 
 from consumers.adapters import Stopping, WorkerAdapters
-from consumers.engines.base import Engine, EngineClosedError, EngineInputError, Generation, continuation_seed
+from consumers.engines.base import Engine, EngineClosedError, EngineInputError, Generation, continuation_seed, continued
 from consumers.lifecycle import EngineFactory, EngineSlot, WorkerStatus
 from consumers.metrics import WorkerMetrics
 from consumers.serving import Heartbeat, ServingState
@@ -688,7 +688,7 @@ class Worker:
     ) -> Rollout | Partial:
         """Generate one sample, or the rest of `done`: a Rollout, or a Partial if a pause aborted it."""
         so_far = done.generated if done is not None else np.zeros(0, dtype=np.int32)
-        sampling = prompt.sampling.model_copy(update={"max_tokens": prompt.sampling.max_tokens - len(so_far)})
+        sampling = continued(prompt.sampling, len(so_far))
         if sampling.seed is not None:  # a continuation's own: the engine draws from the seed's start again
             sampling.seed = continuation_seed(sampling.seed + sample, len(so_far))
         started = time.time()

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Annotated, Any, Literal, TypeGuard, TypeVar
 
 import numpy as np
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
 from pipeline.codec import (
     FLOAT32,
@@ -67,9 +67,11 @@ weights): no recompute, and tokens after the swap are sampled by the new weights
 PAUSE_MODES: tuple[PauseMode, ...] = ("abort", "keep", "inflight")
 LogprobsMode = Literal["raw", "processed"]
 """What a rollout's `logprobs` are. `raw`: log p(token) under the model's own distribution, log_softmax(logits), before
-temperature and top-p (vLLM's default `raw_logprobs`; what a trainer recomputes); `processed`: under the distribution
-the token was sampled from, log_softmax(logits / temperature) over the tokens top-p kept (vLLM's
-`processed_logprobs`; TRL's and verl's vLLM paths default to it). A greedy sample (temperature 0) has the raw ones."""
+anything `Sampling` applies (vLLM's default `raw_logprobs`; what a trainer recomputes); `processed`: under the
+distribution the token was sampled from, log_softmax of the logits after every step `Sampling` applies, in its order
+(the `min_tokens` mask, the penalties, the temperature, `min_p`, `top_k`, `top_p`; -inf where a token was dropped):
+vLLM's `processed_logprobs`, which TRL's and verl's vLLM paths default to. A greedy sample (temperature 0) has them
+after the mask and the penalties only: its raw ones when it has neither."""
 LOGPROBS_MODES: tuple[LogprobsMode, ...] = ("raw", "processed")
 Command = Literal["weights", "resume", "stop", "sleep"]
 SLEEP_LEVELS = (1, 2)
@@ -245,12 +247,33 @@ ASLEEP_FIELD = "asleep"
 cannot sleep acks a `sleep` with 0 (`SyncReport.awake`)."""
 
 
+SAMPLING_KNOBS = ("top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens")
+"""The `Sampling` fields beyond temperature and top-p that people set (vLLM's `SamplingParams` names and meanings):
+every producer (`RolloutClient.submit`, a prompts file, the gateway) takes them by these names, each at the wire's
+default ("off") unless given."""
+
+
+def knobs_given(**values: Any) -> dict[str, Any]:
+    """The `SAMPLING_KNOBS` of `values` that are given (not None), for `Sampling(**...)`: the others keep the wire's
+    defaults."""
+    unknown = set(values) - set(SAMPLING_KNOBS)
+    if unknown:
+        raise TypeError(f"not sampling knobs: {sorted(unknown)}")
+    return {name: value for name, value in values.items() if value is not None}
+
+
 class Sampling(BaseModel):
     """Sampling parameters of a prompt.
 
     Only types are checked on decode; ranges are checked by `problems()`, so that a prompt
     with, say, a negative temperature becomes error rollouts that its trainer sees rather
     than a dead letter nobody waits for.
+
+    The next token's distribution is made from the model's logits in vLLM's order (its `Sampler`): the stop tokens
+    masked while fewer than `min_tokens` were generated; the penalties (`repetition_penalty`, then
+    `frequency_penalty`, then `presence_penalty`); then, for a sampled token (temperature > 0), the temperature,
+    `min_p`, `top_k` and `top_p`, each over what the one before left. A greedy token (temperature 0) is the argmax
+    after the mask and the penalties (temperature, `min_p`, `top_k` and `top_p` change no argmax).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -272,23 +295,67 @@ class Sampling(BaseModel):
     `logprobs_mode` as `Rollout.logprobs`): `Rollout.top_token_ids` and `Rollout.top_logprobs`. 0: none (the sampled
     token's logprob only); at most `MAX_TOP_LOGPROBS`. An engine that cannot answers with an error rollout that says
     why. Left out of the entry at its default, as `logprobs_mode`."""
+    top_k: int = 0
+    """Sample among the `top_k` most likely tokens only (every token whose logit ties the k-th stays, as vLLM's). 0 or
+    -1 (vLLM's older spelling, read as 0): off. Since 2026-12-06, as the knobs below: left out of the entry at its
+    default, as `logprobs_mode`."""
+    min_p: float = 0.0
+    """Drop every token whose probability (after the temperature) is below `min_p` times the most likely one's; in
+    [0, 1], 0: off."""
+    repetition_penalty: float = 1.0
+    """For every token of the prompt or of the tokens generated so far: its logit divided by this when positive,
+    multiplied when not (vLLM's, from CTRL); > 0, 1: off."""
+    presence_penalty: float = 0.0
+    """Subtracted once from the logit of every token generated so far (OpenAI's; the prompt does not count); in
+    [-2, 2], 0: off."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once for every time it was generated so far (OpenAI's; the prompt does not
+    count); in [-2, 2], 0: off."""
+    min_tokens: int = 0
+    """No stop token (`stop_token_ids`, the model's end of sequence) before this many tokens were generated: their
+    logits are -inf until then (vLLM's; a stop string the gateway applies waits as long); in [0, `max_tokens`]."""
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k_off(cls, value: int) -> int:
+        return 0 if value == -1 else value  # vLLM's two spellings of "off": one entry either way
 
     def problems(self) -> list[str]:
-        found = []
+        """What is out of range, one message a field, each starting with the field's name."""
+        return [message for _, message in self.problem_fields()]
+
+    def problem_fields(self) -> list[tuple[str, str]]:
+        """`problems()` with the field each is about (the gateway names it in its 400)."""
+        found: list[tuple[str, str]] = []
+
+        def bad(name: str, why: str) -> None:
+            found.append((name, f"{name} {why}, got {getattr(self, name)!r}"))
+
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
-            found.append(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+            bad("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}]")
         if self.logprobs_mode not in LOGPROBS_MODES:
-            found.append(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
+            bad("logprobs_mode", f"must be one of {', '.join(LOGPROBS_MODES)}")
         if self.max_tokens < 1:
-            found.append(f"max_tokens must be >= 1, got {self.max_tokens}")
+            bad("max_tokens", "must be >= 1")
         if not self.temperature >= 0:
-            found.append(f"temperature must be >= 0, got {self.temperature}")
+            bad("temperature", "must be >= 0")
         if not 0 < self.top_p <= 1:
-            found.append(f"top_p must be in (0, 1], got {self.top_p}")
+            bad("top_p", "must be in (0, 1]")
         if self.seed is not None and not 0 <= self.seed <= INT64_MAX + 1 - MAX_SAMPLES:
             # Sample k of a prompt is drawn with seed + k: an int64 in the torch engine's batched sampler, a
             # non-negative one for numpy's generators (the synthetic engine).
-            found.append(f"seed must be in [0, 2**63 - {MAX_SAMPLES}], got {self.seed}")
+            bad("seed", f"must be in [0, 2**63 - {MAX_SAMPLES}]")
+        if self.top_k < 0:
+            bad("top_k", "must be -1 or 0 (off) or >= 1")
+        if not 0 <= self.min_p <= 1:
+            bad("min_p", "must be in [0, 1]")
+        if not 0 < self.repetition_penalty < math.inf:
+            bad("repetition_penalty", "must be > 0 (1: off)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                bad(name, "must be in [-2, 2]")
+        if not 0 <= self.min_tokens <= max(self.max_tokens, 0):
+            bad("min_tokens", f"must be in [0, max_tokens={self.max_tokens}]")
         return found
 
 

@@ -45,6 +45,7 @@ from pipeline.wire import (
     Rollout,
     Sampling,
     WireError,
+    knobs_given,
 )
 from staleness.admission import Admission, AdmissionLimits, StaleRollouts, Usage
 from staleness.manager import Manager, SyncError, SyncReport
@@ -380,6 +381,12 @@ class RolloutClient:
         logprobs_mode: LogprobsMode = "raw",
         routed_experts: bool = False,
         top_logprobs: int = 0,
+        top_k: int | None = None,
+        min_p: float | None = None,
+        repetition_penalty: float | None = None,
+        presence_penalty: float | None = None,
+        frequency_penalty: float | None = None,
+        min_tokens: int | None = None,
     ) -> str:
         """Queue one prompt (text through the tokenizer and its chat template, or token ids); returns its id.
 
@@ -388,10 +395,15 @@ class RolloutClient:
         stage (`rollouts scorer`): `reward` set, or `reward_error` saying why not. With `adapter`, it is
         generated under that LoRA adapter (published with `publish_weights(..., adapter=...)`).
 
+        `top_k`, `min_p`, `repetition_penalty`, `presence_penalty`, `frequency_penalty`, `min_tokens`: vLLM's knobs,
+        with vLLM's meanings and order (`pipeline.wire.Sampling`); None leaves one off (the wire's default). Both the
+        torch and vLLM engines apply them. Out of range: a `ValueError` that names the field.
+
         `logprobs_mode`: what the rollouts' `logprobs` are (`pipeline.wire.LogprobsMode`): `raw` (the default),
-        log_softmax of the model's logits; `processed`, of the distribution sampled from (temperature and top-p
-        applied). The torch engine serves either per request; a vLLM worker reports the one its engine was started
-        with (vLLM sets it per engine) and answers a prompt that asks for the other with an error rollout.
+        log_softmax of the model's logits; `processed`, of the distribution sampled from (every knob above,
+        temperature and top-p applied). The torch engine serves either per request; a vLLM worker reports the one its
+        engine was started with (vLLM sets it per engine) and answers a prompt that asks for the other with an error
+        rollout.
 
         `routed_experts`: the rollouts carry the experts a mixture-of-experts policy routed each position to
         (`Rollout.routed_experts`, int16 `[prompt + tokens - 1, layers, top_k]`) for rollout routing replay. Served
@@ -415,6 +427,14 @@ class RolloutClient:
                 logprobs_mode=logprobs_mode,
                 routed_experts=routed_experts,
                 top_logprobs=top_logprobs,
+                **knobs_given(
+                    top_k=top_k,
+                    min_p=min_p,
+                    repetition_penalty=repetition_penalty,
+                    presence_penalty=presence_penalty,
+                    frequency_penalty=frequency_penalty,
+                    min_tokens=min_tokens,
+                ),
             ),
             meta=meta,
             id=id,

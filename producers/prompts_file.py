@@ -11,7 +11,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from pipeline.wire import MAX_SAMPLES, Prompt, Sampling
+from pipeline.wire import MAX_SAMPLES, SAMPLING_KNOBS, Prompt, Sampling, knobs_given
 from producers.client import RolloutClient
 
 
@@ -27,6 +27,13 @@ class PromptLine(BaseModel):
     top_p: float = 1.0
     stop_token_ids: list[int] = Field(default_factory=list)
     seed: int | None = None
+    top_k: int | None = None
+    """The knobs of `pipeline.wire.SAMPLING_KNOBS`: left out (or null), the wire's default (off)."""
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    min_tokens: int | None = None
     meta: dict = Field(default_factory=dict)
     chat: bool = True
     reward_fn: str | None = None
@@ -48,6 +55,7 @@ def read_prompts_file(path: Path, client: RolloutClient) -> list[Prompt]:
                 top_p=line.top_p,
                 stop_token_ids=line.stop_token_ids,
                 seed=line.seed,
+                **knobs_given(**{name: getattr(line, name) for name in SAMPLING_KNOBS}),
             )
             prompts.append(
                 client.make_prompt(

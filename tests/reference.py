@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from functools import cache
 from pathlib import Path
@@ -11,7 +12,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
-from pipeline.wire import Rollout
+from pipeline.wire import Rollout, Sampling
 
 
 @cache
@@ -73,6 +74,60 @@ def processed_logprobs(
         return forward_logprobs(model_dir, prompt, tokens)
     scaled = forward_distributions(model_dir, prompt, tokens, temperature, top_p)
     return scaled[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)].numpy()
+
+
+def knob_distributions(
+    model_dir: Path, prompt: list[int], tokens: list[int], sampling: Sampling, stop_ids: Sequence[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The next-token distributions before each of `tokens` (`[len(tokens), vocab]`, log-probabilities), one forward
+    pass, with a `pipeline.wire.Sampling`'s knobs applied position by position as vLLM 0.32's sampler defines them
+    (written out from its `Sampler`, `apply_penalties`, `MinPLogitsProcessor`, `apply_top_k_top_p`; nothing from the
+    engines): `(raw, processed)`.
+
+    At position i: `stop_ids` at -inf while i < `min_tokens`; every token of the prompt or of `tokens[:i]` has its
+    logit divided by `repetition_penalty` when positive, multiplied when not; `frequency_penalty` times its count in
+    `tokens[:i]` and `presence_penalty` (once, if there) subtracted. Greedy (temperature 0) stops there. Else the
+    logits are divided by the temperature; `min_p` drops what is below `min_p` times the top probability; `top_k`
+    drops what is below the k-th largest logit; `top_p` drops a token when the mass ranked above it reaches `top_p`."""
+    ids = torch.tensor([list(prompt) + list(tokens)])
+    with torch.inference_mode():
+        logits = load_model(Path(model_dir))(ids).logits[0].float()
+    logits = logits[len(prompt) - 1 : len(prompt) + len(tokens) - 1]
+    raw = torch.log_softmax(logits, dim=-1)
+    rows = []
+    for i in range(len(tokens)):
+        row = logits[i].clone()
+        if i < sampling.min_tokens:
+            row[list(stop_ids)] = float("-inf")
+        made = Counter(tokens[:i])
+        for token in set(prompt) | set(made):
+            value = float(row[token])
+            row[token] = value / sampling.repetition_penalty if value > 0 else value * sampling.repetition_penalty
+        for token, count in made.items():
+            row[token] -= sampling.frequency_penalty * count + sampling.presence_penalty
+        if sampling.temperature > 0:
+            row = row / sampling.temperature
+            if sampling.min_p > 0:
+                probs = torch.softmax(row, dim=-1)
+                row[probs < sampling.min_p * probs.max()] = float("-inf")
+            if sampling.top_k > 0:
+                kth = row.sort(descending=True).values[sampling.top_k - 1]
+                row[row < kth] = float("-inf")
+            if sampling.top_p < 1:
+                probs = torch.softmax(row, dim=-1)
+                ranked, order = probs.sort(descending=True)
+                row[order[ranked.cumsum(-1) - ranked >= sampling.top_p]] = float("-inf")
+        rows.append(torch.log_softmax(row, dim=-1))
+    return raw, torch.stack(rows)
+
+
+def knob_logprobs(
+    model_dir: Path, prompt: list[int], tokens: list[int], sampling: Sampling, stop_ids: Sequence[int]
+) -> tuple[np.ndarray, np.ndarray]:
+    """`(raw, processed)` log p of each of `tokens` under `knob_distributions`."""
+    picked = torch.tensor(tokens, dtype=torch.long)[:, None]
+    raw, processed = knob_distributions(model_dir, prompt, tokens, sampling, stop_ids)
+    return raw.gather(1, picked)[:, 0].numpy(), processed.gather(1, picked)[:, 0].numpy()
 
 
 def kept_cache_log_softmax(

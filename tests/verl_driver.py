@@ -126,7 +126,7 @@ def main(settings: dict[str, Any]) -> dict[str, Any]:
         refused = ""
         try:
             asyncio.run(client.generate("refused", prompt_ids=settings["prompt"],
-                                        sampling_params=dict(SAMPLING, top_k=5, max_tokens=4)))  # fmt: skip
+                                        sampling_params=dict(SAMPLING, ignore_eos=True, max_tokens=4)))  # fmt: skip
         except Exception as exc:  # a Ray task error wrapping the server's GatewayRefused
             refused = str(exc)
         return {"found": found, "before": before, "metrics": metrics, "after": after, "refused": refused[-2000:]}

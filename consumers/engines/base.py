@@ -254,6 +254,21 @@ def continuation_seed(seed: int | None, done: int) -> int | None:
     return (seed * SEED_MIX + done + 1) % ((1 << 63) - MAX_SAMPLES)  # a seed any request takes (`Sampling`)
 
 
+def continued(sampling: Sampling, done: int) -> Sampling:
+    """The sampling of a sample's continuation after `done` tokens (prompt + those tokens, in a new request): the
+    `max_tokens` and `min_tokens` left. Its penalties see the tokens so far as prompt: `repetition_penalty` is the
+    same, `presence_penalty` and `frequency_penalty` count only what the continuation generates (vLLM's requests know
+    no tokens generated before them). A copy, even when nothing was done."""
+    left = {"max_tokens": sampling.max_tokens - done, "min_tokens": max(0, sampling.min_tokens - done)}
+    return sampling.model_copy(update=left)
+
+
+def top_k_within(sampling: Sampling, vocab_size: int) -> int:
+    """A request's `top_k` as an engine takes it: 0 (off) when it keeps the whole vocabulary anyway, so that no value
+    past the vocabulary (an int64 the wire took) reaches vLLM's int32 tensors."""
+    return sampling.top_k if sampling.top_k < vocab_size else 0
+
+
 def refuse_adapter(engine: str, adapter: str | None) -> None:
     """`EngineInputError` for a request under an adapter on an engine that serves none."""
     if adapter is not None:

@@ -60,6 +60,7 @@ from consumers.engines.base import (
     engine_logprobs_mode,
     refuse_adapter,
     refuse_logprobs_mode,
+    top_k_within,
 )
 from consumers.engines.model_files import (
     WeightLayout,
@@ -327,13 +328,20 @@ class RemoteVllmEngine(ServesNoAdapters, EngineLifecycle):
         return self._generation(request_id, response)
 
     def _body(self, local_id: str, prompt: list[int], prompt_len: int, sampling: Sampling) -> dict[str, Any]:
+        max_tokens = max(1, min(sampling.max_tokens, self.max_model_len - prompt_len))
         return {
             "request_id": local_id,
             "token_ids": prompt,
             "sampling_params": {
-                "max_tokens": max(1, min(sampling.max_tokens, self.max_model_len - prompt_len)),
+                "max_tokens": max_tokens,
                 "temperature": sampling.temperature,
                 "top_p": sampling.top_p,
+                "top_k": top_k_within(sampling, self.vocab_size),
+                "min_p": sampling.min_p,
+                "repetition_penalty": sampling.repetition_penalty,
+                "presence_penalty": sampling.presence_penalty,
+                "frequency_penalty": sampling.frequency_penalty,
+                "min_tokens": min(sampling.min_tokens, max_tokens),
                 "seed": sampling.seed,
                 "stop_token_ids": sorted(set(sampling.stop_token_ids) | set(self._eos_ids)),
                 "logprobs": 0,  # the sampled token's logprob only

@@ -172,7 +172,7 @@ class SyntheticEngine(ServesNoAdapters, LoadsIpcInProcess, EngineLifecycle):
         seed = sampling.seed if sampling.seed is not None else self._seeds.getrandbits(63)
         rng = np.random.default_rng(seed)
         limit = min(sampling.max_tokens, room)
-        length = max(1, min(limit, self._draw_length(rng, limit)))
+        length = max(1, min(limit, max(self._draw_length(rng, limit), sampling.min_tokens + 1)))  # eos after min_tokens
         stops = {self.eos_id, *sampling.stop_token_ids}
         tokens = rng.integers(0, self.vocab_size, size=length, dtype=np.int32)
         while stops and (hit := np.isin(tokens, list(stops))).any():  # no early stop token by chance

@@ -353,33 +353,27 @@ class BatchScheduler:
     def _sample(
         self, logits: torch.Tensor
     ) -> tuple[list[int], list[float], list[tuple[np.ndarray, np.ndarray] | None]]:
-        """Pick each row's token (greedy, or temperature + top-p with noise fixed by the row's seed).
+        """Pick each row's token, in vLLM's order (`pipeline.wire.Sampling`): the `min_tokens` mask and the penalties
+        (`_adjust`), then greedy, or the temperature, `min_p`, `top_k` and `top_p` (`_truncate`) and a draw with noise
+        fixed by the row's seed.
 
-        The logprob is the row's `logprobs_mode`'s: `raw`, that of the model's distribution (before temperature and
-        top-p), as vLLM reports by default and as the trainer recomputes; `processed`, that of the distribution the
-        token was drawn from, log_softmax(logits / temperature) renormalized over the tokens top-p kept (vLLM's
-        `processed_logprobs`). A greedy row's are raw either way (as vLLM's: nothing was applied). A row that asked
-        for alternatives (`top_logprobs` = k) gets the k most likely tokens of that same distribution and their
-        logprobs (tokens top-p dropped have -inf, as vLLM's processed ones), else None.
+        The logprob is the row's `logprobs_mode`'s: `raw`, that of the model's distribution (before anything was
+        applied), as vLLM reports by default and as the trainer recomputes; `processed`, that of the distribution the
+        token was drawn from, log_softmax of the logits after every step (-inf where a token was dropped; vLLM's
+        `processed_logprobs`). A greedy row's processed ones are after the mask and the penalties only (its raw ones
+        when it has neither), as vLLM's. A row that asked for alternatives (`top_logprobs` = k) gets the k most likely
+        tokens of that same distribution and their logprobs, else None.
         """
         rows = self._rows
         logprobs_all = torch.log_softmax(logits, dim=-1)
-        tokens = logits.argmax(dim=-1)
+        adjusted = _adjust(rows, logits)
+        tokens = adjusted.argmax(dim=-1)
         sampled = [i for i, r in enumerate(rows) if r.sampling.temperature > 0]
-        processed: list[int] = []
-        """Positions in `sampled` of the rows that want processed logprobs."""
+        shaped: torch.Tensor | None = None
+        """The sampled rows' logits after every step (-inf where dropped), a row each of `sampled`."""
         if sampled:
             index = torch.tensor(sampled, device=logits.device)
-            temps = torch.tensor([rows[i].sampling.temperature for i in sampled], device=logits.device)
-            probs = torch.softmax(logits[index] / temps[:, None], dim=-1)
-            top_p = torch.tensor([rows[i].sampling.top_p for i in sampled], device=logits.device)
-            dropped: torch.Tensor | None = None
-            if bool((top_p < 1).any()):
-                sorted_probs, order = probs.sort(dim=-1, descending=True)
-                # Drop a token when the mass ranked above it already reaches top_p (the first always stays).
-                drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p[:, None]
-                dropped = torch.zeros_like(drop).scatter(1, order, drop)
-                probs = probs.masked_fill(dropped, 0.0)
+            shaped, probs = _truncate([rows[i].sampling for i in sampled], adjusted[index])
             # Inverse CDF: one uniform draw per row, for all rows at once, each from its own seed and position.
             seeds = torch.tensor([rows[i].seed for i in sampled], device=logits.device)
             steps = torch.tensor([len(rows[i].tokens) for i in sampled], device=logits.device)
@@ -387,19 +381,20 @@ class BatchScheduler:
             u = sampling_uniform(seeds, steps) * cdf[:, -1]  # top-p left the rows unnormalized
             picked = torch.searchsorted(cdf, u[:, None], right=True).squeeze(1)
             tokens[index] = picked.clamp(max=probs.shape[1] - 1)
-            processed = [k for k, i in enumerate(sampled) if rows[i].sampling.logprobs_mode == "processed"]
-        chosen = logprobs_all.gather(1, tokens[:, None]).squeeze(1)
         reported = logprobs_all
         """The distribution each row's logprobs are of (its processed one replaces a processed row's)."""
+        processed = [i for i, r in enumerate(rows) if r.sampling.logprobs_mode == "processed"]
         if processed:
             which = torch.tensor(processed, device=logits.device)
-            at = index[which]
-            scaled = torch.log_softmax(logits[at] / temps[which, None], dim=-1)
-            if dropped is not None:  # renormalized over what top-p kept
-                scaled = scaled.masked_fill(dropped[which], float("-inf"))
-                scaled = scaled - torch.logsumexp(scaled, dim=-1, keepdim=True)
-            chosen[at] = scaled.gather(1, tokens[at][:, None]).squeeze(1)
-            reported = logprobs_all.index_put((at,), scaled)
+            dist = torch.log_softmax(adjusted[which], dim=-1)  # greedy rows: the mask and the penalties only
+            if shaped is not None:
+                at = {row: k for k, row in enumerate(sampled)}
+                drawn = [j for j, i in enumerate(processed) if i in at]
+                if drawn:
+                    rows_of = torch.tensor([at[processed[j]] for j in drawn], device=logits.device)
+                    dist[torch.tensor(drawn, device=logits.device)] = torch.log_softmax(shaped[rows_of], dim=-1)
+            reported = logprobs_all.index_put((which,), dist)
+        chosen = reported.gather(1, tokens[:, None]).squeeze(1)
         return tokens.tolist(), chosen.tolist(), _alternatives(rows, reported)
 
     def _merge(self, new_rows: list[Request], cache: Any, mask: torch.Tensor) -> None:
@@ -451,6 +446,83 @@ class BatchScheduler:
     def _lora_hooks(self, rows: Sequence[Request]) -> contextlib.AbstractContextManager[None]:
         """For one model call over `rows`: the context in which the model adds each adapter row's LoRA term."""
         raise NotImplementedError
+
+
+def _adjust(rows: Sequence[Request], logits: torch.Tensor) -> torch.Tensor:
+    """The logits after what applies to greedy and sampled rows alike, in vLLM's order: the stop tokens at -inf while a
+    row has fewer than `min_tokens` tokens, then `repetition_penalty` (over the prompt and the tokens so far: a positive
+    logit divided by it, another multiplied), `frequency_penalty` (times each token's count so far) and
+    `presence_penalty` (once for each token generated so far). `logits` itself when no row asks for any."""
+    masked = [i for i, r in enumerate(rows) if len(r.tokens) < r.sampling.min_tokens]
+    penalized = [i for i, r in enumerate(rows) if _penalized(r.sampling)]
+    if not (masked or penalized):
+        return logits
+    logits = logits.clone()
+    vocab = logits.shape[1]
+    for i in masked:
+        stops = [t for t in rows[i].stop_ids if t < vocab]
+        logits[i, torch.tensor(stops, dtype=torch.long, device=logits.device)] = float("-inf")
+    if not penalized:
+        return logits
+    device = logits.device
+    index = torch.tensor(penalized, device=device)
+    counts = torch.zeros((len(penalized), vocab), device=device)
+    seen = torch.zeros((len(penalized), vocab), dtype=torch.bool, device=device)
+    for j, i in enumerate(penalized):
+        req = rows[i]
+        if req.tokens:
+            counts[j] = torch.bincount(torch.tensor(req.tokens, device=device), minlength=vocab)[:vocab].float()
+        seen[j, torch.tensor(req.prompt, dtype=torch.long, device=device)] = True
+    made = counts > 0
+    sampling = [rows[i].sampling for i in penalized]
+    repetition = torch.tensor([s.repetition_penalty for s in sampling], device=device)[:, None]
+    frequency = torch.tensor([s.frequency_penalty for s in sampling], device=device)[:, None]
+    presence = torch.tensor([s.presence_penalty for s in sampling], device=device)[:, None]
+    rows_logits = logits[index]
+    penalty = torch.where(seen | made, repetition, 1.0)
+    rows_logits = rows_logits * torch.where(rows_logits > 0, 1.0 / penalty, penalty)
+    rows_logits = rows_logits - frequency * counts - presence * made.float()
+    logits[index] = rows_logits
+    return logits
+
+
+def _penalized(sampling: Sampling) -> bool:
+    return sampling.repetition_penalty != 1 or sampling.frequency_penalty != 0 or sampling.presence_penalty != 0
+
+
+def _truncate(samplings: Sequence[Sampling], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sampled rows' logits (after `_adjust`) through the temperature, `min_p`, `top_k` and `top_p`, in that order, each
+    over what the one before kept: the logits with -inf where a token was dropped, and the probabilities to draw from
+    (0 where dropped; unnormalized after top-p).
+
+    `min_p`: a token is dropped when its probability is below `min_p` times the most likely one's. `top_k`: every token
+    whose logit is below the k-th largest is dropped (ties with it stay). `top_p`: a token is dropped when the mass
+    ranked above it already reaches `top_p` (the first always stays)."""
+    device = logits.device
+    temps = torch.tensor([s.temperature for s in samplings], device=device)
+    scaled = logits / temps[:, None]
+    min_p = torch.tensor([s.min_p for s in samplings], device=device)
+    if bool((min_p > 0).any()):
+        probs = torch.softmax(scaled, dim=-1)
+        floor = probs.amax(dim=-1, keepdim=True) * min_p[:, None]
+        scaled = scaled.masked_fill(probs < floor, float("-inf"))
+    vocab = scaled.shape[1]
+    top_k = torch.tensor([s.top_k if 0 < s.top_k < vocab else 0 for s in samplings], device=device)
+    if bool((top_k > 0).any()):
+        ranked = scaled.topk(int(top_k.max()), dim=-1).values
+        kth = ranked.gather(1, (top_k.clamp(min=1) - 1)[:, None])
+        kth = kth.masked_fill((top_k == 0)[:, None], float("-inf"))
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    top_p = torch.tensor([s.top_p for s in samplings], device=device)
+    if bool((top_p < 1).any()):
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        # Drop a token when the mass ranked above it already reaches top_p (the first always stays).
+        drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p[:, None]
+        dropped = torch.zeros_like(drop).scatter(1, order, drop)
+        probs = probs.masked_fill(dropped, 0.0)
+        scaled = scaled.masked_fill(dropped, float("-inf"))
+    return scaled, probs
 
 
 def _alternatives(rows: Sequence[Request], logprobs: torch.Tensor) -> list[tuple[np.ndarray, np.ndarray] | None]:

@@ -71,9 +71,11 @@ from consumers.engines.base import (
     WakePart,
     check_request,
     continuation_seed,
+    continued,
     engine_logprobs_mode,
     refuse_adapter,
     refuse_logprobs_mode,
+    top_k_within,
 )
 from consumers.engines.lora import parse_adapter, save_adapter
 from consumers.engines.model_files import (
@@ -473,7 +475,7 @@ class VllmEngine(EngineLifecycle):
                 seg_sampling = (
                     sampling
                     if not done
-                    else sampling.model_copy(
+                    else continued(sampling, done).model_copy(
                         update={"max_tokens": left, "seed": continuation_seed(sampling.seed, done)}
                     )
                 )
@@ -576,11 +578,18 @@ class VllmEngine(EngineLifecycle):
         """Our `Sampling` as vLLM `SamplingParams`; values vLLM refuses raise `EngineInputError`, and so does a
         `logprobs_mode` other than the engine's."""
         refuse_logprobs_mode(self.name, self.logprobs_mode, sampling)
+        max_tokens = min(sampling.max_tokens, self.max_model_len - prompt_len)
         try:
             return SamplingParams(
-                max_tokens=min(sampling.max_tokens, self.max_model_len - prompt_len),
+                max_tokens=max_tokens,
                 temperature=sampling.temperature,
                 top_p=sampling.top_p,
+                top_k=top_k_within(sampling, self.vocab_size),
+                min_p=sampling.min_p,
+                repetition_penalty=sampling.repetition_penalty,
+                presence_penalty=sampling.presence_penalty,
+                frequency_penalty=sampling.frequency_penalty,
+                min_tokens=min(sampling.min_tokens, max_tokens),  # the context may end first: then it ends the sample
                 seed=sampling.seed,
                 stop_token_ids=sorted(set(sampling.stop_token_ids) | set(self._eos_ids)),
                 logprobs=sampling.top_logprobs,  # the sampled token's logprob first, then the k most likely

@@ -38,8 +38,9 @@ def submit(
     model: Annotated[Path | None, typer.Option(help="Model directory whose tokenizer reads text prompts.")] = None,
 ) -> None:
     """Queue prompts from a JSONL file: `id`, `prompt` (text) or `tokens`, `n`, `max_tokens`,
-    `temperature`, `top_p`, `stop_token_ids`, `seed`, `meta`, `reward_fn`, `adapter` (a LoRA adapter's name). Nothing
-    is queued unless every line is valid."""
+    `temperature`, `top_p`, `stop_token_ids`, `seed`, `top_k`, `min_p`, `repetition_penalty`, `presence_penalty`,
+    `frequency_penalty`, `min_tokens` (vLLM's meanings), `meta`, `reward_fn`, `adapter` (a LoRA adapter's name).
+    Nothing is queued unless every line is valid."""
     from producers.prompts_file import read_prompts_file
 
     if not file.is_file():

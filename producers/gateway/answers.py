@@ -35,14 +35,16 @@ class Reply:
     """The stop string that cut the reply, if one did."""
 
 
-def apply_stops(rollout: Rollout, stops: list[str], renderer: ChatRenderer) -> Reply:
+def apply_stops(rollout: Rollout, stops: list[str], renderer: ChatRenderer, min_tokens: int = 0) -> Reply:
     """Cut a reply at its first stop string (the text before it is returned; its tokens keep the tokens up to
-    and including the one that completed the stop string, as vLLM's token ids do)."""
+    and including the one that completed the stop string, as vLLM's token ids do). With `min_tokens`, as vLLM's: a
+    stop string counts only once it ends after the text of the first `min_tokens` tokens."""
     tokens = rollout.tokens
     if stops:
-        for k in range(1, len(tokens) + 1):
+        floor = len(renderer.reply_text(tokens[:min_tokens])) if min_tokens else 0
+        for k in range(min_tokens + 1, len(tokens) + 1):
             text = renderer.reply_text(tokens[:k])
-            found = [(text.find(s), s) for s in stops if s in text]
+            found = [(at, s) for s in stops if (at := text.find(s, max(0, floor - len(s) + 1))) >= 0]
             if found:
                 at, matched = min(found)
                 cut = rollout.model_copy(

@@ -75,7 +75,15 @@ class Sampled(BaseModel):
     stop_token_ids: list[int] | None = None
     """vLLM's extension: token ids that end a sample (besides the model's end of sequence), kept in its tokens."""
     min_tokens: int | None = Field(default=None, ge=0)
-    """vLLM's extension: 0 or 1 (a sample that stops at its first token is drawn again); more is refused."""
+    """vLLM's extension: no stop (a stop token or string) before this many tokens; at most the completion's length."""
+    top_k: int | None = None
+    """vLLM's extension, as the knobs below (`pipeline.wire.Sampling`, ranges checked there, a 400 naming the field):
+    None, 0 or -1 off."""
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    """OpenAI's, as `frequency_penalty`: in [-2, 2]."""
+    frequency_penalty: float | None = None
     seed: int | None = Field(default=None, ge=0, le=INT64_MAX - MAX_SAMPLES)
     stream: bool = False
     return_token_ids: bool = False

@@ -2,22 +2,24 @@
 
 A field is either **honoured** (carried on the wire's `Sampling` to the workers, or applied by the gateway: `n`,
 `max_tokens`, `temperature`, `top_p`, `seed`, `stop_token_ids`, `stop`, `logprobs` of the sampled token and up to
-`MAX_TOP_LOGPROBS` alternatives of each token (`top_logprobs`, completions' `logprobs: k`), and `min_tokens` up to
-1), **inert** (it changes nothing in the answer: `user`, `metadata`, the prefix-cache salt, ...), or **default
-only**: the wire and the engines have no such knob, so its default ("off") is accepted and any other value is
-refused with OpenAI's 400 shape, naming the field and saying why. A field in none of these lists is refused as
-OpenAI refuses it ("Unrecognized request argument supplied").
+`MAX_TOP_LOGPROBS` alternatives of each token (`top_logprobs`, completions' `logprobs: k`), and the knobs
+`pipeline.wire.SAMPLING_KNOBS`: `top_k`, `min_p`, `repetition_penalty`, `presence_penalty`, `frequency_penalty`,
+`min_tokens`, each checked against the wire's ranges with a 400 that names it), **inert** (it changes nothing in the
+answer: `user`, `metadata`, the prefix-cache salt, ...), or **default only**: the wire and the engines have no such
+knob, so its default ("off") is accepted and any other value is refused with OpenAI's 400 shape, naming the field and
+saying why. A field in none of these lists is refused as OpenAI refuses it ("Unrecognized request argument supplied").
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.wire import MAX_TOP_LOGPROBS, LogprobsMode
+from pipeline.wire import MAX_TOP_LOGPROBS, SAMPLING_KNOBS, LogprobsMode, Sampling
 from producers.gateway.openai_api import OpenAIError, Sampled
 
-NO_KNOB = "the wire's sampling carries temperature, top_p, seed and stop tokens only, and no engine has this knob"
+NO_KNOB = "the wire's sampling has no such knob, and no engine applies it"
 
 
 @dataclass(frozen=True)
@@ -30,11 +32,6 @@ class DefaultOnly:
 
 DEFAULT_ONLY: dict[str, DefaultOnly] = {
     # What samplers do that ours do not: the wire's `Sampling` would have to carry them, and every engine honour them.
-    "top_k": DefaultOnly((None, 0, -1)),
-    "min_p": DefaultOnly((None, 0)),
-    "repetition_penalty": DefaultOnly((None, 1)),
-    "presence_penalty": DefaultOnly((None, 0)),
-    "frequency_penalty": DefaultOnly((None, 0)),
     "length_penalty": DefaultOnly((None, 1)),
     "logit_bias": DefaultOnly((None, {})),
     "allowed_token_ids": DefaultOnly((None,)),
@@ -140,7 +137,7 @@ def _same(value: Any, allowed: Any) -> bool:
 @dataclass(frozen=True)
 class Ask:
     """What one prompt of a call asks the workers for, checked: its samples, their sampling, and what the gateway
-    applies to them (stop strings, at least `min_tokens` before a stop)."""
+    applies to them (stop strings, none before `min_tokens` tokens)."""
 
     n: int = 1
     max_tokens: int | None = None
@@ -153,31 +150,36 @@ class Ask:
     logprobs_mode: LogprobsMode = "raw"
     """What the samples' logprobs are (`pipeline.wire.LogprobsMode`): vLLM's route takes it in `sampling_params`, by
     vLLM's engine-wide names (`raw_logprobs`, `processed_logprobs`), because verl and TRL ask for processed ones."""
-    min_tokens: int = 0
-    """0 or 1. A sample whose first token is a stop token is drawn again (another seed): exactly sampling with stop
-    tokens masked at the first step, as vLLM's `min_tokens=1` does. More than 1 is refused: redrawing whole samples
-    is not the same distribution as masking step by step."""
+    knobs: dict[str, Any] = field(default_factory=dict)
+    """The knobs of `pipeline.wire.SAMPLING_KNOBS` the call set (checked: `check_knobs`); the others stay at the
+    wire's defaults (off)."""
+    where: str = ""
+    """Where the call's sampling fields are (`sampling_params.` on vLLM's generate route): a 400 names `where` + the
+    field."""
     top_logprobs: int = 0
     """The alternatives of each token the workers report (`pipeline.wire.Sampling.top_logprobs`), 0 to
     `MAX_TOP_LOGPROBS`."""
 
+    @property
+    def min_tokens(self) -> int:
+        """No stop token before this many tokens (the engines mask them), and no stop string (`apply_stops`)."""
+        return int(self.knobs.get("min_tokens") or 0)
 
-MAX_REDRAWS = 8
-"""How often a sample that stopped at its first token is drawn again for `min_tokens=1` before the call fails."""
+
+def check_knobs(given: dict[str, Any], where: str = "", max_tokens: int | None = None) -> dict[str, Any]:
+    """The knobs of `given` that are set (not None), checked against the wire's ranges (`Sampling.problem_fields`;
+    `min_tokens` against `max_tokens` when the call gives it): a 400 in OpenAI's shape naming the first bad one."""
+    knobs = {name: value for name, value in given.items() if value is not None}
+    limit = {} if max_tokens is None else {"max_tokens": max_tokens}
+    check_sampling(Sampling(**limit, **knobs), where, only=knobs)
+    return knobs
 
 
-def check_min_tokens(value: int | None, param: str) -> int:
-    if value is None or value == 0:
-        return 0
-    if value == 1:
-        return 1
-    raise OpenAIError(
-        400,
-        f"{param}={value} is not supported: no engine masks stop tokens step by step; 0 and 1 are honoured "
-        "(1: a sample that stops at its first token is drawn again)",
-        code="unsupported_parameter",
-        param=param,
-    )
+def check_sampling(sampling: Sampling, where: str = "", only: Collection[str] = SAMPLING_KNOBS) -> None:
+    """A 400 naming the first field of `only` that `sampling` has out of range (`Sampling.problem_fields`)."""
+    for name, message in sampling.problem_fields():
+        if name in only:
+            raise OpenAIError(400, where + message, code="invalid_value", param=where + name)
 
 
 def check_logprobs(value: int | bool | None, param: str) -> int | None:
@@ -228,7 +230,7 @@ def ask_of(request: Sampled, max_tokens: int | None, top_logprobs: int = 0) -> A
         seed=request.seed,
         stop_token_ids=check_token_ids(request.stop_token_ids, "stop_token_ids"),
         stops=request.stops(),
-        min_tokens=check_min_tokens(request.min_tokens, "min_tokens"),
+        knobs=check_knobs({name: getattr(request, name) for name in SAMPLING_KNOBS}, max_tokens=max_tokens),
         top_logprobs=top_logprobs,
     )
 

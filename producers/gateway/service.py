@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from pipeline.streams import Streams
-from pipeline.wire import INT64_MAX, MAX_SAMPLES, NAME_PATTERN, PauseMode, Prompt, Rollout, Sampling
+from pipeline.wire import NAME_PATTERN, PauseMode, Prompt, Rollout, Sampling
 from producers.gateway.answers import Call, Reply, answer, apply_stops
 from producers.gateway.chat import ChatRenderer, TemplateError
 from producers.gateway.metrics import GatewayMetrics
@@ -36,7 +36,7 @@ from producers.gateway.openai_api import ChatRequest, CompletionRequest, FinishR
 from producers.gateway.placement import Placement, candidates, place
 from producers.gateway.replies import Replies
 from producers.gateway.rl_control import WeightUpdates, read_hold
-from producers.gateway.sampling import MAX_REDRAWS, Ask, ask_of, check_chat_logprobs, check_logprobs
+from producers.gateway.sampling import Ask, ask_of, check_chat_logprobs, check_logprobs, check_sampling
 from producers.gateway.sessions import Session, SessionStore, Trajectory
 from producers.gateway.vllm_api import GenerateRequest, TokenizeRequest, generate_answer
 from staleness.state import adapter_names, read_state
@@ -342,9 +342,6 @@ class Gateway:
         if adapter is not None:
             await self._wait_unpaused(adapter)
         batches = await asyncio.gather(*(self._run(item, session, live) for item in items))
-        if ask.min_tokens:
-            pairs = zip(items, batches, strict=True)
-            batches = [await self._redraw(item, rollouts, session, live) for item, rollouts in pairs]
         errors = [r.error for rollouts in batches for r in rollouts if r.finish_reason == "error"]
         if errors:
             raise OpenAIError(400, f"the engine refused this request: {errors[0]}", code="engine_refused")
@@ -354,7 +351,7 @@ class Gateway:
         if session is not None:
             session.workers.append(batches[0][0].worker)
             session.cached_tokens += batches[0][0].cached_tokens or 0
-        return [[apply_stops(r, ask.stops, self.renderer) for r in rollouts] for rollouts in batches]
+        return [[apply_stops(r, ask.stops, self.renderer, ask.min_tokens) for r in rollouts] for rollouts in batches]
 
     def _room(self, prompt: np.ndarray, max_tokens: int | None, limit: int) -> int:
         """The completion's length (`max_tokens`, or the rest of the context); 400 when the prompt does not fit."""
@@ -384,7 +381,9 @@ class Gateway:
             seed=ask.seed,
             logprobs_mode=ask.logprobs_mode,
             top_logprobs=ask.top_logprobs,
+            **ask.knobs,
         )
+        check_sampling(sampling, ask.where)  # `min_tokens` against the rest of the context, when that is the limit
         return Prompt(
             id=f"turn-{uuid.uuid4().hex}",
             n=ask.n,
@@ -413,39 +412,6 @@ class Gateway:
                 ) from None
         finally:
             self.replies.forget(item.id)
-
-    async def _redraw(
-        self, item: Prompt, rollouts: list[Rollout], session: Session | None, live: dict[str, dict[str, str]]
-    ) -> list[Rollout]:
-        """`min_tokens=1`: draw again (with another seed) each sample that stopped at its first token, so the first
-        token is sampled from the distribution with the stop tokens masked, as vLLM does (rejection sampling: the
-        same distribution, exactly, for one step)."""
-        out = list(rollouts)
-        for k, rollout in enumerate(rollouts):
-            attempt = 0
-            while out[k].finish_reason == "stop" and len(out[k].tokens) == 1:
-                attempt += 1
-                if attempt > MAX_REDRAWS:
-                    raise OpenAIError(
-                        400,
-                        f"min_tokens=1: sample {k} stopped at its first token in {MAX_REDRAWS} draws (the model all "
-                        "but always stops here); send min_tokens=0 to take such samples",
-                        code="min_tokens_unmet",
-                        param="min_tokens",
-                    )
-                seed = item.sampling.seed
-                if seed is not None:  # reproducible, and not a seed another sample of the prompt drew with
-                    seed = (seed + attempt * MAX_SAMPLES + k) % (INT64_MAX - MAX_SAMPLES)
-                again = item.model_copy(
-                    update={
-                        "id": f"turn-{uuid.uuid4().hex}",
-                        "n": 1,
-                        "sampling": item.sampling.model_copy(update={"seed": seed}),
-                    }
-                )
-                [drawn] = await self._run(again, session, live)
-                out[k] = drawn.model_copy(update={"prompt_id": rollout.prompt_id, "sample": rollout.sample})
-        return out
 
     async def _wait_unpaused(self, adapter: str | None) -> None:
         """Queue nothing while a weight sync (of the base model, or of the call's adapter) is under way, or while a

@@ -18,11 +18,11 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from pipeline.wire import INT64_MAX, MAX_SAMPLES
+from pipeline.wire import INT64_MAX, MAX_SAMPLES, SAMPLING_KNOBS
 from producers.gateway.answers import Reply, clamp_logprob, engine_order, token_logprobs, usage
 from producers.gateway.chat import ChatRenderer
 from producers.gateway.openai_api import OpenAIError
-from producers.gateway.sampling import Ask, check_fields, check_logprobs, check_min_tokens, check_token_ids
+from producers.gateway.sampling import Ask, check_fields, check_knobs, check_logprobs, check_token_ids
 
 NO_TEXT = ("skip_special_tokens", "include_stop_str_in_output", "spaces_between_special_tokens")
 """Sampling fields that shape text only: without it (`output_mode="tokens"`) they change nothing."""
@@ -42,7 +42,14 @@ class VllmSamplingParams(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     logprobs: int | None = None
-    min_tokens: int = Field(default=0, ge=0)
+    min_tokens: int | None = Field(default=None, ge=0)
+    top_k: int | None = None
+    """As the knobs below (`pipeline.wire.SAMPLING_KNOBS`): None, vLLM's default; ranges checked with a 400 naming
+    the field (`check_knobs`)."""
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] | None = None
     """Ours: vLLM sets this per engine (`--logprobs-mode`), so its `SamplingParams` has no such field. None: raw."""
 
@@ -82,7 +89,8 @@ class GenerateRequest(BaseModel):
         if self.output_mode == "tokens":
             for name in NO_TEXT:
                 others.pop(name, None)
-        check_fields(others, "sampling_params.")
+        where = "sampling_params."
+        check_fields(others, where)
         logprobs = check_logprobs(sp.logprobs, "sampling_params.logprobs")
         stops = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop or [])
         if any(not s for s in stops):
@@ -95,7 +103,8 @@ class GenerateRequest(BaseModel):
             seed=sp.seed,
             stop_token_ids=check_token_ids(sp.stop_token_ids, "sampling_params.stop_token_ids"),
             stops=stops,
-            min_tokens=check_min_tokens(sp.min_tokens, "sampling_params.min_tokens"),
+            knobs=check_knobs({name: getattr(sp, name) for name in SAMPLING_KNOBS}, where, sp.max_tokens),
+            where=where,
             logprobs_mode="processed" if sp.logprobs_mode == "processed_logprobs" else "raw",
             top_logprobs=logprobs or 0,
         )

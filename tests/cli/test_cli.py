@@ -86,6 +86,52 @@ def test_submit_file_then_top_json_shows_the_pipeline(
     assert started and re.match(line, started[0]), started
 
 
+def test_submit_carries_a_prompts_files_sampling_knobs_to_the_workers(
+    redis_server: RedisServer, ns: str, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """`top_k`, `min_p`, `repetition_penalty`, `presence_penalty`, `frequency_penalty` and `min_tokens` on a line go
+    on the wire as written and the worker honours them: top-k 1 at temperature 1 draws the greedy tokens, a huge
+    repetition penalty repeats no token. A knob out of range names its line and field, and nothing is queued."""
+    tokens = list(range(10, 20))  # greedy decoding repeats itself from here (seed-0 weights)
+    spread = {"repetition_penalty": 10000.0, "presence_penalty": 0.5, "frequency_penalty": 0.5, "min_p": 0.1,
+              "min_tokens": 12}  # fmt: skip
+    lines = [
+        {"id": "greedy", "tokens": tokens, "max_tokens": 12, "temperature": 0},
+        {"id": "top-1", "tokens": tokens, "n": 2, "max_tokens": 12, "top_k": 1, "seed": 3},
+        {"id": "spread", "tokens": tokens, "max_tokens": 12, "temperature": 0.5, "seed": 4} | spread,
+    ]
+    prompts = tmp_path / "knobs.jsonl"
+    prompts.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    url = redis_server.url
+    bad = tmp_path / "bad-knobs.jsonl"
+    bad.write_text('{"tokens": [1], "top_k": -3, "min_p": 2}\n{"tokens": [1], "max_tokens": 4, "min_tokens": 5}\n')
+    assert_clean_error(
+        rollouts("submit", "--redis", url, "--ns", ns, "--file", str(bad)),
+        "2 bad lines, nothing was queued",
+        "line 1: top_k must be -1 or 0 (off) or >= 1, got -3; min_p must be in [0, 1], got 2.0",
+        "line 2: min_tokens must be in [0, max_tokens=4], got 5",
+    )
+    submitted = rollouts("submit", "--redis", url, "--ns", ns, "--file", str(prompts))
+    assert submitted.returncode == 0 and "queued 3 prompts (4 samples)" in submitted.stderr, submitted.stderr
+    client = RolloutClient(url, ns)
+    entries = {Prompt.from_fields(f).id: json.loads(f[b"sampling"]) for _, f in as_entries(
+        client.streams.redis.xrange(Keys(ns).prompts))}  # fmt: skip
+    assert entries["top-1"] == {"max_tokens": 12, "top_k": 1, "seed": 3}
+    assert entries["spread"] == {"max_tokens": 12, "temperature": 0.5, "seed": 4} | spread
+
+    worker = start_worker(url, ns, tiny_model_dir, "knobs-w", log_file=tmp_path / "w.log")
+    try:
+        wait_for_worker(client.streams.redis, ns, "knobs-w", worker, timeout_s=120)
+        groups = {g.prompt_id: [r.tokens.tolist() for r in g.rollouts] for g in client.collect(3, timeout=60)}
+    finally:
+        stop_process(worker)
+    [greedy] = groups["greedy"]
+    assert len(greedy) - len(set(greedy)) > 5
+    assert groups["top-1"] == [greedy, greedy]
+    [spread_tokens] = groups["spread"]
+    assert len(spread_tokens) == 12 and len(set(spread_tokens)) == 12 and not set(spread_tokens) & set(tokens)
+
+
 def test_a_bad_prompts_file_queues_nothing_and_names_every_bad_line(
     redis_server: RedisServer, ns: str, tmp_path: Path
 ) -> None:

@@ -165,3 +165,43 @@ def test_sampling_ranges_are_problems_not_decode_errors() -> None:
     sampling = Sampling(temperature=-1, top_p=0, max_tokens=0)
     assert len(sampling.problems()) == 3
     assert Sampling().problems() == []
+
+
+KNOBS = {"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1, "presence_penalty": -0.5, "frequency_penalty": 0.25,
+         "min_tokens": 3}  # fmt: skip
+
+
+def test_sampling_knobs_round_trip_as_json_and_an_older_prompt_without_them_decodes_to_off() -> None:
+    asked = Prompt(id="p1", n=2, tokens=[4, 5], sampling=Sampling(max_tokens=9, seed=7, **KNOBS))
+    fields = asked.to_fields()
+    assert json.loads(fields[b"sampling"]) == {"max_tokens": 9, "seed": 7, **KNOBS}  # readable in redis-cli
+    assert Prompt.from_fields(fields).sampling == asked.sampling
+    # A prompt written before the knobs existed (or by a producer that sets none) reads as every knob off ...
+    older = fields | {b"sampling": b'{"max_tokens": 9, "temperature": 0.5, "top_p": 0.9, "seed": 7}'}
+    off = Prompt.from_fields(older).sampling
+    assert (off.top_k, off.min_p, off.repetition_penalty, off.presence_penalty, off.frequency_penalty,
+            off.min_tokens) == (0, 0.0, 1.0, 0.0, 0.0, 0)  # fmt: skip
+    # ... and a prompt that sets none is written byte for byte as before: the knobs at "off" are left out.
+    plain = Prompt(id="p1", n=2, tokens=[4, 5], sampling=Sampling(max_tokens=9, top_k=-1, min_p=0.0))
+    assert plain.to_fields()[b"sampling"] == b'{"max_tokens":9}'
+    assert fields[b"v"] == plain.to_fields()[b"v"] == b"1"
+
+
+@pytest.mark.parametrize(
+    ("knobs", "message"),
+    [
+        ({"top_k": -2}, "top_k must be -1 or 0 (off) or >= 1, got -2"),
+        ({"min_p": 1.5}, "min_p must be in [0, 1], got 1.5"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty must be > 0 (1: off), got 0.0"),
+        ({"repetition_penalty": float("inf")}, "repetition_penalty must be > 0 (1: off), got inf"),
+        ({"presence_penalty": 2.5}, "presence_penalty must be in [-2, 2], got 2.5"),
+        ({"frequency_penalty": float("nan")}, "frequency_penalty must be in [-2, 2], got nan"),
+        ({"min_tokens": 10, "max_tokens": 8}, "min_tokens must be in [0, max_tokens=8], got 10"),
+        ({"min_tokens": -1}, "min_tokens must be in [0, max_tokens=64], got -1"),
+    ],
+)
+def test_a_knob_out_of_range_is_a_problem_that_names_it_not_a_dead_letter(knobs: dict, message: str) -> None:
+    fields = Prompt(id="p1", n=1, tokens=[4, 5]).to_fields() | {b"sampling": json.dumps(knobs).encode()}
+    sampling = Prompt.from_fields(fields).sampling  # decodes: the worker answers with error rollouts
+    assert sampling.problems() == [message]
+    assert sampling.problem_fields() == [(message.split()[0], message)]

@@ -102,5 +102,5 @@ def test_verls_registries_find_rollout_streams_and_its_managers_generate_and_upd
     assert state[b"version"] == b"1" and state[b"paused"] == b"0"
 
     # A sampling field the workers do not honour is refused with the gateway's reason, never dropped.
-    assert "top_k=5 is not supported" in result["refused"], result["refused"]
+    assert "ignore_eos=True is not supported" in result["refused"], result["refused"]
     assert manager.poll() is None

@@ -14,11 +14,15 @@ import openai
 import pytest
 import redis
 
+from consumers.engines.tiny_model import EOS, SPECIAL_TOKENS
 from pipeline.codec import as_text
 from pipeline.local import RedisServer
-from pipeline.wire import Keys
+from pipeline.wire import Keys, Sampling
 from tests.fixtures import StartGateway, StartWorker, openai_client
-from tests.reference import forward_logprobs
+from tests.reference import forward_logprobs, knob_logprobs
+
+EOS_ID = SPECIAL_TOKENS.index(EOS)
+"""The tiny model's end of sequence."""
 
 
 def root(base: str) -> str:
@@ -134,11 +138,83 @@ def test_generate_route_tokens_in_tokens_out_with_sessions(
     probe.close()
 
 
+def test_the_sampling_knobs_are_honoured_on_completions_chat_and_the_generate_route(
+    redis_server: RedisServer,
+    ns: str,
+    tiny_model_dir: Path,
+    workers: StartWorker,
+    gateways: StartGateway,
+    one_thread: None,
+) -> None:
+    """`top_k`, `min_p`, `repetition_penalty`, `presence_penalty`, `frequency_penalty` and `min_tokens` reach the
+    workers from every route: top-k 1 and min-p near 1 at temperature 1 draw the greedy tokens, a huge repetition
+    penalty repeats nothing, a frequency penalty repeats less, `min_tokens` holds the end of sequence back, and the
+    generate route's processed logprobs are a forward pass with every knob applied (its raw ones the plain pass)."""
+    workers("w1")
+    base = gateways("gw")
+    client, http = openai_client(base), httpx.Client(base_url=root(base), timeout=120)
+    ids = {"return_token_ids": True}
+    prompt = list(range(10, 20))  # greedy decoding repeats itself from here (seed-0 weights)
+
+    def completion(**kwargs: Any) -> list[list[int]]:
+        extra = ids | {k: kwargs.pop(k) for k in ("top_k", "min_p", "repetition_penalty", "min_tokens") if k in kwargs}
+        answer = client.completions.create(model="tiny", prompt=prompt, max_tokens=24, extra_body=extra, **kwargs)
+        return [c.model_extra["token_ids"] for c in answer.choices]
+
+    [greedy] = completion(temperature=0)
+    assert len(greedy) - len(set(greedy)) > 10
+    assert completion(temperature=1.0, n=2, seed=3, top_k=1) == [greedy, greedy]
+    assert completion(temperature=1.0, n=2, seed=5, min_p=0.999) == [greedy, greedy]
+    [spread] = completion(temperature=0, repetition_penalty=1e4)
+    assert len(set(spread)) == len(spread) == 24 and not set(spread) & set(prompt)
+    [fewer] = completion(temperature=0, frequency_penalty=2.0)
+    assert len(fewer) - len(set(fewer)) < (len(greedy) - len(set(greedy))) / 2
+
+    # Chat: the same knobs, OpenAI's penalties among them.
+    messages = [{"role": "user", "content": "Count the cats, count the cats, count the cats."}]
+
+    def chat(**kwargs: Any) -> list[list[int]]:
+        extra = ids | {k: kwargs.pop(k) for k in ("top_k", "min_p", "repetition_penalty") if k in kwargs}
+        answer = client.chat.completions.create(model="tiny", messages=messages, max_tokens=16, extra_body=extra,
+                                                **kwargs)  # fmt: skip
+        return [c.model_extra["token_ids"] for c in answer.choices]
+
+    [chat_greedy] = chat(temperature=0)
+    assert chat(temperature=1.0, n=2, seed=1, top_k=1) == [chat_greedy, chat_greedy]
+    assert chat(temperature=1.0, seed=2, min_p=0.999) == [chat_greedy]
+    [chat_spread] = chat(temperature=1.0, seed=2, presence_penalty=2.0, repetition_penalty=1e4)
+    assert len(set(chat_spread)) == len(chat_spread)
+
+    # vLLM's generate route: every knob in `sampling_params`, processed and raw logprobs against a forward pass.
+    knobs = {"top_k": 40, "min_p": 0.05, "repetition_penalty": 1.3, "presence_penalty": 0.5, "frequency_penalty": 0.3,
+             "min_tokens": 6}  # fmt: skip
+    sampling = Sampling(max_tokens=16, temperature=0.7, top_p=0.9, **knobs)
+    asked = sampling.model_dump(exclude_defaults=True) | {"logprobs": 0, "n": 2, "seed": 8}
+    for mode in ("processed_logprobs", "raw_logprobs"):
+        body = {"token_ids": prompt, "sampling_params": asked | {"logprobs_mode": mode}}
+        choices = http.post("/inference/v1/generate", json=body).raise_for_status().json()["choices"]
+        for choice in choices:
+            tokens = choice["token_ids"]
+            raw, shaped = knob_logprobs(tiny_model_dir, prompt, tokens, sampling, [EOS_ID])
+            got = [c["logprob"] for c in choice["logprobs"]["content"]]
+            np.testing.assert_allclose(got, shaped if mode == "processed_logprobs" else raw, atol=2e-4)
+            assert np.abs(shaped - raw).max() > 0.05  # the knobs changed the distribution these tokens came from
+    eos_prompt = [328, 264, 142, 161, 26, 44, 14, 94, 417, 334, 467, 260, 312, 497, 375, 325, 281,
+                  289, 479, 146, 418, 345, 7, 205, 439, 286, 22, 393, 375, 434, 94, 51, 442, 17]  # fmt: skip
+    greedy_eos = {"token_ids": eos_prompt, "sampling_params": {"max_tokens": 30, "temperature": 0}}
+    [stops] = http.post("/inference/v1/generate", json=greedy_eos).raise_for_status().json()["choices"]
+    assert stops["finish_reason"] == "stop" and stops["token_ids"][-1] == EOS_ID and len(stops["token_ids"]) == 6
+    held_back = {"token_ids": eos_prompt, "sampling_params": {"max_tokens": 30, "temperature": 0, "min_tokens": 12}}
+    [held] = http.post("/inference/v1/generate", json=held_back).raise_for_status().json()["choices"]
+    assert EOS_ID not in held["token_ids"][:12] and len(held["token_ids"]) > 12
+
+
 def test_every_refused_field_gets_openai_400_and_nothing_is_queued(
     redis_server: RedisServer, ns: str, gateways: StartGateway
 ) -> None:
     """Sampling fields the wire and the engines do not carry are refused at any value but their default, naming the
-    field; their defaults pass (and the call then meets no worker: 503). The RL control routes are off unless asked
+    field, and so is a knob they carry set out of its range; their defaults pass (and the call then meets no worker:
+    503). The RL control routes are off unless asked
     for; vLLM routes not served say why. Nothing reaches the queue."""
     base = gateways("gw")
     client = openai_client(base)
@@ -160,12 +236,14 @@ def test_every_refused_field_gets_openai_400_and_nothing_is_queued(
         assert (body["code"], body["param"]) == (code, param), body
         return str(body["message"])
 
-    assert "top_k=5" in refused("unsupported_parameter", "top_k", top_k=5)
-    refused("unsupported_parameter", "min_p", min_p=0.1)
-    refused("unsupported_parameter", "repetition_penalty", repetition_penalty=1.2)
-    refused("unsupported_parameter", "repetition_penalty", route="chat", repetition_penalty=1.2)
-    refused("unsupported_parameter", "presence_penalty", route="chat", presence_penalty=0.5)
-    refused("unsupported_parameter", "frequency_penalty", frequency_penalty=0.5)
+    # The sampling knobs are honoured; a value outside vLLM's range is a 400 that names the field.
+    assert "top_k must be -1 or 0 (off) or >= 1, got -2" in refused("invalid_value", "top_k", top_k=-2)
+    refused("invalid_value", "min_p", min_p=1.5)
+    refused("invalid_value", "repetition_penalty", repetition_penalty=0)
+    refused("invalid_value", "repetition_penalty", route="chat", repetition_penalty=-1.2)
+    refused("invalid_value", "presence_penalty", route="chat", presence_penalty=2.5)
+    assert "[-2, 2]" in refused("invalid_value", "frequency_penalty", frequency_penalty=-3)
+    assert "max_tokens=4" in refused("invalid_value", "min_tokens", min_tokens=5)
     refused("unsupported_parameter", "logit_bias", logit_bias={"5": 10})
     refused("unsupported_parameter", "ignore_eos", ignore_eos=True)
     refused("unsupported_parameter", "structured_outputs", structured_outputs={"regex": "a+"})
@@ -174,7 +252,6 @@ def test_every_refused_field_gets_openai_400_and_nothing_is_queued(
     refused("unsupported_parameter", "skip_special_tokens", skip_special_tokens=False)
     assert "0 to 20 alternatives" in refused("invalid_value", "logprobs", logprobs=21)
     refused("invalid_value", "top_logprobs", route="chat", logprobs=True, top_logprobs=21)
-    refused("unsupported_parameter", "min_tokens", min_tokens=3)
     assert "Unrecognized" in refused("unknown_parameter", "temprature", temprature=0.5)
     # Their defaults are accepted: these calls pass every check and meet no worker.
     defaults = {"top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0, "user": "u1"}
@@ -192,7 +269,10 @@ def test_every_refused_field_gets_openai_400_and_nothing_is_queued(
         return error
 
     prompt = {"token_ids": [1, 2, 3]}
-    assert generate(prompt | {"sampling_params": {"top_k": 5}})["param"] == "sampling_params.top_k"
+    assert generate(prompt | {"sampling_params": {"top_k": -5}})["param"] == "sampling_params.top_k"
+    assert generate(prompt | {"sampling_params": {"min_p": 2}})["param"] == "sampling_params.min_p"
+    too_few = generate(prompt | {"sampling_params": {"max_tokens": 3, "min_tokens": 4}})
+    assert too_few["param"] == "sampling_params.min_tokens" and too_few["code"] == "invalid_value"
     assert generate(prompt | {"sampling_params": {"logprobs": 21}})["param"] == "sampling_params.logprobs"
     assert generate(prompt | {"sampling_params": {"prompt_logprobs": 0}})["param"] == "sampling_params.prompt_logprobs"
     assert generate(prompt | {"sampling_params": {"temperature": -1}})["param"] == "sampling_params"
