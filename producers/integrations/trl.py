@@ -29,8 +29,8 @@ never happens under those samples (they are done when the next weights are publi
 A prediction that turns out wrong (a resumed run, a custom sampler) costs only time: that batch is dropped when it
 arrives, and the prompts TRL asked for are generated on demand.
 
-Logprobs are the engine's raw ones (before temperature and top-p): what TRL's trainer computes itself at
-`temperature=1.0`. Without vLLM, TRL 1.16 uses them for nothing but `off_policy_mask_threshold`; it applies no
+Logprobs are the engine's raw ones (before temperature, top-p and the other knobs): what TRL's trainer computes
+itself at `temperature=1.0`. Without vLLM, TRL 1.16 uses them for nothing but `off_policy_mask_threshold`; it applies no
 importance-sampling correction to them, so with `look_ahead` the one-step-old samples are trained as if on-policy
 (docs/guide/trl.md says more).
 """
@@ -316,10 +316,14 @@ class TrlRollouts:
             index = self._submitted
             self._submitted += 1
             seed = base + (index * MAX_SAMPLES) % SEED_STRIDE
+            sampling = Sampling(
+                max_tokens=max_tokens, temperature=args.temperature, top_p=args.top_p, seed=seed,
+                top_k=max(0, args.top_k or 0), min_p=args.min_p or 0.0, repetition_penalty=args.repetition_penalty,
+            )  # fmt: skip
             item = self.client.make_prompt(
                 tokens=tokens,
                 n=k,
-                sampling=Sampling(max_tokens=max_tokens, temperature=args.temperature, top_p=args.top_p, seed=seed),
+                sampling=sampling,
                 id=f"trl-{self.run}-{index}",
                 meta={"trl_step": int(trainer.state.global_step)},
             )
@@ -496,12 +500,6 @@ def unsupported(trainer: GRPOTrainer) -> list[str]:
         out.append("a vision-language model: the workers take token ids only")
     if args.max_completion_length is None:
         out.append("max_completion_length=None: set it (the workers' max_tokens)")
-    if args.top_k not in (0, -1, None):
-        out.append(f"top_k={args.top_k}: the workers sample with temperature and top_p only; set top_k=0")
-    if args.min_p not in (None, 0.0):
-        out.append(f"min_p={args.min_p}: the workers sample with temperature and top_p only; set min_p=None")
-    if args.repetition_penalty != 1.0:
-        out.append(f"repetition_penalty={args.repetition_penalty}: not applied by the workers; set it to 1.0")
     if args.generation_kwargs:
         out.append(f"generation_kwargs {sorted(args.generation_kwargs)}: not applied by the workers; remove them")
     if args.off_policy_mask_threshold is not None and args.temperature != 1.0:

@@ -403,13 +403,13 @@ def test_what_the_workers_cannot_do_is_refused_in_one_line(
         TrlRollouts(RolloutClient(url, ns, park=ParkingBound(1)))
     client = RolloutClient(url, ns)
     rollouts = TrlRollouts(client)
-    settings: dict[str, Any] = {"top_k": 5, "repetition_penalty": 1.1, "generation_kwargs": {"typical_p": 0.9}}
+    settings: dict[str, Any] = {"generation_kwargs": {"typical_p": 0.9}}
     trainer = build_trainer(tiny_model_dir, tmp_path, rollouts, **settings)
     with pytest.raises(ValueError) as refused:
         rollouts([[{"role": "user", "content": "write the letter a"}]] * 4, trainer)
     message = str(refused.value)
     assert "\n" not in message and message.startswith("TrlRollouts cannot serve this trainer: ")
-    assert "top_k=5" in message and "repetition_penalty=1.1" in message and "['typical_p']" in message
+    assert "generation_kwargs ['typical_p']: not applied by the workers" in message
     iterable = example().letters_dataset(48, seed=0).to_iterable_dataset()
     streamed = build_trainer(tiny_model_dir, tmp_path, rollouts, train_dataset=iterable)
     with pytest.raises(ValueError, match="look_ahead=True needs a map-style train_dataset"):
@@ -419,3 +419,21 @@ def test_what_the_workers_cannot_do_is_refused_in_one_line(
         groups_of(["a"] * 6, 4)
     with pytest.raises(ValueError, match="not one prompt repeated"):
         groups_of(["a", "a", "b", "a"], 2)
+
+
+def test_trls_sampling_settings_go_on_each_prompt_the_workers_sample_with(
+    installed_redis: RedisServer, ns: str, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """`top_k`, `min_p` and `repetition_penalty` of the `GRPOConfig` are the workers' knobs now: each group's prompt
+    carries them (and `temperature`, `top_p`), where they were refused before."""
+    from pipeline.wire import Prompt
+
+    client = RolloutClient(installed_redis.url, ns)
+    rollouts = TrlRollouts(client, timeout_s=1.0)
+    knobs = {"temperature": 0.9, "top_p": 0.95, "top_k": 5, "min_p": 0.05, "repetition_penalty": 1.1}
+    trainer = build_trainer(tiny_model_dir, tmp_path, rollouts, **knobs)
+    with pytest.raises(TimeoutError):  # no worker: the prompts wait on the stream
+        rollouts([[{"role": "user", "content": "write the letter a"}]] * 4, trainer)
+    [(_, fields)] = client.streams.redis.xrange(client.streams.keys.prompts)
+    sampling = Prompt.from_fields(fields).sampling
+    assert {name: getattr(sampling, name) for name in knobs} == pytest.approx(knobs)
