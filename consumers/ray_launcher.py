@@ -45,7 +45,8 @@ from ray.util.placement_group import (
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from consumers.lifecycle import WorkerStatus, engine_factory
-from consumers.worker import Worker, WorkerSettings
+from consumers.settings import WorkerSettings
+from consumers.worker import Worker
 from pipeline.connections import connect
 from pipeline.streams import Streams
 from pipeline.wire import Keys

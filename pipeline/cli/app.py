@@ -36,7 +36,7 @@ from pipeline.wire import WireError
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
-    from consumers.worker import WorkerSettings
+    from consumers.settings import WorkerSettings
 
 # Models are local directories: never reach for a hub, and keep load/save progress bars out of logs.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -344,37 +344,19 @@ def check_torch_device(spec: EngineSpec) -> None:
         fail(f"--device {spec.device}: this machine has {gpus} CUDA GPUs, cuda:0 to cuda:{gpus - 1}")
 
 
-def worker_settings(
-    max_inflight: int | None,
-    claim_idle_ms: int,
-    heartbeat_s: float,
-    dedupe_ttl_s: int = 86_400,
-    lazy: bool = False,
-    release_after_s: float | None = None,
-    hand_off_partials: bool = False,
-    max_inflight_tokens: int | None = None,
-    max_deliveries: int = 5,
-) -> WorkerSettings:
-    """The worker loop's settings from its flags; a heartbeat lives at least 5 periods, a worker silent for 2.5 (and
-    2.5 s at least) is dead to the others (its work is taken over), and a blocking read waits at most one (a worker
-    asked to beat every 0.3 s stops within 0.3 s, not the default read's 1 s)."""
-    from consumers.worker import WorkerSettings
+WORKER_FLAGS = (
+    "max_inflight", "max_inflight_tokens", "claim_idle_ms", "heartbeat_s", "max_deliveries", "dedupe_ttl_s", "lazy",
+    "release_after_s", "hand_off_partials",
+)  # fmt: skip
+"""The worker loop's flags (`WorkerSettings` fields by their names), shared by `rollouts worker` and `launch`."""
 
-    settings = WorkerSettings(
-        max_inflight=max_inflight,
-        max_inflight_tokens=max_inflight_tokens,
-        claim_idle_ms=claim_idle_ms,
-        heartbeat_s=heartbeat_s,
-        dedupe_ttl_s=dedupe_ttl_s,
-        block_ms=max(1, min(WorkerSettings.block_ms, round(heartbeat_s * 1000))),
-        max_deliveries=max_deliveries,
-    )
-    settings.lazy, settings.release_after_s = lazy, release_after_s
-    settings.hand_off_partials = hand_off_partials
-    settings.heartbeat_ttl_s = max(settings.heartbeat_ttl_s, 5 * heartbeat_s)
-    settings.dead_after_s = max(settings.dead_after_s, 2.5 * heartbeat_s)
-    settings.freeze_heap = True  # a worker process of its own (`rollouts worker`, or a `rollouts launch` actor)
-    return settings
+
+def worker_settings(params: dict[str, Any]) -> WorkerSettings:
+    """The settings of a worker process of its own from a command's parameters (`ctx.params`): its `WORKER_FLAGS`,
+    and what `WorkerSettings.for_process` derives from them."""
+    from consumers.settings import WorkerSettings
+
+    return WorkerSettings.for_process(**{name: params[name] for name in WORKER_FLAGS})
 
 
 def serve_metrics(registry: CollectorRegistry, port: int, addr: str, flag: str = "--metrics-port") -> int:

@@ -12,6 +12,7 @@ import typer
 from rich.live import Live
 from rich.table import Table
 
+from consumers.settings import DEFAULTS
 from pipeline.cli.app import (
     DEFAULT_NS,
     DEFAULT_REDIS,
@@ -106,15 +107,15 @@ def launch(
     url: UrlOpt = None,
     engine_args: EngineArgsOpt = None,
     engine_process: EngineProcessOpt = False,
-    max_inflight: MaxInflightOpt = None,
-    max_inflight_tokens: MaxInflightTokensOpt = None,
-    claim_idle_ms: ClaimIdleOpt = 10_000,
-    heartbeat_s: HeartbeatOpt = 1.0,
-    max_deliveries: MaxDeliveriesOpt = 5,
-    dedupe_ttl_s: DedupeTtlOpt = 86_400,
-    lazy: LazyOpt = False,
-    release_after_s: ReleaseAfterOpt = None,
-    hand_off_partials: HandOffOpt = False,
+    max_inflight: MaxInflightOpt = DEFAULTS.max_inflight,
+    max_inflight_tokens: MaxInflightTokensOpt = DEFAULTS.max_inflight_tokens,
+    claim_idle_ms: ClaimIdleOpt = DEFAULTS.claim_idle_ms,
+    heartbeat_s: HeartbeatOpt = DEFAULTS.heartbeat_s,
+    max_deliveries: MaxDeliveriesOpt = DEFAULTS.max_deliveries,
+    dedupe_ttl_s: DedupeTtlOpt = DEFAULTS.dedupe_ttl_s,
+    lazy: LazyOpt = DEFAULTS.lazy,
+    release_after_s: ReleaseAfterOpt = DEFAULTS.release_after_s,
+    hand_off_partials: HandOffOpt = DEFAULTS.hand_off_partials,
     log_level: LogLevelOpt = "info",
 ) -> None:
     """Run N workers as Ray actors, one placement group each, restarted by Ray when they die (their
@@ -147,17 +148,7 @@ def launch(
                 engine=spec.kind,
                 model=str(spec.model),
                 engine_options=spec.options(),
-                settings=worker_settings(
-                    max_inflight,
-                    claim_idle_ms,
-                    heartbeat_s,
-                    dedupe_ttl_s,
-                    lazy,
-                    release_after_s,
-                    hand_off_partials,
-                    max_inflight_tokens,
-                    max_deliveries,
-                ),
+                settings=worker_settings(ctx.params),
                 gpus=gpus_per_worker,
                 cpus=cpus_per_worker,
                 max_restarts=max_restarts,

@@ -12,6 +12,7 @@ from typing import Annotated
 import redis
 import typer
 
+from consumers.settings import DEFAULTS
 from pipeline.cli.app import (
     DEFAULT_NS,
     DEFAULT_REDIS,
@@ -92,18 +93,18 @@ def worker(
     url: UrlOpt = None,
     engine_args: EngineArgsOpt = None,
     engine_process: EngineProcessOpt = False,
-    max_inflight: MaxInflightOpt = None,
-    max_inflight_tokens: MaxInflightTokensOpt = None,
-    claim_idle_ms: ClaimIdleOpt = 10_000,
-    heartbeat_s: HeartbeatOpt = 1.0,
-    max_deliveries: MaxDeliveriesOpt = 5,
+    max_inflight: MaxInflightOpt = DEFAULTS.max_inflight,
+    max_inflight_tokens: MaxInflightTokensOpt = DEFAULTS.max_inflight_tokens,
+    claim_idle_ms: ClaimIdleOpt = DEFAULTS.claim_idle_ms,
+    heartbeat_s: HeartbeatOpt = DEFAULTS.heartbeat_s,
+    max_deliveries: MaxDeliveriesOpt = DEFAULTS.max_deliveries,
     log_level: LogLevelOpt = "info",
     metrics_port: MetricsPortOpt = None,
     metrics_addr: MetricsAddrOpt = "0.0.0.0",
-    dedupe_ttl_s: DedupeTtlOpt = 86_400,
-    lazy: LazyOpt = False,
-    release_after_s: ReleaseAfterOpt = None,
-    hand_off_partials: HandOffOpt = False,
+    dedupe_ttl_s: DedupeTtlOpt = DEFAULTS.dedupe_ttl_s,
+    lazy: LazyOpt = DEFAULTS.lazy,
+    release_after_s: ReleaseAfterOpt = DEFAULTS.release_after_s,
+    hand_off_partials: HandOffOpt = DEFAULTS.hand_off_partials,
 ) -> None:
     """Serve prompts from the namespace until interrupted (SIGINT/SIGTERM drain in-flight work)."""
     # The engine flags reach the engine through `ctx.params` (EngineSpec.from_flags).
@@ -122,17 +123,7 @@ def worker(
     from consumers.worker import run_worker
     from pipeline.exporter import process_registry
 
-    settings = worker_settings(
-        max_inflight,
-        claim_idle_ms,
-        heartbeat_s,
-        dedupe_ttl_s,
-        lazy,
-        release_after_s,
-        hand_off_partials,
-        max_inflight_tokens,
-        max_deliveries,
-    )
+    settings = worker_settings(ctx.params)
     name = name or default_name()
     metrics = WorkerMetrics(ns, name, process_registry())
     if metrics_port is not None:  # before the engine loads: a port in use fails at once

@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from matplotlib.image import imread
@@ -245,18 +246,35 @@ def test_prompt_ids_are_kept_from_the_file(redis_server: RedisServer, ns: str, t
 def test_a_workers_blocking_reads_wait_at_most_one_heartbeat_period() -> None:
     """A worker checks for a stop between reads: one that beats every 0.3 s stops within 0.3 s of SIGTERM, not the
     1 s a default read blocks for; a slow heartbeat does not make reads longer than that 1 s."""
-    from pipeline.cli.app import worker_settings
+    from consumers.settings import WorkerSettings
 
-    assert [worker_settings(256, 10_000, beat).block_ms for beat in (0.3, 1.0, 5.0)] == [300, 1000, 1000]
+    assert [WorkerSettings.for_process(heartbeat_s=beat).block_ms for beat in (0.3, 1.0, 5.0)] == [300, 1000, 1000]
 
 
 def test_a_worker_process_of_its_own_freezes_its_heap_and_one_inside_another_program_does_not() -> None:
     """`rollouts worker` and `rollouts launch`'s actors own their processes (`freeze_heap`, tested in test_lazy.py);
     a `Worker` built inside someone's program leaves that program's collector alone."""
-    from consumers.worker import WorkerSettings
-    from pipeline.cli.app import worker_settings
+    from consumers.settings import WorkerSettings
 
-    assert worker_settings(256, 10_000, 1.0).freeze_heap is True and WorkerSettings().freeze_heap is False
+    assert WorkerSettings.for_process().freeze_heap is True and WorkerSettings().freeze_heap is False
+
+
+def test_a_worker_flag_defaults_to_its_setting_and_a_beat_sets_its_heartbeat_life_and_deadline() -> None:
+    """Each default once (`consumers.settings`): `rollouts worker`'s and `rollouts launch`'s options show the
+    settings' own, and the bounds derived from the heartbeat are derived in one place."""
+    import typer
+
+    from consumers.settings import DEAD_AFTER_PERIODS, DEFAULTS, HEARTBEAT_TTL_PERIODS, WorkerSettings
+    from pipeline.cli import app
+    from pipeline.cli.app import WORKER_FLAGS
+
+    commands: dict[str, Any] = getattr(typer.main.get_command(app), "commands")  # noqa: B009  # a click group's
+    for command in ("worker", "launch"):
+        options = {p.name: p.default for p in commands[command].params}
+        assert {flag: options[flag] for flag in WORKER_FLAGS} == {f: getattr(DEFAULTS, f) for f in WORKER_FLAGS}
+    slow = WorkerSettings.for_process(heartbeat_s=4.0)
+    assert (slow.heartbeat_ttl_s, slow.dead_after_s) == (HEARTBEAT_TTL_PERIODS * 4.0, DEAD_AFTER_PERIODS * 4.0)
+    assert WorkerSettings.for_process(heartbeat_s=0.1).dead_after_s == DEFAULTS.dead_after_s  # never under it
 
 
 def test_a_remote_worker_needs_the_url_of_its_server(tiny_model_dir: Path) -> None:

@@ -426,14 +426,15 @@ def test_trls_sampling_settings_go_on_each_prompt_the_workers_sample_with(
 ) -> None:
     """`top_k`, `min_p` and `repetition_penalty` of the `GRPOConfig` are the workers' knobs now: each group's prompt
     carries them (and `temperature`, `top_p`), where they were refused before."""
+    from pipeline.codec import as_entries
     from pipeline.wire import Prompt
 
     client = RolloutClient(installed_redis.url, ns)
     rollouts = TrlRollouts(client, timeout_s=1.0)
-    knobs = {"temperature": 0.9, "top_p": 0.95, "top_k": 5, "min_p": 0.05, "repetition_penalty": 1.1}
+    knobs: dict[str, Any] = {"temperature": 0.9, "top_p": 0.95, "top_k": 5, "min_p": 0.05, "repetition_penalty": 1.1}
     trainer = build_trainer(tiny_model_dir, tmp_path, rollouts, **knobs)
     with pytest.raises(TimeoutError):  # no worker: the prompts wait on the stream
         rollouts([[{"role": "user", "content": "write the letter a"}]] * 4, trainer)
-    [(_, fields)] = client.streams.redis.xrange(client.streams.keys.prompts)
+    [(_, fields)] = as_entries(client.streams.redis.xrange(client.streams.keys.prompts))
     sampling = Prompt.from_fields(fields).sampling
     assert {name: getattr(sampling, name) for name in knobs} == pytest.approx(knobs)

@@ -1,0 +1,95 @@
+"""A worker's settings, each default and each bound derived from another defined once (rq's `defaults.py`): the
+`rollouts worker` and `rollouts launch` options take their defaults from here, and `WorkerSettings.for_process`
+derives what a worker process of its own needs from its flags."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+HEARTBEAT_TTL_PERIODS = 5
+"""A heartbeat lives at least this many heartbeat periods (`WorkerSettings.for_process`)."""
+DEAD_AFTER_PERIODS = 2.5
+"""A worker silent for this many heartbeat periods (and `WorkerSettings.dead_after_s` at least) is dead to the
+others: its work is taken over."""
+
+
+@dataclass
+class WorkerSettings:
+    max_inflight: int | None = None
+    """Samples in flight on the engine at once. None: as many as the engine decodes at once (`Engine.max_batch`: the
+    torch and synthetic engines' rows, vLLM's `max_num_seqs`), or 256 where it does not say. Taking more only queues
+    them inside the engine: they finish no sooner, and an abort pause ends and queues them all again. An entry of more
+    samples than this runs alone."""
+    max_inflight_tokens: int | None = None
+    """Tokens in flight at once, each sample counted as its prompt + `max_tokens` (the most it can hold), so that long
+    samples do not oversubscribe the engine. None: the engine's (`Engine.max_batch_tokens`: vLLM's KV cache in tokens,
+    once started; no limit on the other engines); 0: no limit. An entry larger than this runs alone."""
+    block_ms: int = 1000
+    """How long one read waits for new work."""
+    heartbeat_s: float = 1.0
+    """Heartbeat period; in-flight entries are touched at the same pace."""
+    heartbeat_ttl_s: float = 5.0
+    """A worker whose heartbeat is older than this is shown as gone."""
+    claim_idle_ms: int = 10_000
+    """Work untouched for this long is claimed, whoever holds it (a worker that lives but stopped touching it)."""
+    dead_after_s: float = 2.5
+    """A worker whose heartbeat has been silent this long is dead to the fleet: its work is taken over (each heartbeat
+    moves its deadline on `{ns}:beats`, so that each worker is judged by its own). More than two heartbeat periods."""
+    apart_after: int = 3
+    """An entry handed out this many times without finishing (it died with its worker twice) runs apart: beside fresh
+    work, but never beside another such entry. A claim takes a dead worker's oldest entries first, so without this the
+    entries a poison prompt's death took along would be handed on with it, and die with it, again and again."""
+    max_deliveries: int = 5
+    """An entry handed out this many times without finishing runs alone: its worker first finishes what it runs, then
+    starts it with nothing beside it and takes nothing else until it ends. Handed out again after `alone_tries` runs
+    alone (each time the worker that ran only that entry died or hung), it is a dead letter: the entry kills what
+    runs it. So an entry that merely sat with workers that died is not dead-lettered for their deaths."""
+    alone_tries: int = 2
+    """Runs alone that must each end with their worker's death before an entry is a dead letter: one such death may
+    be another fault's (in a fleet under frequent faults, some runs alone are struck by chance), two in a row seldom
+    are."""
+    trim_every_s: float = 10.0
+    drain_timeout_s: float = 30.0
+    """On stop, how long to let in-flight work finish; the rest stays pending for other workers."""
+    dedupe_ttl_s: int = 86_400
+    """How long a published rollout id is remembered (a bit in `{ns}:published:{size}:{bucket}`): the same id from
+    another entry (a prompt submitted twice, a replay) within it is not published again. Every worker of a namespace
+    should use the same value."""
+    lazy: bool = False
+    """Start the engine when the first work arrives, not at launch (`consumers.lifecycle`)."""
+    release_after_s: float | None = None
+    """Shut the engine down after this many seconds without work, and start it again on demand; None: never."""
+    hand_off_partials: bool = False
+    """What an `abort` pause does with the samples it interrupts. False: this worker continues each itself after the
+    resume (its tokens so far stay in memory; the prompt stays pending here, so a worker that dies meanwhile loses
+    only those tokens: the prompt is claimed and generated again). True: each goes to `{ns}:partials` with the
+    entry's ack at the pause, durable, and any worker continues it. A worker that stops before its resume hands its
+    interrupted samples off either way."""
+    freeze_heap: bool = False
+    """Freeze the process's heap (`gc.freeze`) each time the engine has started, so that Python's full collections
+    skip what the engine holds (`consumers.lifecycle.freeze_heap`: a full collection over vLLM's objects stalls the
+    event loop). Process-wide: for a process that is the worker's own, as `rollouts worker` and
+    `rollouts launch` set it; a worker run inside another program leaves that program's collector alone."""
+
+    @classmethod
+    def for_process(cls, **flags: Any) -> WorkerSettings:
+        """The settings of a worker process of its own (`rollouts worker`, a `rollouts launch` actor) from its flags
+        (`WorkerSettings` fields by name): a heartbeat lives at least `HEARTBEAT_TTL_PERIODS` periods, a worker
+        silent for `DEAD_AFTER_PERIODS` is dead to the others, a blocking read waits at most one period (a worker asked
+        to beat every 0.3 s stops within 0.3 s, not the default read's 1 s), and the process's heap is frozen after
+        each engine start (`freeze_heap`). `TypeError` for a flag that is no field."""
+        settings = cls(**flags)
+        beat = settings.heartbeat_s
+        return dataclasses.replace(
+            settings,
+            block_ms=max(1, min(settings.block_ms, round(beat * 1000))),
+            heartbeat_ttl_s=max(settings.heartbeat_ttl_s, HEARTBEAT_TTL_PERIODS * beat),
+            dead_after_s=max(settings.dead_after_s, DEAD_AFTER_PERIODS * beat),
+            freeze_heap=True,
+        )
+
+
+DEFAULTS = WorkerSettings()
+"""Every default in one place: what the CLI's worker options show and fall back to."""
