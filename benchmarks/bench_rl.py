@@ -57,6 +57,7 @@ from rich.progress import Progress
 from benchmarks import bench_rl_real
 from benchmarks.bench_rl_real import RealEval, TextHeldOut
 from consumers.engines.tiny_model import build_tiny_model
+from consumers.engines.torch_scheduler import cache_name
 from pipeline.codec import as_entries
 from pipeline.local import RedisServer
 from pipeline.wire import GENERATORS, PAUSE_MODES, TRAINER, Keys
@@ -395,8 +396,8 @@ def expected_reward(policy: torch.nn.Module, held_out: HeldOut, temperature: flo
         mask = torch.cat([mask, torch.ones_like(token)], dim=-1)
         positions = positions[:, -1:] + 1
         out = policy(
-            input_ids=token, attention_mask=mask, position_ids=positions, past_key_values=out.past_key_values,
-            use_cache=True,
+            input_ids=token, attention_mask=mask, position_ids=positions, use_cache=True,
+            **{cache_name(policy): getattr(out, cache_name(policy))},
         )  # fmt: skip
     return float((hits / torch.maximum(reached, demand)).mean())
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
+import inspect
 import logging
 import threading
 from collections.abc import Iterator, Sequence
@@ -25,6 +27,18 @@ import torch
 
 from consumers.engines.base import Generation
 from pipeline.wire import FinishReason, Sampling
+
+
+@functools.cache
+def _forward_takes_cache(forward: Any) -> bool:
+    return "cache" in inspect.signature(forward).parameters
+
+
+def cache_name(model: Any) -> str:
+    """What a transformers model calls its KV cache, as an argument and on its output: `cache` where its `forward`
+    takes it (transformers 5.2x renamed it, and warns on every worker's first step for the old name), else the
+    `past_key_values` of the releases before."""
+    return "cache" if _forward_takes_cache(type(model).forward) else "past_key_values"
 
 log = logging.getLogger(__name__)
 
@@ -258,7 +272,7 @@ class BatchScheduler:
                     input_ids=torch.tensor([[r.tokens[-1]] for r in self._rows], device=self.device),
                     position_ids=torch.tensor([[r.length - 1] for r in self._rows], device=self.device),
                     attention_mask=mask,
-                    past_key_values=self._cache,
+                    **{cache_name(model): self._cache},
                     use_cache=True,
                 )
             self._keep_routes(self._rows, picked, 1)
@@ -283,7 +297,7 @@ class BatchScheduler:
                 )
             self._keep_routes(admitted, picked, width)
             logits.append(out.logits[:, -1])
-            self._merge(admitted, out.past_key_values, mask)
+            self._merge(admitted, getattr(out, cache_name(model)), mask)
         tokens, logprobs, tops = self._sample(torch.cat(logits).float())
         self.generated_tokens += len(tokens)
         finished: list[tuple[Request, FinishReason]] = []
