@@ -141,6 +141,9 @@ class Heartbeat:
             if self._layout is None and self._slot.started:
                 self._layout = await asyncio.to_thread(self._advertise_layout)
             state, engine = self._state, self._slot.engine
+            held_entries = self._work.held_entries()
+            entries = list(held_entries) if touch else []
+            room, held = self._work.room_to_take(), len(held_entries)
             status = {
                 "status": state.status,
                 "engine": engine.name,
@@ -162,12 +165,11 @@ class Heartbeat:
                 "ts": round(time.time(), 3),
                 "host": socket.gethostname(),  # where to look (and what to kill) when a worker is named otherwise
                 "pid": os.getpid(),
+                "held": held,  # entries it holds, and could take more now: what an autoscaler sizes the fleet by
+                "room": room,  # (`pipeline.scaling`)
                 **self.fields(),
                 **({LAYOUT_FIELD: self._layout} if self._layout else {}),
             }
-            held_entries = self._work.held_entries()
-            entries = list(held_entries) if touch else []
-            room, held = self._work.room_to_take(), len(held_entries)
             return await asyncio.to_thread(
                 self._streams.registry.heartbeat,
                 self._name,

@@ -27,6 +27,7 @@ from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from pipeline.scaling import need
 from pipeline.streams import Streams
 from pipeline.top import snapshot
 
@@ -60,6 +61,12 @@ SCORER_FIELDS: tuple[tuple[str, str, str, str], ...] = (
     ("reward_errors", "rollouts_scorer_reward_errors", "counter", "Groups forwarded with a reward_error."),
     ("retries", "rollouts_scorer_retries", "counter", "RQ jobs enqueued again (their worker died); leader's count."),
     ("timed_out", "rollouts_scorer_timed_out", "counter", "Inline reward calls past the timeout; leader's count."),
+)
+
+
+NEEDED_DOC = (
+    "Workers that would hold all the work there is now: ceil((waiting + held) / the entries a worker holds at most); "
+    "what an autoscaler sizes the fleet by (pipeline.scaling)."
 )
 
 
@@ -130,6 +137,11 @@ def families(snap: dict[str, Any]) -> Iterable[Metric]:
         )
     for status, count in sorted(statuses.items()):
         out.add("gauge", "rollouts_workers", "Live workers (heartbeat not expired) by status.", count, status=status)
+    fleet = need(snap)
+    if fleet is not None:  # unknown on Redis 6.2 (no lag): no sample rather than a wrong one
+        out.add("gauge", "rollouts_workers_needed", NEEDED_DOC, fleet.needed)
+        out.add("gauge", "rollouts_entries_waiting", "Entries no worker has taken (prompts, partials).", fleet.waiting)
+        out.add("gauge", "rollouts_entries_held", "Entries the live workers hold.", fleet.held)
     scorer = snap.get("scorer") or {}
     if scorer:
         doc = "1 while the scoring stage has a status hash, with its leader and mode."

@@ -44,6 +44,8 @@ FOREIGN_NAMES = frozenset(
         # torch, redis-py, httpx, the standard library; PromQL; /proc/PID/status
         "PrefixStore", "ReadError", "RedisCluster", "RemoteProtocolError", "WriteError", "crc32", "state_dict",
         "rate", "VmHWM",
+        # KEDA
+        "ScaledObject",
     }
 )  # fmt: skip
 """Names of other libraries that the docs cite bare, called or as `Class.member`, which no module of ours defines or

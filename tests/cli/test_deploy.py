@@ -281,3 +281,43 @@ def test_a_url_that_connect_would_follow_no_cluster_slot_from_is_caught() -> Non
     ):
         with pytest.raises(ValueError):
             cluster_seed(url)
+
+
+def test_the_keda_recipe_scales_the_workers_on_the_fleets_need_or_the_prompts_lag() -> None:
+    """`keda.yaml`: a KEDA ScaledObject whose Prometheus trigger asks for `rollouts_workers_needed` replicas (the
+    exporter's gauge, threshold 1) and whose Redis Streams trigger reads the lag of the workers' group on the prompts
+    stream, by the names the pipeline gives them; only fields of KEDA's triggers (their docs, 2.13+)."""
+    from pipeline.wire import GENERATORS, Keys
+
+    recipe = yaml.safe_load((ROOT / "keda.yaml").read_text())
+    assert (recipe["apiVersion"], recipe["kind"]) == ("keda.sh/v1alpha1", "ScaledObject")
+    spec = recipe["spec"]
+    assert 1 <= spec["minReplicaCount"] <= spec["maxReplicaCount"] and spec["scaleTargetRef"]["name"]
+    triggers = {t["type"]: t["metadata"] for t in spec["triggers"]}
+    assert set(triggers) == {"prometheus", "redis-streams"}
+    prometheus = triggers["prometheus"]
+    assert set(prometheus) <= {"serverAddress", "query", "threshold", "activationThreshold", "namespace"}
+    assert 'rollouts_workers_needed{ns="exp1"}' in prometheus["query"] and prometheus["threshold"] == "1"
+    assert "rollouts_workers_needed" in exporter_names()
+    streams = triggers["redis-streams"]
+    known = {
+        "address", "host", "port", "stream", "consumerGroup", "pendingEntriesCount", "streamLength", "lagCount",
+        "activationLagCount", "databaseIndex", "enableTLS", "unsafeSsl", "usernameFromEnv", "passwordFromEnv",
+    }  # fmt: skip
+    assert set(streams) <= known
+    assert streams["stream"] == Keys("exp1").prompts and streams["consumerGroup"] == GENERATORS
+    assert int(streams["lagCount"]) >= 1 and all(isinstance(v, str) for v in streams.values())
+
+
+def exporter_names() -> set[str]:
+    """The metric names `pipeline.exporter.families` gives for a pipeline with work waiting and one worker."""
+    from pipeline.exporter import families
+
+    snap = {
+        "ns": "exp1", "ts": 0.0, "policy": dict.fromkeys(
+            ("version", "epoch", "submitted", "stale", "used", "capacity", "free", "max_staleness", "batch_size"), 0
+        ) | {"paused": False},
+        "streams": {"prompts": {"length": 3, "groups": {"generators": {"lag": 3, "pending": 1, "consumers": 1}}}},
+        "workers": {"w": {"status": "serving", "held": "1", "room": "1"}},
+    }  # fmt: skip
+    return {family.name for family in families(snap)}
