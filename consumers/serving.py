@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Collection
 from typing import Protocol
 
+from consumers.budget import TakeBudget
 from consumers.lifecycle import EngineSlot, WorkerStatus
 from pipeline.streams import Entry, Streams
 from pipeline.wire import ASLEEP_FIELD, CONTINUE_HERE, HAND_OFF, PARTIALS_FIELD
@@ -51,14 +52,16 @@ class ServingState:
     """What the worker is doing now: what its heartbeat says, and what its read loop and its side of the sync
     protocol (`consumers.sync`) share."""
 
-    def __init__(self, unstarted_version: int) -> None:
+    def __init__(self, unstarted_version: int, budget: TakeBudget) -> None:
+        self.budget = budget
+        """The work it holds, counted in samples and tokens against its caps (`consumers.budget`)."""
         self.status = WorkerStatus.STARTING
         self.stopping = asyncio.Event()
         """Set once the worker stops taking work (`Worker.stop`)."""
         self.serving = asyncio.Event()
         """Set while the worker may take work: cleared during a weight sync (pause → load → ack → resume)."""
         self.redis_gone = False
-        """Redis stopped answering while the worker stopped: it leaves without it (`Worker._lost_redis`)."""
+        """Redis stopped answering while the worker stopped: it leaves without it (`RedisLoss.lost`)."""
         self.epoch = 0
         """The last weight-sync epoch this worker acked."""
         self.last_stall_s = 0.0
@@ -67,15 +70,21 @@ class ServingState:
         """The level of the sleep its engine is in (`WorkerSync`), until the wake of its last part; 0: awake."""
         self.unstarted_version = unstarted_version
         """Without an engine: the version it will load at start (what its heartbeat reports, and acked)."""
-        self.inflight_samples = 0
-        """Samples of the work taken that are not yet published (what the heartbeat's `inflight` says)."""
-        self.inflight_tokens = 0
-        """Prompt + `max_tokens` of each sample in `inflight_samples`, summed (`max_inflight_tokens`)."""
         self.published = 0
         self.generated_tokens = 0
         self.tokens_per_s = 0.0
         self.started = time.time()
         self._busy = BusyClock()
+
+    @property
+    def inflight_samples(self) -> int:
+        """Samples of the work taken that are not yet published (what the heartbeat's `inflight` says)."""
+        return self.budget.samples
+
+    @property
+    def inflight_tokens(self) -> int:
+        """Prompt + `max_tokens` of each sample in `inflight_samples`, summed (`max_inflight_tokens`)."""
+        return self.budget.tokens
 
     def account(self) -> None:
         """Called after every change of in-flight work, and by `set_serving` (see `BusyClock`)."""

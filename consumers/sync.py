@@ -256,7 +256,7 @@ class WorkerSync:
         """A stop while its engine holds requests frozen (a `keep` sleep or sync, of the base model or of an adapter):
         the resume that would go on with them may be long in coming (a trainer's step, a held sync), so they end here
         with their tokens so far, and their samples go to `{ns}:partials` with their entries' acks
-        (`Worker._generate_sample`) for another worker to continue. Under the slot's lock: a load under way finishes
+        (`SampleGenerator.generate`) for another worker to continue. Under the slot's lock: a load under way finishes
         first."""
         async with self._slot.lock:
             if not self._slot.started:
