@@ -44,14 +44,17 @@ import torch
 
 from pipeline.wire import Keys
 from staleness.weights.base import (
+    Fetched,
     LoadsWeights,
+    Opening,
     PublishStats,
-    Scheme,
+    Receiving,
+    Transport,
     WeightSource,
     WeightsUri,
+    adapter_schemes,
     check_version,
     named_tensors,
-    parse_uri,
     release_older,
 )
 from staleness.weights.buckets import ALIGN, TensorMeta, dtype_from_name, dtype_name, plan_buckets
@@ -271,10 +274,13 @@ def gpu_uuid(device: torch.device) -> str:
     return str(torch.cuda.get_device_properties(device).uuid)
 
 
-class IpcTransport:
-    """`ipc://NS`: the trainer's side. Versions are this process's exports, each with its manifest in Redis."""
+class IpcTransport(Transport):
+    """`ipc://NS`: versions are this process's exports, each with its manifest in Redis (the trainer's side); a worker
+    has its engine open one where its weights live and copy from it (`load_stored`). Stored while the trainer that
+    exported it lives; no adapters."""
 
-    scheme: Scheme = "ipc"
+    scheme = "ipc"
+    carries_adapters = False
 
     def __init__(self, client: redis.Redis, ns: str) -> None:
         self.client = client
@@ -284,6 +290,10 @@ class IpcTransport:
     @property
     def ns(self) -> str:
         return self.keys.ns
+
+    @classmethod
+    def open(cls, spec: str, parsed: WeightsUri, opening: Opening) -> IpcTransport:
+        return cls(*opening.namespace(spec, parsed))
 
     def uri_of(self, version: int) -> str:
         return str(WeightsUri("ipc", self.ns, check_version(version)))
@@ -304,7 +314,7 @@ class IpcTransport:
         A manifest left by a trainer process that is gone is replaced: its handles opened nothing any more."""
         version = check_version(version)
         if adapter_config is not None:
-            raise ValueError("LoRA adapters travel by fs://, redis:// or nccl://, not ipc://")
+            raise ValueError(f"LoRA adapters travel by {adapter_schemes()}, not ipc://")
         if (self.ns, version) in _HELD:
             raise FileExistsError(f"weights version {version} is exported by this process already: remove it first")
         started = time.monotonic()
@@ -345,6 +355,23 @@ class IpcTransport:
 
     def release(self, keep: Iterable[int]) -> list[int]:
         return release_older(self, keep)
+
+    # -- the worker's side
+
+    @classmethod
+    def fetch_stored(cls, uri: WeightsUri, version: int, redis_client: redis.Redis | None) -> Fetched:
+        raise ValueError(f"weights {uri}: ipc versions are opened on the worker's GPU by its engine (load_version)")
+
+    @classmethod
+    async def load_stored(cls, engine: LoadsWeights, uri: WeightsUri, version: int, receiving: Receiving) -> None:
+        """Read the version's manifest and have the engine open and load it (`engine.load_ipc`: in the worker's
+        process, or in the engine's own processes, vLLM's). `FileNotFoundError`: no such version; `ValueError`: a bad
+        manifest, an engine that cannot reach the trainer's GPU (saying what to use instead), or tensors the model does
+        not take."""
+        if receiving.redis_client is None:
+            raise ValueError(f"loading {uri} needs the worker's Redis client")
+        manifest = await asyncio.to_thread(read_manifest, receiving.redis_client, uri.location, check_version(version))
+        await engine.load_ipc(manifest)
 
 
 def held_bytes() -> int:
@@ -440,21 +467,6 @@ async def load_in_process(engine: LoadsWeights, manifest: Manifest) -> None:
         await engine.load_tensors(tensors, manifest.version)
     finally:
         await asyncio.to_thread(handover.__exit__, None, None, None)
-
-
-async def load_ipc(engine: LoadsWeights, uri: str, version: int, redis_client: redis.Redis | None) -> None:
-    """Read version `version` of `ipc://NS/v{n}`'s manifest and have the engine open and load it (`engine.load_ipc`:
-    in the worker's process, or in the engine's own processes, vLLM's). `FileNotFoundError`: no such version;
-    `ValueError`: a bad uri or manifest, an engine that cannot reach the trainer's GPU (saying what to use instead),
-    or tensors the model does not take."""
-    parsed = parse_uri(uri)
-    version = check_version(version)
-    if parsed.version is not None and parsed.version != version:
-        raise ValueError(f"weights uri {uri!r} names version {parsed.version}, not {version}")
-    if redis_client is None:
-        raise ValueError(f"loading {uri} needs the worker's Redis client")
-    manifest = await asyncio.to_thread(read_manifest, redis_client, parsed.location, version)
-    await engine.load_ipc(manifest)
 
 
 def check_fits(engine: LoadsWeights, manifest: Manifest) -> None:
