@@ -27,10 +27,12 @@ What a transport can do, as its class says (`base.Transport`), is what its calle
   SCAN); the worker reads them through its own Redis connection, checks the sha256, and calls
   `engine.load_tensors(tensors, n)`.
 - `nccl://HOST:PORT`: nothing stored; the trainer broadcasts to every worker during the sync
-  (`staleness.weights.nccl`); the worker calls `engine.load_broadcast(link, n)`.
+  (`staleness.weights.nccl`); the worker hands its engine the broadcast's link (`engine.load_handover`), and each
+  process that holds the weights receives its part.
 - `ipc://NS/v{n}`: colocated handoff on one GPU; the trainer keeps the tensors in a GPU buffer of its own and
-  stores a JSON manifest of its CUDA IPC handle under `{NS}:weights:ipc:{n}` (`staleness.weights.ipc`); the worker opens
-  it on the same GPU and calls `engine.load_tensors(tensors, n)` with views of the trainer's memory.
+  stores a JSON manifest of its CUDA IPC handle under `{NS}:weights:ipc:{n}` (`staleness.weights.ipc`); the worker hands
+  its engine the manifest (`engine.load_handover`), which opens it on the same GPU and copies from views of the
+  trainer's memory.
 
 LoRA adapters travel by the transports that carry them, each adapter in a place of its own, in PEFT's layout (what
 vLLM loads): `fs:///DIR/adapters/NAME/v{n}/` holds `adapter_model.safetensors` and `adapter_config.json`;
@@ -44,7 +46,9 @@ iterable of `(name, tensor)` pairs that is consumed once, as it comes. fs and re
 on the host; nccl and ipc keep the version where its tensors are until the sync (on the GPU for GPU tensors).
 `SyncDriver.publish` checks the names and shapes against the live workers' models as they pass (`layout`).
 
-The engine is duck-typed (`LoadsWeights`): this package imports no engine, as the design asks.
+The engine is duck-typed (`LoadsWeights`, `staleness.weights.handover`): it loads files, named tensors or a `Handover`
+(a version each of its processes opens where its weights live), and says where its weights are (`Placement`); it
+never sees a scheme. This package imports no engine, as the design asks.
 """
 
 from __future__ import annotations
@@ -59,7 +63,6 @@ from staleness.weights.base import (
     Fetched,
     Incoming,
     Joined,
-    LoadsWeights,
     Opening,
     Receiving,
     Transport,
@@ -70,6 +73,7 @@ from staleness.weights.base import (
     transport_class,
     transport_of,
 )
+from staleness.weights.handover import LoadsWeights
 from staleness.weights.redis_store import DEFAULT_CHUNK_BYTES
 
 if TYPE_CHECKING:
@@ -217,9 +221,9 @@ async def load_version(
     fs: `engine.load_weights(dir, version)` (vLLM reloads the files in place); redis: the chunks are read
     and checked here, then `engine.load_tensors(tensors, version)`; nccl: join sync `epoch`'s group as
     `member` (the worker's name; the group is kept across syncs while its members stay) and receive it;
-    ipc: open the trainer's buffer on the engine's GPU and copy from it (`engine.load_ipc`). Errors leave the engine's
-    weights as they were: `FileNotFoundError` (version not there), `ValueError` (bad uri, checksum, manifest; ipc: not
-    the same GPU), `TimeoutError` (no trainer).
+    ipc: open the trainer's buffer on the engine's GPU and copy from it (`engine.load_handover`). Errors leave the
+    engine's weights as they were: `FileNotFoundError` (version not there), `ValueError` (bad uri, checksum, manifest;
+    ipc: not the same GPU), `TimeoutError` (no trainer).
     """
     incoming = await begin_load(engine, uri, version, redis_client, epoch=epoch, timeout_s=timeout_s, member=member)
     await incoming.load(engine)

@@ -12,9 +12,12 @@ from __future__ import annotations
 import asyncio
 import importlib
 import json
+import logging
 import os
 import re
+import time
 from collections.abc import Iterable, Iterator, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, cast
@@ -25,12 +28,12 @@ from safetensors.torch import load_file
 
 from pipeline.wire import ADAPTER_PATTERN, Keys
 from staleness.weights.fused import to_checkpoint
+from staleness.weights.handover import Handover, LoadsWeights
 
 if TYPE_CHECKING:
     import redis
 
-    from staleness.weights.ipc import Manifest
-    from staleness.weights.nccl import BroadcastLink
+log = logging.getLogger(__name__)
 
 TensorLike = torch.Tensor | np.ndarray
 
@@ -41,29 +44,6 @@ ADAPTERS_DIR = "adapters"
 
 VERSION_DIR = re.compile(r"v(\d+)")
 """A version's name in a uri or a directory: `v{n}`."""
-
-
-class LoadsWeights(Protocol):
-    """What a transport needs of an engine (`consumers.engines.base.Engine` has it all)."""
-
-    @property
-    def weight_receivers(self) -> int:
-        """Processes that hold the weights and take a rank in an nccl broadcast (vLLM: one per GPU)."""
-        ...
-
-    async def load_weights(self, path: str, version: int) -> None: ...
-
-    async def load_tensors(self, named_tensors: Mapping[str, Any], version: int) -> None: ...
-
-    async def prepare_broadcast(self, link: BroadcastLink) -> None: ...
-
-    async def load_broadcast(self, link: BroadcastLink) -> None: ...
-
-    async def load_ipc(self, manifest: Manifest) -> None: ...
-
-    def check_fits(self, shapes: Mapping[str, tuple[int, ...]], source: object) -> None:
-        """Raise `ValueError` if tensors of these names and shapes cannot be loaded into the model."""
-        ...
 
 
 # -- uris ----------------------------------------------------------------------------------------
@@ -606,6 +586,57 @@ class Transport:
     def leave(cls, uri: str, member: str) -> None:
         """The processes that held `member`'s part of the pushes from `uri` are gone (its engine restarted or
         stopped): report nothing held at the next push. Nothing to do for a transport that stores."""
+
+    # -- a version opened where the weights live (`Handover`), in the processes that hold them
+
+    @classmethod
+    def check_placement(cls, engine: LoadsWeights, handover: Handover) -> None:
+        """Before anything is opened: `ValueError`, worded by the transport, where `engine.placement` cannot open
+        `handover` (and for tensors the model does not take, where the transport did not check them yet)."""
+
+    @classmethod
+    def prepare_handover(cls, handover: Handover, rank: int, device: torch.device) -> None:
+        """In a process that holds the weights, before the pause (`LoadsWeights.prepare_handover`): get ready to open
+        it as receiver `rank` (of `LoadsWeights.weight_receivers`) on `device`. Nothing by default."""
+
+    @classmethod
+    def open_handover(
+        cls, handover: Handover, rank: int, device: torch.device
+    ) -> AbstractContextManager[Iterable[tuple[str, torch.Tensor]]]:
+        """In a process that holds the weights: the version's `(name, tensor)` pairs as receiver `rank` on `device`,
+        each read once (a collective's are drained by the caller); on leaving, whatever was opened is let go, the
+        copies out of it waited for."""
+        raise NotImplementedError(f"{cls.__name__} hands nothing over in place")
+
+
+def prepare_handover(handover: Handover, rank: int, device: str | torch.device) -> None:
+    """`Transport.prepare_handover` of the handover's transport: what an engine's receiving process calls."""
+    transport_class(handover.scheme).prepare_handover(handover, rank, torch.device(device))
+
+
+def opened_handover(
+    handover: Handover, rank: int, device: str | torch.device
+) -> AbstractContextManager[Iterable[tuple[str, torch.Tensor]]]:
+    """`Transport.open_handover` of the handover's transport: what an engine's receiving process calls."""
+    return transport_class(handover.scheme).open_handover(handover, rank, torch.device(device))
+
+
+async def load_handover_here(engine: LoadsWeights, handover: Handover, device: str | torch.device) -> None:
+    """`LoadsWeights.load_handover` of an engine whose weights live in this process (torch, synthetic): open the
+    handover on `device` (off the event loop), load its tensors with `engine.load_tensors`, let go of it."""
+    started = time.monotonic()
+    opened = opened_handover(handover, 0, device)
+    tensors = await asyncio.to_thread(lambda: dict(opened.__enter__()))  # the CUDA calls off the event loop
+    received = time.monotonic()
+    try:
+        await engine.load_tensors(tensors, handover.version)
+    finally:
+        tensors.clear()  # nothing of the handover held once it is let go (an ipc buffer's views)
+        await asyncio.to_thread(opened.__exit__, None, None, None)
+    log.info(
+        "version %d from %s: received in %.3f s, loaded in %.3f s",
+        handover.version, handover.source or f"{handover.scheme}://", received - started, time.monotonic() - received,
+    )  # fmt: skip
 
 
 def release_older(transport: Stored, keep: Iterable[int]) -> list[int]:

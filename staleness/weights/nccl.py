@@ -49,7 +49,8 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Any, cast
@@ -58,7 +59,6 @@ import torch
 import torch.distributed as dist
 
 from staleness.weights.base import (
-    LoadsWeights,
     Opening,
     PublishStats,
     Receiving,
@@ -84,6 +84,7 @@ from staleness.weights.buckets import (
     raw_bytes,
     tensor_view,
 )
+from staleness.weights.handover import Handover, LoadsWeights
 
 META_V = 4
 """2 -> 3: receivers post a ready barrier (a one-element all-reduce) before the buckets. 3 -> 4: over NCCL a bucket
@@ -564,19 +565,27 @@ class NcclTransport(Transport):
     async def join(cls, engine: LoadsWeights, uri: WeightsUri, version: int, receiving: Receiving) -> _Joined:
         """Join sync `receiving.epoch`'s broadcast as `receiving.member` with the engine's receivers (the worker's name;
         the group is kept across syncs while its members stay), and have them find or build their group and post
-        their receives (`engine.prepare_broadcast`), while generation goes on; `load` receives, paused. A failure
-        forgets the group (the trainer's next sync must not count on a group this worker may not hold)."""
+        their receives (`engine.prepare_handover`), while generation goes on; `load` receives, paused. An engine that
+        cannot take a rank (`check_placement`) or whose model does not take the tensors declines, so that nobody waits
+        for it. A failure after the join forgets the group (the trainer's next sync must not count on a group this
+        worker may not hold)."""
         epoch = _epoch_of(uri, receiving)
+
+        def check(shapes: dict[str, tuple[int, ...]], source: str) -> None:
+            cls.check_placement(engine, Handover(cls.scheme, version))
+            engine.check_fits(shapes, source)
+
         link = await asyncio.to_thread(
-            join_broadcast, str(uri), epoch, version, engine.weight_receivers, receiving.timeout_s, engine.check_fits,
+            join_broadcast, str(uri), epoch, version, engine.weight_receivers, receiving.timeout_s, check,
             receiving.member,
         )  # fmt: skip
+        joined = _Joined(link)
         try:
-            await engine.prepare_broadcast(link)
+            await engine.prepare_handover(joined.handover)
         except BaseException:
             link.forget()
             raise
-        return _Joined(link)
+        return joined
 
     @classmethod
     async def join_here(cls, uri: WeightsUri, version: int, receiving: Receiving) -> _Joined:
@@ -597,6 +606,31 @@ class NcclTransport(Transport):
     def leave(cls, uri: str, member: str) -> None:
         forget_group(uri, member)
 
+    @classmethod
+    def check_placement(cls, engine: LoadsWeights, handover: Handover) -> None:
+        """A rank in each process that holds the weights: anywhere but in a server reached over HTTP."""
+        if engine.placement.where == "server":
+            raise ValueError(NO_BROADCAST)
+
+    @classmethod
+    def prepare_handover(cls, handover: Handover, rank: int, device: torch.device) -> None:
+        """Find or build receiver `rank`'s group and post its receives (`prepare_receiver`)."""
+        prepare_receiver(BroadcastLink.from_dict(handover.data), rank, device)
+
+    @classmethod
+    def open_handover(
+        cls, handover: Handover, rank: int, device: torch.device
+    ) -> AbstractContextManager[Iterable[tuple[str, torch.Tensor]]]:
+        """The tensors as receiver `rank` takes them (`receive_broadcast`): every rank must drain them."""
+        return contextlib.nullcontext(receive_broadcast(BroadcastLink.from_dict(handover.data), rank, device))
+
+
+NO_BROADCAST = (
+    "the remote engine loads weights by path, from fs:// or redis:// syncs; an nccl:// broadcast would need a rank in "
+    "each of the server's worker processes (vLLM's own NCCL weight transfer, not wired here): publish with fs:// "
+    "(a directory the server sees) or redis://"
+)
+
 
 def _epoch_of(uri: WeightsUri, receiving: Receiving) -> int:
     if receiving.epoch is None:
@@ -610,10 +644,16 @@ class _Joined:
 
     link: BroadcastLink
 
+    @property
+    def handover(self) -> Handover:
+        """The broadcast as the engine's receiving processes open it: its link."""
+        link = self.link
+        return Handover("nccl", link.version, link.to_dict(), f"the broadcast from {link.host}:{link.port}")
+
     async def load(self, engine: LoadsWeights) -> None:
         """Receive and load it into the engine (paused meanwhile, or not: its choice)."""
         try:
-            await engine.load_broadcast(self.link)
+            await engine.load_handover(self.handover)
         except BaseException:
             self.link.forget()  # the receivers may have lost the group: the next sync builds anew
             raise

@@ -41,7 +41,7 @@ from staleness.weights.base import (
 )
 from tests.reference import forward_logprobs
 
-EVENTS: list[tuple[Any, ...]] = []
+events: list[tuple[Any, ...]] = []
 """What the toy's worker side and the engine did, in order: `("fetch", v)`, `("pause", mode)`, `("load", v)`."""
 _HELD: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
 """The toy's versions, by (namespace, version): this process's memory."""
@@ -90,7 +90,7 @@ class ToyTransport(Transport):
 
     @classmethod
     def fetch_stored(cls, uri: WeightsUri, version: int, redis_client: redis.Redis | None) -> Fetched:
-        EVENTS.append(("fetch", version))
+        events.append(("fetch", version))
         held = _HELD.get((uri.location, version))
         if held is None:
             raise FileNotFoundError(f"toy version {version} is not held here")
@@ -101,14 +101,14 @@ register_transport(ToyTransport)
 
 
 class RecordedEngine(TorchEngine):
-    """The torch engine, noting its pauses and loads in `EVENTS` (instrumented, not replaced)."""
+    """The torch engine, noting its pauses and loads in `events` (instrumented, not replaced)."""
 
     async def pause(self, mode: PauseMode) -> None:
-        EVENTS.append(("pause", mode))
+        events.append(("pause", mode))
         await super().pause(mode)
 
     async def load_tensors(self, named_tensors: Any, version: int) -> None:
-        EVENTS.append(("load", version))
+        events.append(("load", version))
         await super().load_tensors(named_tensors, version)
 
 
@@ -156,7 +156,7 @@ def test_a_transport_added_in_one_file_syncs_a_worker_and_serves_one_that_starts
     started after the sync loads version 1 from the toy before it takes work; the publish of version 2 releases
     version 1 from the toy's store."""
     monkeypatch.setattr(ToyTransport, "fetches_ahead", ahead)
-    EVENTS.clear()
+    events.clear()
     v1 = {name: tensor.clone() for name, tensor in named_tensors(tiny_model_dir_v1)}
     client = RolloutClient(redis_server.url, ns)
     first = Worker(Streams(connect(redis_server.url, ns=ns), ns), RecordedEngine(tiny_model_dir, num_threads=1), "t1")
@@ -167,24 +167,24 @@ def test_a_transport_added_in_one_file_syncs_a_worker_and_serves_one_that_starts
         late_run: asyncio.Task[None] | None = None
         try:
             of_version(tiny_model_dir, await one_sample(client, 1), 0)  # the engine started, at version 0
-            EVENTS.clear()
+            events.clear()
             assert await asyncio.to_thread(client.publish_weights, v1, transport="toy://") == 1
             assert client.last_sync is not None and client.last_sync.acked == ["t1"]
             assert client.last_publish is not None and client.last_publish.tensors == len(v1)
             assert client.last_broadcast is None  # the toy pushes nothing
-            order = [("fetch", 1), ("pause", "abort"), ("load", 1)]
-            assert EVENTS == (order if ahead else [order[1], order[0], order[2]])
+            fetch, pause, load = ("fetch", 1), ("pause", "abort"), ("load", 1)
+            assert events == ([fetch, pause, load] if ahead else [pause, fetch, load])
             assert first.engine.version == 1 and ToyTransport(ns).versions() == [1]
             rollout = await one_sample(client, 2)
             assert rollout.worker == "t1"
             of_version(tiny_model_dir_v1, rollout, 1)
 
-            EVENTS.clear()  # a worker that starts now: its version is in the toy's store
+            events.clear()  # a worker that starts now: its version is in the toy's store
             late_engine = RecordedEngine(tiny_model_dir, num_threads=1)
             late = Worker(Streams(connect(redis_server.url, ns=ns), ns), late_engine, "t2")
             late_run = asyncio.create_task(late.run())
             await wait_for(lambda: late_engine.version == 1 and late.state.serving.is_set())
-            assert EVENTS == [("fetch", 1), ("load", 1)]
+            assert events == [("fetch", 1), ("load", 1)]
             first.stop()
             await asyncio.wait_for(running, 60)
             rollout = await one_sample(client, 3)
