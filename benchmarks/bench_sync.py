@@ -57,6 +57,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -76,8 +77,8 @@ from pipeline.processes import gpu_of, start_worker, stop_process, wait_for_work
 from pipeline.wire import PauseMode
 from producers.client import RolloutClient
 from staleness.weights import open_transport
-from staleness.weights.base import checkpoint_files, read_checkpoint
-from staleness.weights.ipc import Manifest, opened
+from staleness.weights.base import checkpoint_files, opened_handover, read_checkpoint
+from staleness.weights.handover import Handover
 
 NS = "bench-sync"
 SIZES = {
@@ -420,15 +421,26 @@ class TimedWorkerExtension(RolloutsWorkerExtension):
     `read_breakdown`: what was opened or read, vLLM's `reload_weights` until it returns, the wait for the GPU. The
     bodies are `RolloutsWorkerExtension`'s with the clocks between their steps (a test keeps the two in step)."""
 
-    def rollouts_load_ipc(self, manifest: str, version: int) -> int:
+    def rollouts_load_handover(self, handover: dict[str, Any]) -> int:
+        prepared: Future[Any] | None = getattr(self, "_rollouts_prepared", None)
+        self._rollouts_prepared = None
+        if prepared is not None:
+            prepared.result()
         began = time.perf_counter()
-        with opened(Manifest.from_json(manifest, "the manifest sent", version), self.device) as tensors:
+        given = Handover.from_dict(handover)
+        with opened_handover(given, self.rank, self.device) as opened:
+            tensors = dict(opened)  # a broadcast is drained (every rank must), a buffer viewed
             was_open = time.perf_counter()
-            self.rollouts_reload(iter(tensors.items()))
-            reloaded = time.perf_counter()
-            torch.cuda.synchronize(self.device)
-            _say_load("ipc", version, was_open - began, reloaded - was_open, time.perf_counter() - reloaded, tensors)
-            return len(tensors)
+            try:
+                self.rollouts_reload(iter(tensors.items()))
+                reloaded = time.perf_counter()
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                waited = time.perf_counter() - reloaded
+                _say_load(given.scheme, given.version, was_open - began, reloaded - was_open, waited, tensors)
+                return len(tensors)
+            finally:
+                tensors.clear()
 
     def rollouts_load_safetensors(self, blob: bytes) -> int:
         began = time.perf_counter()

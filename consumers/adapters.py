@@ -14,14 +14,15 @@ version if the adapter is loaded here (one that is not is loaded at the new vers
 `epoch@NAME` in the heartbeat; its `resume` opens the gate. Every other adapter and the base model go on
 generating meanwhile.
 
-A worker that stops waits for no adapter: a request waiting for one (at its gate, for a slot, for a broadcast
+A worker that stops waits for no adapter: a request waiting for one (at its gate, for a slot, for a pushed
 version) ends with `Stopping`, and `unfreeze` ends the requests a `keep` sync froze, so that their samples go on
 elsewhere from their tokens so far, not after the worker's drain timeout.
 
-An adapter published over `nccl://` is nowhere to fetch later: every live worker joins its broadcast (before it
-pauses the adapter, as for the base model) and keeps a CPU copy of the version it received, from which it loads the
-adapter on demand. A worker that started after that broadcast has no copy: its requests for the adapter wait for
-the adapter's next sync.
+An adapter published by a transport that pushes and stores nothing (`nccl://`) is nowhere to fetch later: every live
+worker joins its push (before it pauses the adapter, as for the base model) and keeps a CPU copy of the version it
+received, from which it loads the adapter on demand. A worker that started after that push has no copy: its requests
+for the adapter wait for the adapter's next sync. Which way an adapter's version comes is its transport's to say
+(`Transport.stores`, `Transport.pushes`), never its scheme.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from consumers.metrics import WorkerMetrics
 from pipeline.streams import Streams
 from pipeline.wire import Control, PauseMode, ack_field
 from staleness.state import adapter_names, read_state, weights_command
-from staleness.weights import fetch_adapter, is_stored, join_adapter, receive_adapter
+from staleness.weights import Joined, fetch_adapter, join_pushed, receive_adapter, transport_of
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ SYNC_POLL_S = 0.05
 
 
 class NotHere(LookupError):
-    """The adapter's version was broadcast (nccl) before this worker could receive it: wait for its next sync."""
+    """The adapter's version was pushed (nccl) before this worker could receive it: wait for its next sync."""
 
 
 class Stopping(Exception):
@@ -91,9 +92,9 @@ class WorkerAdapters:
         self._frozen: set[str] = set()
         """Adapters whose requests the engine holds frozen (paused `keep` or `inflight`) until their resume."""
         self._received: dict[str, tuple[int, dict[str, Any], dict[str, Any]]] = {}
-        """Per adapter, the last version received by broadcast (nccl): version, CPU tensors, config."""
+        """Per adapter, the last version received from a push (nccl): version, CPU tensors, config."""
         self._arrived: dict[str, asyncio.Event] = {}
-        """Set when a broadcast version of an adapter arrives: requests that had nothing to load look again."""
+        """Set when a pushed version of an adapter arrives: requests that had nothing to load look again."""
 
     def _gate(self, adapter: str) -> asyncio.Event:
         gate = self._gates.get(adapter)
@@ -154,7 +155,7 @@ class WorkerAdapters:
                     arrived = self._freed
             if arrived is None:  # outside the lock: the sync under way may need it to ack
                 await self._wait(None, SYNC_POLL_S)
-            else:  # a free slot (every one was in use), or a version to load (one was broadcast)
+            else:  # a free slot (every one was in use), or a version to load (one was pushed)
                 await self._wait(arrived)
 
     async def _wait(self, event: asyncio.Event | None, timeout: float | None = None) -> None:
@@ -187,10 +188,10 @@ class WorkerAdapters:
         return True
 
     async def _load(self, adapter: str, uri: str, version: int) -> None:
-        """Fetch (or take the broadcast copy) and load; any failure is the request's error (a rollout with
-        `finish_reason=error`), but `NotHere`: a broadcast version this worker never received."""
+        """Fetch (or take the copy of a push) and load; any failure is the request's error (a rollout with
+        `finish_reason=error`), but `NotHere`: a pushed version this worker never received."""
         try:
-            if is_stored(uri):
+            if transport_of(uri).stores:
                 tensors, config = await asyncio.to_thread(fetch_adapter, uri, version, self.streams.redis)
             else:
                 received = self._received.get(adapter)
@@ -220,20 +221,20 @@ class WorkerAdapters:
                 self.metrics.adapter_resumed(time.monotonic() - paused)
 
     async def _sync(self, command: Control, join: bool = True) -> None:
-        """Join its broadcast (nccl), close the gate, pause the adapter's requests, receive (nccl), load the new
-        version if the adapter is loaded here, ack.
+        """Join its push (a transport that pushes: nccl), close the gate, pause the adapter's requests, receive the
+        push, load the new version if the adapter is loaded here, ack.
 
         A version that cannot be loaded leaves the adapter unloaded (its requests aborted: they go on after the resume):
         the next request for it loads the state's version again, or becomes an error rollout that says why. The
         worker acks either way; one tenant's bad adapter stops no worker. `join=False`: a sync found under way at
-        start, whose broadcast this worker is too late to join."""
+        start, whose push this worker is too late to join."""
         adapter = command.adapter
-        link = None
-        if join and not is_stored(command.uri):
+        joined: Joined | None = None
+        if join and transport_of(command.uri).pushes:
             try:  # while the adapter still generates: the wait for the other workers is not its stall
-                link = await join_adapter(command.uri, command.version, command.epoch, member=self.worker)
+                joined = await join_pushed(command.uri, command.version, command.epoch, member=self.worker)
             except Exception as exc:
-                log.error("%s: could not join the broadcast of adapter %s: %s", self.worker, adapter, exc)
+                log.error("%s: could not join the push of adapter %s: %s", self.worker, adapter, exc)
         self._gate(adapter).clear()
         self._paused_at[adapter] = time.monotonic()
         async with self._lock:
@@ -241,9 +242,9 @@ class WorkerAdapters:
             await self.engine.pause_adapter(adapter, mode)
             if mode != "abort":
                 self._frozen.add(adapter)
-            if link is not None:
+            if joined is not None:
                 try:
-                    self._received[adapter] = (command.version, *await receive_adapter(link))
+                    self._received[adapter] = (command.version, *await receive_adapter(joined, command.version))
                     self._arrived.setdefault(adapter, asyncio.Event()).set()
                 except Exception as exc:
                     log.error("%s: could not receive adapter %s: %s", self.worker, adapter, exc)

@@ -6,10 +6,10 @@ served nothing for S seconds is shut down (`released`) and started again on dema
 after `shutdown` (vLLM's `AsyncLLM` cannot), so a release builds a fresh, unstarted engine object from the same
 factory: building one reads the model's config only, so the worker still knows its name and context length.
 
-While there is no engine, weight syncs are acked at once (no trainer waits for a cold start): a stored version
-(`fs://`, `redis://`) is simply loaded from the state when the engine starts; a broadcast one (`nccl://`) is nowhere
-to fetch later, so the worker joins the broadcast with one rank of its own and keeps a CPU copy (`received`) to load
-at start. For the same reason an engine whose version came by broadcast (and of which no copy is kept) is never
+While there is no engine, weight syncs are acked at once (no trainer waits for a cold start): a version its
+transport stores (`fs://`, `redis://`) is simply loaded from the state when the engine starts; a pushed one (`nccl://`)
+is nowhere to fetch later, so the worker joins the push with one rank of its own and keeps a CPU copy (`received`) to
+load at start. For the same reason an engine whose version was pushed (and of which no copy is kept) is never
 released: the worker could not get that version back until the next sync.
 """
 
@@ -29,7 +29,7 @@ import redis
 
 from consumers.engines import create_engine
 from consumers.engines.base import Engine
-from staleness.weights import join_adapter
+from staleness.weights import join_pushed, transport_of
 
 if TYPE_CHECKING:
     import torch
@@ -64,7 +64,7 @@ class WorkerStatus(StrEnum):
     PAUSED = "paused"
     """Standing still for a weight sync, between its pause and the manager's resume."""
     AWAITING_WEIGHTS = "awaiting weights"
-    """Its version was broadcast (nccl) before it could receive it: it takes no work until the next sync."""
+    """Its version was pushed (nccl) before it could receive it: it takes no work until the next sync."""
     ASLEEP = "asleep"
     """Paused, its engine asleep (`RolloutClient.sleep`: a colocated trainer's step), until a sync or a wake."""
     RELEASED = "released"
@@ -74,7 +74,7 @@ class WorkerStatus(StrEnum):
 
 @dataclass
 class Received:
-    """A version broadcast while the worker had no engine: CPU tensors to load when it starts."""
+    """A version pushed while the worker had no engine: CPU tensors to load when it starts."""
 
     version: int
     tensors: dict[str, torch.Tensor]
@@ -87,7 +87,7 @@ class EngineSlot:
         self.engine = engine
         self.factory = factory
         self.member = member
-        """The worker's name: its name in broadcast groups."""
+        """The worker's name: its name in the groups of pushes (nccl)."""
         self.freeze = freeze
         """Freeze the process's heap once the engine has started (`freeze_heap`), and unfreeze it at a release."""
         self.started = False
@@ -99,8 +99,9 @@ class EngineSlot:
         self.last_work = time.monotonic()
         """When the engine last finished work (or started): the idle clock of `--release-after-s`."""
         self.received: Received | None = None
-        self.nccl_uris: set[str] = set()
-        """Broadcast rendezvous this worker joined: their groups are forgotten whenever the engine starts or stops."""
+        self.pushed_uris: set[str] = set()
+        """Pushes (nccl rendezvous) this worker joined: what it holds of them is left whenever the engine starts or
+        stops (`Transport.leave`)."""
         self._stopped: asyncio.Task[None] | None = None
         """The shutdown of the last released engine, under way: the next start waits for it (so that two engines
         never hold the GPU at once), a sync does not."""
@@ -148,15 +149,14 @@ class EngineSlot:
         return time.monotonic() - self.last_work
 
     def copy_of(self, version: int) -> Received | None:
-        """The CPU copy of `version` received by broadcast, if this worker holds one."""
+        """The CPU copy of `version` received from a push, if this worker holds one."""
         return self.received if self.received is not None and self.received.version == version else None
 
     def _forget_groups(self) -> None:
-        """The processes that held our broadcast groups are gone (or new): the trainer must build them anew."""
-        from staleness.weights.nccl import forget_group
-
-        for uri in self.nccl_uris:
-            forget_group(uri, self.member)
+        """The processes that held our part of the pushes (their groups) are gone (or new): the trainer must build
+        them anew."""
+        for uri in self.pushed_uris:
+            transport_of(uri).leave(uri, self.member)
 
 
 def freeze_heap() -> None:
@@ -174,16 +174,7 @@ def freeze_heap() -> None:
 
 
 async def receive_copy(uri: str, version: int, epoch: int, member: str) -> Received:
-    """Join sync `epoch`'s broadcast as one rank of this process (no engine needed) and keep CPU copies."""
-    from staleness.weights.nccl import receive_broadcast
-
-    link = await join_adapter(uri, version, epoch, member=member)  # one rank of this process: what an adapter takes
-
-    def receive() -> dict[str, torch.Tensor]:
-        return {name: tensor.to("cpu", copy=True) for name, tensor in receive_broadcast(link, 0, "cuda")}
-
-    try:
-        return Received(version, await asyncio.to_thread(receive))
-    except BaseException:
-        link.forget()
-        raise
+    """Join sync `epoch`'s push as one rank of this process (no engine needed) and keep CPU copies."""
+    joined = await join_pushed(uri, version, epoch, member=member)  # one rank of this process: what an adapter takes
+    tensors, _ = await joined.receive()
+    return Received(version, tensors)

@@ -18,7 +18,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 from consumers.adapters import WorkerAdapters
 from consumers.engines.base import WAKE_ALL, Engine, SleepNotSupported, WakePart
@@ -29,25 +29,15 @@ from pipeline.control import CONTROL_BATCH, CONTROL_RECHECK_S
 from pipeline.streams import Entry, Streams
 from pipeline.wire import Control, PauseMode, WireError
 from staleness.state import read_state, weights_command
-from staleness.weights import (
-    fetches_ahead,
-    is_stored,
-    join_version,
-    load_joined,
-    load_prefetched,
-    load_version,
-    prefetch_version,
-)
-
-if TYPE_CHECKING:
-    from staleness.weights.nccl import BroadcastLink
+from staleness.weights import Incoming, begin_load, load_version, transport_of
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
 AWAITING_WEIGHTS = WorkerStatus.AWAITING_WEIGHTS
-"""Heartbeat status of a worker that joined after a broadcast (nccl) sync: it takes no work until the next."""
+"""Heartbeat status of a worker that joined after a sync whose transport pushes (nccl) and stores nothing: it takes no
+work until the next."""
 
 
 class Stoppable(Protocol):
@@ -104,7 +94,7 @@ class WorkerSync:
     async def catch_up(self) -> bytes:
         """Before taking work: load the state's version, or join the sync under way. Returns where to follow control.
 
-        A version that was broadcast (nccl) is nowhere to fetch: the worker then waits, taking no work,
+        A version that was pushed (nccl) is nowhere to fetch: the worker then waits, taking no work,
         for the next sync. Without an engine (`lazy`) nothing loads yet (`load_current`).
         """
         control_from = await asyncio.to_thread(self.streams.control.last_id)
@@ -118,7 +108,7 @@ class WorkerSync:
         """Bring a started engine to the state's version, or do this worker's part of the sync or sleep under way.
 
         Without an engine nothing loads: the worker takes work, whose arrival starts the engine and comes back here,
-        unless the version could not be loaded then (broadcast before this worker could receive it): then it
+        unless the version could not be loaded then (pushed before this worker could receive it): then it
         awaits the next sync. A worker that joins a sleeping fleet sleeps with it (a colocated trainer's step is under
         way), its engine at the fleet's version, until the sync or wake that ends the sleep. The caller holds the
         slot's lock."""
@@ -150,11 +140,12 @@ class WorkerSync:
         self._state.set_serving(True)
 
     def loadable(self, version: int, uri: str) -> bool:
-        """Whether `version` can be loaded now or at a later start: stored (fs, redis), or a broadcast copy held."""
-        return not uri or is_stored(uri) or self._slot.copy_of(version) is not None
+        """Whether `version` can be loaded now or at a later start: its transport stores it, or a copy of it pushed is
+        held."""
+        return not uri or transport_of(uri).stores or self._slot.copy_of(version) is not None
 
     async def _load(self, uri: str, version: int) -> None:
-        """Load `version` into the started engine: from the CPU copy of a broadcast if one is held, else fetched."""
+        """Load `version` into the started engine: from the CPU copy of a push if one is held, else fetched."""
         copy = self._slot.copy_of(version)
         if copy is not None:
             await self.engine.load_tensors(copy.tensors, version)
@@ -173,9 +164,7 @@ class WorkerSync:
 
     def _await_next_sync(self, version: int) -> None:
         self._state.status = AWAITING_WEIGHTS
-        log.info(
-            "%s: version %d was broadcast before this worker joined; waiting for the next sync", self.name, version
-        )
+        log.info("%s: version %d was pushed before this worker joined; waiting for the next sync", self.name, version)
 
     # -- following control --------------------------------------------------------------------
 
@@ -320,9 +309,9 @@ class WorkerSync:
     async def _sync_weights(self, command: Control) -> None:
         """Pause, load `command.version`, ack with the epoch; stay paused until the manager's resume.
 
-        An nccl version is joined first, while the engine still generates (`join_version`): the wait for the
-        other workers to join and a new group's setup are not time this worker stands still; it pauses only to
-        receive. A `redis://` version is fetched and checked before the pause too (`prefetch_version`): paused, the
+        What need not stop generation is done first, as the version's transport says (`begin_load`): a push (nccl) is
+        joined, so that the wait for the other workers to join and a new group's setup are not time this worker stands
+        still, and it pauses only to receive; a version fetched ahead (redis) is fetched and checked, and paused, the
         worker only copies it into the model. A version that cannot be loaded stops the worker (exit 1, for a
         supervisor to restart it): it must not serve the old one as the new, and its work goes to the others. The
         caller holds the slot's lock.
@@ -330,25 +319,15 @@ class WorkerSync:
         if not self._slot.started:
             await self._sync_unstarted(command)
             return
-        link: BroadcastLink | None = None
-        if not is_stored(command.uri):
-            self._slot.nccl_uris.add(command.uri)
-        if command.version != self.engine.version and not self.loadable(command.version, command.uri):
-            try:
-                link = await join_version(self.engine, command.uri, command.version, command.epoch, member=self.name)
-            except Exception as exc:
-                self._cannot_load(command, exc)
-                return
-        fetched = None  # a redis:// version is fetched while the engine still generates, as a broadcast is joined
+        if transport_of(command.uri).pushes:
+            self._slot.pushed_uris.add(command.uri)
+        incoming: Incoming | None = None
         fetch_began = time.monotonic()
-        if (
-            link is None
-            and fetches_ahead(command.uri)
-            and command.version != self.engine.version
-            and self._slot.copy_of(command.version) is None
-        ):
+        if command.version != self.engine.version and self._slot.copy_of(command.version) is None:
             try:
-                fetched = await asyncio.to_thread(prefetch_version, command.uri, command.version, self.streams.redis)
+                incoming = await begin_load(
+                    self.engine, command.uri, command.version, self.streams.redis, epoch=command.epoch, member=self.name
+                )
             except Exception as exc:
                 self._cannot_load(command, exc)
                 return
@@ -361,11 +340,8 @@ class WorkerSync:
         paused = time.monotonic()
         if command.version != self.engine.version:
             try:
-                if link is not None:
-                    await load_joined(self.engine, link)
-                    self._loaded(command.uri, command.version)
-                elif fetched is not None:
-                    await load_prefetched(self.engine, fetched, command.version)
+                if incoming is not None:
+                    await incoming.load(self.engine)
                     self._loaded(command.uri, command.version)
                 else:
                     await self._load(command.uri, command.version)
@@ -382,12 +358,12 @@ class WorkerSync:
 
     async def _sync_unstarted(self, command: Control) -> None:
         """A sync while there is no engine: nothing to pause or load, so ack at once (no trainer waits for a cold
-        start). A stored version is loaded from the state when the engine starts; a broadcast one is received now
+        start). A stored version is loaded from the state when the engine starts; a pushed one is received now
         into a CPU copy, to load then. A worker that cannot receive it awaits the next sync (it takes no work)."""
         self._state.set_serving(False)  # as every worker, it takes no work until the resume
         self._sync_began = time.monotonic()
-        if not is_stored(command.uri):
-            self._slot.nccl_uris.add(command.uri)
+        if not transport_of(command.uri).stores:
+            self._slot.pushed_uris.add(command.uri)
             try:
                 self._slot.received = await receive_copy(command.uri, command.version, command.epoch, self.name)
                 self._state.status = self._unstarted()

@@ -48,7 +48,8 @@ from pipeline.wire import (
     knobs_given,
 )
 from staleness.admission import Admission, AdmissionLimits, StaleRollouts, Usage
-from staleness.manager import Manager, SyncError, SyncReport
+from staleness.driver import SyncDriver
+from staleness.manager import SyncReport
 
 if TYPE_CHECKING:
     from staleness.weights.base import PublishStats, WeightSource
@@ -346,14 +347,8 @@ class RolloutClient:
         """First re-read what this consumer was handed before a restart, from this id on (None: done)."""
         self._rereading = False
         """Re-reading what is pending on us mid-run (after a retried read): seen ids are skipped, not acked."""
-        self.last_sync: SyncReport | None = None
-        """What the last `publish_weights` did: who acked, who was evicted, how long workers stood still."""
-        self.last_broadcast: BroadcastStats | None = None
-        """What the last `nccl://` publish moved, and how fast."""
-        self.last_publish: PublishStats | None = None
-        """What the last `publish_weights` put in its transport: tensors, bytes, the most it held at once."""
-        self._manager: Manager | None = None
-        """The last sync's manager, whose resume may still be ringing (`Manager.settle`)."""
+        self._syncs = SyncDriver(self.streams)
+        """Publishes weights and drives the fleet's syncs and sleeps (`staleness.driver`)."""
         self._trim_every_s = trim_every_s
         self._last_trim = time.monotonic()
         self._entry_bytes = 0
@@ -574,61 +569,40 @@ class RolloutClient:
         With `adapter`, `source` is LoRA adapter `adapter`'s tensors (PEFT names: `...lora_A.weight`,
         `...lora_B.weight`) with `adapter_config` (`r`, `lora_alpha`, `target_modules`), or a PEFT directory
         (`adapter_model.safetensors` + `adapter_config.json`); it becomes that adapter's next version, and only
-        its requests pause (the others and the base model go on). Adapters travel by `redis://` or `fs://`.
+        its requests pause (the others and the base model go on). Adapters travel by `redis://`, `fs://` or `nccl://`.
 
         The tensors go through `transport` (`redis://`: chunks in this Redis; `fs://DIR`: shared
         storage; `nccl://HOST:PORT`: broadcast from this process, over NCCL from GPU tensors, gloo from
         CPU ones, during the sync; `ipc://`: a GPU buffer that workers on the same GPU open), then the manager
         pauses every live worker (`mode`), waits for each to load and ack, evicts one that does not within
         `ack_timeout_s`, and resumes them. Older versions are deleted from the transport once every live worker
-        has moved on.
+        has moved on. The sync is driven by `staleness.driver.SyncDriver`.
         """
-        from staleness.weights import open_transport, remove_published
-        from staleness.weights.base import named_tensors, read_adapter
-        from staleness.weights.layout import LayoutCheck, WeightsMismatch, fleet_layouts
-        from staleness.weights.nccl import NcclTransport  # torch: only trainers that publish need it
-
-        if adapter is not None:
-            source, adapter_config = read_adapter(source, adapter_config)
-        elif adapter_config is not None:
-            raise ValueError("adapter_config is for an adapter's tensors: name the adapter (adapter='...')")
-        self.settle()  # the last sync's resume rung to the whole fleet before the next `weights`
-        manager = self._manager = Manager(self.streams, ack_timeout_s=ack_timeout_s, adapter=adapter)
-        previous = manager.state()
-        if previous.paused and not previous.asleep:  # a sync under way may be loading its next version; a sleep waits
-            raise SyncError(
-                f"a weight sync is under way (epoch {previous.epoch}, version {previous.pending_version}): publish "
-                "when it is over; if its driver died, `rollouts manager` finishes it"
-            )
-        store = open_transport(
-            transport,
-            redis_client=self.streams.redis,
-            ns=self.streams.keys.ns,
-            join_timeout_s=ack_timeout_s,
+        return self._syncs.publish(
+            source,
+            transport=transport,
+            mode=mode,
+            ack_timeout_s=ack_timeout_s,
             adapter=adapter,
+            adapter_config=adapter_config,
             bucket_bytes=bucket_bytes,
         )
-        version = manager.next_version(previous)  # above any a worker serves: a failover may have lost the last bump
-        store.remove(version)  # left over by a publish whose sync failed: never announced, safe to replace
-        check = LayoutCheck(fleet_layouts(self.streams)) if adapter is None else None
-        if check:  # checked as they pass: the transport stores what passed, and drops it all if one fails
-            source = check.wrap(named_tensors(source, keep_device=True))
-        refused = ""
-        try:
-            uri = store.publish(source, version, adapter_config=adapter_config)
-        except WeightsMismatch as exc:
-            refused = f"{exc}; nothing was published and every worker keeps serving version {previous.version}"
-        if refused:  # raised here, not in the handler: its traceback would keep the stream's frames (and a tensor)
-            raise WeightsMismatch(refused)
-        self.last_publish = store.last_publish
-        broadcast = store if isinstance(store, NcclTransport) else None  # sent during the sync, not before
-        transfer = broadcast.broadcast if broadcast else None
-        self.last_sync = manager.sync(version, uri, mode, transfer=transfer, expected=previous.version)
-        self.last_broadcast = broadcast.last if broadcast else None
-        store.release(keep=[version])
-        if previous.weights_uri:  # the version before may sit in another transport
-            remove_published(previous.weights_uri, self.streams.redis, self.streams.keys.ns)
-        return version
+
+    @property
+    def last_sync(self) -> SyncReport | None:
+        """What the last `publish_weights` did: who acked, who was evicted, how long workers stood still."""
+        return self._syncs.last_sync
+
+    @property
+    def last_broadcast(self) -> BroadcastStats | None:
+        """What the last publish by a transport that pushes (`nccl://`) moved, and how fast; None after one that
+        stores."""
+        return self._syncs.last_push  # what the transport's push returned
+
+    @property
+    def last_publish(self) -> PublishStats | None:
+        """What the last `publish_weights` put in its transport: tensors, bytes, the most it held at once."""
+        return self._syncs.last_publish
 
     def sleep(self, level: int = 1, mode: PauseMode = "abort", ack_timeout_s: float = 60.0) -> SyncReport:
         """Put every worker's engine to sleep before a training step on the GPUs they share (colocated), freeing
@@ -637,22 +611,17 @@ class RolloutClient:
         loads, the usual way to end a step) or `wake()`. Returns who acked, who was evicted and who could not sleep
         (`awake`: its engine has no sleep mode; it paused all the same). Raises `ValueError` for a bad level or mode,
         `SyncError` while a sync or another sleep is under way."""
-        self.settle()
-        self._manager = Manager(self.streams, ack_timeout_s=ack_timeout_s)
-        return self._manager.sleep(level, mode)
+        return self._syncs.sleep(level, mode, ack_timeout_s)
 
     def wake(self) -> SyncReport | None:
         """End a `sleep` without publishing: the workers wake and go on with the version they have. None if the fleet
         was not asleep."""
-        self.settle()
-        self._manager = Manager(self.streams)
-        return self._manager.wake()
+        return self._syncs.wake()
 
     def settle(self) -> None:
         """Wait until the last `publish_weights`'s resume has been rung to every worker: it returns once the resume is
         written, and the ring goes on in a thread, longer the more workers there are."""
-        if self._manager is not None:
-            self._manager.settle()
+        self._syncs.settle()
 
     # -- receiving -----------------------------------------------------------------------------
 

@@ -212,7 +212,7 @@ def test_the_timed_extension_times_the_engines_load_and_keeps_to_the_engines_ste
     # The timed methods repeat the engine's own steps, with clocks between them: the engine's must still be these.
     reload = "self.rollouts_reload(iter(tensors.items()))"
     for method, steps in [
-        ("rollouts_load_ipc", ["with opened(Manifest.from_json(manifest, ", reload, "return len(tensors)"]),
+        ("rollouts_load_handover", ["with opened_handover(", "tensors = dict(opened)", reload, "return len(tensors)"]),
         ("rollouts_load_safetensors", ["tensors = load(blob)", reload, "return len(tensors)"]),
     ]:
         source = inspect.getsource(getattr(RolloutsWorkerExtension, method))

@@ -3,11 +3,14 @@ mixins the engines share, and the checks every engine makes before it accepts a 
 
 The worker only ever talks to an engine through `Engine`; an engine knows nothing of
 Redis, versions policy or staleness. Like vLLM's v1 engine client/core split, the seam
-is narrow: token ids in, token ids + per-token logprobs + version spans out.
+is narrow: token ids in, token ids + per-token logprobs + version spans out. Weights come in by what they are, never
+by the transport that brought them: a checkpoint's files (`load_weights`), named tensors (`load_tensors`), or a
+version its weight-holding processes open where they are (`load_handover`, `staleness.weights.handover`).
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol, Self
@@ -17,8 +20,9 @@ import numpy as np
 from pipeline.wire import LOGPROBS_MODES, MAX_SAMPLES, FinishReason, LogprobsMode, PauseMode, Sampling, Span
 
 if TYPE_CHECKING:
-    from staleness.weights.ipc import Manifest
-    from staleness.weights.nccl import BroadcastLink
+    import torch
+
+    from staleness.weights.handover import Handover, Placement
 
 
 WakePart = Literal["weights", "kv_cache"]
@@ -78,7 +82,13 @@ class Engine(Protocol):
 
     @property
     def weight_receivers(self) -> int:
-        """Processes that hold the weights and each take a rank in an nccl broadcast."""
+        """Processes that hold the weights, each of which opens a handover (and takes a rank in an nccl broadcast)."""
+        ...
+
+    @property
+    def placement(self) -> Placement:
+        """Where it holds its weights (the worker's process, processes of its own, a server): what a transport that
+        opens a version there asks before it opens anything (`staleness.weights.base.Transport.check_placement`)."""
         ...
 
     @property
@@ -149,19 +159,16 @@ class Engine(Protocol):
         what follows with `version`: for transports that deliver tensors, not files (`redis://`)."""
         ...
 
-    async def prepare_broadcast(self, link: BroadcastLink) -> None:
-        """Find or build the group of `link` in every receiving process while generation goes on (the worker calls
-        it before it pauses: `staleness.weights.nccl.prepare_receiver`)."""
+    async def prepare_handover(self, handover: Handover) -> None:
+        """Before the pause, while generation goes on: have each process that holds the weights get ready to open the
+        handover (`staleness.weights.base.prepare_handover`; nccl: its group built and its receives posted)."""
         ...
 
-    async def load_broadcast(self, link: BroadcastLink) -> None:
-        """Receive a version the trainer broadcasts (`nccl://`, `staleness.weights.nccl`) and load it in place."""
-        ...
-
-    async def load_ipc(self, manifest: Manifest) -> None:
-        """Open a version a trainer on the same GPU hands over by CUDA IPC (`ipc://`, `staleness.weights.ipc`) where
-        the weights live, and load it in place with a device-to-device copy. `ValueError` (before anything is opened)
-        from an engine that cannot reach the trainer's GPU, saying what to use instead."""
+    async def load_handover(self, handover: Handover) -> None:
+        """Have each process that holds the weights open the handover where it is
+        (`staleness.weights.base.opened_handover`: the trainer's GPU buffer, a broadcast's receives) and load from it in
+        place, then tag what follows with `handover.version`. The engine never looks inside: what a transport needs is
+        its own (`staleness.weights.handover`)."""
         ...
 
     def check_fits(self, shapes: Mapping[str, tuple[int, ...]], source: object) -> None:
@@ -203,15 +210,24 @@ class EngineLifecycle:
         await self.shutdown()
 
 
-class LoadsIpcInProcess:
-    """The `ipc://` half of `Engine` for an engine whose weights, if on a GPU, live in the worker's own process: the
-    one copy (`staleness.weights.ipc.load_in_process`, which refuses an engine on the CPU or in a process of its
-    own)."""
+class HandsOverInProcess:
+    """The handover half of `Engine` for an engine whose weights live in the worker's own process (torch, synthetic):
+    the one copy. The handover is opened on `receiving_device` and its tensors loaded by `load_tensors`."""
 
-    async def load_ipc(self, manifest: Manifest) -> None:
-        from staleness.weights.ipc import load_in_process  # torch: only a worker that loads ipc:// needs it
+    @property
+    def receiving_device(self) -> torch.device:
+        """Where this engine receives a handover (its weights' device)."""
+        raise NotImplementedError
 
-        await load_in_process(self, manifest)  # type: ignore[arg-type]  # the engine that mixes this in is one
+    async def prepare_handover(self, handover: Handover) -> None:
+        from staleness.weights.base import prepare_handover  # torch: only a worker that syncs needs it
+
+        await asyncio.to_thread(prepare_handover, handover, 0, self.receiving_device)
+
+    async def load_handover(self, handover: Handover) -> None:
+        from staleness.weights.base import load_handover_here
+
+        await load_handover_here(self, handover, self.receiving_device)  # type: ignore[arg-type]  # the engine that mixes this in is one
 
 
 class ServesNoAdapters:

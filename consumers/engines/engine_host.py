@@ -29,7 +29,7 @@ from consumers.engines.engine_channel import (
 )
 from pipeline.fast_exit import leave
 from pipeline.wire import Sampling
-from staleness.weights.nccl import BroadcastLink
+from staleness.weights.handover import Handover
 
 log = logging.getLogger("consumers.engines.engine_host")
 
@@ -49,8 +49,8 @@ class Host:
             "resume": engine.resume,
             "load_weights": self._versioned(engine.load_weights),
             "load_tensors": self._versioned(self._load_tensors),
-            "prepare_broadcast": self._prepare_broadcast,
-            "load_broadcast": self._versioned(self._load_broadcast),
+            "prepare_handover": self._prepare_handover,
+            "load_handover": self._versioned(self._load_handover),
             "adapters": self._adapters,
             "load_adapter": self._load_adapter,
             "remove_adapter": engine.remove_adapter,
@@ -127,11 +127,11 @@ class Host:
     async def _load_tensors(self, path: str, version: int) -> None:
         await self.engine.load_tensors(await asyncio.to_thread(load_tensors_file, path), version)
 
-    async def _prepare_broadcast(self, link: dict[str, Any]) -> None:
-        await self.engine.prepare_broadcast(BroadcastLink.from_dict(link))
+    async def _prepare_handover(self, handover: dict[str, Any]) -> None:
+        await self.engine.prepare_handover(Handover.from_dict(handover))
 
-    async def _load_broadcast(self, link: dict[str, Any]) -> None:
-        await self.engine.load_broadcast(BroadcastLink.from_dict(link))
+    async def _load_handover(self, handover: dict[str, Any]) -> None:
+        await self.engine.load_handover(Handover.from_dict(handover))
 
     async def _adapters(self) -> dict[str, int]:
         return self.engine.adapters()

@@ -11,9 +11,9 @@ What stays here: the engine's name and limits (from an unstarted copy of it buil
 config and checks the options, so a bad option fails at once and a lazy worker knows its limits before any start),
 its version (the process answers each load with it), and `check_fits` (from the model's `WeightLayout`, sent at
 start). What crosses: token ids and logprobs as raw bytes, an adapter's tensors as one safetensors blob, a model's
-as the path of a safetensors file (`load_tensors`), a broadcast's `BroadcastLink` as plain data (the process takes
-the nccl rank itself). `ipc://` is refused: it opens the trainer's GPU buffer in the worker's process, not the
-engine's.
+as the path of a safetensors file (`load_tensors`), a `Handover` as plain data (the process opens it itself: an nccl
+broadcast's rank). Its weights live apart (`Placement` `apart`), so `ipc://` refuses it: it opens the trainer's GPU
+buffer in the worker's process, not the engine's.
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ from consumers.engines.base import (
     EngineClosedError,
     EngineLifecycle,
     Generation,
-    LoadsIpcInProcess,
     WakePart,
     check_request,
 )
@@ -53,7 +52,7 @@ from consumers.engines.model_files import WeightLayout
 from pipeline.wire import PauseMode, Sampling
 
 if TYPE_CHECKING:
-    from staleness.weights.nccl import BroadcastLink
+    from staleness.weights.handover import Handover, Placement
 
 log = logging.getLogger(__name__)
 
@@ -64,11 +63,8 @@ EXIT_CODE_WAIT_S = 2.0
 """How long the end of the channel waits for the process's exit code, which names why it ended ("exited (code -9)")."""
 
 
-class ProcessEngine(LoadsIpcInProcess, EngineLifecycle):
+class ProcessEngine(EngineLifecycle):
     """The `Engine` protocol, served by engine `kind` in a child process (see the module)."""
-
-    in_process = False
-    """Its weights live in another process (`staleness.weights.ipc` refuses it by this)."""
 
     def __init__(self, kind: str, model: str, options: Mapping[str, Any]) -> None:
         from consumers.engines import create_engine
@@ -251,11 +247,18 @@ class ProcessEngine(LoadsIpcInProcess, EngineLifecycle):
             await asyncio.to_thread(save_tensors, named_tensors, path)
             self.version = await self._call("load_tensors", str(path), version)
 
-    async def prepare_broadcast(self, link: BroadcastLink) -> None:
-        await self._call("prepare_broadcast", link.to_dict())
+    @property
+    def placement(self) -> Placement:
+        """In a process of its own (`staleness.weights.ipc` refuses it by this)."""
+        from staleness.weights.handover import Placement
 
-    async def load_broadcast(self, link: BroadcastLink) -> None:
-        self.version = await self._call("load_broadcast", link.to_dict())
+        return Placement(self.name, "apart")
+
+    async def prepare_handover(self, handover: Handover) -> None:
+        await self._call("prepare_handover", handover.to_dict())
+
+    async def load_handover(self, handover: Handover) -> None:
+        self.version = await self._call("load_handover", handover.to_dict())
 
     def check_fits(self, shapes: Mapping[str, tuple[int, ...]], source: object) -> None:
         """Checked here, against the layout the engine sent at start (None: it has no model; anything fits)."""

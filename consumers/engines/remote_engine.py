@@ -15,7 +15,8 @@ unchanged:
   `generate` call returns the tokens so far.
 - Weights load in place through `/collective_rpc`: `reload_weights(weights_path=...)` reads a safetensors directory,
   so the server must see the path (the same host, or a shared volume: `staging_dir` for tensors that arrive in
-  memory through `redis://`). `nccl://` is refused: a broadcast needs a rank in each of the server's worker
+  memory through `redis://`). A version opened where the weights live (a `Handover`: `nccl://`, `ipc://`) is refused
+  by its transport, from this engine's `Placement` (`server`): a broadcast needs a rank in each of the server's worker
   processes, which vLLM's own NCCL weight transfer provides on GPUs (not wired here).
 
 Several workers may share one server. A pause, a load or a resume acts on the whole server: each worker records its
@@ -42,7 +43,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import httpx
 import numpy as np
@@ -71,6 +72,9 @@ from consumers.engines.model_files import (
 )
 from consumers.engines.vllm_common import VLLM_FINISH_REASONS, vllm_spans
 from pipeline.wire import PAUSE_MODES, PauseMode, Sampling
+
+if TYPE_CHECKING:
+    from staleness.weights.handover import Handover, Placement
 
 log = logging.getLogger(__name__)
 
@@ -101,10 +105,9 @@ UNSTICK_S = 2.0
 ABORT_RETRY_S = 0.05
 """An abort sent before the server has added the request is a no-op there: it is sent again until the request ends."""
 
-NO_BROADCAST = (
-    "the remote engine loads weights by path, from fs:// or redis:// syncs; an nccl:// broadcast would need a rank in "
-    "each of the server's worker processes (vLLM's own NCCL weight transfer, not wired here): publish with fs:// "
-    "(a directory the server sees) or redis://"
+NO_HANDOVER = (
+    "the remote engine's weights live in a server this worker reaches over HTTP, where no version can be opened in "
+    "place: publish with fs:// (a directory the server sees) or redis://"
 )
 NO_ROUTES = (
     "the remote engine does not ask its server for them (its completions return no routed experts): serve these "
@@ -113,11 +116,6 @@ NO_ROUTES = (
 NO_ALTERNATIVES = (
     "the remote engine does not ask its server for them (it reads the sampled token's logprob only): serve these "
     "prompts with vllm or torch workers"
-)
-NO_IPC = (
-    "ipc:// needs the trainer and the worker on the same GPU, and opens that buffer where the weights live, but a "
-    "remote engine's weights live in a server this worker reaches over HTTP: publish with fs:// (a directory the "
-    "server sees) or redis://"
 )
 
 
@@ -461,14 +459,18 @@ class RemoteVllmEngine(ServesNoAdapters, EngineLifecycle):
             staged.parent,
         )
 
-    async def prepare_broadcast(self, link: Any) -> None:
-        raise ValueError(NO_BROADCAST)
+    @property
+    def placement(self) -> Placement:
+        """In a server reached over HTTP: a transport that opens a version where the weights live refuses it."""
+        from staleness.weights.handover import Placement
 
-    async def load_broadcast(self, link: Any) -> None:
-        raise ValueError(NO_BROADCAST)
+        return Placement(self.name, "server")
 
-    async def load_ipc(self, manifest: Any) -> None:
-        raise ValueError(NO_IPC)
+    async def prepare_handover(self, handover: Handover) -> None:
+        raise ValueError(NO_HANDOVER)
+
+    async def load_handover(self, handover: Handover) -> None:
+        raise ValueError(NO_HANDOVER)
 
     async def _load(self, version: int, method: str, **rpc: Any) -> None:
         """Run a reload on the server while paused (pausing with `keep` if not paused), then relabel.

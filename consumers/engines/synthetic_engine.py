@@ -43,7 +43,7 @@ from consumers.engines.base import (
     EngineInputError,
     EngineLifecycle,
     Generation,
-    LoadsIpcInProcess,
+    HandsOverInProcess,
     ServesNoAdapters,
     WakePart,
     check_request,
@@ -53,7 +53,9 @@ from consumers.engines.model_files import read_model_limits
 from pipeline.wire import PAUSE_MODES, FinishReason, PauseMode, Sampling, Span
 
 if TYPE_CHECKING:
-    from staleness.weights.nccl import BroadcastLink
+    import torch
+
+    from staleness.weights.handover import Placement
 
 NO_ROUTES = "the synthetic engine runs no model, so it routes nothing: serve these prompts with torch or vllm workers"
 NO_ALTERNATIVES = (
@@ -82,7 +84,7 @@ class _Run:
         return min(len(self.tokens), self.done + running)
 
 
-class SyntheticEngine(ServesNoAdapters, LoadsIpcInProcess, EngineLifecycle):
+class SyntheticEngine(ServesNoAdapters, HandsOverInProcess, EngineLifecycle):
     name = "synthetic"
     weight_receivers = 1
     max_batch_tokens: int | None = None
@@ -255,20 +257,18 @@ class SyntheticEngine(ServesNoAdapters, LoadsIpcInProcess, EngineLifecycle):
             pass
         self.version = version
 
-    async def prepare_broadcast(self, link: BroadcastLink) -> None:
-        from staleness.weights.nccl import prepare_receiver
+    @property
+    def placement(self) -> Placement:
+        """In the worker's process, on no device: a handover is received on the CPU and dropped."""
+        from staleness.weights.handover import Placement
 
-        await asyncio.to_thread(prepare_receiver, link, 0, "cpu")
+        return Placement(self.name, "worker")
 
-    async def load_broadcast(self, link: BroadcastLink) -> None:
-        from staleness.weights.nccl import receive_broadcast
+    @property
+    def receiving_device(self) -> torch.device:
+        import torch
 
-        def receive() -> None:
-            for _ in receive_broadcast(link, 0, "cpu"):  # a collective: every rank drains it
-                pass
-
-        await asyncio.to_thread(receive)
-        self.version = link.version
+        return torch.device("cpu")
 
     def check_fits(self, shapes: Mapping[str, tuple[int, ...]], source: object) -> None:
         """Any weights fit: there is no model."""

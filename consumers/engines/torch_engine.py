@@ -13,7 +13,6 @@ import asyncio
 import logging
 import random
 import threading
-import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,7 @@ from consumers.engines.base import (
     EngineInputError,
     EngineLifecycle,
     Generation,
-    LoadsIpcInProcess,
+    HandsOverInProcess,
     WakePart,
     check_request,
 )
@@ -36,7 +35,7 @@ from consumers.engines.torch_lora import LoraAdapters
 from consumers.engines.torch_scheduler import Request, settle
 from pipeline.wire import PAUSE_MODES, SLEEP_LEVELS, PauseMode, Sampling
 from staleness.weights.fused import ROUTER_MODELS, routers, to_checkpoint, to_module
-from staleness.weights.nccl import BroadcastLink, prepare_receiver, receive_broadcast
+from staleness.weights.handover import Placement
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +43,7 @@ SMALL_MODEL_PARAMS = 100_000_000
 """Below this size a CPU engine decodes on one thread (see `TorchEngine`'s `num_threads`)."""
 
 
-class TorchEngine(LoraAdapters, LoadsIpcInProcess, EngineLifecycle):
+class TorchEngine(LoraAdapters, HandsOverInProcess, EngineLifecycle):
     """The `Engine` protocol on a transformers causal LM (full attention models).
 
     Args:
@@ -64,7 +63,7 @@ class TorchEngine(LoraAdapters, LoadsIpcInProcess, EngineLifecycle):
 
     name = "torch"
     weight_receivers = 1
-    """Processes that take a rank in an nccl broadcast: this one."""
+    """Processes that hold the weights (and take a rank in an nccl broadcast): this one."""
     max_batch_tokens: int | None = None
     """No token limit: its cache grows with the rows it runs (`max_batch` bounds them)."""
 
@@ -287,26 +286,14 @@ class TorchEngine(LoraAdapters, LoadsIpcInProcess, EngineLifecycle):
         }
         await asyncio.to_thread(self._load_tensors_sync, tensors, version, "the tensors given")
 
-    async def prepare_broadcast(self, link: BroadcastLink) -> None:
-        """Build (or find) this engine's group of the broadcast on a thread, while the batch loop goes on."""
-        await asyncio.to_thread(prepare_receiver, link, 0, self.device)
+    @property
+    def placement(self) -> Placement:
+        """In the worker's process, on its device: a handover is opened there (`HandsOverInProcess`)."""
+        return Placement(self.name, "worker", str(self.device))
 
-    async def load_broadcast(self, link: BroadcastLink) -> None:
-        """Receive an `nccl://` broadcast onto this engine's device (`staleness.weights.nccl`), then load it."""
-
-        def receive() -> dict[str, torch.Tensor]:
-            return dict(receive_broadcast(link, 0, self.device))
-
-        started = time.monotonic()
-        tensors = await asyncio.to_thread(receive)
-        received = time.monotonic()
-        await asyncio.to_thread(self._load_tensors_sync, tensors, link.version, f"the broadcast from {link.host}")
-        log.info(
-            "broadcast of version %d: received in %.3f s, loaded in %.3f s",
-            link.version,
-            received - started,
-            time.monotonic() - received,
-        )
+    @property
+    def receiving_device(self) -> torch.device:
+        return self.device
 
     def check_fits(self, shapes: Mapping[str, tuple[int, ...]], source: object) -> None:
         """Raise `ValueError` if tensors of these names and shapes cannot be loaded into the model."""

@@ -21,10 +21,11 @@ request's `stop_token_ids`), kept in the tokens with `finish_reason="stop"`.
   under `keep`, a sample continues after `resume_adapter` as a new vLLM request (prompt + tokens so far, the
   remaining `max_tokens`) under the adapter's version of then. On CPU, `start` has every worker keep base-model rows
   out of the adapters' terms (`RolloutsWorkerExtension.rollouts_mask_base_lora_rows`).
-- `load_weights` reloads a safetensors checkpoint in place (`collective_rpc("reload_weights")`); `load_tensors`,
-  `load_broadcast` (`nccl://`, a rank in each worker process) and `load_ipc` (`ipc://`, the trainer's CUDA IPC handle
-  on their shared GPU) go through `RolloutsWorkerExtension` (vLLM's `worker_extension_cls`). Names and shapes are
-  checked first: a reload that fails half way leaves vLLM's model unusable. A load runs paused (`keep`) and drops the
+- `load_weights` reloads a safetensors checkpoint in place (`collective_rpc("reload_weights")`); `load_tensors` and
+  `load_handover` (a version each worker process opens where it is: a rank in an `nccl://` broadcast, the trainer's
+  CUDA IPC handle on their shared GPU for `ipc://`; the transport's to know which) go through
+  `RolloutsWorkerExtension` (vLLM's `worker_extension_cls`). Names and shapes are checked first (by the transport, for
+  a handover): a reload that fails half way leaves vLLM's model unusable. A load runs paused (`keep`) and drops the
   KV and prefix caches, so every token is of one version; after `pause("inflight")` running requests keep their KV
   blocks and go on over them under the new weights. A request's prefix-cache hashes are salted with the version it
   was submitted at (`cache_salt`): no request started later finds blocks another version computed.
@@ -88,8 +89,7 @@ from consumers.engines.model_files import (
 from consumers.engines.vllm_common import VLLM_FINISH_REASONS, vllm_spans
 from consumers.orphans import reap_on_death
 from pipeline.wire import PAUSE_MODES, FinishReason, PauseMode, Sampling
-from staleness.weights.ipc import SAME_GPU, Manifest, check_fits
-from staleness.weights.nccl import BroadcastLink
+from staleness.weights.handover import Handover, Placement
 
 log = logging.getLogger(__name__)
 
@@ -846,40 +846,30 @@ class VllmEngine(EngineLifecycle):
                 await self._load(version, "rollouts_load_safetensors_file", args=(path,))
         log.info("loaded weights version %d from %d tensors", version, len(tensors))
 
-    async def load_ipc(self, manifest: Manifest) -> None:
-        """Have vLLM's worker process open a version that a trainer on the same GPU hands over by CUDA IPC and reload
-        from it in place (`RolloutsWorkerExtension.rollouts_load_ipc`: no byte through the host). `ValueError` before
-        anything is opened on the CPU, over several GPUs, or for tensors the model does not take. A worker process on
-        another GPU than the trainer's refuses too, before it opens anything; vLLM passes that on as its own error,
-        with our line in it."""
-        if current_platform.is_cpu():
-            raise ValueError(f"{SAME_GPU}, but this vllm worker runs on the CPU: use nccl:// or fs://")
-        if self.weight_receivers > 1:
-            raise ValueError(
-                f"{SAME_GPU}, and hands over that one GPU's buffer, but this vllm worker holds its weights on "
-                f"{self.weight_receivers} GPUs (tensor or pipeline parallel): use nccl://, which reaches every one"
-            )
-        check_fits(self, manifest)
-        await self._load(manifest.version, "rollouts_load_ipc", args=(manifest.to_json(), manifest.version))
-        log.info("loaded weights version %d from the trainer's GPU memory (ipc://)", manifest.version)
+    @property
+    def placement(self) -> Placement:
+        """In vLLM's worker processes, one per GPU (on the CPU with vLLM's CPU build)."""
+        return Placement(self.name, "processes", on_cpu=current_platform.is_cpu())
 
     @property
     def weight_receivers(self) -> int:
-        """vLLM's worker processes, each of which takes a rank in an nccl broadcast."""
+        """vLLM's worker processes, each of which opens a handover (and takes a rank in an nccl broadcast)."""
         return int(self.args.get("tensor_parallel_size", 1)) * int(self.args.get("pipeline_parallel_size", 1))
 
-    async def prepare_broadcast(self, link: BroadcastLink) -> None:
-        """Have every vLLM worker process build (or find) its group of the broadcast on a thread of its own, so that
-        vLLM's steps go on meanwhile; `load_broadcast` waits for it."""
+    async def prepare_handover(self, handover: Handover) -> None:
+        """Have every vLLM worker process get ready to open the handover on a thread of its own (an nccl group built,
+        its receives posted), so that vLLM's steps go on meanwhile; `load_handover` waits for it."""
         llm = await self._started()
-        await llm.collective_rpc("rollouts_prepare_broadcast", args=(link.to_dict(),))
+        await llm.collective_rpc("rollouts_prepare_handover", args=(handover.to_dict(),))
 
-    async def load_broadcast(self, link: BroadcastLink) -> None:
-        """Receive an `nccl://` broadcast in every vLLM worker process (onto its GPU) and load it in place.
-
-        The names and shapes were checked when the worker joined (`join_broadcast` calls `check_fits`).
-        """
-        await self._load(link.version, "rollouts_receive_broadcast", args=(link.to_dict(),))
+    async def load_handover(self, handover: Handover) -> None:
+        """Have every vLLM worker process open the handover where it is (its GPU) and reload from it in place
+        (`RolloutsWorkerExtension.rollouts_load_handover`: a broadcast's rank, the trainer's GPU buffer; no byte through
+        this process). The transport checked, before anything was opened, that it can reach these processes and that
+        the model takes its tensors (`Transport.check_placement`); a worker process on another GPU than an ipc://
+        trainer's refuses before it opens anything, and vLLM passes that on as its own error, with our line in it."""
+        await self._load(handover.version, "rollouts_load_handover", args=(handover.to_dict(),))
+        log.info("loaded weights version %d from %s", handover.version, handover.source or f"{handover.scheme}://")
 
     async def _load(self, version: int, method: str, **rpc: Any) -> None:
         """Run a reload on every worker while paused (pausing with `keep` if not paused), then relabel. Paused with

@@ -1,7 +1,8 @@
 """The half of the `vllm` engine that runs inside vLLM's worker processes: `RolloutsWorkerExtension`, mixed into
 vLLM's worker class (`worker_extension_cls`, named by `vllm_engine.EXTENSION`). It loads weights sent as a
-safetensors blob, receives `nccl://` broadcasts, opens `ipc://` handovers, and masks base-model rows in vLLM's CPU
-LoRA ops. Kept apart from `vllm_engine` so that every vLLM worker process imports only this and what it needs."""
+safetensors blob or file, opens handovers where the weights live (an `nccl://` broadcast's rank, an `ipc://` GPU
+buffer: `staleness.weights.base.opened_handover`, by the handover's transport), and masks base-model rows in vLLM's
+CPU LoRA ops. Kept apart from `vllm_engine` so that every vLLM worker process imports only this and what it needs."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors.torch import load, load_file
 
-from staleness.weights.ipc import Manifest, opened
-from staleness.weights.nccl import BroadcastLink, prepare_receiver, receive_broadcast
+from staleness.weights.base import opened_handover, prepare_handover
+from staleness.weights.handover import Handover
 
 
 class RolloutsWorkerExtension:
@@ -32,8 +33,8 @@ class RolloutsWorkerExtension:
 
         def reload_weights(self, weights_iterator: Iterable[tuple[str, torch.Tensor]] | None = None) -> None: ...
 
-    _rollouts_prepared: Future[torch.distributed.ProcessGroup] | None
-    """The group of a broadcast being built on a thread of its own (`rollouts_prepare_broadcast`)."""
+    _rollouts_prepared: Future[None] | None
+    """A handover being prepared on a thread of its own (`rollouts_prepare_handover`: an nccl group built)."""
 
     _rollouts_layerwise: str | None
     """Why this process reloads through vLLM's layerwise `reload_weights` ("" until asked: `rollouts_load_path`)."""
@@ -76,13 +77,23 @@ class RolloutsWorkerExtension:
         self.rollouts_reload(iter(tensors.items()))
         return len(tensors)
 
-    def rollouts_load_ipc(self, manifest: str, version: int) -> int:
-        """Open version `version`, which a trainer on this GPU hands over by CUDA IPC (`staleness.weights.ipc`'s JSON
-        manifest), and reload from it in place: a device-to-device copy, waited for before this returns (the trainer
-        may free the buffer once the worker acks). `ValueError` if this process's GPU is not the trainer's."""
-        with opened(Manifest.from_json(manifest, "the manifest sent", version), self.device) as tensors:
-            self.rollouts_reload(iter(tensors.items()))
-            return len(tensors)
+    def rollouts_load_handover(self, handover: dict[str, Any]) -> int:
+        """Open a version handed over where this process's weights are (`staleness.weights.handover.Handover`, as
+        plain data: an nccl broadcast's rank, the trainer's GPU buffer by CUDA IPC) and reload from it in place; what
+        was opened is let go, the copies out of it waited for, before this returns (an ipc trainer may free its buffer
+        once the worker acks). Waits first for `rollouts_prepare_handover` if it ran. `ValueError` if this process
+        cannot open it (ipc: its GPU is not the trainer's)."""
+        prepared: Future[Any] | None = getattr(self, "_rollouts_prepared", None)
+        self._rollouts_prepared = None
+        if prepared is not None:
+            prepared.result()  # ready (or its error raised here)
+        with opened_handover(Handover.from_dict(handover), self.rank, self.device) as opened:
+            tensors = dict(opened)  # a broadcast is drained (every rank must), a buffer viewed
+            try:
+                self.rollouts_reload(iter(tensors.items()))
+                return len(tensors)
+            finally:
+                tensors.clear()  # nothing of the handover held once it is let go
 
     def rollouts_mask_base_lora_rows(self) -> int:
         """Make vLLM's CPU LoRA ops leave base-model rows alone in a batch with adapter rows (vLLM 0.32).
@@ -101,25 +112,14 @@ class RolloutsWorkerExtension:
             punica_cpu.bgmv_shrink = masked  # imported by name there
         return 1
 
-    def rollouts_prepare_broadcast(self, link: dict[str, Any]) -> int:
-        """Build this process's group of the broadcast on a thread, and return at once (vLLM's steps go on)."""
-        pool = ThreadPoolExecutor(1, thread_name_prefix="rollouts-broadcast")
+    def rollouts_prepare_handover(self, handover: dict[str, Any]) -> int:
+        """Get ready to open a handover on a thread (an nccl group built, its receives posted), and return at once
+        (vLLM's steps go on)."""
+        pool = ThreadPoolExecutor(1, thread_name_prefix="rollouts-handover")
         rank, device = self.rank, self.device
-        self._rollouts_prepared = pool.submit(prepare_receiver, BroadcastLink.from_dict(link), rank, device)
+        self._rollouts_prepared = pool.submit(prepare_handover, Handover.from_dict(handover), rank, device)
         pool.shutdown(wait=False)
         return 0
-
-    def rollouts_receive_broadcast(self, link: dict[str, Any]) -> int:
-        """Take this process's rank in the trainer's broadcast (`staleness.weights.nccl`) and load what arrives."""
-        prepared: Future[Any] | None = getattr(self, "_rollouts_prepared", None)
-        self._rollouts_prepared = None
-        if prepared is not None:
-            prepared.result()  # the group is built (or its error raised here)
-        rank = self.rank
-        device = self.device
-        tensors = dict(receive_broadcast(BroadcastLink.from_dict(link), rank, device))
-        self.rollouts_reload(iter(tensors.items()))
-        return len(tensors)
 
 
 NO_OP_METHODS = frozenset({"UnquantizedLinearMethod", "UnquantizedEmbeddingMethod"})

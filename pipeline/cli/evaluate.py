@@ -172,7 +172,7 @@ async def _load(engine: Engine, redis_url: str, ns: str, checkpoint: Path | None
     """Load the version to evaluate into `engine`: the checkpoint (no version), or the namespace's current version
     from its store, read again if a sync replaced that version while it was being fetched."""
     from staleness.state import read_state
-    from staleness.weights import is_stored, load_version
+    from staleness.weights import load_version, transport_of
 
     if checkpoint is not None:
         await engine.load_weights(str(checkpoint), 0)
@@ -182,7 +182,7 @@ async def _load(engine: Engine, redis_url: str, ns: str, checkpoint: Path | None
         state = await asyncio.to_thread(read_state, streams.redis, streams.keys)
         if state.version == 0 or not state.weights_uri:
             return 0, "base"
-        if not is_stored(state.weights_uri):
+        if not transport_of(state.weights_uri).stores:
             raise ValueError(
                 f"version {state.version} was sent by {state.weights_uri}, which stores nothing to load: evaluate a "
                 "checkpoint (--checkpoint DIR) or publish by fs:// or redis://"

@@ -1,5 +1,6 @@
 """`fs://DIR`: one directory per version on storage every machine mounts at the same path, made visible by one
-`rename` (`FsTransport`), and a stored version's directory as a worker finds it (`version_dir`).
+`rename` (`FsTransport`, both sides: the trainer writes it, a worker reloads its files), and a stored version's
+directory as a worker finds it (`version_dir`).
 
 A version is Hugging Face's checkpoint layout, so that vLLM, transformers and our engines load it as it is: one
 `model.safetensors`, or, when it is bigger than a shard (`shard_bytes`, the transport's bucket), shards
@@ -17,23 +18,30 @@ import time
 import uuid
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from pipeline.files import fsync_path
 from staleness.weights.base import (
     ADAPTER_CONFIG,
+    ADAPTERS_DIR,
     VERSION_DIR,
+    Fetched,
+    Opening,
     PublishStats,
-    Scheme,
+    Transport,
     WeightSource,
+    WeightsUri,
     check_version,
     named_tensors,
     parse_uri,
     release_older,
 )
 from staleness.weights.buckets import raw_bytes
+
+if TYPE_CHECKING:
+    import redis
 
 WEIGHTS_FILE = "model.safetensors"
 ADAPTER_FILE = "adapter_model.safetensors"
@@ -52,15 +60,16 @@ _ST_DTYPES = {
 """safetensors' dtype names."""
 
 
-class FsTransport:
+class FsTransport(Transport):
     """`fs://DIR`: a directory per version, `DIR/v{n}/model.safetensors` (or its shards), made visible by one `rename`.
 
     For clusters with shared storage: DIR must be mounted at the same path on the trainer and every
     worker (the uri carries the absolute path). A reader never sees a half-written version: the files are
-    written and fsynced in `DIR/.partial-v{n}-*`, which is then renamed to `DIR/v{n}`.
+    written and fsynced in `DIR/.partial-v{n}-*`, which is then renamed to `DIR/v{n}`. Stored: a worker reloads the
+    directory's files (`engine.load_weights`) after it paused, or whenever it starts.
     """
 
-    scheme: Scheme = "fs"
+    scheme = "fs"
 
     def __init__(self, root: str | os.PathLike[str], *, shard_bytes: int = DEFAULT_SHARD_BYTES) -> None:
         if shard_bytes < 1:
@@ -72,6 +81,36 @@ class FsTransport:
     @classmethod
     def from_uri(cls, uri: str) -> FsTransport:
         return cls(parse_uri(uri).location)
+
+    @classmethod
+    def parse(cls, uri: str, rest: str) -> WeightsUri:
+        """`fs://` + a directory (absolute: `fs:///shared/ckpt`), a version's when its last part is `v{n}`."""
+        if not rest:
+            raise ValueError(f"weights uri {uri!r} names no directory (fs:///path/to/dir)")
+        path = rest.rstrip("/") or "/"
+        match = VERSION_DIR.fullmatch(Path(path).name)
+        return WeightsUri("fs", path, int(match.group(1)) if match else None)
+
+    @classmethod
+    def format_uri(cls, uri: WeightsUri) -> str:
+        return f"fs://{uri.location}"
+
+    @classmethod
+    def open(cls, spec: str, parsed: WeightsUri, opening: Opening) -> FsTransport:
+        """`DIR`, or with an adapter `DIR/adapters/NAME`; `bucket_bytes` is the shard size."""
+        root = Path(parsed.location)
+        shards = {} if opening.bucket_bytes is None else {"shard_bytes": opening.bucket_bytes}
+        return cls(root if opening.adapter is None else root / ADAPTERS_DIR / opening.adapter, **shards)
+
+    @classmethod
+    def remove_published(cls, parsed: WeightsUri, redis_client: redis.Redis | None, ns: str | None) -> bool:
+        assert parsed.version is not None
+        return cls(Path(parsed.location).parent).remove(parsed.version)
+
+    @classmethod
+    def fetch_stored(cls, uri: WeightsUri, version: int, redis_client: redis.Redis | None) -> Fetched:
+        """The version's directory, for `engine.load_weights` (`FileNotFoundError` if it is not there)."""
+        return version_dir(Path(uri.location), version)
 
     def path_of(self, version: int) -> Path:
         return self.root / f"v{check_version(version)}"

@@ -7,7 +7,7 @@ and stores a small JSON manifest in Redis, `{ns}:weights:ipc:{v}`: the handle's 
 the GPU's UUID, the trainer's host and pid, and `[name, dtype, shape, offset]` per tensor. The uri is
 `ipc://NS/v{n}`, and the sync protocol is the same as for the other transports: the worker reads the manifest,
 checks that its engine runs on that very GPU, opens the handle (`rebuild_cuda_tensor`), copies device to device
-into its weights (`engine.load_tensors`), waits for the copy, drops the mapping and acks.
+into its weights, waits for the copy, drops the mapping and acks.
 
 Who frees the buffer: the trainer, through the protocol, not torch's cross-process reference count. That count
 pairs one export with one consumer's release; here one export serves every worker, and workers that start
@@ -18,11 +18,13 @@ but the version it just synced), so the current version stays open for workers t
 live in this process (`_HELD`: `publish_weights` opens a transport per call), and a version lives only as long
 as the trainer process that published it.
 
-The engine opens the version where its weights live (`Engine.load_ipc`): the torch engine in the worker's process
-(`load_in_process`), vLLM in each of its worker processes (`RolloutsWorkerExtension.rollouts_load_ipc`, on the same
-`opened`), each checking first that it runs on the trainer's GPU. Where it cannot work it says so: a worker on
-another GPU or host, on the CPU, or in a process of its own, and vLLM on the CPU or over several GPUs.
-No pickle: handles go as base64 strings in JSON, to vLLM's processes too.
+The engine opens the version where its weights live, handed the manifest as a `Handover` (`Engine.load_handover`,
+which opens it through `IpcTransport.open_handover`, that is `opened`): the torch engine in the worker's process,
+vLLM in each of its worker processes (`RolloutsWorkerExtension.rollouts_load_handover`), each process checking first
+that it runs on the trainer's GPU. Where it cannot work the transport says so before anything is opened
+(`IpcTransport.check_placement`, from the engine's `Placement`): a worker on another GPU or host, on the CPU, in a
+process of its own or behind a server, and vLLM on the CPU or over several GPUs. No pickle: handles go as base64
+strings in JSON, to vLLM's processes too.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import socket
 import sys
 import time
 from collections.abc import Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,17 +46,20 @@ import torch
 
 from pipeline.wire import Keys
 from staleness.weights.base import (
-    LoadsWeights,
+    Fetched,
+    Opening,
     PublishStats,
-    Scheme,
+    Receiving,
+    Transport,
     WeightSource,
     WeightsUri,
+    adapter_schemes,
     check_version,
     named_tensors,
-    parse_uri,
     release_older,
 )
 from staleness.weights.buckets import ALIGN, TensorMeta, dtype_from_name, dtype_name, plan_buckets
+from staleness.weights.handover import Handover, LoadsWeights
 
 MANIFEST_V = 1
 FORMAT = "cuda-ipc"
@@ -142,30 +147,38 @@ class Manifest:
     tensors: list[tuple[TensorMeta, int]]
     """Each tensor and its byte offset in the buffer (-1: empty, not in the buffer)."""
 
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "v": MANIFEST_V,
+            "format": FORMAT,
+            "version": self.version,
+            "gpu": self.gpu,
+            "host": self.host,
+            "pid": self.pid,
+            "bytes": self.handle.size,
+            "handle": self.handle.to_json(),
+            "tensors": [[m.name, m.dtype, list(m.shape), offset] for m, offset in self.tensors],
+            "ts": time.time(),
+        }
+
     def to_json(self) -> str:
-        return json.dumps(
-            {
-                "v": MANIFEST_V,
-                "format": FORMAT,
-                "version": self.version,
-                "gpu": self.gpu,
-                "host": self.host,
-                "pid": self.pid,
-                "bytes": self.handle.size,
-                "handle": self.handle.to_json(),
-                "tensors": [[m.name, m.dtype, list(m.shape), offset] for m, offset in self.tensors],
-                "ts": time.time(),
-            },
-            separators=(",", ":"),
-        )
+        return json.dumps(self.to_dict(), separators=(",", ":"))
 
     @classmethod
     def from_json(cls, raw: bytes | str, key: str, version: int) -> Manifest:
         """Parse and check a manifest; `ValueError` says what is wrong with it (and which key it came from)."""
         try:
             data = json.loads(raw)
-            if not isinstance(data, dict):
-                raise ValueError(f"not a JSON object: {str(raw)[:100]!r}")
+        except ValueError as exc:  # json.JSONDecodeError
+            raise ValueError(f"ipc manifest {key} is malformed: {exc}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"ipc manifest {key} is malformed: not a JSON object: {str(raw)[:100]!r}")
+        return cls.from_dict(data, key, version)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], key: str, version: int) -> Manifest:
+        """Check a manifest's fields (`from_json`, or a `Handover`'s data); `ValueError` says what is wrong."""
+        try:
             if data.get("v") != MANIFEST_V or data.get("format") != FORMAT:
                 raise ValueError(
                     f"v={data.get('v')!r}, format={data.get('format')!r}; this reader knows v={MANIFEST_V}, "
@@ -183,7 +196,7 @@ class Manifest:
                 handle=Handle.from_json(data.get("handle")),
                 tensors=[_tensor_entry(entry) for entry in data.get("tensors", ())],
             )
-        except ValueError as exc:  # json.JSONDecodeError too
+        except ValueError as exc:
             raise ValueError(f"ipc manifest {key} is malformed: {exc}") from None
 
 
@@ -271,10 +284,13 @@ def gpu_uuid(device: torch.device) -> str:
     return str(torch.cuda.get_device_properties(device).uuid)
 
 
-class IpcTransport:
-    """`ipc://NS`: the trainer's side. Versions are this process's exports, each with its manifest in Redis."""
+class IpcTransport(Transport):
+    """`ipc://NS`: versions are this process's exports, each with its manifest in Redis (the trainer's side); a worker
+    has its engine open one where its weights live and copy from it (`load_stored`). Stored while the trainer that
+    exported it lives; no adapters."""
 
-    scheme: Scheme = "ipc"
+    scheme = "ipc"
+    carries_adapters = False
 
     def __init__(self, client: redis.Redis, ns: str) -> None:
         self.client = client
@@ -284,6 +300,10 @@ class IpcTransport:
     @property
     def ns(self) -> str:
         return self.keys.ns
+
+    @classmethod
+    def open(cls, spec: str, parsed: WeightsUri, opening: Opening) -> IpcTransport:
+        return cls(*opening.namespace(spec, parsed))
 
     def uri_of(self, version: int) -> str:
         return str(WeightsUri("ipc", self.ns, check_version(version)))
@@ -304,7 +324,7 @@ class IpcTransport:
         A manifest left by a trainer process that is gone is replaced: its handles opened nothing any more."""
         version = check_version(version)
         if adapter_config is not None:
-            raise ValueError("LoRA adapters travel by fs://, redis:// or nccl://, not ipc://")
+            raise ValueError(f"LoRA adapters travel by {adapter_schemes()}, not ipc://")
         if (self.ns, version) in _HELD:
             raise FileExistsError(f"weights version {version} is exported by this process already: remove it first")
         started = time.monotonic()
@@ -346,6 +366,41 @@ class IpcTransport:
     def release(self, keep: Iterable[int]) -> list[int]:
         return release_older(self, keep)
 
+    # -- the worker's side
+
+    @classmethod
+    def fetch_stored(cls, uri: WeightsUri, version: int, redis_client: redis.Redis | None) -> Fetched:
+        raise ValueError(f"weights {uri}: ipc versions are opened on the worker's GPU by its engine (load_version)")
+
+    @classmethod
+    async def load_stored(cls, engine: LoadsWeights, uri: WeightsUri, version: int, receiving: Receiving) -> None:
+        """Read the version's manifest and have the engine open and load it where its weights live
+        (`engine.load_handover`: in the worker's process, or in the engine's own processes, vLLM's).
+        `FileNotFoundError`: no such version; `ValueError` before anything is opened: a bad manifest, an engine that
+        cannot reach the trainer's GPU (saying what to use instead), or tensors the model does not take."""
+        if receiving.redis_client is None:
+            raise ValueError(f"loading {uri} needs the worker's Redis client")
+        manifest = await asyncio.to_thread(read_manifest, receiving.redis_client, uri.location, check_version(version))
+        source = f"the GPU memory of the trainer {manifest.host}:{manifest.pid} (ipc://)"
+        handover = Handover(cls.scheme, manifest.version, manifest.to_dict(), source)
+        cls.check_placement(engine, handover)
+        await engine.load_handover(handover)
+
+    @classmethod
+    def check_placement(cls, engine: LoadsWeights, handover: Handover) -> None:
+        """One GPU's buffer, opened where the weights live: refused (`ipc_device`) for an engine on the CPU, on no GPU,
+        in a process of its own, over several GPUs or behind a server; then for tensors its model does not take."""
+        ipc_device(engine)
+        check_fits(engine, _manifest_of(handover))
+
+    @classmethod
+    def open_handover(
+        cls, handover: Handover, rank: int, device: torch.device
+    ) -> AbstractContextManager[Iterable[tuple[str, torch.Tensor]]]:
+        """Views of the trainer's buffer on `device`, after the same-GPU check (`opened`); on leaving, the copies out
+        of them are waited for and the views dropped."""
+        return _items(opened(_manifest_of(handover), _indexed(device)))
+
 
 def held_bytes() -> int:
     """GPU bytes this process holds for workers to open (every namespace): what `ipc://` costs the trainer."""
@@ -355,21 +410,44 @@ def held_bytes() -> int:
 # -- the worker's side ---------------------------------------------------------------------------
 
 
-def ipc_device(engine: object) -> torch.device:
-    """The GPU whose memory an in-process engine's weights live in, or `ValueError` saying why ipc:// cannot reach
-    them."""
-    name = getattr(engine, "name", type(engine).__name__)
-    if not getattr(engine, "in_process", True):
+def ipc_device(engine: LoadsWeights) -> torch.device | None:
+    """The GPU whose memory an engine's weights live in when they live in the worker's process (None: in the engine's
+    own processes, which check their GPU themselves), or `ValueError` saying why ipc:// cannot reach them."""
+    placement = engine.placement
+    name = placement.engine
+    if placement.where == "server":
+        raise ValueError(NO_IPC)
+    if placement.where == "apart":
         raise ValueError(
             f"{SAME_GPU}, and it opens that buffer in the worker's process, but this {name} worker's engine runs "
             "in a process of its own (--engine-process): use nccl:// or fs://"
         )
-    device = getattr(engine, "device", None)
-    if not isinstance(device, torch.device) or device.type != "cuda":
+    if placement.where == "processes":
+        if placement.on_cpu:
+            raise ValueError(f"{SAME_GPU}, but this {name} worker runs on the CPU: use nccl:// or fs://")
+        if engine.weight_receivers > 1:
+            raise ValueError(
+                f"{SAME_GPU}, and hands over that one GPU's buffer, but this {name} worker holds its weights on "
+                f"{engine.weight_receivers} GPUs (tensor or pipeline parallel): use nccl://, which reaches every one"
+            )
+        return None
+    device = None if placement.device is None else torch.device(placement.device)
+    if device is None or device.type != "cuda":
         raise ValueError(f"{SAME_GPU}, but this {name} worker runs on {device or 'no GPU'}: use nccl:// or fs://")
     if not torch.cuda.is_available():
         raise ValueError(f"{SAME_GPU}, but this worker's torch sees no GPU: use nccl:// or fs://")
+    return _indexed(device)
+
+
+def _indexed(device: torch.device) -> torch.device:
     return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+
+NO_IPC = (
+    "ipc:// needs the trainer and the worker on the same GPU, and opens that buffer where the weights live, but a "
+    "remote engine's weights live in a server this worker reaches over HTTP: publish with fs:// (a directory the "
+    "server sees) or redis://"
+)
 
 
 def read_manifest(client: redis.Redis, ns: str, version: int) -> Manifest:
@@ -427,36 +505,17 @@ def opened(manifest: Manifest, device: torch.device) -> Iterator[dict[str, torch
         tensors.clear()
 
 
-async def load_in_process(engine: LoadsWeights, manifest: Manifest) -> None:
-    """`Engine.load_ipc` of an engine whose weights live in the worker's own process (torch): open the version on
-    the engine's GPU and load it with a device-to-device copy (`engine.load_tensors`). `ValueError` before anything
-    is opened: first for an engine that runs on the CPU, on no GPU or in a process of its own, then for tensors its
-    model does not take (`check_fits`)."""
-    device = ipc_device(engine)
-    check_fits(engine, manifest)
-    handover = opened(manifest, device)
-    tensors = await asyncio.to_thread(handover.__enter__)  # the CUDA calls off the event loop, as the wait below
-    try:
-        await engine.load_tensors(tensors, manifest.version)
-    finally:
-        await asyncio.to_thread(handover.__exit__, None, None, None)
+def _manifest_of(handover: Handover) -> Manifest:
+    return Manifest.from_dict(handover.data, "handed over", handover.version)
 
 
-async def load_ipc(engine: LoadsWeights, uri: str, version: int, redis_client: redis.Redis | None) -> None:
-    """Read version `version` of `ipc://NS/v{n}`'s manifest and have the engine open and load it (`engine.load_ipc`:
-    in the worker's process, or in the engine's own processes, vLLM's). `FileNotFoundError`: no such version;
-    `ValueError`: a bad uri or manifest, an engine that cannot reach the trainer's GPU (saying what to use instead),
-    or tensors the model does not take."""
-    parsed = parse_uri(uri)
-    version = check_version(version)
-    if parsed.version is not None and parsed.version != version:
-        raise ValueError(f"weights uri {uri!r} names version {parsed.version}, not {version}")
-    if redis_client is None:
-        raise ValueError(f"loading {uri} needs the worker's Redis client")
-    manifest = await asyncio.to_thread(read_manifest, redis_client, parsed.location, version)
-    await engine.load_ipc(manifest)
+@contextmanager
+def _items(opening: AbstractContextManager[dict[str, torch.Tensor]]) -> Iterator[Iterable[tuple[str, torch.Tensor]]]:
+    with opening as tensors:
+        yield tensors.items()
 
 
 def check_fits(engine: LoadsWeights, manifest: Manifest) -> None:
-    """`engine.check_fits` for the tensors the manifest names (what an engine's `load_ipc` calls before it opens)."""
+    """`engine.check_fits` for the tensors the manifest names (`IpcTransport.check_placement`, before anything is
+    opened)."""
     engine.check_fits({m.name: m.shape for m, _ in manifest.tensors}, f"ipc:// version {manifest.version}")

@@ -42,13 +42,15 @@ can load the adapter later on demand. Give adapters a port of their own: a group
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Any, cast
@@ -56,7 +58,18 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
-from staleness.weights.base import PublishStats, Scheme, WeightSource, check_version, named_tensors, parse_uri
+from staleness.weights.base import (
+    Opening,
+    PublishStats,
+    Receiving,
+    Transport,
+    WeightSource,
+    WeightsUri,
+    check_version,
+    named_tensors,
+    parse_uri,
+    uri_version,
+)
 from staleness.weights.buckets import (
     ALIGN,
     COPY_FROM,
@@ -71,6 +84,7 @@ from staleness.weights.buckets import (
     raw_bytes,
     tensor_view,
 )
+from staleness.weights.handover import Handover, LoadsWeights
 
 META_V = 4
 """2 -> 3: receivers post a ready barrier (a one-element all-reduce) before the buckets. 3 -> 4: over NCCL a bucket
@@ -281,16 +295,21 @@ def drop_groups() -> None:
 # -- the trainer's side --------------------------------------------------------------------------
 
 
-class NcclTransport:
-    """`nccl://HOST:PORT`: `publish` stages a version, `broadcast` sends it during the manager's sync.
+class NcclTransport(Transport):
+    """`nccl://HOST:PORT`: `publish` stages a version, `broadcast` sends it during the manager's sync (`push`).
 
     HOST:PORT is where the workers reach this process (the rendezvous store listens on PORT). Tensors
     on a GPU go over NCCL; CPU tensors over gloo. Keep the module unchanged until the sync returns:
     tensors on a GPU are not copied. The group of one sync is kept for the next while its members
     stay the same (per PORT, in this process: `publish_weights` opens a transport per call).
+
+    Pushed, not stored: a worker joins the broadcast before it pauses (`join`: its engine's receivers find or build
+    their group and post their receives) and receives paused; one that missed it awaits the next sync.
     """
 
-    scheme: Scheme = "nccl"
+    scheme = "nccl"
+    stores = False
+    pushes = True
 
     def __init__(
         self, host: str, port: int, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = 60.0
@@ -311,6 +330,23 @@ class NcclTransport:
     def from_uri(cls, uri: str, **kwargs: Any) -> NcclTransport:
         host, _, port = parse_uri(uri).location.rpartition(":")
         return cls(host, int(port), **kwargs)
+
+    @classmethod
+    def parse(cls, uri: str, rest: str) -> WeightsUri:
+        """`nccl://HOST:PORT` (the trainer's rendezvous), `nccl://HOST:PORT/v{n}` for a version."""
+        location, _, tail = rest.partition("/")
+        version = uri_version(uri, "nccl", location, tail.strip("/"))
+        host, colon, port = location.rpartition(":")
+        if not colon or not host or not port.isdigit():
+            raise ValueError(f"weights uri {uri!r}: expected nccl://HOST:PORT")
+        return WeightsUri("nccl", location, version)
+
+    @classmethod
+    def open(cls, spec: str, parsed: WeightsUri, opening: Opening) -> NcclTransport:
+        """This process hosts the rendezvous on PORT, waiting up to `join_timeout_s` for the workers to join a sync;
+        `bucket_bytes` is a broadcast's size (at least `ALIGN`)."""
+        buckets = {} if opening.bucket_bytes is None else {"bucket_bytes": max(opening.bucket_bytes, ALIGN)}
+        return cls.from_uri(spec, timeout_s=opening.join_timeout_s, **buckets)
 
     def uri_of(self, version: int) -> str:
         return f"nccl://{self.host}:{self.port}/v{check_version(version)}"
@@ -506,6 +542,14 @@ class NcclTransport:
                 work.wait()
         return outgoing.nbytes
 
+    def push(self, epoch: int, workers: int) -> BroadcastStats:
+        """The manager's transfer step: `broadcast`."""
+        return self.broadcast(epoch, workers)
+
+    @property
+    def last_push(self) -> BroadcastStats | None:
+        return self.last
+
     def versions(self) -> list[int]:
         return []  # nothing is stored: a version lives only while it is broadcast
 
@@ -514,6 +558,120 @@ class NcclTransport:
 
     def release(self, keep: Any) -> list[int]:
         return []
+
+    # -- the worker's side
+
+    @classmethod
+    async def join(cls, engine: LoadsWeights, uri: WeightsUri, version: int, receiving: Receiving) -> _Joined:
+        """Join sync `receiving.epoch`'s broadcast as `receiving.member` with the engine's receivers (the worker's name;
+        the group is kept across syncs while its members stay), and have them find or build their group and post
+        their receives (`engine.prepare_handover`), while generation goes on; `load` receives, paused. An engine that
+        cannot take a rank (`check_placement`) or whose model does not take the tensors declines, so that nobody waits
+        for it. A failure after the join forgets the group (the trainer's next sync must not count on a group this
+        worker may not hold)."""
+        epoch = _epoch_of(uri, receiving)
+
+        def check(shapes: dict[str, tuple[int, ...]], source: str) -> None:
+            cls.check_placement(engine, Handover(cls.scheme, version))
+            engine.check_fits(shapes, source)
+
+        link = await asyncio.to_thread(
+            join_broadcast, str(uri), epoch, version, engine.weight_receivers, receiving.timeout_s, check,
+            receiving.member,
+        )  # fmt: skip
+        joined = _Joined(link)
+        try:
+            await engine.prepare_handover(joined.handover)
+        except BaseException:
+            link.forget()
+            raise
+        return joined
+
+    @classmethod
+    async def join_here(cls, uri: WeightsUri, version: int, receiving: Receiving) -> _Joined:
+        """Join sync `receiving.epoch`'s broadcast as one rank of this process (an adapter's, or a version sent while
+        the worker has no engine), and post its receives, while generation goes on."""
+        epoch = _epoch_of(uri, receiving)
+        link = await asyncio.to_thread(
+            join_broadcast, str(uri), epoch, version, 1, receiving.timeout_s, None, receiving.member
+        )
+        try:
+            await asyncio.to_thread(prepare_receiver, link, 0, "cuda")  # gloo receives on the CPU whatever is asked
+        except BaseException:
+            link.forget()
+            raise
+        return _Joined(link)
+
+    @classmethod
+    def leave(cls, uri: str, member: str) -> None:
+        forget_group(uri, member)
+
+    @classmethod
+    def check_placement(cls, engine: LoadsWeights, handover: Handover) -> None:
+        """A rank in each process that holds the weights: anywhere but in a server reached over HTTP."""
+        if engine.placement.where == "server":
+            raise ValueError(NO_BROADCAST)
+
+    @classmethod
+    def prepare_handover(cls, handover: Handover, rank: int, device: torch.device) -> None:
+        """Find or build receiver `rank`'s group and post its receives (`prepare_receiver`)."""
+        prepare_receiver(BroadcastLink.from_dict(handover.data), rank, device)
+
+    @classmethod
+    def open_handover(
+        cls, handover: Handover, rank: int, device: torch.device
+    ) -> AbstractContextManager[Iterable[tuple[str, torch.Tensor]]]:
+        """The tensors as receiver `rank` takes them (`receive_broadcast`): every rank must drain them."""
+        return contextlib.nullcontext(receive_broadcast(BroadcastLink.from_dict(handover.data), rank, device))
+
+
+NO_BROADCAST = (
+    "the remote engine loads weights by path, from fs:// or redis:// syncs; an nccl:// broadcast would need a rank in "
+    "each of the server's worker processes (vLLM's own NCCL weight transfer, not wired here): publish with fs:// "
+    "(a directory the server sees) or redis://"
+)
+
+
+def _epoch_of(uri: WeightsUri, receiving: Receiving) -> int:
+    if receiving.epoch is None:
+        raise ValueError(f"weights {uri}: an nccl version is received during its sync: give its epoch")
+    return receiving.epoch
+
+
+@dataclass(frozen=True)
+class _Joined:
+    """A broadcast joined before the pause: the engine's receivers (`load`), or one rank of this process (`receive`)."""
+
+    link: BroadcastLink
+
+    @property
+    def handover(self) -> Handover:
+        """The broadcast as the engine's receiving processes open it: its link."""
+        link = self.link
+        return Handover("nccl", link.version, link.to_dict(), f"the broadcast from {link.host}:{link.port}")
+
+    async def load(self, engine: LoadsWeights) -> None:
+        """Receive and load it into the engine (paused meanwhile, or not: its choice)."""
+        try:
+            await engine.load_handover(self.handover)
+        except BaseException:
+            self.link.forget()  # the receivers may have lost the group: the next sync builds anew
+            raise
+
+    async def receive(self) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
+        """CPU copies of the tensors (kept to load later) and the adapter config of the meta, if any."""
+        link = self.link
+
+        def receive() -> dict[str, torch.Tensor]:
+            return {name: tensor.to("cpu", copy=True) for name, tensor in receive_broadcast(link, 0, "cuda")}
+
+        try:
+            tensors = await asyncio.to_thread(receive)
+        except BaseException:
+            link.forget()
+            raise
+        config = json.loads(link.meta).get("adapter_config")
+        return tensors, config if isinstance(config, dict) else None
 
 
 # -- the worker's side ---------------------------------------------------------------------------

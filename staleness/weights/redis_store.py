@@ -1,6 +1,6 @@
 """`redis://NS`: a version as raw tensor bytes in chunks under `{NS}:weights:{n}:{i}`, a JSON manifest written last,
-and an index written first (`RedisTransport`): for one machine and small models, through the Redis every worker
-already talks to.
+and an index written first (`RedisTransport`, both sides: the trainer writes the chunks, a worker reads them into one
+buffer before it pauses): for one machine and small models, through the Redis every worker already talks to.
 
 Layout (manifest `v: 2`, `format: "raw"`): the tensors' bytes one after another, each starting at a multiple of 16
 (`buckets.ALIGN`; zeros between), cut into chunks of `chunk_bytes`; the manifest lists `[name, dtype, shape, offset]`
@@ -31,8 +31,10 @@ from safetensors.torch import load as load_blob
 
 from pipeline.wire import ADAPTER_PATTERN, Keys
 from staleness.weights.base import (
+    Fetched,
+    Opening,
     PublishStats,
-    Scheme,
+    Transport,
     WeightSource,
     WeightsUri,
     check_version,
@@ -52,7 +54,7 @@ READABLE = {1: "safetensors", 2: "raw"}
 """Manifest versions this reader knows, and the format of each."""
 
 
-class RedisTransport:
+class RedisTransport(Transport):
     """`redis://`: a version's tensors as raw bytes in chunks under `{ns}:weights:{v}:{i}`, then a manifest.
 
     For one machine and small models (the embedded default): the bytes go through the Redis every worker
@@ -63,9 +65,13 @@ class RedisTransport:
     Host memory while publishing: the one chunk being filled, `chunk_bytes` (the bucket; `last_publish` counts it;
     sent from its own memory, see `_zero_copy_client`), plus whatever the source holds (nothing more than the tensor
     it is on, for a generator).
+
+    Stored, and fetched ahead: a worker reads and checks a version (`fetch`) while it still generates, and, paused,
+    only copies it into its model (`engine.load_tensors`).
     """
 
-    scheme: Scheme = "redis"
+    scheme = "redis"
+    fetches_ahead = True
 
     def __init__(
         self,
@@ -91,6 +97,40 @@ class RedisTransport:
     @property
     def ns(self) -> str:
         return self.keys.ns
+
+    @classmethod
+    def open(cls, spec: str, parsed: WeightsUri, opening: Opening) -> RedisTransport:
+        """The pipeline's namespace (or the uri's: they must agree); `bucket_bytes` is the chunk size."""
+        client, ns = opening.namespace(spec, parsed)
+        chunk_bytes = opening.bucket_bytes if opening.bucket_bytes is not None else opening.chunk_bytes
+        if chunk_bytes is None:
+            chunk_bytes = DEFAULT_CHUNK_BYTES
+        return cls(client, ns, chunk_bytes=chunk_bytes, adapter=opening.adapter or parsed.adapter)
+
+    @classmethod
+    def fetch_stored(cls, uri: WeightsUri, version: int, redis_client: redis.Redis | None) -> Fetched:
+        """The version's tensors, read through the worker's own connection and checked (`fetch`)."""
+        return cls._reader(uri, redis_client).fetch(version)
+
+    @classmethod
+    def fetch_adapter(
+        cls, uri: WeightsUri, version: int, redis_client: redis.Redis | None
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The adapter's tensors, and its config from the manifest."""
+        reader = cls._reader(uri, redis_client)
+        tensors = reader.fetch(version)
+        config = reader.manifest(version).get("config")
+        if not isinstance(config, dict):
+            raise ValueError(f"adapter {uri}: no adapter config (r, lora_alpha, target_modules) stored with it")
+        return tensors, config
+
+    @classmethod
+    def _reader(cls, uri: WeightsUri, redis_client: redis.Redis | None) -> RedisTransport:
+        if uri.version is None:
+            raise ValueError(f"weights uri {str(uri)!r} names no version (redis://NS/v<version>)")
+        if redis_client is None:
+            raise ValueError(f"loading {uri} needs the worker's Redis client")
+        return cls(redis_client, uri.location, adapter=uri.adapter)
 
     def uri_of(self, version: int) -> str:
         return str(WeightsUri("redis", self.ns, check_version(version), self.adapter))

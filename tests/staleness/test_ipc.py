@@ -329,7 +329,7 @@ def test_a_handle_opens_in_another_process_on_the_same_gpu(tmp_path: Path) -> No
 def test_a_vllm_worker_on_the_trainers_gpu_reloads_from_the_trainers_memory(
     redis_server: RedisServer, ns: str, tiny_model_dir: Path, tiny_model_dir_v1: Path, workers: StartWorker
 ) -> None:
-    """vLLM's worker process opens the handle (`rollouts_load_ipc`) and loads from it, straight into the model's
+    """vLLM's worker process opens the handle (`rollouts_load_handover`) and loads from it, straight into the model's
     parameters: its logprobs are v1's forward pass (to vLLM's CUDA kernels' precision, far closer than to v0's), and
     the trainer frees v1 once it moved on."""
     client = RolloutClient(redis_server.url, ns)
