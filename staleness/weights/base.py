@@ -109,9 +109,10 @@ def register_transport(transport: type[Transport] | str, scheme: str | None = No
         if scheme is None or ":" not in transport:
             raise ValueError(f"register a transport by path as ('module:Class', scheme), got {transport!r}, {scheme!r}")
     else:
-        scheme = scheme or getattr(transport, "scheme", None)
-        if not isinstance(scheme, str):
-            raise ValueError(f"{transport.__name__} names no scheme: set its `scheme` class attribute")
+        own = getattr(transport, "scheme", None)
+        if not isinstance(own, str) or scheme not in (None, own):
+            raise ValueError(f"{transport.__name__} registers under its `scheme` class attribute, got {own!r}")
+        scheme = own
     if not re.fullmatch(r"[a-z][a-z0-9+.-]*", scheme):
         raise ValueError(f"a transport's scheme is lower-case letters, digits, '+', '.' or '-', got {scheme!r}")
     held = _REGISTRY.get(scheme)
@@ -126,8 +127,8 @@ def transport_class(scheme: str) -> type[Transport]:
     if isinstance(held, str):
         module, _, name = held.partition(":")
         loaded = getattr(importlib.import_module(module), name)
-        if not (isinstance(loaded, type) and issubclass(loaded, Transport)):
-            raise TypeError(f"{held} is not a Transport")
+        if not (isinstance(loaded, type) and issubclass(loaded, Transport)) or loaded.scheme != scheme:
+            raise TypeError(f"{held} is not a Transport of scheme {scheme!r}")
         held = _REGISTRY[scheme] = loaded
     return held
 
