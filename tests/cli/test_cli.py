@@ -83,7 +83,7 @@ def test_submit_file_then_top_json_shows_the_pipeline(
         stop_process(worker)
     # Its log, written to a file, has one plain line a record: timestamped, the logger named, never wrapped.
     started = [line for line in (tmp_path / "w.log").read_text().splitlines() if "engine started" in line]
-    line = r"\d{4}-\d\d-\d\d [\d:,]+ INFO consumers\.worker: cli-w: engine started .* at version 0$"
+    line = r"\d{4}-\d\d-\d\d [\d:,]+ INFO consumers\.engine_keeper: cli-w: engine started .* at version 0$"
     assert started and re.match(line, started[0]), started
 
 
