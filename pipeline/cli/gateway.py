@@ -73,12 +73,13 @@ def gateway(
     /get_world_size, /is_paused, /weight_info; with --rl-control /pause, /resume and the weight-transfer routes."""
     from pipeline.wire import PAUSE_MODES
     from producers.gateway.placement import PLACEMENTS
+    from staleness.weights.base import takes_host_tensors
 
     if placement not in PLACEMENTS:
         fail(f"--placement must be one of {', '.join(PLACEMENTS)}, not {placement!r}")
     if weights_mode not in PAUSE_MODES:
         fail(f"--weights-mode must be one of {', '.join(PAUSE_MODES)}, not {weights_mode!r}")
-    if weights_transport.split("://")[0] not in ("redis", "fs", "nccl"):
+    if not takes_host_tensors(weights_transport):
         fail(f"--weights-transport must be redis://, fs:///DIR or nccl://HOST:PORT, not {weights_transport!r}")
     check_port(port)
     model = check_tokenizer_dir(model, purpose="rollouts gateway")

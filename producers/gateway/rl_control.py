@@ -38,6 +38,7 @@ from pipeline.codec import as_text
 from pipeline.streams import Streams
 from pipeline.wire import PAUSE_MODES, PauseMode
 from producers.gateway.openai_api import OpenAIError
+from staleness.weights.base import takes_host_tensors
 
 if TYPE_CHECKING:
     import torch
@@ -254,7 +255,7 @@ class WeightUpdates:
             "`transport` (redis://, fs:///DIR, nccl://HOST:PORT) and `ack_timeout_s`",
         )
         transport = info.get("transport", self.transport)
-        if not isinstance(transport, str) or transport.split("://")[0] not in ("redis", "fs", "nccl"):
+        if not isinstance(transport, str) or not takes_host_tensors(transport):
             raise OpenAIError(
                 400, f"init_info.transport must be redis://, fs:///DIR or nccl://HOST:PORT, not {transport!r}"
             )

@@ -133,6 +133,14 @@ def transport_class(scheme: str) -> type[Transport]:
     return held
 
 
+def takes_host_tensors(uri: str) -> bool:
+    """Whether `uri`'s scheme names a registered transport that publishes from host memory (`Transport.from_host`)."""
+    try:
+        return transport_class(uri.split("://")[0]).from_host
+    except KeyError:
+        return False
+
+
 def transport_of(uri: str | WeightsUri) -> type[Transport]:
     """The transport of a uri (`ValueError` for a bad one): what the trainer, the worker's sync and its adapters ask
     its capabilities (`Transport.stores`, `fetches_ahead`, `pushes`, `carries_adapters`)."""
@@ -455,6 +463,9 @@ class Transport:
     and the wait for acks); each worker joins before it pauses (`begin_load`) and receives paused."""
     carries_adapters: ClassVar[bool] = True
     """It carries LoRA adapters (`publish(..., adapter_config=...)`)."""
+    from_host: ClassVar[bool] = True
+    """It publishes tensors held in the host's memory (what the gateway's weight-transfer routes receive over HTTP);
+    False: only tensors on the trainer's GPU (`ipc://`)."""
 
     last_publish: PublishStats | None = None
     """What the last `publish` moved and held."""

@@ -291,6 +291,7 @@ class IpcTransport(Transport):
 
     scheme = "ipc"
     carries_adapters = False
+    from_host = False
 
     def __init__(self, client: redis.Redis, ns: str) -> None:
         self.client = client

@@ -232,6 +232,10 @@ CASES = [
         says=("cannot listen on 127.0.0.1:{busy_port}", "Pass another --port"),
     ),
     case(BAD_FLAG, "gateway", "--model", "{model}", "--placement", "nowhere", says="--placement must be one of"),
+    case(
+        BAD_FLAG, "gateway", "--model", "{model}", "--weights-transport", "ipc://",  # tensors over HTTP sit on the host
+        says="--weights-transport must be redis://, fs:///DIR or nccl://HOST:PORT, not 'ipc://'",
+    ),
     case(BAD_FLAG, "gateway", "--model", "{model}", "--port", "70000", says="--port 70000 is not a TCP port"),
     case(BAD_FLAG, "gateway", "--model", "{model}", "--redis", "{redis}", says=REDIS_DOWN),
     case(

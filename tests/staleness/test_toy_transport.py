@@ -203,3 +203,13 @@ def test_a_transport_added_in_one_file_syncs_a_worker_and_serves_one_that_starts
             await asyncio.wait_for(running, 60)
 
     asyncio.run(main())
+
+
+def test_the_gateway_asks_whether_a_transport_takes_host_tensors_not_which_scheme_it_is() -> None:
+    """Weights sent to the gateway over HTTP sit in host memory: every transport that publishes from there takes them
+    (`Transport.from_host`), the GPU-only `ipc://` and an unknown scheme do not."""
+    from staleness.weights.base import takes_host_tensors
+
+    assert [takes_host_tensors(u) for u in ("redis://", "fs:///tmp/w", "nccl://h:1", "ipc://", "s3://b")] == [
+        True, True, True, False, False
+    ]  # fmt: skip
