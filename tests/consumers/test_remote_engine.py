@@ -301,34 +301,48 @@ def test_a_worker_whose_server_dies_exits_and_its_work_finishes_elsewhere(
         stop_process(doomed)
 
 
-def test_a_server_the_engine_cannot_use_is_refused_at_start_with_what_to_fix_and_nothing_is_lost(
+def refused_at_start(
+    redis_server: RedisServer, ns: str, model: Path, name: str, url: str, log: Path, engine_args: dict[str, object]
+) -> Path:
+    """A remote worker for `url` exits 1 with one line that says what to fix, no traceback, and leaves no
+    registration behind."""
+    worker = remote_worker(redis_server, ns, model, name, url, log, "--engine-args", json.dumps(engine_args))
+    try:
+        assert worker.wait(timeout=180) == 1, log.read_text()
+    finally:
+        stop_process(worker)
+    assert "Traceback" not in log.read_text() and logged(f"worker {name} failed: the engine could not start:", log)
+    client = RolloutClient(redis_server.url, ns)
+    assert not client.streams.redis.exists(client.streams.keys.worker(name)), "a refused worker stays registered"
+    return log
+
+
+def test_a_worker_with_no_server_at_its_url_is_refused_at_start_and_its_prompt_waits_for_another(
     redis_server: RedisServer, ns: str, tiny_model_dir: Path, workers: StartWorker, tmp_path: Path
 ) -> None:
-    """No server at the URL, a server that wants an API key, one without the RL endpoints (no dev mode): each worker
-    exits 1 with one line that says what to fix, no traceback, and the prompt waits for a worker that can serve it."""
+    """No server at the URL: the worker exits 1 with one line that says what to fix, and the prompt waits for a
+    worker that can serve it."""
     client = RolloutClient(redis_server.url, ns)
     waiting = client.submit(tokens=[3, 4, 5], n=2, max_tokens=8, seed=0)
-
-    def refused(name: str, url: str, engine_args: dict[str, object]) -> Path:
-        log = tmp_path / f"{name}.log"
-        worker = remote_worker(
-            redis_server, ns, tiny_model_dir, name, url, log, "--engine-args", json.dumps(engine_args)
-        )
-        try:
-            assert worker.wait(timeout=180) == 1, log.read_text()
-        finally:
-            stop_process(worker)
-        assert "Traceback" not in log.read_text() and logged(f"worker {name} failed: the engine could not start:", log)
-        assert not client.streams.redis.exists(client.streams.keys.worker(name)), "a refused worker stays registered"
-        return log
-
     nobody = f"http://127.0.0.1:{free_port()}"
-    assert logged("no vLLM server answered", refused("nobody", nobody, {"start_timeout_s": 1}))
-    with vllm_server(tiny_model_dir, tmp_path / "server.log", "--api-key", "sesame", dev_mode=False) as bare:
-        wait_until(bare.healthy, 300, "the vLLM server without dev mode")
-        assert logged("wants its API key", refused("keyless", bare.url, {}))
-        assert logged("VLLM_SERVER_DEV_MODE=1", refused("keyed", bare.url, {"api_key": "sesame"}))
-
+    log = refused_at_start(redis_server, ns, tiny_model_dir, "nobody", nobody, tmp_path / "nobody.log",
+                           {"start_timeout_s": 1})  # fmt: skip
+    assert logged("no vLLM server answered", log)
     workers("rescuer", "--engine", "torch")
     (group,) = client.collect(1, timeout=120)
     assert group.prompt_id == waiting and client.stats["duplicates"] == 0
+
+
+@pytest.mark.long("no server at the URL: test_a_worker_with_no_server_at_its_url_is_refused_at_start_and_its_prom...")
+def test_a_server_that_wants_an_api_key_or_lacks_the_rl_endpoints_is_refused_at_start_with_what_to_fix(
+    redis_server: RedisServer, ns: str, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """A server that wants an API key, one without the RL endpoints (no dev mode): each worker exits 1 with one line
+    that says what to fix (a vLLM server of its own: ~100 s on 2 cores)."""
+    with vllm_server(tiny_model_dir, tmp_path / "server.log", "--api-key", "sesame", dev_mode=False) as bare:
+        wait_until(bare.healthy, 300, "the vLLM server without dev mode")
+        keyless = refused_at_start(redis_server, ns, tiny_model_dir, "keyless", bare.url, tmp_path / "keyless.log", {})
+        assert logged("wants its API key", keyless)
+        keyed = refused_at_start(redis_server, ns, tiny_model_dir, "keyed", bare.url, tmp_path / "keyed.log",
+                                 {"api_key": "sesame"})  # fmt: skip
+        assert logged("VLLM_SERVER_DEV_MODE=1", keyed)

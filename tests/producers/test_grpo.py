@@ -149,6 +149,10 @@ def test_when_its_worker_dies_the_trainer_stops_and_says_so_instead_of_waiting_f
 
 
 @pytest.mark.vllm
+@pytest.mark.long(
+    "keep syncs into vLLM: test_weights_published_mid_generation_reach_every_sample_exactly_once[vllm-installed-abort-"
+    "keep]; the async trainer learning: test_the_async_trainer_trains_each_sample_once_throws_nothing_away_and_learns"
+)
 def test_with_vllm_workers_paused_in_keep_mode_the_async_trainer_learns(
     redis_server: RedisServer, ns: str, tiny_model_dir: Path
 ) -> None:
@@ -222,7 +226,17 @@ def test_a_vllm_worker_on_cuda_n_sees_that_gpu_alone() -> None:
     [["--mode", "both"], ["--steps", "many"], ["--engine", "remote"], ["--mode", "sync", "--sync-every", "2"],
      ["--mode", "sync", "--park-max-age", "1"], ["--is-level", "word"], ["--stop-set", "65"]],
 )  # fmt: skip
-def test_bad_arguments_say_what_to_fix(bad: list[str]) -> None:
-    result = subprocess.run([sys.executable, str(EXAMPLE), *bad], capture_output=True, text=True, timeout=60)
+def test_bad_arguments_say_what_to_fix(bad: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """Checked in this process (the example's `main`, as its command line calls it): a process a case cost ~7 s of
+    imports. The command line itself is checked once, below."""
+    with pytest.raises(SystemExit) as exited:
+        load_example().main(bad)
+    assert exited.value.code == 2 and "error:" in capsys.readouterr().err
+
+
+def test_a_bad_argument_on_the_command_line_exits_2_with_no_traceback() -> None:
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLE), "--mode", "both"], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "error:" in result.stderr

@@ -34,14 +34,19 @@ def generating(client: RolloutClient, at_least: int) -> Callable[[], bool]:
 
 def sync_runs() -> list[Any]:
     """`ENGINES_ON_EVERY_SERVER` x pause mode. vLLM runs both modes, one after the other, on one pair of workers: two
-    vLLM workers take a minute to start on 2 cores, and a second pair would only start them again. Valkey runs `abort`
-    only: the modes differ in the engine, and Valkey sees the same commands in both."""
+    vLLM workers take a minute to start on 2 cores, and a second pair would only start them again. The other servers
+    than the installed one run `abort` in the default run (`keep` is in the long tier): the modes differ in the
+    engine, and a server sees the same commands in both."""
     runs = []
     for param in ENGINES_ON_EVERY_SERVER:
         engine, server = param.values
         each = [("abort", "keep")] if engine == "vllm" else [("abort",), ("keep",)]
         each = [("abort",)] if server == "valkey" else each
-        runs += [pytest.param(engine, server, m, marks=param.marks, id=f"{param.id}-{'-'.join(m)}") for m in each]
+        for m in each:
+            marks = list(param.marks)
+            if server == "bundled" and m == ("keep",):
+                marks.append(pytest.mark.long("the same commands in abort mode: the [torch-bundled6.2-abort] run"))
+            runs.append(pytest.param(engine, server, m, marks=marks, id=f"{param.id}-{'-'.join(m)}"))
     return runs
 
 
