@@ -66,6 +66,16 @@ class SampleGenerator:
         self._adapters = adapters
         self._metrics = metrics
         self._hand_off_partials = hand_off_partials
+        self._running: set[str] = set()
+        """The engine requests of this worker's samples now running (what a deadline's hand-off ends)."""
+
+    async def end_running(self) -> int:
+        """End every sample now running on the engine with its tokens so far (each `generate` returns a `Partial`
+        once the worker stops); returns how many were asked to end."""
+        running = list(self._running)
+        if running:
+            await self._slot.engine.abort(running)
+        return len(running)
 
     async def generate(self, prompt: Prompt, sample: int, entry: Entry, done: Partial | None) -> Rollout | Partial:
         """One sample, or the rest of one (`done`: what an earlier worker generated before a pause).
@@ -97,11 +107,17 @@ class SampleGenerator:
                 # Keyed by entry, not prompt id: a resubmitted prompt id may be in flight here twice.
                 request_id = f"{prompt.id}@{entry.id.decode()}:{sample}"
                 tokens = np.concatenate([prompt.tokens, so_far])
-                if prompt.adapter is None:
-                    generation = await self._slot.engine.generate(request_id, tokens, sampling)
-                else:
-                    async with self._adapters.using(prompt.adapter) as version:
-                        generation = await self._slot.engine.generate(request_id, tokens, sampling, prompt.adapter)
+                self._running.add(request_id)
+                try:
+                    if prompt.adapter is None:
+                        generation = await self._slot.engine.generate(request_id, tokens, sampling)
+                    else:
+                        async with self._adapters.using(prompt.adapter) as version:
+                            generation = await self._slot.engine.generate(
+                                request_id, tokens, sampling, prompt.adapter
+                            )
+                finally:
+                    self._running.discard(request_id)
             except Stopping:  # it waited for its adapter: it goes on elsewhere, from its tokens so far
                 generation = Generation(EMPTY_TOKENS, EMPTY_LOGPROBS, "abort", [])
             except EngineInputError as exc:

@@ -8,6 +8,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+NOTICE_POLL_S = 0.5
+"""How often a worker looks for its `notice_file`."""
+ABORT_RETRY_S = 0.2
+"""How often a drain that ends what still runs asks the engine again (a sample between two requests is missed once)."""
 HEARTBEAT_TTL_PERIODS = 5
 """A heartbeat lives at least this many heartbeat periods (`WorkerSettings.for_process`)."""
 DEAD_AFTER_PERIODS = 2.5
@@ -52,7 +56,20 @@ class WorkerSettings:
     are."""
     trim_every_s: float = 10.0
     drain_timeout_s: float = 30.0
-    """On stop, how long to let in-flight work finish; the rest stays pending for other workers."""
+    """On stop, how long in-flight work may run to its end. What still runs then is ended with its tokens so far and
+    each unfinished sample goes to `{ns}:partials` with its entry's ack (`Worker.stop`), where any worker continues it:
+    nothing finished is generated again."""
+    grace_s: float | None = None
+    """A stop's deadline, from the notice (SIGTERM, `rollouts drain`, the `notice_file`) to the process's exit, as a
+    preemptible machine gives it (a spot VM's ~30 s, a pod's `terminationGracePeriodSeconds`): the drain ends
+    `hand_off_s` before it (and before `drain_timeout_s`), so that the hand-off and the engine's shutdown fit inside
+    it. None: no deadline (the drain runs `drain_timeout_s`)."""
+    hand_off_s: float = 3.0
+    """What a deadline keeps, after the drain, for ending what still runs, publishing it to `{ns}:partials` and shutting
+    the engine down (at most half the deadline)."""
+    notice_file: str | None = None
+    """A file whose appearance is a stop notice, with `grace_s`'s deadline (a preemption notice that a node agent
+    writes, e.g. from a cloud's metadata endpoint); looked for every `NOTICE_POLL_S`."""
     dedupe_ttl_s: int = 86_400
     """How long a published rollout id is remembered (a bit in `{ns}:published:{size}:{bucket}`): the same id from
     another entry (a prompt submitted twice, a replay) within it is not published again. Every worker of a namespace

@@ -15,7 +15,8 @@ layer; the engine runs its own compute. What the loop guarantees:
 `consumers.budget`: samples and tokens in flight under its caps, no Redis, no engine), the entries it sets aside to run
 apart or alone (`Suspects`, `consumers.suspects`), one sample and the rest of one a pause cut (`SampleGenerator`,
 `consumers.continuation`), its engine's start on demand and idle release (`EngineKeeper`, `consumers.engine_keeper`,
-over the slot of `consumers.lifecycle`), its way out without Redis (`RedisLoss`, `consumers.redis_loss`), its
+over the slot of `consumers.lifecycle`), its way out on a stop notice, inside its deadline (`Departure`,
+`consumers.departure`), its way out without Redis (`RedisLoss`, `consumers.redis_loss`), its
 `ServingState` and `Heartbeat` (`consumers.serving`), its side of the weight-sync protocol (`consumers.sync`) and its
 adapters (`consumers.adapters`).
 """
@@ -35,6 +36,7 @@ import redis
 from consumers.adapters import WorkerAdapters
 from consumers.budget import DEFAULT_MAX_INFLIGHT, TakeBudget
 from consumers.continuation import SampleGenerator, untouched
+from consumers.departure import Departure
 from consumers.engine_keeper import EngineKeeper
 from consumers.engines.base import Engine, EngineClosedError
 from consumers.lifecycle import EngineFactory, EngineSlot, WorkerStatus
@@ -138,6 +140,10 @@ class Worker:
         self._keeper = EngineKeeper(self.name, self._slot, self.state, self._sync, self._adapters,
                                     self.heartbeat.beat, self.metrics, self.settings, self, self._inflight)  # fmt: skip
         """Starts the engine when work needs it, releases it when idle."""
+        self._departure = Departure(
+            self.name, self.settings, self._tasks, self._samples.end_running, self.stop, self.state.stopping
+        )
+        """Its stop notice, deadline and drain."""
         self._redis_loss = RedisLoss(self.name, streams, self.state, self, self._inflight, self._tasks)
         """The way out once Redis is gone."""
 
@@ -181,12 +187,15 @@ class Worker:
             budget = self.engine.max_batch_tokens
         return budget or None
 
-    def stop(self, drain: bool = True) -> None:
-        """Ask the worker to stop taking work (and let in-flight work finish if `drain`).
+    def stop(self, drain: bool = True, grace_s: float | None = None) -> None:
+        """Ask the worker to stop taking work and, if `drain`, to let in-flight work finish for up to
+        `drain_timeout_s`, then end what still runs and hand its samples, tokens so far, to `{ns}:partials`.
 
-        Safe to call from a signal handler in the loop. Without `drain`, in-flight work is dropped
-        here and stays pending in Redis, where the other workers claim it.
+        `grace_s` (else the settings'): the notice's deadline; the worker exits within it (`WorkerSettings.grace_s`).
+        A later notice may bring the deadline nearer, never further. Safe to call from a signal handler in the loop.
+        Without `drain`, in-flight work is dropped here and stays pending in Redis, where the other workers claim it.
         """
+        self._departure.notice(grace_s)
         self._drain_on_stop = self._drain_on_stop and drain
         self.state.stopping.set()
         self.budget.wake()
@@ -213,6 +222,7 @@ class Worker:
         control = asyncio.create_task(self._sync.follow_control(control_from))
         release = asyncio.create_task(self._keeper.release_when_idle())
         watch = asyncio.create_task(self._redis_loss.watch())
+        notice = asyncio.create_task(self._departure.watch_notice_file())
         try:
             await self._take_up_leftovers()
             await self._read_loop()
@@ -221,12 +231,13 @@ class Worker:
             if self._drain_on_stop:
                 await self._redis_loss.unless_gone(self._hand_back_held)
                 await self._sync.unfreeze()
-                await self._drain()
+                await self._departure.drain()
         finally:
             upkeep.cancel()
             control.cancel()
             release.cancel()
             watch.cancel()
+            notice.cancel()
             for task in list(self._tasks):
                 task.cancel()
             await self._slot.shutdown()
@@ -370,15 +381,6 @@ class Worker:
         task = asyncio.create_task(self._serve(entry))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-
-    async def _drain(self) -> None:
-        if not self._tasks:
-            return
-        _done, pending = await asyncio.wait(list(self._tasks), timeout=self.settings.drain_timeout_s)
-        for task in pending:
-            task.cancel()
-        if pending:
-            log.warning("%s: %d prompts left unfinished; they stay pending for other workers", self.name, len(pending))
 
     # -- serving one entry --------------------------------------------------------------------
 

@@ -121,6 +121,22 @@ HandOffOpt = Annotated[
         "acked) instead of continuing them here after the resume (nothing through Redis).",
     ),
 ]
+GraceOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--grace-s",
+        min=0.0,
+        help="A stop notice's deadline (SIGTERM, `rollouts drain`, --notice-file): exit within this many seconds, "
+        "handing what would not finish to any worker through {ns}:partials with its tokens so far.",
+    ),
+]
+NoticeFileOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="A file whose appearance is a stop notice (with --grace-s's deadline), as a node agent writes on a "
+        "preemption notice."
+    ),
+]
 DedupeTtlOpt = Annotated[
     int,
     typer.Option(
@@ -346,7 +362,7 @@ def check_torch_device(spec: EngineSpec) -> None:
 
 WORKER_FLAGS = (
     "max_inflight", "max_inflight_tokens", "claim_idle_ms", "heartbeat_s", "max_deliveries", "dedupe_ttl_s", "lazy",
-    "release_after_s", "hand_off_partials",
+    "release_after_s", "hand_off_partials", "grace_s", "notice_file",
 )  # fmt: skip
 """The worker loop's flags (`WorkerSettings` fields by their names), shared by `rollouts worker` and `launch`."""
 

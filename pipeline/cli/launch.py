@@ -18,6 +18,7 @@ from pipeline.cli.app import (
     DEFAULT_REDIS,
     ClaimIdleOpt,
     DedupeTtlOpt,
+    GraceOpt,
     HandOffOpt,
     HeartbeatOpt,
     LazyOpt,
@@ -25,6 +26,7 @@ from pipeline.cli.app import (
     MaxDeliveriesOpt,
     MaxInflightOpt,
     MaxInflightTokensOpt,
+    NoticeFileOpt,
     NsOpt,
     RedisOpt,
     ReleaseAfterOpt,
@@ -116,6 +118,8 @@ def launch(
     lazy: LazyOpt = DEFAULTS.lazy,
     release_after_s: ReleaseAfterOpt = DEFAULTS.release_after_s,
     hand_off_partials: HandOffOpt = DEFAULTS.hand_off_partials,
+    grace_s: GraceOpt = DEFAULTS.grace_s,
+    notice_file: NoticeFileOpt = DEFAULTS.notice_file,
     log_level: LogLevelOpt = "info",
 ) -> None:
     """Run N workers as Ray actors, one placement group each, restarted by Ray when they die (their

@@ -18,6 +18,7 @@ from pipeline.cli.app import (
     DEFAULT_REDIS,
     ClaimIdleOpt,
     DedupeTtlOpt,
+    GraceOpt,
     HandOffOpt,
     HeartbeatOpt,
     LazyOpt,
@@ -27,6 +28,7 @@ from pipeline.cli.app import (
     MaxInflightTokensOpt,
     MetricsAddrOpt,
     MetricsPortOpt,
+    NoticeFileOpt,
     NsOpt,
     RedisOpt,
     ReleaseAfterOpt,
@@ -105,6 +107,8 @@ def worker(
     lazy: LazyOpt = DEFAULTS.lazy,
     release_after_s: ReleaseAfterOpt = DEFAULTS.release_after_s,
     hand_off_partials: HandOffOpt = DEFAULTS.hand_off_partials,
+    grace_s: GraceOpt = DEFAULTS.grace_s,
+    notice_file: NoticeFileOpt = DEFAULTS.notice_file,
 ) -> None:
     """Serve prompts from the namespace until interrupted (SIGINT/SIGTERM drain in-flight work)."""
     # The engine flags reach the engine through `ctx.params` (EngineSpec.from_flags).
