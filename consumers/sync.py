@@ -46,7 +46,7 @@ class Stoppable(Protocol):
     failure: str | None
     """Why the worker stopped on its own; None after a requested stop."""
 
-    def stop(self, drain: bool = True) -> None: ...
+    def stop(self, drain: bool = True, grace_s: float | None = None) -> None: ...
 
 
 class WorkerSync:
@@ -227,6 +227,9 @@ class WorkerSync:
             async with self._slot.lock:
                 if command.epoch > self._state.epoch:
                     await self._sleep(command)
+        elif command.cmd == "drain" and command.worker in ("", self.name):
+            log.info("%s: asked to drain", self.name)
+            self._worker.stop(drain=True, grace_s=command.grace_s or None)  # `rollouts drain`: a planned departure
         elif command.cmd == "stop" and command.worker in ("", self.name):
             if command.worker:
                 self._worker.failure = "evicted by the manager (no ack of a weight sync in time)"

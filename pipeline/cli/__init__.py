@@ -9,7 +9,7 @@ loads only when the command asked for is not one of these.
 # The order of the command modules is the order of `rollouts --help`.
 # isort: off
 from pipeline.cli.app import app, main
-from pipeline.cli import quickstart, serve, queue, recording, scoring, evaluate, gateway, launch, exporter, acl  # noqa: F401
+from pipeline.cli import quickstart, serve, fleet, queue, recording, scoring, evaluate, gateway, launch, exporter, acl  # noqa: F401
 
 # isort: on
 

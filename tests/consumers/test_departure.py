@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from pipeline.codec import as_entries
 from pipeline.local import RedisServer
+from pipeline.processes import start_command
 from pipeline.wire import Partial, Rollout
 from producers.client import RolloutClient
 from tests.fixtures import StartWorker, wait_until
@@ -110,3 +113,42 @@ def test_a_notice_file_that_appears_is_a_stop_notice_with_the_deadline(
     handed = handed_off(client)
     assert len(handed) == 2
     finished_elsewhere(client, ids, 2, handed, workers, "leaving")
+
+
+def test_rollouts_drain_takes_a_named_worker_out_shown_stopping_in_top_while_the_others_serve_on(
+    redis_server: RedisServer, ns: str, workers: StartWorker, tmp_path: Path
+) -> None:
+    """`rollouts drain w1 --grace-s 6`: `w1` takes nothing more, shows `stopping` in `top`, hands what would not
+    finish inside the deadline on and leaves; the command says when; `w2` serves on and every sample arrives once."""
+    workers.many(("w1", *LONG_SAMPLES), ("w2", *SHORT_SAMPLES))
+    client = RolloutClient(redis_server.url, ns)
+    ids = [client.submit(tokens=[5 + i, 9], n=2, max_tokens=200, seed=i) for i in range(6)]
+    wait_until(busy_for(client, "w1", 1.0), 30, "w1 to be generating")
+    drain = start_command("drain", "w1", "--redis", redis_server.url, "--ns", ns, "--grace-s", "6",
+                          log_file=tmp_path / "drain.log")  # fmt: skip
+    wait_until(lambda: snapshot_status(client, "w1") == "stopping", 10, "top to show w1 stopping")
+    assert drain.wait(timeout=30) == 0, (tmp_path / "drain.log").read_text()
+    assert "w1: left after" in (tmp_path / "drain.log").read_text()
+    assert client.streams.registry.live_worker_names() == ["w2"]
+    rollouts = [r for g in client.collect(len(ids), timeout=120) for r in g.rollouts]
+    assert sorted(r.id for r in rollouts) == sorted(f"{p}:{k}" for p in ids for k in range(2))
+    assert client.stats["duplicates"] == 0
+
+
+def test_rollouts_drain_of_a_worker_that_is_not_there_says_which_are(
+    redis_server: RedisServer, ns: str, workers: StartWorker
+) -> None:
+    workers("w1", *SHORT_SAMPLES)
+    result = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "drain", "nobody", "--redis", redis_server.url, "--ns", ns],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "no live worker named nobody" in result.stderr and "(live: w1)" in result.stderr, result.stderr
+
+
+def snapshot_status(client: RolloutClient, name: str) -> str | None:
+    """Worker `name`'s status as `rollouts top` shows it (`pipeline.top.snapshot`)."""
+    from pipeline.top import snapshot
+
+    return snapshot(client.streams)["workers"].get(name, {}).get("status")
