@@ -1,0 +1,92 @@
+"""Delta syncs (`staleness.weights.delta`): what changed since a version a worker holds, applied bit for bit."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from staleness.weights.delta import CHUNK_WORDS, Delta, DeltaError, apply, chain, encode
+
+
+def buffers(words: int, changed: float, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """A buffer of bf16-like words and a copy with a share `changed` of them moved by a few low bits."""
+    rng = np.random.default_rng(seed)
+    old = rng.integers(0x3A00, 0x3F00, size=words, dtype=np.uint16)  # bf16 values ~0.0005-0.5
+    new = old.copy()
+    moved = rng.random(words) < changed
+    new[moved] ^= rng.integers(1, 4, size=int(moved.sum()), dtype=np.uint16)
+    return old.view(np.uint8), new.view(np.uint8)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    words=st.integers(0, 3 * 4096 + 7), changed=st.sampled_from([0.0, 0.001, 0.04, 0.3, 1.0]), seed=st.integers(0, 9)
+)
+def test_a_delta_applied_to_its_base_is_the_new_version_bit_for_bit(words: int, changed: float, seed: int) -> None:
+    old, new = buffers(words, changed, seed)
+    delta = encode(old, new, 3, 4, full_ratio=10.0, chunk_words=4096)  # several chunks, the last one short
+    assert delta is not None and np.array_equal(apply(old, delta), new)
+    again = Delta.read(delta.header(), delta.payload())
+    assert again == delta and np.array_equal(apply(old, again), new)
+
+
+def test_a_few_percent_changed_costs_a_few_percent_and_nearly_all_changed_is_sent_whole() -> None:
+    old, new = buffers(CHUNK_WORDS + 1000, 0.04)
+    delta = encode(old, new, 0, 1)
+    assert delta is not None and delta.nbytes < 0.1 * new.size and abs(delta.changed / (new.size // 2) - 0.04) < 0.01
+    rng = np.random.default_rng(0)
+    old, new = (rng.integers(0, 2**16, size=1000, dtype=np.uint16).view(np.uint8) for _ in range(2))
+    assert encode(old, new, 0, 1) is None, "a delta larger than half the version: send it whole"
+
+
+def test_a_delta_applied_to_another_base_or_corrupted_is_refused_not_loaded() -> None:
+    old, new = buffers(5000, 0.05, seed=1)
+    other, _ = buffers(5000, 0.05, seed=2)
+    delta = encode(old, new, 7, 8)
+    assert delta is not None
+    with pytest.raises(DeltaError, match="not version 7's"):
+        apply(other, delta)
+    with pytest.raises(DeltaError, match="another layout"):
+        apply(old[:-2], delta)
+    header, payload = delta.header(), bytearray(delta.payload())
+    payload[len(payload) // 2] ^= 0xFF
+    with pytest.raises(DeltaError):
+        apply(old, Delta.read(header, bytes(payload)))
+    with pytest.raises(DeltaError, match="the header says"):
+        Delta.read(header, bytes(payload) + b"x")
+    with pytest.raises(DeltaError, match="not a delta header"):
+        Delta.read(b"{}", b"")
+
+
+def flat(model: torch.nn.Module) -> np.ndarray:
+    return torch.cat([p.detach().to(torch.bfloat16).view(torch.int16).flatten() for p in model.parameters()]).numpy()
+
+
+def test_a_chain_of_deltas_over_real_adamw_steps_equals_the_last_version_and_a_broken_chain_is_refused(
+    tiny_model_dir: Path,
+) -> None:
+    """Real optimizer steps of the tiny model in bf16 (AdamW at 2e-5, the real demo's): each version's delta from the
+    one before, applied in turn to version 0, is the last version bit for bit."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-5)
+    versions = [flat(model).view(np.uint8)]
+    for _ in range(4):
+        ids = torch.randint(0, model.config.vocab_size, (4, 16))
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        versions.append(flat(model).view(np.uint8))
+    steps = [encode(a, b, v, v + 1, full_ratio=1.0) for v, (a, b) in enumerate(itertools.pairwise(versions))]
+    assert all(d is not None and d.changed > 0 for d in steps), "every step changes something"
+    assert np.array_equal(chain(versions[0], [d for d in steps if d is not None]), versions[-1])
+    with pytest.raises(DeltaError, match="a chain breaks"):
+        chain(versions[0], [d for d in steps[:1] + steps[2:] if d is not None])
