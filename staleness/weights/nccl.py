@@ -105,6 +105,20 @@ from staleness.weights.nccl_receive import (
     receive_broadcast,
 )
 
+__all__ = [
+    "DEFAULT_BUCKET_BYTES",
+    "BroadcastLink",
+    "BroadcastStats",
+    "NcclTransport",
+    "drop_groups",
+    "forget_group",
+    "groups_built",
+    "join_broadcast",
+    "prepare_receiver",
+    "receive_broadcast",
+]
+"""The transport, and the receiving side's calls (`staleness.weights.nccl_receive`) that tests and probes make here."""
+
 DEFAULT_BUCKET_BYTES = 256 << 20
 """Bytes per broadcast: big enough to run near link speed, small enough for two buffers on the GPU."""
 
