@@ -325,7 +325,7 @@ class VllmEngine(VllmAdapters, EngineLifecycle):
         if not self.max_loras:
             refuse_adapter(self.name, adapter)
         prompt = np.asarray(prompt_tokens)
-        check_request(prompt, sampling, self.max_model_len, self.vocab_size, no_routes=self._noroutes_of())
+        check_request(prompt, sampling, self.max_model_len, self.vocab_size, no_routes=self._no_routes())
         if adapter is not None:
             return await self._generate_adapter(request_id, prompt, sampling, adapter)
         params = self._sampling_params(len(prompt), sampling)
@@ -429,7 +429,7 @@ class VllmEngine(VllmAdapters, EngineLifecycle):
             eos_ids=self._eos_ids,
         )
 
-    def _noroutes_of(self) -> str | None:
+    def _no_routes(self) -> str | None:
         """Why this engine returns no routed experts (`check_request`), None when it does."""
         if not self._experts:
             return "the model is not a mixture of experts (its config names no experts): it routes nothing"

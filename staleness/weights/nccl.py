@@ -231,7 +231,6 @@ class NcclTransport(Transport):
         """The staged version's LoRA config when it is an adapter's (it travels in the meta)."""
         self.last: BroadcastStats | None = None
         """What the last broadcast moved, and how fast."""
-        self.last_publish: PublishStats | None = None
 
     @classmethod
     def from_uri(cls, uri: str, **kwargs: Any) -> NcclTransport:
@@ -258,21 +257,14 @@ class NcclTransport(Transport):
     def uri_of(self, version: int) -> str:
         return f"nccl://{self.host}:{self.port}/v{check_version(version)}"
 
-    def publish(
-        self,
-        tensors: WeightSource,
-        version: int,
-        *,
-        adapter_config: Mapping[str, Any] | None = None,
-    ) -> str:
-        """Stage `version` for the next `broadcast` (on the tensors' GPU, if any); returns its uri. With
+    def put(self, tensors: WeightSource, version: int, adapter_config: Mapping[str, Any] | None) -> PublishStats:
+        """Stage `version` for the next `broadcast` (on the tensors' GPU, if any). With
         `adapter_config`, the tensors are a LoRA adapter's (PEFT names) and the config travels in the meta.
 
         An iterable of `(name, tensor)` pairs is consumed here, before the sync (every name and shape must be in the
         meta that the workers check before they pause), and its tensors are kept where they are until the broadcast:
         yield them on the GPU and the host holds none of them; CPU tensors (gloo) are held in host memory, the whole
         version (`last_publish.peak_buffered_bytes`)."""
-        started = time.monotonic()
         stats = PublishStats()
         named: dict[str, torch.Tensor] = {}
         for name, tensor in named_tensors(tensors, keep_device=True):
@@ -288,12 +280,10 @@ class NcclTransport(Transport):
         if devices:
             device = devices.pop()
             named = {k: t.to(device) for k, t in named.items()}
-        self._staged = (check_version(version), _Outgoing.of(named, self.bucket_bytes))
+        self._staged = (version, _Outgoing.of(named, self.bucket_bytes))
         self._adapter_config = None if adapter_config is None else dict(adapter_config)
         self._server()  # listening before the workers hear of the version
-        stats.seconds = time.monotonic() - started
-        self.last_publish = stats
-        return self.uri_of(version)
+        return stats
 
     def _server(self) -> dist.TCPStore:
         store = _SERVERS.get(self.port)
