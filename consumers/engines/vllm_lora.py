@@ -14,7 +14,7 @@ import logging
 import shutil
 import tempfile
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -79,19 +79,12 @@ class VllmAdapters:
     _live: set[str]
     _closing: bool
     _died: asyncio.Future[None] | None
+    _run: Callable[..., Awaitable[tuple[list[int], np.ndarray, Any, int | None]]]
+    """One vLLM request to its end: `(llm, prompt, params, request_id, lora, tracked)` -> tokens, logprobs, its final
+    output, the prompt tokens it found cached."""
     if TYPE_CHECKING:
 
         async def _started(self) -> Any: ...
-
-        async def _run(
-            self,
-            llm: Any,
-            prompt: np.ndarray,
-            params: Any,
-            request_id: str,
-            lora: LoRARequest | None = None,
-            tracked: AdapterRequest | None = None,
-        ) -> tuple[list[int], np.ndarray, Any, int | None]: ...
 
         def _sampling_params(self, prompt_len: int, sampling: Sampling) -> Any: ...
 

@@ -57,6 +57,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from staleness.weights import nccl_group
 from staleness.weights.base import (
     Opening,
     PublishStats,
@@ -82,20 +83,7 @@ from staleness.weights.buckets import (
     raw_bytes,
 )
 from staleness.weights.handover import Handover, LoadsWeights
-from staleness.weights.nccl_group import (
-    GROUPS_BUILT,
-    LOCK,
-    META_V,
-    NO_GROUP,
-    KeptGroup,
-    barrier,
-    broadcast_parts,
-    build_group,
-    close_later,
-    grouped,
-    open_store,
-    warm_up,
-)
+from staleness.weights.nccl_group import NO_GROUP, KeptGroup
 from staleness.weights.nccl_receive import (
     BroadcastLink,
     drop_receivers,
@@ -179,7 +167,7 @@ class _Outgoing:
         backend = backend or ("nccl" if device.type == "cuda" else "gloo")
         buckets, nbytes = [], 0
         for bucket in plan_buckets(metas, bucket_bytes):
-            parts = bucket_parts(metas, bucket, grouped(backend), COPY_FROM)
+            parts = bucket_parts(metas, bucket, nccl_group.grouped(backend), COPY_FROM)
             buckets.append([(p, raw_bytes(tensors[p.members[0][0]]) if p.alone else None) for p in parts])
             nbytes += bucket_size(metas, bucket)
         return cls(metas, tensors, buckets, nbytes, device, backend)
@@ -187,14 +175,14 @@ class _Outgoing:
 
 def groups_built() -> dict[str, int]:
     """How many process groups this process built so far, per side (a kept group builds none)."""
-    return dict(GROUPS_BUILT)
+    return dict(nccl_group.GROUPS_BUILT)
 
 
 def drop_groups() -> None:
     """Free every group this process keeps (the trainer's and the receivers'): the next sync builds afresh."""
-    with LOCK:
+    with nccl_group.LOCK:
         for kept in _TRAINER_GROUPS.values():
-            close_later(kept.group)
+            nccl_group.close_later(kept.group)
         _TRAINER_GROUPS.clear()
     drop_receivers()
 
@@ -288,7 +276,7 @@ class NcclTransport(Transport):
     def _server(self) -> dist.TCPStore:
         store = _SERVERS.get(self.port)
         if store is None:
-            store = _SERVERS[self.port] = open_store(self.host, self.port, self.timeout_s, server=True)
+            store = _SERVERS[self.port] = nccl_group.open_store(self.host, self.port, self.timeout_s, server=True)
         return store
 
     def broadcast(self, epoch: int, workers: int) -> BroadcastStats:
@@ -309,7 +297,7 @@ class NcclTransport(Transport):
         store = self._server()
         prefix = f"e{epoch}/"
         meta = {
-            "v": META_V,
+            "v": nccl_group.META_V,
             "version": version,
             "backend": backend,
             "bucket_bytes": self.bucket_bytes,
@@ -364,7 +352,7 @@ class NcclTransport(Transport):
     def _drop(self) -> None:
         kept = _TRAINER_GROUPS.pop(self.port, None)
         if kept is not None:
-            close_later(kept.group)
+            nccl_group.close_later(kept.group)
 
     def _send(
         self,
@@ -379,15 +367,17 @@ class NcclTransport(Transport):
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
             if plan.group is None:
                 self._drop()
-                plan.group = build_group(store, plan.generation, 0, plan.world, stats.backend, self.timeout_s)
+                plan.group = nccl_group.build_group(
+                    store, plan.generation, 0, plan.world, stats.backend, self.timeout_s
+                )
                 plan.backend, plan.device = stats.backend, str(device)
-                GROUPS_BUILT["trainer"] += 1
+                nccl_group.GROUPS_BUILT["trainer"] += 1
                 _TRAINER_GROUPS[self.port] = plan
-                warm_up(plan.group, device)
+                nccl_group.warm_up(plan.group, device)
                 stats.setup_s = time.monotonic() - started
             started = time.monotonic()
             self._wait_posted(store, stats)
-            barrier(plan.group, device).wait()
+            nccl_group.barrier(plan.group, device).wait()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             stats.ready_s = time.monotonic() - started
@@ -433,7 +423,7 @@ class NcclTransport(Transport):
                 in_flight[slot] = []
                 pack_bucket(part.members, outgoing.tensors, buffer, padding, start=part.start)
                 payloads.append(buffer[part.start : part.end])
-            in_flight[slot] += broadcast_parts(group, payloads)
+            in_flight[slot] += nccl_group.broadcast_parts(group, payloads)
         for works in in_flight:
             for work in works:
                 work.wait()

@@ -130,9 +130,10 @@ def test_every_tensor_arrives_bit_exact_when_buckets_go_as_parts(monkeypatch: py
     """NCCL's layout (big tensors from their own memory, runs of small ones packed, each part a broadcast of its own)
     over gloo, which has no NCCL groups, so each part is a call: the bytes land where the receiver's views are."""
     import staleness.weights.nccl as broadcast
+    import staleness.weights.nccl_group as group
     import staleness.weights.nccl_receive as receiving
 
-    monkeypatch.setattr(broadcast, "grouped", lambda backend: True)  # the trainer's layout
+    monkeypatch.setattr(group, "grouped", lambda backend: True)  # the trainer's layout
     monkeypatch.setattr(receiving, "grouped", lambda backend: True)  # and the receivers'
     monkeypatch.setattr(broadcast, "COPY_FROM", 1000)  # "embed" (3,200 bytes) and "big" (1,200) go alone
     sent = sample_tensors()
