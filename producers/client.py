@@ -27,7 +27,7 @@ import uuid
 from collections import deque
 from collections.abc import Generator, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Unpack
 
 import numpy as np
 import redis
@@ -48,7 +48,7 @@ from pipeline.wire import (
 )
 from producers.groups import Batch, Group, GroupAssembler, ParkingBound, SampleStaleness, whole_batches
 from staleness.admission import Admission, AdmissionLimits, StaleRollouts, Usage
-from staleness.driver import SyncDriver
+from staleness.driver import PublishOptions, SyncDriver
 from staleness.manager import SyncReport
 
 if TYPE_CHECKING:
@@ -341,18 +341,10 @@ class RolloutClient:
 
     # -- publishing weights ----------------------------------------------------------------------
 
-    def publish_weights(
-        self,
-        source: WeightSource,
-        *,
-        transport: str = "redis://",
-        mode: PauseMode = "abort",
-        ack_timeout_s: float = 60.0,
-        adapter: str | None = None,
-        adapter_config: dict[str, Any] | None = None,
-        bucket_bytes: int | None = None,
-    ) -> int:
-        """Make `source` the next policy version on every worker; returns that version.
+    def publish_weights(self, source: WeightSource, **options: Unpack[PublishOptions]) -> int:
+        """Make `source` the next policy version on every worker; returns that version. The options, all keywords
+        (`staleness.driver.PublishOptions`): `transport` ("redis://"), `mode` ("abort"), `ack_timeout_s` (60),
+        `adapter` and `adapter_config` (None: the base model), `bucket_bytes` (None: the transport's).
 
         `source`: a torch module, a state dict, a safetensors checkpoint directory, or an iterable of `(name,
         tensor)` pairs in the model's checkpoint names (a generator that gathers one tensor at a time, as FSDP and
@@ -378,15 +370,7 @@ class RolloutClient:
         `ack_timeout_s`, and resumes them. Older versions are deleted from the transport once every live worker
         has moved on. The sync is driven by `staleness.driver.SyncDriver`.
         """
-        return self._syncs.publish(
-            source,
-            transport=transport,
-            mode=mode,
-            ack_timeout_s=ack_timeout_s,
-            adapter=adapter,
-            adapter_config=adapter_config,
-            bucket_bytes=bucket_bytes,
-        )
+        return self._syncs.publish(source, **options)
 
     @property
     def last_sync(self) -> SyncReport | None:
