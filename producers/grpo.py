@@ -17,7 +17,7 @@ from typing import Literal
 import torch
 
 from pipeline.wire import Rollout
-from producers.client import Batch
+from producers.groups import Batch
 from producers.rl import ImportanceWeights, group_advantages, kl_behaviour_current, policy_loss, token_logprobs
 from producers.routing import routes_replayed
 

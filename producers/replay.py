@@ -15,7 +15,7 @@ from pathlib import Path
 
 from pipeline.recording import read_recording
 from pipeline.wire import Rollout
-from producers.client import Batch, Group, GroupAssembler, whole_batches
+from producers.groups import Batch, Group, GroupAssembler, whole_batches
 
 TrainerVersion = int | Callable[[], int]
 

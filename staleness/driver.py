@@ -12,7 +12,7 @@ scheme is named here: the transport's class says what it does (`staleness.weight
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from pipeline.streams import Streams
 from pipeline.wire import PauseMode
@@ -20,6 +20,18 @@ from staleness.manager import Manager, SyncError, SyncReport
 
 if TYPE_CHECKING:
     from staleness.weights.base import PublishStats, WeightSource
+
+
+class PublishOptions(TypedDict, total=False):
+    """How `SyncDriver.publish` (and `RolloutClient.publish_weights`) publishes a version; each left out takes
+    `SyncDriver.publish`'s default."""
+
+    transport: str
+    mode: PauseMode
+    ack_timeout_s: float
+    adapter: str | None
+    adapter_config: dict[str, Any] | None
+    bucket_bytes: int | None
 
 
 class SyncDriver:

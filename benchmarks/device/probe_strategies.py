@@ -37,7 +37,7 @@ import torch.distributed as dist
 from benchmarks.bench_sync import SIZES
 from consumers.engines.tiny_model import build_tiny_model
 from pipeline.local import free_port
-from staleness.weights import buckets, nccl
+from staleness.weights import buckets, nccl, nccl_group
 from staleness.weights.base import read_checkpoint
 
 Plan = list[list[tuple[int, int]]]
@@ -92,13 +92,13 @@ def run_mode(
 
             return send
         buffers = receiver_buffers(metas, plan, device)
-        grouped = nccl._grouped(backend)
+        grouped = nccl_group.grouped(backend)
 
         def receive() -> list[dist.Work]:
             works = []
             for buffer, b in zip(buffers, plan, strict=True):
                 parts = buckets.bucket_parts(metas, b, grouped, buckets.COPY_FROM)
-                works += nccl._broadcast_parts(group, [buffer[p.start : p.end] for p in parts])
+                works += nccl_group.broadcast_parts(group, [buffer[p.start : p.end] for p in parts])
             return works
 
         return receive

@@ -238,9 +238,24 @@ class ServesNoAdapters:
 
     name: str
     max_loras = 0
+    # What the engine provides, declared for the type checker only (annotations define no class attribute).
+    max_model_len: int
+    vocab_size: int
 
     def adapters(self) -> dict[str, int]:
         return {}
+
+    def _checked_prompt(
+        self, prompt_tokens: np.ndarray, sampling: Sampling, adapter: str | None, no_routes: str, no_alternatives: str
+    ) -> np.ndarray:
+        """The prompt of a request this engine serves, as an array: `EngineInputError` for one under an adapter
+        (`refuse_adapter`) or that fails `check_request` (`no_routes`, `no_alternatives`: why it returns neither)."""
+        refuse_adapter(self.name, adapter)
+        prompt = np.asarray(prompt_tokens)
+        check_request(
+            prompt, sampling, self.max_model_len, self.vocab_size, no_routes=no_routes, no_alternatives=no_alternatives
+        )
+        return prompt
 
     async def load_adapter(
         self, name: str, tensors: Mapping[str, Any], config: Mapping[str, Any], version: int

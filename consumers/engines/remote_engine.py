@@ -57,9 +57,7 @@ from consumers.engines.base import (
     ServesNoAdapters,
     SleepNotSupported,
     WakePart,
-    check_request,
     engine_logprobs_mode,
-    refuse_adapter,
     refuse_logprobs_mode,
     top_k_within,
 )
@@ -306,11 +304,7 @@ class RemoteVllmEngine(ServesNoAdapters, EngineLifecycle):
         self, request_id: str, prompt_tokens: np.ndarray, sampling: Sampling, adapter: str | None = None
     ) -> Generation:
         """Generate one sample on the server; `EngineInputError` for a request it cannot serve."""
-        refuse_adapter(self.name, adapter)
-        prompt = np.asarray(prompt_tokens)
-        check_request(
-            prompt, sampling, self.max_model_len, self.vocab_size, no_routes=NO_ROUTES, no_alternatives=NO_ALTERNATIVES
-        )
+        prompt = self._checked_prompt(prompt_tokens, sampling, adapter, NO_ROUTES, NO_ALTERNATIVES)
         refuse_logprobs_mode(self.name, self.logprobs_mode, sampling)
         http = self._http if self._http is not None else await self._started()
         if request_id in self._live:

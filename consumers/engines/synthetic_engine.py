@@ -46,8 +46,6 @@ from consumers.engines.base import (
     HandsOverInProcess,
     ServesNoAdapters,
     WakePart,
-    check_request,
-    refuse_adapter,
 )
 from consumers.engines.model_files import read_model_limits
 from pipeline.wire import PAUSE_MODES, FinishReason, PauseMode, Sampling, Span
@@ -143,11 +141,7 @@ class SyntheticEngine(ServesNoAdapters, HandsOverInProcess, EngineLifecycle):
     async def generate(
         self, request_id: str, prompt_tokens: np.ndarray, sampling: Sampling, adapter: str | None = None
     ) -> Generation:
-        refuse_adapter(self.name, adapter)
-        prompt = np.asarray(prompt_tokens)
-        check_request(
-            prompt, sampling, self.max_model_len, self.vocab_size, no_routes=NO_ROUTES, no_alternatives=NO_ALTERNATIVES
-        )
+        prompt = self._checked_prompt(prompt_tokens, sampling, adapter, NO_ROUTES, NO_ALTERNATIVES)
         if self._closed:
             raise EngineClosedError("the engine was shut down")
         if request_id in self._runs:

@@ -14,12 +14,8 @@ request's `stop_token_ids`), kept in the tokens with `finish_reason="stop"`.
   `generated_tokens` reads vLLM's own per-request token counts.
 - Policy versions are vLLM's weight-version labels (`update_weight_version`); its per-token
   `CompletionOutput.weight_versions` spans become `Generation.spans`.
-- LoRA adapters (`max_loras > 0`) are vLLM's own. Each (adapter, version) gets a private PEFT directory and a
-  `LoRARequest` whose id and `lora_name` are never reused (vLLM keys its active adapters and its prefix-cache hashes
-  by `lora_name`), so two versions never serve each other's weights or KV blocks; a replaced version is removed once
-  no request of it runs. `pause_adapter` holds the adapter's new requests in `generate` and aborts its running ones;
-  under `keep`, a sample continues after `resume_adapter` as a new vLLM request (prompt + tokens so far, the
-  remaining `max_tokens`) under the adapter's version of then. On CPU, `start` has every worker keep base-model rows
+- LoRA adapters (`max_loras > 0`) are vLLM's own (`consumers.engines.vllm_lora`: a version never reused, a sample
+  continued across an adapter's `keep` pause). On CPU, `start` has every worker keep base-model rows
   out of the adapters' terms (`RolloutsWorkerExtension.rollouts_mask_base_lora_rows`).
 - `load_weights` reloads a safetensors checkpoint in place (`collective_rpc("reload_weights")`); `load_tensors` and
   `load_handover` (a version each worker process opens where it is: a rank in an `nccl://` broadcast, the trainer's
@@ -36,29 +32,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import itertools
 import logging
 import shutil
 import subprocess
 import tempfile
-from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 import vllm
 from safetensors.torch import save, save_file
-from vllm import SamplingParams
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.exceptions import VLLMClientError
 from vllm.inputs import tokens_input
-from vllm.logprobs import FlatLogprobs
 from vllm.lora.request import LoRARequest
 from vllm.platforms import current_platform
-from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 
@@ -71,14 +61,9 @@ from consumers.engines.base import (
     SleepNotSupported,
     WakePart,
     check_request,
-    continuation_seed,
-    continued,
     engine_logprobs_mode,
     refuse_adapter,
-    refuse_logprobs_mode,
-    top_k_within,
 )
-from consumers.engines.lora import parse_adapter, save_adapter
 from consumers.engines.model_files import (
     WeightLayout,
     as_cpu_tensors,
@@ -87,8 +72,10 @@ from consumers.engines.model_files import (
     read_model_limits,
 )
 from consumers.engines.vllm_common import VLLM_FINISH_REASONS, vllm_spans
+from consumers.engines.vllm_lora import AdapterRequest, VllmAdapters
+from consumers.engines.vllm_requests import EMPTY_LOGPROBS, alternatives, routes_of, sampled_logprobs, sampling_params
 from consumers.orphans import reap_on_death
-from pipeline.wire import PAUSE_MODES, FinishReason, PauseMode, Sampling
+from pipeline.wire import PAUSE_MODES, PauseMode, Sampling
 from staleness.weights.handover import Handover, Placement
 
 log = logging.getLogger(__name__)
@@ -110,8 +97,6 @@ SHUTDOWN_GRACE_S = 1.0
 """How long `shutdown` lets vLLM's `EngineCore` exit after SIGTERM before vLLM kills it and its `Worker`s (vLLM's
 default: 5 s)."""
 
-_EMPTY_LOGPROBS = np.zeros(0, dtype=np.float32)
-
 
 RPC_LIMIT = 2**32 - 1
 """The most bytes one argument of vLLM's `collective_rpc` carries (its msgpack encoder's limit)."""
@@ -130,34 +115,7 @@ def staging_dir(nbytes: int) -> str | None:
     return None
 
 
-PAUSE_ABORT_RETRY_S = 0.05
-"""How often `pause_adapter` aborts again a request of the adapter that is still in vLLM: an abort that reaches
-vLLM before the request itself (just submitted) is a no-op there."""
-
-
-@dataclass(eq=False)
-class _Adapter:
-    """One loaded adapter version: its vLLM `LoRARequest` (own id and name) and its private PEFT directory."""
-
-    version: int
-    request: LoRARequest
-    path: Path
-
-
-@dataclass(eq=False)
-class _AdapterRequest:
-    """A `generate` call under an adapter, followed by `pause_adapter`, `abort` and `shutdown`."""
-
-    adapter: str
-    ended: asyncio.Event = field(default_factory=asyncio.Event)
-    """Set to end it with the tokens so far (abort, abort-pauses, shutdown), even while it waits for a resume."""
-    segment: asyncio.Future[Any] | None = None
-    """Its vLLM request now (one per stretch between pauses)."""
-    kept: bool = False
-    """Its segment was aborted by `pause_adapter(keep)`: go on after `resume_adapter`."""
-
-
-class VllmEngine(EngineLifecycle):
+class VllmEngine(VllmAdapters, EngineLifecycle):
     """The `Engine` protocol on `vllm.v1.engine.async_llm.AsyncLLM`.
 
     Args:
@@ -266,18 +224,7 @@ class VllmEngine(EngineLifecycle):
         """Tensor names and shapes of the model's own checkpoint: what a new one must match."""
         self._finished_tokens = 0
         """Tokens of the requests that ended since start (see `generated_tokens`)."""
-        self._adapters: dict[str, _Adapter] = {}
-        self._adapter_lock = asyncio.Lock()
-        self._adapter_requests: dict[str, _AdapterRequest] = {}
-        self._adapter_pauses: dict[str, asyncio.Event] = {}
-        """Paused adapters, each with the event `resume_adapter` sets."""
-        self._lora_ids = itertools.count(1)
-        self._lora_users: Counter[int] = Counter()
-        """vLLM requests running now per LoRA id."""
-        self._retired: dict[int, Path] = {}
-        """LoRA ids of replaced or removed versions, removed from vLLM once no request of them runs."""
-        self._lora_dir: Path | None = None
-        self._linears: dict[str, tuple[int, int]] | None = None
+        VllmAdapters.__init__(self)
 
     # -- capacity (what a worker takes at once) ----------------------------------------------------
 
@@ -345,8 +292,7 @@ class VllmEngine(EngineLifecycle):
         async with self._start_lock:
             self._closing = True
             llm, self._llm = self._llm, None
-        for request in self._adapter_requests.values():
-            request.ended.set()  # those waiting for `resume_adapter` end too (`EngineClosedError`)
+        self._end_adapter_requests()  # those waiting for `resume_adapter` end too (`EngineClosedError`)
         if llm is None:
             self._drop_lora_dir()
             return
@@ -368,11 +314,6 @@ class VllmEngine(EngineLifecycle):
             self._watchdog.wait()
             self._watchdog = None
         self._drop_lora_dir()
-
-    def _drop_lora_dir(self) -> None:
-        if self._lora_dir is not None:
-            shutil.rmtree(self._lora_dir, ignore_errors=True)
-            self._lora_dir = None
 
     # -- requests --------------------------------------------------------------------------------
 
@@ -398,14 +339,14 @@ class VllmEngine(EngineLifecycle):
             self._live.discard(request_id)
         if self._closing and last.finish_reason == "abort":
             raise EngineClosedError(f"engine shut down before request {request_id!r} finished")
-        top = _alternatives(tokens, last.logprobs, sampling.top_logprobs)
+        top = alternatives(tokens, last.logprobs, sampling.top_logprobs)
         return Generation(
             tokens=np.asarray(tokens, dtype=np.int32),
             logprobs=logprobs,
             finish_reason=VLLM_FINISH_REASONS[last.finish_reason],
             spans=self._spans(last.weight_versions, len(tokens)),
             cached_tokens=cached,
-            routed_experts=_routes(last, sampling, len(prompt), len(tokens), request_id),
+            routed_experts=routes_of(last, sampling, len(prompt), len(tokens), request_id),
             top_token_ids=None if top is None else top[0],
             top_logprobs=None if top is None else top[1],
         )
@@ -417,7 +358,7 @@ class VllmEngine(EngineLifecycle):
         params: Any,
         request_id: str,
         lora: LoRARequest | None = None,
-        tracked: _AdapterRequest | None = None,
+        tracked: AdapterRequest | None = None,
     ) -> tuple[list[int], np.ndarray, Any, int | None]:
         """One vLLM request to its end (`_stream`), or `EngineClosedError` once vLLM died; its final output checked.
 
@@ -442,104 +383,6 @@ class VllmEngine(EngineLifecycle):
             raise RuntimeError(f"vLLM failed request {request_id!r}: finish_reason={last.finish_reason}")
         return tokens, logprobs, last, cached
 
-    async def _generate_adapter(self, request_id: str, prompt: np.ndarray, sampling: Sampling, name: str) -> Generation:
-        """A request under adapter `name`: one vLLM request, or several when `pause_adapter(keep)` cut it.
-
-        Each stretch runs under the adapter's version current when it starts; its tokens get that version's span.
-        A continuation is prompt + tokens so far with the remaining `max_tokens` and, for a seeded request, a seed
-        derived from the seed and the tokens so far (`continuation_seed`), so it stays reproducible.
-        """
-        if name not in self._adapters:
-            raise EngineInputError(f"adapter {name!r} is not loaded; loaded: {sorted(self._adapters)}")
-        llm = self._llm if self._llm is not None else await self._started()
-        if request_id in self._live:
-            raise EngineInputError(f"request id {request_id!r} is already in flight on this engine")
-        self._live.add(request_id)
-        tracked = self._adapter_requests[request_id] = _AdapterRequest(name)
-        tokens: list[int] = []
-        logprobs: list[np.ndarray] = []
-        spans: list[tuple[int, int, int]] = []
-        cached: int | None = None
-        finish: FinishReason = "abort"
-        routes: np.ndarray | None = None
-        tops: list[tuple[np.ndarray, np.ndarray]] = []
-        try:
-            while await self._adapter_ready(tracked):
-                adapter = self._adapters[name]  # `remove_adapter` refuses while this request is in flight
-                done = len(tokens)
-                left = min(sampling.max_tokens, self.max_model_len - len(prompt)) - done
-                if left <= 0:
-                    finish = "length"
-                    break
-                seg_prompt = np.concatenate([prompt.astype(np.int64), np.asarray(tokens, dtype=np.int64)])
-                seg_sampling = (
-                    sampling
-                    if not done
-                    else continued(sampling, done).model_copy(
-                        update={"max_tokens": left, "seed": continuation_seed(sampling.seed, done)}
-                    )
-                )
-                params = self._sampling_params(len(seg_prompt), seg_sampling)
-                lora_id = adapter.request.lora_int_id
-                self._lora_users[lora_id] += 1
-                tracked.kept = False
-                try:
-                    seg_tokens, seg_logprobs, last, seg_cached = await self._run(
-                        llm, seg_prompt, params, request_id, adapter.request, tracked
-                    )
-                finally:
-                    tracked.segment = None
-                    await self._release_lora(lora_id)
-                if not done:
-                    cached = seg_cached
-                if seg_tokens:
-                    tokens += seg_tokens
-                    logprobs.append(seg_logprobs)
-                    top = _alternatives(seg_tokens, last.logprobs, sampling.top_logprobs)
-                    if top is not None:
-                        tops.append(top)
-                    _add_span(spans, adapter.version, done, len(tokens))
-                    routes = _routes(last, sampling, len(prompt), len(tokens), request_id)  # the whole sample's
-                finish = VLLM_FINISH_REASONS[last.finish_reason]
-                if finish != "abort" or not tracked.kept or tracked.ended.is_set() or self._closing:
-                    break
-        finally:
-            self._live.discard(request_id)
-            self._adapter_requests.pop(request_id, None)
-        if self._closing and finish == "abort":
-            raise EngineClosedError(f"engine shut down before request {request_id!r} finished")
-        return Generation(
-            tokens=np.asarray(tokens, dtype=np.int32),
-            logprobs=np.concatenate(logprobs) if logprobs else _EMPTY_LOGPROBS,
-            finish_reason=finish,
-            spans=spans,
-            cached_tokens=cached,
-            routed_experts=routes,
-            top_token_ids=np.concatenate([t[0] for t in tops]) if tops else None,
-            top_logprobs=np.concatenate([t[1] for t in tops]) if tops else None,
-        )
-
-    async def _adapter_ready(self, tracked: _AdapterRequest) -> bool:
-        """Wait while the request's adapter is paused; False once the request was ended (or vLLM died) instead.
-
-        Returns True with no await after its last check, so the caller's submission sees the pause state of now.
-        """
-        while not tracked.ended.is_set():
-            resumed = self._adapter_pauses.get(tracked.adapter)
-            if resumed is None:
-                return True
-            assert self._died is not None
-            waits = {asyncio.ensure_future(resumed.wait()), asyncio.ensure_future(tracked.ended.wait())}
-            try:
-                any_of: set[asyncio.Future[Any]] = {*waits, self._died}
-                await asyncio.wait(any_of, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                for wait in waits:
-                    wait.cancel()
-            if self._died.done():
-                raise EngineClosedError(f"the vLLM engine died while adapter {tracked.adapter!r} was paused")
-        return False
-
     async def _stream(
         self, llm: Any, prompt: np.ndarray, params: Any, request_id: str, lora: LoRARequest | None = None
     ) -> tuple[list[int], np.ndarray, Any, int | None]:
@@ -549,7 +392,7 @@ class VllmEngine(EngineLifecycle):
         vLLM's errors become ours: `EngineInputError` (the request's fault), `EngineClosedError` (no engine).
         """
         tokens: list[int] = []
-        logprobs = _EMPTY_LOGPROBS
+        logprobs = EMPTY_LOGPROBS
         last = None
         cached = None
         try:
@@ -560,7 +403,7 @@ class VllmEngine(EngineLifecycle):
                 last = out.outputs[0]
             if last is not None:  # FINAL_ONLY: one output, the whole sample
                 tokens = list(last.token_ids)
-                logprobs = _sampled_logprobs(tokens, last.logprobs)
+                logprobs = sampled_logprobs(tokens, last.logprobs)
                 self._finished_tokens += len(tokens)
         except VLLMClientError as exc:
             raise EngineInputError(str(exc)) from exc
@@ -575,30 +418,16 @@ class VllmEngine(EngineLifecycle):
         return tokens, logprobs, last, cached
 
     def _sampling_params(self, prompt_len: int, sampling: Sampling) -> Any:
-        """Our `Sampling` as vLLM `SamplingParams`; values vLLM refuses raise `EngineInputError`, and so does a
-        `logprobs_mode` other than the engine's."""
-        refuse_logprobs_mode(self.name, self.logprobs_mode, sampling)
-        max_tokens = min(sampling.max_tokens, self.max_model_len - prompt_len)
-        try:
-            return SamplingParams(
-                max_tokens=max_tokens,
-                temperature=sampling.temperature,
-                top_p=sampling.top_p,
-                top_k=top_k_within(sampling, self.vocab_size),
-                min_p=sampling.min_p,
-                repetition_penalty=sampling.repetition_penalty,
-                presence_penalty=sampling.presence_penalty,
-                frequency_penalty=sampling.frequency_penalty,
-                min_tokens=min(sampling.min_tokens, max_tokens),  # the context may end first: then it ends the sample
-                seed=sampling.seed,
-                stop_token_ids=sorted(set(sampling.stop_token_ids) | set(self._eos_ids)),
-                logprobs=sampling.top_logprobs,  # the sampled token's logprob first, then the k most likely
-                flat_logprobs=True,  # plain lists, not a dict of `Logprob` objects per token
-                detokenize=False,
-                output_kind=RequestOutputKind.FINAL_ONLY,  # one output per request (see the module docstring)
-            )
-        except (ValueError, VLLMClientError) as exc:  # vLLM's own range checks (e.g. temperature <= 2)
-            raise EngineInputError(str(exc)) from exc
+        """Our `Sampling` as vLLM `SamplingParams` for this engine (`vllm_requests.sampling_params`)."""
+        return sampling_params(
+            sampling,
+            prompt_len,
+            engine=self.name,
+            logprobs_mode=self.logprobs_mode,
+            max_model_len=self.max_model_len,
+            vocab_size=self.vocab_size,
+            eos_ids=self._eos_ids,
+        )
 
     def _no_routes(self) -> str | None:
         """Why this engine returns no routed experts (`check_request`), None when it does."""
@@ -618,9 +447,7 @@ class VllmEngine(EngineLifecycle):
     async def abort(self, request_ids: list[str]) -> None:
         """End these requests now; their `generate` returns the tokens so far with `abort`. Unknown ids are ignored."""
         ids = [i for i in request_ids if i in self._live]
-        for i in ids:
-            if i in self._adapter_requests:  # also ends one waiting for `resume_adapter`
-                self._adapter_requests[i].ended.set()
+        self._end_adapter_requests(ids)  # also ends one waiting for `resume_adapter`
         if ids and self._llm is not None:
             await self._llm.abort(ids)
 
@@ -635,140 +462,10 @@ class VllmEngine(EngineLifecycle):
         self._paused = True
         self._keep_cache = mode == "inflight"
         if mode == "abort":  # adapter requests waiting for `resume_adapter` end as well
-            for request in self._adapter_requests.values():
-                request.ended.set()
+            self._end_adapter_requests()
         # The KV and prefix caches are dropped once, by the load that follows (`_load`; never for `inflight`):
         # resetting them walks the whole block pool.
         await llm.pause_generation(mode="keep" if mode == "inflight" else mode, clear_cache=False)
-
-    # -- LoRA adapters ---------------------------------------------------------------------------
-
-    def adapters(self) -> dict[str, int]:
-        """The adapters loaded now, name -> version."""
-        return {name: a.version for name, a in self._adapters.items()}
-
-    async def load_adapter(
-        self, name: str, tensors: Mapping[str, Any], config: Mapping[str, Any], version: int
-    ) -> None:
-        """Load LoRA adapter `name` (PEFT tensors and config) at `version`, or replace the one of that name.
-
-        Checked against the model's Linear shapes (from its checkpoint) before vLLM sees it; a bad or surplus
-        adapter raises `ValueError` and loads nothing. A replaced version keeps serving the requests that run
-        under it now (vLLM cannot swap an adapter under a running request); new requests get the new one.
-        """
-        if not self.max_loras:
-            raise ValueError(f"this engine serves no adapters (max_loras=0); cannot load {name!r}")
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"an adapter's name must be a non-empty string, got {name!r}")
-        self._check_slot(name)
-        parsed = await asyncio.to_thread(parse_adapter, tensors, config, self._linear_shapes())
-        if parsed.rank > self.max_lora_rank:
-            raise ValueError(
-                f"adapter {name!r} has rank {parsed.rank}; this engine's max_lora_rank is {self.max_lora_rank}"
-            )
-        llm = await self._started()
-        async with self._adapter_lock:
-            self._check_slot(name)  # another load may have taken the last slot meanwhile
-            lora_id = next(self._lora_ids)
-            if self._lora_dir is None:
-                self._lora_dir = Path(tempfile.mkdtemp(prefix="rollouts-lora-"))
-            path = self._lora_dir / str(lora_id)
-            torch_tensors = {
-                k: (torch.from_numpy(np.ascontiguousarray(v)) if isinstance(v, np.ndarray) else v.detach().cpu())
-                for k, v in tensors.items()
-            }
-            await asyncio.to_thread(save_adapter, torch_tensors, dict(config), path)
-            request = LoRARequest(f"{name}@{version}#{lora_id}", lora_id, str(path))
-            try:
-                added = await llm.add_lora(request)
-            except Exception as exc:  # vLLM's loader refused it (e.g. a module it cannot adapt)
-                shutil.rmtree(path, ignore_errors=True)
-                raise ValueError(f"vLLM refused adapter {name!r}: {exc}") from exc
-            if not added:
-                shutil.rmtree(path, ignore_errors=True)
-                raise ValueError(f"vLLM did not load adapter {name!r}")
-            old = self._adapters.get(name)
-            self._adapters[name] = _Adapter(version, request, path)
-            if old is not None:
-                await self._retire(old)
-        log.info("loaded adapter %r version %d (vLLM LoRA id %d)", name, version, lora_id)
-
-    def _check_slot(self, name: str) -> None:
-        if name not in self._adapters and len(self._adapters) >= self.max_loras:
-            raise ValueError(
-                f"all max_loras={self.max_loras} slots hold adapters {sorted(self._adapters)}; remove one first"
-            )
-
-    def _linear_shapes(self) -> dict[str, tuple[int, int]]:
-        """The model's 2-D weights (Linear layers) by module path, `(out_features, in_features)`, from the checkpoint
-        headers: what `parse_adapter` checks an adapter against without loading a model here."""
-        if self._linears is None:
-            self._linears = {
-                key.removesuffix(".weight"): (shape[0], shape[1])
-                for key, shape in checkpoint_shapes(self.model_dir).items()
-                if key.endswith(".weight") and len(shape) == 2 and "embed" not in key
-            }
-        return self._linears
-
-    async def remove_adapter(self, name: str) -> None:
-        """Free adapter `name`'s slot; `ValueError` while any request of it is in flight (waiting ones included)."""
-        async with self._adapter_lock:
-            if name not in self._adapters:
-                return
-            live = sorted(rid for rid, r in self._adapter_requests.items() if r.adapter == name)
-            if live:
-                raise ValueError(
-                    f"adapter {name!r} has {len(live)} requests in flight ({live[:5]}); "
-                    "abort them (or pause_adapter(name, 'abort')) before removing it"
-                )
-            await self._retire(self._adapters.pop(name))
-
-    async def _retire(self, adapter: _Adapter) -> None:
-        """Remove a version from vLLM now, or once its last running request ends (`_release_lora`)."""
-        self._retired[adapter.request.lora_int_id] = adapter.path
-        if not self._lora_users[adapter.request.lora_int_id]:
-            await self._release_lora(adapter.request.lora_int_id, use=0)
-
-    async def _release_lora(self, lora_id: int, use: int = 1) -> None:
-        """One vLLM request of `lora_id` ended; a retired id with none left leaves vLLM and its files go."""
-        self._lora_users[lora_id] -= use
-        if self._lora_users[lora_id] > 0 or lora_id not in self._retired:
-            return
-        del self._lora_users[lora_id]
-        path = self._retired.pop(lora_id)
-        if self._llm is not None and not self._closing:
-            with contextlib.suppress(Exception):  # an engine going down frees it anyway
-                await self._llm.remove_lora(lora_id)
-        shutil.rmtree(path, ignore_errors=True)
-
-    async def pause_adapter(self, name: str, mode: PauseMode) -> None:
-        """Stop generating for adapter `name` only (loaded or not); returns once no request of it is in vLLM.
-
-        vLLM has no per-adapter pause, so its running requests are aborted in vLLM. `abort`: their `generate`
-        calls return the tokens so far; `keep`: they wait for `resume_adapter` and then go on as new vLLM requests
-        (see `_generate_adapter`); `inflight` does as `keep` (vLLM cannot swap an adapter under a running request).
-        Either way its new requests wait in `generate`.
-        """
-        if mode not in PAUSE_MODES:
-            raise ValueError(f"pause mode must be one of {', '.join(PAUSE_MODES)}; got {mode!r}")
-        self._adapter_pauses.setdefault(name, asyncio.Event())
-        mine = [(rid, r) for rid, r in self._adapter_requests.items() if r.adapter == name]
-        for _, request in mine:
-            if mode == "abort":
-                request.ended.set()
-            else:
-                request.kept = True
-        running = {rid: r.segment for rid, r in mine if r.segment is not None and not r.segment.done()}
-        while running and self._llm is not None:
-            await self._llm.abort(list(running))
-            await asyncio.wait(running.values(), timeout=PAUSE_ABORT_RETRY_S)
-            running = {rid: seg for rid, seg in running.items() if not seg.done()}
-
-    async def resume_adapter(self, name: str) -> None:
-        """Let adapter `name` generate again: its kept requests go on under its version of now."""
-        resumed = self._adapter_pauses.pop(name, None)
-        if resumed is not None:
-            resumed.set()
 
     async def resume(self) -> None:
         """Continue scheduling (requests kept by `pause("keep")` or `pause("inflight")` go on where they stopped)."""
@@ -931,65 +628,3 @@ class VllmEngine(EngineLifecycle):
     def stats(self) -> dict[str, int]:
         """Counters for heartbeats and metrics (`running`: requests in flight, queued ones included)."""
         return {"running": len(self._live), "generated_tokens": self.generated_tokens, "version": self.version}
-
-
-def _routes(output: Any, sampling: Sampling, prompt_len: int, n_tokens: int, request_id: str) -> np.ndarray | None:
-    """The routed experts of a final output as int16 `[prompt_len + n_tokens - 1, layers, top_k]` when the request
-    asked; None when it did not, generated nothing or was aborted (its continuation reads the whole sample again),
-    and, logged, when vLLM's do not cover the sample one route a position (the tokens are kept all the same)."""
-    positions = prompt_len + n_tokens - 1
-    if not sampling.routed_experts or not n_tokens or output.finish_reason == "abort":
-        return None
-    routes = getattr(output, "routed_experts", None)
-    shape = None if routes is None else np.shape(routes)
-    if shape is None or len(shape) != 3 or shape[0] != positions:
-        log.warning(
-            "request %s: vLLM's routed experts are of shape %s, not [%d, layers, top_k]; its rollout carries none",
-            request_id, shape, positions,
-        )  # fmt: skip
-        return None
-    return np.asarray(routes, dtype=np.int16)
-
-
-def _add_span(spans: list[tuple[int, int, int]], version: int, start: int, end: int) -> None:
-    """Append `(version, start, end)`, merged into the last span when that one is of the same version."""
-    if spans and spans[-1][0] == version and spans[-1][2] == start:
-        spans[-1] = (version, spans[-1][1], end)
-    else:
-        spans.append((version, start, end))
-
-
-def _alternatives(tokens: list[int], flat: FlatLogprobs | None, k: int) -> tuple[np.ndarray, np.ndarray] | None:
-    """The k most likely tokens of each position and their logprobs, `[len(tokens), k]` int32 / float32, from vLLM's
-    flat logprobs of a request with `logprobs=k`; None when k is 0 or there are no tokens.
-
-    vLLM's sampler gives each position the sampled token first, then the top k in rank order (`gather_logprobs`; the
-    sampled token again among them if it is one), of the same distribution as the sampled token's logprob (the
-    engine's `logprobs_mode`)."""
-    if not k or not tokens:
-        return None
-    if flat is None or len(flat.start_indices) != len(tokens):
-        raise RuntimeError(f"vLLM returned logprobs for {0 if flat is None else len(flat)} of {len(tokens)} tokens")
-    starts = np.asarray(flat.start_indices, dtype=np.int64)
-    if not np.array_equal(np.asarray(flat.end_indices, dtype=np.int64) - starts, np.full(len(tokens), k + 1)):
-        raise RuntimeError(f"vLLM did not return the sampled token and {k} alternatives at every position")
-    index = (starts[:, None] + 1 + np.arange(k)[None, :]).reshape(-1)
-    ids = np.asarray(flat.token_ids, dtype=np.int32)[index].reshape(len(tokens), k)
-    return ids, np.asarray(flat.logprobs, dtype=np.float32)[index].reshape(len(tokens), k)
-
-
-def _sampled_logprobs(tokens: list[int], flat: FlatLogprobs | None) -> np.ndarray:
-    """The logprob of each sampled token, as float32, from vLLM's flat logprobs (`logprobs=0`, `flat_logprobs`).
-
-    Each position's entries begin with the sampled token (vLLM's sampler puts it first; a top-0 request
-    adds no others, a top-k one its k alternatives after it), so its logprob is the one at the position's start
-    index.
-    """
-    if not tokens:
-        return _EMPTY_LOGPROBS
-    if flat is None or len(flat.start_indices) != len(tokens):
-        raise RuntimeError(f"vLLM returned logprobs for {0 if flat is None else len(flat)} of {len(tokens)} tokens")
-    starts = np.asarray(flat.start_indices, dtype=np.int64)
-    if not np.array_equal(np.asarray(flat.token_ids, dtype=np.int64)[starts], np.asarray(tokens, dtype=np.int64)):
-        raise RuntimeError("vLLM's logprobs are not those of the sampled tokens")
-    return np.asarray(flat.logprobs, dtype=np.float32)[starts]

@@ -54,7 +54,7 @@ never sees a scheme. This package imports no engine, as the design asks.
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict, Unpack
 
 import torch
 
@@ -82,6 +82,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Incoming",
     "Joined",
+    "LoadOptions",
     "Transport",
     "begin_load",
     "fetch_adapter",
@@ -205,18 +206,23 @@ async def begin_load(
     return await transport.begin_load(engine, parsed, version, receiving)
 
 
+class LoadOptions(TypedDict, total=False):
+    """How a worker receives a version (`begin_load`'s keywords, and its defaults when left out)."""
+
+    epoch: int | None
+    timeout_s: float
+    member: str | None
+
+
 async def load_version(
     engine: LoadsWeights,
     uri: str,
     version: int,
     redis_client: redis.Redis | None = None,
-    *,
-    epoch: int | None = None,
-    timeout_s: float = 60.0,
-    member: str | None = None,
+    **options: Unpack[LoadOptions],
 ) -> None:
-    """Fetch version `version` from wherever `uri` says (off the event loop) and load it into `engine`: `begin_load`,
-    then `Incoming.load`.
+    """Fetch version `version` from wherever `uri` says (off the event loop) and load it into `engine`: `begin_load`
+    (whose keywords `options` are), then `Incoming.load`.
 
     fs: `engine.load_weights(dir, version)` (vLLM reloads the files in place); redis: the chunks are read
     and checked here, then `engine.load_tensors(tensors, version)`; nccl: join sync `epoch`'s group as
@@ -225,5 +231,5 @@ async def load_version(
     engine's weights as they were: `FileNotFoundError` (version not there), `ValueError` (bad uri, checksum, manifest;
     ipc: not the same GPU), `TimeoutError` (no trainer).
     """
-    incoming = await begin_load(engine, uri, version, redis_client, epoch=epoch, timeout_s=timeout_s, member=member)
+    incoming = await begin_load(engine, uri, version, redis_client, **options)
     await incoming.load(engine)

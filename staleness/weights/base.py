@@ -515,8 +515,22 @@ class Transport:
         """Store (or stage, for a transport that pushes) one version completely, then return the uri that names it
         (`FileExistsError` if stored). With `adapter_config`, the tensors are a LoRA adapter's (PEFT names) and the
         config goes with them. An iterable of `(name, tensor)` pairs is consumed once, a bucket at a time (see each
-        transport); if it raises, nothing of the version is left stored and the error propagates."""
-        raise NotImplementedError
+        transport); if it raises, nothing of the version is left stored and the error propagates. The transport's own
+        part is `put`; this times it and keeps what it moved (`last_publish`)."""
+        version = check_version(version)
+        started = time.monotonic()
+        stats = self.put(tensors, version, adapter_config)
+        stats.seconds = time.monotonic() - started
+        self.last_publish = stats
+        return self.uri_of(version)
+
+    def put(self, tensors: WeightSource, version: int, adapter_config: Mapping[str, Any] | None) -> PublishStats:
+        """`publish`'s own part, of a checked `version`: store (or stage) it, counting what passed."""
+        raise NotImplementedError(f"{type(self).__name__} publishes nothing")
+
+    def uri_of(self, version: int) -> str:
+        """The uri of `version` in this transport."""
+        raise NotImplementedError(f"{type(self).__name__} names no versions")
 
     def push(self, epoch: int, workers: int) -> object:
         """Send the version published last to the `workers` live workers of sync `epoch` (`pushes`); returns what

@@ -14,7 +14,6 @@ import json
 import os
 import re
 import shutil
-import time
 import uuid
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -76,7 +75,6 @@ class FsTransport(Transport):
             raise ValueError(f"shard_bytes must be >= 1, got {shard_bytes}")
         self.root = Path(root).absolute()
         self.shard_bytes = shard_bytes
-        self.last_publish: PublishStats | None = None
 
     @classmethod
     def from_uri(cls, uri: str) -> FsTransport:
@@ -118,14 +116,8 @@ class FsTransport(Transport):
     def uri_of(self, version: int) -> str:
         return f"fs://{self.path_of(version)}"
 
-    def publish(
-        self,
-        tensors: WeightSource,
-        version: int,
-        *,
-        adapter_config: Mapping[str, Any] | None = None,
-    ) -> str:
-        """Write `DIR/v{version}` atomically (temp dir, shards as the tensors come, fsync, rename) and return
+    def put(self, tensors: WeightSource, version: int, adapter_config: Mapping[str, Any] | None) -> PublishStats:
+        """Write `DIR/v{version}` atomically (temp dir, shards as the tensors come, fsync, rename): its uri is
         `fs:///DIR/v{version}`. If the source raises, the temp dir goes and the error propagates.
 
         With `adapter_config`, the tensors are a LoRA adapter's: PEFT's two files are written instead (one
@@ -135,7 +127,6 @@ class FsTransport(Transport):
             raise FileExistsError(
                 f"weights version {version} exists at {final}: versions are immutable, remove it first"
             )
-        started = time.monotonic()
         self.root.mkdir(parents=True, exist_ok=True)
         for stale in self.root.glob(f"{PARTIAL_PREFIX}v{version}-*"):  # an earlier attempt that crashed
             shutil.rmtree(stale, ignore_errors=True)
@@ -160,9 +151,7 @@ class FsTransport(Transport):
             shutil.rmtree(partial, ignore_errors=True)
             raise
         fsync_path(self.root)
-        stats.seconds = time.monotonic() - started
-        self.last_publish = stats
-        return self.uri_of(version)
+        return stats
 
     def fetch(self, version: int) -> Path:
         """The directory of a complete version, for `engine.load_weights` (`FileNotFoundError` if none)."""

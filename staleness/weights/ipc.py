@@ -296,7 +296,6 @@ class IpcTransport(Transport):
     def __init__(self, client: redis.Redis, ns: str) -> None:
         self.client = client
         self.keys = Keys(ns)  # raises ValueError for a bad namespace
-        self.last_publish: PublishStats | None = None
 
     @property
     def ns(self) -> str:
@@ -309,13 +308,7 @@ class IpcTransport(Transport):
     def uri_of(self, version: int) -> str:
         return str(WeightsUri("ipc", self.ns, check_version(version)))
 
-    def publish(
-        self,
-        tensors: WeightSource,
-        version: int,
-        *,
-        adapter_config: Mapping[str, Any] | None = None,
-    ) -> str:
+    def put(self, tensors: WeightSource, version: int, adapter_config: Mapping[str, Any] | None) -> PublishStats:
         """Export the tensors (copied into a buffer of this process on their GPU) and store the manifest last.
 
         An iterable of `(name, tensor)` pairs must yield CUDA tensors on the workers' GPU (a CPU tensor is refused as
@@ -323,12 +316,10 @@ class IpcTransport(Transport):
         moment (what was yielded, and the buffer), the host none of it.
 
         A manifest left by a trainer process that is gone is replaced: its handles opened nothing any more."""
-        version = check_version(version)
         if adapter_config is not None:
             raise ValueError(f"LoRA adapters travel by {adapter_schemes()}, not ipc://")
         if (self.ns, version) in _HELD:
             raise FileExistsError(f"weights version {version} is exported by this process already: remove it first")
-        started = time.monotonic()
         stats = PublishStats()
 
         def counted() -> Iterator[tuple[str, torch.Tensor]]:
@@ -345,9 +336,7 @@ class IpcTransport(Transport):
         except BaseException:
             _HELD.pop((self.ns, version)).close()
             raise
-        stats.seconds = time.monotonic() - started
-        self.last_publish = stats
-        return self.uri_of(version)
+        return stats
 
     def versions(self) -> list[int]:
         """The versions this process exports (others' manifests name handles of no use to it)."""

@@ -38,6 +38,9 @@ A LoRA adapter's version goes the same way (its config in the meta, `adapter_con
 process itself (one rank a worker, whatever the engine: an adapter is a few MB), which keeps a CPU copy so that it
 can load the adapter later on demand. Give adapters a port of their own: a group is kept while its membership
 (ranks per worker) stays the same, and a vLLM worker with tensor parallelism takes more ranks for the base model.
+
+This module is the transport (the trainer's publish and send, and the worker's calls into the protocol); the group
+both sides build is `staleness.weights.nccl_group`, the receiving ranks `staleness.weights.nccl_receive`.
 """
 
 from __future__ import annotations
@@ -45,19 +48,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
-import socket
-import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from contextlib import AbstractContextManager
-from dataclasses import asdict, dataclass, field
-from datetime import timedelta
-from typing import Any, cast
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from staleness.weights import nccl_group
 from staleness.weights.base import (
     Opening,
     PublishStats,
@@ -77,25 +77,43 @@ from staleness.weights.buckets import (
     TensorMeta,
     bucket_parts,
     bucket_size,
-    dtype_from_name,
     dtype_name,
     pack_bucket,
     plan_buckets,
     raw_bytes,
-    tensor_view,
 )
 from staleness.weights.handover import Handover, LoadsWeights
+from staleness.weights.nccl_group import NO_GROUP, KeptGroup
+from staleness.weights.nccl_receive import (
+    BroadcastLink,
+    drop_receivers,
+    forget_group,
+    join_broadcast,
+    prepare_receiver,
+    receive_broadcast,
+)
 
-META_V = 4
-"""2 -> 3: receivers post a ready barrier (a one-element all-reduce) before the buckets. 3 -> 4: over NCCL a bucket
-goes as its parts (`bucket_parts`) in one NCCL group, the meta names `copy_from`."""
+__all__ = [
+    "DEFAULT_BUCKET_BYTES",
+    "BroadcastLink",
+    "BroadcastStats",
+    "NcclTransport",
+    "drop_groups",
+    "forget_group",
+    "groups_built",
+    "join_broadcast",
+    "prepare_receiver",
+    "receive_broadcast",
+]
+"""The transport, and the receiving side's calls (`staleness.weights.nccl_receive`) that tests and probes make here."""
+
 DEFAULT_BUCKET_BYTES = 256 << 20
 """Bytes per broadcast: big enough to run near link speed, small enough for two buffers on the GPU."""
-NO_GROUP = -1
-"""The generation a worker that holds no group reports."""
 
 _SERVERS: dict[int, dist.TCPStore] = {}
 """The trainer's rendezvous stores, by port: one per process, kept across syncs."""
+_TRAINER_GROUPS: dict[int, KeptGroup] = {}
+"""The trainer's group, by rendezvous port: a fresh `NcclTransport` per publish finds it here."""
 
 
 @dataclass
@@ -128,64 +146,6 @@ class BroadcastStats:
 
 
 @dataclass(frozen=True)
-class BroadcastLink:
-    """What a receiving process needs to take its rank in one sync: plain data, so that it crosses to vLLM's workers."""
-
-    host: str
-    port: int
-    epoch: int
-    version: int
-    first_rank: int
-    world: int
-    timeout_s: float
-    meta: str
-    """The trainer's JSON meta: version, backend, bucket size, tensors."""
-    member: str = ""
-    """The worker's name in the group."""
-    generation: int = NO_GROUP
-    """The group to receive in: kept from an earlier sync when it equals the one the receiver holds."""
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> BroadcastLink:
-        return cls(**data)
-
-    def forget(self) -> None:
-        """After a failed load: report no group at the next sync (`forget_group`), in the worker process."""
-        _forget(self.host, self.port, self.member)
-
-
-@dataclass
-class _Group:
-    """A process group kept across syncs, and who is in it (the trainer's members; a receiver's own rank)."""
-
-    generation: int
-    world: int
-    group: dist.ProcessGroup | None = None
-    """None until built (the trainer agrees a membership first, then builds it)."""
-    members: dict[str, tuple[int, int]] = field(default_factory=dict)
-    """The trainer's view: worker name -> (first rank, ranks)."""
-    rank: int = 0
-    backend: str = "gloo"
-    device: str = "cpu"
-    store: dist.Store | None = None
-    """A receiver's client of the trainer's rendezvous store, kept with its group (it counts itself `posted` there)."""
-
-
-_TRAINER_GROUPS: dict[int, _Group] = {}
-"""The trainer's group, by rendezvous port: a fresh `NcclTransport` per publish finds it here."""
-_RECEIVER_GROUPS: dict[tuple[str, int, str, int], _Group] = {}
-"""A receiving process's groups, by (host, port, member, rank offset)."""
-_HELD: dict[tuple[str, int, str], int] = {}
-"""The generation a worker's receivers hold, by (host, port, member): what it reports when it joins."""
-_LOCK = threading.Lock()
-GROUPS_BUILT = {"trainer": 0, "receiver": 0}
-"""Process groups built in this process, per side: a kept group builds none."""
-
-
-@dataclass(frozen=True)
 class _Outgoing:
     """A staged version laid out for the wire once, when it is published (while the workers still generate), not in
     the sync: each bucket's parts, an alone part with its tensor's bytes (a view: nothing is copied). The first bucket
@@ -207,89 +167,24 @@ class _Outgoing:
         backend = backend or ("nccl" if device.type == "cuda" else "gloo")
         buckets, nbytes = [], 0
         for bucket in plan_buckets(metas, bucket_bytes):
-            parts = bucket_parts(metas, bucket, _grouped(backend), COPY_FROM)
+            parts = bucket_parts(metas, bucket, nccl_group.grouped(backend), COPY_FROM)
             buckets.append([(p, raw_bytes(tensors[p.members[0][0]]) if p.alone else None) for p in parts])
             nbytes += bucket_size(metas, bucket)
         return cls(metas, tensors, buckets, nbytes, device, backend)
 
 
-def _store(host: str, port: int, timeout_s: float, server: bool) -> dist.TCPStore:
-    return dist.TCPStore(host, port, None, server, timedelta(seconds=timeout_s), wait_for_workers=False, use_libuv=True)
-
-
-def _group(
-    store: dist.Store, generation: int, rank: int, world: int, backend: str, timeout_s: float
-) -> dist.ProcessGroup:
-    prefixed = dist.PrefixStore(f"g{generation}/pg/", store)
-    if backend == "nccl":
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timedelta(seconds=timeout_s)
-        return cast(dist.ProcessGroup, dist.ProcessGroupNCCL(prefixed, rank, world, options))  # stubs: a Backend
-    return cast(dist.ProcessGroup, dist.ProcessGroupGloo(prefixed, rank, world, timedelta(seconds=timeout_s)))
-
-
-def _close_later(group: dist.ProcessGroup | None) -> None:
-    """Free the group on a thread of its own: NCCL takes ~0.5 s to destroy a communicator, and
-    nobody need wait for it (the workers resume, the trainer goes back to training)."""
-    shutdown = getattr(group, "shutdown", None)  # NCCL: free the communicator now, not at exit
-    if callable(shutdown):
-        threading.Thread(target=shutdown, name="broadcast-teardown", daemon=True).start()
-
-
-def _broadcast_async(group: dist.ProcessGroup, buffer: torch.Tensor) -> dist.Work:
-    """Start a broadcast from rank 0; `wait()` on the result blocks (gloo) or orders the current CUDA stream (NCCL)."""
-    return group.broadcast([buffer], dist.BroadcastOptions())
-
-
-def _grouped(backend: str) -> bool:
-    """Whether a bucket goes as its parts in one group (NCCL), or whole (gloo, which has no groups)."""
-    return backend == "nccl"
-
-
-def _broadcast_parts(group: dist.ProcessGroup, buffers: list[torch.Tensor]) -> list[dist.Work]:
-    """Broadcast a bucket's parts from rank 0, as one NCCL group (one launch, one work) where the backend has groups:
-    closer to one bare broadcast of the same bytes than packing them, or a broadcast a tensor
-    (`benchmarks/device/probe_strategies.py` compares the three)."""
-    if len(buffers) == 1 or not getattr(group, "supports_coalescing", False):
-        return [_broadcast_async(group, b) for b in buffers]
-    group._start_coalescing()  # type: ignore[call-arg]  # the stub wants a device; the backend's own is used
-    for buffer in buffers:
-        _broadcast_async(group, buffer)
-    return [group._end_coalescing()]  # type: ignore[call-arg]  # as _start_coalescing
-
-
-def _warm_up(group: dist.ProcessGroup, device: torch.device) -> None:
-    """One byte from rank 0, so that setup (NCCL's communicator is built lazily) is done before any real bucket."""
-    _broadcast_async(group, torch.zeros(1, dtype=torch.uint8, device=device)).wait()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _barrier(group: dist.ProcessGroup, device: torch.device) -> dist.Work:
-    """The ready barrier: a one-element all-reduce completes only once every rank posted it (a broadcast's
-    root may finish a small send before the receivers are there)."""
-    return group.allreduce([torch.zeros(1, dtype=torch.int32, device=device)])
-
-
-def default_member() -> str:
-    """This process's name in a group when the worker gives none (its default worker name)."""
-    return f"{socket.gethostname()}-{os.getpid()}"
-
-
 def groups_built() -> dict[str, int]:
     """How many process groups this process built so far, per side (a kept group builds none)."""
-    return dict(GROUPS_BUILT)
+    return dict(nccl_group.GROUPS_BUILT)
 
 
 def drop_groups() -> None:
     """Free every group this process keeps (the trainer's and the receivers'): the next sync builds afresh."""
-    with _LOCK:
-        for kept in [*_TRAINER_GROUPS.values(), *_RECEIVER_GROUPS.values()]:
-            _close_later(kept.group)
+    with nccl_group.LOCK:
+        for kept in _TRAINER_GROUPS.values():
+            nccl_group.close_later(kept.group)
         _TRAINER_GROUPS.clear()
-        _RECEIVER_GROUPS.clear()
-        _POSTED.clear()
-        _HELD.clear()
+    drop_receivers()
 
 
 # -- the trainer's side --------------------------------------------------------------------------
@@ -324,7 +219,6 @@ class NcclTransport(Transport):
         """The staged version's LoRA config when it is an adapter's (it travels in the meta)."""
         self.last: BroadcastStats | None = None
         """What the last broadcast moved, and how fast."""
-        self.last_publish: PublishStats | None = None
 
     @classmethod
     def from_uri(cls, uri: str, **kwargs: Any) -> NcclTransport:
@@ -351,21 +245,14 @@ class NcclTransport(Transport):
     def uri_of(self, version: int) -> str:
         return f"nccl://{self.host}:{self.port}/v{check_version(version)}"
 
-    def publish(
-        self,
-        tensors: WeightSource,
-        version: int,
-        *,
-        adapter_config: Mapping[str, Any] | None = None,
-    ) -> str:
-        """Stage `version` for the next `broadcast` (on the tensors' GPU, if any); returns its uri. With
+    def put(self, tensors: WeightSource, version: int, adapter_config: Mapping[str, Any] | None) -> PublishStats:
+        """Stage `version` for the next `broadcast` (on the tensors' GPU, if any). With
         `adapter_config`, the tensors are a LoRA adapter's (PEFT names) and the config travels in the meta.
 
         An iterable of `(name, tensor)` pairs is consumed here, before the sync (every name and shape must be in the
         meta that the workers check before they pause), and its tensors are kept where they are until the broadcast:
         yield them on the GPU and the host holds none of them; CPU tensors (gloo) are held in host memory, the whole
         version (`last_publish.peak_buffered_bytes`)."""
-        started = time.monotonic()
         stats = PublishStats()
         named: dict[str, torch.Tensor] = {}
         for name, tensor in named_tensors(tensors, keep_device=True):
@@ -381,17 +268,15 @@ class NcclTransport(Transport):
         if devices:
             device = devices.pop()
             named = {k: t.to(device) for k, t in named.items()}
-        self._staged = (check_version(version), _Outgoing.of(named, self.bucket_bytes))
+        self._staged = (version, _Outgoing.of(named, self.bucket_bytes))
         self._adapter_config = None if adapter_config is None else dict(adapter_config)
         self._server()  # listening before the workers hear of the version
-        stats.seconds = time.monotonic() - started
-        self.last_publish = stats
-        return self.uri_of(version)
+        return stats
 
     def _server(self) -> dist.TCPStore:
         store = _SERVERS.get(self.port)
         if store is None:
-            store = _SERVERS[self.port] = _store(self.host, self.port, self.timeout_s, server=True)
+            store = _SERVERS[self.port] = nccl_group.open_store(self.host, self.port, self.timeout_s, server=True)
         return store
 
     def broadcast(self, epoch: int, workers: int) -> BroadcastStats:
@@ -412,7 +297,7 @@ class NcclTransport(Transport):
         store = self._server()
         prefix = f"e{epoch}/"
         meta = {
-            "v": META_V,
+            "v": nccl_group.META_V,
             "version": version,
             "backend": backend,
             "bucket_bytes": self.bucket_bytes,
@@ -449,7 +334,7 @@ class NcclTransport(Transport):
         self.last = stats
         return stats
 
-    def _agree(self, kept: _Group | None, joined: list[dict[str, Any]], epoch: int) -> _Group:
+    def _agree(self, kept: KeptGroup | None, joined: list[dict[str, Any]], epoch: int) -> KeptGroup:
         """The group of this sync: `kept` when the workers that joined are its members and still hold it, else a
         new membership (not yet built: `_send` builds it), its generation this epoch."""
         asked = {str(j["member"]): int(j["ranks"]) for j in joined}
@@ -462,18 +347,18 @@ class NcclTransport(Transport):
         members: dict[str, tuple[int, int]] = {}
         for name, count in asked.items():  # in the order they joined, rank 0 being the trainer
             members[name] = (1 + sum(c for _, c in members.values()), count)
-        return _Group(epoch, 1 + sum(asked.values()), members=members)
+        return KeptGroup(epoch, 1 + sum(asked.values()), members=members)
 
     def _drop(self) -> None:
         kept = _TRAINER_GROUPS.pop(self.port, None)
         if kept is not None:
-            _close_later(kept.group)
+            nccl_group.close_later(kept.group)
 
     def _send(
         self,
         store: dist.Store,
         stats: BroadcastStats,
-        plan: _Group,
+        plan: KeptGroup,
         outgoing: _Outgoing,
     ) -> None:
         device = outgoing.device
@@ -482,15 +367,17 @@ class NcclTransport(Transport):
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
             if plan.group is None:
                 self._drop()
-                plan.group = _group(store, plan.generation, 0, plan.world, stats.backend, self.timeout_s)
+                plan.group = nccl_group.build_group(
+                    store, plan.generation, 0, plan.world, stats.backend, self.timeout_s
+                )
                 plan.backend, plan.device = stats.backend, str(device)
-                GROUPS_BUILT["trainer"] += 1
+                nccl_group.GROUPS_BUILT["trainer"] += 1
                 _TRAINER_GROUPS[self.port] = plan
-                _warm_up(plan.group, device)
+                nccl_group.warm_up(plan.group, device)
                 stats.setup_s = time.monotonic() - started
             started = time.monotonic()
             self._wait_posted(store, stats)
-            _barrier(plan.group, device).wait()
+            nccl_group.barrier(plan.group, device).wait()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             stats.ready_s = time.monotonic() - started
@@ -536,7 +423,7 @@ class NcclTransport(Transport):
                 in_flight[slot] = []
                 pack_bucket(part.members, outgoing.tensors, buffer, padding, start=part.start)
                 payloads.append(buffer[part.start : part.end])
-            in_flight[slot] += _broadcast_parts(group, payloads)
+            in_flight[slot] += nccl_group.broadcast_parts(group, payloads)
         for works in in_flight:
             for work in works:
                 work.wait()
@@ -672,227 +559,3 @@ class _Joined:
             raise
         config = json.loads(link.meta).get("adapter_config")
         return tensors, config if isinstance(config, dict) else None
-
-
-# -- the worker's side ---------------------------------------------------------------------------
-
-
-def join_broadcast(
-    uri: str,
-    epoch: int,
-    version: int,
-    ranks: int = 1,
-    timeout_s: float = 60.0,
-    check: Callable[[dict[str, tuple[int, ...]], str], None] | None = None,
-    member: str | None = None,
-) -> BroadcastLink:
-    """Take `ranks` ranks in sync `epoch`'s group as `member` (the worker's name) and wait until the trainer fixed it.
-
-    Run in the worker process (blocking); the engine then receives with `receive_broadcast`. `check`
-    sees the names and shapes first: if it raises, this worker declines (the others go on without
-    waiting for it) and the error propagates. Raises `TimeoutError` when the trainer does not answer
-    and `RuntimeError` when this worker joined too late. If the load that follows fails, call
-    `forget_group` so that the next sync does not count on this worker's group.
-    """
-    member = member or default_member()
-    parsed = parse_uri(uri)
-    if parsed.version is not None and parsed.version != version:
-        raise ValueError(f"weights uri {uri!r} names version {parsed.version}, not {version}")
-    host, _, port = parsed.location.rpartition(":")
-    prefix = f"e{epoch}/"
-    try:
-        store = _store(host, int(port), timeout_s, server=False)
-        store.wait([prefix + "meta"])
-        raw_meta = store.get(prefix + "meta").decode()
-    except (dist.DistStoreError, RuntimeError) as exc:  # refused, timed out, or the trainer went away
-        raise TimeoutError(f"weights {uri}: no answer from the trainer's rendezvous at {host}:{port}: {exc}") from None
-    meta = json.loads(raw_meta)
-    try:
-        if meta.get("v") != META_V or meta.get("version") != version:
-            raise ValueError(
-                f"weights {uri}: the trainer broadcasts version {meta.get('version')!r} (meta v={meta.get('v')!r}), "
-                f"this worker expected version {version} (meta v={META_V})"
-            )
-        if check is not None:
-            check({m.name: m.shape for m in _metas(meta)}, uri)
-    except Exception:
-        store.add(prefix + "answered", 1)  # declined: the trainer need not wait for us
-        raise
-    key = (host, int(port), member)
-    try:
-        joined = {"member": member, "ranks": ranks, "holds": _HELD.get(key, NO_GROUP)}
-        index = store.add(prefix + "workers", 1)
-        store.set(f"{prefix}w{index}", json.dumps(joined, separators=(",", ":")))
-        store.add(prefix + "answered", 1)
-        store.wait([prefix + "world"])
-        world = json.loads(store.get(prefix + "world"))
-    except (dist.DistStoreError, RuntimeError) as exc:
-        raise TimeoutError(f"weights {uri}: the trainer at {host}:{port} did not start its broadcast: {exc}") from None
-    if member not in world["ranks"]:
-        forget_group(uri, member)
-        raise RuntimeError(
-            f"weights {uri}: joined sync {epoch} after the trainer started its broadcast (world size {world['world']})"
-        )
-    _HELD[key] = int(world["generation"])
-    return BroadcastLink(
-        host,
-        int(port),
-        epoch,
-        version,
-        int(world["ranks"][member]),
-        int(world["world"]),
-        timeout_s,
-        raw_meta,
-        member,
-        int(world["generation"]),
-    )
-
-
-def forget_group(uri: str, member: str | None = None) -> None:
-    """After a failed load: report no group at the next sync, so that the trainer builds a new one with everyone."""
-    host, _, port = parse_uri(uri).location.rpartition(":")
-    _forget(host, int(port), member or default_member())
-
-
-def _forget(host: str, port: int, member: str) -> None:
-    """Report no group at the next sync, and free receives posted but never taken (their buffers are a model)."""
-    with _LOCK:
-        _HELD.pop((host, port, member), None)
-        for key in [k for k in _POSTED if k[:3] == (host, port, member)]:
-            del _POSTED[key]
-
-
-def receive_broadcast(
-    link: BroadcastLink, rank_offset: int = 0, device: str | torch.device = "cpu"
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Take rank `link.first_rank + rank_offset` in the link's group and yield the trainer's tensors as they arrive.
-
-    NCCL receives on `device` (a GPU); gloo on the CPU. Every rank must drain the iterator: the
-    broadcasts are collective. The tensors are views of the receive buffers (no copy). Every bucket's
-    receive is posted up front: by `prepare_receiver` for this sync if it ran (the bytes may have landed
-    already), else here. The group is kept for the next sync.
-    """
-    meta = json.loads(link.meta)
-    metas = _metas(meta)
-    target = _target(meta["backend"], device)
-    try:
-        with _LOCK:
-            posted = _POSTED.pop(_key(link, rank_offset), None)
-        if posted is None or posted.epoch != link.epoch:
-            prepare_receiver(link, rank_offset, device)
-            with _LOCK:
-                posted = _POSTED.pop(_key(link, rank_offset))
-        posted.ready.wait()
-        for works, views in posted.buckets:
-            for work in works:
-                work.wait()
-            yield from views
-        for m in metas:
-            if m.nbytes == 0:
-                yield m.name, torch.empty(m.shape, dtype=dtype_from_name(m.dtype), device=target)
-        if target.type == "cuda":
-            torch.cuda.synchronize(target)  # every broadcast landed before the tensors are used elsewhere
-    except BaseException:
-        _drop_receiver_group(link, rank_offset)
-        raise
-
-
-@dataclass
-class _Posted:
-    """One sync's receives of one rank, posted without waiting: the ready barrier, then per bucket its broadcast
-    and the tensors it carries (named views of its buffer, made before the bytes land: off the stall)."""
-
-    epoch: int
-    ready: dist.Work
-    buckets: list[tuple[list[dist.Work], list[tuple[str, torch.Tensor]]]]
-
-
-_POSTED: dict[tuple[str, int, str, int], _Posted] = {}
-"""Receives posted by `prepare_receiver`, by (host, port, member, rank offset), until `receive_broadcast` takes them."""
-
-
-def _key(link: BroadcastLink, rank_offset: int) -> tuple[str, int, str, int]:
-    return (link.host, link.port, link.member, rank_offset)
-
-
-def prepare_receiver(
-    link: BroadcastLink, rank_offset: int = 0, device: str | torch.device = "cpu"
-) -> dist.ProcessGroup:
-    """Find or build rank `link.first_rank + rank_offset`'s group of the link (collective: every rank, the trainer
-    included, builds it at once) and post its receives, without waiting for them.
-
-    A worker runs this before it pauses its engine (`join_version` has the engine do it), so that neither
-    the wait for the other workers to join, nor a new communicator's setup, nor the bytes on the wire are time it
-    stands still (the receives run beside generation, on the communicator's stream); `receive_broadcast`
-    then finds them posted and waits only for what has not landed yet. The buffers take the model's size on
-    `device` until the receiver has loaded the tensors, as they would when received after the pause."""
-    meta = json.loads(link.meta)
-    backend = meta["backend"]
-    target = _target(backend, device)
-    if target.type == "cuda":
-        torch.cuda.set_device(target)
-    kept = _receiver_group(link, rank_offset, backend, target)
-    group = kept.group
-    assert group is not None  # a receiver's group is built with it
-    try:
-        metas = _metas(meta)
-        grouped, copy_from = _grouped(backend), int(meta["copy_from"])
-        ready = _barrier(group, target)
-        buckets = []
-        for bucket in plan_buckets(metas, int(meta["bucket_bytes"])):
-            buffer = torch.empty(bucket_size(metas, bucket), dtype=torch.uint8, device=target)
-            views = [(metas[i].name, tensor_view(buffer, metas[i], offset)) for i, offset in bucket]
-            parts = bucket_parts(metas, bucket, grouped, copy_from)
-            buckets.append((_broadcast_parts(group, [buffer[p.start : p.end] for p in parts]), views))
-    except BaseException:
-        _drop_receiver_group(link, rank_offset)
-        raise
-    with _LOCK:
-        _POSTED[_key(link, rank_offset)] = _Posted(link.epoch, ready, buckets)
-    assert kept.store is not None  # a receiver's group is built with its store
-    kept.store.add(f"e{link.epoch}/posted", 1)
-    return group
-
-
-def _target(backend: str, device: str | torch.device) -> torch.device:
-    """Where a rank receives: its GPU over NCCL, the CPU over gloo."""
-    return torch.device(device) if backend == "nccl" else torch.device("cpu")
-
-
-def _receiver_group(link: BroadcastLink, rank_offset: int, backend: str, target: torch.device) -> _Group:
-    """This rank's group of `link.generation`: the one kept from an earlier sync, or a new one (warmed up)."""
-    key = _key(link, rank_offset)
-    rank = link.first_rank + rank_offset
-    with _LOCK:
-        kept = _RECEIVER_GROUPS.get(key)
-        if kept is not None and kept.group is not None and (kept.generation, kept.rank) == (link.generation, rank):
-            return kept
-        if kept is not None:
-            _close_later(kept.group)
-            del _RECEIVER_GROUPS[key]
-    store = _store(link.host, link.port, link.timeout_s, server=False)
-    group = _group(store, link.generation, rank, link.world, backend, link.timeout_s)
-    _warm_up(group, target)
-    with _LOCK:
-        GROUPS_BUILT["receiver"] += 1
-        built = _RECEIVER_GROUPS[key] = _Group(
-            link.generation, link.world, group, rank=rank, backend=backend, device=str(target), store=store
-        )
-    return built
-
-
-def _drop_receiver_group(link: BroadcastLink, rank_offset: int) -> None:
-    with _LOCK:
-        _POSTED.pop(_key(link, rank_offset), None)
-        kept = _RECEIVER_GROUPS.pop(_key(link, rank_offset), None)
-    if kept is not None:
-        _close_later(kept.group)
-
-
-def _metas(meta: Mapping[str, Any]) -> list[TensorMeta]:
-    try:
-        return [
-            TensorMeta(str(name), str(dtype), tuple(int(d) for d in shape)) for name, dtype, shape in meta["tensors"]
-        ]
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ValueError(f"the broadcast's meta is malformed: {exc}") from None

@@ -92,7 +92,6 @@ class RedisTransport(Transport):
         """The LoRA adapter whose versions this transport keeps (`{ns}:adapter:NAME:weights:...`); None: the base."""
         self.chunk_bytes = chunk_bytes
         self.batch_bytes = batch_bytes
-        self.last_publish: PublishStats | None = None
 
     @property
     def ns(self) -> str:
@@ -135,24 +134,16 @@ class RedisTransport(Transport):
     def uri_of(self, version: int) -> str:
         return str(WeightsUri("redis", self.ns, check_version(version), self.adapter))
 
-    def publish(
-        self,
-        tensors: WeightSource,
-        version: int,
-        *,
-        adapter_config: Mapping[str, Any] | None = None,
-    ) -> str:
-        """Store the chunks as the tensors come, then the manifest; return `redis://{ns}/v{version}` (an adapter's:
+    def put(self, tensors: WeightSource, version: int, adapter_config: Mapping[str, Any] | None) -> PublishStats:
+        """Store the chunks as the tensors come, then the manifest: its uri is `redis://{ns}/v{version}` (an adapter's:
         `redis://{ns}/adapters/NAME/v{version}`, its `adapter_config` in the manifest). If the source raises, the
         chunks written so far are deleted and the error propagates."""
-        version = check_version(version)
         keys = self.keys
         if self.client.exists(keys.weights_manifest(version)):
             raise FileExistsError(
                 f"weights version {version} exists in Redis ({keys.weights_manifest(version)}): remove it first"
             )
         self.remove(version)  # leftovers of a write that crashed before its manifest
-        started = time.monotonic()
         sender = _zero_copy_client(self.client)
         copies = 0 if sender is not self.client or not HIREDIS_AVAILABLE else 2
         writer = _ChunkWriter(sender, keys, version, self.chunk_bytes, copies)
@@ -193,9 +184,7 @@ class RedisTransport(Transport):
             if sender is not self.client:
                 sender.close()
                 sender.connection_pool.disconnect()
-        writer.stats.seconds = time.monotonic() - started
-        self.last_publish = writer.stats
-        return self.uri_of(version)
+        return writer.stats
 
     def manifest(self, version: int) -> dict[str, Any]:
         """The manifest of a complete version (`FileNotFoundError` if none, `ValueError` if malformed)."""

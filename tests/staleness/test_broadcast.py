@@ -130,8 +130,11 @@ def test_every_tensor_arrives_bit_exact_when_buckets_go_as_parts(monkeypatch: py
     """NCCL's layout (big tensors from their own memory, runs of small ones packed, each part a broadcast of its own)
     over gloo, which has no NCCL groups, so each part is a call: the bytes land where the receiver's views are."""
     import staleness.weights.nccl as broadcast
+    import staleness.weights.nccl_group as group
+    import staleness.weights.nccl_receive as receiving
 
-    monkeypatch.setattr(broadcast, "_grouped", lambda backend: True)
+    monkeypatch.setattr(group, "grouped", lambda backend: True)  # the trainer's layout
+    monkeypatch.setattr(receiving, "grouped", lambda backend: True)  # and the receivers'
     monkeypatch.setattr(broadcast, "COPY_FROM", 1000)  # "embed" (3,200 bytes) and "big" (1,200) go alone
     sent = sample_tensors()
     trainer = NcclTransport("127.0.0.1", free_port(), bucket_bytes=4096, timeout_s=20)
@@ -242,7 +245,7 @@ def test_a_prepared_receiver_gets_every_byte_before_it_asks_for_them() -> None:
 
 
 def test_receives_posted_but_never_taken_are_freed_when_the_worker_forgets_the_group() -> None:
-    from staleness.weights import nccl as broadcast
+    from staleness.weights import nccl_receive as broadcast
 
     trainer = NcclTransport("127.0.0.1", free_port(), bucket_bytes=256, timeout_s=20)
     uri = trainer.publish(many_tensors(1), version=1)
