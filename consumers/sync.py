@@ -30,6 +30,7 @@ from pipeline.streams import Entry, Streams
 from pipeline.wire import Control, PauseMode, WireError
 from staleness.state import read_state, weights_command
 from staleness.weights import Incoming, begin_load, load_version, transport_of
+from staleness.weights.delta import HeldWeights
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -67,6 +68,8 @@ class WorkerSync:
     ) -> None:
         self.streams = streams
         self.name = name
+        self.held = HeldWeights()
+        """The last version fetched whole or by delta, where the trainer sends deltas: the base of the next."""
         self._slot = slot
         self._state = state
         self._adapters = adapters
@@ -150,7 +153,7 @@ class WorkerSync:
         if copy is not None:
             await self.engine.load_tensors(copy.tensors, version)
         else:
-            await load_version(self.engine, uri, version, self.streams.redis)
+            await load_version(self.engine, uri, version, self.streams.redis, held=self.held)
         self._loaded(uri, version)
 
     def _loaded(self, uri: str, version: int) -> None:
@@ -328,9 +331,8 @@ class WorkerSync:
         fetch_began = time.monotonic()
         if command.version != self.engine.version and self._slot.copy_of(command.version) is None:
             try:
-                incoming = await begin_load(
-                    self.engine, command.uri, command.version, self.streams.redis, epoch=command.epoch, member=self.name
-                )
+                incoming = await begin_load(self.engine, command.uri, command.version, self.streams.redis,
+                                            epoch=command.epoch, member=self.name, held=self.held)  # fmt: skip
             except Exception as exc:
                 self._cannot_load(command, exc)
                 return

@@ -20,6 +20,7 @@ from staleness.manager import Manager, SyncError, SyncReport
 
 if TYPE_CHECKING:
     from staleness.weights.base import PublishStats, WeightSource
+    from staleness.weights.delta import HeldWeights
 
 
 class PublishOptions(TypedDict, total=False):
@@ -32,6 +33,7 @@ class PublishOptions(TypedDict, total=False):
     adapter: str | None
     adapter_config: dict[str, Any] | None
     bucket_bytes: int | None
+    deltas: bool
 
 
 class SyncDriver:
@@ -49,6 +51,8 @@ class SyncDriver:
         """What the last `publish` put in its transport: tensors, bytes, the most it held at once."""
         self._manager: Manager | None = None
         """The last sync's manager, whose resume may still be ringing (`Manager.settle`)."""
+        self._held: HeldWeights | None = None
+        """The last version published with `deltas`, whole: the base of the next delta."""
 
     def publish(
         self,
@@ -60,6 +64,7 @@ class SyncDriver:
         adapter: str | None = None,
         adapter_config: dict[str, Any] | None = None,
         bucket_bytes: int | None = None,
+        deltas: bool = False,
     ) -> int:
         """Make `source` the next policy version on every worker; returns that version (`RolloutClient.publish_weights`
         says what each argument does). `WeightsMismatch` before any worker pauses for tensors no live worker's model
@@ -80,6 +85,10 @@ class SyncDriver:
                 f"a weight sync is under way (epoch {previous.epoch}, version {previous.pending_version}): publish "
                 "when it is over; if its driver died, `rollouts manager` finishes it"
             )
+        if deltas and adapter is None and self._held is None:
+            from staleness.weights.delta import HeldWeights
+
+            self._held = HeldWeights()
         store = open_transport(
             transport,
             redis_client=self.streams.redis,
@@ -87,6 +96,7 @@ class SyncDriver:
             join_timeout_s=ack_timeout_s,
             adapter=adapter,
             bucket_bytes=bucket_bytes,
+            held=self._held if deltas and adapter is None else None,
         )
         version = manager.next_version(previous)  # above any a worker serves: a failover may have lost the last bump
         store.remove(version)  # left over by a publish whose sync failed: never announced, safe to replace

@@ -79,6 +79,8 @@ from staleness.weights.redis_store import DEFAULT_CHUNK_BYTES
 if TYPE_CHECKING:
     import redis
 
+    from staleness.weights.delta import HeldWeights
+
 __all__ = [
     "Incoming",
     "Joined",
@@ -105,6 +107,7 @@ def open_transport(
     join_timeout_s: float = 60.0,
     adapter: str | None = None,
     bucket_bytes: int | None = None,
+    held: HeldWeights | None = None,
 ) -> Transport:
     """The trainer's transport from a spec: `fs://DIR`, `redis://` (or `redis://NS`) with the pipeline's client,
     `nccl://HOST:PORT` (this process hosts the rendezvous on PORT and broadcasts during each sync,
@@ -116,7 +119,10 @@ def open_transport(
 
     `bucket_bytes`: the most a publish handles at once (None: each transport's default): fs, the tensors of one shard
     file (2 GiB); redis, one chunk (`chunk_bytes`, 32 MiB: the one being filled, and redis-py's copy of the one being
-    sent); nccl, one broadcast (256 MiB); ipc takes the version whole, in one GPU buffer."""
+    sent); nccl, one broadcast (256 MiB); ipc takes the version whole, in one GPU buffer.
+
+    `held`: the trainer's last published version, kept across publishes, for a transport that sends deltas
+    (`redis`: the delta from it beside each version, `staleness.weights.delta`)."""
     parsed = parse_uri(spec)
     if bucket_bytes is not None and bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
@@ -125,7 +131,7 @@ def open_transport(
     transport = transport_class(parsed.scheme)
     if (adapter is not None or parsed.adapter is not None) and not transport.carries_adapters:
         raise ValueError(f"LoRA adapters travel by {adapter_schemes()}, not {parsed.scheme}://")
-    opening = Opening(redis_client, ns, chunk_bytes, join_timeout_s, adapter, bucket_bytes)
+    opening = Opening(redis_client, ns, chunk_bytes, join_timeout_s, adapter, bucket_bytes, held)
     return transport.open(spec, parsed, opening)
 
 
@@ -196,13 +202,14 @@ async def begin_load(
     epoch: int | None = None,
     timeout_s: float = 60.0,
     member: str | None = None,
+    held: HeldWeights | None = None,
 ) -> Incoming:
     """The part of loading `version` from `uri` that need not stop generation (`Transport.begin_load`): a worker calls
     this before it pauses, then `Incoming.load` paused. A transport that pushes is joined now, as `member` (the
     worker's name) in sync `epoch`; one that fetches ahead is fetched and checked now; the others load whole, later.
     Raises as `load_version` does."""
     transport, parsed, version = _named(uri, version)
-    receiving = Receiving(redis_client, epoch, member, timeout_s)
+    receiving = Receiving(redis_client, epoch, member, timeout_s, held)
     return await transport.begin_load(engine, parsed, version, receiving)
 
 
@@ -212,6 +219,7 @@ class LoadOptions(TypedDict, total=False):
     epoch: int | None
     timeout_s: float
     member: str | None
+    held: HeldWeights | None
 
 
 async def load_version(

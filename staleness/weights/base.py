@@ -33,6 +33,8 @@ from staleness.weights.handover import Handover, LoadsWeights
 if TYPE_CHECKING:
     import redis
 
+    from staleness.weights.delta import HeldWeights
+
 log = logging.getLogger(__name__)
 
 TensorLike = torch.Tensor | np.ndarray
@@ -339,6 +341,8 @@ class PublishStats:
     about one bucket (`bucket_bytes`) plus the tensor being taken. nccl and ipc hold the whole version where its
     tensors are (on their GPU; on the host for CPU tensors over gloo): they count it here."""
     seconds: float = 0.0
+    delta_bytes: int | None = None
+    """What a worker that holds the version before reads instead of `bytes` (redis with deltas); None: no delta."""
 
     def hold(self, nbytes: int) -> None:
         self.peak_buffered_bytes = max(self.peak_buffered_bytes, nbytes)
@@ -359,6 +363,8 @@ class Opening:
     adapter: str | None = None
     bucket_bytes: int | None = None
     """The most a publish handles at once (None: the transport's default)."""
+    held: HeldWeights | None = None
+    """The trainer's last published version as one buffer: a transport that sends deltas sends the next from it."""
 
     def namespace(self, spec: str, parsed: WeightsUri) -> tuple[redis.Redis, str]:
         """The client and namespace of a transport that keeps its versions (or their manifests) in the pipeline's
@@ -382,6 +388,8 @@ class Receiving:
     epoch: int | None = None
     member: str | None = None
     timeout_s: float = 60.0
+    held: HeldWeights | None = None
+    """The worker's last version as one buffer, for a transport that sends deltas (`staleness.weights.delta`)."""
 
 
 Fetched = Path | dict[str, torch.Tensor]
@@ -571,7 +579,7 @@ class Transport:
         if cls.pushes:
             return await cls.join(engine, uri, version, receiving)
         if cls.fetches_ahead:
-            fetched = await asyncio.to_thread(cls.fetch_stored, uri, version, receiving.redis_client)
+            fetched = await asyncio.to_thread(cls.fetch_received, uri, version, receiving)
             return _Ready(fetched, version)
         return _Later(cls, uri, version, receiving)
 
@@ -579,6 +587,12 @@ class Transport:
     def fetch_stored(cls, uri: WeightsUri, version: int, redis_client: redis.Redis | None) -> Fetched:
         """A stored version as the worker loads it: a local checkpoint directory, or named CPU tensors. Blocking."""
         raise ValueError(f"weights {uri}: {cls.scheme} versions are not stored; they arrive only during a sync")
+
+    @classmethod
+    def fetch_received(cls, uri: WeightsUri, version: int, receiving: Receiving) -> Fetched:
+        """`fetch_stored`, as a worker receives a version in a sync or at a start: what it holds (`receiving.held`)
+        may make it shorter (a delta). Blocking."""
+        return cls.fetch_stored(uri, version, receiving.redis_client)
 
     @classmethod
     def fetch_adapter(
@@ -593,7 +607,7 @@ class Transport:
     @classmethod
     async def load_stored(cls, engine: LoadsWeights, uri: WeightsUri, version: int, receiving: Receiving) -> None:
         """Load a stored version into `engine` (paused): what `fetch_stored` gives, fetched off the event loop."""
-        fetched = await asyncio.to_thread(cls.fetch_stored, uri, version, receiving.redis_client)
+        fetched = await asyncio.to_thread(cls.fetch_received, uri, version, receiving)
         await load_fetched(engine, fetched, version)
 
     @classmethod

@@ -42,6 +42,25 @@ DEFAULT_FULL_RATIO = 0.5
 """A delta larger than this share of the full buffer is not worth it: send the whole version."""
 
 
+@dataclass
+class HeldWeights:
+    """The last version's buffer one side holds, the base of the next delta: the trainer's last published (it sends
+    the delta from it), a worker's last fetched (it applies the delta to it). Empty until a first full version."""
+
+    version: int | None = None
+    buffer: np.ndarray | None = None
+    sha256: str = ""
+
+    def hold(self, version: int, buffer: np.ndarray, sha256: str) -> None:
+        self.version, self.buffer, self.sha256 = version, buffer, sha256
+
+    def base_for(self, sha256: str, size: int) -> np.ndarray | None:
+        """The held buffer if it is the one with `sha256` and `size` bytes (a delta's base); else None."""
+        if self.buffer is None or self.sha256 != sha256 or self.buffer.nbytes != size:
+            return None
+        return self.buffer
+
+
 class DeltaError(ValueError):
     """A delta that does not apply: another base, another layout, or bytes that do not check."""
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import re
 import socket
 import time
@@ -22,6 +23,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 import redis
 import torch
 from redis.connection import PythonRespSerializer
@@ -34,6 +36,7 @@ from staleness.weights.base import (
     Fetched,
     Opening,
     PublishStats,
+    Receiving,
     Transport,
     WeightSource,
     WeightsUri,
@@ -42,6 +45,11 @@ from staleness.weights.base import (
     release_older,
 )
 from staleness.weights.buckets import ALIGN, TensorMeta, dtype_from_name, dtype_name, raw_bytes, tensor_view
+from staleness.weights.delta import Delta, DeltaError, HeldWeights
+from staleness.weights.delta import apply as apply_delta
+from staleness.weights.delta import encode as encode_delta
+
+log = logging.getLogger(__name__)
 
 DEFAULT_CHUNK_BYTES = 32 << 20
 """Size of one Redis value holding weights (the writer's bucket: it holds one, and redis-py's copy of it on the wire):
@@ -68,6 +76,11 @@ class RedisTransport(Transport):
 
     Stored, and fetched ahead: a worker reads and checks a version (`fetch`) while it still generates, and, paused,
     only copies it into its model (`engine.load_tensors`).
+
+    Deltas (`held`, the trainer's last published version: `publish_weights(..., deltas=True)`): beside each version,
+    what changed since the one before (`staleness.weights.delta`) under `{ns}:weights:{v}:delta` and its chunks; a
+    worker that holds the version before (the buffer it last fetched) reads only that, applies it and checks the
+    result against the manifest's sha256; any other reads the version whole.
     """
 
     scheme = "redis"
@@ -81,6 +94,7 @@ class RedisTransport(Transport):
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         batch_bytes: int = DEFAULT_BATCH_BYTES,
         adapter: str | None = None,
+        held: HeldWeights | None = None,
     ) -> None:
         if chunk_bytes < 1 or batch_bytes < 1:
             raise ValueError(f"chunk_bytes and batch_bytes must be >= 1, got {chunk_bytes}, {batch_bytes}")
@@ -92,6 +106,8 @@ class RedisTransport(Transport):
         """The LoRA adapter whose versions this transport keeps (`{ns}:adapter:NAME:weights:...`); None: the base."""
         self.chunk_bytes = chunk_bytes
         self.batch_bytes = batch_bytes
+        self.held = held if adapter is None else None
+        """The last version this trainer published, whole, to send the next as a delta from; None: no deltas."""
 
     @property
     def ns(self) -> str:
@@ -104,12 +120,21 @@ class RedisTransport(Transport):
         chunk_bytes = opening.bucket_bytes if opening.bucket_bytes is not None else opening.chunk_bytes
         if chunk_bytes is None:
             chunk_bytes = DEFAULT_CHUNK_BYTES
-        return cls(client, ns, chunk_bytes=chunk_bytes, adapter=opening.adapter or parsed.adapter)
+        adapter = opening.adapter or parsed.adapter
+        return cls(client, ns, chunk_bytes=chunk_bytes, adapter=adapter, held=opening.held)
 
     @classmethod
     def fetch_stored(cls, uri: WeightsUri, version: int, redis_client: redis.Redis | None) -> Fetched:
         """The version's tensors, read through the worker's own connection and checked (`fetch`)."""
         return cls._reader(uri, redis_client).fetch(version)
+
+    @classmethod
+    def fetch_received(cls, uri: WeightsUri, version: int, receiving: Receiving) -> Fetched:
+        """The version as `fetch_stored` reads it, or, where the worker holds the version its delta is from, that
+        delta applied (the base model's; `held` then holds this version)."""
+        if receiving.held is None or uri.adapter is not None:
+            return cls.fetch_stored(uri, version, receiving.redis_client)
+        return cls._reader(uri, receiving.redis_client).fetch(version, receiving.held)
 
     @classmethod
     def fetch_adapter(
@@ -148,8 +173,13 @@ class RedisTransport(Transport):
         copies = 0 if sender is not self.client or not HIREDIS_AVAILABLE else 2
         writer = _ChunkWriter(sender, keys, version, self.chunk_bytes, copies)
         entries: list[list[Any]] = []
+        whole = bytearray() if self.held is not None else None
+        """The version whole, with deltas: the base of the next."""
+        delta: dict[str, Any] | None = None
+        sums: list[str] = []
 
         def manifest(chunks: int, sha256: str) -> tuple[str, str]:
+            sums.append(sha256)
             fields = {
                 "v": MANIFEST_V,
                 "format": READABLE[MANIFEST_V],
@@ -164,16 +194,26 @@ class RedisTransport(Transport):
             }
             if adapter_config is not None:
                 fields["config"] = dict(adapter_config)
+            if whole is not None:
+                fields["deltas"] = True  # a worker holds what it fetches: the base of the next delta
+            if delta is not None:
+                fields["delta"] = delta
             return keys.weights_manifest(version), json.dumps(fields, separators=(",", ":"))
 
         try:
             for name, tensor in named_tensors(tensors):
                 offset = writer.align()
                 entries.append([name, dtype_name(tensor.dtype), list(tensor.shape), offset])
-                writer.write(raw_bytes(tensor).numpy())
+                data = raw_bytes(tensor).numpy()
+                writer.write(data)
+                if whole is not None:
+                    whole.extend(bytes(offset - len(whole)))  # the padding the writer wrote
+                    whole.extend(data.data.cast("B"))
                 writer.stats.tensors += 1
                 writer.stats.bytes += tensor.nbytes
-                del tensor  # the source's next tensor is produced without this one held
+                del tensor, data  # the source's next tensor is produced without this one held
+            if whole is not None:
+                delta = self._put_delta(version, np.frombuffer(whole, dtype=np.uint8), writer.stats)
             writer.close(manifest)  # the manifest last, with the last chunk
         except BaseException:
             with contextlib.suppress(redis.RedisError):
@@ -184,7 +224,33 @@ class RedisTransport(Transport):
             if sender is not self.client:
                 sender.close()
                 sender.connection_pool.disconnect()
+        if self.held is not None and whole is not None:
+            self.held.hold(version, np.frombuffer(whole, dtype=np.uint8), sums[-1])
         return writer.stats
+
+    def _delta_key(self, version: int, index: int | None = None) -> str:
+        """`{ns}:weights:{v}:delta` (its header, JSON) and `...:delta:{i}` (its payload's chunks)."""
+        return f"{self.keys.weights_prefix}{version}:delta" + ("" if index is None else f":{index}")
+
+    def _put_delta(self, version: int, whole: np.ndarray, stats: PublishStats) -> dict[str, Any] | None:
+        """Store the delta from the held version to `whole` (the header, then the payload's chunks: all before the
+        manifest, which names it); its manifest entry, or None where there is no base or it would not pay."""
+        held = self.held
+        if held is None or held.buffer is None or held.version is None or held.buffer.nbytes != whole.nbytes:
+            return None
+        delta = encode_delta(held.buffer, whole, held.version, version)
+        if delta is None:
+            return None
+        payload = memoryview(delta.payload())
+        chunks = -(-len(payload) // self.chunk_bytes)
+        pipe = self.client.pipeline(transaction=False)
+        pipe.set(self._delta_key(version), delta.header())
+        for i in range(chunks):
+            pipe.set(self._delta_key(version, i), payload[i * self.chunk_bytes : (i + 1) * self.chunk_bytes])
+        pipe.execute()
+        stats.delta_bytes = len(payload)
+        return {"base": held.version, "base_sha256": held.sha256, "bytes": len(payload), "chunks": chunks,
+                "changed": delta.changed}  # fmt: skip
 
     def manifest(self, version: int) -> dict[str, Any]:
         """The manifest of a complete version (`FileNotFoundError` if none, `ValueError` if malformed)."""
@@ -224,13 +290,51 @@ class RedisTransport(Transport):
             _tensor_entries(manifest.get("tensors"), manifest["bytes"], key)  # raises for a bad one
         return manifest
 
-    def fetch(self, version: int) -> dict[str, torch.Tensor]:
+    def fetch(self, version: int, held: HeldWeights | None = None) -> dict[str, torch.Tensor]:
         """Read a complete version's chunks (pipelined), check size and sha256, and return its tensors (v2: views of
         one buffer, which the chunks are read into straight from the socket where the client allows it, a batch of
-        chunks at a time; the sha256 is taken on a thread as they land)."""
+        chunks at a time; the sha256 is taken on a thread as they land).
+
+        `held`: the worker's last version, whole. Where it is the base of this version's delta, the delta is read and
+        applied instead (and checked); `held` then holds this version, if the trainer sends deltas."""
         manifest = self.manifest(version)
         if manifest["v"] == 1:
             return self._fetch_blob(version, manifest)
+        key = self.keys.weights_manifest(version)
+        entries = _tensor_entries(manifest["tensors"], manifest["bytes"], key)
+        info = manifest.get("delta")
+        base = None
+        if held is not None and isinstance(info, dict):
+            base = held.base_for(str(info.get("base_sha256")), manifest["bytes"])
+        if held is not None and base is not None:
+            try:
+                applied = torch.from_numpy(self._fetch_delta(version, manifest, base))
+                held.hold(version, applied.numpy(), manifest["sha256"])
+                return {meta.name: tensor_view(applied, meta, offset) for meta, offset in entries}
+            except (DeltaError, ValueError) as exc:
+                log.warning("weights version %d: its delta did not apply (%s); reading it whole", version, exc)
+        buffer = self._fetch_whole(version, manifest)
+        if held is not None and manifest.get("deltas"):
+            held.hold(version, buffer.numpy(), manifest["sha256"])
+        return {meta.name: tensor_view(buffer, meta, offset) for meta, offset in entries}
+
+    def _fetch_delta(self, version: int, manifest: Mapping[str, Any], base: np.ndarray) -> np.ndarray:
+        """The version's buffer from `base` and its delta (read whole: a few percent of the version)."""
+        info = manifest["delta"]
+        pipe = self.client.pipeline(transaction=False)
+        pipe.get(self._delta_key(version))
+        for i in range(int(info["chunks"])):
+            pipe.get(self._delta_key(version, i))
+        header, *parts = pipe.execute()
+        if header is None or any(part is None for part in parts):
+            raise DeltaError(f"its delta's keys are gone ({self._delta_key(version)}...)")
+        delta = Delta.read(header, b"".join(parts))
+        if delta.sha256 != manifest["sha256"] or delta.version != version:
+            raise DeltaError("the delta is of another version than the manifest's")
+        return apply_delta(base, delta)
+
+    def _fetch_whole(self, version: int, manifest: Mapping[str, Any]) -> torch.Tensor:
+        """A v2 version's bytes, read into one buffer and checked."""
         buffer = torch.empty(manifest["bytes"], dtype=torch.uint8)
         flat = memoryview(buffer.numpy()).cast("B")  # type: ignore[arg-type]  # numpy arrays are buffers; its stubs lack __buffer__
         digest = hashlib.sha256()
@@ -244,8 +348,7 @@ class RedisTransport(Transport):
             for done in hashed:
                 done.result()
         self._check_size_and_sum(version, manifest, position, digest.hexdigest())
-        entries = _tensor_entries(manifest["tensors"], manifest["bytes"], self.keys.weights_manifest(version))
-        return {meta.name: tensor_view(buffer, meta, offset) for meta, offset in entries}
+        return buffer
 
     def _read_into(self, version: int, manifest: Mapping[str, Any], flat: memoryview) -> Iterator[tuple[int, int]]:
         """Read the chunks in order into `flat` (what fits of them), yielding each one's `[start, end)` once it is
@@ -351,15 +454,21 @@ class RedisTransport(Transport):
         pipe = self.client.pipeline(transaction=False)
         pipe.hget(keys.weights_index, str(version))
         pipe.get(keys.weights_manifest(version))
-        counted, raw = pipe.execute()
+        pipe.get(self._delta_key(version))
+        counted, raw, delta_header = pipe.execute()
         n_chunks = int(counted or 0)
         if raw is not None:
             with contextlib.suppress(ValueError, AttributeError, TypeError):  # a malformed manifest still goes
                 n_chunks = max(n_chunks, int(json.loads(raw).get("chunks", 0)))
+        delta_chunks = 0
+        if delta_header is not None:  # written before its chunks: a write that died midway leaves it to find them by
+            with contextlib.suppress(ValueError, AttributeError, TypeError):
+                delta_chunks = len(json.loads(delta_header).get("chunks", []))
         pipe = self.client.pipeline(transaction=True)  # one slot ({ns}), so MULTI is legal on a cluster too
         pipe.delete(keys.weights_manifest(version))
         for start in range(0, n_chunks, 1000):
             pipe.delete(*(keys.weights_chunk(version, i) for i in range(start, min(start + 1000, n_chunks))))
+        pipe.delete(self._delta_key(version), *(self._delta_key(version, i) for i in range(delta_chunks + 1)))
         pipe.hdel(keys.weights_index, str(version))
         return any(pipe.execute())
 
