@@ -20,7 +20,7 @@ from functools import cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("pipeline", "producers", "consumers", "staleness", "benchmarks", "tests", "examples")
+PACKAGES = ("pipeline", "producers", "consumers", "staleness", "rollouts", "benchmarks", "tests", "examples")
 """Top-level folders whose .py files are indexed; a dotted name that starts with one of them is ours."""
 
 FOREIGN_FIRST = frozenset({"verl", "trl", "vllm"})

@@ -276,22 +276,6 @@ def default_member() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
-def groups_built() -> dict[str, int]:
-    """How many process groups this process built so far, per side (a kept group builds none)."""
-    return dict(GROUPS_BUILT)
-
-
-def drop_groups() -> None:
-    """Free every group this process keeps (the trainer's and the receivers'): the next sync builds afresh."""
-    with _LOCK:
-        for kept in [*_TRAINER_GROUPS.values(), *_RECEIVER_GROUPS.values()]:
-            _close_later(kept.group)
-        _TRAINER_GROUPS.clear()
-        _RECEIVER_GROUPS.clear()
-        _POSTED.clear()
-        _HELD.clear()
-
-
 # -- the trainer's side --------------------------------------------------------------------------
 
 

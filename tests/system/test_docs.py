@@ -14,7 +14,7 @@ from tests.code_names import IDENT, PACKAGES, missing, missing_file
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
-REPO_DIRS = ("pipeline", "producers", "consumers", "staleness", "examples", "benchmarks", "docs", "tests")
+REPO_DIRS = ("pipeline", "producers", "consumers", "staleness", "rollouts", "examples", "benchmarks", "docs", "tests")
 FENCE = re.compile(r"^\s*(```|~~~)")
 CODE_SPAN = re.compile(r"(`+)(.+?)\1")
 LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
@@ -91,7 +91,7 @@ def known_commands() -> frozenset[str]:
     import typer
     import typer.main
 
-    from pipeline.cli import app
+    from rollouts import app
 
     names: set[str] = set()
 
