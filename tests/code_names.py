@@ -29,6 +29,10 @@ FOREIGN_FIRST = frozenset({"verl", "trl", "vllm"})
 Other dotted names whose first part is neither ours nor a class of ours (`torch.cat`, `batch.staleness`) are not
 checked."""
 
+NOT_CODE = frozenset({"rollouts.commands"})
+"""Dotted names rooted in a package of ours that name no code: the entry-point group through which other packages
+add commands to `rollouts` (`rollouts.app.PLUGINS`)."""
+
 NOT_MODULES = frozenset({"scoring", "sampling", "fleet"})
 """First parts that the docs use for a JSON key, not a module: `scoring.waiting` in `rollouts top --once --json`,
 `sampling.top_logprobs` on the wire, `fleet.by_workers` in `bench-rl`'s report."""
@@ -241,6 +245,8 @@ def missing(name: str, call: bool) -> str | None:
     idx = index()
     parts = name.split(".")
     first = parts[0]
+    if name in NOT_CODE:
+        return None
     if first in PACKAGES:
         for cut in range(len(parts), 0, -1):
             module = ".".join(parts[:cut])
