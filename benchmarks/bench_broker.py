@@ -40,7 +40,6 @@ import redis
 import typer
 from rich.console import Console
 
-from pipeline.cli.app import MaxInflightOpt, console, fail, user_errors
 from pipeline.codec import RawFields, for_redis
 from pipeline.connections import connect
 from pipeline.durability import MODES
@@ -48,6 +47,7 @@ from pipeline.local import RedisServer, SentinelTopology
 from pipeline.publisher import Publisher
 from pipeline.streams import Entry, Streams
 from pipeline.wire import GENERATORS, TRAINER, Prompt, Rollout, Sampling
+from rollouts.app import MaxInflightOpt, console, fail, user_errors
 
 NS = "bench"
 PROMPT_TOKENS = 64

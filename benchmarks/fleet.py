@@ -41,10 +41,10 @@ from typing import Annotated, Any, cast
 import redis
 import typer
 
-from pipeline.cli.app import fail, user_errors
 from pipeline.local import RedisServer
 from pipeline.processes import start_worker, stop_processes, wait_for_worker
 from pipeline.wire import GENERATORS, Keys, Prompt, Sampling
+from rollouts.app import fail, user_errors
 
 PARTS = ("spread", "takeover")
 SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}

@@ -46,11 +46,11 @@ import typer
 from benchmarks import PROGRAM
 from benchmarks.cpu import cpu_seconds, pin
 from benchmarks.soak import Producer, Tally, rss_bytes
-from pipeline.cli.app import console, fail, user_errors
 from pipeline.lua import register_all
 from pipeline.processes import start_command, stop_process
 from pipeline.streams import SCRIPTS as STREAM_SCRIPTS
 from pipeline.wire import PauseMode, is_pause_mode
+from rollouts.app import console, fail, user_errors
 
 if TYPE_CHECKING:
     from rich.console import Console

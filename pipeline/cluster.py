@@ -348,9 +348,3 @@ def following_options(client: redis.Redis, ns: str) -> dict[str, Any] | None:
     entry = (str(kwargs.get("host", "localhost")), int(kwargs.get("port", 6379)))
     route = SlotRoute(slot, [entry], settings, tls=following is SlotSSLConnection, owner=owner)
     return {"connection_class": following, "route": route}
-
-
-def route_of(client: redis.Redis) -> SlotRoute | None:
-    """The route that `client`'s connections follow (None: a client of one server)."""
-    route = getattr(client.connection_pool, "connection_kwargs", {}).get("route")
-    return route if isinstance(route, SlotRoute) else None

@@ -201,7 +201,7 @@ def test_inline_scoring_sets_the_reward_every_reader_sees(
     with_reward = [fields for _id, fields in raw if b"reward" in fields]
     assert len(with_reward) == 6 * 3 and all(float(f[b"reward"]) >= 0 for f in with_reward)
     top = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "top", "--redis", redis_server.url, "--ns", ns, "--once", "--json"],
+        [sys.executable, "-m", "rollouts", "top", "--redis", redis_server.url, "--ns", ns, "--once", "--json"],
         capture_output=True, text=True, check=True,
     )  # fmt: skip
     snap = json.loads(top.stdout)
@@ -239,7 +239,7 @@ def test_a_scorer_at_its_default_threads_scores_a_reward_whose_first_call_import
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "rollouts", *args], capture_output=True, text=True, timeout=120)
 
 
 def test_submit_and_top_say_when_rollouts_would_wait_for_a_scorer_that_is_not_there(

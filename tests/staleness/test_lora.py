@@ -348,7 +348,7 @@ def test_an_adapter_sync_whose_driver_died_is_finished_by_the_manager_and_a_sile
     driver.wait()
     assert read_state(client.streams.redis, keys, "a").paused
 
-    manager = [sys.executable, "-m", "pipeline.cli", "manager", "--redis", url, "--ns", ns, "--once"]
+    manager = [sys.executable, "-m", "rollouts", "manager", "--redis", url, "--ns", ns, "--once"]
     finished = subprocess.run(
         [*manager, "--abandoned-after-s", "0"], capture_output=True, text=True, timeout=120, check=False
     )

@@ -12,7 +12,8 @@ from rich.console import Console
 from rich.live import Live
 from rich.markup import escape
 
-from pipeline.cli.app import (
+from pipeline.wire import PAUSE_MODES, is_pause_mode
+from rollouts.app import (
     DEFAULT_NS,
     DEFAULT_REDIS,
     NsOpt,
@@ -27,7 +28,6 @@ from pipeline.cli.app import (
     sync_report,
     user_errors,
 )
-from pipeline.wire import PAUSE_MODES, is_pause_mode
 
 
 @app.command()
