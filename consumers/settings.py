@@ -76,7 +76,7 @@ class WorkerSettings:
     @property
     def read_block_ms(self) -> int:
         """How long a worker's read waits for new work: `block_ms`, at most half a heartbeat, so that a waiting
-        worker looks for a dead worker's work as often as a busy one (`Streams.claim_abandoned`)."""
+        worker looks for a dead worker's work as often as a busy one (`WorkReader.claim_abandoned`)."""
         return max(1, min(self.block_ms, int(self.heartbeat_s * 500)))
 
     @property
