@@ -1,6 +1,6 @@
 """What every role on the streams shares: the client, the keys, the groups, plain and group reads, dead letters.
 
-A role (`pipeline.streams.work`, `.writer`, `.trainer`, `.replies`, `.scoring`) is a `StreamBase` with the methods of
+A role (`pipeline.streams.work`, `.writer`, `.training`, `.replies`, `.scoring`) is a `StreamBase` with the methods of
 one side of the wire contract; `pipeline.streams.Streams` composes them over one client for the processes that play
 several. Everything here is synchronous; the asyncio worker calls it from a thread, which keeps one code path.
 """

@@ -76,7 +76,7 @@ def test_a_retried_sync_begin_begins_one_sync(redis_server: RedisServer, ns: str
 def test_a_trainer_restored_from_its_checkpoint_skips_what_it_trained_on(redis_server: RedisServer, ns: str) -> None:
     client = RolloutClient(redis_server.url, ns, consumer="trainer")
     rollouts = group_of("g0") + group_of("g1")
-    client.streams.writer.add_rollouts(rollouts)
+    client.streams.add_rollouts(rollouts)
     groups = client.groups(timeout=5)
     first = next(groups)  # trained on and written to the checkpoint; the trainer dies before coming back (no ack)
     restored = RolloutClient(redis_server.url, ns, consumer="trainer")
@@ -105,9 +105,9 @@ def test_a_trainer_read_whose_reply_is_lost_is_read_again(redis_server: RedisSer
     proxy = Proxy(("127.0.0.1", redis_server.port))
     try:
         client = RolloutClient(proxy.url(), ns, consumer="trainer")
-        client.streams.writer.add_rollouts(group_of("g0"))
+        client.streams.add_rollouts(group_of("g0"))
         assert [g.prompt_id for g in client.collect(1, timeout=5)] == ["g0"]
-        client.streams.writer.add_rollouts(group_of("g1"))
+        client.streams.add_rollouts(group_of("g1"))
         proxy.lose_next_reply()  # the XREADGROUP that takes g1 runs; its reply never arrives
         assert [g.prompt_id for g in client.collect(1, timeout=5)] == ["g1"]
         assert client.stats["duplicates"] == 0
@@ -120,7 +120,7 @@ def test_abandoned_work_is_claimed_before_new_work(redis_server: RedisServer, ns
     too stale to train on): the worker claims it as soon as it is idle past --claim-idle-ms, before new work."""
     client = RolloutClient(redis_server.url, ns)
     client.submit(tokens=[5, 6, 7], n=1, max_tokens=40, seed=0, id="abandoned")
-    client.streams.work.read_work("ghost", 1, None)  # a worker took it and died: pending on `ghost`, idle from now
+    client.streams.read_work("ghost", 1, None)  # a worker took it and died: pending on `ghost`, idle from now
     for i in range(60):  # 60 s of work for one worker that runs 4 at a time
         client.submit(tokens=[5, 6, 8 + i], n=1, max_tokens=200, seed=i, id=f"fresh{i}")
     workers("w1", "--engine", "synthetic", "--engine-args", '{"steps_per_s": 50}', "--max-inflight", "4")

@@ -635,7 +635,7 @@ def test_hostile_entries_on_every_stream_end_to_end(
 
     client = RolloutClient(redis_server.url, ns, trim_every_s=3600)  # keep every rollout to look at
     streams, r, keys = client.streams, client.streams.redis, client.streams.keys
-    streams.scoring.ensure_scoring_group()
+    streams.ensure_scoring_group()
     scorer = ScoringStage(
         Streams(redis.Redis.from_url(redis_server.url), ns),
         InlineBackend(timeout_s=5, threads=2),
@@ -651,7 +651,7 @@ def test_hostile_entries_on_every_stream_end_to_end(
             for fields in plan.entries[stream]:
                 pipe.xadd(getattr(keys, stream), for_redis(fields))
             pipe.execute()
-        streams.writer.add_prompts(valid)
+        streams.add_prompts(valid)
 
         got: dict[str, Group] = {}
         groups = client.groups(timeout=60)
