@@ -81,7 +81,7 @@ class WorkerSettings:
 
     @property
     def take_horizon_ms(self) -> int:
-        """How long a worker that said it has room (a take, a heartbeat) counts as one (`Streams.take`): two of its
+        """How long a worker that said it has room (a take, a heartbeat) counts as one (`WorkReader.take`): two of its
         reads' waits and two heartbeat periods, so a worker waiting for work is counted even when a loaded machine
         holds its read and its heartbeat back a period, and a stopped one soon is not."""
         return 2 * self.read_block_ms + int(2 * self.heartbeat_s * 1000)

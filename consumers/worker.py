@@ -304,7 +304,7 @@ class Worker:
             await asyncio.sleep(0)  # let them decode and count their samples before the room is measured again
 
     def _take_work(self, count: int) -> tuple[list[Entry], bool]:
-        """In a thread: up to `count` entries, no more than this worker's share of what waits (`Streams.take`); when
+        """In a thread: up to `count` entries, no more than this worker's share of what waits (`WorkReader.take`); when
         nothing waits, a blocking read for one entry (Redis wakes the worker that has waited longest), then the rest
         of its share of the burst it woke to that fits now (its room may have grown while it waited), in the same
         hand-off from the event loop and back, so that the burst starts together: the engine would otherwise start
