@@ -144,7 +144,8 @@ class WireField:
         elif self.absent is REQUIRED:
             raise WireError(f"missing field {self.name!r}")
         elif self.absent is not KEEP:
-            values[self.name] = copy(self.absent)
+            absent = self.absent
+            values[self.name] = copy(absent) if type(absent) in (list, dict) else absent  # a list each, not one
 
 
 def optional(name: str, kind: Kind = TEXT) -> WireField:
