@@ -53,11 +53,7 @@ class Writer(StreamBase):
         return cast(bytes, self.redis.xadd(self.keys.inbox(worker), for_redis(prompt.to_fields())))
 
     def publish_rollouts(
-        self,
-        rollouts: Sequence[Rollout],
-        source: Entry,
-        partials: Sequence[Partial] = (),
-        reply_to: str | None = None,
+        self, rollouts: Sequence[Rollout], source: Entry, partials: Sequence[Partial] = (), reply_to: str | None = None
     ) -> int:
         """Publish what was made from `source` and ack it, atomically, in one round trip.
 
