@@ -119,10 +119,10 @@ def take_prompts(streams: Streams, shape: Shape, samples: list[Sample], tag: str
         for i in range(shape.groups)
     ]
     for at in range(0, len(prompts), 1024):
-        streams.add_prompts(prompts[at : at + 1024])
+        streams.writer.add_prompts(prompts[at : at + 1024])
     taken: list[tuple[Entry, Prompt]] = []
     while len(taken) < len(prompts):
-        entries = streams.read_work("bench-worker", 1024, None)
+        entries = streams.work.read_work("bench-worker", 1024, None)
         taken += [(e, Prompt.from_fields(e.fields)) for e in entries]
     return taken
 
@@ -130,7 +130,7 @@ def take_prompts(streams: Streams, shape: Shape, samples: list[Sample], tag: str
 def publish_ours(streams: Streams, work: list[tuple[Entry, Prompt]], samples: list[Sample], in_flight: int) -> float:
     """Build each group's rollouts and publish them with their prompt entry's ack, as the worker does: from asyncio,
     through its `Publisher`, with as many prompts in flight as a worker's default `--max-inflight` holds."""
-    publisher = Publisher(streams)
+    publisher = Publisher(streams.writer)
 
     async def one(room: asyncio.Semaphore, entry: Entry, prompt: Prompt) -> None:
         async with room:

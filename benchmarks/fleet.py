@@ -391,7 +391,7 @@ def code_fingerprint() -> dict[str, str]:
     root = Path(__file__).resolve().parent.parent
     files = [
         root / "consumers" / "worker.py",
-        root / "pipeline" / "streams.py",
+        root / "pipeline" / "streams" / "work.py",
         *sorted((root / "pipeline" / "lua").glob("*.lua")),
     ]
     return {str(f.relative_to(root)): hashlib.sha256(f.read_bytes()).hexdigest()[:12] for f in files if f.is_file()}

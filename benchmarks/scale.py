@@ -243,7 +243,7 @@ class Pinger(threading.Thread):
                 entry, prompt = work.pop()
                 rollouts = [build_rollout(prompt, i, samples[i], "pinger") for i in range(self.n)]
                 started = time.perf_counter()
-                streams.publish_rollouts(rollouts, entry)
+                streams.writer.publish_rollouts(rollouts, entry)
                 self.publishes.append((time.time(), (time.perf_counter() - started) * 1000))
         finally:
             streams.redis.close()

@@ -55,7 +55,7 @@ def submit(
         prompts = read_prompts_file(file, client)
         queued = client.submit_prompts(prompts)
         scored = sum(1 for p in prompts if p.reward_fn)
-        unscored = scored > 0 and not client.streams.scorer_alive()
+        unscored = scored > 0 and not client.streams.scoring.scorer_alive()
         unserved = queued > 0 and not client.streams.registry.live_worker_names()
     samples = sum(p.n for p in prompts)
     if queued < len(prompts):

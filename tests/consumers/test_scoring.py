@@ -305,11 +305,11 @@ def test_top_counts_what_waits_on_scoring_read_or_not_on_both_redis_versions(
     client = RolloutClient(redis_server.url, ns)
     publish_for_scoring(client, "a", 2, "tests.rewards:even_share")
     assert snapshot(client.streams)["scoring"]["waiting"] == 2  # no scorer ever read: the whole stream waits
-    client.streams.ensure_scoring_group()
-    read = client.streams.read_scoring(1, None)
+    client.streams.scoring.ensure_scoring_group()
+    read = client.streams.scoring.read_scoring(1, None)
     publish_for_scoring(client, "b", 3, "tests.rewards:even_share")
     assert snapshot(client.streams)["scoring"]["waiting"] == 5  # 1 read and not forwarded, 4 not read
-    client.streams.forward_scored([], [entry.id for entry in read])
+    client.streams.scoring.forward_scored([], [entry.id for entry in read])
     assert snapshot(client.streams)["scoring"]["waiting"] == 4
 
 

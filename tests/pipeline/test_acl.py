@@ -202,7 +202,7 @@ def test_the_scorer_role_runs_the_scoring_stage_and_rq_workers(installed_redis: 
     assert made.returncode == 0, made.stderr
     url = with_user(installed_redis.url, f"scorer-{ns}", "sc-pw")
     trainer = RolloutClient(installed_redis.url, ns)
-    trainer.streams.ensure_scoring_group()
+    trainer.streams.scoring.ensure_scoring_group()
     scored = Rollout(
         prompt_id="p", sample=0, n=1, version=0, version_end=0, finish_reason="stop", worker="w", prompt_tokens=[1],
         tokens=[2, 3], logprobs=[-1.0, -1.0], spans=[(0, 0, 2)], reward_fn="tests.rewards:even_share",
