@@ -16,6 +16,7 @@ COPY pipeline ./pipeline
 COPY producers ./producers
 COPY consumers ./consumers
 COPY staleness ./staleness
+COPY rollouts ./rollouts
 RUN pip install ".[${EXTRAS}]" && rollouts --help > /dev/null
 
 ENTRYPOINT ["rollouts"]

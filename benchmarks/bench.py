@@ -47,13 +47,13 @@ from consumers.engines.base import Engine
 from consumers.engines.tiny_model import build_tiny_model
 from consumers.lifecycle import WorkerStatus, freeze_heap
 from consumers.worker import Worker, WorkerSettings
-from pipeline.cli.engine_spec import EngineSpec
 from pipeline.connections import connect
 from pipeline.local import RedisServer
 from pipeline.processes import start_worker, stop_process, wait_for_worker
 from pipeline.streams import Streams
 from pipeline.wire import Prompt, Sampling
 from producers.client import RolloutClient
+from rollouts.engine_spec import EngineSpec
 
 NS = "bench"
 

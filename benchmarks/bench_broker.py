@@ -40,7 +40,6 @@ import redis
 import typer
 from rich.console import Console
 
-from pipeline.cli.app import MaxInflightOpt, console, fail, user_errors
 from pipeline.codec import RawFields, for_redis
 from pipeline.connections import connect
 from pipeline.durability import MODES
@@ -48,6 +47,7 @@ from pipeline.local import RedisServer, SentinelTopology
 from pipeline.publisher import Publisher
 from pipeline.streams import Entry, Streams
 from pipeline.wire import GENERATORS, TRAINER, Prompt, Rollout, Sampling
+from rollouts.app import MaxInflightOpt, console, fail, user_errors
 
 NS = "bench"
 PROMPT_TOKENS = 64
@@ -119,10 +119,10 @@ def take_prompts(streams: Streams, shape: Shape, samples: list[Sample], tag: str
         for i in range(shape.groups)
     ]
     for at in range(0, len(prompts), 1024):
-        streams.add_prompts(prompts[at : at + 1024])
+        streams.writer.add_prompts(prompts[at : at + 1024])
     taken: list[tuple[Entry, Prompt]] = []
     while len(taken) < len(prompts):
-        entries = streams.read_work("bench-worker", 1024, None)
+        entries = streams.work.read_work("bench-worker", 1024, None)
         taken += [(e, Prompt.from_fields(e.fields)) for e in entries]
     return taken
 
@@ -130,7 +130,7 @@ def take_prompts(streams: Streams, shape: Shape, samples: list[Sample], tag: str
 def publish_ours(streams: Streams, work: list[tuple[Entry, Prompt]], samples: list[Sample], in_flight: int) -> float:
     """Build each group's rollouts and publish them with their prompt entry's ack, as the worker does: from asyncio,
     through its `Publisher`, with as many prompts in flight as a worker's default `--max-inflight` holds."""
-    publisher = Publisher(streams)
+    publisher = Publisher(streams.writer)
 
     async def one(room: asyncio.Semaphore, entry: Entry, prompt: Prompt) -> None:
         async with room:

@@ -43,8 +43,9 @@ import numpy as np
 import redis
 import typer
 
-from pipeline.cli.app import check_engine, console, fail, user_errors
-from pipeline.cli.engine_spec import (
+from pipeline.processes import start_command, start_worker, stop_processes, wait_for_worker
+from rollouts.app import check_engine, console, fail, user_errors
+from rollouts.engine_spec import (
     DeviceOpt,
     DtypeOpt,
     EagerOpt,
@@ -57,7 +58,6 @@ from pipeline.cli.engine_spec import (
     ThreadsOpt,
     TpOpt,
 )
-from pipeline.processes import start_command, start_worker, stop_processes, wait_for_worker
 
 if TYPE_CHECKING:
     import openai

@@ -47,11 +47,11 @@ from rich.console import Console
 from rich.progress import Progress
 
 from benchmarks.cpu import CpuRoles
-from pipeline.cli.app import check_engine, console, fail, user_errors
-from pipeline.cli.engine_spec import DeviceOpt, DtypeOpt, EagerOpt, EngineArgsOpt, EngineSpec, KvCacheOpt
 from pipeline.local import RedisServer
 from pipeline.processes import start_worker, stop_process, wait_for_worker
 from pipeline.wire import PauseMode, Sampling
+from rollouts.app import check_engine, console, fail, user_errors
+from rollouts.engine_spec import DeviceOpt, DtypeOpt, EagerOpt, EngineArgsOpt, EngineSpec, KvCacheOpt
 
 if TYPE_CHECKING:
     import torch

@@ -215,9 +215,9 @@ def leftover_tokens(url: str, ns: str) -> tuple[int, int]:
     client = RolloutClient(url, ns)
     left = 0
     for consumer, pending in ((TRAINER, True), ("bench-drain", False)):
-        while entries := client.streams.read_rollouts(consumer, 1000, None, pending=pending):
+        while entries := client.streams.trainer.read_rollouts(consumer, 1000, None, pending=pending):
             left += sum(int(e.fields[b"n_tokens"]) for e in entries)
-            client.streams.ack_rollouts([e.id for e in entries])
+            client.streams.trainer.ack_rollouts([e.id for e in entries])
     return left, load_trainer().stale_tokens(client)
 
 

@@ -74,7 +74,7 @@ def real_choice(
         if task is not None or target_gain is not None:
             raise ValueError("--task and --target-gain are for a real model: add --model smollm2 (or a model folder)")
         return None
-    from pipeline.cli.app import resolve_model
+    from rollouts.app import resolve_model
 
     folder = resolve_model(model)
     if not (folder / "config.json").is_file():
@@ -217,7 +217,7 @@ def engine_options(settings: Any) -> tuple[str, dict[str, Any], dict[str, str] |
     """The engine a worker of `settings` runs, as `create_engine` options, and the environment it runs in: its
     `--engine-args`, `--max-batch`, `--dtype`, a torch worker's device and one thread (as `generation_side` starts
     it), a vLLM worker's only visible GPU."""
-    from pipeline.processes import gpu_of
+    from benchmarks.bench_rl import load_trainer
 
     args = list(settings.worker_args)
 
@@ -232,7 +232,7 @@ def engine_options(settings: Any) -> tuple[str, dict[str, Any], dict[str, str] |
     if settings.engine == "torch":
         return "torch", options | {"device": settings.worker_device, "num_threads": 1}, None
     engine_args = json.loads(flag("--engine-args") or "{}") | options.pop("engine_args", {})
-    return "vllm", options | {"engine_args": engine_args}, gpu_of(settings.worker_device)
+    return "vllm", options | {"engine_args": engine_args}, load_trainer().gpu_of(settings.worker_device)
 
 
 def direct_generation(settings: Any, config: Any, model: Path, steps: int) -> dict[str, Any]:

@@ -71,11 +71,11 @@ from safetensors.torch import load
 
 from consumers.engines.tiny_model import build_tiny_model
 from consumers.engines.vllm_extension import RolloutsWorkerExtension
-from pipeline.cli.engine_spec import EngineSpec
 from pipeline.local import RedisServer, free_port
-from pipeline.processes import gpu_of, start_worker, stop_process, wait_for_worker
+from pipeline.processes import start_worker, stop_process, wait_for_worker
 from pipeline.wire import PauseMode
 from producers.client import RolloutClient
+from rollouts.engine_spec import EngineSpec
 from staleness.weights import open_transport
 from staleness.weights.base import checkpoint_files, opened_handover, read_checkpoint
 from staleness.weights.handover import Handover
@@ -569,10 +569,12 @@ def _measure(
     """Start the workers on `model`, keep them busy, and publish `rounds` versions by each of `transports` ((name, uri)
     pairs) in turn; one row per transport. A failure (a worker that exits, a sync that fails) ends the measurement:
     the transport's row says why (`error`), with what its rounds so far measured, and those after it did not run."""
+    from benchmarks.bench_rl import load_trainer  # the reference trainer's `gpu_of`: vLLM takes the first GPU it sees
+
     rows: list[dict[str, Any]] = []
     with RedisServer() as server:
         url = server.url
-        gpus = (gpu_of(spec.device) or {}) if spec.kind == "vllm" else {}  # vLLM takes the first GPU it sees
+        gpus = (load_trainer().gpu_of(spec.device) or {}) if spec.kind == "vllm" else {}
         env = {"COLUMNS": "250"} | gpus  # the worker's log lines unwrapped, for `read_breakdown`
         names = ["bench-sync-worker"] if workers == 1 else [f"bench-sync-worker-{i}" for i in range(workers)]
         logs = [log] if workers == 1 else [log.with_name(f"{log.stem}-{i}{log.suffix}") for i in range(workers)]
@@ -712,7 +714,7 @@ def _held(transport: str) -> dict[str, Any]:
     """For ipc: how much GPU memory the trainer holds for the workers now (its last two versions' buffers)."""
     if transport != "ipc":
         return {}
-    from staleness.weights.ipc import held_bytes
+    from benchmarks.transport_state import held_bytes
 
     return {"trainer_held_mib": round(held_bytes() / 2**20, 1)}
 

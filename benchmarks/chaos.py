@@ -54,9 +54,9 @@ import typer
 from benchmarks import PROGRAM
 from benchmarks.chaos_proxy import Proxy
 from benchmarks.chaos_trainer import POISON_TOKEN, is_poison, parked_and_dead
-from pipeline.cli.app import console, fail, user_errors
 from pipeline.processes import start_command, stop_process
 from pipeline.wire import GENERATORS, Keys
+from rollouts.app import console, fail, user_errors
 
 if TYPE_CHECKING:
     from pipeline.local import RedisServer
@@ -92,7 +92,7 @@ class Member:
     name: str
     args: list[str]
     log: Path
-    module: str = "pipeline.cli"
+    module: str = "rollouts"
     """The program it is a command of: `rollouts`, or the lab's own (`benchmarks.PROGRAM`)."""
     launcher: tuple[str, ...] = ()
     """What its command line starts with (`ip netns exec NS`: a network namespace of its own)."""

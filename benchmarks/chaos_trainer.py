@@ -28,9 +28,9 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from pipeline.cli.app import user_errors
 from pipeline.codec import as_entries
 from pipeline.wire import Partial, Prompt, Rollout, WireError
+from rollouts.app import user_errors
 
 if TYPE_CHECKING:
     from pipeline.streams import Streams

@@ -28,8 +28,11 @@ from benchmarks import (
     scale_fleet,
     soak,
 )
-from pipeline.cli.app import ENGINE_NEEDS, check_engine, console, exit_code, fail, require, user_errors
-from pipeline.cli.engine_spec import (
+from pipeline.fast_exit import leave
+from pipeline.processes import stop_signals_unwind
+from pipeline.wire import is_pause_mode
+from rollouts.app import ENGINE_NEEDS, check_engine, console, exit_code, fail, require, user_errors
+from rollouts.engine_spec import (
     DeviceOpt,
     DtypeOpt,
     EagerOpt,
@@ -43,9 +46,6 @@ from pipeline.cli.engine_spec import (
     ThreadsOpt,
     TpOpt,
 )
-from pipeline.fast_exit import leave
-from pipeline.processes import stop_signals_unwind
-from pipeline.wire import is_pause_mode
 
 lab = typer.Typer(
     help="The lab of Rollout Streams: benchmarks, soaks and fault runs, each a JSON report on stdout.",

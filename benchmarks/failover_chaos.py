@@ -47,10 +47,10 @@ import typer
 from benchmarks import PROGRAM, netns
 from benchmarks.chaos import Ledger, Member, percentiles
 from benchmarks.chaos_trainer import parked_and_dead, prompt_ids
-from pipeline.cli.app import console, fail
 from pipeline.durability import MODES
 from pipeline.local import LOOPBACK, RedisServer, SentinelTopology
 from pipeline.streams import Streams
+from rollouts.app import console, fail
 
 NS = "failover"
 KINDS = ("primary-kill", "primary-stop", "primary-crash", "primary-partition")

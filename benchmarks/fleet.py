@@ -41,10 +41,10 @@ from typing import Annotated, Any, cast
 import redis
 import typer
 
-from pipeline.cli.app import fail, user_errors
 from pipeline.local import RedisServer
 from pipeline.processes import start_worker, stop_processes, wait_for_worker
 from pipeline.wire import GENERATORS, Keys, Prompt, Sampling
+from rollouts.app import fail, user_errors
 
 PARTS = ("spread", "takeover")
 SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
@@ -391,7 +391,7 @@ def code_fingerprint() -> dict[str, str]:
     root = Path(__file__).resolve().parent.parent
     files = [
         root / "consumers" / "worker.py",
-        root / "pipeline" / "streams.py",
+        root / "pipeline" / "streams" / "work.py",
         *sorted((root / "pipeline" / "lua").glob("*.lua")),
     ]
     return {str(f.relative_to(root)): hashlib.sha256(f.read_bytes()).hexdigest()[:12] for f in files if f.is_file()}

@@ -46,11 +46,11 @@ import typer
 from benchmarks import PROGRAM
 from benchmarks.cpu import cpu_seconds, pin
 from benchmarks.soak import Producer, Tally, rss_bytes
-from pipeline.cli.app import console, fail, user_errors
 from pipeline.lua import register_all
 from pipeline.processes import start_command, stop_process
 from pipeline.streams import SCRIPTS as STREAM_SCRIPTS
 from pipeline.wire import PauseMode, is_pause_mode
+from rollouts.app import console, fail, user_errors
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -243,7 +243,7 @@ class Pinger(threading.Thread):
                 entry, prompt = work.pop()
                 rollouts = [build_rollout(prompt, i, samples[i], "pinger") for i in range(self.n)]
                 started = time.perf_counter()
-                streams.publish_rollouts(rollouts, entry)
+                streams.writer.publish_rollouts(rollouts, entry)
                 self.publishes.append((time.time(), (time.perf_counter() - started) * 1000))
         finally:
             streams.redis.close()

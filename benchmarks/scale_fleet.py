@@ -23,9 +23,9 @@ from typing import Annotated, Any
 
 import typer
 
-from pipeline.cli.app import setup_logging
 from pipeline.connections import connect
 from pipeline.streams import Streams
+from rollouts.app import setup_logging
 
 THREADS_PER_WORKER = 4
 """Worker calls into redis-py run on threads (`asyncio.to_thread`); a worker may have four at once (its blocking

@@ -47,11 +47,11 @@ import numpy as np
 import redis
 import typer
 
-from pipeline.cli.app import DedupeTtlOpt, console, fail, user_errors
-from pipeline.cli.engine_spec import EngineSpec
 from pipeline.processes import start_worker, stop_processes, wait_for_worker
 from pipeline.streams import Streams
 from pipeline.top import snapshot
+from rollouts.app import DedupeTtlOpt, console, fail, user_errors
+from rollouts.engine_spec import EngineSpec
 
 if TYPE_CHECKING:
     from rich.console import Console

@@ -93,12 +93,12 @@ class WorkerSettings:
     @property
     def read_block_ms(self) -> int:
         """How long a worker's read waits for new work: `block_ms`, at most half a heartbeat, so that a waiting
-        worker looks for a dead worker's work as often as a busy one (`Streams.claim_abandoned`)."""
+        worker looks for a dead worker's work as often as a busy one (`WorkReader.claim_abandoned`)."""
         return max(1, min(self.block_ms, int(self.heartbeat_s * 500)))
 
     @property
     def take_horizon_ms(self) -> int:
-        """How long a worker that said it has room (a take, a heartbeat) counts as one (`Streams.take`): two of its
+        """How long a worker that said it has room (a take, a heartbeat) counts as one (`WorkReader.take`): two of its
         reads' waits and two heartbeat periods, so a worker waiting for work is counted even when a loaded machine
         holds its read and its heartbeat back a period, and a stopped one soon is not."""
         return 2 * self.read_block_ms + int(2 * self.heartbeat_s * 1000)

@@ -3,7 +3,7 @@
 An entry that died with its worker may be what killed it (a poison prompt) or may only have sat beside it. `Suspects`
 tells them apart without trusting any one death: an entry handed out `apart_after` times runs apart (beside fresh
 work, never beside another such entry); `max_deliveries` times, alone (the worker first finishes what it runs, then
-starts it with nothing beside it and takes nothing else until it ends; `Streams.mark_alone` counts such starts);
+starts it with nothing beside it and takes nothing else until it ends; `WorkReader.mark_alone` counts such starts);
 handed out again after `alone_tries` runs alone (each time the worker that ran only it died or hung), it is a dead
 letter. Set-aside entries are held by the worker meanwhile (in its `held` map: touched every heartbeat, claimed by
 nobody).
@@ -22,7 +22,7 @@ import redis
 from consumers.budget import TakeBudget
 from consumers.metrics import WorkerMetrics
 from consumers.settings import WorkerSettings
-from pipeline.streams import Entry, Streams
+from pipeline.streams import Entry, WorkReader
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ class Suspects:
 
     def __init__(
         self,
-        streams: Streams,
+        work: WorkReader,
         name: str,
         settings: WorkerSettings,
         metrics: WorkerMetrics,
@@ -43,7 +43,7 @@ class Suspects:
         start: Callable[[Entry], None],
         budget: TakeBudget,
     ) -> None:
-        self._streams = streams
+        self._work = work
         self._name = name
         self._settings = settings
         self._metrics = metrics
@@ -79,19 +79,19 @@ class Suspects:
 
     async def _alone_turn(self) -> None:
         """Nothing new is taken; once nothing else is in flight, the next entry to run alone starts, marked as started
-        alone (`Streams.mark_alone`); once it has ended, its mark goes."""
+        alone (`WorkReader.mark_alone`); once it has ended, its mark goes."""
         running = self._running_alone
         if running is not None and not self._runs(running):
             self._running_alone = None
             with contextlib.suppress(redis.RedisError):  # it expires anyway
-                await asyncio.to_thread(self._streams.forget_alone, running)
+                await asyncio.to_thread(self._work.forget_alone, running)
             return
         if running is not None or len(self._held) > len(self._alone) + len(self._apart):
             await self._budget.changed()  # as each entry ends
             return
         entry = self._alone.popleft()
         try:
-            await asyncio.to_thread(self._streams.mark_alone, entry)
+            await asyncio.to_thread(self._work.mark_alone, entry)
         except redis.ConnectionError as exc:
             log.warning("%s: marking %s as run alone failed (%s); retrying", self._name, entry.id.decode(), exc)
             self._alone.appendleft(entry)
@@ -109,11 +109,11 @@ class Suspects:
     async def check(self, entry: Entry) -> bool:
         """Whether an entry handed out again is not to be served as usual, and so was dealt with here: set aside to
         run apart or alone (held meanwhile), or a dead letter."""
-        deliveries = await asyncio.to_thread(self._streams.delivery_count, entry)
+        deliveries = await asyncio.to_thread(self._work.delivery_count, entry)
         alone = deliveries >= self._settings.max_deliveries
         if not alone and deliveries < self._settings.apart_after:
             return False
-        runs = await asyncio.to_thread(self._streams.alone_runs, entry) if alone else 0
+        runs = await asyncio.to_thread(self._work.alone_runs, entry) if alone else 0
         if runs < self._settings.alone_tries:
             self._held[entry.stream, entry.id] = entry  # held: touched every heartbeat, claimed by nobody
             (self._alone if alone else self._apart).append(entry)
@@ -123,8 +123,8 @@ class Suspects:
             f" {self._settings.max_deliveries} and {self._settings.alone_tries}): each worker that ran nothing else"
             " died or hung"
         )
-        if await asyncio.to_thread(self._streams.dead_letter, entry, reason, "deliver"):
+        if await asyncio.to_thread(self._work.dead_letter, entry, reason, "deliver"):
             self._metrics.dead_letter("deliver")
         with contextlib.suppress(redis.RedisError):
-            await asyncio.to_thread(self._streams.forget_alone, entry)
+            await asyncio.to_thread(self._work.forget_alone, entry)
         return True

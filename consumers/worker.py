@@ -48,7 +48,7 @@ from consumers.suspects import Held, Suspects
 from consumers.sync import WorkerSync
 from pipeline.publisher import Publisher
 from pipeline.registry import default_name, sweep_chance
-from pipeline.streams import Entry, Streams
+from pipeline.streams import Entry, Streams, trim_consumed
 from pipeline.wire import Partial, Prompt, Rollout, WireError
 
 log = logging.getLogger(__name__)
@@ -80,12 +80,12 @@ class Worker:
             raise ValueError("release_after_s needs an engine factory: a released engine is built again to restart")
         self._slot = EngineSlot(engine, factory, self.name, self.settings.freeze_heap)
         """The engine, started at launch or on demand (`lazy`), and released when idle (`release_after_s`)."""
-        streams.dedupe_ttl_s = self.settings.dedupe_ttl_s
+        streams.writer.dedupe_ttl_s = self.settings.dedupe_ttl_s
         self.metrics = metrics or WorkerMetrics(streams.keys.ns, self.name)
         """What only this process knows, for Prometheus (served by `rollouts worker --metrics-port`)."""
         self.failure: str | None = None
         """Why the worker stopped on its own (its engine died); None after a requested stop."""
-        self.publisher = Publisher(streams)
+        self.publisher = Publisher(streams.writer)
         """Publishes what finishes while another publish is on the wire in one round trip with it."""
         self.budget = TakeBudget(lambda: (self.max_inflight, self.max_inflight_tokens))
         """The samples and tokens it holds in flight, under its caps: how much more it takes."""
@@ -94,7 +94,7 @@ class Worker:
         self._inflight: Held = {}
         """Every entry it holds: started, held for room, or set aside to run apart or alone (`Suspects`)."""
         self._held: deque[Entry] = deque()
-        """Entries taken but not started for want of room (a blocking read over three streams: `Streams.read_work`).
+        """Entries taken but not started for want of room (a blocking read over three streams: `WorkReader.read_work`).
         They are in `_inflight` too, so they are touched every heartbeat and nobody claims them; they start first."""
         self._drain_on_stop = True
         self._tasks: set[asyncio.Task] = set()
@@ -128,7 +128,7 @@ class Worker:
             self.settings.block_ms,
         )
         """Its side of the weight-sync protocol: follows control, pauses, loads, sleeps, wakes, resumes, acks."""
-        self._suspects = Suspects(streams, self.name, self.settings, self.metrics, self._inflight, self._start,
+        self._suspects = Suspects(streams.work, self.name, self.settings, self.metrics, self._inflight, self._start,
                                   self.budget)  # fmt: skip
         """Entries handed out again and again: run apart, then alone, then dead-lettered."""
         self._samples = SampleGenerator(
@@ -203,7 +203,7 @@ class Worker:
 
     async def run(self) -> None:
         await asyncio.to_thread(self.streams.ensure_groups)
-        await asyncio.to_thread(self.streams.join, self.name)
+        await asyncio.to_thread(self.streams.work.join, self.name)
         began = time.monotonic()
         if self.settings.lazy:
             self.state.status = WorkerStatus.IDLE
@@ -315,7 +315,7 @@ class Worker:
             await asyncio.sleep(0)  # let them decode and count their samples before the room is measured again
 
     def _take_work(self, count: int) -> tuple[list[Entry], bool]:
-        """In a thread: up to `count` entries, no more than this worker's share of what waits (`Streams.take`); when
+        """In a thread: up to `count` entries, no more than this worker's share of what waits (`WorkReader.take`); when
         nothing waits, a blocking read for one entry (Redis wakes the worker that has waited longest), then the rest
         of its share of the burst it woke to that fits now (its room may have grown while it waited), in the same
         hand-off from the event loop and back, so that the burst starts together: the engine would otherwise start
@@ -323,17 +323,17 @@ class Worker:
         thread reads of the worker's state, counts and flags, it only reads.) Also says whether it took nothing
         because the work that waits is the other workers' turn."""
         held = len(self._inflight)
-        entries, others_turn = self.streams.take(self.name, count, held, self.settings.take_horizon_ms)
+        entries, others_turn = self.streams.work.take(self.name, count, held, self.settings.take_horizon_ms)
         if entries or others_turn or self.state.stopping.is_set():
             return entries, others_turn
-        entries = self.streams.read_work(self.name, 1, self.settings.read_block_ms)
+        entries = self.streams.work.read_work(self.name, 1, self.settings.read_block_ms)
         if not entries or self.budget.mean_n is None or self.state.stopping.is_set():
             return entries, False  # none came, or it cannot tell what more would fit
         room = self.budget.entries_for(self.budget.free()) - len(entries)
         if room <= 0:
             return entries, False
         try:
-            more, _ = self.streams.take(self.name, room, held + len(entries), self.settings.take_horizon_ms)
+            more, _ = self.streams.work.take(self.name, room, held + len(entries), self.settings.take_horizon_ms)
         except redis.ConnectionError as exc:
             log.warning("%s: reading more work failed (%s); serving what was read", self.name, exc)
             more = []
@@ -476,7 +476,7 @@ class Worker:
                     # shares it out as it does sweeps; its own inbox, each.
                     shared = [keys.prompts, keys.partials] if random.random() < sweep_chance(self._fleet) else []
                     for stream in (*shared, keys.inbox(self.name)):
-                        await asyncio.to_thread(self.streams.trim_consumed, stream)
+                        await asyncio.to_thread(trim_consumed, self.streams.redis, stream)
             except Exception:
                 if self.state.redis_gone:  # stopping without it: nothing to retry
                     return
@@ -507,7 +507,7 @@ class Worker:
     # -- claims: a dead worker's work, leftovers of an earlier process, entries that ran apart or alone ------
 
     async def _claim_abandoned(self) -> tuple[int, bool]:
-        """Take over a dead or hung worker's work (`Streams.claim_abandoned`) while there is room, its share of it;
+        """Take over a dead or hung worker's work (`WorkReader.claim_abandoned`) while there is room, its share of it;
         returns how many entries it claimed, and whether such work waits that is another worker's turn."""
         free = self.budget.free()
         if free <= 0 or not self.state.serving.is_set():
@@ -515,7 +515,7 @@ class Worker:
         count = self.budget.entries_for(free)
         quick_ms = int(self.settings.heartbeat_s * 1000)  # a silent worker's entries idle a beat: none it just took
         claimed, others_turn = await asyncio.to_thread(
-            self.streams.claim_abandoned,
+            self.streams.work.claim_abandoned,
             self.name,
             self.settings.claim_idle_ms,
             count,
@@ -540,7 +540,7 @@ class Worker:
         others would not take that work over until it idled past `claim_idle_ms`. Held, and started as room
         allows."""
         try:
-            entries = await asyncio.to_thread(self.streams.leftovers, self.name, LEFTOVERS_MAX)
+            entries = await asyncio.to_thread(self.streams.work.leftovers, self.name, LEFTOVERS_MAX)
         except redis.ConnectionError as exc:
             log.warning("%s: reading what an earlier process of its name left failed (%s)", self.name, exc)
             return

@@ -36,7 +36,7 @@ def _render_here() -> str:
     import typer.main
     from typer.testing import CliRunner
 
-    from pipeline.cli import app
+    from rollouts import app
 
     group = typer.main.get_command(app)
     runner = CliRunner()

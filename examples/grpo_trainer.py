@@ -56,7 +56,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
-from pipeline.processes import gpu_of, start_command, start_worker, stop_processes, wait_for_worker
+from pipeline.processes import start_command, start_worker, stop_processes, wait_for_worker
 from pipeline.wire import PauseMode, Rollout
 from producers.client import Batch, ParkingBound, RolloutClient
 from producers.grpo import grpo_step
@@ -223,7 +223,14 @@ def stage_reward(rollout: Rollout) -> float:
 
 
 def rollouts_cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "pipeline.cli", *args]
+    return [sys.executable, "-m", "rollouts", *args]
+
+
+def gpu_of(device: str) -> dict[str, str] | None:
+    """The environment that gives a vLLM worker GPU `cuda:N` alone, or `cuda:N,M` for tensor parallel 2 (vLLM takes the
+    first GPUs it sees, and the worker's `--device` is the torch engine's); None for cpu or a bare `cuda`."""
+    kind, _, index = device.partition(":")
+    return {"CUDA_VISIBLE_DEVICES": index} if kind == "cuda" and index else None
 
 
 class GenerationSideDied(BaseException):

@@ -22,14 +22,14 @@ primary:
 Without `ASKING`, on purpose: the source answers `ASK` or `TRYAGAIN` until the migration ends (`CLUSTER SETSLOT
 slot NODE`), then `MOVED`, so a retried command waits the migration out (moving a namespace's few dozen keys takes
 milliseconds) and then goes to the new owner. `ASKING` would let it run on the target earlier, but only for one
-command: it does not fit a pipelined batch (`pipeline.pipelined`, `Streams.publish_many`: each command would need
+command: it does not fit a pipelined batch (`pipeline.pipelined`, `Writer.publish_many`: each command would need
 its own `ASKING`), nor a blocking read, which the target would take and then answer `MOVED` at once, and a script
 whose keys are still split answers `TRYAGAIN` on either node anyway.
 
 Retrying is safe: every write the pipeline makes may run twice (the README's "Semantics we chose"); a batch cut
 short by a redirect was partly run, and is sent again whole. A script loaded on the old owner is unknown on the new
 one: the first call there answers `NOSCRIPT`, and every caller loads it again (redis-py's `Script`,
-`lua.load_missing`, `Streams.load_publish` after `streams.script_unknown`).
+`lua.load_missing`, `Writer.load_publish` after `streams.script_unknown`).
 """
 
 from __future__ import annotations
@@ -348,9 +348,3 @@ def following_options(client: redis.Redis, ns: str) -> dict[str, Any] | None:
     entry = (str(kwargs.get("host", "localhost")), int(kwargs.get("port", 6379)))
     route = SlotRoute(slot, [entry], settings, tls=following is SlotSSLConnection, owner=owner)
     return {"connection_class": following, "route": route}
-
-
-def route_of(client: redis.Redis) -> SlotRoute | None:
-    """The route that `client`'s connections follow (None: a client of one server)."""
-    route = getattr(client.connection_pool, "connection_kwargs", {}).get("route")
-    return route if isinstance(route, SlotRoute) else None

@@ -16,7 +16,7 @@ from pipeline.codec import as_entries, for_redis
 from pipeline.wire import Control
 
 if TYPE_CHECKING:
-    from pipeline.streams import Entry, Streams
+    from pipeline.streams.base import Entry, StreamBase
 
 BELLS = 64
 """Doorbells of a namespace (`{ns}:bell:K`). A worker blocks on its own (`bell_index`), never on `control`: a write
@@ -61,7 +61,7 @@ class ControlStream:
     """The control stream of one namespace and its doorbells, over the client of the `Streams` it belongs to
     (`streams.control`)."""
 
-    def __init__(self, streams: Streams) -> None:
+    def __init__(self, streams: StreamBase) -> None:
         self._streams = streams
 
     def send(self, command: Control, ring: bool = True) -> bytes:

@@ -26,7 +26,7 @@ def start_command(
     log_file: Path | None = None,
     new_session: bool = False,
     env: Mapping[str, str] | None = None,
-    module: str = "pipeline.cli",
+    module: str = "rollouts",
     launcher: Sequence[str] = (),
 ) -> subprocess.Popen[bytes]:
     """`rollouts ARGS...` in its own process, as a user would run it (`new_session`: its own process group,
@@ -42,13 +42,6 @@ def start_command(
         env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         start_new_session=new_session,
     )
-
-
-def gpu_of(device: str) -> dict[str, str] | None:
-    """The environment that gives a vLLM worker GPU `cuda:N` alone, or `cuda:N,M` for tensor parallel 2 (vLLM takes the
-    first GPUs it sees, and the worker's `--device` is the torch engine's); None for cpu or a bare `cuda`."""
-    kind, _, index = device.partition(":")
-    return {"CUDA_VISIBLE_DEVICES": index} if kind == "cuda" and index else None
 
 
 def start_worker(

@@ -3,9 +3,9 @@
 A worker finishes prompts one by one, each published (with its entry's ack) by one script call. At thousands of
 rollouts a second a round trip per prompt leaves both the worker and Redis waiting on each other. So at most
 `senders` pipelines are on the wire at a time, and every prompt finished meanwhile waits for one and goes in the
-next (`Streams.publish_many`), at most `max_batch` together. A lone publish goes at once, as before: batching adds
+next (`Writer.publish_many`), at most `max_batch` together. A lone publish goes at once, as before: batching adds
 no wait, only coalesces what is waiting anyway. Each prompt keeps its own atomic script, so the guarantees are
-those of `Streams.publish_rollouts` (tested in `tests/pipeline/test_streams.py`).
+those of `Writer.publish_rollouts` (tested in `tests/pipeline/test_streams.py`).
 
 Batches are kept small (16 prompts) and several are on the wire at once, so that Redis always has one to run while
 the worker encodes the next and builds what comes after: with large batches a worker's whole window goes out as one
@@ -14,7 +14,7 @@ measures the publish path).
 
 The batches are packed on the event loop and pipelined on one asyncio connection of the publisher's own
 (`pipeline.pipelined`), not handed to threads on the sync client (a hand-off and a GIL tug of war a batch). A client
-whose connections are not redis-py's (fakeredis) publishes through `Streams.publish_many` on the publisher's threads.
+whose connections are not redis-py's (fakeredis) publishes through `Writer.publish_many` on the publisher's threads.
 """
 
 from __future__ import annotations
@@ -30,19 +30,19 @@ import hiredis
 from pipeline.connections import async_retry, async_twin, socket_timeout_s
 from pipeline.durability import STALE, NotDurableError
 from pipeline.pipelined import PipelinedConnection
-from pipeline.streams import Entry, Publish, Streams, publish_results, script_unknown
+from pipeline.streams import Entry, Publish, Writer, publish_results, script_unknown
 from pipeline.wire import Partial, Rollout
 
 
 class Publisher:
-    """`await publisher.publish(...)` is `Streams.publish_rollouts` for asyncio code, batched with its neighbours."""
+    """`await publisher.publish(...)` is `Writer.publish_rollouts` for asyncio code, batched with its neighbours."""
 
-    def __init__(self, streams: Streams, max_batch: int = 16, senders: int = 4) -> None:
-        self.streams = streams
+    def __init__(self, writer: Writer, max_batch: int = 16, senders: int = 4) -> None:
+        self.writer = writer
         self.max_batch = max_batch
         self.senders = senders
         """Batches on the wire at once: while Redis runs one, the next is encoded."""
-        self._twin = async_twin(streams.redis)
+        self._twin = async_twin(writer.redis)
         self._pipe: tuple[asyncio.AbstractEventLoop, PipelinedConnection] | None = None
         self._threads = None if self._twin else ThreadPoolExecutor(senders, thread_name_prefix="publisher")
         """A sender a thread, for a client that has no asyncio twin (fakeredis): not the event loop's default
@@ -65,7 +65,7 @@ class Publisher:
         partials: Sequence[Partial] = (),
         reply_to: str | None = None,
     ) -> int:
-        """Publish and ack, atomically for this entry; returns what `Streams.publish_rollouts` returns, or raises
+        """Publish and ack, atomically for this entry; returns what `Writer.publish_rollouts` returns, or raises
         what it raises (a Redis error for this entry, a lost connection for its whole batch)."""
         done: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self._waiting.append((Publish(rollouts, source, partials, reply_to), done))
@@ -124,15 +124,15 @@ class Publisher:
         return min(self.max_batch, -(-waiting // idle))
 
     async def _publish_many(self, publishes: list[Publish]) -> list[int | Exception]:
-        """`Streams.publish_many`, on the publisher's asyncio connection when it has one."""
+        """`Writer.publish_many`, on the publisher's asyncio connection when it has one."""
         loop = asyncio.get_running_loop()
         if self._threads is not None:
-            return await loop.run_in_executor(self._threads, self.streams.publish_many, publishes)
+            return await loop.run_in_executor(self._threads, self.writer.publish_many, publishes)
         pipe = self._pipeline(loop)
-        commands = self.streams.publish_commands(publishes)
+        commands = self.writer.publish_commands(publishes)
         replies: list[Any] = await self._call(pipe, commands)
         if unknown := script_unknown(replies):  # Redis restarted or its scripts were flushed: those ran nothing
-            await asyncio.to_thread(self.streams.load_publish)  # rare: behind the worker's other calls is fine
+            await asyncio.to_thread(self.writer.load_publish)  # rare: behind the worker's other calls is fine
             for i, reply in zip(unknown, await self._call(pipe, [commands[i] for i in unknown]), strict=True):
                 replies[i] = reply
         return publish_results(replies)
@@ -142,7 +142,7 @@ class Publisher:
         after them on the same connection, and a short count waits again while that connection lives (up to the
         mode's patience); a new connection, or patience run out, sends them all again (a publish already made writes
         nothing the second time), with the client's retry policy."""
-        durability = self.streams.durability
+        durability = self.writer.durability
         if not durability.waits:
             return await pipe.call(commands)
         wait = cast(bytes, hiredis.pack_command(durability.wait_args()))
@@ -170,14 +170,14 @@ class Publisher:
         async def again(_error: Exception) -> None:
             await pipe.close()  # the next try connects anew: to the primary the Sentinels name now, behind them
 
-        replies: list[Any] = await async_retry(self.streams.redis).call_with_retry(durable, again)
+        replies: list[Any] = await async_retry(self.writer.redis).call_with_retry(durable, again)
         return replies
 
     def _pipeline(self, loop: asyncio.AbstractEventLoop) -> PipelinedConnection:
         """The connection of this event loop (a publisher used from a second `asyncio.run` gets a new one)."""
         if self._pipe is None or self._pipe[0] is not loop:
             assert self._twin is not None
-            client = self.streams.redis
+            client = self.writer.redis
             self._pipe = (loop, PipelinedConnection(self._twin, async_retry(client), socket_timeout_s(client)))
         return self._pipe[1]
 

@@ -1,7 +1,7 @@
 """Recording `{ns}:rollouts` to Parquet, reading recordings back, and replaying them onto a namespace.
 
 The recorder reads in a consumer group of its own (`recorder`), so it takes nothing from the
-trainer, and trimming (`Streams.trim_consumed`) waits for it. Rows go to a file under a hidden
+trainer, and trimming (`trim_consumed`) waits for it. Rows go to a file under a hidden
 temporary name; the file is closed when it reaches a size or an age, flushed to disk (fsync),
 renamed to its final name, and only then are its entries acked. A recorder killed at any moment
 loses nothing: what it had not acked is still pending in its group, and it re-reads that first
@@ -37,7 +37,7 @@ from pydantic import ValidationError
 
 from pipeline.codec import FLOAT32, INT32, encode_json
 from pipeline.files import fsync_path
-from pipeline.streams import Entry, Streams
+from pipeline.streams import Entry, Streams, trim_consumed
 from pipeline.wire import GENERATORS, RECORDER, SCORERS, TRAINER, WIRE_VERSION, Rollout, WireError
 
 log = logging.getLogger(__name__)
@@ -468,7 +468,7 @@ class Recorder:
         self.stats.rollouts += file.rows
         self.stats.files.append(path)
         log.info("wrote %s: %d rollouts, %.2f MB", path, file.rows, path.stat().st_size / 2**20)
-        self.streams.trim_consumed(self.streams.keys.rollouts)  # this group may have been the last to finish
+        trim_consumed(self.streams.redis, self.streams.keys.rollouts)  # this group may have been the last to finish
         return path
 
     def _name(self, first: Entry) -> Path:
@@ -537,7 +537,7 @@ def replay(
     started = time.monotonic()
 
     def send(handled: int) -> None:
-        stats.added += streams.add_rollouts(batch)
+        stats.added += streams.writer.add_rollouts(batch)
         batch.clear()
         if progress:
             progress(handled)

@@ -5,7 +5,7 @@ open and running, RQ jobs queued and RQ workers, and the counters `groups`, `rol
 `reward_errors`; its `age_s` says how long ago the leader last wrote it. The scoring lag is the
 `scoring` stream's row: rollouts not yet read (`lag`) and read but not yet forwarded (`pending`).
 `scoring` sums them up: `waiting` (rollouts on `{ns}:scoring` not yet forwarded to the trainer), `scorer_alive`
-(a scorer holds `{ns}:scorer:lease`, see `Streams.scorer_alive`) and `warning` (a line, or None) when rollouts
+(a scorer holds `{ns}:scorer:lease`, see `ScoringStreams.scorer_alive`) and `warning` (a line, or None) when rollouts
 wait and no scorer is alive: nothing will score them, and their trainer waits.
 
 `policy` reads `{ns}:state` as numbers: the policy version and sync epoch, and the admission
@@ -116,7 +116,7 @@ def scoring_backlog(streams: Streams, row: dict[str, Any] | None, groups: list[d
                 after = "(" + _text(group["last-delivered-id"])  # at most UNREAD_SCAN of them (whole entries)
                 unread = len(streams.redis.xrange(keys.scoring, after, "+", count=UNREAD_SCAN) or [])
             waiting = int(unread) + int(group["pending"])
-    alive = streams.scorer_alive()
+    alive = streams.scoring.scorer_alive()
     warning = None
     if waiting and not alive:
         warning = (

@@ -33,7 +33,7 @@ import numpy as np
 import redis
 
 from pipeline.connections import RedisUnreachable, connect, retried_failures
-from pipeline.streams import Entry, Streams
+from pipeline.streams import Entry, Streams, trim_consumed
 from pipeline.wire import (
     ADAPTER_PATTERN,
     REWARD_FN_PATTERN,
@@ -537,10 +537,10 @@ class RolloutClient:
 
     def _ack(self, entry_ids: list[bytes]) -> None:
         """Ack what was handed over; now and then drop what every group on `rollouts` is done with."""
-        self.streams.ack_rollouts(entry_ids)
+        self.streams.trainer.ack_rollouts(entry_ids)
         if time.monotonic() - self._last_trim >= self._trim_every_s:
             self._last_trim = time.monotonic()
-            self.streams.trim_consumed(self.streams.keys.rollouts)
+            trim_consumed(self.streams.redis, self.streams.keys.rollouts)
 
     def _whole_groups(self, timeout: float | None, block_ms: int = 500) -> Iterator[Group]:
         """Whole groups as they come, each handed over once: those a read completed beyond what the caller took
@@ -588,14 +588,14 @@ class RolloutClient:
     def _read(self, block_ms: int) -> list[Entry]:
         if self._pending_after is not None:  # page through them: they stay pending until their group is used
             after = self._pending_after
-            entries = self.streams.read_rollouts(self.consumer, self._count(), None, pending=True, after=after)
+            entries = self.streams.trainer.read_rollouts(self.consumer, self._count(), None, pending=True, after=after)
             if entries:
                 self._pending_after = entries[-1].id
                 return entries
             self._pending_after = None
             self._rereading = False
         retried = retried_failures(self.streams.redis)
-        entries = self.streams.read_rollouts(self.consumer, self._count(), block_ms)
+        entries = self.streams.trainer.read_rollouts(self.consumer, self._count(), block_ms)
         if retried_failures(self.streams.redis) != retried:
             # A dropped connection was retried: if the read had run, its reply (entries now pending on this
             # consumer, never handed to us) was lost. Re-read what is pending on us; what we hold is skipped.
@@ -631,6 +631,6 @@ class RolloutClient:
             if group is not None:
                 whole.append(group)
         self.stats["duplicates"] += len(duplicates)
-        self.streams.ack_rollouts(duplicates)
+        self.streams.trainer.ack_rollouts(duplicates)
         self.stats["groups"] += len(whole)
         return whole

@@ -20,7 +20,7 @@ from functools import cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("pipeline", "producers", "consumers", "staleness", "benchmarks", "tests", "examples")
+PACKAGES = ("pipeline", "producers", "consumers", "staleness", "rollouts", "benchmarks", "tests", "examples")
 """Top-level folders whose .py files are indexed; a dotted name that starts with one of them is ours."""
 
 FOREIGN_FIRST = frozenset({"verl", "trl", "vllm"})
@@ -28,6 +28,10 @@ FOREIGN_FIRST = frozenset({"verl", "trl", "vllm"})
 (`producers/integrations/verl.py`: `verl.plugins` is verl's) or that the docs cite paths of (`vllm/config/model.py`).
 Other dotted names whose first part is neither ours nor a class of ours (`torch.cat`, `batch.staleness`) are not
 checked."""
+
+NOT_CODE = frozenset({"rollouts.commands"})
+"""Dotted names rooted in a package of ours that name no code: the entry-point group through which other packages
+add commands to `rollouts` (`rollouts.app.PLUGINS`)."""
 
 NOT_MODULES = frozenset({"scoring", "sampling", "fleet"})
 """First parts that the docs use for a JSON key, not a module: `scoring.waiting` in `rollouts top --once --json`,
@@ -241,6 +245,8 @@ def missing(name: str, call: bool) -> str | None:
     idx = index()
     parts = name.split(".")
     first = parts[0]
+    if name in NOT_CODE:
+        return None
     if first in PACKAGES:
         for cut in range(len(parts), 0, -1):
             module = ".".join(parts[:cut])

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from benchmarks.bench_sync import SIZES, bare_broadcast_gb_per_s
+from benchmarks.transport_state import drop_groups
 from consumers.engines.tiny_model import build_tiny_model
 from pipeline.local import free_port
 from staleness.weights import buckets, nccl
@@ -46,7 +47,7 @@ def transfer(named: dict[str, torch.Tensor], bucket_bytes: int, target: str, rou
         thread.start()
         stats.append(trainer.broadcast(epoch, 1))
         thread.join()
-    nccl.drop_groups()
+    drop_groups()
     later = stats[2:]
     return {
         "transfer_ms": round(1000 * statistics.median(s.transfer_s for s in later), 3),

@@ -45,7 +45,7 @@ def run_bench(checkout: Path, rounds: int, extra: list[str]) -> dict[str, Any]:
             "PYTHONPATH": os.pathsep.join(filter(None, [str(PROBE), os.environ.get("PYTHONPATH")])),
         }
         out = subprocess.run(
-            [sys.executable, "-m", "pipeline.cli", "bench", "--rounds", str(rounds), *extra],
+            [sys.executable, "-m", "rollouts", "bench", "--rounds", str(rounds), *extra],
             cwd=checkout, env=env, capture_output=True, text=True, check=True,
         )  # fmt: skip
         bench = json.loads(out.stdout)

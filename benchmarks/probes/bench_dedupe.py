@@ -44,7 +44,7 @@ def main() -> None:
         for start in range(0, rollouts // N, 128):
             batch = [rollout(p, k) for p in range(start, min(start + 128, rollouts // N)) for k in range(N)]
             began = time.perf_counter()
-            streams.add_rollouts(batch)
+            streams.writer.add_rollouts(batch)
             took += time.perf_counter() - began
         client.delete(streams.keys.rollouts)
         used = client.info("memory")["used_memory"] - empty

@@ -6,7 +6,7 @@ Starts a private redis-server and one `rollouts worker` process (a fresh tiny mo
 script) on its `PYTHONPATH`, serves one warm-up round and then `--rounds` rounds of `rollouts bench`'s shape (64 prompts
 x 4 samples x 64 tokens) through `RolloutClient`, and prints one JSON line: each round's seconds, and the worker's
 collections of generations 1 and 2 during the rounds (how many, their milliseconds in all, the longest). To measure a
-worker from before a change, put that checkout first on `PYTHONPATH` (the worker process is `python -m pipeline.cli
+worker from before a change, put that checkout first on `PYTHONPATH` (the worker process is `python -m rollouts
 worker`).
 A measuring tool: the README's *A worker's heap, frozen once its engine is up* quotes it.
 """

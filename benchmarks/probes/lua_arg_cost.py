@@ -70,10 +70,10 @@ def publish_ways(r: redis.Redis, calls: int) -> dict[str, dict[str, float]]:
         return [Entry(streams.keys.prompts, entry_id, {}) for entry_id, _ in entries]
 
     def in_script(source: Entry) -> None:
-        streams.publish_many([Publish((), source, partials, None)])
+        streams.writer.publish_many([Publish((), source, partials, None)])
 
     def beside_script(source: Entry) -> None:
-        buckets, expiry_s = streams.dedupe_buckets()
+        buckets, expiry_s = streams.writer.dedupe_buckets()
         keys = [streams.keys.rollouts, source.stream, streams.keys.partials, *buckets]
         transaction = r.pipeline(transaction=True)
         for partial in partials:

@@ -13,8 +13,8 @@ import pytest
 
 from benchmarks.bench import SharedEngine, balanced_ratio, room_for_both
 from consumers.engines.synthetic_engine import SyntheticEngine
-from pipeline.cli.engine_spec import EngineSpec
 from pipeline.local import RedisServer
+from rollouts.engine_spec import EngineSpec
 from tests.cli.test_cli import rollouts
 
 

@@ -92,7 +92,7 @@ def test_bench_broker_moves_every_rollout_once_and_reports_rates_and_ratios(tmp_
     args = ["--rollouts", str(ROLLOUTS), "--n", str(N), "--tokens", "64", "--batch-groups", str(BATCH), "--rounds", "2"]
     args += ["--pipelinerl-src", str(checkout.parent)]
     result = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "bench-broker", *args], capture_output=True, text=True, timeout=240
+        [sys.executable, "-m", "rollouts", "bench-broker", *args], capture_output=True, text=True, timeout=240
     )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout)
@@ -112,7 +112,7 @@ def test_bench_broker_moves_every_rollout_once_and_reports_rates_and_ratios(tmp_
 
 def test_bench_broker_refuses_a_checkout_without_pipelinerls_streams(tmp_path: Path) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "bench-broker", "--rounds", "1", "--pipelinerl-src", str(tmp_path)],
+        [sys.executable, "-m", "rollouts", "bench-broker", "--rounds", "1", "--pipelinerl-src", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -129,7 +129,7 @@ def test_bench_broker_runs_a_durability_mode_beside_the_default_on_a_replicated_
     args = ["--rollouts", str(ROLLOUTS), "--n", str(N), "--tokens", "64", "--batch-groups", str(BATCH), "--rounds", "1"]
     args += ["--sentinel"] if behind == "sentinel" else []
     result = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "bench-broker", *args, "--durability", "replica"],
+        [sys.executable, "-m", "rollouts", "bench-broker", *args, "--durability", "replica"],
         capture_output=True,
         text=True,
         timeout=240,
@@ -154,7 +154,7 @@ def test_bench_broker_runs_a_durability_mode_beside_the_default_on_a_replicated_
 )
 def test_bench_broker_refuses_a_durability_mode_or_fsync_policy_it_does_not_know(args: list[str], says: str) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "bench-broker", "--rounds", "1", *args],
+        [sys.executable, "-m", "rollouts", "bench-broker", "--rounds", "1", *args],
         capture_output=True,
         text=True,
         timeout=120,

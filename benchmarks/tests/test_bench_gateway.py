@@ -19,7 +19,7 @@ def test_bench_gateway_reports_every_policy_and_the_overhead(tmp_path: Path) -> 
     args = ["--engine", "synthetic", "--sessions", str(SESSIONS), "--turns", str(TURNS), "--rounds", str(ROUNDS)]
     args += ["--workers", "2", "--max-tokens", "8", "--plot", str(plot)]
     result = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "bench-gateway", *args], capture_output=True, text=True, timeout=240
+        [sys.executable, "-m", "rollouts", "bench-gateway", *args], capture_output=True, text=True, timeout=240
     )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout)

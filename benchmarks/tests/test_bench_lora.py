@@ -18,7 +18,7 @@ import pytest
 
 def bench_lora(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "bench-lora", *args], capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "rollouts", "bench-lora", *args], capture_output=True, text=True, timeout=timeout
     )
 
 

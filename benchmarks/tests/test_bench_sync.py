@@ -33,7 +33,7 @@ from benchmarks.bench_sync import (
     write_sparse_safetensors,
 )
 from consumers.engines.vllm_extension import RolloutsWorkerExtension
-from pipeline.cli.engine_spec import EngineSpec
+from rollouts.engine_spec import EngineSpec
 from tests.cli.test_cli import assert_clean_error, rollouts
 
 

@@ -19,7 +19,7 @@ def test_a_short_chaos_run_loses_nothing_and_hands_nothing_over_twice(tmp_path: 
     # 25 s: after the 5 s warm-up one fault every 2 s, the first seven one of each kind, then three drawn by weight
     args = ["--duration-s", "25", "--workers", "4", "--every-s", "2", "--seed", "1", "--plot", str(plot)]
     result = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "chaos", *args, "--keep-logs", str(tmp_path / "logs")],
+        [sys.executable, "-m", "rollouts", "chaos", *args, "--keep-logs", str(tmp_path / "logs")],
         capture_output=True,
         text=True,
         timeout=420,

@@ -27,7 +27,7 @@ def test_a_short_failover_run_in_the_replica_mode_loses_nothing_acknowledged(tmp
     args = ["--modes", "replica", "--duration-s", str(8 * len(kinds)), "--every-s", "5", "--workers", "2"]
     args += ["--kinds", ",".join(kinds), "--drain-timeout-s", "150"]
     result = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "failover-chaos", *args, "--keep-logs", str(tmp_path / "logs")],
+        [sys.executable, "-m", "rollouts", "failover-chaos", *args, "--keep-logs", str(tmp_path / "logs")],
         capture_output=True,
         text=True,
         timeout=420,
@@ -46,7 +46,7 @@ def test_a_short_failover_run_in_the_replica_mode_loses_nothing_acknowledged(tmp
 def test_failover_chaos_refuses_a_mode_or_a_fault_it_does_not_know() -> None:
     for args, says in ((["--modes", "fsync"], "unknown durability modes"), (["--kinds", "meteor"], "unknown fault")):
         result = subprocess.run(
-            [sys.executable, "-m", "pipeline.cli", "failover-chaos", *args], capture_output=True, text=True, timeout=60
+            [sys.executable, "-m", "rollouts", "failover-chaos", *args], capture_output=True, text=True, timeout=60
         )
         assert result.returncode == 2 and says in result.stderr, result.stderr
 

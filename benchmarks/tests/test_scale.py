@@ -26,7 +26,7 @@ def test_fifty_workers_publish_at_the_rate_asked_and_take_every_sync(tmp_path: P
     args = ["--workers", str(WORKERS), "--rate", "2", "--procs", "1", "--warmup-s", "2", "--measure-s", "8"]
     args += ["--sync-every-s", "2.5", "--lengths", "uniform:900-1024", "--plot", str(plot)]
     result = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "scale", *args], capture_output=True, text=True, timeout=180
+        [sys.executable, "-m", "rollouts", "scale", *args], capture_output=True, text=True, timeout=180
     )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout)
@@ -84,13 +84,13 @@ def test_fifty_workers_publish_at_the_rate_asked_and_take_every_sync(tmp_path: P
 
 def test_bad_lengths_and_pause_modes_say_what_to_fix() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "scale", "--lengths", "uniform:9-3"], capture_output=True, text=True
+        [sys.executable, "-m", "rollouts", "scale", "--lengths", "uniform:9-3"], capture_output=True, text=True
     )
     output = result.stdout + result.stderr
     assert result.returncode == 2 and "Traceback" not in output, output
     assert "--lengths" in output and "uniform:LOW-HIGH (1 <= LOW <= HIGH)" in output, output
     result = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "scale", "--pause-mode", "hold"], capture_output=True, text=True
+        [sys.executable, "-m", "rollouts", "scale", "--pause-mode", "hold"], capture_output=True, text=True
     )
     assert result.returncode == 2 and "--pause-mode must be abort or keep, not 'hold'" in result.stderr, result.stderr
 

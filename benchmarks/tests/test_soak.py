@@ -22,7 +22,7 @@ def test_a_short_soak_receives_everything_once_with_bounded_memory(tmp_path: Pat
     args = ["--rollouts", str(ROLLOUTS), "--n", str(N), "--tokens", "16", "--workers", "2", "--steps-per-s", "40"]
     args += ["--sample-s", "0.25", "--plot", str(plot), "--dedupe-ttl-s", "5"]
     result = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "soak", *args], capture_output=True, text=True, timeout=240
+        [sys.executable, "-m", "rollouts", "soak", *args], capture_output=True, text=True, timeout=240
     )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout)

@@ -35,8 +35,8 @@ def split_rounds(probe_dir: Path, bench: dict[str, Any]) -> dict[str, Any]:
 
 
 def test_rounds_splits_each_side_into_the_engines_span_and_the_time_before_and_after_it(tmp_path: Path) -> None:
-    engine_file(tmp_path / "101.jsonl", "python -m pipeline.cli bench --engine vllm --rounds 2", [1.0, 10.0, 30.0])
-    worker = "python -m pipeline.cli worker --ns bench --engine vllm"
+    engine_file(tmp_path / "101.jsonl", "python -m rollouts bench --engine vllm --rounds 2", [1.0, 10.0, 30.0])
+    worker = "python -m rollouts worker --ns bench --engine vllm"
     engine_file(tmp_path / "202.jsonl", worker, [2.0, 20.0, 40.0])
     # The bench's rounds on the steps' clock: direct 0.01 s before its first step and 0.01 s after its last,
     # pipeline 0.03 s before and 0.05 s after.
@@ -65,7 +65,7 @@ def test_rounds_splits_each_side_into_the_engines_span_and_the_time_before_and_a
 
 def test_with_one_engine_each_run_of_steps_goes_to_the_side_whose_round_it_began_in(tmp_path: Path) -> None:
     # `--one-engine`: one engine file, both sides' rounds in it, told apart only by the bench's rounds.
-    engine_file(tmp_path / "101.jsonl", "python -m pipeline.cli bench --one-engine", [1.0, 2.0, 10.0, 20.0])
+    engine_file(tmp_path / "101.jsonl", "python -m rollouts bench --one-engine", [1.0, 2.0, 10.0, 20.0])
     rounds = [["direct", 0.99, 1.21], ["pipeline", 1.97, 2.25], ["pipeline", 9.97, 10.25], ["direct", 19.99, 20.21]]
     (tmp_path / "bench-rounds.jsonl").write_text("".join(json.dumps([*r, 1000.0]) + "\n" for r in rounds))
     bench = {"ratio": 0.786, "one_engine": True, "direct": {"seconds": [0.22]}, "pipeline": {"seconds": [0.28]}}
@@ -159,7 +159,7 @@ def test_the_probe_records_a_paired_synthetic_bench_that_paired_splits(tmp_path:
     probe.mkdir()
     env = os.environ | {"STEP_PROBE": str(probe), "PYTHONPATH": os.pathsep.join([str(PROBE_DIR), str(ROOT)])}
     bench = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "bench", "--engine", "synthetic", "--paired", "--rounds", "2",
+        [sys.executable, "-m", "rollouts", "bench", "--engine", "synthetic", "--paired", "--rounds", "2",
          "--prompts", "8", "--n", "2", "--max-tokens", "8", "--engine-args", '{"steps_per_s": 100}'],
         capture_output=True, text=True, env=env, timeout=300, cwd=ROOT,
     )  # fmt: skip

@@ -6,7 +6,7 @@ successor re-reads what a dead predecessor had taken (its pending entries) and s
 again: a scorer that dies loses nothing. One reader suffices: it only moves entries and waits on
 the backend, where the reward functions run (threads, or a pool of RQ workers).
 
-A group is forwarded in one atomic step (`Streams.forward_scored`: ack what was read, add the
+A group is forwarded in one atomic step (`ScoringStreams.forward_scored`: ack what was read, add the
 scored rollouts), each rollout with `reward`, or with `reward_error` when the function failed for
 the group: the trainer always gets the whole group, never a stuck one.
 """
@@ -25,7 +25,7 @@ from redis.lock import Lock
 from consumers.scoring.backend import Outcome, ScoringBackend
 from consumers.scoring.job import RolloutView, rollout_view
 from consumers.scoring.text import Decode
-from pipeline.streams import Entry, Streams
+from pipeline.streams import Entry, Streams, trim_consumed
 from pipeline.wire import Rollout, WireError
 
 log = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ class ScoringStage:
         self._last_trim = time.monotonic()
 
     def run(self, stop: threading.Event) -> None:
-        self.streams.ensure_scoring_group()
+        self.streams.scoring.ensure_scoring_group()
         try:
             while not stop.is_set():
                 if not self._lead():
@@ -106,19 +106,19 @@ class ScoringStage:
         self.leading = True
         log.info("%s: holds the scorer lease; re-reading what a predecessor left", self.name)
         after = b"0"
-        while entries := self.streams.read_scoring(self.settings.read_count, None, pending_after=after):
+        while entries := self.streams.scoring.read_scoring(self.settings.read_count, None, pending_after=after):
             self._file(entries)
             after = entries[-1].id
         return True
 
     def _step(self) -> None:
-        self._file(self.streams.read_scoring(self.settings.read_count, self.settings.block_ms))
+        self._file(self.streams.scoring.read_scoring(self.settings.read_count, self.settings.block_ms))
         for outcome in self.backend.poll():
             self._forward(outcome)
         self._beat()
         if time.monotonic() - self._last_trim > self.settings.trim_every_s:
             self._last_trim = time.monotonic()
-            self.streams.trim_consumed(self.streams.keys.scoring)
+            trim_consumed(self.streams.redis, self.streams.keys.scoring)
 
     def _file(self, entries: list[Entry]) -> None:
         for entry in entries:
@@ -131,7 +131,7 @@ class ScoringStage:
                 self.streams.dead_letter(entry, str(exc), "score-decode")
                 continue
             if rollout.id in self._forwarded:  # a late duplicate of a group already forwarded
-                self.streams.forward_scored([], [entry.id])
+                self.streams.scoring.forward_scored([], [entry.id])
                 continue
             group = self._open.setdefault(rollout.prompt_id, _OpenGroup())
             group.entry_ids.append(entry.id)  # a duplicate's entry is acked with its group
@@ -156,7 +156,7 @@ class ScoringStage:
                 rollout.reward_error = outcome.error or "the scorer returned no rewards"
             else:
                 rollout.reward = rewards[i]
-        added = self.streams.forward_scored(ordered, group.entry_ids)
+        added = self.streams.scoring.forward_scored(ordered, group.entry_ids)
         for rollout in ordered:
             self._forwarded[rollout.id] = None
         while len(self._forwarded) > self.settings.remember_ids:

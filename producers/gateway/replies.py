@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 
-from pipeline.streams import Streams
+from pipeline.streams import ReplyReader
 from pipeline.wire import Rollout, WireError
 
 log = logging.getLogger(__name__)
@@ -27,8 +27,8 @@ class _Waiting:
 
 
 class Replies:
-    def __init__(self, streams: Streams, gateway: str, block_ms: int = 1000, ttl_s: int = 3600) -> None:
-        self.streams = streams
+    def __init__(self, replies: ReplyReader, gateway: str, block_ms: int = 1000, ttl_s: int = 3600) -> None:
+        self.reader = replies
         self.gateway = gateway
         self.block_ms = block_ms
         self.ttl_s = ttl_s
@@ -51,17 +51,17 @@ class Replies:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        await asyncio.to_thread(self.streams.redis.delete, self.streams.keys.replies(self.gateway))
+        await asyncio.to_thread(self.reader.redis.delete, self.reader.keys.replies(self.gateway))
 
     async def _follow(self) -> None:
         after = b"0"  # the stream is this replica's own: whatever is on it is for us
-        key, renewed = self.streams.keys.replies(self.gateway), 0.0
+        key, renewed = self.reader.keys.replies(self.gateway), 0.0
         while True:
             try:
                 due = time.monotonic() - renewed > self.ttl_s / 10
-                if due and await asyncio.to_thread(self.streams.redis.expire, key, self.ttl_s):
+                if due and await asyncio.to_thread(self.reader.redis.expire, key, self.ttl_s):
                     renewed = time.monotonic()  # (the stream exists once a worker replied)
-                entries = await asyncio.to_thread(self.streams.read_replies, self.gateway, after, self.block_ms)
+                entries = await asyncio.to_thread(self.reader.read_replies, self.gateway, after, self.block_ms)
             except Exception:
                 log.exception("reading replies failed; retrying")
                 await asyncio.sleep(1.0)
@@ -70,7 +70,7 @@ class Replies:
                 after = entry.id
                 self._file(entry.fields)
             if entries:
-                await asyncio.to_thread(self.streams.delete_replies, self.gateway, [e.id for e in entries])
+                await asyncio.to_thread(self.reader.delete_replies, self.gateway, [e.id for e in entries])
 
     def _file(self, fields: dict[bytes, bytes]) -> None:
         try:

@@ -79,7 +79,7 @@ class Gateway:
         self.renderer = renderer
         self.settings = settings
         self.sessions = SessionStore(streams, settings.session_ttl_s, busy_timeout_s=settings.request_timeout_s + 30)
-        self.replies = Replies(streams, settings.name)
+        self.replies = Replies(streams.replies, settings.name)
         self.metrics = GatewayMetrics(streams.keys.ns, settings.name)
         self.weights = WeightUpdates(streams, settings.name, settings.weights_transport, settings.model_dir)
 
@@ -446,13 +446,13 @@ class Gateway:
         """A session's turn to its worker's inbox; a call without one to the shared prompts (any worker)."""
         workers = self.serving(live)
         if session is None:
-            await asyncio.to_thread(self.streams.add_prompts, [item])
+            await asyncio.to_thread(self.streams.writer.add_prompts, [item])
             return None
         worker = await asyncio.to_thread(place, self.settings.placement, self.sessions, session.id, workers)
         if session.routing_only:  # no turn marks it: its pin's hash expires when idle all the same
             await asyncio.to_thread(self.sessions.touch, session.id)
         session.worker = worker
-        await asyncio.to_thread(self.streams.add_to_inbox, worker, item)
+        await asyncio.to_thread(self.streams.writer.add_to_inbox, worker, item)
         return worker
 
     async def _extend(self, session: Session, call: str, prompt: np.ndarray, between: list[int], reply: Reply) -> None:

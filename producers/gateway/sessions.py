@@ -256,7 +256,7 @@ class SessionStore:
         if version is None:  # the version of its model, for a trajectory without spans
             version = read_state(self.redis, self.keys, session.adapter).version
         rollout = trajectory_rollout(session, group, sample, request, version)
-        if self.streams.add_rollouts([rollout]):
+        if self.streams.writer.add_rollouts([rollout]):
             Admission(self.redis, self.keys, adapter=session.adapter).count(1)
         pipe = self.redis.pipeline(transaction=True)
         pipe.hset(key, "finished", "1")

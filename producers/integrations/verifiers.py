@@ -307,7 +307,7 @@ class VerifiersRollouts:
             report.episodes = list(await asyncio.gather(*(self._episode(slot, sessions, report) for slot in slots)))
             rollouts = self._rollouts(report.episodes, prompt_id, report)
             if rollouts:
-                report.published = await asyncio.to_thread(self.client.streams.add_rollouts, rollouts)
+                report.published = await asyncio.to_thread(self.client.streams.writer.add_rollouts, rollouts)
                 if report.published:  # entered `{ns}:rollouts` without a prompt: counted as the gateway's sessions are
                     await asyncio.to_thread(self._admission().count, report.published)
                 report.rollout_ids = [r.id for r in rollouts]

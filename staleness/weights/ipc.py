@@ -392,11 +392,6 @@ class IpcTransport(Transport):
         return _items(opened(_manifest_of(handover), _indexed(device)))
 
 
-def held_bytes() -> int:
-    """GPU bytes this process holds for workers to open (every namespace): what `ipc://` costs the trainer."""
-    return sum(export.buffer.numel() for export in _HELD.values())
-
-
 # -- the worker's side ---------------------------------------------------------------------------
 
 

@@ -86,7 +86,6 @@ from staleness.weights.handover import Handover, LoadsWeights
 from staleness.weights.nccl_group import NO_GROUP, KeptGroup
 from staleness.weights.nccl_receive import (
     BroadcastLink,
-    drop_receivers,
     forget_group,
     join_broadcast,
     prepare_receiver,
@@ -98,9 +97,7 @@ __all__ = [
     "BroadcastLink",
     "BroadcastStats",
     "NcclTransport",
-    "drop_groups",
     "forget_group",
-    "groups_built",
     "join_broadcast",
     "prepare_receiver",
     "receive_broadcast",
@@ -173,18 +170,6 @@ class _Outgoing:
         return cls(metas, tensors, buckets, nbytes, device, backend)
 
 
-def groups_built() -> dict[str, int]:
-    """How many process groups this process built so far, per side (a kept group builds none)."""
-    return dict(nccl_group.GROUPS_BUILT)
-
-
-def drop_groups() -> None:
-    """Free every group this process keeps (the trainer's and the receivers'): the next sync builds afresh."""
-    with nccl_group.LOCK:
-        for kept in _TRAINER_GROUPS.values():
-            nccl_group.close_later(kept.group)
-        _TRAINER_GROUPS.clear()
-    drop_receivers()
 
 
 # -- the trainer's side --------------------------------------------------------------------------

@@ -17,12 +17,12 @@ import pytest
 import redis
 from rich.console import Console
 
-from pipeline.cli import demo
 from pipeline.local import RedisServer, find_redis_server
 from pipeline.processes import start_command, start_worker, stop_processes, stop_signals_unwind, wait_for_worker
 from pipeline.streams import Streams
 from pipeline.wire import Control
 from producers.client import RolloutClient
+from rollouts import demo
 from staleness.manager import Manager
 from tests.fixtures import holds_work, wait_until
 
@@ -48,7 +48,7 @@ def test_the_demo_with_keep_stopped_by_sigterm_leaves_no_process_and_no_temp_dir
     args = ["demo", "--keep", "--prompts", "2", "--n", "1", "--max-tokens", "4", "--train-steps", "0"]
     with log.open("wb") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "pipeline.cli", *args], stdout=out, stderr=subprocess.STDOUT, env=env, cwd=tmp_path
+            [sys.executable, "-m", "rollouts", *args], stdout=out, stderr=subprocess.STDOUT, env=env, cwd=tmp_path
         )
     children: list[psutil.Process] = []
     try:
@@ -79,7 +79,7 @@ def test_the_demo_with_keep_stopped_by_sigterm_leaves_no_process_and_no_temp_dir
 def test_a_demo_that_fails_early_leaves_no_temp_dir(tmp_path: Path) -> None:
     env = os.environ | {"TMPDIR": str(tmp_path), "ROLLOUTS_REDIS_SERVER": "/bin/false"}  # no redis-server
     result = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "demo", "--train-steps", "0"],
+        [sys.executable, "-m", "rollouts", "demo", "--train-steps", "0"],
         env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path,
     )  # fmt: skip
     assert result.returncode != 0 and "is not a redis-server binary" in result.stderr, result.stderr

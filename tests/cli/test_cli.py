@@ -22,7 +22,7 @@ from producers.client import RolloutClient
 
 def rollouts(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "rollouts", *args], capture_output=True, text=True, timeout=timeout
     )
 
 
@@ -203,7 +203,7 @@ def test_demo_runs_end_to_end_and_its_reward_rises_as_the_weights_change(tmp_pat
     root = Path(__file__).resolve().parents[2]
     env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
     result = subprocess.run(  # in tmp_path: a relative --plot is a file of the current directory
-        [sys.executable, "-m", "pipeline.cli", "demo", "--prompts", "4", "--n", "2", "--max-tokens", "8",
+        [sys.executable, "-m", "rollouts", "demo", "--prompts", "4", "--n", "2", "--max-tokens", "8",
          "--plot", "c.png"],
         capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env,
     )  # fmt: skip
@@ -265,8 +265,8 @@ def test_a_worker_flag_defaults_to_its_setting_and_a_beat_sets_its_heartbeat_lif
     import typer
 
     from consumers.settings import DEAD_AFTER_PERIODS, DEFAULTS, HEARTBEAT_TTL_PERIODS, WorkerSettings
-    from pipeline.cli import app
-    from pipeline.cli.app import WORKER_FLAGS
+    from rollouts import app
+    from rollouts.app import WORKER_FLAGS
 
     commands: dict[str, Any] = getattr(typer.main.get_command(app), "commands")  # noqa: B009  # a click group's
     for command in ("worker", "launch"):
@@ -304,7 +304,7 @@ def test_a_plugin_that_fails_to_load_is_skipped_and_named_under_debug_logging(
 
     import typer
 
-    shell = importlib.import_module("pipeline.cli.app")  # the module: `pipeline.cli`'s attribute `app` is the app
+    shell = importlib.import_module("rollouts.app")  # the module: `rollouts`' attribute `app` is the app
 
     broken = EntryPoint(name="broken", value="no_such_plugin_module:register", group=shell.PLUGINS)
     monkeypatch.setattr(shell, "entry_points", lambda group: [broken])

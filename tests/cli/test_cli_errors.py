@@ -21,9 +21,9 @@ from typing import Any, get_args, get_type_hints
 import pytest
 from typer.testing import CliRunner
 
-from pipeline.cli import app
 from pipeline.install import pip_install
 from pipeline.local import RedisServer, free_port
+from rollouts import app
 
 MISSING_PATH, BAD_FLAG, MISSING_EXTRA = "missing path", "bad flag", "missing extra"
 EVERY_EXTRA = "torch,transformers,safetensors,tokenizers,vllm,ray,rq"
@@ -330,7 +330,7 @@ def run_cli(
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [places["hider"], os.environ.get("PYTHONPATH")]))
     env["ROLLOUTS_TEST_HIDE"] = hide
     env.update(extra_env)
-    command = [sys.executable, "-m", "pipeline.cli", *args]
+    command = [sys.executable, "-m", "rollouts", *args]
     return subprocess.run(command, capture_output=True, text=True, timeout=120, env=env, stdin=subprocess.DEVNULL)
 
 
@@ -396,7 +396,7 @@ def test_an_unknown_option_is_typers_usage_error_exit_2_without_a_traceback(name
 def test_top_once_piped_prints_its_tables_whole_not_cut_at_80_columns(redis_server: RedisServer, ns: str) -> None:
     """Piped (no terminal, no COLUMNS), `top --once` is as wide as its tables: rich would squash them into 80."""
     env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
-    command = [sys.executable, "-m", "pipeline.cli", "top", "--once", "--redis", redis_server.url, "--ns", ns]
+    command = [sys.executable, "-m", "rollouts", "top", "--once", "--redis", redis_server.url, "--ns", ns]
     shown = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env, stdin=subprocess.DEVNULL)
     assert shown.returncode == 0, shown.stderr
     assert "…" not in shown.stdout, shown.stdout  # a column squashed: `┃ work… ┃ stat… ┃`

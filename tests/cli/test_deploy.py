@@ -19,7 +19,7 @@ import typer
 import yaml
 from typer.main import get_command
 
-from pipeline.cli import app
+from rollouts import app
 
 ROOT = Path(__file__).resolve().parents[2]
 UsageError = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")

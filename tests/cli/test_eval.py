@@ -29,7 +29,7 @@ TASK = "arithmetic:sum-1d"
 def evaluate(redis_server: RedisServer, ns: str, model: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     args = ["eval", "--redis", redis_server.url, "--ns", ns, "--model", str(model), "--task", TASK, "--samples", "2",
             "--max-tokens", "12", "--num-threads", "1", "--replies", *extra]  # fmt: skip
-    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "rollouts", *args], capture_output=True, text=True, timeout=300)
 
 
 def check_pinned(report: dict[str, Any], weights: dict[int | None, Path], model: Path) -> None:

@@ -124,14 +124,14 @@ def test_a_binary_that_is_too_old_or_missing_gets_one_line(tmp_path: Path, monke
         RedisServer()
     env = dict(os.environ)
     result = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "demo"], env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "rollouts", "demo"], env=env, capture_output=True, text=True, timeout=120
     )
     assert_clean_error(result, "is Redis 5.0.7", ">= 6.2.0", "Upgrade it")
     assert result.stderr.startswith("error:") and len(result.stderr.strip().splitlines()) == 1, result.stderr
 
     env[SERVER_ENV] = str(tmp_path / "nothing-here")
     result = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "bench"], env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "rollouts", "bench"], env=env, capture_output=True, text=True, timeout=120
     )
     assert_clean_error(result, f"{SERVER_ENV}=", "is not a redis-server binary")
 
@@ -227,7 +227,7 @@ def test_the_demo_runs_with_no_redis_server_on_path_and_its_commands_paste(tmp_p
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         demo = subprocess.Popen(
-            [sys.executable, "-m", "pipeline.cli", "demo", *args],
+            [sys.executable, "-m", "rollouts", "demo", *args],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -296,7 +296,7 @@ def test_top_reads_only_what_both_versions_report(redis_server: RedisServer, ns:
     lag = json.loads(snap.stdout)["streams"]["prompts"]["groups"]["generators"]["lag"]
     assert lag == (1 if redis_server.binary.version >= (7, 0, 0) else None)  # 6.2 has no lag in XINFO GROUPS
     table = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "top", "--redis", redis_server.url, "--ns", ns, "--once"],
+        [sys.executable, "-m", "rollouts", "top", "--redis", redis_server.url, "--ns", ns, "--once"],
         env={**os.environ, "COLUMNS": "200"},
         capture_output=True,
         text=True,

@@ -2,10 +2,10 @@
 (`benchmarks/pyproject.toml`) holds it, `rollouts` imports none of it unless one of its commands runs, and the
 examples a user copies import none of it.
 
-The import checks run the command as `python -m pipeline.cli ARGS` does, in a fresh interpreter whose first import
+The import checks run the command as `python -m rollouts ARGS` does, in a fresh interpreter whose first import
 finder writes the name of every module looked for to stderr as it goes (before `rollouts` leaves through
 `os._exit`): the check is deep, so whatever `main`, the app or a command's own code imports at run time, by an
-`import` statement or by `importlib` (as entry points are loaded), is seen, not only what `import pipeline.cli`
+`import` statement or by `importlib` (as entry points are loaded), is seen, not only what `import rollouts`
 pulls in.
 """
 
@@ -23,7 +23,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 LAB = "benchmarks"
-PRODUCT = ("pipeline", "producers", "consumers", "staleness")
+PRODUCT = ("pipeline", "producers", "consumers", "staleness", "rollouts")
 
 
 RUNNER = r"""
@@ -38,12 +38,12 @@ class Seen:
 
 sys.meta_path.insert(0, Seen())
 sys.argv = ["rollouts", *sys.argv[1:]]
-runpy.run_module("pipeline.cli", run_name="__main__", alter_sys=True)
+runpy.run_module("rollouts", run_name="__main__", alter_sys=True)
 """
 
 
 def imported_by(*args: str) -> set[str]:
-    """Every module `python -m pipeline.cli ARGS` (the `rollouts` command) imports, run from the checkout's root,
+    """Every module `python -m rollouts ARGS` (the `rollouts` command) imports, run from the checkout's root,
     where the lab's folder is importable too; the command must exit 0."""
     env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     done = subprocess.run(
@@ -61,7 +61,7 @@ def under(modules: set[str], package: str) -> list[str]:
 @pytest.mark.parametrize("args", [["--help"], ["worker", "--help"], ["top", "--help"], ["tiny-model", "--help"]])
 def test_the_products_commands_import_nothing_of_the_lab(args: list[str]) -> None:
     modules = imported_by(*args)
-    assert "pipeline.cli.app" in modules, "the probe saw no import of the shell"
+    assert "rollouts.app" in modules, "the probe saw no import of the shell"
     assert not under(modules, LAB), f"`rollouts {' '.join(args)}` imports the lab: {under(modules, LAB)}"
 
 
@@ -108,7 +108,7 @@ def test_the_products_wheel_holds_the_product_and_nothing_of_the_lab(checkout: P
     assert tops == set(PRODUCT), tops
     (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
     declared = wheel.read(entry_points).decode()
-    assert "rollouts = pipeline.cli:main" in declared
+    assert "rollouts = rollouts:main" in declared
     assert LAB not in declared and "rollouts.commands" not in declared, declared
 
 

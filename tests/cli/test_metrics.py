@@ -18,12 +18,12 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from pipeline.cli.app import open_streams
 from pipeline.codec import as_fields
 from pipeline.local import RedisServer, free_port
 from pipeline.processes import start_command, stop_process
 from pipeline.wire import Control, Keys
 from producers.client import RolloutClient
+from rollouts.app import open_streams
 from staleness.metrics import SyncMetrics
 from tests.cli.test_cli import assert_clean_error, rollouts
 from tests.fixtures import StartWorker, wait_until

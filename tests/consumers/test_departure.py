@@ -140,7 +140,7 @@ def test_rollouts_drain_of_a_worker_that_is_not_there_says_which_are(
 ) -> None:
     workers("w1", *SHORT_SAMPLES)
     result = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "drain", "nobody", "--redis", redis_server.url, "--ns", ns],
+        [sys.executable, "-m", "rollouts", "drain", "nobody", "--redis", redis_server.url, "--ns", ns],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert result.returncode == 2 and "Traceback" not in result.stderr

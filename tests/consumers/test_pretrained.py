@@ -85,7 +85,7 @@ def test_a_folder_with_other_files_is_not_built_over(tmp_path: Path) -> None:
 
 
 def test_the_command_prints_the_cached_folder_and_its_checksums(smollm2_dir: Path) -> None:
-    done = subprocess.run([sys.executable, "-m", "pipeline.cli", "pretrained", "smollm2"], capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "rollouts", "pretrained", "smollm2"], capture_output=True,
                           text=True, timeout=120, env={**os.environ, **_cache_env(smollm2_dir)})  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == str(smollm2_dir)
@@ -94,7 +94,7 @@ def test_the_command_prints_the_cached_folder_and_its_checksums(smollm2_dir: Pat
 
 def test_a_hub_name_as_model_says_that_a_local_folder_is_needed() -> None:
     hub_id = "Qwen/Qwen2.5-0.5B-Instruct"
-    args = [sys.executable, "-m", "pipeline.cli", "worker", "--engine", "torch", "--model", hub_id]
+    args = [sys.executable, "-m", "rollouts", "worker", "--engine", "torch", "--model", hub_id]
     done = subprocess.run(args, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
     assert "nothing is fetched from a model hub" in done.stderr and "--model smollm2" in done.stderr
@@ -234,7 +234,7 @@ def _real_demo(smollm2_dir: Path, tmp_path: Path, steps: int) -> tuple[int, int,
 
     args = ["demo", "--model", "smollm2", "--prompts", "1", "--n", "1", "--train-steps", str(steps), "--plot",
             str(tmp_path / "curve.png")]  # fmt: skip
-    done = subprocess.run([sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True, timeout=1100,
+    done = subprocess.run([sys.executable, "-m", "rollouts", *args], capture_output=True, text=True, timeout=1100,
                           env={**os.environ, **_cache_env(smollm2_dir), "COLUMNS": "120"})  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     found = re.search(rf"held-out accuracy (\d+)% \(v0\) → (\d+)% \(v{steps}\) in {steps} steps", done.stdout)

@@ -290,7 +290,7 @@ def test_the_flag_puts_the_workers_engine_apart_and_a_vllm_worker_says_to_drop_i
 ) -> None:
     """`--engine-process` reaches a worker's engine (and `rollouts bench`'s worker), never the engine `bench` calls
     directly; a vLLM worker asked for it refuses in one line."""
-    from pipeline.cli.engine_spec import EngineSpec
+    from rollouts.engine_spec import EngineSpec
     from tests.cli.test_cli import assert_clean_error, rollouts
 
     spec = EngineSpec.from_flags({"engine": "torch", "engine_process": True}, tiny_model_dir)

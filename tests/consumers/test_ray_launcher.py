@@ -36,7 +36,7 @@ RAY_ENV = {"RAY_AUTH_MODE": "disabled"}
 def rollouts(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, **RAY_ENV}
     return subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True, timeout=timeout, env=env
+        [sys.executable, "-m", "rollouts", *args], capture_output=True, text=True, timeout=timeout, env=env
     )
 
 

@@ -201,7 +201,7 @@ def test_inline_scoring_sets_the_reward_every_reader_sees(
     with_reward = [fields for _id, fields in raw if b"reward" in fields]
     assert len(with_reward) == 6 * 3 and all(float(f[b"reward"]) >= 0 for f in with_reward)
     top = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "top", "--redis", redis_server.url, "--ns", ns, "--once", "--json"],
+        [sys.executable, "-m", "rollouts", "top", "--redis", redis_server.url, "--ns", ns, "--once", "--json"],
         capture_output=True, text=True, check=True,
     )  # fmt: skip
     snap = json.loads(top.stdout)
@@ -239,7 +239,7 @@ def test_a_scorer_at_its_default_threads_scores_a_reward_whose_first_call_import
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "rollouts", *args], capture_output=True, text=True, timeout=120)
 
 
 def test_submit_and_top_say_when_rollouts_would_wait_for_a_scorer_that_is_not_there(
@@ -305,11 +305,11 @@ def test_top_counts_what_waits_on_scoring_read_or_not_on_both_redis_versions(
     client = RolloutClient(redis_server.url, ns)
     publish_for_scoring(client, "a", 2, "tests.rewards:even_share")
     assert snapshot(client.streams)["scoring"]["waiting"] == 2  # no scorer ever read: the whole stream waits
-    client.streams.ensure_scoring_group()
-    read = client.streams.read_scoring(1, None)
+    client.streams.scoring.ensure_scoring_group()
+    read = client.streams.scoring.read_scoring(1, None)
     publish_for_scoring(client, "b", 3, "tests.rewards:even_share")
     assert snapshot(client.streams)["scoring"]["waiting"] == 5  # 1 read and not forwarded, 4 not read
-    client.streams.forward_scored([], [entry.id for entry in read])
+    client.streams.scoring.forward_scored([], [entry.id for entry in read])
     assert snapshot(client.streams)["scoring"]["waiting"] == 4
 
 

@@ -30,7 +30,7 @@ SECRETS = {"worker": "w-s3cret-1", "trainer": "t-s3cret-2", "inspector": "i-s3cr
 
 def rollouts(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", *args],
+        [sys.executable, "-m", "rollouts", *args],
         capture_output=True,
         text=True,
         timeout=120,
@@ -202,7 +202,7 @@ def test_the_scorer_role_runs_the_scoring_stage_and_rq_workers(installed_redis: 
     assert made.returncode == 0, made.stderr
     url = with_user(installed_redis.url, f"scorer-{ns}", "sc-pw")
     trainer = RolloutClient(installed_redis.url, ns)
-    trainer.streams.ensure_scoring_group()
+    trainer.streams.scoring.ensure_scoring_group()
     scored = Rollout(
         prompt_id="p", sample=0, n=1, version=0, version_end=0, finish_reason="stop", worker="w", prompt_tokens=[1],
         tokens=[2, 3], logprobs=[-1.0, -1.0], spans=[(0, 0, 2)], reward_fn="tests.rewards:even_share",
@@ -210,7 +210,7 @@ def test_the_scorer_role_runs_the_scoring_stage_and_rq_workers(installed_redis: 
     trainer.streams.redis.xadd(trainer.streams.keys.scoring, for_redis(scored.to_fields()))
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     stage = [
-        subprocess.Popen([sys.executable, "-m", "pipeline.cli", *args], env=env, stdout=subprocess.DEVNULL)
+        subprocess.Popen([sys.executable, "-m", "rollouts", *args], env=env, stdout=subprocess.DEVNULL)
         for args in (["score-worker", "--redis", url], ["scorer", "--rq", "--redis", url, "--ns", ns])
     ]
     try:

@@ -18,7 +18,7 @@ import hiredis
 import pytest
 import redis
 
-from pipeline.cluster import AsyncSlotConnection, namespace_slot, route_of, slot_owner
+from pipeline.cluster import AsyncSlotConnection, SlotRoute, namespace_slot, slot_owner
 from pipeline.connections import async_retry, async_twin, connect, socket_timeout_s
 from pipeline.local import RedisBinary, RedisServer, bundled_server, find_redis_server, valkey_binary
 from pipeline.pipelined import PipelinedConnection
@@ -39,6 +39,12 @@ BUSY = (
 """A worker that is still at work seconds after the prompts went in: 4 samples at a time, ~0.6 s each."""
 NODE_TIMEOUT_MS = 1000
 """`cluster-node-timeout` of the failover test: a silent primary is failed and its replica promoted in ~2 s."""
+
+
+def route_of(client: redis.Redis) -> SlotRoute | None:
+    """The route that `client`'s connections follow (None: a client of one server)."""
+    route = getattr(client.connection_pool, "connection_kwargs", {}).get("route")
+    return route if isinstance(route, SlotRoute) else None
 
 
 @dataclass

@@ -135,21 +135,21 @@ def test_in_the_replica_mode_a_write_is_done_only_once_the_replica_has_it_and_in
 def test_in_the_replica_mode_a_publish_and_its_ack_wait_for_the_replica_on_the_sync_and_asyncio_paths(
     pair: Pair, ns: str
 ) -> None:
-    """`Streams.publish_many` (its packed pipeline) and the worker's `Publisher` (its asyncio connection) both wait:
+    """`Writer.publish_many` (its packed pipeline) and the worker's `Publisher` (its asyncio connection) both wait:
     a rollout the trainer may read and a prompt acked are on the replica before the worker moves on."""
     streams = Streams(connect(pair.url("?durability=replica&durability_timeout_ms=200")), ns)
     streams.ensure_groups()
-    streams.add_prompts([prompt("a"), prompt("b")])
-    work = {e.fields[b"id"]: e for e in streams.read_work("w", 10, None)}
+    streams.writer.add_prompts([prompt("a"), prompt("b")])
+    work = {e.fields[b"id"]: e for e in streams.work.read_work("w", 10, None)}
     assert (
         held_back_until_the_replica_returns(
-            pair, lambda: streams.publish_rollouts(rollouts_for(prompt("a")), work[b"a"])
+            pair, lambda: streams.writer.publish_rollouts(rollouts_for(prompt("a")), work[b"a"])
         )
         == 2
     )
 
     async def publish() -> int:
-        publisher = Publisher(streams)
+        publisher = Publisher(streams.writer)
         try:
             return await publisher.publish(rollouts_for(prompt("b")), work[b"b"])
         finally:

@@ -186,7 +186,7 @@ def test_the_publisher_rides_out_a_script_flush_and_a_lost_connection_with_batch
     answer -1 (their entries are acked) and every rollout is there exactly once, no prompt left pending."""
     client = connect(redis_server.url)
     streams, prompts, entries = taken(client, ns, 24)
-    publisher = Publisher(streams, max_batch=2, senders=4)
+    publisher = Publisher(streams.writer, max_batch=2, senders=4)
     pairs = list(zip(prompts, entries, strict=True))
 
     async def publish(items: list) -> list[int | BaseException]:
@@ -231,7 +231,7 @@ def test_a_burst_that_finds_the_wire_idle_goes_out_in_even_pieces(redis_server: 
     the worker encodes the rest, not 16 then 12. Every rollout is there once and nothing is left pending."""
     client = connect(redis_server.url)
     streams, prompts, entries = taken(client, ns, 28)
-    publisher = Publisher(streams)  # 16 a batch at most, 4 senders
+    publisher = Publisher(streams.writer)  # 16 a batch at most, 4 senders
 
     async def burst() -> list[int]:
         try:

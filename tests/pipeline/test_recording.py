@@ -28,7 +28,7 @@ from pipeline.recording import (
     replay,
     to_table,
 )
-from pipeline.streams import Streams
+from pipeline.streams import Streams, trim_consumed
 from pipeline.top import render, snapshot
 from pipeline.wire import RECORDER, TRAINER, Keys, Rollout
 from producers.client import Batch, RolloutClient
@@ -209,17 +209,17 @@ def test_trimming_waits_for_the_recorder(redis_server: RedisServer, ns: str, tmp
     streams = Streams(client, ns)
     recorder = Recorder(streams, tmp_path, RecorderSettings(roll_s=3600))
     add_rollouts(client, ns, synthetic_group("a") + synthetic_group("b", seed=1))
-    trainer = streams.read_rollouts("trainer-0", 100, None)
-    streams.ack_rollouts([e.id for e in trainer])
+    trainer = streams.trainer.read_rollouts("trainer-0", 100, None)
+    streams.trainer.ack_rollouts([e.id for e in trainer])
     assert len(trainer) == 6
-    streams.trim_consumed(streams.keys.rollouts)
+    trim_consumed(streams.redis, streams.keys.rollouts)
     assert client.xlen(streams.keys.rollouts) == 6, "the recorder has read none of them yet"
     recorder.step()
     assert pending(client, streams.keys.rollouts, RECORDER) == 6
-    streams.trim_consumed(streams.keys.rollouts)
+    trim_consumed(streams.redis, streams.keys.rollouts)
     assert client.xlen(streams.keys.rollouts) == 6, "read, but not yet in a finished file"
     recorder.close()
-    streams.trim_consumed(streams.keys.rollouts)
+    trim_consumed(streams.redis, streams.keys.rollouts)
     assert client.xlen(streams.keys.rollouts) == 0
 
 

@@ -202,7 +202,7 @@ def test_the_cli_given_only_the_sentinels_submits_shows_and_creates_acl_users_on
 
     from typer.testing import CliRunner
 
-    from pipeline.cli import app
+    from rollouts import app
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"tokens": [1, 2, k], "n": 2}) + "\n" for k in range(3)))

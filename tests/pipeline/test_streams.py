@@ -23,7 +23,16 @@ from pipeline.local import RedisServer
 from pipeline.lua import register_all, sources
 from pipeline.publisher import Publisher
 from pipeline.registry import sweep_chance
-from pipeline.streams import BLOCK_MARGIN_MS, SCRIPTS, TRIM_CHUNK, Entry, Publish, Streams, entries_from_reply
+from pipeline.streams import (
+    BLOCK_MARGIN_MS,
+    SCRIPTS,
+    TRIM_CHUNK,
+    Entry,
+    Publish,
+    Streams,
+    entries_from_reply,
+    trim_consumed,
+)
 from pipeline.wire import GENERATORS, HAND_OFF, PARTIALS_FIELD, TRAINER, Control, PauseMode, Prompt, Rollout
 from producers.client import READ_BYTES, RolloutClient
 from producers.gateway.sessions import SCRIPTS as gateway_scripts
@@ -60,8 +69,8 @@ def taken(client: redis.Redis, ns: str, count: int) -> tuple[Streams, list[Promp
     streams = Streams(client, ns)
     streams.ensure_groups()
     prompts = [prompt(f"p{i}") for i in range(count)]
-    streams.add_prompts(prompts)
-    return streams, prompts, streams.read_work("w1", count, None)
+    streams.writer.add_prompts(prompts)
+    return streams, prompts, streams.work.read_work("w1", count, None)
 
 
 def test_a_read_serves_partials_then_the_inbox_then_prompts_and_a_take_keeps_to_its_room(
@@ -73,27 +82,29 @@ def test_a_read_serves_partials_then_the_inbox_then_prompts_and_a_take_keeps_to_
     (the worker holds what does not fit). A claim of abandoned work counts in all, partials first."""
     streams = Streams(any_redis, ns)
     streams.ensure_groups()
-    streams.join("w1")
+    streams.work.join("w1")
     partials, inbox, prompts = streams.keys.partials, streams.keys.inbox("w1"), streams.keys.prompts
     for k in range(4):
         any_redis.xadd(partials, {"k": k})
     for k in range(3):
-        streams.add_to_inbox("w1", prompt(f"mine{k}"))
-    streams.add_prompts([prompt(f"p{k}") for k in range(4)])
+        streams.writer.add_to_inbox("w1", prompt(f"mine{k}"))
+    streams.writer.add_prompts([prompt(f"p{k}") for k in range(4)])
 
     def take(room: int) -> list[str]:
-        return [entry.stream for entry in streams.take("w1", room, 0, 3000)[0]]
+        return [entry.stream for entry in streams.work.take("w1", room, 0, 3000)[0]]
 
-    assert [entry.stream for entry in streams.read_work("w1", 1, None)] == [partials, inbox, prompts]
+    assert [entry.stream for entry in streams.work.read_work("w1", 1, None)] == [partials, inbox, prompts]
     assert take(2) == [partials] * 2  # partials alone while they last
     assert take(3) == [partials, inbox, inbox, prompts, prompts]  # the rest of its share: COUNT 2 on each stream
     assert take(10) == [prompts]  # one waits in the shared streams: its share
     assert take(10) == []
     wait_until(lambda: asked_ago_ms(any_redis, streams, "w1") > 10, 10, "w1's last ask to age 10 ms")
-    claimed, _ = streams.claim_abandoned("w2", min_idle_ms=0, count=5, horizon_ms=10)  # w1 asked too long ago to count
+    claimed, _ = streams.work.claim_abandoned(
+        "w2", min_idle_ms=0, count=5, horizon_ms=10
+    )  # w1 asked too long ago to count
     assert [entry.stream for entry in claimed] == [partials] * 4 + [prompts]  # of 8 pending on w1
     any_redis.delete(prompts)  # deleted under its readers: the next XADD makes it again, without the group
-    streams.add_prompts([prompt("again")])
+    streams.writer.add_prompts([prompt("again")])
     assert take(10) == [prompts]
 
 
@@ -106,13 +117,13 @@ def test_a_take_leaves_the_other_workers_with_room_their_share(any_redis: redis.
     streams = Streams(any_redis, ns)
     streams.ensure_groups()
     for name in ("w1", "w2", "w3", "w4"):
-        assert streams.take(name, 64, 0, 60_000) == ([], False)  # nothing waits: on the ready set, with room
+        assert streams.work.take(name, 64, 0, 60_000) == ([], False)  # nothing waits: on the ready set, with room
     key = getattr(streams.keys, stream)
     for k in range(16):
         any_redis.xadd(key, for_redis(prompt(f"p{k}").to_fields()) if stream == "prompts" else {"k": k})
 
     def took(name: str, room: int, held: int, horizon_ms: int = 60_000) -> int | str:
-        entries, others_turn = streams.take(name, room, held, horizon_ms)
+        entries, others_turn = streams.work.take(name, room, held, horizon_ms)
         assert all(entry.stream == key for entry in entries)
         return "others' turn" if others_turn else len(entries)
 
@@ -138,12 +149,12 @@ def test_a_heartbeat_with_room_counts_a_waiting_worker_in_the_others_shares(any_
     streams = Streams(any_redis, ns)
     streams.ensure_groups()
     streams.registry.heartbeat("waiting", {"status": "serving"}, ttl_s=5, dead_after_s=2.5, room=8, held=0)
-    streams.add_prompts([prompt(f"p{k}") for k in range(8)])
-    entries, _ = streams.take("busy", 64, 0, 60_000)
+    streams.writer.add_prompts([prompt(f"p{k}") for k in range(8)])
+    entries, _ = streams.work.take("busy", 64, 0, 60_000)
     assert len(entries) == 4  # half: the waiting worker is on the ready set
     streams.registry.heartbeat("waiting", {"status": "serving"}, ttl_s=5, dead_after_s=2.5, room=0, held=8)
     assert any_redis.zscore(streams.keys.ready, "waiting") is None
-    entries, _ = streams.take("busy", 64, 4, 60_000)
+    entries, _ = streams.work.take("busy", 64, 4, 60_000)
     assert len(entries) == 4  # alone on the ready set: all that waits
 
 
@@ -152,8 +163,8 @@ def test_a_heartbeat_survives_a_redis_that_lost_its_scripts(any_redis: redis.Red
     answers NOSCRIPT, and the script is loaded and the heartbeat sent again."""
     streams = Streams(any_redis, ns)
     streams.ensure_groups()
-    streams.join("w1")
-    streams.add_prompts([prompt("p0")])
+    streams.work.join("w1")
+    streams.writer.add_prompts([prompt("p0")])
     any_redis.script_flush()
     assert streams.registry.heartbeat("w1", {"status": "serving"}, ttl_s=5, dead_after_s=2.5, room=4) == 1
     assert any_redis.zscore(streams.keys.beats, "w1") is not None
@@ -166,11 +177,11 @@ def test_a_silent_workers_work_is_claimed_at_once_and_a_live_workers_never(any_r
     long stays with it, and so does the work of a consumer that never declared one (until `min_idle_ms`)."""
     streams = Streams(any_redis, ns)
     streams.ensure_groups()
-    streams.add_prompts([prompt(f"p{k}") for k in range(6)])
+    streams.writer.add_prompts([prompt(f"p{k}") for k in range(6)])
     for name in ("alive", "silent"):
         streams.registry.heartbeat(name, {"status": "serving"}, ttl_s=5, dead_after_s=0.2)
-    mine = streams.read_work("alive", 2, None) + streams.read_work("silent", 2, None)
-    streams.read_work("never-beat", 2, None)
+    mine = streams.work.read_work("alive", 2, None) + streams.work.read_work("silent", 2, None)
+    streams.work.read_work("never-beat", 2, None)
 
     def deadline_passed() -> bool:
         seconds, micros = any_redis.time()
@@ -179,9 +190,9 @@ def test_a_silent_workers_work_is_claimed_at_once_and_a_live_workers_never(any_r
     wait_until(deadline_passed, 10, "the silent worker's deadline to pass")
     streams.registry.heartbeat("alive", {"status": "serving"}, ttl_s=5, dead_after_s=0.2)
     wait_until(lambda: idle_ms(any_redis, streams) >= 100, 10, "the work to idle 100 ms")
-    claimed, _ = streams.claim_abandoned("rescuer", min_idle_ms=60_000, count=10, quick_ms=100)
+    claimed, _ = streams.work.claim_abandoned("rescuer", min_idle_ms=60_000, count=10, quick_ms=100)
     assert [Prompt.from_fields(e.fields).id for e in claimed] == ["p2", "p3"]
-    assert streams.delivery_count(mine[0]) == 1
+    assert streams.work.delivery_count(mine[0]) == 1
     streams.registry.forget_worker("silent")
     assert any_redis.zscore(streams.keys.beats, "silent") is None
 
@@ -190,13 +201,13 @@ def test_a_dead_workers_work_is_shared_out_to_the_workers_that_hold_least(any_re
     """Two rescuers with room: the one that holds more is told it is the other's turn, the other takes its half."""
     streams = Streams(any_redis, ns)
     streams.ensure_groups()
-    streams.add_prompts([prompt(f"p{k}") for k in range(4)])
-    streams.read_work("gone", 4, None)  # never beat: claimed once idle past min_idle_ms
-    assert streams.take("busy", 64, 4, 60_000) == ([], False)
-    assert streams.take("idle", 64, 0, 60_000) == ([], False)
+    streams.writer.add_prompts([prompt(f"p{k}") for k in range(4)])
+    streams.work.read_work("gone", 4, None)  # never beat: claimed once idle past min_idle_ms
+    assert streams.work.take("busy", 64, 4, 60_000) == ([], False)
+    assert streams.work.take("idle", 64, 0, 60_000) == ([], False)
     wait_until(lambda: idle_ms(any_redis, streams) >= 20, 10, "the work to idle 20 ms")
-    assert streams.claim_abandoned("busy", 10, 64, 10, 60_000, held=4) == ([], True)
-    claimed, others_turn = streams.claim_abandoned("idle", 10, 64, 10, 60_000, held=0)
+    assert streams.work.claim_abandoned("busy", 10, 64, 10, 60_000, held=4) == ([], True)
+    claimed, others_turn = streams.work.claim_abandoned("idle", 10, 64, 10, 60_000, held=0)
     assert [Prompt.from_fields(e.fields).id for e in claimed] == ["p0", "p1"] and not others_turn
 
 
@@ -223,27 +234,27 @@ def test_groups_are_created_once(any_redis: redis.Redis, ns: str) -> None:
 def test_partials_are_read_before_prompts(any_redis: redis.Redis, ns: str) -> None:
     streams = Streams(any_redis, ns)
     streams.ensure_groups()
-    streams.add_prompts([prompt("a"), prompt("b")])
+    streams.writer.add_prompts([prompt("a"), prompt("b")])
     any_redis.xadd(streams.keys.partials, {b"x": b"1"})
-    entries = streams.read_work("w1", count=10, block_ms=None)
+    entries = streams.work.read_work("w1", count=10, block_ms=None)
     assert [e.stream for e in entries] == [streams.keys.partials, streams.keys.prompts, streams.keys.prompts]
-    assert streams.read_work("w1", count=10, block_ms=None) == []
+    assert streams.work.read_work("w1", count=10, block_ms=None) == []
 
 
 def test_publish_is_atomic_idempotent_and_acks(any_redis: redis.Redis, ns: str) -> None:
     streams = Streams(any_redis, ns)
     streams.ensure_groups()
     p = prompt("p1", n=3)
-    streams.add_prompts([p])
-    (entry,) = streams.read_work("w1", 10, None)
-    assert streams.publish_rollouts(rollouts_for(p), entry) == 3
+    streams.writer.add_prompts([p])
+    (entry,) = streams.work.read_work("w1", 10, None)
+    assert streams.writer.publish_rollouts(rollouts_for(p), entry) == 3
     assert any_redis.xpending(streams.keys.prompts, GENERATORS)["pending"] == 0
     # The same work finished a second time (a slow worker whose entry was claimed) publishes nothing.
-    assert streams.publish_rollouts(rollouts_for(p, worker="w2"), entry) == -1
+    assert streams.writer.publish_rollouts(rollouts_for(p, worker="w2"), entry) == -1
     # The same prompt id submitted again: its rollout ids are already published.
-    streams.add_prompts([p])
-    (again,) = streams.read_work("w2", 10, None)
-    assert streams.publish_rollouts(rollouts_for(p), again) == 0
+    streams.writer.add_prompts([p])
+    (again,) = streams.work.read_work("w2", 10, None)
+    assert streams.writer.publish_rollouts(rollouts_for(p), again) == 0
     ids = [fields[b"id"] for _, fields in as_entries(any_redis.xrange(streams.keys.rollouts))]
     assert ids == [b"p1:0", b"p1:1", b"p1:2"]
     assert any_redis.xpending(streams.keys.prompts, GENERATORS)["pending"] == 0
@@ -256,28 +267,28 @@ def test_the_dedupe_remembers_each_id_for_its_ttl_in_a_few_hashes(any_redis: red
     streams = Streams(any_redis, ns, dedupe_ttl_s=240)  # 8 buckets of 30 s
     streams.ensure_groups()
     now = 1_000_000.0
-    streams.clock = lambda: now
+    streams.writer.clock = lambda: now
     p = prompt("p1", n=4096)
     (first, *_) = rollouts_for(p)
     made = [first.model_copy(update={"sample": k}) for k in (0, 9, 4095)]
 
     def publish(rollouts: list[Rollout]) -> int:
-        streams.add_prompts([p])
-        (entry,) = streams.read_work("w1", 1, None)
-        return streams.publish_rollouts(rollouts, entry)
+        streams.writer.add_prompts([p])
+        (entry,) = streams.work.read_work("w1", 1, None)
+        return streams.writer.publish_rollouts(rollouts, entry)
 
     assert publish(made[:1]) == 1
     now += 100  # another bucket: samples 9 and 4095 are new, sample 0 is not
     assert publish(made) == 2
     now += 130  # 230 s after the first: still within the TTL
-    assert publish(made) == 0 and streams.add_rollouts(made) == 0
+    assert publish(made) == 0 and streams.writer.add_rollouts(made) == 0
     keys = [k for k in any_redis.scan_iter(match=f"{{{ns}}}:published:*")]
     assert len(keys) == 2  # two buckets, whatever the number of rollouts
     now += 41  # 271 s after the first (past the TTL and the bucket it fell in), 171 s after the others
     assert publish(made) == 1  # only sample 0 is new again
     ids = [fields[b"id"] for _, fields in as_entries(any_redis.xrange(streams.keys.rollouts))]
     assert ids == [b"p1:0", b"p1:9", b"p1:4095", b"p1:0"]
-    ttl = any_redis.ttl(streams.dedupe_buckets()[0][-1])
+    ttl = any_redis.ttl(streams.writer.dedupe_buckets()[0][-1])
     assert 0 < ttl <= 300  # a bucket lives as long as a publish may look at it, then goes
 
 
@@ -288,13 +299,15 @@ def test_publishes_sent_together_are_each_atomic_and_deduped(any_redis: redis.Re
     streams = Streams(any_redis, ns)
     streams.ensure_groups()
     a, b, c = prompt("a", n=3), prompt("b"), prompt("c")
-    streams.add_prompts([a, b, c, a])
-    e_a, e_b, e_c, e_a2 = streams.read_work("w1", 10, None)
-    assert streams.publish_rollouts(rollouts_for(b), e_b) == 2  # b finished first (a claim raced)
+    streams.writer.add_prompts([a, b, c, a])
+    e_a, e_b, e_c, e_a2 = streams.work.read_work("w1", 10, None)
+    assert streams.writer.publish_rollouts(rollouts_for(b), e_b) == 2  # b finished first (a claim raced)
     twice = rollouts_for(a)[:2] + rollouts_for(a)  # samples 0 and 1 twice in one call
-    done = streams.publish_many([Publish(twice, e_a), Publish(rollouts_for(b), e_b), Publish(rollouts_for(c), e_c)])
+    done = streams.writer.publish_many(
+        [Publish(twice, e_a), Publish(rollouts_for(b), e_b), Publish(rollouts_for(c), e_c)]
+    )
     assert done == [3, -1, 2]
-    assert streams.publish_many([Publish(rollouts_for(a), e_a2)]) == [0]  # a's ids again, from another entry
+    assert streams.writer.publish_many([Publish(rollouts_for(a), e_a2)]) == [0]  # a's ids again, from another entry
     ids = [fields[b"id"] for _, fields in as_entries(any_redis.xrange(streams.keys.rollouts))]
     assert ids == [b"b:0", b"b:1", b"a:0", b"a:1", b"a:2", b"c:0", b"c:1"]
     assert any_redis.xpending(streams.keys.prompts, GENERATORS)["pending"] == 0
@@ -304,9 +317,9 @@ def test_a_publisher_coalesces_concurrent_publishes_and_answers_each(real_redis:
     """What finishes while a publish is on the wire goes out in one round trip with others, and each caller gets its
     own answer: its count, -1 for an entry finished elsewhere, or its own error (its neighbours still publish)."""
     streams, prompts, entries = taken(real_redis, ns, 40)
-    streams.publish_rollouts(rollouts_for(prompts[7]), entries[7])  # p7 was finished by another worker
+    streams.writer.publish_rollouts(rollouts_for(prompts[7]), entries[7])  # p7 was finished by another worker
     real_redis.set(streams.keys.replies("broken"), "not a stream")  # p9's publish fails in Redis
-    publisher = Publisher(streams, max_batch=8)
+    publisher = Publisher(streams.writer, max_batch=8)
 
     async def publish_all() -> list[int | BaseException]:
         calls = [
@@ -332,7 +345,7 @@ def test_a_publisher_never_strands_a_publish_made_as_its_senders_finish(
     """A caller woken by its publish's answer runs before the sender that answered it has ended: its next publish,
     made at once, must still be sent (CI's sync-mode GRPO run hung on a publish left waiting with no sender)."""
     streams, prompts, entries = taken(any_redis, ns, 12)
-    publisher = Publisher(streams, senders=senders)
+    publisher = Publisher(streams.writer, senders=senders)
 
     async def chain(items: list[tuple[Prompt, Entry]]) -> list[int]:
         return [await publisher.publish(rollouts_for(p), entry) for p, entry in items]
@@ -353,14 +366,14 @@ def test_a_publish_writes_exactly_the_fields_of_the_wire_contract(any_redis: red
     streams = Streams(any_redis, ns)
     streams.ensure_groups()
     a, b = prompt("a", n=3), prompt("b/é")
-    streams.add_prompts([a, b])
-    e_a, e_b = streams.read_work("w1", 10, None)
+    streams.writer.add_prompts([a, b])
+    e_a, e_b = streams.work.read_work("w1", 10, None)
     plain = rollouts_for(a)
     plain[1] = plain[1].model_copy(update={"reward": 0.5, "mask": [(0, 2)], "cached_tokens": 3, "adapter": "lora-1"})
     plain[2] = plain[2].model_copy(update={"finish_reason": "error", "error": "engine said ✗\r\n", "tokens": []})
     plain[2] = plain[2].model_copy(update={"logprobs": np.zeros(0, np.float32), "spans": []})
     other = [r.model_copy(update={"meta": {"k": "✓", "n": [1, 2]}, "timing": {"x": 1e-9}}) for r in rollouts_for(b)]
-    assert streams.publish_many([Publish(plain, e_a), Publish(other, e_b)]) == [3, 2]
+    assert streams.writer.publish_many([Publish(plain, e_a), Publish(other, e_b)]) == [3, 2]
     written = [list(fields.items()) for _, fields in as_entries(any_redis.xrange(streams.keys.rollouts))]
     assert written == [list(r.to_fields().items()) for r in plain + other]
     assert [Rollout.from_fields(dict(f)).id for f in written] == [r.id for r in plain + other]
@@ -378,9 +391,9 @@ def test_a_publish_after_a_script_flush_or_a_lost_reply_still_goes_once(
     client = connect(redis_server.url)
     streams, prompts, entries = taken(client, ns, 6)
     first = [Publish(rollouts_for(p), e) for p, e in zip(prompts[:2], entries[:2], strict=True)]
-    assert streams.publish_many(first) == [2, 2]
+    assert streams.writer.publish_many(first) == [2, 2]
     client.script_flush()
-    assert streams.publish_many([Publish(rollouts_for(prompts[2]), entries[2])]) == [2]
+    assert streams.writer.publish_many([Publish(rollouts_for(prompts[2]), entries[2])]) == [2]
 
     read = redis.connection.Connection.read_response
     lost: list[redis.connection.Connection] = []
@@ -396,7 +409,9 @@ def test_a_publish_after_a_script_flush_or_a_lost_reply_still_goes_once(
 
     monkeypatch.setattr(redis.connection.Connection, "read_response", lose_the_first_reply)
     failures = retried_failures(client)
-    done = streams.publish_many([Publish(rollouts_for(p), e) for p, e in zip(prompts[3:], entries[3:], strict=True)])
+    done = streams.writer.publish_many(
+        [Publish(rollouts_for(p), e) for p, e in zip(prompts[3:], entries[3:], strict=True)]
+    )
     assert done == [-1, -1, -1] and lost and retried_failures(client) == failures + 1
     ids = [fields[b"id"] for _, fields in as_entries(client.xrange(streams.keys.rollouts))]
     assert ids == [f"{p.id}:{k}".encode() for p in prompts for k in range(2)]
@@ -408,7 +423,7 @@ def test_a_publisher_sends_a_full_window_as_several_pipelines_at_once(real_redis
     """A worker's window finishing together (64 prompts) goes out as several batches on several connections, so that
     Redis runs one while the worker encodes the next; each prompt still gets its own answer."""
     streams, prompts, entries = taken(real_redis, ns, 64)
-    publisher = Publisher(streams)
+    publisher = Publisher(streams.writer)
 
     async def publish_all() -> list[int]:
         return await asyncio.gather(
@@ -424,7 +439,7 @@ def test_dead_letter_keeps_the_original_and_acks(any_redis: redis.Redis, ns: str
     streams = Streams(any_redis, ns)
     streams.ensure_groups()
     any_redis.xadd(streams.keys.prompts, {b"garbage": b"\xff"})
-    (entry,) = streams.read_work("w1", 10, None)
+    (entry,) = streams.work.read_work("w1", 10, None)
     assert streams.dead_letter(entry, "missing field 'v'", "decode")
     # Again (a claim that raced with it, a call retried after its reply was lost): no second dead letter.
     assert not streams.dead_letter(entry, "missing field 'v'", "decode")
@@ -438,8 +453,8 @@ def test_abandoned_work_is_claimed_but_touched_work_is_not(any_redis: redis.Redi
     """A worker keeps its work by touching it, alone or in its heartbeat's round trip (what its upkeep does)."""
     streams = Streams(any_redis, ns)
     streams.ensure_groups()
-    streams.add_prompts([prompt("alive"), prompt("dead")])
-    alive, dead = streams.read_work("w1", 10, None)
+    streams.writer.add_prompts([prompt("alive"), prompt("dead")])
+    alive, dead = streams.work.read_work("w1", 10, None)
 
     def idle_ms(entry: Entry) -> int:
         (info,) = any_redis.xpending_range(streams.keys.prompts, GENERATORS, entry.id, entry.id, 1)
@@ -447,22 +462,22 @@ def test_abandoned_work_is_claimed_but_touched_work_is_not(any_redis: redis.Redi
 
     wait_until(lambda: idle_ms(dead) >= 400, 10, "the entries to idle past 400 ms")
     if how == "touch":  # w1 still works on `alive`: its idle time starts again
-        streams.touch("w1", [alive])
+        streams.work.touch("w1", [alive])
     else:
         registered = streams.registry.heartbeat("w1", {"status": "serving"}, ttl_s=5, touch=[alive])
         assert registered == 1  # one worker registered
         assert any_redis.hget(streams.keys.worker("w1"), "status") == b"serving"
-    assert [e.id for e in streams.claim_abandoned("w2", min_idle_ms=300, count=10)[0]] == [dead.id]
-    assert streams.delivery_count(dead) == 2
-    assert streams.delivery_count(alive) == 1
+    assert [e.id for e in streams.work.claim_abandoned("w2", min_idle_ms=300, count=10)[0]] == [dead.id]
+    assert streams.work.delivery_count(dead) == 2
+    assert streams.work.delivery_count(alive) == 1
 
 
 def test_work_deleted_while_pending_is_acked_not_claimed(any_redis: redis.Redis, ns: str) -> None:
     """Redis 6.2 keeps a deleted entry in the PEL (7.0 drops it on XAUTOCLAIM): either way it must leave."""
     streams = Streams(any_redis, ns)
     streams.ensure_groups()
-    streams.add_prompts([prompt("kept"), prompt("deleted"), prompt("kept-too")])
-    held = streams.read_work("w1", count=10, block_ms=None)
+    streams.writer.add_prompts([prompt("kept"), prompt("deleted"), prompt("kept-too")])
+    held = streams.work.read_work("w1", count=10, block_ms=None)
     any_redis.xdel(streams.keys.prompts, held[1].id)
 
     def idle_ms() -> int:
@@ -470,24 +485,26 @@ def test_work_deleted_while_pending_is_acked_not_claimed(any_redis: redis.Redis,
         return min(int(p["time_since_delivered"]) for p in pending)
 
     wait_until(lambda: idle_ms() >= 20, 10, "the held entries to idle")  # fakeredis counts idle 0 as not idle
-    claimed, _ = streams.claim_abandoned("w2", min_idle_ms=10, count=10)
+    claimed, _ = streams.work.claim_abandoned("w2", min_idle_ms=10, count=10)
     assert [Prompt.from_fields(e.fields).id for e in claimed] == ["kept", "kept-too"]
     pending = any_redis.xpending_range(streams.keys.prompts, GENERATORS, "-", "+", 10)
     assert [(p["message_id"], p["consumer"]) for p in pending] == [(held[0].id, b"w2"), (held[2].id, b"w2")]
     assert [p["times_delivered"] for p in pending] == [2, 2], "a claim counts as a delivery (poison detection)"
     for entry in claimed:
-        streams.publish_rollouts(rollouts_for(Prompt.from_fields(entry.fields)), entry)
+        streams.writer.publish_rollouts(rollouts_for(Prompt.from_fields(entry.fields)), entry)
     assert any_redis.xpending(streams.keys.prompts, GENERATORS)["pending"] == 0
-    assert streams.trim_consumed(streams.keys.prompts) == 2, "nothing pending holds back the trim"
+    assert trim_consumed(streams.redis, streams.keys.prompts) == 2, "nothing pending holds back the trim"
 
 
 def test_a_trainer_rereading_deleted_rollouts_acks_them(any_redis: redis.Redis, ns: str) -> None:
     streams = Streams(any_redis, ns)
     streams.ensure_groups()
     ids = [any_redis.xadd(streams.keys.rollouts, {b"i": str(i).encode()}) for i in range(5)]
-    assert len(streams.read_rollouts("t", count=10, block_ms=None)) == 5
+    assert len(streams.trainer.read_rollouts("t", count=10, block_ms=None)) == 5
     any_redis.xdel(streams.keys.rollouts, *ids[:3])  # someone trimmed behind the trainer's back
-    again = streams.read_rollouts("t", count=3, block_ms=None, pending=True)  # a first page of deleted ones only
+    again = streams.trainer.read_rollouts(
+        "t", count=3, block_ms=None, pending=True
+    )  # a first page of deleted ones only
     assert [e.id for e in again] == ids[3:]
     assert any_redis.xpending(streams.keys.rollouts, TRAINER)["pending"] == 2
 
@@ -502,7 +519,7 @@ def test_trim_never_passes_the_slowest_group(any_redis: redis.Redis, ns: str) ->
     any_redis.xack(rollouts, TRAINER, *ids[:3])  # trainer: 3 acked, 1 pending
     any_redis.xreadgroup("recorder", "r", {rollouts: ">"}, count=5)
     any_redis.xack(rollouts, "recorder", *ids[:5])
-    assert streams.trim_consumed(rollouts) == 3
+    assert trim_consumed(streams.redis, rollouts) == 3
     assert [i for i, _ in as_entries(any_redis.xrange(rollouts))] == ids[3:]
 
 
@@ -511,11 +528,11 @@ def test_a_stream_that_is_gone_has_nothing_to_trim_and_a_read_makes_it_again(any
     error every period), and its next read makes the inbox and its group again."""
     streams = Streams(any_redis, ns)
     streams.ensure_groups()
-    streams.join("w1")
+    streams.work.join("w1")
     inbox = streams.keys.inbox("w1")
     any_redis.delete(inbox)
-    assert streams.trim_consumed(inbox) == 0
-    streams.read_work("w1", count=1, block_ms=None)
+    assert trim_consumed(streams.redis, inbox) == 0
+    streams.work.read_work("w1", count=1, block_ms=None)
     assert [g["name"] for g in any_redis.xinfo_groups(inbox)] == [GENERATORS.encode()]
 
 
@@ -535,7 +552,7 @@ def test_a_large_backlog_is_trimmed_in_commands_of_a_bounded_size(real_redis: re
     read = real_redis.xreadgroup(TRAINER, "t", {rollouts: ">"}, count=len(ids) - 3)
     real_redis.xack(rollouts, TRAINER, *[entry.id for entry in entries_from_reply(read)])
     real_redis.config_resetstat()
-    assert streams.trim_consumed(rollouts) == len(ids) - 3
+    assert trim_consumed(streams.redis, rollouts) == len(ids) - 3
     assert [i for i, _ in as_entries(real_redis.xrange(rollouts))] == ids[-3:]  # exactly what is still unread
     xtrim = real_redis.info("commandstats")["cmdstat_xtrim"]
     assert xtrim["calls"] >= 4 + 2, xtrim  # 4+ chunks, a call that finds nothing more, the exact remainder
@@ -550,7 +567,7 @@ def test_the_trainer_reads_big_rollouts_a_megabyte_at_a_time(
     streams = Streams(real_redis, ns)
     client = RolloutClient(real_redis, ns)
     asked: list[int] = []
-    read = client.streams.read_rollouts
+    read = client.streams.trainer.read_rollouts
 
     def counted(
         consumer: str, count: int, block_ms: int | None, pending: bool = False, after: bytes = b"0"
@@ -558,15 +575,15 @@ def test_the_trainer_reads_big_rollouts_a_megabyte_at_a_time(
         asked.append(count)
         return read(consumer, count, block_ms, pending, after)
 
-    monkeypatch.setattr(client.streams, "read_rollouts", counted)
+    monkeypatch.setattr(client.streams.trainer, "read_rollouts", counted)
 
     def publish(first: int, last: int) -> None:
-        streams.add_prompts([Prompt(id=f"p{i}", n=4, tokens=[1, 2, 3]) for i in range(first, last)])
-        for entry in streams.read_work("w", last - first, None):
+        streams.writer.add_prompts([Prompt(id=f"p{i}", n=4, tokens=[1, 2, 3]) for i in range(first, last)])
+        for entry in streams.work.read_work("w", last - first, None):
             p = Prompt.from_fields(entry.fields)
             made = [r.model_copy(update={"tokens": np.arange(tokens), "logprobs": np.full(tokens, -1.0),
                                          "spans": [(0, 0, tokens)]}) for r in rollouts_for(p)]  # fmt: skip
-            assert streams.publish_rollouts(made, entry) == 4
+            assert streams.writer.publish_rollouts(made, entry) == 4
 
     publish(0, 32)
     assert len(client.collect(32, timeout=30)) == 32 and set(asked) == {512}  # nothing read yet: the cap
@@ -586,8 +603,8 @@ def test_read_helper_understands_both_protocols(redis_server: RedisServer, ns: s
     client = redis.Redis.from_url(redis_server.url, protocol=protocol)
     streams = Streams(client, ns)
     streams.ensure_groups()
-    streams.add_prompts([prompt("p")])
-    (entry,) = streams.read_work("w", 10, 100)
+    streams.writer.add_prompts([prompt("p")])
+    (entry,) = streams.work.read_work("w", 10, 100)
     assert isinstance(entry, Entry) and entry.stream == streams.keys.prompts
     assert Prompt.from_fields(entry.fields).id == "p"
     assert entries_from_reply(client.xreadgroup(GENERATORS, "w", {streams.keys.prompts: ">"}, block=10)) == []
@@ -596,10 +613,10 @@ def test_read_helper_understands_both_protocols(redis_server: RedisServer, ns: s
 def test_blocking_read_wakes_on_new_work(real_redis: redis.Redis, ns: str) -> None:
     streams = Streams(real_redis, ns)
     streams.ensure_groups()
-    timer = threading.Timer(0.2, lambda: streams.add_prompts([prompt("late")]))
+    timer = threading.Timer(0.2, lambda: streams.writer.add_prompts([prompt("late")]))
     timer.start()
     started = time.monotonic()
-    entries = streams.read_work("w", 10, block_ms=5000)
+    entries = streams.work.read_work("w", 10, block_ms=5000)
     timer.join()
     assert [Prompt.from_fields(e.fields).id for e in entries] == ["late"]
     assert time.monotonic() - started < 4
@@ -616,8 +633,8 @@ def test_a_read_asked_to_block_past_the_clients_socket_timeout_comes_back_empty(
     streams = Streams(client, ns)
     streams.ensure_groups()
     started = time.monotonic()
-    assert streams.read_work("w", 10, block_ms=10_000) == []
-    assert streams.read_rollouts("trainer-x", 10, block_ms=0) == []  # 0, Redis's "forever", is capped too
+    assert streams.work.read_work("w", 10, block_ms=10_000) == []
+    assert streams.trainer.read_rollouts("trainer-x", 10, block_ms=0) == []  # 0, Redis's "forever", is capped too
     assert time.monotonic() - started < 2 * (5 - BLOCK_MARGIN_MS / 1000) + 2
     assert retried_failures(client) == 0
 
@@ -757,24 +774,24 @@ def test_scored_rollouts_go_through_scoring_and_are_forwarded_once(any_redis: re
     """A prompt with a reward_fn publishes to `scoring`; forwarding acks and adds in one step, once."""
     streams = Streams(any_redis, ns)
     streams.ensure_groups()
-    streams.ensure_scoring_group()
+    streams.scoring.ensure_scoring_group()
     scored = prompt("scored").model_copy(update={"reward_fn": "m:f"})
-    streams.add_prompts([scored, prompt("plain")])
-    work = {e.fields[b"id"]: e for e in streams.read_work("w", 10, None)}
+    streams.writer.add_prompts([scored, prompt("plain")])
+    work = {e.fields[b"id"]: e for e in streams.work.read_work("w", 10, None)}
     made = [r.model_copy(update={"reward_fn": "m:f"}) for r in rollouts_for(scored)]
-    assert streams.publish_rollouts(made, work[b"scored"]) == 2
-    assert streams.publish_rollouts(rollouts_for(prompt("plain")), work[b"plain"]) == 2
+    assert streams.writer.publish_rollouts(made, work[b"scored"]) == 2
+    assert streams.writer.publish_rollouts(rollouts_for(prompt("plain")), work[b"plain"]) == 2
     assert any_redis.xlen(streams.keys.scoring) == 2 and any_redis.xlen(streams.keys.rollouts) == 2
-    read = streams.read_scoring(10, None)
+    read = streams.scoring.read_scoring(10, None)
     assert [Rollout.from_fields(e.fields).id for e in read] == ["scored:0", "scored:1"]
     # A successor re-reads what was taken and not forwarded, page by page.
-    assert [e.id for e in streams.read_scoring(1, None, pending_after=b"0")] == [read[0].id]
-    assert [e.id for e in streams.read_scoring(1, None, pending_after=read[0].id)] == [read[1].id]
+    assert [e.id for e in streams.scoring.read_scoring(1, None, pending_after=b"0")] == [read[0].id]
+    assert [e.id for e in streams.scoring.read_scoring(1, None, pending_after=read[0].id)] == [read[1].id]
     for rollout, reward in zip(made, (0.25, 1.0), strict=True):
         rollout.reward = reward
-    assert streams.forward_scored(made, [e.id for e in read]) == 2
-    assert streams.forward_scored(made, [e.id for e in read]) == -1  # already forwarded: nothing written
-    assert streams.read_scoring(10, None, pending_after=b"0") == []
+    assert streams.scoring.forward_scored(made, [e.id for e in read]) == 2
+    assert streams.scoring.forward_scored(made, [e.id for e in read]) == -1  # already forwarded: nothing written
+    assert streams.scoring.read_scoring(10, None, pending_after=b"0") == []
     forwarded = [Rollout.from_fields(fields) for _, fields in as_entries(any_redis.xrange(streams.keys.rollouts))]
     rewards = {r.id: r.reward for r in forwarded}
     assert rewards == {"plain:0": None, "plain:1": None, "scored:0": 0.25, "scored:1": 1.0}
@@ -792,7 +809,7 @@ def test_a_restarted_trainer_rereads_an_open_group_once_and_acks_it_only_when_us
     whole = rollouts_for(prompt("g", n=4))
     for rollout in whole[:3]:
         any_redis.xadd(streams.keys.rollouts, for_redis(rollout.to_fields()))
-    assert len(streams.read_rollouts("trainer-0", count=10, block_ms=None)) == 3  # handed over, then it died
+    assert len(streams.trainer.read_rollouts("trainer-0", count=10, block_ms=None)) == 3  # handed over, then it died
     restarted = RolloutClient(any_redis, ns, consumer="trainer-0", read_count=2)
     groups = restarted._whole_groups(timeout=5, block_ms=10)
     any_redis.xadd(streams.keys.rollouts, for_redis(whole[3].to_fields()))
@@ -821,14 +838,14 @@ def test_collect_acks_its_groups_together_and_a_timeout_leaves_them_for_the_next
     streams = whole_groups_waiting(any_redis, ns, "a", "b", "c")
     client = RolloutClient(any_redis, ns, consumer="t")
     acks: list[int] = []
-    ack = streams.ack_rollouts
+    ack = streams.trainer.ack_rollouts
 
     def counted_ack(ids: Sequence[bytes]) -> None:
         if ids:
             acks.append(len(ids))
         ack(ids)
 
-    client.streams.ack_rollouts = counted_ack  # type: ignore[method-assign]  # the test counts the client's acks
+    client.streams.trainer.ack_rollouts = counted_ack  # type: ignore[method-assign]  # the test counts the client's acks
     assert [g.prompt_id for g in client.collect(2, timeout=5)] == ["a", "b"]
     assert acks == [4] and any_redis.xpending(streams.keys.rollouts, TRAINER)["pending"] == 2  # c's: read, not used
     with pytest.raises(TimeoutError):
@@ -890,11 +907,11 @@ def test_a_departed_workers_inbox_goes_back_to_the_shared_prompts(any_redis: red
     assert streams.registry.heartbeat("w2", {"status": "serving", "epoch": 3}, ttl_s=60) == 2
     assert set(streams.registry.live_workers()) == {"w1", "w2"} and streams.registry.live_worker_names() == ["w1", "w2"]
     assert streams.registry.heartbeat_field(["w1", "w2", "w9"], "epoch") == {"w1": "", "w2": "3", "w9": None}
-    streams.add_to_inbox("w1", prompt("held"))
-    streams.add_to_inbox("w1", prompt("unread"))
-    held = streams.read_work("w1", count=1, block_ms=None)
+    streams.writer.add_to_inbox("w1", prompt("held"))
+    streams.writer.add_to_inbox("w1", prompt("unread"))
+    held = streams.work.read_work("w1", count=1, block_ms=None)
     assert [e.stream for e in held] == [streams.keys.inbox("w1")]
-    assert streams.read_work("w2", count=10, block_ms=None) == []  # another worker's inbox is not read
+    assert streams.work.read_work("w2", count=10, block_ms=None) == []  # another worker's inbox is not read
     assert streams.registry.rehome("w1") == -1 and streams.registry.rehome_departed() == 0  # alive: untouched
     any_redis.delete(streams.keys.worker("w1"))  # its heartbeat expired
     assert set(streams.registry.live_workers()) == {"w2"} and streams.registry.live_worker_names() == [
@@ -903,16 +920,16 @@ def test_a_departed_workers_inbox_goes_back_to_the_shared_prompts(any_redis: red
     assert streams.registry.live_workers_with("epoch") == {"w2": "3"}  # the live ones, with one field each
     assert streams.registry.rehome_departed() == 2
     assert streams.registry.rehome_departed() == 0  # once
-    moved = streams.read_work("w2", count=10, block_ms=None)
+    moved = streams.work.read_work("w2", count=10, block_ms=None)
     assert sorted(Prompt.from_fields(e.fields).id for e in moved) == ["held", "unread"]
     assert all(e.stream == streams.keys.prompts for e in moved)
-    assert streams.publish_rollouts(rollouts_for(prompt("held")), held[0]) == -1  # the stalled w1, too late
+    assert streams.writer.publish_rollouts(rollouts_for(prompt("held")), held[0]) == -1  # the stalled w1, too late
     by_id = {Prompt.from_fields(e.fields).id: e for e in moved}
-    assert streams.publish_rollouts(rollouts_for(prompt("held")), by_id["held"]) == 2
+    assert streams.writer.publish_rollouts(rollouts_for(prompt("held")), by_id["held"]) == 2
     assert any_redis.smembers(streams.keys.workers) == {b"w2"}
-    streams.add_to_inbox("w2", prompt("left"))
+    streams.writer.add_to_inbox("w2", prompt("left"))
     streams.registry.forget_worker("w2")  # a worker that stops hands its inbox back on the way out
-    assert [Prompt.from_fields(e.fields).id for e in streams.read_work("w3", 10, None)] == ["left"]
+    assert [Prompt.from_fields(e.fields).id for e in streams.work.read_work("w3", 10, None)] == ["left"]
     assert not any_redis.exists(streams.keys.inbox("w2"))
 
 
@@ -920,15 +937,15 @@ def test_replies_go_to_the_gateway_that_asked(any_redis: redis.Redis, ns: str) -
     streams = Streams(any_redis, ns)
     streams.ensure_groups()
     asked = prompt("call", n=1).model_copy(update={"reply_to": "gw-1"})
-    streams.add_to_inbox("w1", asked)
-    [entry] = streams.read_work("w1", count=1, block_ms=None)
+    streams.writer.add_to_inbox("w1", asked)
+    [entry] = streams.work.read_work("w1", count=1, block_ms=None)
     assert Prompt.from_fields(entry.fields).reply_to == "gw-1"
-    assert streams.publish_rollouts(rollouts_for(asked), entry, reply_to="gw-1") == 1
+    assert streams.writer.publish_rollouts(rollouts_for(asked), entry, reply_to="gw-1") == 1
     assert any_redis.xlen(streams.keys.rollouts) == 0
-    [reply] = streams.read_replies("gw-1", b"0", None)
+    [reply] = streams.replies.read_replies("gw-1", b"0", None)
     assert Rollout.from_fields(reply.fields).id == "call:0"
-    streams.delete_replies("gw-1", [reply.id])
-    assert streams.read_replies("gw-1", b"0", None) == []
+    streams.replies.delete_replies("gw-1", [reply.id])
+    assert streams.replies.read_replies("gw-1", b"0", None) == []
 
 
 def test_a_read_waiting_with_no_worker_alive_says_so_within_seconds(

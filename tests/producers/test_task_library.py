@@ -418,7 +418,7 @@ def test_a_scorer_given_a_tokenizer_scores_the_decoded_reply(
 
 def test_a_scorer_refuses_a_tokenizer_directory_without_one_in_one_line(tmp_path: Path) -> None:
     command = ["scorer", "--redis", "redis://127.0.0.1:1", "--tokenizer", str(tmp_path)]
-    done = subprocess.run([sys.executable, "-m", "pipeline.cli", *command], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-m", "rollouts", *command], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert " ".join(done.stderr.split()) == (
         f"error: --tokenizer {tmp_path}: no tokenizer there (tokenizer_config.json or tokenizer.json missing)"

@@ -369,7 +369,7 @@ def test_top_shows_the_stale_stream_and_the_counters(redis_server: RedisServer, 
         next(client.groups(timeout=1))  # "a" is parked (staleness 3 > 1); nothing else arrives
 
     def top(*extra: str) -> subprocess.CompletedProcess[str]:
-        args = [sys.executable, "-m", "pipeline.cli", "top", "--redis", redis_server.url, "--ns", ns, "--once"]
+        args = [sys.executable, "-m", "rollouts", "top", "--redis", redis_server.url, "--ns", ns, "--once"]
         return subprocess.run([*args, *extra], capture_output=True, text=True, timeout=60, check=True)
 
     snap = json.loads(top("--json").stdout)

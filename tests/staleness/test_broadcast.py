@@ -15,14 +15,13 @@ from typing import Any
 import pytest
 import torch
 
+from benchmarks.transport_state import drop_groups, groups_built
 from pipeline.local import free_port
 from staleness.weights.buckets import ALIGN, TensorMeta, plan_buckets
 from staleness.weights.nccl import (
     BroadcastLink,
     BroadcastStats,
     NcclTransport,
-    drop_groups,
-    groups_built,
     join_broadcast,
     receive_broadcast,
 )

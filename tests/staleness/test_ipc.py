@@ -28,6 +28,7 @@ import redis
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
+from benchmarks.transport_state import held_bytes
 from consumers.engines.torch_engine import TorchEngine
 from pipeline.local import RedisServer
 from pipeline.processes import start_worker, stop_process
@@ -224,7 +225,7 @@ def test_the_trainer_keeps_the_current_version_and_frees_the_ones_every_worker_l
     stored = json.loads(raw)  # plain JSON, readable in redis-cli
     assert stored["format"] == "cuda-ipc" and stored["tensors"] == [["w", "float32", [4, 4], 0]]
     assert client.streams.redis.hget(keys.state, "weights_uri") == f"ipc://{ns}/v3".encode()
-    assert ipc.held_bytes() == 64
+    assert held_bytes() == 64
 
     with pytest.raises(FileExistsError, match=r"version 3 is exported by this process already"):
         exports.publish(weights, 3)
@@ -232,7 +233,7 @@ def test_the_trainer_keeps_the_current_version_and_frees_the_ones_every_worker_l
     assert exports.publish(weights, 4) == f"ipc://{ns}/v4", "a dead trainer's manifest is replaced"
     assert exports.release(keep=[4]) == [3] and fake_exports == [1, 2, 3]
     assert exports.remove(4) and not exports.remove(4) and exports.versions() == []
-    assert not client.streams.redis.keys(f"{{{ns}}}:weights:ipc:*") and ipc.held_bytes() == 0
+    assert not client.streams.redis.keys(f"{{{ns}}}:weights:ipc:*") and held_bytes() == 0
 
 
 def test_moving_from_ipc_to_fs_frees_the_last_ipc_version(
@@ -268,7 +269,7 @@ def test_a_worker_on_the_trainers_gpu_serves_the_weights_it_opened(
         check_spans_and_logprobs(rollout, {1: tiny_model_dir_v1})  # the weights it opened, not a copy gone stale
 
     held_v1 = torch.cuda.memory_allocated(0) - baseline - weights_bytes
-    assert held_v1 >= ipc.held_bytes() > 0
+    assert held_v1 >= held_bytes() > 0
     assert client.publish_weights(v0, transport="ipc://") == 2  # v1's buffer is freed once the worker moved on
     assert IpcTransport(client.streams.redis, ns).versions() == [2]
     assert torch.cuda.memory_allocated(0) - baseline - weights_bytes == held_v1, "v1's buffer was not freed"
@@ -350,11 +351,11 @@ def test_a_vllm_worker_on_the_trainers_gpu_reloads_from_the_trainers_memory(
         off_v0 = np.abs(rollout.logprobs - forward_logprobs(tiny_model_dir, prompt, tokens)).max()
         assert off_v1 < 0.02 and off_v1 < off_v0 / 10, (off_v1, off_v0)
 
-    held = ipc.held_bytes()
+    held = held_bytes()
     del v1
     v0 = {name: t.to("cuda:0") for name, t in state_dict_of(tiny_model_dir).items()}
     assert client.publish_weights(v0, transport="ipc://") == 2  # v1's buffer is freed once the worker moved on
-    assert IpcTransport(client.streams.redis, ns).versions() == [2] and ipc.held_bytes() == held
+    assert IpcTransport(client.streams.redis, ns).versions() == [2] and held_bytes() == held
     IpcTransport(client.streams.redis, ns).remove(2)
     del v0
     assert torch.cuda.memory_allocated(0) == baseline, "the trainer still holds a buffer"

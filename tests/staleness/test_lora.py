@@ -309,7 +309,7 @@ def test_an_adapter_broadcast_over_nccl_reaches_every_worker_and_a_late_one_wait
     for prompt_id, adapter in (("late-a", "a"), ("late-base", None)):
         greedy = Sampling(max_tokens=16, temperature=0.0)
         prompt = client.make_prompt(tokens=[7, 8, 9], n=1, id=prompt_id, adapter=adapter, sampling=greedy)
-        client.streams.add_to_inbox("w3", prompt)  # work for w3 only
+        client.streams.writer.add_to_inbox("w3", prompt)  # work for w3 only
     [base] = client.collect(1, timeout=60)  # w3 serves the base model meanwhile...
     assert base.prompt_id == "late-base" and base.rollouts[0].worker == "w3"
     with pytest.raises(TimeoutError):  # ...while its request for a waits for a version it can load
@@ -348,7 +348,7 @@ def test_an_adapter_sync_whose_driver_died_is_finished_by_the_manager_and_a_sile
     driver.wait()
     assert read_state(client.streams.redis, keys, "a").paused
 
-    manager = [sys.executable, "-m", "pipeline.cli", "manager", "--redis", url, "--ns", ns, "--once"]
+    manager = [sys.executable, "-m", "rollouts", "manager", "--redis", url, "--ns", ns, "--once"]
     finished = subprocess.run(
         [*manager, "--abandoned-after-s", "0"], capture_output=True, text=True, timeout=120, check=False
     )

@@ -114,7 +114,9 @@ def test_each_adapter_has_its_own_admission_count_and_staleness_bound(redis_serv
 
     # Staleness against each adapter's own version: a is at version 3, b and the base model at 0.
     client.streams.redis.hset(client.streams.keys.state_of("a"), "version", 3)
-    client.streams.add_rollouts([rollout_of("old-a", 2, "a"), rollout_of("new-b", 0, "b"), rollout_of("base", 0, None)])
+    client.streams.writer.add_rollouts(
+        [rollout_of("old-a", 2, "a"), rollout_of("new-b", 0, "b"), rollout_of("base", 0, None)]
+    )
     groups = client.collect(2, timeout=10, max_staleness=0)
     assert sorted((g.prompt_id, g.adapter, g.trainer_version) for g in groups) == [
         ("base", None, 0),

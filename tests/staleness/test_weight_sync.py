@@ -287,7 +287,7 @@ def test_a_failed_transfer_still_concludes_the_sync(redis_server: RedisServer, n
 
 def rollouts_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True, timeout=300, check=False
+        [sys.executable, "-m", "rollouts", *args], capture_output=True, text=True, timeout=300, check=False
     )
 
 
@@ -308,7 +308,7 @@ def test_publish_weights_command_and_the_manager_finishing_a_sync_whose_driver_d
     stuck = workers("stuck", "--engine", "synthetic", "--heartbeat-s", "30")
     os.kill(stuck.pid, signal.SIGSTOP)
     driver = subprocess.Popen(
-        [sys.executable, "-m", "pipeline.cli", "publish-weights", "--redis", url, "--ns", ns,
+        [sys.executable, "-m", "rollouts", "publish-weights", "--redis", url, "--ns", ns,
          "--from", str(tiny_model_dir), "--ack-timeout-s", "600"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip

@@ -14,7 +14,7 @@ from tests.code_names import IDENT, PACKAGES, missing, missing_file
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
-REPO_DIRS = ("pipeline", "producers", "consumers", "staleness", "examples", "benchmarks", "docs", "tests")
+REPO_DIRS = ("pipeline", "producers", "consumers", "staleness", "rollouts", "examples", "benchmarks", "docs", "tests")
 FENCE = re.compile(r"^\s*(```|~~~)")
 CODE_SPAN = re.compile(r"(`+)(.+?)\1")
 LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
@@ -91,7 +91,7 @@ def known_commands() -> frozenset[str]:
     import typer
     import typer.main
 
-    from pipeline.cli import app
+    from rollouts import app
 
     names: set[str] = set()
 
@@ -138,11 +138,17 @@ def code_name_problems(span: str, fenced: bool) -> list[str]:
     return out
 
 
-def moved_test(raw: str) -> bool:
-    """A dated study's `tests/test_x.py`, since grouped by package (`tests/staleness/test_x.py`): it names the file
-    as it stood on the study's date."""
+MOVED = {"pipeline/cli/": "rollouts/"}
+"""Folders moved since a dated study named them (the shell, now a package of its own): old prefix, new prefix."""
+
+
+def moved(raw: str) -> bool:
+    """A dated study's path as it stood on the study's date: `tests/test_x.py`, since grouped by package
+    (`tests/staleness/test_x.py`), or a file of a folder since moved (`MOVED`)."""
     name = Path(raw).name
-    return raw == f"tests/{name}" and name.startswith("test_") and any((ROOT / "tests").glob(f"*/{name}"))
+    if raw == f"tests/{name}" and name.startswith("test_") and any((ROOT / "tests").glob(f"*/{name}")):
+        return True
+    return any(raw.startswith(old) and repo_path_exists(new + raw.removeprefix(old)) for old, new in MOVED.items())
 
 
 def problems_in(path: Path) -> list[str]:
@@ -165,7 +171,7 @@ def problems_in(path: Path) -> list[str]:
             for raw in REPO_PATH.findall(span):
                 if PLACEHOLDER.search(raw) or repo_path_exists(raw):
                     continue
-                if path.is_relative_to(DATED) and moved_test(raw):
+                if path.is_relative_to(DATED) and moved(raw):
                     continue
                 out.append(f"{rel}:{number}: missing path `{raw}`")
             m = COMMAND_IN_SPAN.match(span)

@@ -1,10 +1,10 @@
 """The packages' layering (docs/architecture.md, "Packages and import rules"): importing a package pulls in nothing
 of a package above it.
 
-`pipeline` is the ground floor and imports none of the others (its shell, `pipeline.cli`, composes all four and is
-left out); `staleness` imports `pipeline` only; `producers` and `consumers` never import each other; nothing imports
-the lab (`benchmarks`), nor the shell. Each package's every module is imported in a fresh interpreter of its own,
-and `sys.modules` is checked after each import, so that a failure names the module that reached up.
+`pipeline` is the ground floor and imports none of the others; `staleness` imports `pipeline` only; `producers` and
+`consumers` never import each other; the shell (`rollouts`) stands on top, and none of the four imports it; nothing
+imports the lab (`benchmarks`). Each package's every module is imported in a fresh interpreter of its own, and
+`sys.modules` is checked after each import, so that a failure names the module that reached up.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-SHELL = "pipeline.cli"
+SHELL = "rollouts"
 LAB = "benchmarks"
 RULES: dict[str, tuple[str, ...]] = {
-    "pipeline": ("producers", "consumers", "staleness", LAB),
+    "pipeline": ("producers", "consumers", "staleness", SHELL, LAB),
     "staleness": ("producers", "consumers", SHELL, LAB),
     "producers": ("consumers", SHELL, LAB),
     "consumers": ("producers", SHELL, LAB),
@@ -31,9 +31,9 @@ RULES: dict[str, tuple[str, ...]] = {
 """Each package, and the packages (or modules) that importing any of its modules must not load."""
 
 VERL_PLUGIN = "producers.integrations.verl"
-SKIPPED = {"pipeline": (SHELL,), "producers": (VERL_PLUGIN,)}
-"""Modules not imported here: the shell is the one place that composes all four packages; verl's plugin needs verl,
-installed in a venv of its own (tests/producers/test_verl.py checks that module's layering there)."""
+SKIPPED = {"producers": (VERL_PLUGIN,)}
+"""Modules not imported here: verl's plugin needs verl, installed in a venv of its own (tests/producers/test_verl.py
+checks that module's layering there)."""
 
 PROBE = r"""
 import importlib, json, pkgutil, sys

@@ -209,7 +209,7 @@ def _probe_requests(engine: ModuleType) -> None:
 
 def _probe_streams(streams: ModuleType) -> None:
     """The worker's reads of work that brought some: `["read", perf_counter, entries]`, for `paired.py`."""
-    read_work = streams.Streams.read_work
+    read_work = streams.WorkReader.read_work
 
     def timed_read(self: Any, *args: Any, **kwargs: Any) -> Any:
         entries = read_work(self, *args, **kwargs)
@@ -217,7 +217,7 @@ def _probe_streams(streams: ModuleType) -> None:
             _bench_line(["read", round(time.perf_counter(), 6), len(entries)])
         return entries
 
-    streams.Streams.read_work = timed_read
+    streams.WorkReader.read_work = timed_read
 
 
 def _probe_submit(client: ModuleType) -> None:
@@ -249,7 +249,7 @@ def _probe_publisher(publisher: ModuleType) -> None:
 
 def _probe_rollout_reads(streams: ModuleType) -> None:
     """Each read of rollouts that brought some: `["rread", called, returned, entries]` (`perf_counter`)."""
-    read_rollouts = streams.Streams.read_rollouts
+    read_rollouts = streams.RolloutReader.read_rollouts
 
     def timed(self: Any, *args: Any, **kwargs: Any) -> Any:
         called = time.perf_counter()
@@ -258,7 +258,7 @@ def _probe_rollout_reads(streams: ModuleType) -> None:
             _bench_line(["rread", round(called, 6), round(time.perf_counter(), 6), len(entries)])
         return entries
 
-    streams.Streams.read_rollouts = timed
+    streams.RolloutReader.read_rollouts = timed
 
 
 def _probe_gc(_: ModuleType) -> None:

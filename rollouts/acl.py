@@ -9,9 +9,9 @@ from typing import Annotated
 import typer
 
 from pipeline.acl import ROLES, acl_rules
-from pipeline.cli.app import DEFAULT_NS, DEFAULT_REDIS, NsOpt, RedisOpt, app, console, fail, user_errors
 from pipeline.connections import connect, server_version
 from pipeline.sentinel import every_server, is_sentinel_url
+from rollouts.app import DEFAULT_NS, DEFAULT_REDIS, NsOpt, RedisOpt, app, console, fail, user_errors
 
 
 @app.command()

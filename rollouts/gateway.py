@@ -8,7 +8,8 @@ from typing import Annotated
 
 import typer
 
-from pipeline.cli.app import (
+from pipeline.registry import default_name
+from rollouts.app import (
     DEFAULT_NS,
     DEFAULT_REDIS,
     LogLevelOpt,
@@ -23,7 +24,6 @@ from pipeline.cli.app import (
     setup_logging,
     user_errors,
 )
-from pipeline.registry import default_name
 
 
 @app.command()

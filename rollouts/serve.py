@@ -13,7 +13,9 @@ import redis
 import typer
 
 from consumers.settings import DEFAULTS
-from pipeline.cli.app import (
+from pipeline.connections import redact
+from pipeline.registry import default_name
+from rollouts.app import (
     DEFAULT_NS,
     DEFAULT_REDIS,
     ClaimIdleOpt,
@@ -47,7 +49,7 @@ from pipeline.cli.app import (
     user_errors,
     worker_settings,
 )
-from pipeline.cli.engine_spec import (
+from rollouts.engine_spec import (
     NO_MODEL,
     DeviceOpt,
     DtypeOpt,
@@ -65,8 +67,6 @@ from pipeline.cli.engine_spec import (
     TpOpt,
     UrlOpt,
 )
-from pipeline.connections import redact
-from pipeline.registry import default_name
 
 log = logging.getLogger(__name__)
 

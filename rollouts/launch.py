@@ -13,7 +13,11 @@ from rich.live import Live
 from rich.table import Table
 
 from consumers.settings import DEFAULTS
-from pipeline.cli.app import (
+from pipeline.codec import as_text
+from pipeline.connections import redact
+from pipeline.sentinel import is_sentinel_url, parse_sentinel_url
+from pipeline.streams import Streams
+from rollouts.app import (
     DEFAULT_NS,
     DEFAULT_REDIS,
     ClaimIdleOpt,
@@ -40,7 +44,7 @@ from pipeline.cli.app import (
     user_errors,
     worker_settings,
 )
-from pipeline.cli.engine_spec import (
+from rollouts.engine_spec import (
     NO_MODEL,
     DeviceOpt,
     DtypeOpt,
@@ -57,10 +61,6 @@ from pipeline.cli.engine_spec import (
     TpOpt,
     UrlOpt,
 )
-from pipeline.codec import as_text
-from pipeline.connections import redact
-from pipeline.sentinel import is_sentinel_url, parse_sentinel_url
-from pipeline.streams import Streams
 
 ACTOR_ENV = ("HF_HUB_OFFLINE", "HF_HUB_DISABLE_PROGRESS_BARS", "VLLM_LOGGING_STREAM")
 """Settings of this process that the actors get too (models are local directories there as well)."""

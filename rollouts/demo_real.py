@@ -7,7 +7,7 @@ behind, each token tagged with its version, corrected by the decoupled PPO loss)
 the running worker. Every `eval_every` steps the held-out split (problems the trainer never sees) is sampled through
 the same worker, and the table shows its accuracy beside the version that answered it.
 
-`train_real` is the loop; the shell's demo (`pipeline.cli.demo`) starts Redis, the manager and the worker around it.
+`train_real` is the loop; the shell's demo (`rollouts.demo`) starts Redis, the manager and the worker around it.
 """
 
 from __future__ import annotations
@@ -183,7 +183,7 @@ def _evaluated(groups: list[Group], reward: Callable[[Rollout], float], elapsed_
 
 
 def _table(run: RealRun, steps: int) -> Table:
-    from pipeline.cli.demo import bar
+    from rollouts.demo import bar
 
     table = Table(
         title=f"GRPO on one-digit sums, SmolLM2-135M-Instruct, one step off: step {len(run.rows)}/{steps}",
@@ -215,7 +215,7 @@ def _held(held: HeldOut | None) -> str:
 
 def report_real(console: Console, run: RealRun, plot: Path | None) -> None:
     """One line: the held-out accuracy from the base to the last version, and the curve as a PNG at `plot`."""
-    from pipeline.cli.demo import save_curve
+    from rollouts.demo import save_curve
 
     base, last = run.evals[0], run.evals[-1]
     console.print(
@@ -229,7 +229,7 @@ def report_real(console: Console, run: RealRun, plot: Path | None) -> None:
 
 def _plot_real(run: RealRun, path: Path) -> None:
     """Held-out accuracy against time, and the train reward per step, side by side."""
-    from pipeline.cli.demo import two_panels
+    from rollouts.demo import two_panels
 
     fig, left, right = two_panels()
     left.plot([e.elapsed_s for e in run.evals], [e.accuracy for e in run.evals], marker="o")

@@ -1,5 +1,5 @@
 """`rollouts tiny-model` and `rollouts demo`: a first run on this machine, with nothing downloaded (the demo itself
-is in `pipeline.cli.demo`, imported when it runs)."""
+is in `rollouts.demo`, imported when it runs)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from pipeline.cli.app import app, check_output_dir, console, fail, require, results_console, user_errors
+from rollouts.app import app, check_output_dir, console, fail, require, results_console, user_errors
 
 
 @app.command("tiny-model")
@@ -88,7 +88,7 @@ def demo(
     for flag, count in (("--prompts", prompts), ("--n", n), ("--max-tokens", max_tokens)):
         if count < 1:
             fail(f"{flag} must be at least 1, not {count}")
-    from pipeline.cli.demo import MODELS, run_demo
+    from rollouts.demo import MODELS, run_demo
 
     if model not in MODELS:
         fail(f"--model {model}: the demo runs {' or '.join(MODELS)}")

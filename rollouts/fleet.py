@@ -7,8 +7,8 @@ from typing import Annotated
 
 import typer
 
-from pipeline.cli.app import DEFAULT_NS, DEFAULT_REDIS, NsOpt, RedisOpt, app, console, fail, open_streams, user_errors
 from pipeline.wire import Control
+from rollouts.app import DEFAULT_NS, DEFAULT_REDIS, NsOpt, RedisOpt, app, console, fail, open_streams, user_errors
 
 DRAIN_POLL_S = 0.2
 """How often `rollouts drain --wait` looks at the registry."""

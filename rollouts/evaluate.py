@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from pipeline.cli.app import (
+from rollouts.app import (
     DEFAULT_NS,
     DEFAULT_REDIS,
     NsOpt,
@@ -32,7 +32,7 @@ from pipeline.cli.app import (
     open_streams,
     user_errors,
 )
-from pipeline.cli.engine_spec import (
+from rollouts.engine_spec import (
     DeviceOpt,
     DtypeOpt,
     EngineArgsOpt,

@@ -10,7 +10,8 @@ from typing import Annotated
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from pipeline.cli.app import (
+from pipeline.wire import RECORDER
+from rollouts.app import (
     DEFAULT_NS,
     DEFAULT_REDIS,
     NsOpt,
@@ -23,7 +24,6 @@ from pipeline.cli.app import (
     setup_logging,
     user_errors,
 )
-from pipeline.wire import RECORDER
 
 
 @app.command()

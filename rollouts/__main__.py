@@ -1,4 +1,4 @@
-from pipeline.cli import main
+from rollouts import main
 
 # Guarded: engines spawn processes that re-import the main module.
 if __name__ == "__main__":

@@ -12,7 +12,8 @@ from rich.console import Console
 from rich.live import Live
 from rich.markup import escape
 
-from pipeline.cli.app import (
+from pipeline.wire import PAUSE_MODES, is_pause_mode
+from rollouts.app import (
     DEFAULT_NS,
     DEFAULT_REDIS,
     NsOpt,
@@ -27,7 +28,6 @@ from pipeline.cli.app import (
     sync_report,
     user_errors,
 )
-from pipeline.wire import PAUSE_MODES, is_pause_mode
 
 
 @app.command()
@@ -55,7 +55,7 @@ def submit(
         prompts = read_prompts_file(file, client)
         queued = client.submit_prompts(prompts)
         scored = sum(1 for p in prompts if p.reward_fn)
-        unscored = scored > 0 and not client.streams.scorer_alive()
+        unscored = scored > 0 and not client.streams.scoring.scorer_alive()
         unserved = queued > 0 and not client.streams.registry.live_worker_names()
     samples = sum(p.n for p in prompts)
     if queued < len(prompts):

@@ -8,7 +8,8 @@ from typing import Annotated
 
 import typer
 
-from pipeline.cli.app import (
+from pipeline.connections import redact
+from rollouts.app import (
     DEFAULT_NS,
     DEFAULT_REDIS,
     NsOpt,
@@ -20,7 +21,6 @@ from pipeline.cli.app import (
     setup_logging,
     user_errors,
 )
-from pipeline.connections import redact
 
 DEFAULT_PORT = 9650
 SCRAPE_TIMEOUT_S = 5.0

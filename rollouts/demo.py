@@ -65,7 +65,7 @@ def run_demo(
     `train_steps`: None for the model's default (`TRAIN_STEPS`, or the real model's `demo_real.TRAIN_STEPS`);
     `console` takes the progress and notices, `out` (default: `console`) the results: the summary, the learning, the
     commands to look inside."""
-    from pipeline.cli import demo_real
+    from rollouts import demo_real
 
     if model not in MODELS:
         raise ValueError(f"--model {model!r}: the demo runs {' or '.join(MODELS)}")
@@ -134,7 +134,7 @@ def _run(
                 rows = _train(console, url, model, train_steps)
                 _report_training(out, rows, plot)
             elif train_steps:
-                from pipeline.cli.demo_real import report_real, train_real
+                from rollouts.demo_real import report_real, train_real
 
                 report_real(out, train_real(console, url, NS, model, train_steps), plot)
             if keep:  # the lines to look inside while this Redis runs, then wait

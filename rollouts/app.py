@@ -3,8 +3,8 @@ mistakes into one line each.
 
 Every command turns the mistakes a person makes (a wrong URL, a missing model, a bad
 prompts file) into one line that says what to fix, never a traceback. The commands live in the modules beside this
-one (`pipeline.cli` imports them); other packages add commands through the `rollouts.commands` entry-point group,
-loaded only when the command asked for is not one of these.
+one (the package, `rollouts`, imports them); other packages add commands through the `rollouts.commands` entry-point
+group, loaded only when the command asked for is not one of these.
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ from rich.logging import RichHandler
 from rich.text import Text
 from typer.main import get_command_name
 
-from pipeline.cli.engine_spec import NO_MODEL, EngineSpec
 from pipeline.connections import RedisUnreachable, UnsupportedRedisError, connect, redact
 from pipeline.fast_exit import leave
 from pipeline.install import pip_install
 from pipeline.streams import Streams
 from pipeline.wire import WireError
+from rollouts.engine_spec import NO_MODEL, EngineSpec
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
