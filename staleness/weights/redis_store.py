@@ -310,6 +310,8 @@ class RedisTransport(Transport):
             try:
                 applied = torch.from_numpy(self._fetch_delta(version, manifest, base))
                 held.hold(version, applied.numpy(), manifest["sha256"])
+                log.info("weights version %d: its delta from version %s applied (%d bytes read of %d)", version,
+                         info.get("base"), info.get("bytes"), manifest["bytes"])  # fmt: skip
                 return {meta.name: tensor_view(applied, meta, offset) for meta, offset in entries}
             except (DeltaError, ValueError) as exc:
                 log.warning("weights version %d: its delta did not apply (%s); reading it whole", version, exc)

@@ -11,7 +11,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pipeline.local import RedisServer
+from pipeline.wire import Control, Rollout
+from producers.client import RolloutClient
 from staleness.weights.delta import CHUNK_WORDS, Delta, DeltaError, apply, chain, encode
+from tests.fixtures import StartWorker, wait_until
 
 
 def buffers(words: int, changed: float, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -90,3 +94,52 @@ def test_a_chain_of_deltas_over_real_adamw_steps_equals_the_last_version_and_a_b
     assert np.array_equal(chain(versions[0], [d for d in steps if d is not None]), versions[-1])
     with pytest.raises(DeltaError, match="a chain breaks"):
         chain(versions[0], [d for d in steps[:1] + steps[2:] if d is not None])
+
+
+def test_workers_that_hold_the_last_version_read_only_its_delta_and_serve_what_a_full_load_serves(
+    redis_server: RedisServer, ns: str, tiny_model_dir: Path, workers: StartWorker, tmp_path: Path
+) -> None:
+    """`publish_weights(..., deltas=True)` by `redis://` from real AdamW steps of a bf16 model: the first version
+    goes whole; each worker that holds it reads only the next one's delta (a few percent of it, its log says so);
+    a greedy sample from that worker equals, token for token and logprob for logprob, one from a worker that
+    started after and loaded the version whole."""
+    from transformers import AutoModelForCausalLM
+
+    bf16 = ("--dtype", "bfloat16", "--engine", "torch")
+    workers.many(("w1", *bf16), ("w2", *bf16))
+    client = RolloutClient(redis_server.url, ns)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-5)
+
+    def step() -> None:
+        ids = torch.randint(0, model.config.vocab_size, (4, 16))
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step()
+    assert client.publish_weights(model, deltas=True) == 1
+    assert client.last_publish is not None and client.last_publish.delta_bytes is None, "no base yet: whole"
+    step()
+    assert client.publish_weights(model, deltas=True) == 2
+    stats = client.last_publish
+    assert stats is not None and stats.delta_bytes is not None and stats.delta_bytes < 0.2 * stats.bytes, stats
+    for name in ("w1", "w2"):
+        assert "weights version 2: its delta from version 1 applied" in (tmp_path / f"{name}.log").read_text()
+
+    def greedy(prompt_id: str) -> Rollout:
+        client.submit(tokens=[5, 9, 11], n=1, max_tokens=12, temperature=0.0, id=prompt_id)
+        (group,) = client.collect(1, timeout=60)
+        return group.rollouts[0]
+
+    by_delta = greedy("by-delta")
+    workers("w3", *bf16)  # loads version 2 whole at its start
+    for name in ("w1", "w2"):
+        client.streams.control.send(Control(cmd="drain", worker=name))
+    wait_until(lambda: client.streams.registry.live_worker_names() == ["w3"], 30, "w1 and w2 to leave")
+    whole = greedy("whole")
+    assert by_delta.worker in ("w1", "w2") and whole.worker == "w3"
+    assert by_delta.version == whole.version == 2
+    assert by_delta.tokens.tolist() == whole.tokens.tolist()
+    assert np.array_equal(by_delta.logprobs, whole.logprobs), "the same weights, bit for bit"
