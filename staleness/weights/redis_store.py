@@ -303,8 +303,9 @@ class RedisTransport(Transport):
         key = self.keys.weights_manifest(version)
         entries = _tensor_entries(manifest["tensors"], manifest["bytes"], key)
         info = manifest.get("delta")
+        info = info if isinstance(info, dict) else {}
         base = None
-        if held is not None and isinstance(info, dict):
+        if held is not None and info:
             base = held.base_for(str(info.get("base_sha256")), manifest["bytes"])
         if held is not None and base is not None:
             try:
