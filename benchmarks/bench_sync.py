@@ -77,8 +77,9 @@ from pipeline.wire import PauseMode
 from producers.client import RolloutClient
 from rollouts.engine_spec import EngineSpec
 from staleness.weights import open_transport
-from staleness.weights.base import checkpoint_files, opened_handover, read_checkpoint
+from staleness.weights.base import opened_handover
 from staleness.weights.handover import Handover
+from staleness.weights.sources import checkpoint_files, read_checkpoint
 
 NS = "bench-sync"
 SIZES = {

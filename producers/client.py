@@ -52,8 +52,9 @@ from staleness.driver import PublishOptions, SyncDriver
 from staleness.manager import SyncReport
 
 if TYPE_CHECKING:
-    from staleness.weights.base import PublishStats, WeightSource
+    from staleness.weights.base import PublishStats
     from staleness.weights.nccl import BroadcastStats
+    from staleness.weights.sources import WeightSource
 
 __all__ = ["Batch", "Group", "GroupAssembler", "ParkingBound", "RolloutClient", "SampleStaleness", "whole_batches"]
 """What the trainer imports from here: the client, and the groups and batches it hands over (`producers.groups`)."""

@@ -19,8 +19,9 @@ from pipeline.wire import PauseMode
 from staleness.manager import Manager, SyncError, SyncReport
 
 if TYPE_CHECKING:
-    from staleness.weights.base import PublishStats, WeightSource
+    from staleness.weights.base import PublishStats
     from staleness.weights.delta import HeldWeights
+    from staleness.weights.sources import WeightSource
 
 
 class PublishOptions(TypedDict, total=False):
@@ -70,8 +71,8 @@ class SyncDriver:
         says what each argument does). `WeightsMismatch` before any worker pauses for tensors no live worker's model
         takes; `SyncError` while another sync is under way."""
         from staleness.weights import open_transport, remove_published  # torch: only trainers that publish need it
-        from staleness.weights.base import named_tensors, read_adapter
         from staleness.weights.layout import LayoutCheck, WeightsMismatch, fleet_layouts
+        from staleness.weights.sources import named_tensors, read_adapter
 
         if adapter is not None:
             source, adapter_config = read_adapter(source, adapter_config)

@@ -26,7 +26,7 @@ from benchmarks.transport_state import drop_groups
 from consumers.engines.tiny_model import build_tiny_model
 from pipeline.local import free_port
 from staleness.weights import buckets, nccl
-from staleness.weights.base import read_checkpoint
+from staleness.weights.sources import read_checkpoint
 
 
 def transfer(named: dict[str, torch.Tensor], bucket_bytes: int, target: str, rounds: int) -> dict[str, float]:

@@ -38,7 +38,7 @@ from benchmarks.bench_sync import SIZES
 from consumers.engines.tiny_model import build_tiny_model
 from pipeline.local import free_port
 from staleness.weights import buckets, nccl, nccl_group
-from staleness.weights.base import read_checkpoint
+from staleness.weights.sources import read_checkpoint
 
 Plan = list[list[tuple[int, int]]]
 

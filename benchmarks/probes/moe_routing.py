@@ -137,7 +137,7 @@ def reload(args: argparse.Namespace) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from staleness.weights.base import read_checkpoint
+    from staleness.weights.sources import read_checkpoint
 
     llm = LLM(
         model=args.dir,

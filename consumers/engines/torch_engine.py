@@ -267,7 +267,7 @@ class TorchEngine(LoraAdapters, HandsOverInProcess, EngineLifecycle):
         await asyncio.to_thread(self._load_weights_sync, Path(path), version)
 
     def _load_weights_sync(self, path: Path, version: int) -> None:
-        from staleness.weights.base import read_checkpoint
+        from staleness.weights.sources import read_checkpoint
 
         self._require_model()
         self._load_tensors_sync(read_checkpoint(path), version, path)

@@ -23,21 +23,19 @@ import torch
 
 from pipeline.files import fsync_path
 from staleness.weights.base import (
-    ADAPTER_CONFIG,
     ADAPTERS_DIR,
     VERSION_DIR,
     Fetched,
     Opening,
     PublishStats,
     Transport,
-    WeightSource,
     WeightsUri,
     check_version,
-    named_tensors,
     parse_uri,
     release_older,
 )
 from staleness.weights.buckets import raw_bytes
+from staleness.weights.sources import ADAPTER_CONFIG, WeightSource, named_tensors
 
 if TYPE_CHECKING:
     import redis

@@ -51,15 +51,14 @@ from staleness.weights.base import (
     PublishStats,
     Receiving,
     Transport,
-    WeightSource,
     WeightsUri,
     adapter_schemes,
     check_version,
-    named_tensors,
     release_older,
 )
 from staleness.weights.buckets import ALIGN, TensorMeta, dtype_from_name, dtype_name, plan_buckets
 from staleness.weights.handover import Handover, LoadsWeights
+from staleness.weights.sources import WeightSource, named_tensors
 
 MANIFEST_V = 1
 FORMAT = "cuda-ipc"

@@ -63,10 +63,8 @@ from staleness.weights.base import (
     PublishStats,
     Receiving,
     Transport,
-    WeightSource,
     WeightsUri,
     check_version,
-    named_tensors,
     parse_uri,
     uri_version,
 )
@@ -91,6 +89,7 @@ from staleness.weights.nccl_receive import (
     prepare_receiver,
     receive_broadcast,
 )
+from staleness.weights.sources import WeightSource, named_tensors
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",

@@ -38,16 +38,15 @@ from staleness.weights.base import (
     PublishStats,
     Receiving,
     Transport,
-    WeightSource,
     WeightsUri,
     check_version,
-    named_tensors,
     release_older,
 )
 from staleness.weights.buckets import ALIGN, TensorMeta, dtype_from_name, dtype_name, raw_bytes, tensor_view
 from staleness.weights.delta import Delta, DeltaError, HeldWeights
 from staleness.weights.delta import apply as apply_delta
 from staleness.weights.delta import encode as encode_delta
+from staleness.weights.sources import WeightSource, named_tensors
 
 log = logging.getLogger(__name__)
 

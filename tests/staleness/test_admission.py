@@ -115,7 +115,7 @@ def test_a_full_admission_blocks_until_new_weights_are_published(
     waiting.thread.join(0.3)
     assert waiting.thread.is_alive()
     from staleness.weights import open_transport
-    from staleness.weights.base import state_dict_of
+    from staleness.weights.sources import state_dict_of
 
     store = open_transport("redis://", redis_client=client.streams.redis, ns=ns)
     uri = store.publish(state_dict_of(tiny_model_dir_v1), 2)

@@ -35,9 +35,10 @@ from pipeline.processes import start_worker, stop_process
 from pipeline.wire import Keys
 from producers.client import RolloutClient
 from staleness.weights import fetch_weights, ipc, load_version, open_transport
-from staleness.weights.base import WeightsUri, parse_uri, state_dict_of
+from staleness.weights.base import WeightsUri, parse_uri
 from staleness.weights.buckets import TensorMeta
 from staleness.weights.ipc import Handle, IpcTransport, Manifest, manifest_key
+from staleness.weights.sources import state_dict_of
 from tests.fixtures import FAST, StartWorker, wait_until
 from tests.reference import check_spans_and_logprobs, forward_logprobs
 

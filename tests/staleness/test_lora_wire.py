@@ -20,7 +20,8 @@ from pipeline.wire import Control, Keys, Prompt, Rollout, WireError, ack_field
 from producers.client import RolloutClient
 from staleness.admission import AdmissionTimeout
 from staleness.weights import fetch_adapter, open_transport
-from staleness.weights.base import parse_uri, read_adapter
+from staleness.weights.base import parse_uri
+from staleness.weights.sources import read_adapter
 
 CONFIG = {"r": 2, "lora_alpha": 4.0, "target_modules": ["o_proj"], "peft_type": "LORA"}
 

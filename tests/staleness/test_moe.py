@@ -27,8 +27,8 @@ from pipeline.wire import PauseMode, Rollout, Sampling
 from producers.client import Batch, Group, RolloutClient
 from producers.grpo import grpo_step
 from producers.routing import routes_replayed
-from staleness.weights.base import read_checkpoint, state_dict_of
 from staleness.weights.fused import is_fused, routers, to_module
+from staleness.weights.sources import read_checkpoint, state_dict_of
 from tests.fixtures import FAST, wait_until
 from tests.reference import check_spans_and_logprobs, forward_logprobs, forward_routes
 

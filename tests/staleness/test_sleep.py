@@ -30,7 +30,7 @@ from pipeline.streams import Streams
 from pipeline.wire import GENERATORS, Partial, PauseMode, Sampling
 from producers.client import RolloutClient
 from staleness.manager import Manager, SyncError, SyncReport
-from staleness.weights.base import state_dict_of
+from staleness.weights.sources import state_dict_of
 from tests.consumers.test_torch_engine import LONG_PROMPT, LONG_SEED
 from tests.fixtures import StartWorker, wait_until
 from tests.reference import check_spans_and_logprobs, forward_logprobs

@@ -33,12 +33,11 @@ from staleness.weights.base import (
     Opening,
     PublishStats,
     Transport,
-    WeightSource,
     WeightsUri,
-    named_tensors,
     register_transport,
     release_older,
 )
+from staleness.weights.sources import WeightSource, named_tensors
 from tests.reference import forward_logprobs
 
 events: list[tuple[Any, ...]] = []

@@ -30,10 +30,11 @@ from pipeline.files import fsync_path
 from pipeline.wire import Sampling
 from staleness.weights import fetch_weights, load_version, open_transport
 from staleness.weights import fs as fs_module
-from staleness.weights.base import WeightsUri, parse_uri, state_dict_of
+from staleness.weights.base import WeightsUri, parse_uri
 from staleness.weights.fs import FsTransport
 from staleness.weights.nccl import NcclTransport
 from staleness.weights.redis_store import RedisTransport
+from staleness.weights.sources import state_dict_of
 from tests.engine_loop import Served, wait_until_async
 from tests.reference import forward_logprobs
 

@@ -14,8 +14,8 @@ from pipeline.local import RedisServer
 from pipeline.processes import start_worker, stop_processes, wait_for_worker
 from producers.client import Group, RolloutClient
 from staleness.weights import redis_store
-from staleness.weights.base import state_dict_of
 from staleness.weights.redis_store import RedisTransport
+from staleness.weights.sources import state_dict_of
 from tests.fixtures import FAST, wait_until
 from tests.reference import check_spans_and_logprobs
 from tests.staleness.test_transports import assert_bitwise_equal
