@@ -123,28 +123,9 @@ class Worker:
         """The way out once Redis is gone."""
 
     @property
-    def status(self) -> WorkerStatus:
-        """What the worker and its engine are doing now (the heartbeat's `status`)."""
-        return self.state.status
-
-    @property
-    def published(self) -> int:
-        """Rollouts this worker published."""
-        return self.state.published
-
-    @property
-    def generated_tokens(self) -> int:
-        return self.state.generated_tokens
-
-    @property
     def engine(self) -> Engine:
         """The engine now: a fresh, unstarted one after a release (`consumers.lifecycle`)."""
         return self._slot.engine
-
-    @property
-    def inflight_samples(self) -> int:
-        """Samples of the work taken that are not yet published (what the heartbeat's `inflight` says)."""
-        return self.state.inflight_samples
 
     @property
     def max_inflight(self) -> int:

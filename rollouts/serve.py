@@ -135,7 +135,7 @@ def worker(
     with user_errors(redis_url):
         factory = engine_factory(spec.kind, str(spec.model), spec.options(), streams.redis, ns, name)
         done = run_worker(streams, factory(), name, settings, metrics, factory)  # built here, started by the worker
-    console.print(f"worker {done.name} stopped after publishing {done.published} rollouts")
+    console.print(f"worker {done.name} stopped after publishing {done.state.published} rollouts")
     if done.failure:
         console.print(f"[bold red]worker {done.name} failed:[/] {done.failure}")
         raise typer.Exit(1)
