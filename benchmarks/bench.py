@@ -164,7 +164,7 @@ class SharedEngine:
 
     async def _serving(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        while self.worker.status is not WorkerStatus.SERVING:
+        while self.worker.state.status is not WorkerStatus.SERVING:
             if self.task is not None and self.task.done():
                 raise RuntimeError(f"the bench's worker stopped before serving: {self.worker.failure or 'see its log'}")
             if time.monotonic() > deadline:
@@ -210,7 +210,7 @@ class SharedEngine:
     async def _taken(self, samples: int, timeout_s: float = 300) -> None:
         """Until the worker has decoded `samples` samples of work."""
         deadline = time.monotonic() + timeout_s
-        while self.worker.inflight_samples < samples:
+        while self.worker.state.inflight_samples < samples:
             if (self.task is not None and self.task.done()) or time.monotonic() > deadline:
                 raise RuntimeError(f"the bench's worker did not take the round's {samples} samples: see its log")
             await asyncio.sleep(0.0005)

@@ -35,9 +35,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
-from consumers.engines.base import Engine, EngineInputError
-from consumers.metrics import WorkerMetrics
-from pipeline.streams import Streams
+from consumers.engines.base import EngineInputError
+from consumers.house import House
 from pipeline.wire import Control, PauseMode, ack_field
 from staleness.state import adapter_names, read_state, weights_command
 from staleness.weights import Joined, fetch_adapter, join_pushed, receive_adapter, transport_of
@@ -59,22 +58,12 @@ class Stopping(Exception):
 class WorkerAdapters:
     """The adapters of one worker's engine: gates, per-adapter epochs, on-demand loads and evictions."""
 
-    def __init__(
-        self,
-        streams: Streams,
-        engine: Engine,
-        worker: str,
-        ack: Callable[[], Awaitable[object]],
-        metrics: WorkerMetrics,
-        stopping: asyncio.Event,
-    ) -> None:
-        self.streams = streams
-        self.engine = engine
-        self.worker = worker
-        self.metrics = metrics
+    def __init__(self, house: House, ack: Callable[[], Awaitable[object]]) -> None:
+        self.streams, self.engine, self.worker = house.streams, house.slot.engine, house.name
+        self.metrics = house.metrics
         self._ack = ack
         """Writes the heartbeat (which carries `epoch@NAME`): the ack of an adapter's sync."""
-        self._stopping = stopping
+        self._stopping = house.state.stopping
         """The worker's: set when it stops, after which no request waits for an adapter (`Stopping`)."""
         self._epochs: dict[str, int] = {}
         """The last sync epoch acked, per adapter."""

@@ -16,9 +16,7 @@ import numpy as np
 
 from consumers.adapters import Stopping, WorkerAdapters
 from consumers.engines.base import EngineInputError, Generation, continuation_seed, continued
-from consumers.lifecycle import EngineSlot
-from consumers.metrics import WorkerMetrics
-from consumers.serving import ServingState
+from consumers.house import House
 from pipeline.streams import Entry
 from pipeline.wire import Partial, Prompt, Rollout, join_spans
 
@@ -51,21 +49,10 @@ def join_alternatives(
 class SampleGenerator:
     """Generates a worker's samples on its engine (the slot's engine now), continuing those a pause interrupted."""
 
-    def __init__(
-        self,
-        name: str,
-        slot: EngineSlot,
-        state: ServingState,
-        adapters: WorkerAdapters,
-        metrics: WorkerMetrics,
-        hand_off_partials: bool,
-    ) -> None:
-        self._name = name
-        self._slot = slot
-        self._state = state
+    def __init__(self, house: House, adapters: WorkerAdapters) -> None:
+        self._name, self._slot, self._state, self._metrics = house.name, house.slot, house.state, house.metrics
         self._adapters = adapters
-        self._metrics = metrics
-        self._hand_off_partials = hand_off_partials
+        self._hand_off_partials = house.settings.hand_off_partials
         self._running: set[str] = set()
         """The engine requests of this worker's samples now running (what a deadline's hand-off ends)."""
 

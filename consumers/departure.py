@@ -16,7 +16,8 @@ import os
 import time
 from collections.abc import Awaitable, Callable
 
-from consumers.settings import ABORT_RETRY_S, NOTICE_POLL_S, WorkerSettings
+from consumers.house import House
+from consumers.settings import ABORT_RETRY_S, NOTICE_POLL_S
 
 log = logging.getLogger(__name__)
 
@@ -24,21 +25,10 @@ log = logging.getLogger(__name__)
 class Departure:
     """A worker's stop notice and deadline, and its drain (`Worker.stop` asks; `Worker.run` drains)."""
 
-    def __init__(
-        self,
-        name: str,
-        settings: WorkerSettings,
-        tasks: set[asyncio.Task],
-        end_running: Callable[[], Awaitable[int]],
-        stop: Callable[[], None],
-        stopping: asyncio.Event,
-    ) -> None:
-        self._name = name
-        self._settings = settings
-        self._tasks = tasks
-        self._end_running = end_running
-        self._stop = stop
-        self._stopping = stopping
+    def __init__(self, house: House, tasks: set[asyncio.Task], end_running: Callable[[], Awaitable[int]]) -> None:
+        self._name, self._settings, self._worker = house.name, house.settings, house.worker
+        self._stopping = house.state.stopping
+        self._tasks, self._end_running = tasks, end_running
         self.deadline: float | None = None
         """When the worker must have exited (`time.monotonic()`); None: no deadline."""
 
@@ -61,7 +51,7 @@ class Departure:
         while not self._stopping.is_set():
             if os.path.exists(path):
                 log.info("%s: the notice file %s appeared", self._name, path)
-                self._stop()
+                self._worker.stop()
                 return
             await asyncio.sleep(NOTICE_POLL_S)
 

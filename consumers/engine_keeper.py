@@ -15,11 +15,9 @@ from collections.abc import Awaitable, Callable, Sized
 
 from consumers.adapters import WorkerAdapters
 from consumers.engines.base import EngineClosedError
-from consumers.lifecycle import EngineSlot, WorkerStatus
-from consumers.metrics import WorkerMetrics
-from consumers.serving import ServingState
-from consumers.settings import WorkerSettings
-from consumers.sync import Stoppable, WorkerSync
+from consumers.house import House
+from consumers.lifecycle import WorkerStatus
+from consumers.sync import WorkerSync
 
 log = logging.getLogger(__name__)
 
@@ -29,26 +27,15 @@ class EngineKeeper:
 
     def __init__(
         self,
-        name: str,
-        slot: EngineSlot,
-        state: ServingState,
+        house: House,
         sync: WorkerSync,
         adapters: WorkerAdapters,
         beat: Callable[[], Awaitable[object]],
-        metrics: WorkerMetrics,
-        settings: WorkerSettings,
-        worker: Stoppable,
         held: Sized,
     ) -> None:
-        self._name = name
-        self._slot = slot
-        self._state = state
-        self._sync = sync
-        self._adapters = adapters
-        self._beat = beat
-        self._metrics = metrics
-        self._settings = settings
-        self._worker = worker
+        self._name, self._slot, self._state = house.name, house.slot, house.state
+        self._metrics, self._settings, self._worker = house.metrics, house.settings, house.worker
+        self._sync, self._adapters, self._beat = sync, adapters, beat
         self._held = held
         """The entries the worker holds: an engine that holds work is never released."""
 

@@ -189,8 +189,8 @@ class RayWorker:
             "host": socket.gethostname(),
             "node": context.get_node_id(),
             "restarted": context.was_current_actor_reconstructed,
-            "status": "stopped" if self._done.is_set() else worker.status if worker else "loading",
-            "published": worker.published if worker else 0,
+            "status": "stopped" if self._done.is_set() else worker.state.status if worker else "loading",
+            "published": worker.state.published if worker else 0,
             "failure": self.failure,
         }
 

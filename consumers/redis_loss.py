@@ -15,10 +15,8 @@ from collections.abc import Awaitable, Callable, Sized
 
 import redis
 
-from consumers.serving import ServingState
-from consumers.sync import Stoppable
+from consumers.house import House
 from pipeline.connections import give_up_reconnecting, redis_address, redis_unreachable
-from pipeline.streams import Streams
 
 log = logging.getLogger(__name__)
 
@@ -29,21 +27,9 @@ REDIS_CHECK_S = 1.0
 class RedisLoss:
     """One worker's way out without Redis."""
 
-    def __init__(
-        self,
-        name: str,
-        streams: Streams,
-        state: ServingState,
-        worker: Stoppable,
-        held: Sized,
-        tasks: set[asyncio.Task],
-    ) -> None:
-        self._name = name
-        self._streams = streams
-        self._state = state
-        self._worker = worker
-        self._held = held
-        self._tasks = tasks
+    def __init__(self, house: House, held: Sized, tasks: set[asyncio.Task]) -> None:
+        self._name, self._streams, self._state, self._worker = house.name, house.streams, house.state, house.worker
+        self._held, self._tasks = held, tasks
 
     async def watch(self) -> None:
         """Once the worker stops, check every `REDIS_CHECK_S` that its Redis still answers."""

@@ -16,13 +16,16 @@ import os
 import socket
 import time
 from collections.abc import Callable, Collection
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from consumers.budget import TakeBudget
-from consumers.lifecycle import EngineSlot, WorkerStatus
-from pipeline.streams import Entry, Streams
+from consumers.lifecycle import WorkerStatus
+from pipeline.streams import Entry
 from pipeline.wire import ASLEEP_FIELD, CONTINUE_HERE, HAND_OFF, PARTIALS_FIELD
 from staleness.weights.layout import LAYOUT_FIELD, advertise, layout_of
+
+if TYPE_CHECKING:
+    from consumers.house import House
 
 log = logging.getLogger(__name__)
 
@@ -117,25 +120,12 @@ class HeldWork(Protocol):
 class Heartbeat:
     """Writes the worker's heartbeat: its `ServingState`, its engine's, and what `fields` adds (its adapters')."""
 
-    def __init__(
-        self,
-        streams: Streams,
-        name: str,
-        state: ServingState,
-        slot: EngineSlot,
-        work: HeldWork,
-        ttl_s: float,
-        dead_after_s: float,
-        hand_off_partials: bool,
-    ) -> None:
-        self._streams = streams
-        self._name = name
-        self._state = state
-        self._slot = slot
+    def __init__(self, house: House, work: HeldWork) -> None:
+        self._streams, self._name, self._state, self._slot = house.streams, house.name, house.state, house.slot
         self._work = work
-        self._ttl_s = ttl_s
-        self._dead_after_s = dead_after_s
-        self._hand_off_partials = hand_off_partials
+        settings = house.settings
+        self._ttl_s, self._dead_after_s = settings.heartbeat_ttl_s, settings.dead_after_s
+        self._hand_off_partials = settings.hand_off_partials
         self.fields: Callable[[], dict[str, object]] = dict
         """More fields of the heartbeat (the worker's adapters' acks and versions)."""
         self._layout: str | None = None

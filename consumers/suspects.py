@@ -20,9 +20,8 @@ from collections.abc import Callable
 import redis
 
 from consumers.budget import TakeBudget
-from consumers.metrics import WorkerMetrics
-from consumers.settings import WorkerSettings
-from pipeline.streams import Entry, WorkReader
+from consumers.house import House
+from pipeline.streams import Entry
 
 log = logging.getLogger(__name__)
 
@@ -33,23 +32,10 @@ Held = dict[tuple[str, bytes], Entry]
 class Suspects:
     """One worker's entries set aside to run apart or alone, and the turns of its read loop that start them."""
 
-    def __init__(
-        self,
-        work: WorkReader,
-        name: str,
-        settings: WorkerSettings,
-        metrics: WorkerMetrics,
-        held: Held,
-        start: Callable[[Entry], None],
-        budget: TakeBudget,
-    ) -> None:
-        self._work = work
-        self._name = name
-        self._settings = settings
-        self._metrics = metrics
-        self._held = held
-        self._start = start
-        self._budget = budget
+    def __init__(self, house: House, held: Held, start: Callable[[Entry], None], budget: TakeBudget) -> None:
+        self._work, self._name = house.streams.work, house.name
+        self._settings, self._metrics = house.settings, house.metrics
+        self._held, self._start, self._budget = held, start, budget
         self._alone: deque[Entry] = deque()
         """Entries handed out `max_deliveries` times, each to run alone once what runs has ended."""
         self._running_alone: Entry | None = None

@@ -9,7 +9,7 @@ A worker that starts catches up first: it loads the state's version, or does its
 It talks to the rest of the worker through narrow interfaces: the engine through its `EngineSlot` (whose lock makes
 a sync wait for a start or release under way), what the worker is doing through its `ServingState` (it clears
 `serving` for a pause and sets it at the resume), the ack through the heartbeat's write (`ack`), and the worker
-itself only to stop it (`Stoppable`).
+itself only to stop it (`consumers.house.Stoppable`).
 """
 
 from __future__ import annotations
@@ -18,15 +18,14 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Protocol, TypeVar
+from typing import TypeVar
 
 from consumers.adapters import WorkerAdapters
 from consumers.engines.base import WAKE_ALL, Engine, SleepNotSupported, WakePart
-from consumers.lifecycle import EngineSlot, WorkerStatus, receive_copy
-from consumers.metrics import WorkerMetrics
-from consumers.serving import ServingState
+from consumers.house import House
+from consumers.lifecycle import WorkerStatus, receive_copy
 from pipeline.control import CONTROL_BATCH, CONTROL_RECHECK_S
-from pipeline.streams import Entry, Streams
+from pipeline.streams import Entry
 from pipeline.wire import Control, PauseMode, WireError
 from staleness.state import read_state, weights_command
 from staleness.weights import Incoming, begin_load, load_version, transport_of
@@ -41,45 +40,20 @@ AWAITING_WEIGHTS = WorkerStatus.AWAITING_WEIGHTS
 work until the next."""
 
 
-class Stoppable(Protocol):
-    """The worker, as its side of the protocol sees it: something to stop, saying why."""
-
-    failure: str | None
-    """Why the worker stopped on its own; None after a requested stop."""
-
-    def stop(self, drain: bool = True, grace_s: float | None = None) -> None: ...
-
-
 class WorkerSync:
     """One worker's side of the sync protocol: follows control, pauses, loads, sleeps, wakes, resumes and acks."""
 
-    def __init__(
-        self,
-        streams: Streams,
-        name: str,
-        slot: EngineSlot,
-        state: ServingState,
-        adapters: WorkerAdapters,
-        ack: Callable[[], Awaitable[object]],
-        metrics: WorkerMetrics,
-        worker: Stoppable,
-        heartbeat_s: float,
-        block_ms: int,
-    ) -> None:
-        self.streams = streams
-        self.name = name
+    def __init__(self, house: House, adapters: WorkerAdapters, ack: Callable[[], Awaitable[object]]) -> None:
+        self.streams, self.name, self.metrics = house.streams, house.name, house.metrics
+        self._slot, self._state, self._worker = house.slot, house.state, house.worker
         self.held = HeldWeights()
         """The last version fetched whole or by delta, where the trainer sends deltas: the base of the next."""
-        self._slot = slot
-        self._state = state
         self._adapters = adapters
         self._ack = ack
         """Writes the heartbeat, which carries `epoch` and `version`: the ack of a sync or a sleep."""
-        self.metrics = metrics
-        self._worker = worker
-        self._heartbeat_s = heartbeat_s
+        self._heartbeat_s = house.settings.heartbeat_s
         """How long a failed read of control waits before it is tried again."""
-        self._block_ms = block_ms
+        self._block_ms = house.settings.block_ms
         """How long a wait for this worker's bell lasts before control is looked at again."""
         self._sync_began = 0.0
         """When the pause for the current weight sync began (monotonic), for the stall until its resume."""

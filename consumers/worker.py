@@ -39,6 +39,7 @@ from consumers.continuation import SampleGenerator, untouched
 from consumers.departure import Departure
 from consumers.engine_keeper import EngineKeeper
 from consumers.engines.base import Engine, EngineClosedError
+from consumers.house import House
 from consumers.lifecycle import EngineFactory, EngineSlot, WorkerStatus
 from consumers.metrics import WorkerMetrics
 from consumers.redis_loss import RedisLoss
@@ -100,76 +101,31 @@ class Worker:
         self._tasks: set[asyncio.Task] = set()
         self._fleet = 1
         """Workers on the registry at the last heartbeat: how often this one claims and sweeps (`sweep_chance`)."""
-        self.heartbeat = Heartbeat(
-            streams,
-            self.name,
-            self.state,
-            self._slot,
-            self,
-            self.settings.heartbeat_ttl_s,
-            self.settings.dead_after_s,
-            self.settings.hand_off_partials,
-        )
-        self._adapters = WorkerAdapters(
-            streams, engine, self.name, self.heartbeat.beat, self.metrics, self.state.stopping
-        )
+        house = House(self.name, self.settings, streams, self._slot, self.state, self.metrics, self)
+        """What every room shares (`consumers.house`)."""
+        self.heartbeat = Heartbeat(house, self)
+        self._adapters = WorkerAdapters(house, self.heartbeat.beat)
         """LoRA adapters: loaded on demand, evicted when idle, each paused alone for its own syncs."""
         self.heartbeat.fields = self._adapters.heartbeat_fields
-        self._sync = WorkerSync(
-            streams,
-            self.name,
-            self._slot,
-            self.state,
-            self._adapters,
-            self.heartbeat.beat,
-            self.metrics,
-            self,
-            self.settings.heartbeat_s,
-            self.settings.block_ms,
-        )
+        self._sync = WorkerSync(house, self._adapters, self.heartbeat.beat)
         """Its side of the weight-sync protocol: follows control, pauses, loads, sleeps, wakes, resumes, acks."""
-        self._suspects = Suspects(streams.work, self.name, self.settings, self.metrics, self._inflight, self._start,
-                                  self.budget)  # fmt: skip
+        self._suspects = Suspects(house, self._inflight, self._start, self.budget)
         """Entries handed out again and again: run apart, then alone, then dead-lettered."""
-        self._samples = SampleGenerator(
-            self.name, self._slot, self.state, self._adapters, self.metrics, self.settings.hand_off_partials
-        )
+        self._samples = SampleGenerator(house, self._adapters)
         """One sample on the engine, or the rest of one a pause interrupted."""
         self._generate_sample = self._samples.generate
         self._generate_rest = self._samples.rest
-        self._keeper = EngineKeeper(self.name, self._slot, self.state, self._sync, self._adapters,
-                                    self.heartbeat.beat, self.metrics, self.settings, self, self._inflight)  # fmt: skip
+        self._keeper = EngineKeeper(house, self._sync, self._adapters, self.heartbeat.beat, self._inflight)
         """Starts the engine when work needs it, releases it when idle."""
-        self._departure = Departure(
-            self.name, self.settings, self._tasks, self._samples.end_running, self.stop, self.state.stopping
-        )
+        self._departure = Departure(house, self._tasks, self._samples.end_running)
         """Its stop notice, deadline and drain."""
-        self._redis_loss = RedisLoss(self.name, streams, self.state, self, self._inflight, self._tasks)
+        self._redis_loss = RedisLoss(house, self._inflight, self._tasks)
         """The way out once Redis is gone."""
-
-    @property
-    def status(self) -> WorkerStatus:
-        """What the worker and its engine are doing now (the heartbeat's `status`)."""
-        return self.state.status
-
-    @property
-    def published(self) -> int:
-        """Rollouts this worker published."""
-        return self.state.published
-
-    @property
-    def generated_tokens(self) -> int:
-        return self.state.generated_tokens
 
     @property
     def engine(self) -> Engine:
         """The engine now: a fresh, unstarted one after a release (`consumers.lifecycle`)."""
         return self._slot.engine
-
-    @property
-    def inflight_samples(self) -> int:
-        """Samples of the work taken that are not yet published (what the heartbeat's `inflight` says)."""
-        return self.state.inflight_samples
 
     @property
     def max_inflight(self) -> int:

@@ -175,7 +175,7 @@ async def main(url, ns):
         await asyncio.to_thread(client.submit, tokens=[1, 2, 3], n=1, max_tokens=4, id=f"p{round}")
         await asyncio.to_thread(client.collect, 1, 60)
         seen[f"serving {round}"] = gc.get_freeze_count()
-        await until(lambda: worker.status is WorkerStatus.RELEASED, "a release")
+        await until(lambda: worker.state.status is WorkerStatus.RELEASED, "a release")
         await until(lambda: worker._slot._stopped.done(), "the released engine's shutdown")
         gc.collect()
         seen[f"released {round}"] = gc.get_freeze_count()
