@@ -18,11 +18,25 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 from ray.autoscaler.sdk import request_resources
 from ray.util.placement_group import PlacementGroup, placement_group_table, remove_placement_group
 
-from consumers.ray_launcher import ACTOR_PREFIX, LaunchSpec, actor_name, actor_names, place, start_actor, stop
+from consumers.ray_launcher import (
+    ACTOR_PREFIX,
+    FAILED,
+    READY_STATUSES,
+    LaunchError,
+    LaunchSpec,
+    actor_info,
+    actor_name,
+    actor_names,
+    place,
+    start_actor,
+    stop,
+)
+from pipeline.codec import as_text
 from pipeline.scaling import Decision, ScalePolicy, need
 from pipeline.streams import Streams
 from pipeline.top import snapshot
@@ -50,10 +64,13 @@ class RayAutoscaler:
         """Groups asked for and not placed yet, by actor name."""
         self.requested: int | None = None
         """Workers whose shapes Ray's autoscaler was last asked for."""
+        self.started: dict[str, Any] = {}
+        """Actors this loop started that have not served yet, by name (only a handle tells why one died on start)."""
         self._last = ("", -1)
 
     def tick(self, now: float) -> Decision:
         running = actor_names()
+        self._check_started()
         current = len(running) + len(self.placing)
         fleet = need(snapshot(self.streams))
         decision = self.policy.decide(None if fleet is None else fleet.needed, current, now)
@@ -84,15 +101,35 @@ class RayAutoscaler:
         surplus = sorted(running, key=_index, reverse=True)[:count]
         if surplus:
             stopped = stop(surplus, self.drain_timeout_s)
+            for name in surplus:
+                self.started.pop(name, None)
             workers = ", ".join(self.spec.worker_name(_index(name)) for name in stopped)
             self.say(f"autoscale: drained {workers or 'none'}")
 
     def _start_placed(self) -> None:
         for name, group in list(self.placing.items()):
             if placement_group_table(group).get("state") == "CREATED":
-                start_actor(self.spec, _index(name), group)
+                self.started[name] = start_actor(self.spec, _index(name), group)
                 del self.placing[name]
                 self.say(f"autoscale: started {name} ({self.spec.worker_name(_index(name))})")
+
+    def _check_started(self) -> None:
+        """A worker this loop started that fails before it ever serves (its heartbeat says `failed`, or its actor died
+        in `__init__`) has a setting no restart fixes: stop here rather than start it again and again."""
+        for name in list(self.started):
+            worker = self.spec.worker_name(_index(name))
+            reply = self.streams.redis.hmget(self.streams.keys.worker(worker), ["status", "failure"])
+            status, failure = (None if value is None else as_text(value) for value in reply)
+            if status in READY_STATUSES:
+                del self.started[name]  # serving once: Ray restarts it from now on
+            elif status == FAILED:
+                stop([name])
+                raise LaunchError(f"{worker} could not start: {failure}")
+        infos = actor_info(self.started, timeout_s=0.5) if self.started else {}
+        for name, info in infos.items():
+            if info["actor"] in ("dead", "gone"):
+                stop([name])  # its placement group
+                raise LaunchError(f"{self.spec.worker_name(_index(name))} could not start: {info.get('failure')}")
 
     def close(self) -> None:
         """Withdraw the request from Ray's autoscaler and the groups not placed yet; the workers keep running."""

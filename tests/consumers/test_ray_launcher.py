@@ -173,6 +173,10 @@ def test_launch_mistakes_get_one_line(ray_cluster: str, redis_server: RedisServe
     broken = rollouts("launch", "--ray", ray_cluster, *common, *unpaced)
     assert_clean_error(broken, "ray-0 could not start: ValueError: steps_per_s must be > 0")
     assert ray_view(ray_cluster, ns) == ([], [])
+    RolloutClient(url, ns).submit(tokens=[4, 5], n=1, max_tokens=4)  # work waits: --autoscale 0:1 starts a worker
+    scaled = rollouts("launch", "--ray", ray_cluster, *common, *unpaced, "--autoscale", "0:1")
+    assert_clean_error(scaled, "ray-0 could not start: ValueError: steps_per_s must be > 0")
+    assert ray_view(ray_cluster, ns) == ([], [])
 
 
 def test_lazy_ray_workers_start_their_engine_on_the_first_work_and_release_it_when_idle(
