@@ -297,7 +297,6 @@ def launch(spec: LaunchSpec, workers: int, timeout_s: float) -> tuple[dict[str, 
     """Start workers `0..workers-1` that are not running yet; returns their actors by name, and the names of
     those already running."""
     check_resources(spec, workers)
-    remote = ray.remote(RayWorker)
     started: dict[str, Any] = {}
     running: list[str] = []
     for index in range(workers):
@@ -305,18 +304,31 @@ def launch(spec: LaunchSpec, workers: int, timeout_s: float) -> tuple[dict[str, 
         if _actor(name) is not None:
             running.append(name)
             continue
-        stale = _group(name)  # a group left behind by a launch that died half-way
-        if stale is not None:
-            remove_placement_group(stale)
-        group = placement_group(bundles(spec.gpus, spec.cpus), strategy="STRICT_PACK", name=name, lifetime="detached")
+        group = place(spec, name)
         if not group.wait(timeout_s):
             remove_placement_group(group)
             raise LaunchError(
                 f"Ray could not place {name} ({bundles(spec.gpus, spec.cpus)}, on one node) within {timeout_s:g} s; "
                 f"free now: {ray.available_resources()}"
             )
-        started[name] = remote.options(
-            name=name,
+        started[name] = start_actor(spec, index, group)
+    return started, running
+
+
+def place(spec: LaunchSpec, name: str) -> PlacementGroup:
+    """Ask Ray for worker `name`'s placement group (detached, by name); it is placed when it fits (`group.wait`)."""
+    stale = _group(name)  # a group left behind by a launch that died half-way
+    if stale is not None:
+        remove_placement_group(stale)
+    return placement_group(bundles(spec.gpus, spec.cpus), strategy="STRICT_PACK", name=name, lifetime="detached")
+
+
+def start_actor(spec: LaunchSpec, index: int, group: PlacementGroup) -> Any:
+    """Worker `index`'s actor in its placed group; returns its handle."""
+    return (
+        ray.remote(RayWorker)
+        .options(
+            name=actor_name(index),
             lifetime="detached",
             max_restarts=spec.max_restarts,
             max_task_retries=0,
@@ -326,7 +338,8 @@ def launch(spec: LaunchSpec, workers: int, timeout_s: float) -> tuple[dict[str, 
                 group, placement_group_bundle_index=0, placement_group_capture_child_tasks=True
             ),
             runtime_env={"env_vars": spec.env} if spec.env else None,
-        ).remote(
+        )
+        .remote(
             spec.redis_url,
             spec.ns,
             spec.worker_name(index),
@@ -336,7 +349,7 @@ def launch(spec: LaunchSpec, workers: int, timeout_s: float) -> tuple[dict[str, 
             json.dumps(asdict(spec.settings)),
             spec.log_level,
         )
-    return started, running
+    )
 
 
 def actor_names() -> list[str]:

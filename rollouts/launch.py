@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 from urllib.parse import urlparse
 
 import typer
@@ -62,6 +62,9 @@ from rollouts.engine_spec import (
     UrlOpt,
 )
 
+if TYPE_CHECKING:
+    from consumers.ray_launcher import LaunchSpec
+
 ACTOR_ENV = ("HF_HUB_OFFLINE", "HF_HUB_DISABLE_PROGRESS_BARS", "VLLM_LOGGING_STREAM")
 """Settings of this process that the actors get too (models are local directories there as well)."""
 
@@ -96,6 +99,17 @@ def launch(
         bool, typer.Option(help="Show the workers until Ctrl-C (--no-wait: return once they serve).")
     ] = True,
     start_timeout_s: Annotated[float, typer.Option(help="How long the workers may take to serve.")] = 600.0,
+    autoscale: Annotated[
+        str | None,
+        typer.Option(
+            metavar="MIN:MAX",
+            help="Follow the queue's need (rollouts_workers_needed) between MIN and MAX workers until Ctrl-C, "
+            "asking Ray's autoscaler for their nodes (instead of --workers).",
+        ),
+    ] = None,
+    cooldown_s: Annotated[
+        float, typer.Option(help="--autoscale: drain surplus workers once the need has stayed lower this long.")
+    ] = 30.0,
     engine: EngineOpt = "torch",
     dtype: DtypeOpt = "float32",
     device: DeviceOpt = "cpu",
@@ -132,8 +146,11 @@ def launch(
         fail(
             "--ray local lives only as long as this command: drop --no-wait, or start a cluster with `ray start --head`"
         )
+    bounds = _autoscale_bounds(ctx, autoscale, cooldown_s)
+    workers = workers if bounds is None else bounds[0]
     require("ray", "torch", purpose="rollouts launch")  # torch: the launcher imports the worker
-    spec = None if stop else _engine_spec(ctx, model, workers, gpus_per_worker, cpus_per_worker, ray_address)
+    placed = workers if bounds is None else max(workers, 1)  # --autoscale 0:N starts none at first
+    spec = None if stop else _engine_spec(ctx, model, placed, gpus_per_worker, cpus_per_worker, ray_address)
     import ray
 
     from consumers import ray_launcher
@@ -174,7 +191,9 @@ def launch(
             names = [launch_spec.worker_name(i) for i in range(workers)]
             state = "ready (--lazy)" if lazy else "serving"
             console.print(f"{workers} workers {state} on {streams.keys.prompts}: {', '.join(names)}")
-            if wait:
+            if bounds is not None:
+                _autoscale(launch_spec, streams, bounds, cooldown_s)
+            elif wait:
                 _watch(streams, ray_launcher.actor_names(), name_prefix)
         except ray_launcher.LaunchError as exc:
             fail(str(exc))
@@ -213,6 +232,36 @@ def _engine_spec(
     if spec.kind == "torch" and gpus == 1 and spec.device == "cpu":
         spec.device = "cuda"  # the GPU that Ray gave the actor (CUDA_VISIBLE_DEVICES)
     return spec
+
+
+def _autoscale_bounds(ctx: typer.Context, autoscale: str | None, cooldown_s: float) -> tuple[int, int] | None:
+    """`--autoscale MIN:MAX` checked against the flags it excludes; None without it."""
+    sources = {name: ctx.get_parameter_source(name) for name in ("workers", "stop", "wait", "cooldown_s")}
+    given = {name for name, source in sources.items() if source is not None and source.name == "COMMANDLINE"}
+    if autoscale is None:
+        if "cooldown_s" in given:
+            fail("--cooldown-s is for --autoscale MIN:MAX")
+        return None
+    clash = {"workers": "--workers", "stop": "--stop", "wait": "--no-wait"}
+    for name in sorted(given & clash.keys()):
+        fail(f"--autoscale sets the workers and runs until Ctrl-C: drop {clash[name]}")
+    low, _, high = autoscale.partition(":")
+    if not (low.strip().isdigit() and high.strip().isdigit()):
+        fail(f"--autoscale takes MIN:MAX workers (e.g. 1:4), not {autoscale!r}")
+    if not 0 <= int(low) <= int(high) or int(high) < 1:
+        fail(f"--autoscale MIN:MAX needs MIN <= MAX and MAX >= 1, not {autoscale}")
+    if cooldown_s < 0:
+        fail(f"--cooldown-s must be >= 0, not {cooldown_s:g}")
+    return int(low), int(high)
+
+
+def _autoscale(spec: LaunchSpec, streams: Streams, bounds: tuple[int, int], cooldown_s: float) -> None:
+    """Follow the queue's need until Ctrl-C (`consumers.ray_autoscale`), a line a change."""
+    from consumers.ray_autoscale import RayAutoscaler, run
+    from pipeline.scaling import ScalePolicy
+
+    console.print(f"autoscaling {bounds[0]}..{bounds[1]} workers (cool-down {cooldown_s:g} s); Ctrl-C: stop scaling")
+    run(RayAutoscaler(spec, streams, ScalePolicy(*bounds, cooldown_s), lambda line: console.print(line, markup=False)))
 
 
 def _warn_loopback(redis_url: str) -> None:

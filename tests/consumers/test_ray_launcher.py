@@ -7,6 +7,7 @@ every Ray client here run with `RAY_AUTH_MODE=disabled` and a temp dir of their 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -14,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psutil
@@ -172,6 +173,10 @@ def test_launch_mistakes_get_one_line(ray_cluster: str, redis_server: RedisServe
     broken = rollouts("launch", "--ray", ray_cluster, *common, *unpaced)
     assert_clean_error(broken, "ray-0 could not start: ValueError: steps_per_s must be > 0")
     assert ray_view(ray_cluster, ns) == ([], [])
+    RolloutClient(url, ns).submit(tokens=[4, 5], n=1, max_tokens=4)  # work waits: --autoscale 0:1 starts a worker
+    scaled = rollouts("launch", "--ray", ray_cluster, *common, *unpaced, "--autoscale", "0:1")
+    assert_clean_error(scaled, "ray-0 could not start: ValueError: steps_per_s must be > 0")
+    assert ray_view(ray_cluster, ns) == ([], [])
 
 
 def test_lazy_ray_workers_start_their_engine_on_the_first_work_and_release_it_when_idle(
@@ -205,3 +210,74 @@ def test_lazy_ray_workers_start_their_engine_on_the_first_work_and_release_it_wh
         stopped = rollouts("launch", "--stop", "--ray", ray_cluster, "--redis", url, "--ns", ns)
     assert stopped.returncode == 0, stopped.stdout + stopped.stderr
     assert ray_view(ray_cluster, ns) == ([], [])
+
+
+def requested_from_ray(address: str) -> list[dict[str, float]]:
+    """What Ray's autoscaler was last asked for (`request_resources`): a cluster without an autoscaler keeps the
+    request in the GCS's key-value store, where the (v1) autoscaler reads it."""
+    from ray.autoscaler._private.constants import AUTOSCALER_RESOURCE_REQUEST_CHANNEL
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    ray.init(address=address, logging_level="error", log_to_driver=False)  # type: ignore[arg-type]  # as above
+    try:
+        raw = _internal_kv_get(AUTOSCALER_RESOURCE_REQUEST_CHANNEL)
+        return json.loads(raw) if raw else []
+    finally:
+        ray.shutdown()
+
+
+def test_autoscale_grows_to_the_maximum_under_a_backlog_and_drains_back_to_the_minimum(
+    ray_cluster: str, redis_server: RedisServer, ns: str, tmp_path: Path
+) -> None:
+    """`--autoscale 1:3`: one worker at first; a backlog of slow prompts (2 s each, 2 a worker) asks for 3, which Ray
+    is asked for and which all serve; once the queue is empty for the cool-down the surplus drains away, each prompt
+    delivered once."""
+    url, keys = redis_server.url, Keys(ns)
+    slow = ("--engine", "synthetic", "--engine-args", '{"steps_per_s": 20}', "--max-inflight", "2")
+    log = tmp_path / "launch.log"
+    command = [sys.executable, "-m", "pipeline.cli", "launch", "--ray", ray_cluster, "--redis", url, "--ns", ns]
+    command += [*slow, *FAST, "--cpus-per-worker", "0.5", "--autoscale", "1:3", "--cooldown-s", "4"]
+    with open(log, "wb") as out:
+        launcher = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **RAY_ENV})
+    client = RolloutClient(url, ns)
+    r = client.streams.redis
+
+    def until(condition: Callable[[], bool], what: str) -> None:
+        def check() -> bool:
+            assert launcher.poll() is None, log.read_text()
+            return condition()
+
+        wait_until(check, 120, what)
+
+    try:
+        until(lambda: "autoscaling 1..3 workers" in log.read_text(), "the launcher to serve")
+        assert "1 workers serving" in " ".join(log.read_text().split())
+        ids = [client.submit(tokens=[4, 5, k], n=1, max_tokens=40, seed=k) for k in range(40)]
+
+        def three() -> bool:
+            return all(r.hget(keys.worker(f"ray-{i}"), "status") == b"serving" for i in range(3))
+
+        until(three, "3 serving workers")
+        assert requested_from_ray(ray_cluster) == [{"CPU": 0.5}] * 3
+        groups = client.collect(len(ids), timeout=120)
+        assert Counter(g.prompt_id for g in groups) == Counter(ids), "every prompt exactly once"
+        assert set(Counter(x.worker for g in groups for x in g.rollouts)) == {"ray-0", "ray-1", "ray-2"}
+        assert client.stats["duplicates"] == 0
+
+        until(lambda: ray_view(ray_cluster, ns)[0] == ["worker-0"], "the fleet to shrink to 1")
+        assert ray_view(ray_cluster, ns) == (["worker-0"], ["worker-0"])
+        assert requested_from_ray(ray_cluster) == [{"CPU": 0.5}]
+        assert r.exists(keys.worker("ray-2")) == 0, "a drained worker removes its heartbeat"
+        assert r.xpending(keys.prompts, GENERATORS)["pending"] == 0
+    finally:
+        launcher.send_signal(signal.SIGINT)  # Ctrl-C: scaling stops, the workers keep running
+        launcher.wait(timeout=60)
+        stopped = rollouts("launch", "--stop", "--ray", ray_cluster, "--redis", url, "--ns", ns)
+    text = log.read_text()
+    print(text)
+    lines = [line for line in text.splitlines() if line.startswith("autoscale: need")]
+    assert any("target 3 of" in line for line in lines), lines
+    assert any("target 1" in line and "need stayed below" in line for line in lines), lines
+    assert "drained ray-2" in text or "drained ray-2, ray-1" in text
+    assert requested_from_ray(ray_cluster) == [], "the request is withdrawn when the launcher ends"
+    assert stopped.returncode == 0 and ray_view(ray_cluster, ns) == ([], [])
