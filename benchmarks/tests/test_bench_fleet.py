@@ -49,7 +49,7 @@ def test_fleet_reports_the_spread_of_a_step_and_a_takeover(tmp_path: Path) -> No
     assert sum(round_["claimed_by"].values()) == 4 and set(round_["claimed_by"]) == {"live0"}
     assert kill["first_s"]["median"] == round_["first_s"]
     assert set(takeover["goals"]) == {"kill_median_first_le_3s", "none_lost_or_duplicated"}
-    assert report["code"]["pipeline/streams.py"] and report["machine"]["cpus"] >= 1
+    assert report["code"]["pipeline/streams/work.py"] and report["machine"]["cpus"] >= 1
     assert any(logs.glob("takeover-kill-0-victim.log"))
 
 

@@ -179,6 +179,8 @@ CASES = [
         hide="transformers",
     ),
     case(MISSING_EXTRA, "submit", "--file", "{prompts}", "--redis", "{redis}", says=REDIS_DOWN, hide=EVERY_EXTRA),
+    case(BAD_FLAG, "drain", "w1", "--redis", "{redis}", says=REDIS_DOWN),
+    case(MISSING_EXTRA, "drain", "w1", "--redis", "{redis}", says=REDIS_DOWN, hide=EVERY_EXTRA),
     case(BAD_FLAG, "top", "--once", "--redis", "{redis}", says=REDIS_DOWN),
     case(MISSING_EXTRA, "top", "--once", "--redis", "{redis}", says=REDIS_DOWN, hide=EVERY_EXTRA),
     case(MISSING_PATH, "publish-weights", "--from", "/no/such/ckpt", says="no safetensors checkpoint in /no/such/ckpt"),

@@ -235,7 +235,7 @@ def test_autoscale_grows_to_the_maximum_under_a_backlog_and_drains_back_to_the_m
     url, keys = redis_server.url, Keys(ns)
     slow = ("--engine", "synthetic", "--engine-args", '{"steps_per_s": 20}', "--max-inflight", "2")
     log = tmp_path / "launch.log"
-    command = [sys.executable, "-m", "pipeline.cli", "launch", "--ray", ray_cluster, "--redis", url, "--ns", ns]
+    command = [sys.executable, "-m", "rollouts", "launch", "--ray", ray_cluster, "--redis", url, "--ns", ns]
     command += [*slow, *FAST, "--cpus-per-worker", "0.5", "--autoscale", "1:3", "--cooldown-s", "4"]
     with open(log, "wb") as out:
         launcher = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **RAY_ENV})
