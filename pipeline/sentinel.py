@@ -198,6 +198,11 @@ def primary_address(pool: SentinelConnectionPool) -> tuple[str, int]:
             state = sentinel.sentinel_master(pool.service_name)
         except (redis.ConnectionError, redis.TimeoutError, redis.ResponseError):
             continue
+        if "failover_in_progress" in str(state.get("flags", "")).split(","):
+            # Mid-failover a Sentinel still names the old primary here (`SENTINEL MASTER`), and once it is back from a
+            # stop it looks up: a write it takes, acknowledged by a replica not yet moved to the new primary, is lost
+            # when Sentinel moves them both. No primary until the failover is over.
+            raise MasterNotFoundError(f"a failover of {pool.service_name!r} is under way")
         if not manager.check_master_state(state, pool.service_name):
             continue
         epoch = int(state.get("config-epoch", 0))
