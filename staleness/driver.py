@@ -70,7 +70,7 @@ class SyncDriver:
         """Make `source` the next policy version on every worker; returns that version (`RolloutClient.publish_weights`
         says what each argument does). `WeightsMismatch` before any worker pauses for tensors no live worker's model
         takes; `SyncError` while another sync is under way."""
-        from staleness.weights import open_transport, remove_published  # torch: only trainers that publish need it
+        from staleness.weights import open_transport, remove_published, transport_of  # torch: only trainers publish
         from staleness.weights.layout import LayoutCheck, WeightsMismatch, fleet_layouts
         from staleness.weights.sources import named_tensors, read_adapter
 
@@ -86,7 +86,11 @@ class SyncDriver:
                 f"a weight sync is under way (epoch {previous.epoch}, version {previous.pending_version}): publish "
                 "when it is over; if its driver died, `rollouts manager` finishes it"
             )
-        if deltas and adapter is None and self._held is None:
+        if deltas and not transport_of(transport).sends_deltas:
+            raise ValueError(f"deltas=True: {transport} sends whole versions only; deltas go by redis://")
+        if deltas and adapter is not None:
+            raise ValueError("deltas=True is for the base model: an adapter's versions go whole")
+        if deltas and self._held is None:
             from staleness.weights.delta import HeldWeights
 
             self._held = HeldWeights()
@@ -97,7 +101,7 @@ class SyncDriver:
             join_timeout_s=ack_timeout_s,
             adapter=adapter,
             bucket_bytes=bucket_bytes,
-            held=self._held if deltas and adapter is None else None,
+            held=self._held if deltas else None,
         )
         version = manager.next_version(previous)  # above any a worker serves: a failover may have lost the last bump
         store.remove(version)  # left over by a publish whose sync failed: never announced, safe to replace

@@ -23,6 +23,7 @@ import asyncio
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -102,8 +103,11 @@ async def run_group(env: Any, config: dict[str, Any], client: Any, say_started: 
         sampling={"max_tokens": config["max_tokens"], "temperature": 1.0},
     ) as source:
         group = asyncio.create_task(source.run_group(task, config["group_size"]))
+        deadline = time.monotonic() + 300  # the driver's own bound; the test's subprocess timeout is longer
         while say_started and not group.done() and len(source.recorder.replies) <= config["group_size"]:
-            await asyncio.sleep(0.02)
+            if time.monotonic() > deadline:
+                raise TimeoutError("no assistant reply came back within 300 s")
+            await asyncio.sleep(0.02)  # polls the condition above
         if say_started:
             say(event="started")
         report = await group

@@ -313,6 +313,9 @@ class Transport:
     and the wait for acks); each worker joins before it pauses (`begin_load`) and receives paused."""
     carries_adapters: ClassVar[bool] = True
     """It carries LoRA adapters (`publish(..., adapter_config=...)`)."""
+    sends_deltas: ClassVar[bool] = False
+    """A publish with `deltas` also stores what changed since the trainer's last version (`staleness.weights.delta`),
+    which a worker that holds that one reads instead."""
     from_host: ClassVar[bool] = True
     """It publishes tensors held in the host's memory (what the gateway's weight-transfer routes receive over HTTP);
     False: only tensors on the trainer's GPU (`ipc://`)."""

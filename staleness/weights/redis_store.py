@@ -84,6 +84,7 @@ class RedisTransport(Transport):
 
     scheme = "redis"
     fetches_ahead = True
+    sends_deltas = True
 
     def __init__(
         self,

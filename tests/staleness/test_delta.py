@@ -143,3 +143,14 @@ def test_workers_that_hold_the_last_version_read_only_its_delta_and_serve_what_a
     assert by_delta.version == whole.version == 2
     assert by_delta.tokens.tolist() == whole.tokens.tolist()
     assert np.array_equal(by_delta.logprobs, whole.logprobs), "the same weights, bit for bit"
+
+
+def test_deltas_by_a_transport_that_sends_whole_versions_or_for_an_adapter_are_refused_before_anything_is_published(
+    redis_server: RedisServer, ns: str, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    client = RolloutClient(redis_server.url, ns)
+    with pytest.raises(ValueError, match="sends whole versions only; deltas go by redis://"):
+        client.publish_weights(tiny_model_dir, transport=f"fs://{tmp_path / 'w'}", deltas=True)
+    with pytest.raises(ValueError, match="is for the base model"):
+        client.publish_weights({}, adapter="a", adapter_config={"r": 8}, deltas=True)
+    assert not (tmp_path / "w").exists() and client.streams.redis.hget(client.streams.keys.state, "version") is None
