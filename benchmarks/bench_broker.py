@@ -47,7 +47,8 @@ from pipeline.local import RedisServer, SentinelTopology
 from pipeline.publisher import Publisher
 from pipeline.streams import Entry, Streams
 from pipeline.wire import GENERATORS, TRAINER, Prompt, Rollout, Sampling
-from rollouts.app import MaxInflightOpt, console, fail, user_errors
+from rollouts.app import console, fail, user_errors
+from rollouts.worker_flags import MaxInflightOpt
 
 NS = "bench"
 PROMPT_TOKENS = 64

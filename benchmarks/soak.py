@@ -50,8 +50,9 @@ import typer
 from pipeline.processes import start_worker, stop_processes, wait_for_worker
 from pipeline.streams import Streams
 from pipeline.top import snapshot
-from rollouts.app import DedupeTtlOpt, console, fail, user_errors
+from rollouts.app import console, fail, user_errors
 from rollouts.engine_spec import EngineSpec
+from rollouts.worker_flags import DedupeTtlOpt
 
 if TYPE_CHECKING:
     from rich.console import Console

@@ -36,8 +36,6 @@ from rollouts.engine_spec import NO_MODEL, EngineSpec
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
-    from consumers.settings import WorkerSettings
-
 # Models are local directories: never reach for a hub, and keep load/save progress bars out of logs.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -76,75 +74,7 @@ MetricsPortOpt = Annotated[
     int | None, typer.Option(help="Serve this process's Prometheus metrics on this port (default: off).")
 ]
 MetricsAddrOpt = Annotated[str, typer.Option(help="Address the metrics endpoint listens on.")]
-# The worker loop's flags, shared by `rollouts worker` and `rollouts launch` (Ray).
-MaxInflightOpt = Annotated[
-    int | None,
-    typer.Option(
-        min=1,
-        help="Samples in flight on the engine at once. Default: as many as the engine decodes at once (torch and "
-        "synthetic: --max-batch; vLLM: its max_num_seqs; 256 where the engine does not say); a value given here wins.",
-    ),
-]
-MaxInflightTokensOpt = Annotated[
-    int | None,
-    typer.Option(
-        min=0,
-        help="Tokens in flight at once, each sample counted as prompt + max_tokens. Default: the engine's (vLLM: its "
-        "KV cache; none on the others); a value given here wins; 0: no limit.",
-    ),
-]
-ClaimIdleOpt = Annotated[int, typer.Option(help="Claim work untouched this long (a dead worker's).")]
-HeartbeatOpt = Annotated[float, typer.Option(help="Heartbeat period in seconds.")]
-MaxDeliveriesOpt = Annotated[
-    int,
-    typer.Option(
-        min=1,
-        help="An entry handed out this many times without finishing runs alone; if two such runs die with their "
-        "worker, it goes to {ns}:dead.",
-    ),
-]
 LogLevelOpt = Annotated[str, typer.Option(help="debug, info, warning.")]
-LazyOpt = Annotated[
-    bool, typer.Option(help="Start the engine when the first work arrives (heartbeat status `idle` until then).")
-]
-ReleaseAfterOpt = Annotated[
-    float | None,
-    typer.Option(
-        min=0.0,
-        help="Shut the engine down after this many seconds without work (status `released`); work starts it again.",
-    ),
-]
-HandOffOpt = Annotated[
-    bool,
-    typer.Option(
-        help="In an abort sync, hand interrupted samples to any worker through {ns}:partials (durable, the prompt "
-        "acked) instead of continuing them here after the resume (nothing through Redis).",
-    ),
-]
-GraceOpt = Annotated[
-    float | None,
-    typer.Option(
-        "--grace-s",
-        min=0.0,
-        help="A stop notice's deadline (SIGTERM, `rollouts drain`, --notice-file): exit within this many seconds, "
-        "handing what would not finish to any worker through {ns}:partials with its tokens so far.",
-    ),
-]
-NoticeFileOpt = Annotated[
-    str | None,
-    typer.Option(
-        help="A file whose appearance is a stop notice (with --grace-s's deadline), as a node agent writes on a "
-        "preemption notice."
-    ),
-]
-DedupeTtlOpt = Annotated[
-    int,
-    typer.Option(
-        min=1,
-        help="How long a published rollout id is remembered, so that the same id from another entry (a prompt "
-        "submitted twice, a replay) is not published again; Redis holds ~22 B per rollout for this long.",
-    ),
-]
 
 
 def fail(message: str) -> NoReturn:
@@ -358,21 +288,6 @@ def check_torch_device(spec: EngineSpec) -> None:
     gpus = torch.cuda.device_count()
     if device.type == "cuda" and device.index is not None and device.index >= gpus:
         fail(f"--device {spec.device}: this machine has {gpus} CUDA GPUs, cuda:0 to cuda:{gpus - 1}")
-
-
-WORKER_FLAGS = (
-    "max_inflight", "max_inflight_tokens", "claim_idle_ms", "heartbeat_s", "max_deliveries", "dedupe_ttl_s", "lazy",
-    "release_after_s", "hand_off_partials", "grace_s", "notice_file",
-)  # fmt: skip
-"""The worker loop's flags (`WorkerSettings` fields by their names), shared by `rollouts worker` and `launch`."""
-
-
-def worker_settings(params: dict[str, Any]) -> WorkerSettings:
-    """The settings of a worker process of its own from a command's parameters (`ctx.params`): its `WORKER_FLAGS`,
-    and what `WorkerSettings.for_process` derives from them."""
-    from consumers.settings import WorkerSettings
-
-    return WorkerSettings.for_process(**{name: params[name] for name in WORKER_FLAGS})
 
 
 def serve_metrics(registry: CollectorRegistry, port: int, addr: str, flag: str = "--metrics-port") -> int:

@@ -12,7 +12,6 @@ import typer
 from rich.live import Live
 from rich.table import Table
 
-from consumers.settings import DEFAULTS
 from pipeline.codec import as_text
 from pipeline.connections import redact
 from pipeline.sentinel import is_sentinel_url, parse_sentinel_url
@@ -20,20 +19,9 @@ from pipeline.streams import Streams
 from rollouts.app import (
     DEFAULT_NS,
     DEFAULT_REDIS,
-    ClaimIdleOpt,
-    DedupeTtlOpt,
-    GraceOpt,
-    HandOffOpt,
-    HeartbeatOpt,
-    LazyOpt,
     LogLevelOpt,
-    MaxDeliveriesOpt,
-    MaxInflightOpt,
-    MaxInflightTokensOpt,
-    NoticeFileOpt,
     NsOpt,
     RedisOpt,
-    ReleaseAfterOpt,
     app,
     check_engine,
     console,
@@ -42,25 +30,9 @@ from rollouts.app import (
     require,
     resolve_model,
     user_errors,
-    worker_settings,
 )
-from rollouts.engine_spec import (
-    NO_MODEL,
-    DeviceOpt,
-    DtypeOpt,
-    EagerOpt,
-    EngineArgsOpt,
-    EngineOpt,
-    EngineProcessOpt,
-    EngineSpec,
-    KvCacheOpt,
-    MaxBatchOpt,
-    MaxLenOpt,
-    SeedOpt,
-    ThreadsOpt,
-    TpOpt,
-    UrlOpt,
-)
+from rollouts.engine_spec import NO_MODEL, EngineSpec
+from rollouts.worker_flags import worker_flags, worker_settings
 
 if TYPE_CHECKING:
     from consumers.ray_launcher import LaunchSpec
@@ -70,6 +42,7 @@ ACTOR_ENV = ("HF_HUB_OFFLINE", "HF_HUB_DISABLE_PROGRESS_BARS", "VLLM_LOGGING_STR
 
 
 @app.command()
+@worker_flags(leave_out=("max_loras",))
 def launch(
     ctx: typer.Context,
     model: Annotated[
@@ -110,30 +83,6 @@ def launch(
     cooldown_s: Annotated[
         float, typer.Option(help="--autoscale: drain surplus workers once the need has stayed lower this long.")
     ] = 30.0,
-    engine: EngineOpt = "torch",
-    dtype: DtypeOpt = "float32",
-    device: DeviceOpt = "cpu",
-    max_batch: MaxBatchOpt = 64,
-    num_threads: ThreadsOpt = None,
-    max_model_len: MaxLenOpt = None,
-    kv_cache_bytes: KvCacheOpt = None,
-    tensor_parallel_size: TpOpt = 1,
-    enforce_eager: EagerOpt = True,
-    seed: SeedOpt = None,
-    url: UrlOpt = None,
-    engine_args: EngineArgsOpt = None,
-    engine_process: EngineProcessOpt = False,
-    max_inflight: MaxInflightOpt = DEFAULTS.max_inflight,
-    max_inflight_tokens: MaxInflightTokensOpt = DEFAULTS.max_inflight_tokens,
-    claim_idle_ms: ClaimIdleOpt = DEFAULTS.claim_idle_ms,
-    heartbeat_s: HeartbeatOpt = DEFAULTS.heartbeat_s,
-    max_deliveries: MaxDeliveriesOpt = DEFAULTS.max_deliveries,
-    dedupe_ttl_s: DedupeTtlOpt = DEFAULTS.dedupe_ttl_s,
-    lazy: LazyOpt = DEFAULTS.lazy,
-    release_after_s: ReleaseAfterOpt = DEFAULTS.release_after_s,
-    hand_off_partials: HandOffOpt = DEFAULTS.hand_off_partials,
-    grace_s: GraceOpt = DEFAULTS.grace_s,
-    notice_file: NoticeFileOpt = DEFAULTS.notice_file,
     log_level: LogLevelOpt = "info",
 ) -> None:
     """Run N workers as Ray actors, one placement group each, restarted by Ray when they die (their
@@ -189,7 +138,7 @@ def launch(
                 ray_launcher.stop(list(started))  # what this launch started, and their placement groups
                 raise
             names = [launch_spec.worker_name(i) for i in range(workers)]
-            state = "ready (--lazy)" if lazy else "serving"
+            state = "ready (--lazy)" if launch_spec.settings.lazy else "serving"
             console.print(f"{workers} workers {state} on {streams.keys.prompts}: {', '.join(names)}")
             if bounds is not None:
                 _autoscale(launch_spec, streams, bounds, cooldown_s)

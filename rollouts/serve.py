@@ -12,28 +12,16 @@ from typing import Annotated
 import redis
 import typer
 
-from consumers.settings import DEFAULTS
 from pipeline.connections import redact
 from pipeline.registry import default_name
 from rollouts.app import (
     DEFAULT_NS,
     DEFAULT_REDIS,
-    ClaimIdleOpt,
-    DedupeTtlOpt,
-    GraceOpt,
-    HandOffOpt,
-    HeartbeatOpt,
-    LazyOpt,
     LogLevelOpt,
-    MaxDeliveriesOpt,
-    MaxInflightOpt,
-    MaxInflightTokensOpt,
     MetricsAddrOpt,
     MetricsPortOpt,
-    NoticeFileOpt,
     NsOpt,
     RedisOpt,
-    ReleaseAfterOpt,
     app,
     check_engine,
     check_port,
@@ -47,31 +35,15 @@ from rollouts.app import (
     setup_logging,
     sync_report,
     user_errors,
-    worker_settings,
 )
-from rollouts.engine_spec import (
-    NO_MODEL,
-    DeviceOpt,
-    DtypeOpt,
-    EagerOpt,
-    EngineArgsOpt,
-    EngineOpt,
-    EngineProcessOpt,
-    EngineSpec,
-    KvCacheOpt,
-    MaxBatchOpt,
-    MaxLenOpt,
-    MaxLorasOpt,
-    SeedOpt,
-    ThreadsOpt,
-    TpOpt,
-    UrlOpt,
-)
+from rollouts.engine_spec import NO_MODEL, EngineSpec
+from rollouts.worker_flags import worker_flags, worker_settings
 
 log = logging.getLogger(__name__)
 
 
 @app.command()
+@worker_flags()
 def worker(
     ctx: typer.Context,
     model: Annotated[
@@ -80,38 +52,13 @@ def worker(
     ] = None,
     redis_url: RedisOpt = DEFAULT_REDIS,
     ns: NsOpt = DEFAULT_NS,
-    engine: EngineOpt = "torch",
     name: Annotated[str | None, typer.Option(help="Consumer name; default host-pid.")] = None,
-    dtype: DtypeOpt = "float32",
-    device: DeviceOpt = "cpu",
-    max_batch: MaxBatchOpt = 64,
-    max_loras: MaxLorasOpt = None,
-    num_threads: ThreadsOpt = None,
-    max_model_len: MaxLenOpt = None,
-    kv_cache_bytes: KvCacheOpt = None,
-    tensor_parallel_size: TpOpt = 1,
-    enforce_eager: EagerOpt = True,
-    seed: SeedOpt = None,
-    url: UrlOpt = None,
-    engine_args: EngineArgsOpt = None,
-    engine_process: EngineProcessOpt = False,
-    max_inflight: MaxInflightOpt = DEFAULTS.max_inflight,
-    max_inflight_tokens: MaxInflightTokensOpt = DEFAULTS.max_inflight_tokens,
-    claim_idle_ms: ClaimIdleOpt = DEFAULTS.claim_idle_ms,
-    heartbeat_s: HeartbeatOpt = DEFAULTS.heartbeat_s,
-    max_deliveries: MaxDeliveriesOpt = DEFAULTS.max_deliveries,
     log_level: LogLevelOpt = "info",
     metrics_port: MetricsPortOpt = None,
     metrics_addr: MetricsAddrOpt = "0.0.0.0",
-    dedupe_ttl_s: DedupeTtlOpt = DEFAULTS.dedupe_ttl_s,
-    lazy: LazyOpt = DEFAULTS.lazy,
-    release_after_s: ReleaseAfterOpt = DEFAULTS.release_after_s,
-    hand_off_partials: HandOffOpt = DEFAULTS.hand_off_partials,
-    grace_s: GraceOpt = DEFAULTS.grace_s,
-    notice_file: NoticeFileOpt = DEFAULTS.notice_file,
 ) -> None:
     """Serve prompts from the namespace until interrupted (SIGINT/SIGTERM drain in-flight work)."""
-    # The engine flags reach the engine through `ctx.params` (EngineSpec.from_flags).
+    # The engine's and the worker loop's flags come in `ctx.params` (`worker_flags`).
     setup_logging(log_level)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", log_level.upper())
     if metrics_port is not None:

@@ -266,7 +266,7 @@ def test_a_worker_flag_defaults_to_its_setting_and_a_beat_sets_its_heartbeat_lif
 
     from consumers.settings import DEAD_AFTER_PERIODS, DEFAULTS, HEARTBEAT_TTL_PERIODS, WorkerSettings
     from rollouts import app
-    from rollouts.app import WORKER_FLAGS
+    from rollouts.worker_flags import WORKER_FLAGS
 
     commands: dict[str, Any] = getattr(typer.main.get_command(app), "commands")  # noqa: B009  # a click group's
     for command in ("worker", "launch"):
