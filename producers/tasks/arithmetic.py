@@ -100,9 +100,7 @@ class ArithmeticTask(NumericTask):
     family = FAMILY
 
     def __init__(self, level: str = DEFAULT_LEVEL) -> None:
-        if level not in LEVELS:
-            raise ValueError(f"arithmetic level {level!r}: one of {', '.join(LEVELS)}")
-        self.level = level
+        super().__init__(level, LEVELS)
         self.spec = LEVELS[level]
 
     def make(self, operands: list[int], operators: list[str]) -> Problem:

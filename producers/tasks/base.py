@@ -15,7 +15,7 @@ import copy
 import hashlib
 import random
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Literal, Protocol, get_args
 
@@ -107,6 +107,12 @@ class GeneratedTask(ABC):
 
     family: str
     level: str
+
+    def __init__(self, level: str, levels: Collection[str]) -> None:
+        """A task of `level`, one of its family's `levels` (`ValueError` naming them otherwise)."""
+        if level not in levels:
+            raise ValueError(f"{self.family} level {level!r}: one of {', '.join(levels)}")
+        self.level = level
 
     @property
     def name(self) -> str:

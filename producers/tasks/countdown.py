@@ -150,9 +150,7 @@ class CountdownTask(GeneratedTask):
     family = FAMILY
 
     def __init__(self, level: str = DEFAULT_LEVEL) -> None:
-        if level not in LEVELS:
-            raise ValueError(f"countdown level {level!r}: one of {', '.join(LEVELS)}")
-        self.level = level
+        super().__init__(level, LEVELS)
         self.count = LEVELS[level]
 
     def make(self, numbers: list[int], expression: str, target: int) -> Problem:

@@ -170,9 +170,7 @@ class WordProblemsTask(NumericTask):
     family = FAMILY
 
     def __init__(self, level: str = DEFAULT_LEVEL) -> None:
-        if level not in LEVELS:
-            raise ValueError(f"word-problems level {level!r}: one of {', '.join(LEVELS)}")
-        self.level = level
+        super().__init__(level, LEVELS)
         self.templates = [TEMPLATES[name] for name in LEVELS[level]]
 
     def make(self, template: Template, numbers: Numbers) -> Problem:
