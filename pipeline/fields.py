@@ -118,34 +118,11 @@ class WireField:
     readable: bool = True
     shared: bool = False
     key: bytes = field(init=False)
-    late: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
+        if not self.name.isidentifier():
+            raise ValueError(f"a wire field is named as its model's attribute, not {self.name!r}")
         object.__setattr__(self, "key", self.name.encode())
-
-    def write(self, message: Any, fields: Fields, shared: dict[int, bytes]) -> None:
-        value = getattr(message, self.name)
-        if self.omit is not None and self.omit(value):
-            return
-        if not self.shared:
-            fields[self.key] = self.kind.write(value)
-            return
-        raw = shared.get(id(value))
-        if raw is None:
-            raw = shared[id(value)] = self.kind.write(value)
-        fields[self.key] = raw
-
-    def read(self, get: FieldReader, values: MutableMapping[str, Any]) -> None:
-        if not self.readable:
-            return
-        raw = get.fields.get(self.key)
-        if raw is not None:
-            values[self.name] = self.kind.read(raw, self.name)
-        elif self.absent is REQUIRED:
-            raise WireError(f"missing field {self.name!r}")
-        elif self.absent is not KEEP:
-            absent = self.absent
-            values[self.name] = copy(absent) if type(absent) in (list, dict) else absent  # a list each, not one
 
 
 def optional(name: str, kind: Kind = TEXT) -> WireField:
@@ -234,20 +211,86 @@ class Alternatives:
         values["top_token_ids"], values["top_logprobs"] = ids.reshape(n_tokens, k), logprobs.reshape(n_tokens, k)
 
 
-class Message(BaseModel):
-    """A wire message: its entry's fields are its `FIELDS`, after `v`."""
+class Plan:
+    """A message class's codec, made once, as the class is made (`Message.__pydantic_init_subclass__`): its specs
+    resolved into two functions written out as Python, as `dataclasses` writes an `__init__` (the per-call work of
+    the hand-written codecs before it: no walk over the specs, no call a plain field). A `WireField` is a few lines of
+    them (`source` shows them); another spec's own `write` and `read` are called in its place, in its order."""
 
-    FIELDS: ClassVar[tuple[Spec, ...]] = ()
+    def __init__(self, message: type[Message]) -> None:
+        self.names: dict[str, Any] = {
+            "Model": message, "WireError": WireError, "FieldReader": FieldReader, "ChainMap": ChainMap, "copy": copy,
+        }  # fmt: skip
+        encode = [f"fields = {{b'v': {WIRE_VERSION.encode()!r}}}"]
+        decode, late = ["values = {}"], list[str]()
+        if any(not isinstance(spec, WireField) for spec in message.FIELDS):
+            decode.append("get = FieldReader(fields)")
+        for i, spec in enumerate(message.FIELDS):
+            if not isinstance(spec, WireField):
+                self.names[f"spec{i}"] = spec
+                encode.append(f"spec{i}.write(self, fields, shared)")
+                (late if spec.late else decode).append(f"spec{i}.read(get, {'late' if spec.late else 'values'})")
+                continue
+            self.names |= {f"write{i}": spec.kind.write, f"read{i}": spec.kind.read, f"omit{i}": spec.omit}
+            encode += self._writes(spec, i)
+            decode += self._reads(spec, i) if spec.readable else []
+        decode.append("message = Model(**values)")
+        if late:
+            decode += ["late = ChainMap({}, values)", *late, "for name, value in late.maps[0].items():"]
+            decode.append("    setattr(message, name, value)")
+        self.source = "\n".join(
+            [
+                "def encode(self, shared):",
+                *("    " + line for line in [*encode, "return fields"]),
+                "def decode(fields):",
+                *("    " + line for line in [*decode, "return message"]),
+            ]
+        )
+        exec(compile(self.source, f"<wire plan of {message.__name__}>", "exec"), self.names)
+        self.encode: Callable[[Message, dict[int, bytes]], Fields] = self.names["encode"]
+        self.decode: Callable[[Fields], Message] = self.names["decode"]
+
+    def _writes(self, spec: WireField, i: int) -> list[str]:
+        """The lines that write `spec`'s field (its value in `value`)."""
+        put = [f"fields[{spec.key!r}] = write{i}(value)"]
+        if spec.shared:  # encoded once for the values that a group's messages share
+            once = ["raw = shared.get(id(value))", "if raw is None:", f"    raw = shared[id(value)] = write{i}(value)"]
+            put = [*once, f"fields[{spec.key!r}] = raw"]
+        if spec.omit is None:
+            return [f"value = self.{spec.name}", *put]
+        tests: dict[Callable[[Any], bool], str] = {is_none: "value is not None", falsy: "value"}
+        test = tests.get(spec.omit, f"not omit{i}(value)")
+        return [f"value = self.{spec.name}", f"if {test}:", *("    " + line for line in put)]
+
+    def _reads(self, spec: WireField, i: int) -> list[str]:
+        """The lines that read `spec`'s field into `values`."""
+        read = f"    values[{spec.name!r}] = read{i}(raw, {spec.name!r})"
+        lines = [f"raw = fields.get({spec.key!r})", "if raw is not None:", read]
+        if spec.absent is REQUIRED:
+            return [*lines, "else:", f"    raise WireError({f'missing field {spec.name!r}'!r})"]
+        if spec.absent is KEEP:
+            return lines
+        self.names[f"absent{i}"] = spec.absent
+        absent = f"copy(absent{i})" if type(spec.absent) in (list, dict) else f"absent{i}"  # a list each, not one
+        return [*lines, "else:", f"    values[{spec.name!r}] = {absent}"]
+
+
+class Message(BaseModel):
+    """A wire message: its entry's fields are its `FIELDS`, after `v`, written and read by its `PLAN`."""
+
+    FIELDS: ClassVar[tuple[WireField | Spec, ...]] = ()
+    PLAN: ClassVar[Plan]
+
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        super().__pydantic_init_subclass__(**kwargs)
+        cls.PLAN = Plan(cls)
 
     def to_fields(self, shared: dict[int, bytes] | None = None) -> Fields:
         """The entry's fields. `shared`: encodings of the values this message may share with others of its group
         (a rollout's prompt tokens and meta), by the value's `id()`, filled as they are met: a group encodes them
         once. Pass one dict per group, and only while the messages live (an `id()` is reused after)."""
-        fields = {b"v": WIRE_VERSION.encode()}
-        shared = {} if shared is None else shared
-        for spec in self.FIELDS:
-            spec.write(self, fields, shared)
-        return fields
+        return self.PLAN.encode(self, {} if shared is None else shared)
 
     @classmethod
     def from_fields(cls, fields: Fields) -> Self:
@@ -256,19 +299,9 @@ class Message(BaseModel):
         if version != WIRE_VERSION.encode():
             raise WireError(f"unsupported wire version v={version!r}, this reader speaks v={WIRE_VERSION}")
         try:
-            get, values = FieldReader(fields), dict[str, Any]()
-            for spec in cls.FIELDS:
-                if not spec.late:
-                    spec.read(get, values)
-            message = cls(**values)
-            late = ChainMap[str, Any]({}, values)
-            for spec in cls.FIELDS:
-                if spec.late:
-                    spec.read(get, late)
-            for name, value in late.maps[0].items():
-                setattr(message, name, value)
+            message = cls.PLAN.decode(fields)
             message.check()
-            return message
+            return message  # type: ignore[return-value]  # the plan of `cls` makes a `cls`
         except (CodecError, WireError) as exc:
             raise WireError(str(exc)) from None
         except ValidationError as exc:
