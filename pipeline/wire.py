@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Annotated, Any, Literal, TypeGuard, overload
+from typing import Annotated, Any, Literal, TypeGuard
 
 import numpy as np
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
@@ -101,29 +101,6 @@ Int16Array = Annotated[np.ndarray, BeforeValidator(lambda value: _as_array(value
 Float32Array = Annotated[np.ndarray, BeforeValidator(lambda value: _as_array(value, FLOAT32))]
 
 
-class Key:
-    """One key name of `Keys`: `{ns}:` then `suffix`, made at its first read and then an attribute of that `Keys`."""
-
-    def __init__(self, suffix: str) -> None:
-        self.suffix = suffix
-        self.name = ""  # the attribute's, given by `__set_name__`
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    @overload
-    def __get__(self, keys: None, owner: type) -> Key: ...
-
-    @overload
-    def __get__(self, keys: Keys, owner: type) -> str: ...
-
-    def __get__(self, keys: Keys | None, owner: type) -> Key | str:
-        if keys is None:
-            return self
-        name = keys.__dict__[self.name] = f"{{{keys.ns}}}:{self.suffix}"  # read as a plain attribute from now on
-        return name
-
-
 class Keys:
     """Redis key names of one pipeline; all share the hash tag `{ns}` (one cluster slot)."""
 
@@ -131,54 +108,54 @@ class Keys:
         if not ns or any(c in ns for c in "{}: \t\n"):
             raise ValueError(f"namespace {ns!r} must be non-empty, without braces, colons or spaces")
         self.ns = ns
-
-    prompts = Key("prompts")
-    partials = Key("partials")
-    rollouts = Key("rollouts")
-    scoring = Key("scoring")
-    scorer = Key("scorer")
-    scorer_lease = Key("scorer:lease")
-    control = Key("control")
-    bell_prefix = Key("bell:")
-    """`{ns}:bell:K`: the doorbells workers block on instead of `control` (`ControlStream.ring`): a write to
-    `control` wakes each reader at once; rung a few bells at a time, 1,000 workers wake in waves."""
-    state = Key("state")
-    dead = Key("dead")
-    stale = Key("stale")
-    worker_prefix = Key("worker:")
-    workers = Key("workers")
-    ready = Key("ready")
-    """Sorted set: the workers with room to take work, scored by when they last said so (a heartbeat or a take;
-    Redis's clock, ms): what a worker's share of the waiting work is counted over (`lua/share.lua`, `claim.lua`)."""
-    beats = Key("beats")
-    """Sorted set: each worker scored by the moment (Redis's clock, ms) after which its silence makes it dead, moved
-    on by every heartbeat (`lua/beat.lua`): a claimer finds the dead in one range read (`lua/claim.lua`)."""
-    ready_held = Key("ready:held")
-    """Sorted set: the same workers, scored by the entries each holds (`lua/share.lua` levels them out)."""
-    inbox_prefix = Key("inbox:")
-    session_prefix = Key("session:")
-    pins_prefix = Key("pins:")
-    group_prefix = Key("group:")
-    published_prefix = Key("published:")
-    admitted_prefix = Key("admitted:")
-    weights_prefix = Key("weights:")
-    server_prefix = Key("server:")
-    """`{ns}:server:ID:pausers` (set) and `:lock`: workers sharing one vLLM server
-    (`consumers.engines.shared_server`)."""
-    adapters = Key("adapters")
-    """Set: every adapter that was ever published (its state hash exists), for `top` and the manager."""
-    adapter_prefix = Key("adapter:")
-    gateway_hold = Key("gateway:hold")
-    """Hash, expiring: a pause some caller asked a gateway for (vLLM's `POST /pause`): `mode`, `by`, `ts`. While it
-    exists every gateway replica queues nothing new (`producers.gateway.rl_control`)."""
-    gateway_weights = Key("gateway:weights")
-    """String, expiring: the gateway replica whose weight update (vLLM's weight-transfer routes) is open."""
-    alone_prefix = Key("alone:")
-    """`{ns}:alone:STREAM:ID`, an integer, expiring: how often a work entry handed out `max_deliveries` times was
-    started alone, with nothing else on its worker (`Keys.alone`), without finishing."""
-    layouts = Key("layouts")
-    """Hash: a model layout's digest -> its JSON (tensor names, shapes, tied names), written by the workers that
-    serve it (`staleness.weights.layout`), read by a trainer to refuse weights that fit no worker's model."""
+        tag = "{" + ns + "}"
+        self.prompts = f"{tag}:prompts"
+        self.partials = f"{tag}:partials"
+        self.rollouts = f"{tag}:rollouts"
+        self.scoring = f"{tag}:scoring"
+        self.scorer = f"{tag}:scorer"
+        self.scorer_lease = f"{tag}:scorer:lease"
+        self.control = f"{tag}:control"
+        self.bell_prefix = f"{tag}:bell:"
+        """`{ns}:bell:K`: the doorbells workers block on instead of `control` (`ControlStream.ring`): a write to
+        `control` wakes each reader at once; rung a few bells at a time, 1,000 workers wake in waves."""
+        self.state = f"{tag}:state"
+        self.dead = f"{tag}:dead"
+        self.stale = f"{tag}:stale"
+        self.worker_prefix = f"{tag}:worker:"
+        self.workers = f"{tag}:workers"
+        self.ready = f"{tag}:ready"
+        """Sorted set: the workers with room to take work, scored by when they last said so (a heartbeat or a take;
+        Redis's clock, ms): what a worker's share of the waiting work is counted over (`lua/share.lua`, `claim.lua`)."""
+        self.beats = f"{tag}:beats"
+        """Sorted set: each worker scored by the moment (Redis's clock, ms) after which its silence makes it dead, moved
+        on by every heartbeat (`lua/beat.lua`): a claimer finds the dead in one range read (`lua/claim.lua`)."""
+        self.ready_held = f"{tag}:ready:held"
+        """Sorted set: the same workers, scored by the entries each holds (`lua/share.lua` levels them out)."""
+        self.inbox_prefix = f"{tag}:inbox:"
+        self.session_prefix = f"{tag}:session:"
+        self.pins_prefix = f"{tag}:pins:"
+        self.group_prefix = f"{tag}:group:"
+        self.published_prefix = f"{tag}:published:"
+        self.admitted_prefix = f"{tag}:admitted:"
+        self.weights_prefix = f"{tag}:weights:"
+        self.server_prefix = f"{tag}:server:"
+        """`{ns}:server:ID:pausers` (set) and `:lock`: workers sharing one vLLM server
+        (`consumers.engines.shared_server`)."""
+        self.adapters = f"{tag}:adapters"
+        """Set: every adapter that was ever published (its state hash exists), for `top` and the manager."""
+        self.adapter_prefix = f"{tag}:adapter:"
+        self.gateway_hold = f"{tag}:gateway:hold"
+        """Hash, expiring: a pause some caller asked a gateway for (vLLM's `POST /pause`): `mode`, `by`, `ts`. While it
+        exists every gateway replica queues nothing new (`producers.gateway.rl_control`)."""
+        self.gateway_weights = f"{tag}:gateway:weights"
+        """String, expiring: the gateway replica whose weight update (vLLM's weight-transfer routes) is open."""
+        self.alone_prefix = f"{tag}:alone:"
+        """`{ns}:alone:STREAM:ID`, an integer, expiring: how often a work entry handed out `max_deliveries` times was
+        started alone, with nothing else on its worker (`Keys.alone`), without finishing."""
+        self.layouts = f"{tag}:layouts"
+        """Hash: a model layout's digest -> its JSON (tensor names, shapes, tied names), written by the workers that
+        serve it (`staleness.weights.layout`), read by a trainer to refuse weights that fit no worker's model."""
 
     def worker(self, name: str) -> str:
         """Heartbeat hash of one worker; it expires when the worker stops beating."""
