@@ -42,6 +42,9 @@ class Kind:
 
     write: Callable[[Any], bytes]
     read: Callable[[bytes, str], Any]
+    inline: str = ""
+    """`write` as an expression of `value` (`str(value).encode()`), for a `Plan` to write in place of the call; "":
+    the plan calls `write`."""
 
 
 def _text(raw: bytes, name: str) -> str:
@@ -57,9 +60,9 @@ def _array(dtype: np.dtype) -> Callable[[bytes, str], np.ndarray]:
     return lambda raw, name: decode_array(raw, dtype, name)
 
 
-TEXT = Kind(lambda value: str(value).encode(), _text)
+TEXT = Kind(lambda value: str(value).encode(), _text, inline="str(value).encode()")
 """Strings and integers, as plain text."""
-FLOAT = Kind(lambda value: repr(value).encode(), _text)
+FLOAT = Kind(lambda value: repr(value).encode(), _text, inline="repr(value).encode()")
 """Floats, as Python writes them back exactly (`repr`)."""
 INT32S = Kind(codec.encode_int32, _array(codec.INT32))
 """Arrays as raw little-endian values: int32 (token ids), float32 (logprobs), int16 (routed experts)."""
@@ -252,9 +255,10 @@ class Plan:
 
     def _writes(self, spec: WireField, i: int) -> list[str]:
         """The lines that write `spec`'s field (its value in `value`)."""
-        put = [f"fields[{spec.key!r}] = write{i}(value)"]
+        written = spec.kind.inline or f"write{i}(value)"
+        put = [f"fields[{spec.key!r}] = {written}"]
         if spec.shared:  # encoded once for the values that a group's messages share
-            once = ["raw = shared.get(id(value))", "if raw is None:", f"    raw = shared[id(value)] = write{i}(value)"]
+            once = ["raw = shared.get(id(value))", "if raw is None:", f"    raw = shared[id(value)] = {written}"]
             put = [*once, f"fields[{spec.key!r}] = raw"]
         if spec.omit is None:
             return [f"value = self.{spec.name}", *put]

@@ -1,15 +1,21 @@
 """The wire codec's cost per message: `Rollout.to_fields` and `Rollout.from_fields` of a 1k-token rollout (and a
-prompt's), median microseconds of repeats. Imports `pipeline.wire` from wherever PYTHONPATH puts it, so that one
-command times two trees (an older commit's `git archive` beside this one). JSON on stdout.
+prompt's), median microseconds of repeats. Imports `pipeline.wire` from wherever PYTHONPATH puts it; `--trees A B`
+times each tree (an older commit's `git archive`, this checkout) in a process of its own, round after round, the
+trees taking turns, so that a busy machine's drift falls on all of them alike: each number is the median over the
+rounds. JSON on stdout.
 
-    python benchmarks/probes/wire_codec.py --tokens 1024 --repeats 15
+    git archive 9919996 pipeline | tar -x -C /tmp/old
+    python benchmarks/probes/wire_codec.py --trees /tmp/old . --rounds 9
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 
@@ -55,7 +61,13 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--loops", type=int, default=2000)
+    parser.add_argument("--trees", nargs="+", help="time each of these trees (their pipeline/), taking turns")
+    parser.add_argument("--rounds", type=int, default=9, help="--trees: rounds, each tree once a round")
     args = parser.parse_args()
+    if args.trees:
+        print(json.dumps(compare(args.trees, args.rounds, [f"--tokens={args.tokens}", f"--repeats={args.repeats}",
+                                                           f"--loops={args.loops}"])))  # fmt: skip
+        return
     sample = rollout(args.tokens)
     fields = sample.to_fields()
     prompt = Prompt(id="p-1", n=8, tokens=sample.prompt_tokens, sampling=Sampling(max_tokens=1024), meta=sample.meta)
@@ -69,6 +81,23 @@ def main() -> None:
         "prompt_encode_us": median_us(prompt.to_fields, args.repeats, args.loops),
         "prompt_decode_us": median_us(lambda: Prompt.from_fields(prompt_fields), args.repeats, args.loops),
     }))  # fmt: skip
+
+
+def compare(trees: list[str], rounds: int, flags: list[str]) -> dict[str, dict[str, float]]:
+    """Each tree's numbers, the median of its `rounds` runs (the trees taking turns)."""
+    runs: dict[str, list[dict[str, float]]] = {tree: [] for tree in trees}
+    for _ in range(rounds):
+        for tree in trees:
+            env = os.environ | {"PYTHONPATH": os.path.abspath(tree)}
+            command = [sys.executable, __file__, *flags]
+            out = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
+            run = json.loads(out.stdout)
+            assert run["wire"].startswith(os.path.abspath(tree)), f"{tree}: imported {run['wire']} instead"
+            runs[tree].append(run)
+    return {
+        tree: {key: statistics.median(run[key] for run in done) for key in done[0] if key.endswith("_us")}
+        for tree, done in runs.items()
+    }
 
 
 if __name__ == "__main__":
