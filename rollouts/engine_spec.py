@@ -62,6 +62,25 @@ EngineArgsOpt = Annotated[
     ),
 ]
 
+ENGINE_OPTIONS: dict[str, Any] = {
+    "engine": EngineOpt,
+    "dtype": DtypeOpt,
+    "device": DeviceOpt,
+    "max_batch": MaxBatchOpt,
+    "max_loras": MaxLorasOpt,
+    "num_threads": ThreadsOpt,
+    "max_model_len": MaxLenOpt,
+    "kv_cache_bytes": KvCacheOpt,
+    "tensor_parallel_size": TpOpt,
+    "enforce_eager": EagerOpt,
+    "seed": SeedOpt,
+    "url": UrlOpt,
+    "engine_args": EngineArgsOpt,
+    "engine_process": EngineProcessOpt,
+}
+"""The engine's options by their parameter names, as `EngineSpec.from_flags` reads them (`rollouts.worker_flags`
+adds them to `rollouts worker` and `rollouts launch`)."""
+
 
 @dataclass
 class EngineSpec:

@@ -14,23 +14,7 @@ from typing import Annotated, Any, TypeVar
 import typer
 
 from consumers.settings import DEFAULTS, WorkerSettings
-from rollouts.engine_spec import (
-    DeviceOpt,
-    DtypeOpt,
-    EagerOpt,
-    EngineArgsOpt,
-    EngineOpt,
-    EngineProcessOpt,
-    EngineSpec,
-    KvCacheOpt,
-    MaxBatchOpt,
-    MaxLenOpt,
-    MaxLorasOpt,
-    SeedOpt,
-    ThreadsOpt,
-    TpOpt,
-    UrlOpt,
-)
+from rollouts.engine_spec import ENGINE_OPTIONS, EngineSpec
 
 MaxInflightOpt = Annotated[
     int | None,
@@ -118,23 +102,6 @@ WORKER_FLAGS = tuple(WORKER_OPTIONS)
 WORKER_DEFAULTS: dict[str, Any] = {name: getattr(DEFAULTS, name) for name in WORKER_FLAGS}
 """Their defaults, the settings' own (an option that is no `WorkerSettings` field fails here, at import)."""
 
-ENGINE_OPTIONS: dict[str, Any] = {
-    "engine": EngineOpt,
-    "dtype": DtypeOpt,
-    "device": DeviceOpt,
-    "max_batch": MaxBatchOpt,
-    "max_loras": MaxLorasOpt,
-    "num_threads": ThreadsOpt,
-    "max_model_len": MaxLenOpt,
-    "kv_cache_bytes": KvCacheOpt,
-    "tensor_parallel_size": TpOpt,
-    "enforce_eager": EagerOpt,
-    "seed": SeedOpt,
-    "url": UrlOpt,
-    "engine_args": EngineArgsOpt,
-    "engine_process": EngineProcessOpt,
-}
-"""The engine's options (`EngineSpec.from_flags` reads them)."""
 ENGINE_DEFAULTS: dict[str, Any] = {
     field.name: field.default for field in dataclasses.fields(EngineSpec) if field.name in ENGINE_OPTIONS
 } | {"engine": "torch", "engine_args": None}
