@@ -4,8 +4,9 @@ writes and reads every message from them (the bytes of each kind as `pipeline.co
 A `WireField` is one field of an entry: its name, its `Kind` (how its value becomes bytes and back), what a reader
 takes when it is absent (`REQUIRED`: a `WireError`; `KEEP`: the model's own default; else that value), and when a
 writer leaves it out (`omit`). A spec that spans several fields (`Inline`: a nested message's; `Shaped`: an array and
-its shape; `Alternatives`: two `[n_tokens, k]` arrays) has the same two methods. The field order of an entry is the
-order of its specs, after `v`.
+its shape; `Alternatives`: two `[n_tokens, k]` arrays) writes and reads them itself (`Spec`). The field order of an
+entry is the order of its specs, after `v`. Each message class compiles its specs once, as it is made, into its
+`Plan`: the codec that `to_fields` and `from_fields` run.
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ class Kind:
     write: Callable[[Any], bytes]
     read: Callable[[bytes, str], Any]
     inline: str = ""
-    """`write` as an expression of `value` (`str(value).encode()`), for a `Plan` to write in place of the call; "":
-    the plan calls `write`."""
+    """`write` as an expression, the value in its `{}` (`str({}).encode()`), for a `Plan` to write in place of the
+    call; "": the plan calls `write`."""
 
 
 def _text(raw: bytes, name: str) -> str:
@@ -60,9 +61,9 @@ def _array(dtype: np.dtype) -> Callable[[bytes, str], np.ndarray]:
     return lambda raw, name: decode_array(raw, dtype, name)
 
 
-TEXT = Kind(lambda value: str(value).encode(), _text, inline="str(value).encode()")
+TEXT = Kind(lambda value: str(value).encode(), _text, inline="str({}).encode()")
 """Strings and integers, as plain text."""
-FLOAT = Kind(lambda value: repr(value).encode(), _text, inline="repr(value).encode()")
+FLOAT = Kind(lambda value: repr(value).encode(), _text, inline="repr({}).encode()")
 """Floats, as Python writes them back exactly (`repr`)."""
 INT32S = Kind(codec.encode_int32, _array(codec.INT32))
 """Arrays as raw little-endian values: int32 (token ids), float32 (logprobs), int16 (routed experts)."""
@@ -224,7 +225,8 @@ class Plan:
         self.names: dict[str, Any] = {
             "Model": message, "WireError": WireError, "FieldReader": FieldReader, "ChainMap": ChainMap, "copy": copy,
         }  # fmt: skip
-        encode = [f"fields = {{b'v': {WIRE_VERSION.encode()!r}}}"]
+        leading = [f"{b'v'!r}: {WIRE_VERSION.encode()!r}"]  # the plain fields up to the first other: one dict display
+        shared, encode = list[str](), list[str]()
         decode, late = ["values = {}"], list[str]()
         if any(not isinstance(spec, WireField) for spec in message.FIELDS):
             decode.append("get = FieldReader(fields)")
@@ -235,41 +237,63 @@ class Plan:
                 (late if spec.late else decode).append(f"spec{i}.read(get, {'late' if spec.late else 'values'})")
                 continue
             self.names |= {f"write{i}": spec.kind.write, f"read{i}": spec.kind.read, f"omit{i}": spec.omit}
-            encode += self._writes(spec, i)
             decode += self._reads(spec, i) if spec.readable else []
+            if encode or spec.omit is not None:
+                encode += self._writes(spec, i)
+            elif spec.shared:
+                shared += [f"value = self.{spec.name}", *self._once(spec, i, f"raw{i}")]
+                leading.append(f"{spec.key!r}: raw{i}")
+            else:
+                leading.append(f"{spec.key!r}: {self._written(spec, i, f'self.{spec.name}')}")
+        encode = [*shared, "fields = {", *(f"    {field}," for field in leading), "}", *encode]
+        if any(not isinstance(spec, WireField) or spec.shared for spec in message.FIELDS):  # they write to `shared`
+            encode.insert(0, "shared = {} if shared is None else shared")
         decode.append("message = Model(**values)")
         if late:
             decode += ["late = ChainMap({}, values)", *late, "for name, value in late.maps[0].items():"]
             decode.append("    setattr(message, name, value)")
         self.source = "\n".join(
             [
-                "def encode(self, shared):",
+                "def to_fields(self, shared=None):",
                 *("    " + line for line in [*encode, "return fields"]),
                 "def decode(fields):",
                 *("    " + line for line in [*decode, "return message"]),
             ]
         )
         exec(compile(self.source, f"<wire plan of {message.__name__}>", "exec"), self.names)
-        self.encode: Callable[[Message, dict[int, bytes]], Fields] = self.names["encode"]
+        self.encode: Callable[[Message, dict[int, bytes] | None], Fields] = self.names["to_fields"]
         self.decode: Callable[[Fields], Message] = self.names["decode"]
 
     def _writes(self, spec: WireField, i: int) -> list[str]:
-        """The lines that write `spec`'s field (its value in `value`)."""
-        written = spec.kind.inline or f"write{i}(value)"
-        put = [f"fields[{spec.key!r}] = {written}"]
-        if spec.shared:  # encoded once for the values that a group's messages share
-            once = ["raw = shared.get(id(value))", "if raw is None:", f"    raw = shared[id(value)] = {written}"]
-            put = [*once, f"fields[{spec.key!r}] = raw"]
+        """The lines that write `spec`'s field into `fields`."""
+        put = [f"fields[{spec.key!r}] = {self._written(spec, i, 'value')}"]
+        if spec.shared:
+            put = [*self._once(spec, i, "raw"), f"fields[{spec.key!r}] = raw"]
         if spec.omit is None:
             return [f"value = self.{spec.name}", *put]
         tests: dict[Callable[[Any], bool], str] = {is_none: "value is not None", falsy: "value"}
         test = tests.get(spec.omit, f"not omit{i}(value)")
         return [f"value = self.{spec.name}", f"if {test}:", *("    " + line for line in put)]
 
+    def _written(self, spec: WireField, i: int, value: str) -> str:
+        """The expression of `value`'s bytes: the kind's own (`Kind.inline`) or a call of its `write`."""
+        return spec.kind.inline.format(value) if spec.kind.inline else f"write{i}({value})"
+
+    def _once(self, spec: WireField, i: int, raw: str) -> list[str]:
+        """The lines that set `raw` to the bytes of `value`, a value a group's messages share: encoded once a group."""
+        return [
+            f"{raw} = shared.get(id(value))",
+            f"if {raw} is None:",
+            f"    {raw} = shared[id(value)] = {self._written(spec, i, 'value')}",
+        ]
+
     def _reads(self, spec: WireField, i: int) -> list[str]:
         """The lines that read `spec`'s field into `values`."""
-        read = f"    values[{spec.name!r}] = read{i}(raw, {spec.name!r})"
-        lines = [f"raw = fields.get({spec.key!r})", "if raw is not None:", read]
+        read = [f"    values[{spec.name!r}] = read{i}(raw, {spec.name!r})"]
+        if spec.kind.read is _text:  # the common case in place: a decode (`_text` words a failure)
+            decoded = f"        values[{spec.name!r}] = raw.decode()"
+            read = ["    try:", decoded, "    except UnicodeDecodeError:", "    " + read[0]]
+        lines = [f"raw = fields.get({spec.key!r})", "if raw is not None:", *read]
         if spec.absent is REQUIRED:
             return [*lines, "else:", f"    raise WireError({f'missing field {spec.name!r}'!r})"]
         if spec.absent is KEEP:
@@ -289,12 +313,15 @@ class Message(BaseModel):
     def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
         super().__pydantic_init_subclass__(**kwargs)
         cls.PLAN = Plan(cls)
+        cls.PLAN.encode.__doc__ = Message.to_fields.__doc__
+        cls.to_fields = cls.PLAN.encode  # type: ignore[method-assign,assignment]  # the plan's, no call between
 
     def to_fields(self, shared: dict[int, bytes] | None = None) -> Fields:
         """The entry's fields. `shared`: encodings of the values this message may share with others of its group
         (a rollout's prompt tokens and meta), by the value's `id()`, filled as they are met: a group encodes them
-        once. Pass one dict per group, and only while the messages live (an `id()` is reused after)."""
-        return self.PLAN.encode(self, {} if shared is None else shared)
+        once. Pass one dict per group, and only while the messages live (an `id()` is reused after). Each message
+        class has its `PLAN`'s in place of this one."""
+        return self.PLAN.encode(self, shared)
 
     @classmethod
     def from_fields(cls, fields: Fields) -> Self:
