@@ -16,10 +16,12 @@ from collections import ChainMap
 from collections.abc import Callable, MutableMapping
 from copy import copy
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol, Self
+from types import UnionType
+from typing import Any, ClassVar, Literal, Protocol, Self, Union, get_args, get_origin
 
 import numpy as np
 from pydantic import BaseModel, ValidationError
+from pydantic.fields import FieldInfo
 
 from pipeline import codec
 from pipeline.codec import CodecError, decode_array, decode_json, decode_text, encode_json
@@ -276,7 +278,10 @@ class Plan:
         return [f"value = self.{spec.name}", f"if {test}:", *("    " + line for line in put)]
 
     def _written(self, spec: WireField, i: int, value: str) -> str:
-        """The expression of `value`'s bytes: the kind's own (`Kind.inline`) or a call of its `write`."""
+        """The expression of `value`'s bytes: the kind's own (`Kind.inline`; a text field of a `str` type: its
+        `encode()`), or a call of its `write`."""
+        if spec.kind is TEXT and _is_str(self.names["Model"].model_fields.get(spec.name)):
+            return f"{value}.encode()"
         return spec.kind.inline.format(value) if spec.kind.inline else f"write{i}({value})"
 
     def _once(self, spec: WireField, i: int, raw: str) -> list[str]:
@@ -301,6 +306,18 @@ class Plan:
         self.names[f"absent{i}"] = spec.absent
         absent = f"copy(absent{i})" if type(spec.absent) in (list, dict) else f"absent{i}"  # a list each, not one
         return [*lines, "else:", f"    values[{spec.name!r}] = {absent}"]
+
+
+def _is_str(info: FieldInfo | None) -> bool:
+    """Whether a model's field holds a `str` whenever it is not None (`str`, `str | None`, a `Literal` of strings)."""
+    if info is None:  # a property
+        return False
+    kinds = get_args(info.annotation) if get_origin(info.annotation) in (Union, UnionType) else (info.annotation,)
+    return all(
+        kind is str or (get_origin(kind) is Literal and all(type(value) is str for value in get_args(kind)))
+        for kind in kinds
+        if kind is not type(None)
+    )
 
 
 class Message(BaseModel):

@@ -1,11 +1,11 @@
 """The wire codec's cost per message: `Rollout.to_fields` and `Rollout.from_fields` of a 1k-token rollout (and a
 prompt's), median microseconds of repeats. Imports `pipeline.wire` from wherever PYTHONPATH puts it; `--trees A B`
 times each tree (an older commit's `git archive`, this checkout) in a process of its own, round after round, the
-trees taking turns, so that a busy machine's drift falls on all of them alike: each number is the median over the
-rounds (`*_best_us`: the least of all). JSON on stdout.
+trees taking turns (in the reverse order every other round), so that a busy machine's drift falls on all of them
+alike: each number is the median over the rounds (`*_best_us`: the least of all). JSON on stdout.
 
-    git archive 9919996 pipeline | tar -x -C /tmp/old
-    python benchmarks/probes/wire_codec.py --trees /tmp/old . --rounds 9
+    mkdir /tmp/old && git archive 9919996 pipeline | tar -x -C /tmp/old
+    python benchmarks/probes/wire_codec.py --trees /tmp/old . --rounds 12
 """
 
 from __future__ import annotations
@@ -90,8 +90,8 @@ def main() -> None:
 def compare(trees: list[str], rounds: int, flags: list[str]) -> dict[str, dict[str, float]]:
     """Each tree's numbers, the median of its `rounds` runs (the trees taking turns)."""
     runs: dict[str, list[dict[str, float]]] = {tree: [] for tree in trees}
-    for _ in range(rounds):
-        for tree in trees:
+    for round_ in range(rounds):
+        for tree in trees if round_ % 2 == 0 else trees[::-1]:  # each tree first as often as last
             env = os.environ | {"PYTHONPATH": os.path.abspath(tree)}
             command = [sys.executable, __file__, *flags]
             out = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
@@ -100,7 +100,7 @@ def compare(trees: list[str], rounds: int, flags: list[str]) -> dict[str, dict[s
             runs[tree].append(run)
 
     def over_rounds(key: str, done: list[dict[str, float]]) -> float:
-        return (min if key.endswith("_best_us") else statistics.median)(run[key] for run in done)
+        return round((min if key.endswith("_best_us") else statistics.median)(run[key] for run in done), 2)
 
     keys = [key for key in next(iter(runs.values()))[0] if key.endswith("_us")]
     return {tree: {key: over_rounds(key, done) for key in keys} for tree, done in runs.items()}
