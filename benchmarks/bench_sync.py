@@ -33,6 +33,13 @@ versions at random on its own device, in the engine's dtype. A trainer on a GPU 
 most a fifth of its memory, else one, negated in place before each publish (`trainer_copies`: 7B on an 80 GB GPU).
 `--one-worker` syncs one worker a size by every transport in turn: one engine start a size, not one a transport.
 
+Deltas (`--deltas`, with `--model`): the trainer's versions are real training steps of the model
+(`benchmarks.training_steps.TrainingSteps`, one AdamW step before each publish, not timed), and each transport that
+sends deltas (`Transport.sends_deltas`: redis, fs) is measured twice on the same worker, side by side: whole
+(`deltas: false`) and with `deltas=True` (its first publish goes whole: no base yet; the medians are of the later
+ones). Each row adds `read_bytes` (median: what a worker that holds the version before reads: the delta, or the whole
+version) and, for redis, `redis_out_bytes` (median: what Redis sent during the sync, every reply, by `INFO`).
+
 Beside the stall (median and p90 over the rounds after the first): the floor, one device-to-device copy of the
 model's bytes at the rate a torch copy of a 1 GiB buffer measures on the trainer's GPU in the same run
 (`copy_tb_per_s` counts the bytes read and written, so `floor_s` = 2 x bytes / that rate), `stall_over_floor`, and
@@ -69,6 +76,7 @@ from rich.console import Console
 from rich.progress import Progress
 from safetensors.torch import load
 
+from benchmarks.sync_deltas import Variant, read_bytes, variants
 from consumers.engines.tiny_model import build_tiny_model
 from consumers.engines.vllm_extension import RolloutsWorkerExtension
 from pipeline.local import RedisServer, free_port
@@ -143,8 +151,10 @@ def run_bench_sync(
     workers: int = 1,
     model: Path | None = None,
     one_worker: bool = False,
+    deltas: bool = False,
 ) -> dict[str, Any]:
-    """`model`: a real model's folder, measured before `sizes` (its row's size is its name)."""
+    """`model`: a real model's folder, measured before `sizes` (its row's size is its name); `deltas`: its versions
+    from real training steps, and each transport that sends deltas measured whole and with them."""
     tmp = Path(tempfile.mkdtemp(prefix="rollouts-bench-sync-"))
     if logs is not None:
         logs.mkdir(parents=True, exist_ok=True)
@@ -163,34 +173,34 @@ def run_bench_sync(
                 if stopped:
                     results += [{"size": size, "transport": t, "skipped": "not run: interrupted"} for t in transports]
                     continue
-                folder, weights = _versions(tmp, size, folder, dtype, trainer_device)
+                folder, versions, first = _sources(tmp, size, folder, dtype, trainer_device, deltas)
                 params = _parameters(folder)
                 nbytes = params * torch.empty(0, dtype=dtype).element_size()
-                base = {"size": size, "parameters": params, "bytes": nbytes, "trainer_copies": len(weights)}
-                floor = _floor(weights[0], nbytes, copy)
-                runnable: list[tuple[str, str]] = []
+                base = {"size": size, "parameters": params, "bytes": nbytes, "trainer_copies": versions.copies}
+                floor = _floor(first, nbytes, copy)
+                runnable: list[Variant] = []
                 for transport in transports:
                     if reason := cannot_run(transport, spec, trainer_device):
                         results.append(base | {"transport": transport, "skipped": reason})
                         progress.advance(task, rounds)
                     else:
-                        runnable.append((transport, _uri(transport, tmp / size)))
-                groups = [runnable] if one_worker and runnable else [[pair] for pair in runnable]
+                        runnable += variants(transport, _uri(transport, tmp / size), deltas)
+                groups = [runnable] if one_worker and runnable else _by_transport(runnable)
                 for group in groups:
                     if stopped:
-                        results += [base | {"transport": t, "skipped": "not run: interrupted"} for t, _ in group]
+                        results += [base | {"transport": v.transport, "skipped": "not run: interrupted"} for v in group]
                         continue
-                    name = size if one_worker else f"{size}-{group[0][0]}"
+                    name = size if one_worker else f"{size}-{group[0].transport}"
                     log = (logs or tmp) / f"{name}.log"
-                    rows = _measure(spec, folder, weights, group, rounds, mode, log, progress, task, idle, workers)
-                    for (transport, _), row in zip(group, rows, strict=True):
+                    rows = _measure(spec, folder, versions, group, rounds, mode, log, progress, task, idle, workers)
+                    for (transport, *_), row in zip(group, rows, strict=True):
                         if transport == "nccl" and _both_on_gpus(spec, trainer_device) and "gb_per_s" in row:
                             receivers = [str(gpu) for gpu in worker_gpus(spec.device)]
                             bare = bare_broadcast_gb_per_s(nbytes, trainer_device, receivers)
                             row |= {"bare_gb_per_s": round(bare, 2), "ratio": round(row["gb_per_s"] / bare, 3)}
                         results.append(base | {"transport": transport} | row | _beside_floor(row, floor))
                         stopped = stopped or row.get("error") == INTERRUPTED
-                del weights
+                del versions, first
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
     finally:
@@ -205,6 +215,7 @@ def run_bench_sync(
         "rounds": rounds,
         "workers": workers,
         "one_worker": one_worker,
+        "deltas": deltas,
         "vllm_extension": spec.engine_args.get("worker_extension_cls") if spec.kind == "vllm" else None,
         "gpu": torch.cuda.get_device_name(_gpu(trainer_device)) if _gpu(trainer_device) is not None else None,
         "copy_tb_per_s": None if copy is None else round(copy / 1e12, 3),
@@ -231,6 +242,41 @@ def _uri(transport: str, where: Path) -> str:
 
 def _both_on_gpus(spec: EngineSpec, trainer_device: str) -> bool:
     return trainer_device.startswith("cuda") and spec.device.startswith("cuda")
+
+
+def _by_transport(runnable: list[Variant]) -> list[list[Variant]]:
+    """One worker a transport: its whole and delta variants on the same one, side by side."""
+    groups: dict[str, list[Variant]] = {}
+    for variant in runnable:
+        groups.setdefault(variant.transport, []).append(variant)
+    return list(groups.values())
+
+
+class _Versions:
+    """What each publish sends (`next(publish)`): the trainer's versions in turn, or a real training step's."""
+
+    def __init__(self, weights: list[dict[str, torch.Tensor]] | None = None, steps: Any = None) -> None:
+        self.weights, self.steps = weights or [], steps
+        self.copies = len(self.weights) if steps is None else 1
+
+    def next(self, publish: int) -> Any:
+        if self.steps is None:
+            return _next_version(self.weights, publish)
+        self.steps.step()
+        return self.steps.model
+
+
+def _sources(
+    tmp: Path, size: str, folder: Path | None, dtype: torch.dtype, trainer_device: str, deltas: bool
+) -> tuple[Path, _Versions, dict[str, torch.Tensor]]:
+    """The worker's model folder, the trainer's versions, and the first's tensors (for the floor)."""
+    if deltas and folder is not None:  # real training steps of the real model
+        from benchmarks.training_steps import TrainingSteps
+
+        steps = TrainingSteps(folder, dtype, trainer_device)
+        return folder, _Versions(steps=steps), dict(steps.model.state_dict())
+    folder, weights = _versions(tmp, size, folder, dtype, trainer_device)
+    return folder, _Versions(weights), weights[0]
 
 
 def _versions(
@@ -557,8 +603,8 @@ def worker_gpus(device: str) -> list[torch.device]:
 def _measure(
     spec: EngineSpec,
     model: Path,
-    weights: list[dict[str, torch.Tensor]],
-    transports: list[tuple[str, str]],
+    versions: _Versions,
+    transports: list[Variant],
     rounds: int,
     mode: PauseMode,
     log: Path,
@@ -567,9 +613,9 @@ def _measure(
     idle: bool = False,
     workers: int = 1,
 ) -> list[dict[str, Any]]:
-    """Start the workers on `model`, keep them busy, and publish `rounds` versions by each of `transports` ((name, uri)
-    pairs) in turn; one row per transport. A failure (a worker that exits, a sync that fails) ends the measurement:
-    the transport's row says why (`error`), with what its rounds so far measured, and those after it did not run."""
+    """Start the workers on `model`, keep them busy, and publish `rounds` versions by each of `transports` (each
+    whole or with deltas) in turn; one row per variant. A failure (a worker that exits, a sync that fails) ends the
+    measurement: the row says why (`error`), with what its rounds so far measured, and those after it did not run."""
     from benchmarks.bench_rl import load_trainer  # the reference trainer's `gpu_of`: vLLM takes the first GPU it sees
 
     rows: list[dict[str, Any]] = []
@@ -593,19 +639,18 @@ def _measure(
             for i in range(0 if idle else 64 * workers):  # keep the workers busy: a sync interrupts real generation
                 client.submit(tokens=[5 + i % 100, 6, 7, 8], n=2, max_tokens=400, seed=i)
             heartbeats = [client.streams.keys.worker(name) for name in names]
-            for transport, uri in transports:
-                run = _Rounds(workers)
+            for transport, uri, deltas in transports:
+                run = _Rounds(workers, deltas)
                 try:
                     for _ in range(rounds):
-                        run.publish(client, _next_version(weights, published), uri, mode, heartbeats, started_workers,
-                                    logs)  # fmt: skip
+                        run.publish(client, versions.next(published), uri, mode, heartbeats, started_workers, logs)
                         published += 1
                         progress.advance(task)
                     rows.append(run.row(_held(transport)))
                 except (Exception, KeyboardInterrupt) as exc:  # the row says why; what ran so far stays in it
                     rows.append(run.row({}) | {"error": why(exc)})
                     break
-            _forget_exports(client, [uri for _, uri in transports])
+            _forget_exports(client, [uri for _, uri, _ in transports])
         except (Exception, KeyboardInterrupt) as exc:  # starting the workers, or after the rounds: a row says why
             if not rows or "error" not in rows[-1]:
                 rows[-1:] = [(rows[-1:] or [{}])[0] | {"error": why(exc)}]
@@ -636,8 +681,11 @@ def why(exc: BaseException) -> str:
 class _Rounds:
     """One transport's publishes and what each measured."""
 
-    def __init__(self, workers: int) -> None:
+    def __init__(self, workers: int, deltas: bool | None = None) -> None:
         self.workers = workers
+        self.deltas = deltas
+        """None: not asked (no `--deltas`); else whether this variant publishes with deltas."""
+        self.bytes: dict[str, list[float]] = {"read_bytes": [], "redis_out_bytes": []}
         self.timings: dict[str, list[float]] = {
             "publish_s": [],
             "sync_s": [],
@@ -658,15 +706,16 @@ class _Rounds:
     def publish(
         self,
         client: RolloutClient,
-        tensors: dict[str, torch.Tensor],
+        tensors: Any,
         transport: str,
         mode: PauseMode,
         heartbeats: list[str],
         started_workers: list[Any],
         logs: list[Path],
     ) -> None:
+        sent_before = client.streams.redis.info("stats")["total_net_output_bytes"]
         started = time.perf_counter()
-        version = client.publish_weights(tensors, transport=transport, mode=mode)
+        version = client.publish_weights(tensors, transport=transport, mode=mode, deltas=bool(self.deltas))
         published = time.perf_counter()
         stalls: dict[int, float] = {}
         while len(stalls) < self.workers:  # every worker serving the new version, each with its own stall
@@ -681,6 +730,11 @@ class _Rounds:
                     raise RuntimeError(f"a worker exited with code {code}; its log: {logs[index]}")
             time.sleep(0.001)
         resumed = time.perf_counter()
+        if self.deltas is not None:
+            self.bytes["read_bytes"].append(read_bytes(client.last_publish))
+            if transport.startswith("redis://"):
+                sent = client.streams.redis.info("stats")["total_net_output_bytes"] - sent_before
+                self.bytes["redis_out_bytes"].append(sent)
         sync_s = client.last_sync.stall_s if client.last_sync else 0.0
         self.versions.append(version)
         self.timings["sync_s"].append(sync_s)
@@ -698,8 +752,9 @@ class _Rounds:
             self.broadcasts["gb_per_s"].append(stats.gb_per_s)
 
     def row(self, held: dict[str, Any]) -> dict[str, Any]:
-        summary = summarize(self.timings | self.broadcasts) if self.timings["stall_s"] else {}
-        return summary | held | {"_stalls": self.timings["stall_s"], "_versions": self.versions}
+        summary = summarize(self.timings | self.broadcasts | self.bytes) if self.timings["stall_s"] else {}
+        asked = {} if self.deltas is None else {"deltas": self.deltas}
+        return asked | summary | held | {"_stalls": self.timings["stall_s"], "_versions": self.versions}
 
 
 def warm_up(client: RolloutClient, groups: int = 64, timeout_s: float = 600.0) -> None:
@@ -809,9 +864,13 @@ def plot_bench_sync(result: dict[str, Any], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     measured = [row for row in result["results"] if "skipped" not in row]
-    for transport in sorted({row["transport"] for row in measured}):
-        rows = [row for row in measured if row["transport"] == transport]
-        ax.plot([row["bytes"] / 2**20 for row in rows], [row["stall_s"] for row in rows], marker="o", label=transport)
+
+    def line(row: dict[str, Any]) -> str:
+        return row["transport"] + (" (deltas)" if row.get("deltas") else "")
+
+    for name in sorted({line(row) for row in measured}):
+        rows = [row for row in measured if line(row) == name]
+        ax.plot([row["bytes"] / 2**20 for row in rows], [row["stall_s"] for row in rows], marker="o", label=name)
     ax.set_xscale("log")
     ax.set_xlabel(f"weights (MiB, {result.get('dtype', 'float32')})")
     ax.set_ylabel("stall (s, median)")

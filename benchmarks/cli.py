@@ -162,6 +162,13 @@ def bench_sync(
             help="One worker a size, synced by each transport in turn: one engine start a size, not one a transport."
         ),
     ] = False,
+    deltas: Annotated[
+        bool,
+        typer.Option(
+            help="With --model: its versions are real AdamW steps of it, and each transport that sends deltas (redis, "
+            "fs) is measured whole and with deltas, side by side (bytes read, stall)."
+        ),
+    ] = False,
 ) -> None:
     """The stall of a weight sync (publish_weights → every worker generating again), per transport and size."""
     from benchmarks.bench_sync import TRANSPORTS, plot_bench_sync, run_bench_sync, size_names, worker_gpus
@@ -181,6 +188,8 @@ def bench_sync(
         fail(f"--mode must be abort, keep or inflight, not {mode!r}")
     if workers < 1:
         fail(f"--workers must be >= 1, not {workers}")
+    if deltas and model is None:
+        fail("--deltas measures real training steps of a real model: give --model")
     with user_errors():
         spec = EngineSpec.from_flags(ctx.params, Path("per-size"))
     check_engine(spec, has_model=False)
@@ -190,7 +199,7 @@ def bench_sync(
         fail(f"--tensor-parallel-size {tensor_parallel_size} needs as many GPUs in --device (cuda:1,2), not {device!r}")
     with user_errors():
         result = run_bench_sync(
-            console, spec, chosen, paths, rounds, mode, trainer_device, logs, idle, workers, model, one_worker
+            console, spec, chosen, paths, rounds, mode, trainer_device, logs, idle, workers, model, one_worker, deltas
         )
         if plot is not None:
             plot_bench_sync(result, plot)

@@ -346,7 +346,7 @@ class RolloutClient:
         """Make `source` the next policy version on every worker; returns that version. The options, all keywords
         (`staleness.driver.PublishOptions`): `transport` ("redis://"), `mode` ("abort"), `ack_timeout_s` (60),
         `adapter` and `adapter_config` (None: the base model), `bucket_bytes` (None: the transport's), `deltas`
-        (False).
+        (False), `full_every` (None: `staleness.weights.delta.DEFAULT_FULL_EVERY`).
 
         `source`: a torch module, a state dict, a safetensors checkpoint directory, or an iterable of `(name,
         tensor)` pairs in the model's checkpoint names (a generator that gathers one tensor at a time, as FSDP and
@@ -372,10 +372,12 @@ class RolloutClient:
         `ack_timeout_s`, and resumes them. Older versions are deleted from the transport once every live worker
         has moved on. The sync is driven by `staleness.driver.SyncDriver`.
 
-        `deltas` (`redis://`, the base model): beside each version, what changed since the last one this client
-        published (`staleness.weights.delta`: ~6 % of a bf16 version after an AdamW step of the real model); a worker
-        that holds that one reads only the delta, and checks what it makes of it against the version's sha256. The
-        trainer holds its last version whole on the host (one copy of the model), and so does each worker.
+        `deltas` (`redis://`, `fs://`, the base model): beside each version, still written whole, what changed since
+        the last one this client published (`staleness.weights.delta`: ~6 % of a bf16 version after an AdamW step of
+        the real model); a worker that holds that one reads only the delta, and checks what it makes of it against the
+        version's sha256; any other loads the version whole. Every `full_every`-th version goes whole only (the chain
+        of deltas is cut). The trainer holds its last version whole on the host (one copy of the model), and so does
+        each worker.
         """
         return self._syncs.publish(source, **options)
 

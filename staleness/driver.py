@@ -35,6 +35,7 @@ class PublishOptions(TypedDict, total=False):
     adapter_config: dict[str, Any] | None
     bucket_bytes: int | None
     deltas: bool
+    full_every: int
 
 
 class SyncDriver:
@@ -66,11 +67,14 @@ class SyncDriver:
         adapter_config: dict[str, Any] | None = None,
         bucket_bytes: int | None = None,
         deltas: bool = False,
+        full_every: int | None = None,
     ) -> int:
         """Make `source` the next policy version on every worker; returns that version (`RolloutClient.publish_weights`
         says what each argument does). `WeightsMismatch` before any worker pauses for tensors no live worker's model
         takes; `SyncError` while another sync is under way."""
         from staleness.weights import open_transport, remove_published, transport_of  # torch: only trainers publish
+        from staleness.weights.base import delta_schemes
+        from staleness.weights.delta import DEFAULT_FULL_EVERY, HeldWeights, check_full_every
         from staleness.weights.layout import LayoutCheck, WeightsMismatch, fleet_layouts
         from staleness.weights.sources import named_tensors, read_adapter
 
@@ -87,13 +91,15 @@ class SyncDriver:
                 "when it is over; if its driver died, `rollouts manager` finishes it"
             )
         if deltas and not transport_of(transport).sends_deltas:
-            raise ValueError(f"deltas=True: {transport} sends whole versions only; deltas go by redis://")
+            raise ValueError(f"deltas=True: {transport} sends whole versions only; deltas go by {delta_schemes()}")
         if deltas and adapter is not None:
             raise ValueError("deltas=True is for the base model: an adapter's versions go whole")
-        if deltas and self._held is None:
-            from staleness.weights.delta import HeldWeights
-
-            self._held = HeldWeights()
+        if full_every is not None and not deltas:
+            raise ValueError("full_every is how often deltas=True sends a version whole only: pass deltas=True")
+        if deltas:
+            every = check_full_every(DEFAULT_FULL_EVERY if full_every is None else full_every)
+            self._held = self._held or HeldWeights()
+            self._held.full_every = every
         store = open_transport(
             transport,
             redis_client=self.streams.redis,

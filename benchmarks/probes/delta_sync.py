@@ -1,10 +1,8 @@
 """How small a delta sync is on the real model's training steps (issue 66 item 5): what changes between two versions
 of SmolLM2-135M-Instruct's bf16 weights after an AdamW step, and what `staleness.weights.delta` sends for it.
 
-Each step is a real optimizer step on the real model (AdamW, the real demo's 2e-5, betas 0.9/0.99): cross-entropy on
-the chat-templated answers of one-digit sums (`arithmetic:sum-1d`), 8 problems a step. Not GRPO's loss: what decides
-how many bf16 elements an AdamW step changes is its update's size (~the learning rate for every element with a
-gradient), which it shares. Two trainers:
+Each step is a real optimizer step on the real model (`benchmarks.training_steps.TrainingSteps`: AdamW, the real
+demo's 2e-5, betas 0.9/0.99, cross-entropy on the answers of one-digit sums, 8 problems a step). Two trainers:
 
 - `bf16`: the parameters themselves in bf16 (as `bench-rl --trainer-dtype bfloat16` trains them): a step moves an
   element only where the update passes half its ULP;
@@ -39,35 +37,16 @@ def flat_bf16(model: torch.nn.Module) -> np.ndarray:
 
 
 def run(model_dir: Path, trainer: str, steps: int, lr: float, seed: int, threads: int) -> dict[str, Any]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from producers.tasks import get_task
+    from benchmarks.training_steps import TrainingSteps
     from staleness.weights.delta import apply, encode
 
-    torch.manual_seed(seed)
-    dtype = torch.bfloat16 if trainer == "bf16" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
-    model.train()
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.99))
-    task = get_task("arithmetic:sum-1d")
+    training = TrainingSteps(model_dir, torch.bfloat16 if trainer == "bf16" else torch.float32, lr=lr, seed=seed)
+    model = training.model
     previous = flat_bf16(model)
     rows: list[dict[str, Any]] = []
     for step in range(steps):
-        problems = task.problems("train", 8, seed=seed * 1000 + step)
-        texts = [
-            tokenizer.apply_chat_template(
-                [*p.messages, {"role": "assistant", "content": p.answer}], tokenize=False
-            )
-            for p in problems
-        ]
-        batch = tokenizer(texts, return_tensors="pt", padding=True)
-        labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
         began = time.perf_counter()
-        loss = model(**batch, labels=labels).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
+        loss = training.step()
         step_s = time.perf_counter() - began
         current = flat_bf16(model)
         began = time.perf_counter()
@@ -78,7 +57,7 @@ def run(model_dir: Path, trainer: str, steps: int, lr: float, seed: int, threads
         exact = bool(np.array_equal(apply(previous, delta, threads), current))
         apply_s = time.perf_counter() - began
         row = {
-            "step": step + 1, "loss": round(float(loss.detach()), 4),
+            "step": step + 1, "loss": round(loss, 4),
             "changed": round(delta.changed / (current.size // 2), 5),
             "ratio": round(delta.nbytes / current.size, 5), "encodings": delta.encodings, "bytes": delta.nbytes,
             "full_bytes": int(current.size), "encode_s": round(encode_s, 3), "apply_s": round(apply_s, 3),

@@ -224,3 +224,26 @@ def test_a_real_models_name_is_its_title(tmp_path: Path) -> None:
     assert model_name(tmp_path) == "SmolLM2-135M-Instruct"
     assert model_name(tmp_path / "elsewhere") == "elsewhere"
     assert os.sep not in model_name(tmp_path)
+
+
+def test_bench_sync_measures_deltas_against_whole_syncs_side_by_side_on_real_training_steps(
+    tiny_model_dir: Path,
+) -> None:
+    """`--deltas`: real AdamW steps of the model before each publish; redis and fs each measured whole and with deltas
+    on one worker, the delta rows reading a few percent of what the whole rows read (after their first: no base)."""
+    result = rollouts(
+        "bench-sync", "--model", str(tiny_model_dir), "--transports", "redis,fs", "--rounds", "3",
+        "--dtype", "bfloat16", "--deltas", timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    rows = report["results"]
+    assert report["deltas"] and [(r["transport"], r["deltas"]) for r in rows] == [
+        ("redis", False), ("redis", True), ("fs", False), ("fs", True)
+    ]  # fmt: skip
+    for whole, delta in (rows[:2], rows[2:]):
+        assert "error" not in whole and "error" not in delta, (whole, delta)
+        assert whole["read_bytes"] == whole["bytes"] == delta["first_read_bytes"], "the first delta publish: whole"
+        assert 0 < delta["read_bytes"] < 0.2 * whole["read_bytes"], delta
+        assert delta["stall_s"] > 0 and whole["stall_s"] > 0
+    assert 0 < rows[1]["redis_out_bytes"] < 0.3 * rows[0]["redis_out_bytes"], "Redis sent the deltas, not versions"

@@ -13,6 +13,7 @@ CASES = [
     (("bench", "--dtype", "fp8"), "unknown --dtype 'fp8'"),
     (("bench-sync", "--engine", "nope"), "unknown engine 'nope'"),
     (("bench-sync", "--dtype", "fp8"), "unknown --dtype 'fp8'"),
+    (("bench-sync", "--deltas"), "--deltas measures real training steps of a real model: give --model"),
     (("bench-rl", "--engine", "nope"), "--engine must be torch or vllm, not 'nope'"),
     (("bench-lora", "--engine", "nope"), "--engine must be torch or vllm, not 'nope'"),
     (("bench-gateway", "--engine", "nope"), "unknown engine 'nope'"),

@@ -149,7 +149,15 @@ def schemes() -> tuple[str, ...]:
 
 def adapter_schemes() -> str:
     """The schemes whose transports carry LoRA adapters, as a message names them: `fs://, redis:// or nccl://`."""
-    names = [f"{s}://" for s in schemes() if transport_class(s).carries_adapters]
+    return _or([f"{s}://" for s in schemes() if transport_class(s).carries_adapters])
+
+
+def delta_schemes() -> str:
+    """The schemes whose transports send deltas, as a message names them: `fs:// or redis://`."""
+    return _or([f"{s}://" for s in schemes() if transport_class(s).sends_deltas])
+
+
+def _or(names: list[str]) -> str:
     return " or ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
 
 
@@ -184,7 +192,7 @@ class PublishStats:
     tensors are (on their GPU; on the host for CPU tensors over gloo): they count it here."""
     seconds: float = 0.0
     delta_bytes: int | None = None
-    """What a worker that holds the version before reads instead of `bytes` (redis with deltas); None: no delta."""
+    """What a worker that holds the version before reads instead of `bytes` (redis, fs with deltas); None: no delta."""
 
     def hold(self, nbytes: int) -> None:
         self.peak_buffered_bytes = max(self.peak_buffered_bytes, nbytes)
@@ -423,10 +431,16 @@ class Transport:
         rest, paused. Raises as `staleness.weights.load_version` does."""
         if cls.pushes:
             return await cls.join(engine, uri, version, receiving)
-        if cls.fetches_ahead:
+        if cls.fetches_ahead or cls.ahead_of_pause(uri, receiving):
             fetched = await asyncio.to_thread(cls.fetch_received, uri, version, receiving)
             return _Ready(fetched, version)
         return _Later(cls, uri, version, receiving)
+
+    @classmethod
+    def ahead_of_pause(cls, uri: WeightsUri, receiving: Receiving) -> bool:
+        """Whether this version is fetched before the pause though the transport does not fetch ahead (`fs://`: one
+        published with deltas, which a worker reads into the buffer it holds). False by default."""
+        return False
 
     @classmethod
     def fetch_stored(cls, uri: WeightsUri, version: int, redis_client: redis.Redis | None) -> Fetched:

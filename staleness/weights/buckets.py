@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -157,3 +158,23 @@ def bucket_size(tensors: list[TensorMeta], bucket: list[tuple[int, int]] | tuple
     """The bytes a bucket takes: up to the end of its last tensor."""
     index, offset = bucket[-1]
     return offset + tensors[index].nbytes
+
+
+def tensor_entries(entries: Any, size: int, key: str) -> list[tuple[TensorMeta, int]]:
+    """A manifest's `[name, dtype, shape, offset]`s of one buffer of `size` bytes (redis's, an fs version's deltas'),
+    checked: known dtypes, each inside the buffer; `ValueError` naming `key` (where the manifest is) for a bad one."""
+    if not isinstance(entries, list):
+        raise ValueError(f"weights manifest {key}: 'tensors' must be a list of [name, dtype, shape, offset]")
+    out = []
+    for entry in entries:
+        try:
+            name, dtype, shape, offset = entry
+            meta = TensorMeta(str(name), str(dtype), tuple(int(d) for d in shape))
+            dtype_from_name(meta.dtype)
+            offset = int(offset)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"weights manifest {key}: bad tensor entry {entry!r}: {exc}") from None
+        if offset < 0 or offset + meta.nbytes > size:
+            raise ValueError(f"weights manifest {key}: tensor {meta.name!r} lies outside the {size} bytes listed")
+        out.append((meta, offset))
+    return out

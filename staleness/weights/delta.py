@@ -15,6 +15,11 @@ The chunks are encoded and applied on threads (numpy and zlib let go of the GIL)
 buffer gives the version's, checked against the version's SHA-256: a delta applied to another base, or corrupted, is
 refused rather than loaded. `encode` says `None` where the delta would cost more than `full_ratio` of the version:
 send it whole then. No pickle: a delta is a JSON header and byte strings.
+
+The chain is cut every `full_every` versions (`HeldWeights.full_every`, `DEFAULT_FULL_EVERY`): that version goes whole
+only, so a worker applies at most `full_every - 1` deltas in a row. A worker applies a delta only to the version it
+was made from (its base, named by its SHA-256): one that missed a sync, or started late, loads the version whole,
+which the trainer always writes.
 """
 
 from __future__ import annotations
@@ -26,9 +31,11 @@ import zlib
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
+
+from staleness.weights.buckets import ALIGN
 
 Encoding = Literal["sparse", "xor"]
 WORD = np.dtype("<u2")
@@ -40,6 +47,8 @@ LEVEL = 1
 """zlib's level: the fastest; the payloads are mostly zeros or small gaps, which it compresses well at any level."""
 DEFAULT_FULL_RATIO = 0.5
 """A delta larger than this share of the full buffer is not worth it: send the whole version."""
+DEFAULT_FULL_EVERY = 8
+"""Every this many versions one goes whole only (no delta): the chain of deltas a worker applies in a row is cut."""
 
 
 @dataclass
@@ -50,15 +59,70 @@ class HeldWeights:
     version: int | None = None
     buffer: np.ndarray | None = None
     sha256: str = ""
+    chain: int = 0
+    """Deltas in a row that led to the held version since one that went whole only (0: it went whole only)."""
+    full_every: int = DEFAULT_FULL_EVERY
+    """The trainer's setting: every `full_every`-th version goes whole only (the chain is cut); 1: no deltas."""
 
-    def hold(self, version: int, buffer: np.ndarray, sha256: str) -> None:
-        self.version, self.buffer, self.sha256 = version, buffer, sha256
+    def __post_init__(self) -> None:
+        check_full_every(self.full_every)
+
+    def hold(self, version: int, buffer: np.ndarray, sha256: str, chain: int = 0) -> None:
+        self.version, self.buffer, self.sha256, self.chain = version, buffer, sha256, chain
 
     def base_for(self, sha256: str, size: int) -> np.ndarray | None:
         """The held buffer if it is the one with `sha256` and `size` bytes (a delta's base); else None."""
         if self.buffer is None or self.sha256 != sha256 or self.buffer.nbytes != size:
             return None
         return self.buffer
+
+    def delta_to(self, whole: np.ndarray, version: int) -> Delta | None:
+        """The trainer's: the delta from the held version to `whole` (version `version`'s buffer); None where the
+        version goes whole only: no base held, another layout, the chain cut here (`full_every`), or not worth it."""
+        if self.buffer is None or self.version is None or self.buffer.nbytes != whole.nbytes:
+            return None
+        if self.chain + 1 >= self.full_every:
+            return None
+        return encode(self.buffer, whole, self.version, version)
+
+    def entry(self, delta: Delta) -> dict[str, Any]:
+        """What a version's manifest says of its delta from the held version (before `published` moves on)."""
+        return {"base": self.version, "base_sha256": self.sha256, "bytes": delta.nbytes, "changed": delta.changed,
+                "chain": self.chain + 1, "full_every": self.full_every}  # fmt: skip
+
+    def published(self, version: int, whole: np.ndarray, sha256: str, delta: Delta | None) -> None:
+        """The trainer published `version` (`whole`), with `delta` from the held one or whole only: hold it."""
+        self.hold(version, whole, sha256, self.chain + 1 if delta is not None else 0)
+
+    def received(self, version: int, whole: np.ndarray, sha256: str, manifest: dict[str, Any]) -> None:
+        """A worker has `version` (`whole`, checked against `sha256`), whose manifest says where it is in its chain."""
+        info = manifest.get("delta")
+        self.hold(version, whole, sha256, int(info.get("chain", 1)) if isinstance(info, dict) else 0)
+
+
+class Whole:
+    """A version gathered into one buffer as it passes, laid out as the stored transports lay it out: each tensor's
+    raw bytes at the next multiple of `ALIGN` (zeros between). What the trainer holds to send the next delta from."""
+
+    def __init__(self) -> None:
+        self.buffer = bytearray()
+
+    def add(self, data: np.ndarray) -> int:
+        """Append a tensor's raw bytes; returns the offset they start at."""
+        self.buffer.extend(bytes(-len(self.buffer) % ALIGN))
+        offset = len(self.buffer)
+        self.buffer.extend(data.data.cast("B"))
+        return offset
+
+    def array(self) -> np.ndarray:
+        return np.frombuffer(self.buffer, dtype=np.uint8)
+
+
+def check_full_every(full_every: int) -> int:
+    """`full_every`, an integer >= 1 (`ValueError` otherwise)."""
+    if isinstance(full_every, bool) or not isinstance(full_every, int) or full_every < 1:
+        raise ValueError(f"full_every must be an integer >= 1, got {full_every!r}")
+    return full_every
 
 
 class DeltaError(ValueError):

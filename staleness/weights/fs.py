@@ -28,6 +28,7 @@ from staleness.weights.base import (
     Fetched,
     Opening,
     PublishStats,
+    Receiving,
     Transport,
     WeightsUri,
     check_version,
@@ -35,10 +36,13 @@ from staleness.weights.base import (
     release_older,
 )
 from staleness.weights.buckets import raw_bytes
+from staleness.weights.fs_delta import Gathering, has_deltas, receive
 from staleness.weights.sources import ADAPTER_CONFIG, WeightSource, named_tensors
 
 if TYPE_CHECKING:
     import redis
+
+    from staleness.weights.delta import HeldWeights
 
 WEIGHTS_FILE = "model.safetensors"
 ADAPTER_FILE = "adapter_model.safetensors"
@@ -64,15 +68,24 @@ class FsTransport(Transport):
     worker (the uri carries the absolute path). A reader never sees a half-written version: the files are
     written and fsynced in `DIR/.partial-v{n}-*`, which is then renamed to `DIR/v{n}`. Stored: a worker reloads the
     directory's files (`engine.load_weights`) after it paused, or whenever it starts.
+
+    Deltas (`held`, the trainer's last published version: `publish_weights(..., deltas=True)`): each version is
+    still written whole, and beside its shards, in its directory, what changed since the one before
+    (`staleness.weights.fs_delta`); a worker that holds that one reads only the delta, before it pauses.
     """
 
     scheme = "fs"
+    sends_deltas = True
 
-    def __init__(self, root: str | os.PathLike[str], *, shard_bytes: int = DEFAULT_SHARD_BYTES) -> None:
+    def __init__(
+        self, root: str | os.PathLike[str], *, shard_bytes: int = DEFAULT_SHARD_BYTES, held: HeldWeights | None = None
+    ) -> None:
         if shard_bytes < 1:
             raise ValueError(f"shard_bytes must be >= 1, got {shard_bytes}")
         self.root = Path(root).absolute()
         self.shard_bytes = shard_bytes
+        self.held = held
+        """The last version this trainer published, whole, to send the next as a delta from; None: no deltas."""
 
     @classmethod
     def from_uri(cls, uri: str) -> FsTransport:
@@ -95,8 +108,10 @@ class FsTransport(Transport):
     def open(cls, spec: str, parsed: WeightsUri, opening: Opening) -> FsTransport:
         """`DIR`, or with an adapter `DIR/adapters/NAME`; `bucket_bytes` is the shard size."""
         root = Path(parsed.location)
-        shards = {} if opening.bucket_bytes is None else {"shard_bytes": opening.bucket_bytes}
-        return cls(root if opening.adapter is None else root / ADAPTERS_DIR / opening.adapter, **shards)
+        shard_bytes = DEFAULT_SHARD_BYTES if opening.bucket_bytes is None else opening.bucket_bytes
+        if opening.adapter is not None:
+            return cls(root / ADAPTERS_DIR / opening.adapter, shard_bytes=shard_bytes)
+        return cls(root, shard_bytes=shard_bytes, held=opening.held)
 
     @classmethod
     def remove_published(cls, parsed: WeightsUri, redis_client: redis.Redis | None, ns: str | None) -> bool:
@@ -107,6 +122,19 @@ class FsTransport(Transport):
     def fetch_stored(cls, uri: WeightsUri, version: int, redis_client: redis.Redis | None) -> Fetched:
         """The version's directory, for `engine.load_weights` (`FileNotFoundError` if it is not there)."""
         return version_dir(Path(uri.location), version)
+
+    @classmethod
+    def ahead_of_pause(cls, uri: WeightsUri, receiving: Receiving) -> bool:
+        """A version published with deltas, by a worker that holds what it reads: read (its delta, or its shards
+        into the held buffer) before the pause."""
+        return receiving.held is not None and has_deltas(Path(uri.location))
+
+    @classmethod
+    def fetch_received(cls, uri: WeightsUri, version: int, receiving: Receiving) -> Fetched:
+        """The version's directory, or, where the worker holds the version its delta is from, that delta applied
+        (`staleness.weights.fs_delta.receive`: the held buffer then holds this version)."""
+        directory = version_dir(Path(uri.location), version)
+        return directory if receiving.held is None else receive(directory, version, receiving.held)
 
     def path_of(self, version: int) -> Path:
         return self.root / f"v{check_version(version)}"
@@ -132,11 +160,16 @@ class FsTransport(Transport):
         partial.mkdir()  # mode from the umask (mkdtemp's 0700 would lock out workers running as another user)
         metadata = {"format": "pt", "version": str(version)}
         stats = PublishStats()
+        gathering = Gathering(self.held, version) if self.held is not None and adapter_config is None else None
         try:
             shard_bytes = self.shard_bytes if adapter_config is None else None
-            written = _write_shards(named_tensors(tensors), partial, shard_bytes, metadata, stats)
+            stream = named_tensors(tensors)
+            written = _write_shards(stream if gathering is None else gathering.passing(stream), partial, shard_bytes,
+                                    metadata, stats)  # fmt: skip
             single = ADAPTER_FILE if adapter_config is not None else WEIGHTS_FILE
             files = _name_shards(partial, written, single, stats.bytes)
+            if gathering is not None:
+                files += gathering.write(partial, stats)
             if adapter_config is not None:
                 config = partial / ADAPTER_CONFIG
                 config.write_text(json.dumps(dict(adapter_config), indent=2))
@@ -149,6 +182,8 @@ class FsTransport(Transport):
             shutil.rmtree(partial, ignore_errors=True)
             raise
         fsync_path(self.root)
+        if gathering is not None:
+            gathering.published()
         return stats
 
     def fetch(self, version: int) -> Path:

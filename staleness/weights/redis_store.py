@@ -42,10 +42,9 @@ from staleness.weights.base import (
     check_version,
     release_older,
 )
-from staleness.weights.buckets import ALIGN, TensorMeta, dtype_from_name, dtype_name, raw_bytes, tensor_view
-from staleness.weights.delta import Delta, DeltaError, HeldWeights
+from staleness.weights.buckets import ALIGN, dtype_name, raw_bytes, tensor_entries, tensor_view
+from staleness.weights.delta import Delta, DeltaError, HeldWeights, Whole
 from staleness.weights.delta import apply as apply_delta
-from staleness.weights.delta import encode as encode_delta
 from staleness.weights.sources import WeightSource, named_tensors
 
 log = logging.getLogger(__name__)
@@ -173,8 +172,9 @@ class RedisTransport(Transport):
         copies = 0 if sender is not self.client or not HIREDIS_AVAILABLE else 2
         writer = _ChunkWriter(sender, keys, version, self.chunk_bytes, copies)
         entries: list[list[Any]] = []
-        whole = bytearray() if self.held is not None else None
+        whole = Whole() if self.held is not None else None
         """The version whole, with deltas: the base of the next."""
+        sent: Delta | None = None
         delta: dict[str, Any] | None = None
         sums: list[str] = []
 
@@ -207,13 +207,12 @@ class RedisTransport(Transport):
                 data = raw_bytes(tensor).numpy()
                 writer.write(data)
                 if whole is not None:
-                    whole.extend(bytes(offset - len(whole)))  # the padding the writer wrote
-                    whole.extend(data.data.cast("B"))
+                    whole.add(data)  # at `offset`: both pad to `ALIGN`
                 writer.stats.tensors += 1
                 writer.stats.bytes += tensor.nbytes
                 del tensor, data  # the source's next tensor is produced without this one held
             if whole is not None:
-                delta = self._put_delta(version, np.frombuffer(whole, dtype=np.uint8), writer.stats)
+                delta, sent = self._put_delta(version, whole.array(), writer.stats)
             writer.close(manifest)  # the manifest last, with the last chunk
         except BaseException:
             with contextlib.suppress(redis.RedisError):
@@ -225,22 +224,23 @@ class RedisTransport(Transport):
                 sender.close()
                 sender.connection_pool.disconnect()
         if self.held is not None and whole is not None:
-            self.held.hold(version, np.frombuffer(whole, dtype=np.uint8), sums[-1])
+            self.held.published(version, whole.array(), sums[-1], sent)
         return writer.stats
 
     def _delta_key(self, version: int, index: int | None = None) -> str:
         """`{ns}:weights:{v}:delta` (its header, JSON) and `...:delta:{i}` (its payload's chunks)."""
         return f"{self.keys.weights_prefix}{version}:delta" + ("" if index is None else f":{index}")
 
-    def _put_delta(self, version: int, whole: np.ndarray, stats: PublishStats) -> dict[str, Any] | None:
+    def _put_delta(
+        self, version: int, whole: np.ndarray, stats: PublishStats
+    ) -> tuple[dict[str, Any] | None, Delta | None]:
         """Store the delta from the held version to `whole` (the header, then the payload's chunks: all before the
-        manifest, which names it); its manifest entry, or None where there is no base or it would not pay."""
+        manifest, which names it); its manifest entry and itself, or Nones where the version goes whole only
+        (`HeldWeights.delta_to`)."""
         held = self.held
-        if held is None or held.buffer is None or held.version is None or held.buffer.nbytes != whole.nbytes:
-            return None
-        delta = encode_delta(held.buffer, whole, held.version, version)
-        if delta is None:
-            return None
+        delta = held.delta_to(whole, version) if held is not None else None
+        if held is None or delta is None:
+            return None, None
         payload = memoryview(delta.payload())
         chunks = -(-len(payload) // self.chunk_bytes)
         pipe = self.client.pipeline(transaction=False)
@@ -249,8 +249,7 @@ class RedisTransport(Transport):
             pipe.set(self._delta_key(version, i), payload[i * self.chunk_bytes : (i + 1) * self.chunk_bytes])
         pipe.execute()
         stats.delta_bytes = len(payload)
-        return {"base": held.version, "base_sha256": held.sha256, "bytes": len(payload), "chunks": chunks,
-                "changed": delta.changed}  # fmt: skip
+        return held.entry(delta) | {"chunks": chunks}, delta
 
     def manifest(self, version: int) -> dict[str, Any]:
         """The manifest of a complete version (`FileNotFoundError` if none, `ValueError` if malformed)."""
@@ -287,7 +286,7 @@ class RedisTransport(Transport):
         if manifest["chunks"] == 0:
             raise ValueError(f"weights manifest {key} lists no chunks: nothing to load")
         if manifest["v"] == 2:
-            _tensor_entries(manifest.get("tensors"), manifest["bytes"], key)  # raises for a bad one
+            tensor_entries(manifest.get("tensors"), manifest["bytes"], key)  # raises for a bad one
         return manifest
 
     def fetch(self, version: int, held: HeldWeights | None = None) -> dict[str, torch.Tensor]:
@@ -301,7 +300,7 @@ class RedisTransport(Transport):
         if manifest["v"] == 1:
             return self._fetch_blob(version, manifest)
         key = self.keys.weights_manifest(version)
-        entries = _tensor_entries(manifest["tensors"], manifest["bytes"], key)
+        entries = tensor_entries(manifest["tensors"], manifest["bytes"], key)
         info = manifest.get("delta")
         info = info if isinstance(info, dict) else {}
         base = None
@@ -310,7 +309,7 @@ class RedisTransport(Transport):
         if held is not None and base is not None:
             try:
                 applied = torch.from_numpy(self._fetch_delta(version, manifest, base))
-                held.hold(version, applied.numpy(), manifest["sha256"])
+                held.received(version, applied.numpy(), manifest["sha256"], manifest)
                 log.info("weights version %d: its delta from version %s applied (%d bytes read of %d)", version,
                          info.get("base"), info.get("bytes"), manifest["bytes"])  # fmt: skip
                 return {meta.name: tensor_view(applied, meta, offset) for meta, offset in entries}
@@ -318,7 +317,7 @@ class RedisTransport(Transport):
                 log.warning("weights version %d: its delta did not apply (%s); reading it whole", version, exc)
         buffer = self._fetch_whole(version, manifest)
         if held is not None and manifest.get("deltas"):
-            held.hold(version, buffer.numpy(), manifest["sha256"])
+            held.received(version, buffer.numpy(), manifest["sha256"], manifest)
         return {meta.name: tensor_view(buffer, meta, offset) for meta, offset in entries}
 
     def _fetch_delta(self, version: int, manifest: Mapping[str, Any], base: np.ndarray) -> np.ndarray:
@@ -664,22 +663,3 @@ class _RawGets:
         while len(self.pending) < size:
             self._receive()
         del self.pending[:size]
-
-
-def _tensor_entries(entries: Any, size: int, key: str) -> list[tuple[TensorMeta, int]]:
-    """A `v: 2` manifest's `[name, dtype, shape, offset]`s, checked: known dtypes, each inside the `size` bytes."""
-    if not isinstance(entries, list):
-        raise ValueError(f"weights manifest {key}: 'tensors' must be a list of [name, dtype, shape, offset]")
-    out = []
-    for entry in entries:
-        try:
-            name, dtype, shape, offset = entry
-            meta = TensorMeta(str(name), str(dtype), tuple(int(d) for d in shape))
-            dtype_from_name(meta.dtype)
-            offset = int(offset)
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"weights manifest {key}: bad tensor entry {entry!r}: {exc}") from None
-        if offset < 0 or offset + meta.nbytes > size:
-            raise ValueError(f"weights manifest {key}: tensor {meta.name!r} lies outside the {size} bytes listed")
-        out.append((meta, offset))
-    return out

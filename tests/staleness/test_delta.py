@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +15,11 @@ from hypothesis import strategies as st
 from pipeline.local import RedisServer
 from pipeline.wire import Control, Rollout
 from producers.client import RolloutClient
-from staleness.weights.delta import CHUNK_WORDS, Delta, DeltaError, apply, chain, encode
+from staleness.weights import open_transport, transport_of
+from staleness.weights.base import Fetched, Receiving, parse_uri
+from staleness.weights.delta import CHUNK_WORDS, Delta, DeltaError, HeldWeights, apply, chain, encode
+from staleness.weights.fs_delta import PAYLOAD
+from staleness.weights.sources import read_checkpoint
 from tests.fixtures import StartWorker, wait_until
 
 
@@ -96,13 +101,90 @@ def test_a_chain_of_deltas_over_real_adamw_steps_equals_the_last_version_and_a_b
         chain(versions[0], [d for d in steps[:1] + steps[2:] if d is not None])
 
 
-def test_workers_that_hold_the_last_version_read_only_its_delta_and_serve_what_a_full_load_serves(
-    redis_server: RedisServer, ns: str, tiny_model_dir: Path, workers: StartWorker, tmp_path: Path
+def drifting_versions(count: int) -> list[dict[str, torch.Tensor]]:
+    """`count` versions of two bf16 tensors, each with ~3 % of its elements moved by a step from the one before."""
+    generator = torch.Generator().manual_seed(0)
+    current = {"a.weight": torch.randn(96, 160, generator=generator).to(torch.bfloat16),
+               "b.bias": torch.randn(1001, generator=generator).to(torch.bfloat16)}  # fmt: skip
+    versions = []
+    for _ in range(count):
+        current = {name: torch.where(torch.rand(t.shape, generator=generator) < 0.03, t * 1.01, t).to(torch.bfloat16)
+                   for name, t in current.items()}  # fmt: skip
+        versions.append(current)
+    return versions
+
+
+def loaded(fetched: Fetched) -> dict[str, torch.Tensor]:
+    return read_checkpoint(fetched) if isinstance(fetched, Path) else fetched
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k].view(torch.int16), b[k].view(torch.int16)) for k in a)
+
+
+@pytest.mark.parametrize("scheme", ["redis", "fs"])
+def test_the_chain_is_cut_every_full_every_and_a_worker_that_missed_a_sync_loads_the_whole_version_bit_for_bit(
+    scheme: str, redis_server: RedisServer, ns: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """`publish_weights(..., deltas=True)` by `redis://` from real AdamW steps of a bf16 model: the first version
-    goes whole; each worker that holds it reads only the next one's delta (a few percent of it, its log says so);
-    a greedy sample from that worker equals, token for token and logprob for logprob, one from a worker that
+    """Seven versions published with deltas and `full_every=3`: versions 1, 4 and 7 go whole only (no delta: a
+    worker applies at most two in a row), the others with their delta from the one before. A worker that follows
+    every version reads those deltas; one that missed versions 3 and 4 (it holds 2) reads version 5 whole, though
+    5 has a delta (from 4), then 6 by its delta; each gets every version bit for bit."""
+    client = RolloutClient(redis_server.url, ns).streams.redis
+    spec = "redis://" if scheme == "redis" else f"fs://{tmp_path / 'versions'}"
+    trainer = HeldWeights(full_every=3)
+    versions = drifting_versions(7)
+    uris, sent = [], []
+    for number, tensors in enumerate(versions, 1):
+        store = open_transport(spec, redis_client=client, ns=ns, held=trainer)
+        uris.append(store.publish(tensors, number))
+        assert store.last_publish is not None
+        sent.append(store.last_publish.delta_bytes is not None)
+    assert sent == [False, True, True, False, True, True, False], "the chain is cut at every third version"
+
+    def fetch(number: int, held: HeldWeights) -> tuple[dict[str, torch.Tensor], bool]:
+        caplog.clear()
+        uri = uris[number - 1]
+        with caplog.at_level(logging.INFO, logger="staleness.weights"):
+            got = loaded(transport_of(uri).fetch_received(parse_uri(uri), number, Receiving(client, held=held)))
+        assert same(got, versions[number - 1]), f"version {number} bit for bit"
+        return got, f"weights version {number}: its delta from version {number - 1} applied" in caplog.text
+
+    follower = HeldWeights()
+    by_delta = [fetch(number, follower)[1] for number in range(1, 8)]
+    assert by_delta == sent, "every delta sent is the one read, and only those"
+    assert follower.version == 7 and follower.chain == 0
+    behind = HeldWeights()
+    assert [fetch(number, behind)[1] for number in (1, 2, 5, 6)] == [False, True, False, True]
+
+
+def test_an_fs_delta_that_does_not_check_is_not_loaded_and_the_version_is_read_whole(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    trainer, worker = HeldWeights(), HeldWeights()
+    versions = drifting_versions(2)
+    for number, tensors in enumerate(versions, 1):
+        open_transport(f"fs://{tmp_path}", held=trainer).publish(tensors, number)
+    payload = tmp_path / "v2" / PAYLOAD
+    corrupted = bytearray(payload.read_bytes())
+    corrupted[len(corrupted) // 2] ^= 0xFF
+    payload.write_bytes(bytes(corrupted))
+    for number in (1, 2):
+        uri = parse_uri(f"fs://{tmp_path}/v{number}")
+        got = transport_of(uri).fetch_received(uri, number, Receiving(held=worker))
+        assert isinstance(got, Path) and same(read_checkpoint(got), versions[number - 1])
+    assert "weights version 2: its delta did not apply" in caplog.text and worker.version == 2
+
+
+@pytest.mark.parametrize("transport", ["redis://", "fs"])
+def test_workers_that_hold_the_last_version_read_only_its_delta_and_serve_what_a_full_load_serves(
+    transport: str, redis_server: RedisServer, ns: str, tiny_model_dir: Path, workers: StartWorker, tmp_path: Path
+) -> None:
+    """`publish_weights(..., deltas=True)` by `redis://` and `fs://` from real AdamW steps of a bf16 model: the first
+    version goes whole; each worker that holds it reads only the next one's delta (a few percent of it, its log says
+    so); a greedy sample from that worker equals, token for token and logprob for logprob, one from a worker that
     started after and loaded the version whole."""
+    transport = transport if transport != "fs" else f"fs://{tmp_path / 'versions'}"
     from transformers import AutoModelForCausalLM
 
     bf16 = ("--dtype", "bfloat16", "--engine", "torch")
@@ -119,10 +201,10 @@ def test_workers_that_hold_the_last_version_read_only_its_delta_and_serve_what_a
         optimizer.zero_grad()
 
     step()
-    assert client.publish_weights(model, deltas=True) == 1
+    assert client.publish_weights(model, transport=transport, deltas=True) == 1
     assert client.last_publish is not None and client.last_publish.delta_bytes is None, "no base yet: whole"
     step()
-    assert client.publish_weights(model, deltas=True) == 2
+    assert client.publish_weights(model, transport=transport, deltas=True) == 2
     stats = client.last_publish
     assert stats is not None and stats.delta_bytes is not None and stats.delta_bytes < 0.2 * stats.bytes, stats
     for name in ("w1", "w2"):
@@ -149,8 +231,14 @@ def test_deltas_by_a_transport_that_sends_whole_versions_or_for_an_adapter_are_r
     redis_server: RedisServer, ns: str, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     client = RolloutClient(redis_server.url, ns)
-    with pytest.raises(ValueError, match="sends whole versions only; deltas go by redis://"):
-        client.publish_weights(tiny_model_dir, transport=f"fs://{tmp_path / 'w'}", deltas=True)
+    with pytest.raises(ValueError, match="sends whole versions only; deltas go by fs:// or redis://"):
+        client.publish_weights(tiny_model_dir, transport="nccl://127.0.0.1:1", deltas=True)
     with pytest.raises(ValueError, match="is for the base model"):
-        client.publish_weights({}, adapter="a", adapter_config={"r": 8}, deltas=True)
+        client.publish_weights(
+            {}, adapter="a", adapter_config={"r": 8}, transport=f"fs://{tmp_path / 'w'}", deltas=True
+        )
+    with pytest.raises(ValueError, match="full_every must be an integer >= 1, got 0"):
+        client.publish_weights(tiny_model_dir, transport=f"fs://{tmp_path / 'w'}", deltas=True, full_every=0)
+    with pytest.raises(ValueError, match="pass deltas=True"):
+        client.publish_weights(tiny_model_dir, transport=f"fs://{tmp_path / 'w'}", full_every=4)
     assert not (tmp_path / "w").exists() and client.streams.redis.hget(client.streams.keys.state, "version") is None
