@@ -130,6 +130,21 @@ GraceOpt = Annotated[
         "handing what would not finish to any worker through {ns}:partials with its tokens so far.",
     ),
 ]
+JoinFromOpt = Annotated[
+    str,
+    typer.Option(
+        help="Where a worker that starts mid-run takes the current version: auto (a live peer that holds it, else the "
+        "store, else the next sync), peer (a peer, else the next sync), store (the store, else the next sync), sync.",
+    ),
+]
+ShareWindowOpt = Annotated[
+    float,
+    typer.Option(
+        min=0.0,
+        help="As a peer: joiners whose requests arrive within this many seconds of the first are sent the version in "
+        "one push.",
+    ),
+]
 NoticeFileOpt = Annotated[
     str | None,
     typer.Option(
@@ -362,7 +377,8 @@ def check_torch_device(spec: EngineSpec) -> None:
 
 WORKER_FLAGS = (
     "max_inflight", "max_inflight_tokens", "claim_idle_ms", "heartbeat_s", "max_deliveries", "dedupe_ttl_s", "lazy",
-    "release_after_s", "hand_off_partials", "grace_s", "notice_file",
+    "release_after_s", "hand_off_partials", "grace_s", "notice_file", "join_from",
+    "share_window_s",
 )  # fmt: skip
 """The worker loop's flags (`WorkerSettings` fields by their names), shared by `rollouts worker` and `launch`."""
 
@@ -370,8 +386,10 @@ WORKER_FLAGS = (
 def worker_settings(params: dict[str, Any]) -> WorkerSettings:
     """The settings of a worker process of its own from a command's parameters (`ctx.params`): its `WORKER_FLAGS`,
     and what `WorkerSettings.for_process` derives from them."""
-    from consumers.settings import WorkerSettings
+    from consumers.settings import JOIN_FROM, WorkerSettings
 
+    if params["join_from"] not in JOIN_FROM:
+        fail(f"unknown --join-from {params['join_from']!r}; choose one of {', '.join(JOIN_FROM)}")
     return WorkerSettings.for_process(**{name: params[name] for name in WORKER_FLAGS})
 
 

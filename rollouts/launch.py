@@ -25,6 +25,7 @@ from rollouts.app import (
     GraceOpt,
     HandOffOpt,
     HeartbeatOpt,
+    JoinFromOpt,
     LazyOpt,
     LogLevelOpt,
     MaxDeliveriesOpt,
@@ -34,6 +35,7 @@ from rollouts.app import (
     NsOpt,
     RedisOpt,
     ReleaseAfterOpt,
+    ShareWindowOpt,
     app,
     check_engine,
     console,
@@ -134,6 +136,8 @@ def launch(
     hand_off_partials: HandOffOpt = DEFAULTS.hand_off_partials,
     grace_s: GraceOpt = DEFAULTS.grace_s,
     notice_file: NoticeFileOpt = DEFAULTS.notice_file,
+    join_from: JoinFromOpt = DEFAULTS.join_from,
+    share_window_s: ShareWindowOpt = DEFAULTS.share_window_s,
     log_level: LogLevelOpt = "info",
 ) -> None:
     """Run N workers as Ray actors, one placement group each, restarted by Ray when they die (their
@@ -147,6 +151,7 @@ def launch(
             "--ray local lives only as long as this command: drop --no-wait, or start a cluster with `ray start --head`"
         )
     bounds = _autoscale_bounds(ctx, autoscale, cooldown_s)
+    settings = worker_settings(ctx.params)
     workers = workers if bounds is None else bounds[0]
     require("ray", "torch", purpose="rollouts launch")  # torch: the launcher imports the worker
     placed = workers if bounds is None else max(workers, 1)  # --autoscale 0:N starts none at first
@@ -169,7 +174,7 @@ def launch(
                 engine=spec.kind,
                 model=str(spec.model),
                 engine_options=spec.options(),
-                settings=worker_settings(ctx.params),
+                settings=settings,
                 gpus=gpus_per_worker,
                 cpus=cpus_per_worker,
                 max_restarts=max_restarts,

@@ -23,6 +23,7 @@ from rollouts.app import (
     GraceOpt,
     HandOffOpt,
     HeartbeatOpt,
+    JoinFromOpt,
     LazyOpt,
     LogLevelOpt,
     MaxDeliveriesOpt,
@@ -34,6 +35,7 @@ from rollouts.app import (
     NsOpt,
     RedisOpt,
     ReleaseAfterOpt,
+    ShareWindowOpt,
     app,
     check_engine,
     check_port,
@@ -109,6 +111,8 @@ def worker(
     hand_off_partials: HandOffOpt = DEFAULTS.hand_off_partials,
     grace_s: GraceOpt = DEFAULTS.grace_s,
     notice_file: NoticeFileOpt = DEFAULTS.notice_file,
+    join_from: JoinFromOpt = DEFAULTS.join_from,
+    share_window_s: ShareWindowOpt = DEFAULTS.share_window_s,
 ) -> None:
     """Serve prompts from the namespace until interrupted (SIGINT/SIGTERM drain in-flight work)."""
     # The engine flags reach the engine through `ctx.params` (EngineSpec.from_flags).
@@ -116,6 +120,7 @@ def worker(
     os.environ.setdefault("VLLM_LOGGING_LEVEL", log_level.upper())
     if metrics_port is not None:
         check_port(metrics_port, "--metrics-port")
+    settings = worker_settings(ctx.params)
     with user_errors():
         spec = EngineSpec.from_flags(ctx.params, NO_MODEL if model is None else resolve_model(model))
     check_engine(spec)
@@ -127,7 +132,6 @@ def worker(
     from consumers.worker import run_worker
     from pipeline.exporter import process_registry
 
-    settings = worker_settings(ctx.params)
     name = name or default_name()
     metrics = WorkerMetrics(ns, name, process_registry())
     if metrics_port is not None:  # before the engine loads: a port in use fails at once

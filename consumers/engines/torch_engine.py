@@ -299,6 +299,14 @@ class TorchEngine(LoraAdapters, HandsOverInProcess, EngineLifecycle):
         """Raise `ValueError` if tensors of these names and shapes cannot be loaded into the model."""
         self.weight_layout().check(shapes, source)
 
+    exports_weights = True
+    """A worker that joins mid-run may take this engine's version from it (`consumers.peer`)."""
+
+    def export_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
+        """The weights it holds, in checkpoint names, as the model holds them (views, not copies)."""
+        self._require_model()
+        return list(to_checkpoint(self._model, self._model.state_dict()).items())
+
     def weight_layout(self) -> WeightLayout:
         """The model's tensor names, shapes and tied storage (for a `check_fits` made elsewhere)."""
         self._require_model()
