@@ -12,9 +12,10 @@ each `rollouts worker` a process of its own, samples of a few seconds) and a rea
 Then both drain: every submitted prompt must arrive. Reported (JSON on stdout, progress on stderr): samples lost and
 delivered twice (both 0), each notice's time to exit against its deadline (`over_deadline`: 0), join to serving
 (process start to its heartbeat's `serving`) and the path each join took (`join_paths`: `peer`, `store`, `sync`, or
-`none` where there was no version to load, as with these synthetic workers and no trainer), the tokens the leaving workers generated beside what they published
-and handed off (a notice throws nothing away: `notice_tokens_thrown_away` 0), and the delivered tokens a second of
-each phase, with the mean number of live workers, and their ratio (issue 66's goal: >= 0.85).
+`none` where there was no version to load, as with these synthetic workers and no trainer), the tokens the leaving
+workers generated beside what they published and handed off (a notice throws nothing away:
+`notice_tokens_thrown_away` 0), and the delivered tokens a second of each phase, with the mean number of live
+workers, and their ratio (issue 66's goal: >= 0.85).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from typing import Annotated, Any
 
 import typer
 
+from pipeline.codec import as_text
 from pipeline.processes import start_command, stop_process
 from rollouts.app import console, fail, user_errors
 
@@ -128,7 +130,7 @@ class Fleet:
             status, joined = self.reader.streams.redis.hmget(key, ["status", "joined_from"])
             if inc.serving_at is None and status == b"serving":
                 inc.serving_at = now
-                inc.joined_from = (joined or b"").decode().split(":")[0]
+                inc.joined_from = as_text(joined or b"").split(":")[0]
             if inc.process.poll() is not None:
                 inc.exited_at = inc.exited_at or now
                 self.gone.append(self.live.pop(name))

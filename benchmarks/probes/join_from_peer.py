@@ -25,6 +25,7 @@ from typing import Any
 
 import redis
 
+from pipeline.codec import as_text
 from pipeline.local import RedisServer, free_port
 from pipeline.processes import start_worker, stop_processes, wait_for_worker
 from pipeline.wire import Keys
@@ -58,7 +59,7 @@ class Fleet:
         found = []
         for name, proc in zip(names, procs, strict=True):
             wait_for_worker(self.client, NS, name, proc, timeout_s=600, status=until)
-            beat = {k.decode(): v.decode() for k, v in self.client.hgetall(self.keys.worker(name)).items()}
+            beat = {as_text(k): as_text(v) for k, v in self.client.hgetall(self.keys.worker(name)).items()}
             found.append({
                 "worker": name,
                 "start_s": round(time.perf_counter() - began, 2),

@@ -12,6 +12,7 @@ from pathlib import Path
 import redis
 
 from consumers.sync import AWAITING_WEIGHTS
+from pipeline.codec import as_entries, as_text
 from pipeline.local import RedisServer, free_port
 from pipeline.processes import stop_process
 from pipeline.wire import Control, Keys
@@ -24,12 +25,12 @@ JOIN_DEADLINE_S = 20.0
 
 
 def heartbeat(client: RolloutClient, name: str, field: str) -> str:
-    return (client.streams.redis.hget(client.streams.keys.worker(name), field) or b"").decode()
+    return as_text(client.streams.redis.hget(client.streams.keys.worker(name), field) or b"")
 
 
 def shares_asked(client: RolloutClient) -> list[Control]:
     """The `share` commands on the control stream so far."""
-    entries = client.streams.redis.xrange(client.streams.keys.control)
+    entries = as_entries(client.streams.redis.xrange(client.streams.keys.control))
     commands = [Control.from_fields(fields) for _id, fields in entries]
     return [c for c in commands if c.cmd == "share"]
 
@@ -144,6 +145,6 @@ def test_share_is_a_directed_control_command_in_plain_text(real_redis: redis.Red
     streams = Streams(real_redis, ns)
     streams.control.send(Control(cmd="share", worker="peer", joiner="late"), ring=False)
     streams.control.send(Control(cmd="drain", worker="peer"), ring=False)
-    (_, share), (_, drain) = real_redis.xrange(Keys(ns).control)
+    (_, share), (_, drain) = as_entries(real_redis.xrange(Keys(ns).control))
     assert (share[b"cmd"], share[b"worker"], share[b"joiner"]) == (b"share", b"peer", b"late")
     assert b"joiner" not in drain
