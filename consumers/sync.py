@@ -121,8 +121,9 @@ class WorkerSync:
         if state.version != self.engine.version and state.weights_uri:
             if joining and self._slot.started and self._join_from in ("auto", "peer"):
                 uri = await self.join.load(state.version)
-                if uri is not None:
-                    self._loaded(uri, self.engine.version)
+                if uri is not None:  # where a release may get it back: the store, if it keeps that version
+                    stored = self.engine.version == state.version and transport_of(state.weights_uri).stores
+                    self._loaded(state.weights_uri if stored else uri, self.engine.version)
                     await self._sync_ended()
                     await self.load_current(joining=True)  # a version published while it joined: that one too
                     return
