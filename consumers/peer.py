@@ -206,7 +206,8 @@ class PeerJoin:
         """Ask `peer` to share and wait up to `wait_s` for its answer (None: none came)."""
         redis, key = self._streams.redis, self._streams.keys.share(self._name)
         redis.delete(key)  # an earlier join's answer, never read
-        self._streams.control.send(Control(cmd="share", worker=peer, joiner=self._name))
+        self._streams.control.send(Control(cmd="share", worker=peer, joiner=self._name), ring=False)
+        self._streams.control.ring_one(peer, "share")  # the peer's bell alone: the fleet need not read it
         deadline = time.monotonic() + wait_s
         while deadline > time.monotonic():
             got = redis.blpop([key], timeout=1)  # a second at a time: under the client's socket timeout

@@ -13,6 +13,7 @@ import redis
 
 from consumers.sync import AWAITING_WEIGHTS
 from pipeline.codec import as_entries, as_text
+from pipeline.control import BELLS, bell_index
 from pipeline.local import RedisServer, free_port
 from pipeline.processes import stop_process
 from pipeline.wire import Control, Keys
@@ -148,3 +149,6 @@ def test_share_is_a_directed_control_command_in_plain_text(real_redis: redis.Red
     (_, share), (_, drain) = as_entries(real_redis.xrange(Keys(ns).control))
     assert (share[b"cmd"], share[b"worker"], share[b"joiner"]) == (b"share", b"peer", b"late")
     assert b"joiner" not in drain
+    streams.control.ring_one("peer", "share")  # the peer's bell rings, not the fleet's
+    rung = [k for k in range(BELLS) if real_redis.xlen(Keys(ns).bell(k))]
+    assert rung == [bell_index("peer")]
