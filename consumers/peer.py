@@ -93,8 +93,10 @@ class PeerShare:
         """Joiners served by them (heartbeat `shared_joiners`)."""
 
     def can_share(self) -> bool:
-        """Whether its engine holds weights it can send now: started, awake, and able to export them."""
-        return self._slot.started and not self._state.asleep and weights_exporter(self._slot.engine) is not None
+        """Whether its engine holds weights it can send now: started, awake, able to export them, and not stopping."""
+        state = self._state
+        exports = weights_exporter(self._slot.engine) is not None
+        return self._slot.started and exports and not state.asleep and not state.stopping.is_set()
 
     def heartbeat_fields(self) -> dict[str, object]:
         fields: dict[str, object] = {SHARES_FIELD: int(self.can_share()), WINDOW_FIELD: self._window_s}
@@ -140,8 +142,11 @@ class PeerShare:
                      ", ".join(joiners), stats.workers, stats.bytes / 1e6, time.monotonic() - began)  # fmt: skip
         except Exception as exc:
             log.warning("%s: could not share with %s: %s", self._name, ", ".join(joiners), exc)
-            if not answered:
-                await asyncio.to_thread(self._answer, joiners, ShareAnswer(self._name, error=str(exc)))
+            if not answered:  # each joiner goes on to its next fallback at once, not after its deadline
+                try:
+                    await asyncio.to_thread(self._answer, joiners, ShareAnswer(self._name, error=str(exc)))
+                except Exception as gone:
+                    log.warning("%s: could not answer %s either: %s", self._name, ", ".join(joiners), gone)
 
     def _answer(self, joiners: list[str], answer: ShareAnswer) -> None:
         pipe = self._streams.redis.pipeline(transaction=False)
