@@ -11,9 +11,11 @@ each `rollouts worker` a process of its own, samples of a few seconds) and a rea
 
 Then both drain: every submitted prompt must arrive. Reported (JSON on stdout, progress on stderr): samples lost and
 delivered twice (both 0), each notice's time to exit against its deadline (`over_deadline`: 0), join to serving
-(process start to its heartbeat's `serving`), the tokens the leaving workers generated beside what they published
-and handed off (a notice throws nothing away: `notice_tokens_thrown_away` 0), and the delivered tokens a second of
-each phase, with the mean number of live workers, and their ratio (issue 66's goal: >= 0.85).
+(process start to its heartbeat's `serving`) and the path each join took (`join_paths`: `peer`, `store`, `sync`, or
+`none` where there was no version to load, as with these synthetic workers and no trainer), the tokens the leaving
+workers generated beside what they published and handed off (a notice throws nothing away:
+`notice_tokens_thrown_away` 0), and the delivered tokens a second of each phase, with the mean number of live
+workers, and their ratio (issue 66's goal: >= 0.85).
 """
 
 from __future__ import annotations
@@ -27,12 +29,14 @@ import statistics
 import tempfile
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
+from pipeline.codec import as_text
 from pipeline.processes import start_command, stop_process
 from rollouts.app import console, fail, user_errors
 
@@ -50,6 +54,8 @@ class Incarnation:
     noticed_at: float | None = None
     exited_at: float | None = None
     killed: bool = False
+    joined_from: str = ""
+    """Where its version came from (its heartbeat's `joined_from`: `peer:NAME`, `store`, `sync`; "": none to load)."""
 
 
 @dataclass
@@ -120,10 +126,11 @@ class Fleet:
         """Note who serves, who exited; start the replacements that are due."""
         now = time.monotonic()
         for name, inc in list(self.live.items()):
-            if inc.serving_at is None and self.reader.streams.redis.hget(
-                self.reader.streams.keys.worker(name), "status"
-            ) == b"serving":
+            key = self.reader.streams.keys.worker(name)
+            status, joined = self.reader.streams.redis.hmget(key, ["status", "joined_from"])
+            if inc.serving_at is None and status == b"serving":
                 inc.serving_at = now
+                inc.joined_from = as_text(joined or b"").split(":")[0]
             if inc.process.poll() is not None:
                 inc.exited_at = inc.exited_at or now
                 self.gone.append(self.live.pop(name))
@@ -202,7 +209,8 @@ class Fleet:
 
     def report(self) -> dict[str, Any]:
         exits = [inc.exited_at - inc.noticed_at for inc in self.gone if inc.noticed_at and inc.exited_at]
-        joins = [inc.serving_at - inc.started for inc in [*self.gone, *self.live.values()] if inc.serving_at]
+        served = [inc for inc in [*self.gone, *self.live.values()] if inc.serving_at]
+        joins = [inc.serving_at - inc.started for inc in served if inc.serving_at]
         generated = 0
         for inc in self.gone:
             if inc.noticed_at is not None:
@@ -219,6 +227,7 @@ class Fleet:
             "notice_exit_s": _spread(exits),
             "over_deadline": sum(s > self.o["grace_s"] for s in exits),
             "join_to_serving_s": _spread(joins),
+            "join_paths": dict(Counter(inc.joined_from or "none" for inc in served)),
             "partials_handed_off": int(handed),
             "noticed_generated_tokens": generated,
         }

@@ -6,12 +6,18 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 NOTICE_POLL_S = 0.5
 """How often a worker looks for its `notice_file`."""
 ABORT_RETRY_S = 0.2
 """How often a drain that ends what still runs asks the engine again (a sample between two requests is missed once)."""
+JoinFrom = Literal["auto", "peer", "store", "sync"]
+"""Where a worker that starts mid-run takes the current version (`WorkerSettings.join_from`)."""
+JOIN_FROM: tuple[str, ...] = get_args(JoinFrom)
+PEER_ANSWER_S = 10.0
+"""How long a joining worker waits for a peer's answer past the peer's `share_window_s`, and then for each step of its
+push, before it tries the next fallback."""
 HEARTBEAT_TTL_PERIODS = 5
 """A heartbeat lives at least this many heartbeat periods (`WorkerSettings.for_process`)."""
 DEAD_AFTER_PERIODS = 2.5
@@ -74,6 +80,14 @@ class WorkerSettings:
     """How long a published rollout id is remembered (a bit in `{ns}:published:{size}:{bucket}`): the same id from
     another entry (a prompt submitted twice, a replay) within it is not published again. Every worker of a namespace
     should use the same value."""
+    join_from: JoinFrom = "auto"
+    """Where a worker that starts mid-run takes the current version. `auto`: from a live worker that holds it and can
+    send it (a peer: GPU to GPU over NCCL, host to host over gloo), else from where it is stored (`fs://`, `redis://`,
+    `ipc://`), else it awaits the next sync (`awaiting weights`, as under `nccl://`, which stores nothing). `peer`: a
+    peer, else the next sync; `store`: the store, else the next sync; `sync`: the next sync (`consumers.peer`)."""
+    share_window_s: float = 0.5
+    """As a peer: the requests of joiners that arrive this long after the first are served by the same push (an
+    autoscaler that adds workers at once: their engines come up within about this much of each other)."""
     lazy: bool = False
     """Start the engine when the first work arrives, not at launch (`consumers.lifecycle`)."""
     release_after_s: float | None = None
@@ -111,6 +125,10 @@ class WorkerSettings:
         to beat every 0.3 s stops within 0.3 s, not the default read's 1 s), and the process's heap is frozen after
         each engine start (`freeze_heap`). `TypeError` for a flag that is no field."""
         settings = cls(**flags)
+        if settings.share_window_s < 0:
+            raise ValueError(f"share_window_s must be >= 0, got {settings.share_window_s}")
+        if settings.join_from not in JOIN_FROM:
+            raise ValueError(f"join_from must be one of {', '.join(JOIN_FROM)}, got {settings.join_from!r}")
         beat = settings.heartbeat_s
         return dataclasses.replace(
             settings,

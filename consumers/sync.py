@@ -24,6 +24,7 @@ from consumers.adapters import WorkerAdapters
 from consumers.engines.base import WAKE_ALL, Engine, SleepNotSupported, WakePart
 from consumers.house import House
 from consumers.lifecycle import WorkerStatus, receive_copy
+from consumers.peer import PeerJoin, PeerShare
 from pipeline.control import CONTROL_BATCH, CONTROL_RECHECK_S
 from pipeline.streams import Entry
 from pipeline.wire import Control, PauseMode, WireError
@@ -33,6 +34,9 @@ from staleness.weights.delta import HeldWeights
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+SYNC_WAIT_S = 60.0
+"""How long a worker that joined from a peer waits for a sync under way to end before it looks at the state again."""
 
 
 AWAITING_WEIGHTS = WorkerStatus.AWAITING_WEIGHTS
@@ -63,6 +67,11 @@ class WorkerSync:
         """Its engine holds requests frozen (a `keep` or `inflight` pause, a sync's or a sleep's) until the resume."""
         self.loaded_from = ""
         """Where the engine's version came from ("": the model directory), to tell whether a release may lose it."""
+        self._join_from = house.settings.join_from
+        self.share = PeerShare(house)
+        """Its side as a peer: sends the version it holds to workers that join mid-run (`consumers.peer`)."""
+        self.join = PeerJoin(house)
+        """Its side as a joiner: the current version from a peer, at its launch."""
 
     @property
     def engine(self) -> Engine:
@@ -76,18 +85,26 @@ class WorkerSync:
         """
         control_from = await asyncio.to_thread(self.streams.control.last_id)
         await self._adapters.catch_up()  # adapters sync on their own: ack any sync of one under way
+        began = time.monotonic()
         async with self._slot.lock:
-            await self.load_current()
+            await self.load_current(joining=True)
             self._slot.ready = self._slot.started
+        self.join.join_s = time.monotonic() - began
         return control_from
 
-    async def load_current(self) -> None:
+    def peer_fields(self) -> dict[str, object]:
+        """Its heartbeat's fields as a peer and as a joiner (`consumers.peer`)."""
+        return self.share.heartbeat_fields() | self.join.heartbeat_fields()
+
+    async def load_current(self, joining: bool = False) -> None:
         """Bring a started engine to the state's version, or do this worker's part of the sync or sleep under way.
 
         Without an engine nothing loads: the worker takes work, whose arrival starts the engine and comes back here,
         unless the version could not be loaded then (pushed before this worker could receive it): then it
         awaits the next sync. A worker that joins a sleeping fleet sleeps with it (a colocated trainer's step is under
-        way), its engine at the fleet's version, until the sync or wake that ends the sleep. The caller holds the
+        way), its engine at the fleet's version, until the sync or wake that ends the sleep. `joining`: its launch,
+        whose version comes from a peer first where `join_from` allows (`consumers.peer`), then from the store, else
+        with the next sync; a version published meanwhile is loaded too before it serves. The caller holds the
         slot's lock."""
         state = await asyncio.to_thread(read_state, self.streams.redis, self.streams.keys)
         command = None
@@ -102,11 +119,23 @@ class WorkerSync:
                 self._await_next_sync(command.version)
             return
         if state.version != self.engine.version and state.weights_uri:
-            if not self.loadable(state.version, state.weights_uri):
+            if joining and self._slot.started and self._join_from in ("auto", "peer"):
+                uri = await self.join.load(state.version)
+                if uri is not None:  # where a release may get it back: the store, if it keeps that version
+                    stored = self.engine.version == state.version and transport_of(state.weights_uri).stores
+                    self._loaded(state.weights_uri if stored else uri, self.engine.version)
+                    await self._sync_ended()
+                    await self.load_current(joining=True)  # a version published while it joined: that one too
+                    return
+            if not self.loadable(state.version, state.weights_uri) or (joining and self._join_from in ("peer", "sync")):
                 self._await_next_sync(state.version)
+                if joining:
+                    self.join.source = "sync"
                 return
             if self._slot.started:
                 await self._load(state.weights_uri, state.version)
+                if joining:
+                    self.join.source = "store"
         self._state.unstarted_version = state.version
         if command is not None:  # the fleet's sleep, which this worker joins at the fleet's version
             self._state.status = self._unstarted()  # until `_sleep` pauses a started engine
@@ -115,6 +144,22 @@ class WorkerSync:
         self._state.epoch = state.epoch
         self._state.status = WorkerStatus.SERVING if self._slot.started else self._unstarted()
         self._state.set_serving(True)
+
+    async def _sync_ended(self) -> None:
+        """After a join from a peer: wait (up to `SYNC_WAIT_S`) for a sync under way to end. It counts only the workers
+        that beat, which a joiner does not yet: its push would not wait for it, so the joiner takes its version after
+        it, from a peer or the store."""
+        deadline = time.monotonic() + SYNC_WAIT_S
+        while time.monotonic() < deadline:
+            state = await asyncio.to_thread(read_state, self.streams.redis, self.streams.keys)
+            command = None
+            if state.paused:
+                command = await asyncio.to_thread(
+                    weights_command, self.streams.redis, self.streams.keys, state.epoch, cmds=("weights",)
+                )
+            if command is None or not transport_of(command.uri).pushes:
+                return
+            await asyncio.sleep(self._heartbeat_s / 4)
 
     def loadable(self, version: int, uri: str) -> bool:
         """Whether `version` can be loaded now or at a later start: its transport stores it, or a copy of it pushed is
@@ -204,6 +249,8 @@ class WorkerSync:
             async with self._slot.lock:
                 if command.epoch > self._state.epoch:
                     await self._sleep(command)
+        elif command.cmd == "share" and command.worker == self.name and command.joiner:
+            self.share.request(command.joiner)  # served on a task of its own: control goes on being read
         elif command.cmd == "drain" and command.worker in ("", self.name):
             log.info("%s: asked to drain", self.name)
             self._worker.stop(drain=True, grace_s=command.grace_s or None)  # `rollouts drain`: a planned departure

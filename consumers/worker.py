@@ -106,9 +106,10 @@ class Worker:
         self.heartbeat = Heartbeat(house, self)
         self._adapters = WorkerAdapters(house, self.heartbeat.beat)
         """LoRA adapters: loaded on demand, evicted when idle, each paused alone for its own syncs."""
-        self.heartbeat.fields = self._adapters.heartbeat_fields
         self._sync = WorkerSync(house, self._adapters, self.heartbeat.beat)
-        """Its side of the weight-sync protocol: follows control, pauses, loads, sleeps, wakes, resumes, acks."""
+        """Its side of the weight-sync protocol: follows control, pauses, loads, sleeps, wakes, resumes, acks; and of
+        joining from a peer, and sharing with joiners (`consumers.peer`)."""
+        self.heartbeat.fields = lambda: self._adapters.heartbeat_fields() | self._sync.peer_fields()
         self._suspects = Suspects(house, self._inflight, self._start, self.budget)
         """Entries handed out again and again: run apart, then alone, then dead-lettered."""
         self._samples = SampleGenerator(house, self._adapters)

@@ -93,6 +93,12 @@ class ControlStream:
             pipe.execute()
         return len(plan)
 
+    def ring_one(self, worker: str, cmd: str) -> None:
+        """Wake only `worker` (and the few that share its bell) to read `control`: a command for one worker (a
+        `share`) need not wake the fleet."""
+        bell = self._streams.keys.bell(bell_index(worker))
+        self._streams.redis.xadd(bell, {"cmd": cmd}, maxlen=1, approximate=False)
+
     def bell_id(self, worker: str) -> bytes:
         """The last ring of `worker`'s bell (`0-0` if never rung): where its `wait_for_bell` starts."""
         last = as_entries(self._streams.redis.xrevrange(self._streams.keys.bell(bell_index(worker)), count=1))

@@ -78,7 +78,7 @@ distribution the token was sampled from, log_softmax of the logits after every s
 vLLM's `processed_logprobs`, which TRL's and verl's vLLM paths default to. A greedy sample (temperature 0) has them
 after the mask and the penalties only: its raw ones when it has neither."""
 LOGPROBS_MODES: tuple[LogprobsMode, ...] = ("raw", "processed")
-Command = Literal["weights", "resume", "stop", "sleep", "drain"]
+Command = Literal["weights", "resume", "stop", "sleep", "drain", "share"]
 SLEEP_LEVELS = (1, 2)
 """`sleep` levels, as vLLM's: 1 frees the KV cache and offloads the weights to host memory; 2 frees both (the next
 version loads into fresh memory)."""
@@ -153,9 +153,16 @@ class Keys:
         self.alone_prefix = f"{tag}:alone:"
         """`{ns}:alone:STREAM:ID`, an integer, expiring: how often a work entry handed out `max_deliveries` times was
         started alone, with nothing else on its worker (`Keys.alone`), without finishing."""
+        self.share_prefix = f"{tag}:share:"
+        """`{ns}:share:NAME`: a list, expiring: a peer's answer (JSON) to the `share` that joining worker NAME asked of
+        it (`consumers.peer`)."""
         self.layouts = f"{tag}:layouts"
         """Hash: a model layout's digest -> its JSON (tensor names, shapes, tied names), written by the workers that
         serve it (`staleness.weights.layout`), read by a trainer to refuse weights that fit no worker's model."""
+
+    def share(self, joiner: str) -> str:
+        """Where a peer answers joining worker `joiner`'s `share` (`consumers.peer`)."""
+        return self.share_prefix + joiner
 
     def worker(self, name: str) -> str:
         """Heartbeat hash of one worker; it expires when the worker stops beating."""
@@ -559,7 +566,9 @@ class Control(Message):
     put the engine to sleep at `level` (free its GPU memory for a colocated trainer's step) and ack, until the next
     `weights` or `resume` wakes it. With `adapter` set, `weights` and `resume` concern that LoRA adapter only (its own
     epochs): only its requests pause. `drain`: the worker named in `worker` (every worker when empty) takes no more
-    work, lets what it runs finish and leaves, within `grace_s` when it is not 0 (`rollouts drain`).
+    work, lets what it runs finish and leaves, within `grace_s` when it is not 0 (`rollouts drain`). `share`: the
+    worker named in `worker` sends the version its engine holds to the worker named in `joiner`, a worker that
+    joins mid-run, and answers it on `{ns}:share:{joiner}` (`consumers.peer`).
     """
 
     cmd: Command
@@ -574,6 +583,8 @@ class Control(Message):
     """A `sleep`'s level (`SLEEP_LEVELS`); 0 on every other command."""
     grace_s: float = Field(default=0.0, ge=0.0)
     """A `drain`'s deadline in seconds; 0: the worker's own (and on every other command)."""
+    joiner: str = ""
+    """A `share`'s joining worker, which the peer named in `worker` sends its version to; empty on every other."""
     ts: float = Field(default_factory=time.time)
 
     FIELDS = (
@@ -581,6 +592,7 @@ class Control(Message):
         WireField("adapter", absent=KEEP, omit=falsy),  # the base model's commands, and all but `sleep`, read as before
         WireField("level", absent=KEEP, omit=falsy),
         WireField("grace_s", FLOAT, absent=KEEP, omit=falsy),  # a `drain`'s alone
+        WireField("joiner", absent=KEEP, omit=falsy),  # a `share`'s alone
         WireField("ts", FLOAT, absent=KEEP),
     )
 

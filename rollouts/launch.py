@@ -96,6 +96,7 @@ def launch(
             "--ray local lives only as long as this command: drop --no-wait, or start a cluster with `ray start --head`"
         )
     bounds = _autoscale_bounds(ctx, autoscale, cooldown_s)
+    settings = worker_settings(ctx.params)
     workers = workers if bounds is None else bounds[0]
     require("ray", "torch", purpose="rollouts launch")  # torch: the launcher imports the worker
     placed = workers if bounds is None else max(workers, 1)  # --autoscale 0:N starts none at first
@@ -118,7 +119,7 @@ def launch(
                 engine=spec.kind,
                 model=str(spec.model),
                 engine_options=spec.options(),
-                settings=worker_settings(ctx.params),
+                settings=settings,
                 gpus=gpus_per_worker,
                 cpus=cpus_per_worker,
                 max_restarts=max_restarts,

@@ -63,6 +63,7 @@ def worker(
     os.environ.setdefault("VLLM_LOGGING_LEVEL", log_level.upper())
     if metrics_port is not None:
         check_port(metrics_port, "--metrics-port")
+    settings = worker_settings(ctx.params)
     with user_errors():
         spec = EngineSpec.from_flags(ctx.params, NO_MODEL if model is None else resolve_model(model))
     check_engine(spec)
@@ -74,7 +75,6 @@ def worker(
     from consumers.worker import run_worker
     from pipeline.exporter import process_registry
 
-    settings = worker_settings(ctx.params)
     name = name or default_name()
     metrics = WorkerMetrics(ns, name, process_registry())
     if metrics_port is not None:  # before the engine loads: a port in use fails at once

@@ -13,7 +13,7 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 
-from consumers.settings import DEFAULTS, WorkerSettings
+from consumers.settings import DEFAULTS, JOIN_FROM, WorkerSettings
 from rollouts.engine_spec import ENGINE_OPTIONS, EngineSpec
 
 MaxInflightOpt = Annotated[
@@ -75,6 +75,21 @@ NoticeFileOpt = Annotated[
         "preemption notice."
     ),
 ]
+JoinFromOpt = Annotated[
+    str,
+    typer.Option(
+        help="Where a worker that starts mid-run takes the current version: auto (a live peer that holds it, else the "
+        "store, else the next sync), peer (a peer, else the next sync), store (the store, else the next sync), sync.",
+    ),
+]
+ShareWindowOpt = Annotated[
+    float,
+    typer.Option(
+        min=0.0,
+        help="As a peer: joiners whose requests arrive within this many seconds of the first are sent the version in "
+        "one push.",
+    ),
+]
 DedupeTtlOpt = Annotated[
     int,
     typer.Option(
@@ -96,6 +111,8 @@ WORKER_OPTIONS: dict[str, Any] = {
     "hand_off_partials": HandOffOpt,
     "grace_s": GraceOpt,
     "notice_file": NoticeFileOpt,
+    "join_from": JoinFromOpt,
+    "share_window_s": ShareWindowOpt,
 }
 """The worker loop's options, each named as the `WorkerSettings` field it sets."""
 WORKER_FLAGS = tuple(WORKER_OPTIONS)
@@ -136,5 +153,9 @@ def worker_flags(*, leave_out: Collection[str] = ()) -> Callable[[Command], Comm
 
 def worker_settings(params: dict[str, Any]) -> WorkerSettings:
     """The settings of a worker process of its own from a command's parameters (`ctx.params`): its `WORKER_FLAGS`,
-    and what `WorkerSettings.for_process` derives from them."""
+    and what `WorkerSettings.for_process` derives from them. A `--join-from` not among `JOIN_FROM` is a CLI error."""
+    from rollouts.app import fail
+
+    if params["join_from"] not in JOIN_FROM:
+        fail(f"unknown --join-from {params['join_from']!r}; choose one of {', '.join(JOIN_FROM)}")
     return WorkerSettings.for_process(**{name: params[name] for name in WORKER_FLAGS})

@@ -226,6 +226,10 @@ class StartWorker:
                 raise
         return procs
 
+    def spawn(self, name: str, *extra: str) -> subprocess.Popen[bytes]:
+        """Start worker `name` with `extra` flags without waiting for it (stopped at the end all the same)."""
+        return self._spawn(name, *extra)
+
     def _spawn(self, name: str, *extra: str) -> subprocess.Popen[bytes]:
         log = self.logs / f"{name}.log"
         proc = start_worker(self.url, self.ns, self.model_dir, name, *FAST, *extra, log_file=log)

@@ -193,6 +193,26 @@ class Engine(Protocol):
     async def shutdown(self) -> None: ...
 
 
+class ExportsWeights(Protocol):
+    """An engine that can hand out the weights it holds, in checkpoint names: a worker that joins mid-run takes the
+    current version from such a peer (`consumers.peer`). Optional: an engine says so with `exports_weights = True`
+    (the torch engine; vLLM's weights live in its own processes, not exported yet)."""
+
+    exports_weights: bool
+
+    def export_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
+        """The weights it holds now as `(checkpoint name, tensor)` pairs, on its own device, not copied: read them
+        while it generates, never while a load writes them."""
+        ...
+
+
+def weights_exporter(engine: object) -> ExportsWeights | None:
+    """`engine` as an `ExportsWeights` if it says it exports its weights, else None."""
+    if getattr(engine, "exports_weights", False) is True and callable(getattr(engine, "export_weights", None)):
+        return engine  # type: ignore[return-value]  # checked above: the protocol's two members
+    return None
+
+
 class EngineLifecycle:
     """`async with engine:` starts it and shuts it down: the one copy every engine inherits."""
 

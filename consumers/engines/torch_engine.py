@@ -299,6 +299,22 @@ class TorchEngine(LoraAdapters, HandsOverInProcess, EngineLifecycle):
         """Raise `ValueError` if tensors of these names and shapes cannot be loaded into the model."""
         self.weight_layout().check(shapes, source)
 
+    exports_weights = True
+    """A worker that joins mid-run may take this engine's version from it (`consumers.peer`)."""
+
+    def export_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
+        """The weights it holds, in checkpoint names, as the model holds them (views, not copies); tied names once
+        (a tied `lm_head` is the embedding: loading one loads both, `WeightLayout.check`)."""
+        self._require_model()
+        seen: set[tuple[int, tuple[int, ...], torch.dtype]] = set()
+        named = []
+        for name, tensor in to_checkpoint(self._model, self._model.state_dict()).items():
+            storage = (tensor.data_ptr(), tuple(tensor.shape), tensor.dtype)
+            if storage not in seen or not tensor.numel():
+                seen.add(storage)
+                named.append((name, tensor))
+        return named
+
     def weight_layout(self) -> WeightLayout:
         """The model's tensor names, shapes and tied storage (for a `check_fits` made elsewhere)."""
         self._require_model()

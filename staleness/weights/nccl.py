@@ -84,6 +84,7 @@ from staleness.weights.handover import Handover, LoadsWeights
 from staleness.weights.nccl_group import NO_GROUP, KeptGroup
 from staleness.weights.nccl_receive import (
     BroadcastLink,
+    drop_link,
     forget_group,
     join_broadcast,
     prepare_receiver,
@@ -96,6 +97,7 @@ __all__ = [
     "BroadcastLink",
     "BroadcastStats",
     "NcclTransport",
+    "drop_link",
     "forget_group",
     "join_broadcast",
     "prepare_receiver",
@@ -332,6 +334,13 @@ class NcclTransport(Transport):
         for name, count in asked.items():  # in the order they joined, rank 0 being the trainer
             members[name] = (1 + sum(c for _, c in members.values()), count)
         return KeptGroup(epoch, 1 + sum(asked.values()), members=members)
+
+    def close(self) -> None:
+        """Free this port's group and stop hosting its rendezvous: a one-off sender (a peer that shared its version,
+        `consumers.peer`) keeps nothing for a next sync."""
+        self._drop()
+        self._staged = None
+        _SERVERS.pop(self.port, None)  # the store's server stops listening once its last reference goes
 
     def _drop(self) -> None:
         kept = _TRAINER_GROUPS.pop(self.port, None)

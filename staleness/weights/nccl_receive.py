@@ -283,6 +283,20 @@ def _drop_receiver_group(link: BroadcastLink, rank_offset: int) -> None:
         close_later(kept.group)
 
 
+def drop_link(uri: str, member: str) -> None:
+    """Free every group and posted receive that `member` keeps for the rendezvous of `uri`, and forget it: a one-off
+    broadcast (a peer's share, `consumers.peer`) is not kept for a next sync."""
+    host, _, port = parse_uri(uri).location.rpartition(":")
+    prefix = (host, int(port), member)
+    with LOCK:
+        _HELD.pop(prefix, None)
+        for key in [k for k in _POSTED if k[:3] == prefix]:
+            del _POSTED[key]
+        dropped = [_RECEIVER_GROUPS.pop(k) for k in [k for k in _RECEIVER_GROUPS if k[:3] == prefix]]
+    for kept in dropped:
+        close_later(kept.group)
+
+
 def drop_receivers() -> None:
     """Free every group this process's receivers keep, and the receives they posted: the next sync builds afresh."""
     with LOCK:

@@ -124,6 +124,7 @@ CASES = [
     case(BAD_FLAG, "worker", "--engine", "synthetic", "--redis", "{redis}", says=REDIS_DOWN),
     case(BAD_FLAG, "worker", "--engine", "synthetic", "--metrics-port", "70000", says="--metrics-port 70000 is not"),
     case(BAD_FLAG, "worker", "--engine", "torch", says="the torch engine needs --model DIR"),
+    case(BAD_FLAG, "worker", "--engine", "synthetic", "--join-from", "x", says="unknown --join-from 'x'; choose"),
     case(BAD_FLAG, "worker", "--model", "{model}", "--device", "nodevice", says="--device 'nodevice' is not a torch"),
     case(BAD_FLAG, "worker", "--engine", "synthetic", "--max-batch", "0", says="--max-batch must be at least 1, not 0"),
     case(
@@ -252,6 +253,7 @@ CASES = [
     case(BAD_FLAG, "launch", "--ray", "local", "--model", "{model}", "--engine", "nope", says="unknown engine 'nope'"),
     case(BAD_FLAG, "launch", "--ray", "local", "--engine", "synthetic", "--workers", "0", says="--workers must be"),
     case(BAD_FLAG, "launch", "--ray", "local", "--autoscale", "3:1", says="--autoscale MIN:MAX needs MIN <= MAX"),
+    case(BAD_FLAG, "launch", "--ray", "local", "--join-from", "nope", says="unknown --join-from 'nope'; choose one"),
     case(BAD_FLAG, "launch", "--ray", "local", "--autoscale", "-1:2", says="--autoscale takes MIN:MAX workers"),
     case(BAD_FLAG, "launch", "--ray", "local", "--autoscale", "0:0", says="--autoscale MIN:MAX needs MIN <= MAX"),
     case(BAD_FLAG, "launch", "--ray", "local", "--autoscale", "1:2", "--workers", "2", says="drop --workers"),

@@ -174,7 +174,7 @@ def test_with_nccl_a_late_worker_takes_no_work_until_the_next_broadcast(
     client = RolloutClient(redis_server.url, ns)
     nccl = f"nccl://127.0.0.1:{free_port()}"
     assert client.publish_weights(tiny_model_dir_v1, transport=nccl) == 1
-    workers("late", until=AWAITING_WEIGHTS)  # version 1 is nowhere to fetch
+    workers("late", "--join-from", "store", until=AWAITING_WEIGHTS)  # version 1 is nowhere stored (not from a peer)
     client.submit(tokens=[7, 8, 9], n=4, max_tokens=20, id="meanwhile")
     (group,) = client.collect(1, timeout=60)
     assert {r.worker for r in group.rollouts} == {"early"}

