@@ -3,7 +3,7 @@
 What is checked is the report's shape, that both phases generated (B's tokens/s > 0, the same tokens: greedy),
 that adapter a really synced during the syncing phase (its version moved once per sync) while the base model
 and adapter b never moved, that every rollout of both adapters arrived exactly once, and that bad options are
-one line and exit code 2, with nothing started; on a vLLM worker (its own LoRA) too.
+one line and exit code 2, with nothing started; on a vLLM worker (its own LoRA) too, in the long tier.
 """
 
 from __future__ import annotations
@@ -54,6 +54,11 @@ def test_bench_lora_measures_b_while_a_syncs_and_every_rollout_arrives_once(tmp_
 
 
 @pytest.mark.vllm
+@pytest.mark.long(
+    "the bench's report: test_bench_lora_measures_b_while_a_syncs_and_every_rollout_arrives_once (torch); an adapter "
+    "synced on a vLLM worker while another generates: tests/staleness/test_lora.py's "
+    "test_an_adapter_sync_pauses_that_adapter_alone_and_its_samples_go_on_under_the_new_version[vllm-keep]"
+)
 def test_bench_lora_on_a_vllm_worker_syncs_a_while_b_generates_and_loses_nothing() -> None:
     """`--engine vllm`: vLLM's own LoRA (two slots), the engine flags passed as the worker takes them."""
     result = bench_lora(
