@@ -28,6 +28,7 @@ from benchmarks.bench_rl import (
     worker_shares,
 )
 from benchmarks.cpu import command_line, descendants
+from benchmarks.tests.test_lab_cli_errors import assert_refused_in_one_line, assert_the_command_line_refuses, lab_here
 from pipeline.local import RedisServer
 from pipeline.wire import Keys
 from producers.client import RolloutClient
@@ -153,33 +154,11 @@ def test_modes_and_medians() -> None:
     ],
 )
 def test_bad_arguments_say_what_to_fix(bad: list[str], says: str) -> None:
-    assert_refused_in_one_line(bench_rl_here(*bad), says)
-
-
-def bench_rl_here(*args: str) -> Any:
-    """`bench-rl ARGS` run in this process by the lab's typer app, as its command line runs it (typer's `Result`: the
-    exit code, stdout, stderr and the exception it ended with): a process a case cost ~3 s of imports. The command
-    line itself is checked once, `test_a_bad_argument_on_the_command_line_is_one_line_with_no_traceback`."""
-    from typer.testing import CliRunner
-
-    from benchmarks.cli import lab
-
-    return CliRunner().invoke(lab, ["bench-rl", *args])
-
-
-def assert_refused_in_one_line(result: Any, says: str) -> None:
-    """A refusal: a non-zero exit by `SystemExit` (a clean exit, not an uncaught error with its traceback), and one
-    line on stderr that says `says`."""
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert result.exit_code != 0 and isinstance(result.exception, SystemExit), (result.exception, result.stderr)
-    assert says in result.stderr and len(lines) == 1 and result.stdout == "", result.stderr
+    assert_refused_in_one_line(lab_here("bench-rl", *bad), says)
 
 
 def test_a_bad_argument_on_the_command_line_is_one_line_with_no_traceback() -> None:
-    result = subprocess.run([*BENCH, "--modes", "async:x"], capture_output=True, text=True, timeout=120)
-    errors = [line for line in result.stderr.splitlines() if line.strip()]
-    assert result.returncode == 2 and "Traceback" not in result.stderr and len(errors) == 1, result.stderr
-    assert "use sync, one-step-off or async:η" in result.stderr and result.stdout == ""
+    assert_the_command_line_refuses(["bench-rl", "--modes", "async:x"], "use sync, one-step-off or async:η")
 
 
 @pytest.mark.timeout(180)
