@@ -3,7 +3,7 @@
 What is checked is the report's shape, that both phases generated (B's tokens/s > 0, the same tokens: greedy),
 that adapter a really synced during the syncing phase (its version moved once per sync) while the base model
 and adapter b never moved, that every rollout of both adapters arrived exactly once, and that bad options are
-one line and exit code 2, with nothing started; on a vLLM worker (its own LoRA) too.
+one line and exit code 2, with nothing started; on a vLLM worker (its own LoRA) too, in the long tier.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from benchmarks.tests.test_lab_cli_errors import assert_refused_in_one_line, assert_the_command_line_refuses, lab_here
 
 
 def bench_lora(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
@@ -54,6 +56,11 @@ def test_bench_lora_measures_b_while_a_syncs_and_every_rollout_arrives_once(tmp_
 
 
 @pytest.mark.vllm
+@pytest.mark.long(
+    "the bench's report: test_bench_lora_measures_b_while_a_syncs_and_every_rollout_arrives_once (torch); an adapter "
+    "synced on a vLLM worker while another generates: tests/staleness/test_lora.py's "
+    "test_an_adapter_sync_pauses_that_adapter_alone_and_its_samples_go_on_under_the_new_version[vllm-keep]"
+)
 def test_bench_lora_on_a_vllm_worker_syncs_a_while_b_generates_and_loses_nothing() -> None:
     """`--engine vllm`: vLLM's own LoRA (two slots), the engine flags passed as the worker takes them."""
     result = bench_lora(
@@ -80,7 +87,11 @@ def test_bench_lora_on_a_vllm_worker_syncs_a_while_b_generates_and_loses_nothing
     ],
 )
 def test_bench_lora_refuses_bad_options_in_one_line(args: list[str], message: str) -> None:
-    result = bench_lora(*args, timeout=60)
-    assert result.returncode == 2, result.stderr
-    assert "Traceback" not in result.stderr and result.stdout == ""
+    """In this process, as its command line runs it (`lab_here`); the command line itself: the test below."""
+    result = lab_here("bench-lora", *args)
+    assert_refused_in_one_line(result, message, code=2)
     assert result.stderr.strip().splitlines() == [f"error: {message}"]
+
+
+def test_on_the_command_line_a_bad_option_is_refused_in_one_line() -> None:
+    assert_the_command_line_refuses(["bench-lora", "--rounds", "0"], "--rounds must be at least 1, not 0")

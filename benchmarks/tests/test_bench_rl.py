@@ -28,6 +28,7 @@ from benchmarks.bench_rl import (
     worker_shares,
 )
 from benchmarks.cpu import command_line, descendants
+from benchmarks.tests.test_lab_cli_errors import assert_refused_in_one_line, assert_the_command_line_refuses, lab_here
 from pipeline.local import RedisServer
 from pipeline.wire import Keys
 from producers.client import RolloutClient
@@ -153,8 +154,11 @@ def test_modes_and_medians() -> None:
     ],
 )
 def test_bad_arguments_say_what_to_fix(bad: list[str], says: str) -> None:
-    result = subprocess.run([*BENCH, *bad], capture_output=True, text=True, timeout=120)
-    assert result.returncode != 0 and says in result.stderr and "Traceback" not in result.stderr, result.stderr
+    assert_refused_in_one_line(lab_here("bench-rl", *bad), says)
+
+
+def test_a_bad_argument_on_the_command_line_is_one_line_with_no_traceback() -> None:
+    assert_the_command_line_refuses(["bench-rl", "--modes", "async:x"], "use sync, one-step-off or async:η")
 
 
 @pytest.mark.timeout(180)

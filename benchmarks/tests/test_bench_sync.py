@@ -32,6 +32,7 @@ from benchmarks.bench_sync import (
     why,
     write_sparse_safetensors,
 )
+from benchmarks.tests.test_lab_cli_errors import assert_refused_in_one_line, lab_here
 from consumers.engines.vllm_extension import RolloutsWorkerExtension
 from rollouts.engine_spec import EngineSpec
 from tests.cli.test_cli import assert_clean_error, rollouts
@@ -97,7 +98,9 @@ def test_bench_sync_says_which_transports_cannot_run_on_the_devices_given() -> N
     ],
 )  # fmt: skip
 def test_bench_sync_refuses_tensor_parallel_without_its_gpus_in_one_line(args: list[str], message: str) -> None:
-    assert_clean_error(rollouts("bench-sync", *args), message)
+    """In this process, as its command line runs it (`lab_here`); the lab's command line itself is checked in
+    test_lab_cli_errors.py."""
+    assert_refused_in_one_line(lab_here("bench-sync", *args), message, code=2)
 
 
 def test_the_plot_leaves_out_the_transports_that_did_not_run(tmp_path: Path) -> None:

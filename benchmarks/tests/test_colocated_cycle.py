@@ -14,7 +14,13 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("level", [0, 2])
+@pytest.mark.parametrize(
+    "level",
+    [
+        pytest.param(0, marks=pytest.mark.long("the same round with a sleep between its steps: the [2] run")),
+        2,
+    ],
+)
 def test_each_round_generates_sleeps_trains_and_publishes_the_next_version(level: int) -> None:
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "probes" / "colocated_cycle.py"), "--rounds", "2", "--prompts", "2",

@@ -88,7 +88,7 @@ def topology(request: pytest.FixtureRequest) -> Iterator[SentinelTopology]:
     ("topology", "durability"),
     [  # a replica mode's writes need a replica after the failover: two
         (Shape(replicas=1), "default"),
-        (Shape(replicas=2), "replica"),
+        pytest.param(Shape(replicas=2), "replica", marks=pytest.mark.long("the same with TLS: the [tls-replica] run")),
         (Shape(replicas=2, server="valkey"), "replica"),
         (Shape(replicas=2, tls=True), "replica"),
     ],

@@ -233,7 +233,20 @@ def test_a_session_whose_worker_is_killed_mid_turn_finishes_on_another(
     beat.close()
 
 
-@pytest.mark.parametrize("mode", ["abort", "keep", "inflight"])
+@pytest.mark.parametrize(
+    "mode",
+    [
+        "abort",
+        "keep",
+        pytest.param(
+            "inflight",
+            marks=pytest.mark.long(
+                "a turn kept going in its engine through the sync, as [keep] keeps it; the inflight mode's spans: "
+                "tests/staleness/test_weight_sync.py's test_inflight_syncs_mid_generation_reach_every_sample_once_..."
+            ),
+        ),
+    ],
+)
 def test_a_weight_sync_mid_turn_returns_one_complete_answer_spanning_both_versions(
     redis_server: RedisServer,
     ns: str,

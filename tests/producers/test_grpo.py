@@ -59,6 +59,11 @@ def run_trainer(redis_server: RedisServer, ns: str, *args: str, timeout: float =
     return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
 
 
+@pytest.mark.long(
+    "a learning curve: the trainer learns in test_the_async_trainer_trains_each_sample_once_throws_nothing_away_and_"
+    "learns; sync mode's one sync a step, on-policy, every sample once and the plot in "
+    "test_the_trainer_trains_on_workers_you_run_yourself"
+)
 def test_the_trainer_learns_the_task_in_sync_mode(
     redis_server: RedisServer, ns: str, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -111,14 +116,17 @@ def test_with_rewards_scored_on_rq_workers_the_async_trainer_learns(
 
 
 def test_the_trainer_trains_on_workers_you_run_yourself(
-    redis_server: RedisServer, ns: str, tiny_model_dir: Path, workers: StartWorker
+    redis_server: RedisServer, ns: str, tiny_model_dir: Path, workers: StartWorker, tmp_path: Path
 ) -> None:
-    """`--workers 0 --redis URL`: no processes of its own; the namespace's workers serve it and take its weights."""
+    """`--workers 0 --redis URL`: no processes of its own; the namespace's workers serve it and take its weights. In
+    sync mode: one weight sync a step, every batch on-policy (the engine's logprobs are the trainer's)."""
     mine = workers("mine")
     args = ["--workers", "0", "--model", str(tiny_model_dir), "--mode", "sync", "--steps", "5"]
-    *steps, summary = run_trainer(redis_server, ns, *args)
-    assert summary["samples"] == summary["unique"] == 5 * 64
-    assert [s["version"] for s in steps] == [1, 2, 3, 4, 5]
+    *steps, summary = run_trainer(redis_server, ns, *args, "--plot", str(tmp_path / "curve.png"))
+    assert summary["samples"] == summary["unique"] == 5 * 64, "every sample trained on once"
+    assert [s["version"] for s in steps] == [1, 2, 3, 4, 5], "one weight sync a step"
+    assert all(s["staleness_max"] == 0 and s["kl"] < 1e-6 for s in steps), "sync: on-policy, trainer == engine"
+    assert (tmp_path / "curve.png").read_bytes()[:4] == b"\x89PNG"
     heartbeat = RolloutClient(redis_server.url, ns).streams.redis.hgetall(Keys(ns).worker("mine"))
     assert heartbeat[b"version"] == b"5" and mine.poll() is None, "our worker served every step and took each sync"
 

@@ -35,8 +35,8 @@ def generating(client: RolloutClient, at_least: int) -> Callable[[], bool]:
 def sync_runs() -> list[Any]:
     """`ENGINES_ON_EVERY_SERVER` x pause mode. vLLM runs both modes, one after the other, on one pair of workers: two
     vLLM workers take a minute to start on 2 cores, and a second pair would only start them again. The other servers
-    than the installed one run `abort` in the default run (`keep` is in the long tier): the modes differ in the
-    engine, and a server sees the same commands in both."""
+    than the installed one run `abort` in the default run (`keep` is in the long tier), and the installed one `keep`
+    (`abort` is in the long tier): the modes differ in the engine, and a server sees the same commands in both."""
     runs = []
     for param in ENGINES_ON_EVERY_SERVER:
         engine, server = param.values
@@ -46,6 +46,8 @@ def sync_runs() -> list[Any]:
             marks = list(param.marks)
             if server == "bundled" and m == ("keep",):
                 marks.append(pytest.mark.long("the same commands in abort mode: the [torch-bundled6.2-abort] run"))
+            if engine == "torch" and server == "installed" and m == ("abort",):
+                marks.append(pytest.mark.long("abort: [torch-bundled6.2-abort]; Redis 7: [torch-installed-keep]"))
             runs.append(pytest.param(engine, server, m, marks=marks, id=f"{param.id}-{'-'.join(m)}"))
     return runs
 
