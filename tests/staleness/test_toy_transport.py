@@ -21,6 +21,7 @@ import redis
 import torch
 
 from consumers.engines.torch_engine import TorchEngine
+from consumers.settings import WorkerSettings
 from consumers.worker import Worker
 from pipeline.connections import connect
 from pipeline.local import RedisServer
@@ -152,8 +153,8 @@ def test_a_transport_added_in_one_file_syncs_a_worker_and_serves_one_that_starts
 ) -> None:
     """Version 1 published by `toy://` reaches the in-process worker, which fetches it before its pause when the
     transport fetches ahead, after it when not (the capability, not the scheme, decides), and serves it; a worker
-    started after the sync loads version 1 from the toy before it takes work; the publish of version 2 releases
-    version 1 from the toy's store."""
+    started after the sync (told to join from the store) loads version 1 from the toy before it takes work; the
+    publish of version 2 releases version 1 from the toy's store."""
     monkeypatch.setattr(ToyTransport, "fetches_ahead", ahead)
     events.clear()
     v1 = {name: tensor.clone() for name, tensor in named_tensors(tiny_model_dir_v1)}
@@ -178,9 +179,10 @@ def test_a_transport_added_in_one_file_syncs_a_worker_and_serves_one_that_starts
             assert rollout.worker == "t1"
             of_version(tiny_model_dir_v1, rollout, 1)
 
-            events.clear()  # a worker that starts now: its version is in the toy's store
+            events.clear()  # a worker that starts now, told to take its version from the toy's store, not a peer
             late_engine = RecordedEngine(tiny_model_dir, num_threads=1)
-            late = Worker(Streams(connect(redis_server.url, ns=ns), ns), late_engine, "t2")
+            from_store = WorkerSettings(join_from="store")
+            late = Worker(Streams(connect(redis_server.url, ns=ns), ns), late_engine, "t2", from_store)
             late_run = asyncio.create_task(late.run())
             await wait_for(lambda: late_engine.version == 1 and late.state.serving.is_set())
             assert events == [("fetch", 1), ("load", 1)]
