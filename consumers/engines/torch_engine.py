@@ -135,7 +135,7 @@ class TorchEngine(LoraAdapters, HandsOverInProcess, EngineLifecycle):
             if self._thread is not None:
                 return
             model = AutoModelForCausalLM.from_pretrained(
-                self.model_dir, dtype=self.dtype, attn_implementation=self.attn_implementation
+                self.model_dir, dtype=self.config.dtype, attn_implementation=self.attn_implementation
             )
             model.to(self.device).eval().requires_grad_(False)  # type: ignore[arg-type]  # transformers mistypes .to()
             self._find_adapter_targets(model)

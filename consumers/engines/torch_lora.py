@@ -81,7 +81,7 @@ class LoraAdapters(BatchScheduler):
 
     def _parse_adapter(self, tensors: Mapping[str, Any], config: Mapping[str, Any]) -> ParsedAdapter:
         parsed = parse_adapter(tensors, config, linear_shapes(self._model), modules=self._module_types)
-        return parsed.to(self.device, self.dtype)
+        return parsed.to(self.device, self.config.dtype)
 
     def _check_slot(self, name: str) -> None:
         """`ValueError` if `name` would need a slot and all are taken (caller holds `_cv`)."""

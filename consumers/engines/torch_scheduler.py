@@ -127,11 +127,11 @@ class BatchScheduler:
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.device = config.device
-        self.dtype = config.dtype
         self.max_batch = config.max_batch
         self.max_model_len = config.max_model_len
-        self._pad_id = config.pad_id
         self.num_threads = config.num_threads
+        """The config's, until the engine chooses it for the model it loads."""
+        self.config = config
         self._model: Any = None
         """The causal LM the steps call (None until the engine loads it)."""
         # `_cv` guards the queue and flags (held for microseconds, also by the event loop);
@@ -283,7 +283,7 @@ class BatchScheduler:
         if admitted:
             self.prefill_tokens += sum(r.length for r in admitted)
             width = max(r.length for r in admitted)
-            ids = torch.full((len(admitted), width), self._pad_id, dtype=torch.long)
+            ids = torch.full((len(admitted), width), self.config.pad_id, dtype=torch.long)
             mask = torch.zeros((len(admitted), width), dtype=torch.long)
             for i, r in enumerate(admitted):
                 ids[i, width - r.length :] = torch.tensor(r.prompt + r.tokens)
