@@ -4,11 +4,16 @@ A package keeps its scripts in its own `lua/` folder (`pipeline/lua`, `staleness
 begins with `--` comments that name its KEYS and ARGV and what it returns, so that a person
 reading it with the Redis docs beside needs nothing else. Every script uses only commands of
 Redis 6.2 (see `pipeline.connections`); redis-py runs each by EVALSHA and loads it on a miss.
+
+Lua that scripts of one folder share (local functions) lives in a file of that folder whose name begins with `_`
+(`staleness/lua/_begin.lua`): an include, not a script, spliced in whole where a script has the line
+`-- include: _NAME.lua`, so that Redis still receives each script as one self-contained source.
 """
 
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -18,14 +23,30 @@ from redis.client import Pipeline
 from redis.commands.core import Script
 from redis.exceptions import NoScriptError
 
+INCLUDE = re.compile(r"^-- include: (_[\w-]+\.lua)$", re.MULTILINE)
+"""A script's line that names an include of its folder, replaced by that file's text."""
+
 
 @functools.cache
 def sources(folder: Path) -> dict[str, str]:
-    """`{name: source}` of every `*.lua` in `folder`, named by file stem."""
-    found = {path.stem: path.read_text() for path in sorted(folder.glob("*.lua"))}
+    """`{name: source}` of every script in `folder` (a `*.lua` whose name does not begin with `_`), named by file
+    stem, with the includes it names spliced in."""
+    found = {path.stem: _spliced(path) for path in sorted(folder.glob("*.lua")) if not path.name.startswith("_")}
     if not found:
         raise FileNotFoundError(f"no Lua scripts in {folder} (is the package installed with its data?)")
     return found
+
+
+def _spliced(path: Path) -> str:
+    """The script at `path`, each `-- include: _NAME.lua` line replaced by that file of its folder (not nested)."""
+
+    def included(match: re.Match[str]) -> str:
+        shared = path.parent / match.group(1)
+        if not shared.is_file():
+            raise FileNotFoundError(f"{path.name} includes {match.group(1)}, which is not in {path.parent}")
+        return shared.read_text().rstrip("\n")
+
+    return INCLUDE.sub(included, path.read_text())
 
 
 class ReloadingScript(Script):

@@ -32,7 +32,7 @@ from consumers.engines.base import (
 )
 from consumers.engines.model_files import WeightLayout, read_model_limits
 from consumers.engines.torch_lora import LoraAdapters
-from consumers.engines.torch_scheduler import Request, settle
+from consumers.engines.torch_scheduler import Request, SchedulerConfig, settle
 from pipeline.wire import PAUSE_MODES, SLEEP_LEVELS, PauseMode, Sampling
 from staleness.weights.fused import ROUTER_MODELS, routers, to_checkpoint, to_module
 from staleness.weights.handover import Placement
@@ -96,13 +96,15 @@ class TorchEngine(LoraAdapters, HandsOverInProcess, EngineLifecycle):
             raise ValueError(f"TorchEngine supports full-attention models only; {self.model_dir} has {layer_types}")
         limits = read_model_limits(self.model_dir, max_model_len)
         super().__init__(
+            SchedulerConfig(
+                device=torch.device(device),
+                dtype=getattr(torch, dtype) if isinstance(dtype, str) else dtype,
+                max_batch=max_batch,
+                max_model_len=limits.max_model_len,
+                pad_id=limits.pad_id,
+                num_threads=num_threads,
+            ),
             max_loras=max_loras,
-            device=torch.device(device),
-            dtype=getattr(torch, dtype) if isinstance(dtype, str) else dtype,
-            max_batch=max_batch,
-            max_model_len=limits.max_model_len,
-            pad_id=limits.pad_id,
-            num_threads=num_threads,
         )
         self.vocab_size = limits.vocab_size
         self._eos_ids = limits.eos_ids
@@ -133,7 +135,7 @@ class TorchEngine(LoraAdapters, HandsOverInProcess, EngineLifecycle):
             if self._thread is not None:
                 return
             model = AutoModelForCausalLM.from_pretrained(
-                self.model_dir, dtype=self.dtype, attn_implementation=self.attn_implementation
+                self.model_dir, dtype=self.config.dtype, attn_implementation=self.attn_implementation
             )
             model.to(self.device).eval().requires_grad_(False)  # type: ignore[arg-type]  # transformers mistypes .to()
             self._find_adapter_targets(model)

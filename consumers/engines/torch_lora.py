@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from consumers.engines.lora import LoraModule, ParsedAdapter, linear_shapes, module_types, parse_adapter
-from consumers.engines.torch_scheduler import BatchScheduler, Request
+from consumers.engines.torch_scheduler import BatchScheduler, Request, SchedulerConfig
 from pipeline.wire import PAUSE_MODES, PauseMode
 
 log = logging.getLogger(__name__)
@@ -36,29 +36,12 @@ class LoraAdapters(BatchScheduler):
     """A `BatchScheduler` whose rows may run under LoRA adapters: their slots, the adapter half of `Engine`, and the
     forward hooks that add each adapter row's term to a model call.
 
-    `max_loras`: LoRA adapters held at once (`load_adapter`); 0 serves the base model only. The other arguments are
+    `max_loras`: LoRA adapters held at once (`load_adapter`); 0 serves the base model only. `config` is the
     `BatchScheduler`'s.
     """
 
-    def __init__(
-        self,
-        *,
-        max_loras: int,
-        device: torch.device,
-        dtype: torch.dtype,
-        max_batch: int,
-        max_model_len: int,
-        pad_id: int,
-        num_threads: int | None,
-    ) -> None:
-        super().__init__(
-            device=device,
-            dtype=dtype,
-            max_batch=max_batch,
-            max_model_len=max_model_len,
-            pad_id=pad_id,
-            num_threads=num_threads,
-        )
+    def __init__(self, config: SchedulerConfig, *, max_loras: int) -> None:
+        super().__init__(config)
         self.max_loras = max_loras
         # `_adapters` changes under both locks (`_step_lock`, then `_cv`) and is read under either.
         self._adapters: dict[str, _Adapter] = {}
@@ -98,7 +81,7 @@ class LoraAdapters(BatchScheduler):
 
     def _parse_adapter(self, tensors: Mapping[str, Any], config: Mapping[str, Any]) -> ParsedAdapter:
         parsed = parse_adapter(tensors, config, linear_shapes(self._model), modules=self._module_types)
-        return parsed.to(self.device, self.dtype)
+        return parsed.to(self.device, self.config.dtype)
 
     def _check_slot(self, name: str) -> None:
         """`ValueError` if `name` would need a slot and all are taken (caller holds `_cv`)."""

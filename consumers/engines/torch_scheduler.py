@@ -99,37 +99,39 @@ class Request:
         )
 
 
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """What a `BatchScheduler` runs under (the engine's choices and its model's limits)."""
+
+    device: torch.device
+    """Where the model runs."""
+    dtype: torch.dtype
+    """The precision the model runs in."""
+    max_batch: int
+    """Most requests decoded together; more wait for a free row."""
+    max_model_len: int
+    """Cap on prompt + generation; a row that reaches it ends with "length"."""
+    pad_id: int
+    """The token id under the left padding of a prefill (masked out)."""
+    num_threads: int | None
+    """Intra-op threads of the scheduler thread (set in that thread only); None: torch's default."""
+
+
 class BatchScheduler:
-    """The requests' queue, the running batch and its KV cache, and the thread that runs them over the model.
+    """The requests' queue, the running batch and its KV cache, and the thread that runs them over the model, under
+    `config` (`SchedulerConfig`).
 
     A base class: the engine that extends it loads the model into `_model`, starts `_run` on a thread of its own, and
     says what a model call adds (`_lora_hooks`) and which version each token is of (`_version_of`).
-
-    Args:
-        device: where the model runs.
-        dtype: the precision the model runs in.
-        max_batch: most requests decoded together; more wait for a free row.
-        max_model_len: cap on prompt + generation; a row that reaches it ends with "length".
-        pad_id: the token id under the left padding of a prefill (masked out).
-        num_threads: intra-op threads of the scheduler thread (set in that thread only); None: torch's default.
     """
 
-    def __init__(
-        self,
-        *,
-        device: torch.device,
-        dtype: torch.dtype,
-        max_batch: int,
-        max_model_len: int,
-        pad_id: int,
-        num_threads: int | None,
-    ) -> None:
-        self.device = device
-        self.dtype = dtype
-        self.max_batch = max_batch
-        self.max_model_len = max_model_len
-        self._pad_id = pad_id
-        self.num_threads = num_threads
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.device = config.device
+        self.max_batch = config.max_batch
+        self.max_model_len = config.max_model_len
+        self.num_threads = config.num_threads
+        """The config's, until the engine chooses it for the model it loads."""
+        self.config = config
         self._model: Any = None
         """The causal LM the steps call (None until the engine loads it)."""
         # `_cv` guards the queue and flags (held for microseconds, also by the event loop);
@@ -281,7 +283,7 @@ class BatchScheduler:
         if admitted:
             self.prefill_tokens += sum(r.length for r in admitted)
             width = max(r.length for r in admitted)
-            ids = torch.full((len(admitted), width), self._pad_id, dtype=torch.long)
+            ids = torch.full((len(admitted), width), self.config.pad_id, dtype=torch.long)
             mask = torch.zeros((len(admitted), width), dtype=torch.long)
             for i, r in enumerate(admitted):
                 ids[i, width - r.length :] = torch.tensor(r.prompt + r.tokens)

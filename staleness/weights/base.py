@@ -376,9 +376,12 @@ class Transport:
         """Store (or stage, for a transport that pushes) one version completely, then return the uri that names it
         (`FileExistsError` if stored). With `adapter_config`, the tensors are a LoRA adapter's (PEFT names) and the
         config goes with them. An iterable of `(name, tensor)` pairs is consumed once, a bucket at a time (see each
-        transport); if it raises, nothing of the version is left stored and the error propagates. The transport's own
-        part is `put`; this times it and keeps what it moved (`last_publish`)."""
+        transport); if it raises, nothing of the version is left stored and the error propagates. An adapter's version
+        is refused (`ValueError`) by a transport that carries no adapters. The transport's own part is `put`; this
+        times it and keeps what it moved (`last_publish`)."""
         version = check_version(version)
+        if adapter_config is not None and not self.carries_adapters:
+            raise ValueError(f"LoRA adapters travel by {adapter_schemes()}, not {self.scheme}://")
         started = time.monotonic()
         stats = self.put(tensors, version, adapter_config)
         stats.seconds = time.monotonic() - started
@@ -407,13 +410,18 @@ class Transport:
         """Versions stored completely, in order."""
         return []
 
+    def stored(self) -> set[int]:
+        """Every version with anything stored, complete or not: what `release` looks through."""
+        return set(self.versions())
+
     def remove(self, version: int) -> bool:
         """Delete a version (and any half-written leftover of it); False if there was nothing."""
         return False
 
     def release(self, keep: Iterable[int]) -> list[int]:
-        """Delete every version below `max(keep)` that is not in `keep`; returns those deleted."""
-        return []
+        """Delete every version below `max(keep)` that is not in `keep` (`release_older`); returns those deleted. A
+        transport that does not store (`stores` False) holds none: nothing to release."""
+        return release_older(self, keep) if self.stores else []
 
     @classmethod
     def remove_published(cls, parsed: WeightsUri, redis_client: redis.Redis | None, ns: str | None) -> bool:

@@ -32,8 +32,6 @@ from staleness.weights.base import (
     Transport,
     WeightsUri,
     check_version,
-    parse_uri,
-    release_older,
 )
 from staleness.weights.buckets import raw_bytes
 from staleness.weights.fs_delta import Gathering, has_deltas, receive
@@ -86,10 +84,6 @@ class FsTransport(Transport):
         self.shard_bytes = shard_bytes
         self.held = held
         """The last version this trainer published, whole, to send the next as a delta from; None: no deltas."""
-
-    @classmethod
-    def from_uri(cls, uri: str) -> FsTransport:
-        return cls(parse_uri(uri).location)
 
     @classmethod
     def parse(cls, uri: str, rest: str) -> WeightsUri:
@@ -213,9 +207,6 @@ class FsTransport(Transport):
         for path in doomed:
             shutil.rmtree(path, ignore_errors=True)
         return bool(doomed)
-
-    def release(self, keep: Iterable[int]) -> list[int]:
-        return release_older(self, keep)
 
 
 def version_dir(path: Path, version: int) -> Path:

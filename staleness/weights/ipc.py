@@ -45,17 +45,7 @@ import redis
 import torch
 
 from pipeline.wire import Keys
-from staleness.weights.base import (
-    Fetched,
-    Opening,
-    PublishStats,
-    Receiving,
-    Transport,
-    WeightsUri,
-    adapter_schemes,
-    check_version,
-    release_older,
-)
+from staleness.weights.base import Fetched, Opening, PublishStats, Receiving, Transport, WeightsUri, check_version
 from staleness.weights.buckets import ALIGN, TensorMeta, dtype_from_name, dtype_name, plan_buckets
 from staleness.weights.handover import Handover, LoadsWeights
 from staleness.weights.sources import WeightSource, named_tensors
@@ -315,8 +305,6 @@ class IpcTransport(Transport):
         moment (what was yielded, and the buffer), the host none of it.
 
         A manifest left by a trainer process that is gone is replaced: its handles opened nothing any more."""
-        if adapter_config is not None:
-            raise ValueError(f"LoRA adapters travel by {adapter_schemes()}, not ipc://")
         if (self.ns, version) in _HELD:
             raise FileExistsError(f"weights version {version} is exported by this process already: remove it first")
         stats = PublishStats()
@@ -351,9 +339,6 @@ class IpcTransport(Transport):
         if export is not None:
             export.close()
         return deleted or export is not None
-
-    def release(self, keep: Iterable[int]) -> list[int]:
-        return release_older(self, keep)
 
     # -- the worker's side
 

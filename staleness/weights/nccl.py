@@ -58,16 +58,7 @@ import torch
 import torch.distributed as dist
 
 from staleness.weights import nccl_group
-from staleness.weights.base import (
-    Opening,
-    PublishStats,
-    Receiving,
-    Transport,
-    WeightsUri,
-    check_version,
-    parse_uri,
-    uri_version,
-)
+from staleness.weights.base import Opening, PublishStats, Receiving, Transport, WeightsUri, check_version, uri_version
 from staleness.weights.buckets import (
     ALIGN,
     COPY_FROM,
@@ -207,11 +198,6 @@ class NcclTransport(Transport):
         """What the last broadcast moved, and how fast."""
 
     @classmethod
-    def from_uri(cls, uri: str, **kwargs: Any) -> NcclTransport:
-        host, _, port = parse_uri(uri).location.rpartition(":")
-        return cls(host, int(port), **kwargs)
-
-    @classmethod
     def parse(cls, uri: str, rest: str) -> WeightsUri:
         """`nccl://HOST:PORT` (the trainer's rendezvous), `nccl://HOST:PORT/v{n}` for a version."""
         location, _, tail = rest.partition("/")
@@ -226,7 +212,8 @@ class NcclTransport(Transport):
         """This process hosts the rendezvous on PORT, waiting up to `join_timeout_s` for the workers to join a sync;
         `bucket_bytes` is a broadcast's size (at least `ALIGN`)."""
         buckets = {} if opening.bucket_bytes is None else {"bucket_bytes": max(opening.bucket_bytes, ALIGN)}
-        return cls.from_uri(spec, timeout_s=opening.join_timeout_s, **buckets)
+        host, _, port = parsed.location.rpartition(":")
+        return cls(host, int(port), timeout_s=opening.join_timeout_s, **buckets)
 
     def uri_of(self, version: int) -> str:
         return f"nccl://{self.host}:{self.port}/v{check_version(version)}"
@@ -429,15 +416,6 @@ class NcclTransport(Transport):
     @property
     def last_push(self) -> BroadcastStats | None:
         return self.last
-
-    def versions(self) -> list[int]:
-        return []  # nothing is stored: a version lives only while it is broadcast
-
-    def remove(self, version: int) -> bool:
-        return False
-
-    def release(self, keep: Any) -> list[int]:
-        return []
 
     # -- the worker's side
 

@@ -32,16 +32,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_blob
 
 from pipeline.wire import ADAPTER_PATTERN, Keys
-from staleness.weights.base import (
-    Fetched,
-    Opening,
-    PublishStats,
-    Receiving,
-    Transport,
-    WeightsUri,
-    check_version,
-    release_older,
-)
+from staleness.weights.base import Fetched, Opening, PublishStats, Receiving, Transport, WeightsUri, check_version
 from staleness.weights.buckets import ALIGN, dtype_name, raw_bytes, tensor_entries, tensor_view
 from staleness.weights.delta import Delta, DeltaError, HeldWeights, Whole
 from staleness.weights.delta import apply as apply_delta
@@ -473,9 +464,6 @@ class RedisTransport(Transport):
         pipe.delete(self._delta_key(version), *(self._delta_key(version, i) for i in range(delta_chunks + 1)))
         pipe.hdel(keys.weights_index, str(version))
         return any(pipe.execute())
-
-    def release(self, keep: Iterable[int]) -> list[int]:
-        return release_older(self, keep)
 
 
 class _ChunkWriter:

@@ -770,6 +770,21 @@ def test_every_lua_script_names_its_keys_and_compiles_on_every_server(redis_serv
     client.close()
 
 
+def test_a_scripts_include_is_spliced_in_and_a_missing_one_is_named(tmp_path: Path, any_redis: redis.Redis) -> None:
+    """A `_NAME.lua` of the folder is no script: its functions reach the scripts that include it; an include that
+    is not there fails the load, naming both files."""
+    (tmp_path / "_shared.lua").write_text("local function twice(x)\n  return 2 * x\nend\n")
+    (tmp_path / "doubles.lua").write_text("-- KEYS: none. ARGV: a number. Twice it.\n-- include: _shared.lua\n"
+                                          "return twice(tonumber(ARGV[1]))\n")  # fmt: skip
+    scripts = register_all(any_redis, tmp_path)
+    assert list(scripts) == ["doubles"]
+    assert scripts["doubles"](keys=[], args=[21]) == 42
+    (tmp_path / "lost").mkdir()
+    (tmp_path / "lost" / "broken.lua").write_text("-- include: _gone.lua\nreturn 1\n")
+    with pytest.raises(FileNotFoundError, match=r"broken\.lua includes _gone\.lua"):
+        sources(tmp_path / "lost")
+
+
 def test_scored_rollouts_go_through_scoring_and_are_forwarded_once(any_redis: redis.Redis, ns: str) -> None:
     """A prompt with a reward_fn publishes to `scoring`; forwarding acks and adds in one step, once."""
     streams = Streams(any_redis, ns)
