@@ -1,15 +1,19 @@
 """Every `rollouts` command turns a person's mistake into one line on stderr that says what to fix, and exit code 2.
 
-Each command is run as a person runs it (a subprocess of the real CLI) with a path that is not there, a flag value
-it must refuse, an unreachable Redis, and an optional dependency that is not installed. A missing dependency is
-simulated the way a user without the extra meets it: a `sitecustomize` on PYTHONPATH makes `import vllm` (or rq, ray,
-torch, transformers, ...) raise `ModuleNotFoundError: No module named 'vllm'`. The cases are checked against the
-typer app's command list, so that a new command cannot go without them.
+Each command is given a path that is not there, a flag value it must refuse, an unreachable Redis, and an optional
+dependency that is not installed. A missing dependency is met as a user without the extra meets it, in a process of
+its own (the real CLI, `python -m rollouts`): a `sitecustomize` on PYTHONPATH makes `import vllm` (or rq, ray, torch,
+transformers, ...) raise `ModuleNotFoundError: No module named 'vllm'`; so every command also runs once here as a
+person runs it. The other mistakes are refused before anything starts, so they run in this process, through the typer
+app as the command line runs it (`rollouts_here`): a process a case cost ~0.6 s of imports. The cases are checked
+against the typer app's command list, so that a new command cannot go without them.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -65,6 +69,12 @@ class Case:
         args = " ".join(arg.format(**READABLE) for arg in self.args[1:])
         hidden = "without any extra" if self.hide == EVERY_EXTRA else f"without {self.hide}" if self.hide else ""
         return " | ".join(filter(None, [self.command, self.kind, args, hidden]))
+
+    @property
+    def in_a_process(self) -> bool:
+        """Whether the case runs as a person runs it, a process of its own (`run_cli`): one that hides a package, which
+        this process may have imported already. The others run in this process (`rollouts_here`)."""
+        return bool(self.hide)
 
 
 def case(kind: str, *args: str, says: str | tuple[str, ...], hide: str = "", env: dict[str, str] | None = None) -> Case:
@@ -335,35 +345,90 @@ def places(
         }
 
 
+@dataclass(frozen=True)
+class Ran:
+    """How a command ended: its exit code, stdout, stderr (in this process, with the log records a process would have
+    printed there), and whether it ended cleanly (by `SystemExit`, not an uncaught error)."""
+
+    code: int
+    stdout: str
+    stderr: str
+    clean: bool
+
+    def __str__(self) -> str:
+        return f"exit {self.code}{'' if self.clean else ' (uncaught)'}\nstdout:\n{self.stdout}\nstderr:\n{self.stderr}"
+
+
+def without_our_env(extra: tuple[tuple[str, str], ...]) -> dict[str, str | None]:
+    """The environment changes of a run: no `ROLLOUTS_*` from outside (no --redis or --ns), then the case's own."""
+    return {**{k: None for k in os.environ if k.startswith("ROLLOUTS_")}, **dict(extra)}
+
+
 def run_cli(
     args: list[str], places: dict[str, str], hide: str = "", extra_env: tuple[tuple[str, str], ...] = ()
-) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUTS_")}  # no --redis or --ns from outside
+) -> Ran:
+    """`python -m rollouts ARGS`, a process of its own, `hide`'s packages not installed there."""
+    env = {k: v for k, v in (os.environ | without_our_env(extra_env)).items() if v is not None}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [places["hider"], os.environ.get("PYTHONPATH")]))
     env["ROLLOUTS_TEST_HIDE"] = hide
-    env.update(extra_env)
     command = [sys.executable, "-m", "rollouts", *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=120, env=env, stdin=subprocess.DEVNULL)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env, stdin=subprocess.DEVNULL)
+    return Ran(done.returncode, done.stdout, done.stderr, "Traceback" not in done.stderr + done.stdout)
+
+
+class Printed(logging.Handler):
+    """The log records a command's process would print on stderr (its level `info`), one line each."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(f"{record.levelname} {record.name}: {record.getMessage()}")
+        if record.exc_info:
+            self.lines.append("Traceback")
+
+
+def rollouts_here(args: list[str], extra_env: tuple[tuple[str, str], ...] = ()) -> Ran:
+    """`rollouts ARGS` run in this process by the typer app, as `python -m rollouts` runs it: its stderr with the log
+    records a process would have printed there; the signal handlers and the root logger left as they were."""
+    root, printed = logging.getLogger(), Printed()
+    handlers, level = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}, root.level
+    root.addHandler(printed)
+    root.setLevel(min(level or logging.WARNING, logging.INFO))
+    try:
+        result = CliRunner().invoke(app, args, env=without_our_env(extra_env))
+    finally:
+        root.removeHandler(printed)
+        root.setLevel(level)
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    stderr = result.stderr + "".join(f"{line}\n" for line in printed.lines)
+    clean = isinstance(result.exception, SystemExit) or result.exception is None
+    return Ran(result.exit_code, result.stdout, stderr, clean and "Traceback" not in stderr + result.stdout)
 
 
 @pytest.mark.parametrize("mistake", CASES, ids=[c.id for c in CASES])
 def test_a_mistake_is_one_line_on_stderr_that_says_what_to_fix_and_exit_2(
     mistake: Case, places: dict[str, str]
 ) -> None:
-    result = run_cli([arg.format(**places) for arg in mistake.args], places, mistake.hide, mistake.env)
-    report = f"exit {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
-    assert "Traceback" not in result.stderr + result.stdout, report
+    args = [arg.format(**places) for arg in mistake.args]
+    if mistake.in_a_process:
+        result = run_cli(args, places, mistake.hide, mistake.env)
+    else:
+        result = rollouts_here(args, mistake.env)
+    assert result.clean, result
     lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, report
+    assert len(lines) == 1, result
     line = lines[0]
-    assert line.startswith("error: "), report
+    assert line.startswith("error: "), result
     position = 0
     for part in (says.format(**places) for says in mistake.says):
         assert part in line[position:], f"{part!r} not in (or not after the previous part of) {line!r}"
         position = line.index(part, position) + len(part)
     assert ".." not in line, line
-    assert result.returncode == 2, report
-    assert result.stdout == "", report
+    assert result.code == 2, result
+    assert result.stdout == "", result
 
 
 def user_commands() -> dict[str, Callable[..., Any]]:
@@ -393,6 +458,8 @@ def test_every_command_has_a_bad_flag_a_missing_extra_and_where_it_takes_one_a_m
     ]
     assert not missing, f"commands without a case: {missing}"
     assert not {c.command for c in CASES} - set(commands), "a case of a command that is gone"
+    alone = set(commands) - {c.command for c in CASES if c.in_a_process}
+    assert not alone, f"commands never run as a process of their own (python -m rollouts) here: {sorted(alone)}"
 
 
 @pytest.mark.parametrize("name", sorted(user_commands()))
