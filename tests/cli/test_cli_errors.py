@@ -5,15 +5,13 @@ dependency that is not installed. A missing dependency is met as a user without 
 its own (the real CLI, `python -m rollouts`): a `sitecustomize` on PYTHONPATH makes `import vllm` (or rq, ray, torch,
 transformers, ...) raise `ModuleNotFoundError: No module named 'vllm'`; so every command also runs once here as a
 person runs it. The other mistakes are refused before anything starts, so they run in this process, through the typer
-app as the command line runs it (`rollouts_here`): a process a case cost ~0.6 s of imports. The cases are checked
-against the typer app's command list, so that a new command cannot go without them.
+app as the command line runs it (`tests.cli.here.rollouts_here`). The cases are checked against the typer app's
+command list, so that a new command cannot go without them.
 """
 
 from __future__ import annotations
 
-import logging
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -28,6 +26,7 @@ from typer.testing import CliRunner
 from pipeline.install import pip_install
 from pipeline.local import RedisServer, free_port
 from rollouts import app
+from tests.cli.here import Ran, rollouts_here, without_our_env
 
 MISSING_PATH, BAD_FLAG, MISSING_EXTRA = "missing path", "bad flag", "missing extra"
 EVERY_EXTRA = "torch,transformers,safetensors,tokenizers,vllm,ray,rq"
@@ -345,25 +344,6 @@ def places(
         }
 
 
-@dataclass(frozen=True)
-class Ran:
-    """How a command ended: its exit code, stdout, stderr (in this process, with the log records a process would have
-    printed there), and whether it ended cleanly (by `SystemExit`, not an uncaught error)."""
-
-    code: int
-    stdout: str
-    stderr: str
-    clean: bool
-
-    def __str__(self) -> str:
-        return f"exit {self.code}{'' if self.clean else ' (uncaught)'}\nstdout:\n{self.stdout}\nstderr:\n{self.stderr}"
-
-
-def without_our_env(extra: tuple[tuple[str, str], ...]) -> dict[str, str | None]:
-    """The environment changes of a run: no `ROLLOUTS_*` from outside (no --redis or --ns), then the case's own."""
-    return {**{k: None for k in os.environ if k.startswith("ROLLOUTS_")}, **dict(extra)}
-
-
 def run_cli(
     args: list[str], places: dict[str, str], hide: str = "", extra_env: tuple[tuple[str, str], ...] = ()
 ) -> Ran:
@@ -373,39 +353,7 @@ def run_cli(
     env["ROLLOUTS_TEST_HIDE"] = hide
     command = [sys.executable, "-m", "rollouts", *args]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env, stdin=subprocess.DEVNULL)
-    return Ran(done.returncode, done.stdout, done.stderr, "Traceback" not in done.stderr + done.stdout)
-
-
-class Printed(logging.Handler):
-    """The log records a command's process would print on stderr (its level `info`), one line each."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(f"{record.levelname} {record.name}: {record.getMessage()}")
-        if record.exc_info:
-            self.lines.append("Traceback")
-
-
-def rollouts_here(args: list[str], extra_env: tuple[tuple[str, str], ...] = ()) -> Ran:
-    """`rollouts ARGS` run in this process by the typer app, as `python -m rollouts` runs it: its stderr with the log
-    records a process would have printed there; the signal handlers and the root logger left as they were."""
-    root, printed = logging.getLogger(), Printed()
-    handlers, level = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}, root.level
-    root.addHandler(printed)
-    root.setLevel(min(level or logging.WARNING, logging.INFO))
-    try:
-        result = CliRunner().invoke(app, args, env=without_our_env(extra_env))
-    finally:
-        root.removeHandler(printed)
-        root.setLevel(level)
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
-    stderr = result.stderr + "".join(f"{line}\n" for line in printed.lines)
-    clean = isinstance(result.exception, SystemExit) or result.exception is None
-    return Ran(result.exit_code, result.stdout, stderr, clean and "Traceback" not in stderr + result.stdout)
+    return Ran.of(done)
 
 
 @pytest.mark.parametrize("mistake", CASES, ids=[c.id for c in CASES])
@@ -416,7 +364,7 @@ def test_a_mistake_is_one_line_on_stderr_that_says_what_to_fix_and_exit_2(
     if mistake.in_a_process:
         result = run_cli(args, places, mistake.hide, mistake.env)
     else:
-        result = rollouts_here(args, mistake.env)
+        result = rollouts_here(*args, env=mistake.env)
     assert result.clean, result
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, result
