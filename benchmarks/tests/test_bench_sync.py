@@ -233,9 +233,10 @@ def test_bench_sync_measures_deltas_against_whole_syncs_side_by_side_on_real_tra
     tiny_model_dir: Path,
 ) -> None:
     """`--deltas`: real AdamW steps of the model before each publish; redis and fs each measured whole and with deltas
-    on one worker, the delta rows reading a few percent of what the whole rows read (after their first: no base)."""
+    on one worker, the delta rows reading a few percent of what the whole rows read (after their first: no base).
+    Two rounds: the first whole, the second a delta (a chain of them: tests/staleness/test_delta.py)."""
     result = rollouts(
-        "bench-sync", "--model", str(tiny_model_dir), "--transports", "redis,fs", "--rounds", "3",
+        "bench-sync", "--model", str(tiny_model_dir), "--transports", "redis,fs", "--rounds", "2",
         "--dtype", "bfloat16", "--deltas", timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr

@@ -1,4 +1,6 @@
-"""The `rollouts` command as a person runs it: real processes, real Redis, readable errors."""
+"""The `rollouts` command as a person runs it: real processes, real Redis, readable errors. A refusal, or a command
+that only writes a file or a queue, runs in the test process through the typer app (`rollouts_here`); the pipeline,
+the demo and `--help` run as processes of their own."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from pipeline.local import RedisServer, free_port
 from pipeline.processes import start_worker, stop_process, wait_for_worker
 from pipeline.wire import Keys, Prompt
 from producers.client import RolloutClient
+from tests.cli.here import Ran, rollouts_here
 
 
 def rollouts(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -26,11 +29,12 @@ def rollouts(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[st
     )
 
 
-def assert_clean_error(result: subprocess.CompletedProcess[str], *needles: str) -> None:
-    """A non-zero exit with a message that says what to fix, and no traceback."""
+def assert_clean_error(result: Ran | subprocess.CompletedProcess[str], *needles: str) -> None:
+    """Exit 2 with a message that says what to fix, and no traceback (nor, run here, an uncaught error)."""
+    result = result if isinstance(result, Ran) else Ran.of(result)
     output = result.stdout + result.stderr
-    assert result.returncode == 2, output
-    assert "Traceback" not in output
+    assert result.code == 2, output
+    assert result.clean, result
     for needle in needles:
         assert needle in output, output
 
@@ -107,7 +111,7 @@ def test_submit_carries_a_prompts_files_sampling_knobs_to_the_workers(
     bad = tmp_path / "bad-knobs.jsonl"
     bad.write_text('{"tokens": [1], "top_k": -3, "min_p": 2}\n{"tokens": [1], "max_tokens": 4, "min_tokens": 5}\n')
     assert_clean_error(
-        rollouts("submit", "--redis", url, "--ns", ns, "--file", str(bad)),
+        rollouts_here("submit", "--redis", url, "--ns", ns, "--file", str(bad)),
         "2 bad lines, nothing was queued",
         "line 1: top_k must be -1 or 0 (off) or >= 1, got -3; min_p must be in [0, 1], got 2.0",
         "line 2: min_tokens must be in [0, max_tokens=4], got 5",
@@ -145,7 +149,7 @@ def test_a_bad_prompts_file_queues_nothing_and_names_every_bad_line(
         '{"tokens": [1], "temperature": -2}\n'
         '{"tokens": [1], "colour": "red"}\n'
     )
-    result = rollouts("submit", "--redis", redis_server.url, "--ns", ns, "--file", str(prompts))
+    result = rollouts_here("submit", "--redis", redis_server.url, "--ns", ns, "--file", str(prompts))
     assert_clean_error(
         result,
         "5 bad lines, nothing was queued",
@@ -157,7 +161,7 @@ def test_a_bad_prompts_file_queues_nothing_and_names_every_bad_line(
     )
     text_only = tmp_path / "text.jsonl"
     text_only.write_text('{"prompt": "hello"}\n')
-    result = rollouts("submit", "--redis", redis_server.url, "--ns", ns, "--file", str(text_only))
+    result = rollouts_here("submit", "--redis", redis_server.url, "--ns", ns, "--file", str(text_only))
     assert_clean_error(result, "text prompts need a tokenizer")
     client = RolloutClient(redis_server.url, ns)
     assert client.streams.redis.xlen(Keys(ns).prompts) == 0
@@ -180,19 +184,19 @@ def test_argument_and_connection_errors_say_what_to_fix(
     redis_server: RedisServer, args: list[str], needles: list[str]
 ) -> None:
     args = [a.format(port=free_port(), url=redis_server.url) for a in args]
-    assert_clean_error(rollouts(*args, timeout=60), *needles)
+    assert_clean_error(rollouts_here(*args), *needles)
 
 
 def test_publish_weights_of_an_adapter_needs_a_peft_directory(tiny_model_dir: Path) -> None:
     """A base checkpoint given as an adapter is refused in one line, before anything is published."""
-    result = rollouts("publish-weights", "--from", str(tiny_model_dir), "--adapter", "a", timeout=60)
+    result = rollouts_here("publish-weights", "--from", str(tiny_model_dir), "--adapter", "a")
     assert_clean_error(result, f"--adapter a: {tiny_model_dir} has no adapter_config.json")
 
 
 def test_tiny_model_seeds_give_the_same_tokenizer_and_other_weights(tmp_path: Path) -> None:
     for seed in ("0", "1"):
-        result = rollouts("tiny-model", str(tmp_path / seed), "--seed", seed)
-        assert result.returncode == 0, result.stderr
+        result = rollouts_here("tiny-model", str(tmp_path / seed), "--seed", seed)
+        assert result.code == 0 and result.clean, result
     assert (tmp_path / "0" / "tokenizer.json").read_bytes() == (tmp_path / "1" / "tokenizer.json").read_bytes()
     weights = [(tmp_path / seed / "model.safetensors").read_bytes() for seed in ("0", "1")]
     assert weights[0] != weights[1]
@@ -236,7 +240,8 @@ def test_demo_runs_end_to_end_and_its_reward_rises_as_the_weights_change(tmp_pat
 def test_prompt_ids_are_kept_from_the_file(redis_server: RedisServer, ns: str, tmp_path: Path) -> None:
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"id": "mine", "tokens": [4, 5], "n": 2, "seed": 7}\n')
-    assert rollouts("submit", "--redis", redis_server.url, "--ns", ns, "--file", str(prompts)).returncode == 0
+    submitted = rollouts_here("submit", "--redis", redis_server.url, "--ns", ns, "--file", str(prompts))
+    assert submitted.code == 0 and submitted.clean, submitted
     client = RolloutClient(redis_server.url, ns)
     ((_, fields),) = as_entries(client.streams.redis.xrange(Keys(ns).prompts))
     prompt = Prompt.from_fields(fields)
@@ -279,7 +284,7 @@ def test_a_worker_flag_defaults_to_its_setting_and_a_beat_sets_its_heartbeat_lif
 
 def test_a_remote_worker_needs_the_url_of_its_server(tiny_model_dir: Path) -> None:
     """`--engine remote` without `--url` is refused in one line, before anything connects."""
-    result = rollouts("worker", "--engine", "remote", "--model", str(tiny_model_dir), timeout=60)
+    result = rollouts_here("worker", "--engine", "remote", "--model", str(tiny_model_dir))
     assert_clean_error(result, "--engine remote needs --url")
 
 

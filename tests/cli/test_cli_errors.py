@@ -1,10 +1,12 @@
 """Every `rollouts` command turns a person's mistake into one line on stderr that says what to fix, and exit code 2.
 
-Each command is run as a person runs it (a subprocess of the real CLI) with a path that is not there, a flag value
-it must refuse, an unreachable Redis, and an optional dependency that is not installed. A missing dependency is
-simulated the way a user without the extra meets it: a `sitecustomize` on PYTHONPATH makes `import vllm` (or rq, ray,
-torch, transformers, ...) raise `ModuleNotFoundError: No module named 'vllm'`. The cases are checked against the
-typer app's command list, so that a new command cannot go without them.
+Each command is given a path that is not there, a flag value it must refuse, an unreachable Redis, and an optional
+dependency that is not installed. A missing dependency is met as a user without the extra meets it, in a process of
+its own (the real CLI, `python -m rollouts`): a `sitecustomize` on PYTHONPATH makes `import vllm` (or rq, ray, torch,
+transformers, ...) raise `ModuleNotFoundError: No module named 'vllm'`; so every command also runs once here as a
+person runs it. The other mistakes are refused before anything starts, so they run in this process, through the typer
+app as the command line runs it (`tests.cli.here.rollouts_here`). The cases are checked against the typer app's
+command list, so that a new command cannot go without them.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typer.testing import CliRunner
 from pipeline.install import pip_install
 from pipeline.local import RedisServer, free_port
 from rollouts import app
+from tests.cli.here import Ran, rollouts_here, without_our_env
 
 MISSING_PATH, BAD_FLAG, MISSING_EXTRA = "missing path", "bad flag", "missing extra"
 EVERY_EXTRA = "torch,transformers,safetensors,tokenizers,vllm,ray,rq"
@@ -65,6 +68,12 @@ class Case:
         args = " ".join(arg.format(**READABLE) for arg in self.args[1:])
         hidden = "without any extra" if self.hide == EVERY_EXTRA else f"without {self.hide}" if self.hide else ""
         return " | ".join(filter(None, [self.command, self.kind, args, hidden]))
+
+    @property
+    def in_a_process(self) -> bool:
+        """Whether the case runs as a person runs it, a process of its own (`run_cli`): one that hides a package, which
+        this process may have imported already. The others run in this process (`rollouts_here`)."""
+        return bool(self.hide)
 
 
 def case(kind: str, *args: str, says: str | tuple[str, ...], hide: str = "", env: dict[str, str] | None = None) -> Case:
@@ -337,33 +346,37 @@ def places(
 
 def run_cli(
     args: list[str], places: dict[str, str], hide: str = "", extra_env: tuple[tuple[str, str], ...] = ()
-) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUTS_")}  # no --redis or --ns from outside
+) -> Ran:
+    """`python -m rollouts ARGS`, a process of its own, `hide`'s packages not installed there."""
+    env = {k: v for k, v in (os.environ | without_our_env(extra_env)).items() if v is not None}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [places["hider"], os.environ.get("PYTHONPATH")]))
     env["ROLLOUTS_TEST_HIDE"] = hide
-    env.update(extra_env)
     command = [sys.executable, "-m", "rollouts", *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=120, env=env, stdin=subprocess.DEVNULL)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env, stdin=subprocess.DEVNULL)
+    return Ran.of(done)
 
 
 @pytest.mark.parametrize("mistake", CASES, ids=[c.id for c in CASES])
 def test_a_mistake_is_one_line_on_stderr_that_says_what_to_fix_and_exit_2(
     mistake: Case, places: dict[str, str]
 ) -> None:
-    result = run_cli([arg.format(**places) for arg in mistake.args], places, mistake.hide, mistake.env)
-    report = f"exit {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
-    assert "Traceback" not in result.stderr + result.stdout, report
+    args = [arg.format(**places) for arg in mistake.args]
+    if mistake.in_a_process:
+        result = run_cli(args, places, mistake.hide, mistake.env)
+    else:
+        result = rollouts_here(*args, env=mistake.env)
+    assert result.clean, result
     lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, report
+    assert len(lines) == 1, result
     line = lines[0]
-    assert line.startswith("error: "), report
+    assert line.startswith("error: "), result
     position = 0
     for part in (says.format(**places) for says in mistake.says):
         assert part in line[position:], f"{part!r} not in (or not after the previous part of) {line!r}"
         position = line.index(part, position) + len(part)
     assert ".." not in line, line
-    assert result.returncode == 2, report
-    assert result.stdout == "", report
+    assert result.code == 2, result
+    assert result.stdout == "", result
 
 
 def user_commands() -> dict[str, Callable[..., Any]]:
@@ -393,6 +406,8 @@ def test_every_command_has_a_bad_flag_a_missing_extra_and_where_it_takes_one_a_m
     ]
     assert not missing, f"commands without a case: {missing}"
     assert not {c.command for c in CASES} - set(commands), "a case of a command that is gone"
+    alone = set(commands) - {c.command for c in CASES if c.in_a_process}
+    assert not alone, f"commands never run as a process of their own (python -m rollouts) here: {sorted(alone)}"
 
 
 @pytest.mark.parametrize("name", sorted(user_commands()))

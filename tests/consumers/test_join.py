@@ -116,6 +116,8 @@ def test_a_peer_that_does_not_answer_in_time_leaves_the_joiner_to_the_store(
     wait_until(lambda: heartbeat(client, "late", "status") == "serving", 60, "the joiner to give up on the peer")
     assert (heartbeat(client, "late", "joined_from"), heartbeat(client, "late", "version")) == ("store", "1")
     assert late.poll() is None
+    peer.kill()  # continued, it would push to the joiner that left, and stop only after PEER_ANSWER_S (10 s)
+    peer.wait(timeout=30)
 
 
 def test_a_version_published_while_a_worker_joins_is_the_one_it_serves(
