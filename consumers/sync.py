@@ -112,8 +112,8 @@ class WorkerSync:
             command = await asyncio.to_thread(
                 weights_command, self.streams.redis, self.streams.keys, state.epoch, cmds=("weights", "sleep")
             )
-        for uri in {state.weights_uri, command.uri if command is not None else ""} - {""}:
-            await import_transport(uri)
+        for named in {state.weights_uri, command.uri if command is not None else ""} - {""}:
+            await import_transport(named)
         if command is not None and command.cmd == "weights":
             if self.loadable(command.version, command.uri):
                 await self._sync_weights(command)

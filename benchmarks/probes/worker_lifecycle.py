@@ -64,7 +64,7 @@ def parse_trees(text: str | None) -> list[tuple[str, Path | None]]:
     """`--trees label=path,...` as (label, path); none: this checkout, unlabelled. `ValueError` says what is wrong."""
     if not text:
         return [("", None)]
-    trees = []
+    trees: list[tuple[str, Path | None]] = []
     for item in text.split(","):
         label, sep, path = item.partition("=")
         if not sep or not label or not (Path(path) / "rollouts").is_dir():

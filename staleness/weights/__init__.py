@@ -54,6 +54,7 @@ never sees a scheme. This package imports no engine, as the design asks.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 from typing import TYPE_CHECKING, Any, TypedDict, Unpack
 
@@ -154,10 +155,8 @@ async def import_transport(uri: str) -> None:
     (seconds, where nothing imported torch yet: a synthetic worker), which the event loop (heartbeats, generation) must
     not stand still for. A worker calls it before anything of a sync asks `transport_of`; a bad uri is left for that
     call to refuse."""
-    try:
+    with contextlib.suppress(ValueError):
         await asyncio.to_thread(transport_of, uri)
-    except ValueError:
-        pass
 
 
 def _named(uri: str, version: int) -> tuple[type[Transport], WeightsUri, int]:
