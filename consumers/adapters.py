@@ -39,7 +39,7 @@ from consumers.engines.base import EngineInputError
 from consumers.house import House
 from pipeline.wire import Control, PauseMode, ack_field
 from staleness.state import adapter_names, read_state, weights_command
-from staleness.weights import Joined, fetch_adapter, join_pushed, receive_adapter, transport_of
+from staleness.weights import Joined, fetch_adapter, import_transport, join_pushed, receive_adapter, transport_of
 
 log = logging.getLogger(__name__)
 
@@ -179,6 +179,7 @@ class WorkerAdapters:
     async def _load(self, adapter: str, uri: str, version: int) -> None:
         """Fetch (or take the copy of a push) and load; any failure is the request's error (a rollout with
         `finish_reason=error`), but `NotHere`: a pushed version this worker never received."""
+        await import_transport(uri)
         try:
             if transport_of(uri).stores:
                 tensors, config = await asyncio.to_thread(fetch_adapter, uri, version, self.streams.redis)

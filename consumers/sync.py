@@ -29,7 +29,7 @@ from pipeline.control import CONTROL_BATCH, CONTROL_RECHECK_S
 from pipeline.streams import Entry
 from pipeline.wire import Control, PauseMode, WireError
 from staleness.state import read_state, weights_command
-from staleness.weights import Incoming, begin_load, load_version, transport_of
+from staleness.weights import Incoming, begin_load, import_transport, load_version, transport_of
 from staleness.weights.delta import HeldWeights
 
 log = logging.getLogger(__name__)
@@ -112,6 +112,8 @@ class WorkerSync:
             command = await asyncio.to_thread(
                 weights_command, self.streams.redis, self.streams.keys, state.epoch, cmds=("weights", "sleep")
             )
+        for named in {state.weights_uri, command.uri if command is not None else ""} - {""}:
+            await import_transport(named)
         if command is not None and command.cmd == "weights":
             if self.loadable(command.version, command.uri):
                 await self._sync_weights(command)
@@ -237,6 +239,8 @@ class WorkerSync:
         return after
 
     async def _obey(self, command: Control) -> None:
+        if command.cmd == "weights":
+            await import_transport(command.uri)
         if command.adapter and command.cmd in ("weights", "resume"):
             await self._adapters.obey(command)  # one adapter's sync: nothing else pauses
         elif command.cmd in ("weights", "resume"):

@@ -53,13 +53,14 @@ never sees a scheme. This package imports no engine, as the design asks.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import re
 from typing import TYPE_CHECKING, Any, TypedDict, Unpack
 
-import torch
-
 from pipeline.wire import ADAPTER_PATTERN
 from staleness.weights.base import (
+    DEFAULT_CHUNK_BYTES,
     Fetched,
     Incoming,
     Joined,
@@ -74,10 +75,10 @@ from staleness.weights.base import (
     transport_of,
 )
 from staleness.weights.handover import LoadsWeights
-from staleness.weights.redis_store import DEFAULT_CHUNK_BYTES
 
 if TYPE_CHECKING:
     import redis
+    import torch
 
     from staleness.weights.delta import HeldWeights
 
@@ -89,6 +90,7 @@ __all__ = [
     "begin_load",
     "fetch_adapter",
     "fetch_weights",
+    "import_transport",
     "join_pushed",
     "load_version",
     "open_transport",
@@ -146,6 +148,15 @@ def remove_published(uri: str, redis_client: redis.Redis | None = None, ns: str 
 
 
 # -- the worker's side ---------------------------------------------------------------------------
+
+
+async def import_transport(uri: str) -> None:
+    """Import the module of `uri`'s transport on a thread: the first uri of a scheme brings it, and torch with it
+    (seconds, where nothing imported torch yet: a synthetic worker), which the event loop (heartbeats, generation) must
+    not stand still for. A worker calls it before anything of a sync asks `transport_of`; a bad uri is left for that
+    call to refuse."""
+    with contextlib.suppress(ValueError):
+        await asyncio.to_thread(transport_of, uri)
 
 
 def _named(uri: str, version: int) -> tuple[type[Transport], WeightsUri, int]:

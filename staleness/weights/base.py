@@ -5,7 +5,11 @@ capabilities the trainer, the worker's sync and its adapters ask instead of the 
 (what a trainer publishes, `WeightSource`, streamed one tensor at a time by `named_tensors`; `state_dict_of`,
 `read_checkpoint`, `read_adapter`), versions (`check_version`, `release_older`), and what a transport needs of an
 engine (`LoadsWeights`) and what a publish held (`PublishStats`). The engine is duck-typed: this package imports no
-engine, as the design asks."""
+engine, as the design asks.
+
+Nor does this module (or the package's `__init__`) import torch: a worker whose work moves no tensors (the synthetic
+engine's, between syncs) never loads it; the transports' modules, imported when their scheme is first asked for, and
+the functions here that open tensors, do."""
 
 from __future__ import annotations
 
@@ -18,19 +22,19 @@ from collections.abc import Iterable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeAlias
 
 import numpy as np
-import torch
 
 from pipeline.wire import ADAPTER_PATTERN, Keys
 from staleness.weights.handover import Handover, LoadsWeights
-from staleness.weights.sources import WeightSource, read_adapter
 
 if TYPE_CHECKING:
     import redis
+    import torch
 
     from staleness.weights.delta import HeldWeights
+    from staleness.weights.sources import WeightSource
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +43,9 @@ ADAPTERS_DIR = "adapters"
 
 VERSION_DIR = re.compile(r"v(\d+)")
 """A version's name in a uri or a directory: `v{n}`."""
+DEFAULT_CHUNK_BYTES = 32 << 20
+"""Size of one Redis value holding weights (`redis://`'s bucket: the writer holds one, and redis-py's copy of it on the
+wire): far below Redis's 512 MiB limit, small enough not to stall it."""
 
 
 # -- uris ----------------------------------------------------------------------------------------
@@ -242,7 +249,7 @@ class Receiving:
     """The worker's last version as one buffer, for a transport that sends deltas (`staleness.weights.delta`)."""
 
 
-Fetched = Path | dict[str, torch.Tensor]
+Fetched: TypeAlias = Path | dict[str, "torch.Tensor"]
 """A stored version as a worker fetches it (`Transport.fetch_stored`): a checkpoint directory (the engine reloads its
 files) or named CPU tensors (the engine copies them in)."""
 
@@ -469,6 +476,8 @@ class Transport:
         fetched = cls.fetch_stored(uri, version, redis_client)
         if not isinstance(fetched, Path):
             raise ValueError(f"adapter {uri}: no adapter config (r, lora_alpha, target_modules) stored with it")
+        from staleness.weights.sources import read_adapter  # torch and safetensors: an adapter's tensors
+
         return read_adapter(fetched)
 
     @classmethod
@@ -518,6 +527,8 @@ class Transport:
 
 def prepare_handover(handover: Handover, rank: int, device: str | torch.device) -> None:
     """`Transport.prepare_handover` of the handover's transport: what an engine's receiving process calls."""
+    import torch
+
     transport_class(handover.scheme).prepare_handover(handover, rank, torch.device(device))
 
 
@@ -525,6 +536,8 @@ def opened_handover(
     handover: Handover, rank: int, device: str | torch.device
 ) -> AbstractContextManager[Iterable[tuple[str, torch.Tensor]]]:
     """`Transport.open_handover` of the handover's transport: what an engine's receiving process calls."""
+    import torch
+
     return transport_class(handover.scheme).open_handover(handover, rank, torch.device(device))
 
 

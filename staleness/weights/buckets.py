@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 ALIGN = 16
 """Every tensor starts at a multiple of this in its bucket, so that a byte slice views as any dtype."""
@@ -32,6 +33,8 @@ class TensorMeta:
 
 def dtype_from_name(name: str) -> torch.dtype:
     """The torch dtype of a name in a meta or manifest (`float32`, `bfloat16`); `ValueError` for one torch lacks."""
+    import torch  # here: `ALIGN` and the plans are read where torch is not (a synthetic worker's `delta`)
+
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"unknown tensor dtype {name!r} in the broadcast's meta")
@@ -124,6 +127,8 @@ def pack_bucket(
     `payload` at their offsets: a tensor of `copy_from` bytes or more by its own copy (at memcpy speed), each run
     of smaller ones, with the zeros that align them, by one `torch.cat` (a copy a tensor costs the host more than
     the wire takes for a small one)."""
+    import torch
+
     run: list[torch.Tensor] = []
     run_start = end = start
     for index, offset in bucket:
@@ -146,6 +151,8 @@ def pack_bucket(
 
 def raw_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """A tensor's bytes, as a flat uint8 view."""
+    import torch
+
     return tensor.reshape(-1).view(torch.uint8)
 
 

@@ -22,11 +22,12 @@ import logging
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from pipeline.streams import Streams
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 

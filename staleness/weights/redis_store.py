@@ -32,7 +32,16 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_blob
 
 from pipeline.wire import ADAPTER_PATTERN, Keys
-from staleness.weights.base import Fetched, Opening, PublishStats, Receiving, Transport, WeightsUri, check_version
+from staleness.weights.base import (
+    DEFAULT_CHUNK_BYTES,
+    Fetched,
+    Opening,
+    PublishStats,
+    Receiving,
+    Transport,
+    WeightsUri,
+    check_version,
+)
 from staleness.weights.buckets import ALIGN, dtype_name, raw_bytes, tensor_entries, tensor_view
 from staleness.weights.delta import Delta, DeltaError, HeldWeights, Whole
 from staleness.weights.delta import apply as apply_delta
@@ -40,9 +49,6 @@ from staleness.weights.sources import WeightSource, named_tensors
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CHUNK_BYTES = 32 << 20
-"""Size of one Redis value holding weights (the writer's bucket: it holds one, and redis-py's copy of it on the wire):
-far below Redis's 512 MiB limit, small enough not to stall it."""
 DEFAULT_BATCH_BYTES = 256 << 20
 """Bytes of chunks read per pipeline round trip: bounds the reader's buffered copies."""
 MANIFEST_V = 2

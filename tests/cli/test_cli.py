@@ -23,10 +23,16 @@ from producers.client import RolloutClient
 from tests.cli.here import Ran, rollouts_here
 
 
-def rollouts(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def rollouts(*args: str, timeout: float = 120, python: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+    """`rollouts ARGS` in a process of its own (`python`: flags of the interpreter, e.g. `-X importtime`)."""
     return subprocess.run(
-        [sys.executable, "-m", "rollouts", *args], capture_output=True, text=True, timeout=timeout
+        [sys.executable, *python, "-m", "rollouts", *args], capture_output=True, text=True, timeout=timeout
     )
+
+
+def imported(result: subprocess.CompletedProcess[str]) -> set[str]:
+    """The modules a `rollouts(..., python=("-X", "importtime"))` run imported, as its stderr lists them."""
+    return {line.rsplit("|", 1)[1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")}
 
 
 def assert_clean_error(result: Ran | subprocess.CompletedProcess[str], *needles: str) -> None:
@@ -246,6 +252,24 @@ def test_prompt_ids_are_kept_from_the_file(redis_server: RedisServer, ns: str, t
     ((_, fields),) = as_entries(client.streams.redis.xrange(Keys(ns).prompts))
     prompt = Prompt.from_fields(fields)
     assert (prompt.id, prompt.n, prompt.tokens.tolist(), prompt.sampling.seed) == ("mine", 2, [4, 5], 7)
+
+
+def test_help_submit_and_top_never_import_torch(redis_server: RedisServer, ns: str, tmp_path: Path) -> None:
+    """The light commands start in a fraction of a second: none imports torch (1.5-2.5 s), as none needs it (a text
+    prompt's tokenizer aside: transformers'). A synthetic worker's start: `test_synthetic_engine.py`."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "light", "tokens": [4, 5], "n": 1}\n')
+    where = ("--redis", redis_server.url, "--ns", ns)
+    runs = {
+        "--help": rollouts("--help", python=("-X", "importtime")),
+        "submit": rollouts("submit", *where, "--file", str(prompts), python=("-X", "importtime")),
+        "top": rollouts("top", *where, "--once", "--json", python=("-X", "importtime")),
+    }
+    for command, result in runs.items():
+        assert result.returncode == 0, (command, result.stderr[-2000:])
+        modules = imported(result)
+        assert "typer" in modules and "torch" not in modules, f"rollouts {command} imported torch"
+    assert json.loads(runs["top"].stdout)["streams"]["prompts"]["length"] == 1
 
 
 def test_a_workers_blocking_reads_wait_at_most_one_heartbeat_period() -> None:

@@ -114,16 +114,22 @@ def test_a_synthetic_worker_serves_prompts_and_takes_weight_syncs(
     workers: StartWorker,
     tmp_path: Path,
 ) -> None:
-    """Through the real CLI (`--engine synthetic`), with the tiny model's directory only for its limits."""
+    """Through the real CLI (`--engine synthetic`), with the tiny model's directory only for its limits. It never
+    imports torch (1.5-2.5 s of a start) until a sync brings it tensors."""
     pace = '{"steps_per_s": 100, "lengths": "uniform:150-200"}'
-    workers("syn", "--engine", "synthetic", "--engine-args", pace)
+    worker = workers("syn", "--engine", "synthetic", "--engine-args", pace)
     client = RolloutClient(redis_server.url, ns)
+    client.submit(tokens=[4, 9], n=1, max_tokens=4, seed=0)
+    assert len(client.collect(1, timeout=30)) == 1
+    assert not holds_torch(worker.pid), "the synthetic worker imported torch to start, serve and publish"
+    assert client.publish_weights(tiny_model_dir, transport="redis://") == 1
+    assert holds_torch(worker.pid), "a sync's tensors, loaded: torch (and the check sees it)"
     ids = [client.submit(tokens=[5 + i, 9], n=2, max_tokens=200, seed=i) for i in range(8)]
     wait_until(lambda: int(client.streams.redis.hget(client.streams.keys.worker("syn"), "inflight") or 0) > 0, 30,
                "generation to start")  # fmt: skip
-    assert client.publish_weights(tiny_model_dir_v1, transport="redis://", mode="abort") == 1
-    assert client.publish_weights(tiny_model_dir, transport=f"fs://{tmp_path / 'w'}", mode="keep") == 2
-    assert client.publish_weights(tiny_model_dir_v1, transport=f"nccl://127.0.0.1:{free_port()}") == 3
+    assert client.publish_weights(tiny_model_dir_v1, transport="redis://", mode="abort") == 2
+    assert client.publish_weights(tiny_model_dir, transport=f"fs://{tmp_path / 'w'}", mode="keep") == 3
+    assert client.publish_weights(tiny_model_dir_v1, transport=f"nccl://127.0.0.1:{free_port()}") == 4
     groups = client.collect(len(ids), timeout=120)
     rollouts = [r for g in groups for r in g.rollouts]
     assert sorted(g.prompt_id for g in groups) == sorted(ids) and client.stats["duplicates"] == 0
@@ -131,7 +137,12 @@ def test_a_synthetic_worker_serves_prompts_and_takes_weight_syncs(
         assert 150 <= r.n_tokens <= 200 and r.spans[0][1] == 0 and r.spans[-1][2] == r.n_tokens
         assert all(a[2] == b[1] for a, b in zip(r.spans, r.spans[1:], strict=False)), r.spans
     assert any(len(r.spans) >= 2 for r in rollouts), "samples ran across the syncs"
-    assert client.streams.redis.hget(client.streams.keys.worker("syn"), "version") == b"3"
+    assert client.streams.redis.hget(client.streams.keys.worker("syn"), "version") == b"4"
+
+
+def holds_torch(pid: int) -> bool:
+    """Whether process `pid` imported torch: its native library is mapped in the process (Linux's /proc)."""
+    return "/libtorch" in Path(f"/proc/{pid}/maps").read_text()
 
 
 def test_model_limits_come_from_the_config_file_as_transformers_reads_them(
