@@ -16,6 +16,8 @@ Each change is one line through `say`: the need, the target and why.
 
 from __future__ import annotations
 
+import signal
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -140,14 +142,21 @@ class RayAutoscaler:
 
 
 def run(scaler: RayAutoscaler, interval_s: float = 2.0) -> None:
-    """Tick until Ctrl-C."""
+    """Tick until Ctrl-C (or SIGTERM). The signal only sets a flag that the loop reads between ticks: raised inside a
+    tick, a `KeyboardInterrupt` could land in Ray's client, which may swallow it, and the loop would never end."""
+    stopping = threading.Event()
+    handled = (signal.SIGINT, signal.SIGTERM)
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = {sig: signal.signal(sig, lambda *_: stopping.set()) for sig in handled} if in_main else {}
     try:
-        while True:
+        while not stopping.is_set():
             scaler.tick(time.monotonic())
-            time.sleep(interval_s)
-    except KeyboardInterrupt:
+            stopping.wait(interval_s)
+    except KeyboardInterrupt:  # off the main thread, where no handler could be set
         pass
     finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         scaler.close()
 
 
