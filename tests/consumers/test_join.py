@@ -88,7 +88,8 @@ def test_without_a_peer_that_can_share_a_joiner_loads_the_store_or_awaits_the_ne
     redis_server: RedisServer, ns: str, tiny_model_dir: Path, tiny_model_dir_v1: Path, workers: StartWorker
 ) -> None:
     """A peer whose engine holds its weights in a process of its own does not export them (it never says `shares`):
-    under `redis://` the joiner reads the store, under `nccl://` it awaits the next sync, as before peers."""
+    under `redis://` the joiner reads the store; told `--join-from peer` (no peer) or `--join-from sync`, it awaits the
+    next sync though the version is stored, and the `nccl://` sync reaches it."""
     workers("remote", "--engine-process")
     client = RolloutClient(redis_server.url, ns)
     assert client.publish_weights(tiny_model_dir_v1, transport=f"redis://{ns}") == 1
@@ -99,9 +100,12 @@ def test_without_a_peer_that_can_share_a_joiner_loads_the_store_or_awaits_the_ne
 
     workers("pushed-only", "--join-from", "peer", until=AWAITING_WEIGHTS)  # the only peer cannot share
     assert heartbeat(client, "pushed-only", "joined_from") == "sync"
+    workers("sync-only", "--join-from", "sync", until=AWAITING_WEIGHTS)  # version 1 is stored: it waits all the same
+    assert heartbeat(client, "sync-only", "joined_from") == "sync"
     assert shares_asked(client) == []  # nobody was asked
     assert client.publish_weights(tiny_model_dir, transport=f"nccl://127.0.0.1:{free_port()}") == 2
-    wait_until(lambda: heartbeat(client, "pushed-only", "status") == "serving", 30, "the next sync to reach it")
+    serving = lambda: [heartbeat(client, n, "status") for n in ("pushed-only", "sync-only")] == ["serving"] * 2  # noqa: E731
+    wait_until(serving, 30, "the next sync to reach both")
 
 
 def test_a_peer_that_does_not_answer_in_time_leaves_the_joiner_to_the_store(
