@@ -191,9 +191,11 @@ class Syncer(threading.Thread):
         client = RolloutClient(self.url, self.ns)
         weights = {"w": torch.zeros(1)}
         try:
-            while not self._halt.wait(self.every_s):
+            due = time.monotonic() + self.every_s
+            while not self._halt.wait(max(0.0, due - time.monotonic())):  # every `every_s` from start to start
                 before = server_counters(client.streams.redis)
                 began, began_wall = time.monotonic(), time.time()
+                due = began + self.every_s
                 client.publish_weights(weights, transport=f"fs://{self.weights_dir}", mode=self.mode)
                 client.settle()  # the window of a sync ends once its resume has been rung to the whole fleet
                 ended = time.monotonic()

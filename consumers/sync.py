@@ -72,6 +72,10 @@ class WorkerSync:
         """Its side as a peer: sends the version it holds to workers that join mid-run (`consumers.peer`)."""
         self.join = PeerJoin(house)
         """Its side as a joiner: the current version from a peer, at its launch."""
+        self._after = b"0-0"
+        """The id of the last control entry obeyed."""
+        self._obeying = asyncio.Lock()
+        """One read-and-obey of control at a time: the follower's, or a read loop's after it stood still."""
 
     @property
     def engine(self) -> Engine:
@@ -196,6 +200,7 @@ class WorkerSync:
         """Obey the commands on `control` after `after`: read when this worker's bell rings (`ControlStream.ring`), and
         at least every `CONTROL_RECHECK_S` besides. Blocking on the bell, not on `control`, lets a manager wake a fleet
         in waves: 1,000 workers blocked on `control` would all be served in the same instant by Redis."""
+        self._after = after
         bell: bytes | None = None
         read, read_at = True, 0.0
         while not self._state.stopping.is_set():
@@ -203,16 +208,25 @@ class WorkerSync:
                 bell = await self._control_call(self.streams.control.bell_id, self.name)
                 continue
             if read:
-                entries = await self._control_call(self.streams.control.read, after, None)
-                if entries is None:
+                count = await self.obey_control()
+                if count is None:
                     continue
                 read_at = time.monotonic()
-                after = await self._obey_entries(entries, after)
-                if len(entries) >= CONTROL_BATCH:
+                if count >= CONTROL_BATCH:
                     continue  # there may be more: read again before waiting
             rang = await self._control_call(self.streams.control.wait_for_bell, self.name, bell, self._block_ms)
             read = rang is None or rang != bell or time.monotonic() - read_at >= CONTROL_RECHECK_S
             bell = rang or bell
+
+    async def obey_control(self) -> int | None:
+        """Read `control` past the last entry obeyed and obey what is there; returns how many entries came (None: the
+        read failed). The follower's read, and a read loop's whose read stood still (a process stopped, or starved):
+        the stop or the sync that came meanwhile goes before the work that read brought."""
+        async with self._obeying:
+            entries = await self._control_call(self.streams.control.read, self._after, None)
+            if entries:
+                self._after = await self._obey_entries(entries, self._after)
+            return None if entries is None else len(entries)
 
     async def _control_call(self, call: Callable[..., T], *args: object) -> T | None:
         """One Redis call of the control loop, on a thread; a failure is logged and answered with None after a

@@ -57,6 +57,10 @@ log = logging.getLogger(__name__)
 
 LEFTOVERS_MAX = 10_000
 """At most this many entries of each stream that an earlier process under the worker's name left are taken up."""
+STOOD_STILL_S = 1.0
+"""A read of work that returns this much later than its wait could last stood still (its process stopped, or starved
+of CPU): control is read and obeyed before what it brought starts or the next read, so that a worker evicted meanwhile
+(its sync's ack missed) hands its work back instead of generating it under the version it held."""
 TURN_WAIT_S = 0.002
 """How long a worker that holds its share of the waiting work waits before it asks again (doubling up to a read's
 wait): the others with room take theirs within a few milliseconds, and one that stops asking leaves the ready set."""
@@ -245,7 +249,10 @@ class Worker:
                     log.warning("%s: claiming abandoned work failed (%s); retrying", self.name, exc)
             count = self.budget.entries_for(free)
             try:
+                began = time.monotonic()
                 entries, others_turn = await asyncio.to_thread(self._take_work, count)
+                if time.monotonic() - began > self.settings.read_block_ms / 1000 + STOOD_STILL_S:
+                    await self._sync.obey_control()  # it stood still: an eviction or a sync meanwhile goes first
             except redis.ConnectionError as exc:  # Redis gone for longer than the client's reconnects: keep trying
                 if self.state.redis_gone:  # stopping without it (`RedisLoss.lost` said so)
                     break

@@ -415,8 +415,9 @@ def test_publish_weights_returns_before_the_resume_is_rung_and_settle_waits_for_
     assert read_state(client.streams.redis, client.streams.keys).version == 2
 
 
-SLOW_SYNTHETIC = ("--engine", "synthetic", "--engine-args", '{"steps_per_s": 60, "lengths": "uniform:150-200"}')
-"""A synthetic worker whose samples take ~3 s: every sync below interrupts some."""
+SLOW_SYNTHETIC = ("--engine", "synthetic", "--engine-args", '{"steps_per_s": 30, "lengths": "uniform:150-200"}')
+"""A synthetic worker whose samples take 5-7 s: every sync below interrupts some, though the test process that
+publishes it may be slow to (under a loaded suite its samples of ~3 s were all done before the sync came)."""
 
 
 def busy_for(client: RolloutClient, name: str, seconds: float) -> Callable[[], bool]:
