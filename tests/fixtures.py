@@ -357,9 +357,9 @@ def one_thread() -> Iterator[None]:
 
 
 XDIST_GROUPS = {"vllm": "vllm", "tests/consumers/test_ray_launcher.py": "ray"}
-"""Under `-n 2 --dist loadgroup` (opt-in, README), tests of one group run on one xdist worker, one after another:
+"""Under `-n 3 --dist loadgroup` (the default, README), tests of one group run on one xdist worker, one after another:
 vLLM tests, because two vLLM engines at once on 2 cores each spin a core and starve everything else; the Ray tests,
-because their module shares one Ray cluster (start it once, not once a worker). The rest is spread over both workers."""
+because their module shares one Ray cluster (start it once, not once a worker). The rest is spread over every worker."""
 
 
 @pytest.hookimpl(tryfirst=True)
