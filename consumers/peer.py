@@ -2,16 +2,21 @@
 holds it, not from the trainer or the store.
 
 The peer acts as a one-off trainer for its joiners, over the `nccl://` transport's machinery
-(`staleness.weights.nccl`): it hosts a rendezvous on a free port of its own host, stages the tensors its engine holds
-(`ExportsWeights`, in checkpoint names, not copied) as its version, and pushes them to every joiner that asked in one
-broadcast (NCCL from GPU to GPU, gloo from host to host). Each joiner receives it through the worker's normal path
-(`load_version` of `nccl://PEERHOST:PORT/v{n}`, as itself) and its engine loads it as it loads a trainer's push.
+(`staleness.weights.nccl`): it asks its engine to push (`SharesWeights.push_weights`, a `PeerPush`), and the engine
+pushes from where its weights are (the worker's process for torch, vLLM's worker process for vLLM), hosting a
+rendezvous on a free port of this host, in checkpoint names, in one broadcast to every joiner that asked: NCCL from
+GPU to GPU, or gloo from host copies when a joiner has no GPU or shares one with the peer or another joiner
+(`over_host`: NCCL puts no two ranks on one GPU; each `share` says its joiner's GPU). Each joiner receives it through
+the worker's normal path (`load_version` of `nccl://PEERHOST:PORT/v{n}`, as itself) and its engine loads it as it
+loads a trainer's push. An engine shares only where what it holds are the checkpoint's values exactly (vLLM: on a GPU,
+loading directly, one rank; on the CPU vLLM repacks its weights, so a CPU vLLM worker never shares).
 
 The coordination goes through Redis, in plain text and JSON:
-1. a worker that can share says so in its heartbeat (`shares` 1: its engine exports its weights, is started and
+1. a worker that can share says so in its heartbeat (`shares` 1: its engine can push its weights, is started and
    awake), with its `version`;
 2. a joiner picks a live peer at the state's version that shares (by name, so that joiners at once pick the same
-   one) and asks it with a directed `share` control command (`worker`: the peer, `joiner`: itself);
+   one) and asks it with a directed `share` control command (`worker`: the peer, `joiner`: itself, `joiner_gpu`: the
+   CUDA UUID of its engine's GPU, if any);
 3. the peer gathers the requests that arrive within its `share_window_s` of the first into one push, stages its
    version and answers each joiner on `{ns}:share:{joiner}` (a list, expiring: `uri`, `version`, `epoch`, `members`,
    or `error`); the joiner waits for the answer up to the window and `PEER_ANSWER_S`, then joins the push.
@@ -29,9 +34,10 @@ import json
 import logging
 import socket
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from consumers.engines.base import weights_exporter
+from consumers.engines.base import weights_gpu, weights_sharer
 from consumers.house import House
 from consumers.lifecycle import WorkerStatus
 from consumers.settings import PEER_ANSWER_S
@@ -78,13 +84,22 @@ class ShareAnswer:
             return cls("?", error=f"a malformed answer ({exc})")
 
 
+def over_host(peer_gpu: str, joiner_gpus: Sequence[str]) -> bool:
+    """Whether a push goes over gloo from host copies, not over NCCL from the peer's GPU: the peer holds no GPU, a
+    joiner has none (or did not say), or two of them share one (NCCL refuses two ranks on one GPU: "Duplicate GPU
+    detected"). GPUs are CUDA UUIDs, "" for none."""
+    gpus = [peer_gpu, *joiner_gpus]
+    return not all(gpus) or len(set(gpus)) < len(gpus)
+
+
 class PeerShare:
     """The peer's side: gathers `share` requests into one push of the version its engine holds."""
 
     def __init__(self, house: House) -> None:
         self._streams, self._name, self._slot, self._state = house.streams, house.name, house.slot, house.state
         self._window_s = house.settings.share_window_s
-        self._waiting: list[str] = []
+        self._waiting: dict[str, str] = {}
+        """The joiners asked in this window, each with its GPU ("" none)."""
         self._gathering = False
         self._tasks: set[asyncio.Task[None]] = set()
         self.pushes = 0
@@ -93,10 +108,10 @@ class PeerShare:
         """Joiners served by them (heartbeat `shared_joiners`)."""
 
     def can_share(self) -> bool:
-        """Whether its engine holds weights it can send now: started, awake, able to export them, and not stopping."""
+        """Whether its engine holds weights it can send now: started, awake, able to push them, and not stopping."""
         state = self._state
-        exports = weights_exporter(self._slot.engine) is not None
-        return self._slot.started and exports and not state.asleep and not state.stopping.is_set()
+        shares = weights_sharer(self._slot.engine) is not None
+        return self._slot.started and shares and not state.asleep and not state.stopping.is_set()
 
     def heartbeat_fields(self) -> dict[str, object]:
         fields: dict[str, object] = {SHARES_FIELD: int(self.can_share()), WINDOW_FIELD: self._window_s}
@@ -104,9 +119,10 @@ class PeerShare:
             fields |= {"shared_pushes": self.pushes, "shared_joiners": self.joiners}
         return fields
 
-    def request(self, joiner: str) -> None:
-        """A `share` for `joiner`: served with every other that arrives within `share_window_s`."""
-        self._waiting.append(joiner)
+    def request(self, joiner: str, gpu: str = "") -> None:
+        """A `share` for `joiner` (its engine's weights on GPU `gpu`, "" none): served with every other that arrives
+        within `share_window_s`."""
+        self._waiting[joiner] = gpu
         if not self._gathering:
             self._gathering = True
             task = asyncio.create_task(self._serve())
@@ -115,31 +131,34 @@ class PeerShare:
 
     async def _serve(self) -> None:
         await asyncio.sleep(self._window_s)
-        joiners = list(dict.fromkeys(self._waiting))
-        self._waiting, self._gathering = [], False  # a request from now on opens the next window
+        waiting, self._waiting, self._gathering = self._waiting, {}, False  # a request from now on: the next window
+        joiners = list(waiting)
         answered = False
         try:
             async with self._slot.lock:  # a sync or a release waits for the broadcast: the version sent is the one held
-                exporter = weights_exporter(self._slot.engine)
-                if exporter is None or not self.can_share():
-                    raise RuntimeError("its engine cannot send its weights now (not started, asleep, or not exported)")
-                from staleness.weights.nccl import NcclTransport
+                engine = self._slot.engine
+                sharer = weights_sharer(engine)
+                if sharer is None or not self.can_share():
+                    raise RuntimeError("its engine cannot send its weights now (not started, asleep, or not shared)")
+                from staleness.weights.nccl import PeerPush
 
-                engine, began = self._slot.engine, time.monotonic()
-                version = engine.version
-                transport = NcclTransport(socket.gethostname(), free_port(), timeout_s=PEER_ANSWER_S)
-                try:
-                    await asyncio.to_thread(lambda: transport.put(exporter.export_weights(), version, None))
-                    answer = ShareAnswer(self._name, transport.uri_of(version), version, SHARE_EPOCH, len(joiners))
-                    await asyncio.to_thread(self._answer, joiners, answer)
+                began, version = time.monotonic(), engine.version
+                on_host = over_host(weights_gpu(engine), list(waiting.values()))
+                push = PeerPush(socket.gethostname(), free_port(), version, SHARE_EPOCH, len(joiners), PEER_ANSWER_S,
+                                on_host)  # fmt: skip
+                answer = ShareAnswer(self._name, push.uri, version, SHARE_EPOCH, len(joiners))
+
+                def staged() -> None:  # the rendezvous listens: each joiner is told where to join
+                    nonlocal answered
+                    self._answer(joiners, answer)
                     answered = True
-                    stats = await asyncio.to_thread(transport.broadcast, SHARE_EPOCH, len(joiners))
-                finally:
-                    transport.close()
+
+                stats = await sharer.push_weights(push, staged)
             self.pushes += 1
             self.joiners += stats.workers
-            log.info("%s: shared version %d with %s in one push (%d joined, %.1f MB) in %.3f s", self._name, version,
-                     ", ".join(joiners), stats.workers, stats.bytes / 1e6, time.monotonic() - began)  # fmt: skip
+            log.info("%s: shared version %d with %s in one push (%d joined, %.1f MB, %s) in %.3f s", self._name,
+                     version, ", ".join(joiners), stats.workers, stats.bytes / 1e6, stats.backend,
+                     time.monotonic() - began)  # fmt: skip
         except Exception as exc:
             log.warning("%s: could not share with %s: %s", self._name, ", ".join(joiners), exc)
             if not answered:  # each joiner goes on to its next fallback at once, not after its deadline
@@ -211,7 +230,8 @@ class PeerJoin:
         """Ask `peer` to share and wait up to `wait_s` for its answer (None: none came)."""
         redis, key = self._streams.redis, self._streams.keys.share(self._name)
         redis.delete(key)  # an earlier join's answer, never read
-        self._streams.control.send(Control(cmd="share", worker=peer, joiner=self._name), ring=False)
+        gpu = weights_gpu(self._slot.engine)  # the peer pushes from host copies to a joiner on its own GPU
+        self._streams.control.send(Control(cmd="share", worker=peer, joiner=self._name, joiner_gpu=gpu), ring=False)
         self._streams.control.ring_one(peer, "share")  # the peer's bell alone: the fleet need not read it
         deadline = time.monotonic() + wait_s
         while deadline > time.monotonic():

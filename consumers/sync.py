@@ -268,7 +268,7 @@ class WorkerSync:
                 if command.epoch > self._state.epoch:
                     await self._sleep(command)
         elif command.cmd == "share" and command.worker == self.name and command.joiner:
-            self.share.request(command.joiner)  # served on a task of its own: control goes on being read
+            self.share.request(command.joiner, command.joiner_gpu)  # served on a task of its own: control goes on
         elif command.cmd == "drain" and command.worker in ("", self.name):
             log.info("%s: asked to drain", self.name)
             self._worker.stop(drain=True, grace_s=command.grace_s or None)  # `rollouts drain`: a planned departure

@@ -568,7 +568,7 @@ class Control(Message):
     epochs): only its requests pause. `drain`: the worker named in `worker` (every worker when empty) takes no more
     work, lets what it runs finish and leaves, within `grace_s` when it is not 0 (`rollouts drain`). `share`: the
     worker named in `worker` sends the version its engine holds to the worker named in `joiner`, a worker that
-    joins mid-run, and answers it on `{ns}:share:{joiner}` (`consumers.peer`).
+    joins mid-run (on the GPU `joiner_gpu`, if any), and answers it on `{ns}:share:{joiner}` (`consumers.peer`).
     """
 
     cmd: Command
@@ -585,6 +585,9 @@ class Control(Message):
     """A `drain`'s deadline in seconds; 0: the worker's own (and on every other command)."""
     joiner: str = ""
     """A `share`'s joining worker, which the peer named in `worker` sends its version to; empty on every other."""
+    joiner_gpu: str = ""
+    """A `share`'s joiner's GPU (its CUDA UUID), where its engine holds its weights; empty: none, or not known (the
+    peer then pushes from host copies: NCCL puts no two ranks on one GPU). Empty on every other command."""
     ts: float = Field(default_factory=time.time)
 
     FIELDS = (
@@ -593,6 +596,7 @@ class Control(Message):
         WireField("level", absent=KEEP, omit=falsy),
         WireField("grace_s", FLOAT, absent=KEEP, omit=falsy),  # a `drain`'s alone
         WireField("joiner", absent=KEEP, omit=falsy),  # a `share`'s alone
+        WireField("joiner_gpu", absent=KEEP, omit=falsy),  # a `share`'s alone, and only from a joiner on a GPU
         WireField("ts", FLOAT, absent=KEEP),
     )
 

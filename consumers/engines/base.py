@@ -11,7 +11,7 @@ version its weight-holding processes open where they are (`load_handover`, `stal
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol, Self
 
@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     import torch
 
     from staleness.weights.handover import Handover, Placement
+    from staleness.weights.nccl import BroadcastStats, PeerPush
 
 
 WakePart = Literal["weights", "kv_cache"]
@@ -193,24 +194,37 @@ class Engine(Protocol):
     async def shutdown(self) -> None: ...
 
 
-class ExportsWeights(Protocol):
-    """An engine that can hand out the weights it holds, in checkpoint names: a worker that joins mid-run takes the
-    current version from such a peer (`consumers.peer`). Optional: an engine says so with `exports_weights = True`
-    (the torch engine; vLLM's weights live in its own processes, not exported yet)."""
+class SharesWeights(Protocol):
+    """An engine that can push the version it holds to workers that join mid-run (`consumers.peer`): the peer asks it
+    to push, and the push runs where the weights are (the worker's process for torch, vLLM's worker process for
+    vLLM). Optional: an engine says so with `shares_weights`, True only while what it holds are the checkpoint's
+    values exactly, in checkpoint names (started; vLLM: on a GPU, loading directly, one rank)."""
 
-    exports_weights: bool
+    @property
+    def shares_weights(self) -> bool:
+        """Whether it can push the version it holds now."""
+        ...
 
-    def export_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
-        """The weights it holds now as `(checkpoint name, tensor)` pairs, on its own device, not copied: read them
-        while it generates, never while a load writes them."""
+    async def push_weights(self, push: PeerPush, staged: Callable[[], None]) -> BroadcastStats:
+        """Push the version it holds, as `push` says (`staleness.weights.nccl.push_from_peer`): its tensors staged and
+        the rendezvous listening, it calls `staged()` off the event loop (a blocking call: the peer answers its
+        joiners), then broadcasts; returns the broadcast's stats. The weights are only read meanwhile, and generation
+        goes on: the caller keeps loads out until it returns."""
         ...
 
 
-def weights_exporter(engine: object) -> ExportsWeights | None:
-    """`engine` as an `ExportsWeights` if it says it exports its weights, else None."""
-    if getattr(engine, "exports_weights", False) is True and callable(getattr(engine, "export_weights", None)):
+def weights_sharer(engine: object) -> SharesWeights | None:
+    """`engine` as a `SharesWeights` if it can push the version it holds now, else None."""
+    if getattr(engine, "shares_weights", False) is True and callable(getattr(engine, "push_weights", None)):
         return engine  # type: ignore[return-value]  # checked above: the protocol's two members
     return None
+
+
+def weights_gpu(engine: object) -> str:
+    """The CUDA UUID of the GPU where `engine` holds its weights (its `weights_gpu`), "" for none or not known (an
+    engine that does not say): a peer then pushes to it from host copies, which reach any engine."""
+    gpu = getattr(engine, "weights_gpu", "")
+    return gpu if isinstance(gpu, str) else ""
 
 
 class EngineLifecycle:

@@ -13,9 +13,9 @@ import asyncio
 import logging
 import random
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -36,6 +36,9 @@ from consumers.engines.torch_scheduler import Request, SchedulerConfig, settle
 from pipeline.wire import PAUSE_MODES, SLEEP_LEVELS, PauseMode, Sampling
 from staleness.weights.fused import ROUTER_MODELS, routers, to_checkpoint, to_module
 from staleness.weights.handover import Placement
+
+if TYPE_CHECKING:
+    from staleness.weights.nccl import BroadcastStats, PeerPush
 
 log = logging.getLogger(__name__)
 
@@ -301,8 +304,23 @@ class TorchEngine(LoraAdapters, HandsOverInProcess, EngineLifecycle):
         """Raise `ValueError` if tensors of these names and shapes cannot be loaded into the model."""
         self.weight_layout().check(shapes, source)
 
-    exports_weights = True
-    """A worker that joins mid-run may take this engine's version from it (`consumers.peer`)."""
+    @property
+    def shares_weights(self) -> bool:
+        """A worker that joins mid-run may take this engine's version from it (`consumers.peer`): its model holds the
+        checkpoint's values, in its own process, once started."""
+        return self._model is not None
+
+    @property
+    def weights_gpu(self) -> str:
+        """The CUDA UUID of its GPU, "" on the CPU (`consumers.engines.base.weights_gpu`)."""
+        return str(torch.cuda.get_device_properties(self.device).uuid) if self.device.type == "cuda" else ""
+
+    async def push_weights(self, push: PeerPush, staged: Callable[[], None]) -> BroadcastStats:
+        """Push the weights it holds to the joiners of `push` from this process (`push_from_peer`, on a thread:
+        its steps go on), as views of its parameters, or host copies of them when `push.on_host`."""
+        from staleness.weights.nccl import push_from_peer  # only a peer needs it
+
+        return await asyncio.to_thread(lambda: push_from_peer(push, self.export_weights(), staged))
 
     def export_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
         """The weights it holds, in checkpoint names, as the model holds them (views, not copies); tied names once

@@ -25,6 +25,10 @@ request's `stop_token_ids`), kept in the tokens with `finish_reason="stop"`.
   KV and prefix caches, so every token is of one version; after `pause("inflight")` running requests keep their KV
   blocks and go on over them under the new weights. A request's prefix-cache hashes are salted with the version it
   was submitted at (`cache_salt`): no request started later finds blocks another version computed.
+- A worker that joins mid-run may take the version it holds (`push_weights`, `consumers.peer`): its worker process
+  pushes its parameters, split into the checkpoint's names (`vllm_extension.checkpoint_views`), on a thread there.
+  Only where they are the checkpoint's values exactly (versions load directly: a GPU, unquantized, no LoRA; one rank):
+  on the CPU vLLM repacks its weights after loading (`shares_weights` False, `cannot_share` says why).
 """
 
 from __future__ import annotations
@@ -36,10 +40,10 @@ import logging
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import vllm
@@ -78,6 +82,9 @@ from consumers.orphans import reap_on_death
 from pipeline.wire import PAUSE_MODES, PauseMode, Sampling
 from staleness.weights.handover import Handover, Placement
 
+if TYPE_CHECKING:
+    from staleness.weights.nccl import BroadcastStats, PeerPush
+
 log = logging.getLogger(__name__)
 
 DEFAULT_KV_CACHE_BYTES = 256 << 20
@@ -97,6 +104,8 @@ SHUTDOWN_GRACE_S = 1.0
 """How long `shutdown` lets vLLM's `EngineCore` exit after SIGTERM before vLLM kills it and its `Worker`s (vLLM's
 default: 5 s)."""
 
+PUSH_POLL_S = 0.02
+"""How often a push to joiners asks vLLM's worker process how it goes (`push_weights`)."""
 
 RPC_LIMIT = 2**32 - 1
 """The most bytes one argument of vLLM's `collective_rpc` carries (its msgpack encoder's limit)."""
@@ -217,6 +226,11 @@ class VllmEngine(VllmAdapters, EngineLifecycle):
         self._asleep: set[WakePart] = set()
         """The parts of a sleep not woken yet (`wake_up`)."""
         self._closing = False
+        self.weights_gpu = ""
+        """The CUDA UUID of the GPU its worker process holds the weights on, once started; "" on the CPU, before the
+        start, or over several ranks (`consumers.engines.base.weights_gpu`)."""
+        self.cannot_share = "not started"
+        """Why it cannot push the version it holds to a joiner ("": it can; `rollouts_share_info`)."""
         self.load_path: str | None = None
         """How vLLM's worker processes load a version, once started: "direct" or "layerwise: WHY"
         (`RolloutsWorkerExtension.rollouts_load_path`)."""
@@ -260,6 +274,11 @@ class VllmEngine(VllmAdapters, EngineLifecycle):
                 if self.max_loras and current_platform.is_cpu():
                     await llm.collective_rpc("rollouts_mask_base_lora_rows")
                 self.load_path = " / ".join(sorted(set(await llm.collective_rpc("rollouts_load_path"))))
+                try:
+                    self._share_info(await llm.collective_rpc("rollouts_share_info"))
+                except Exception as exc:  # it serves all the same: joiners go to the store or the next sync
+                    self.cannot_share = f"its worker process could not say what it would push ({exc})"
+                    log.warning("this vLLM engine pushes no version to joiners: %s", self.cannot_share)
             except BaseException:
                 await asyncio.to_thread(llm.shutdown)
                 raise
@@ -270,6 +289,58 @@ class VllmEngine(VllmAdapters, EngineLifecycle):
             log.info(
                 "vLLM engine on %s started (version %d); versions load %s", self.model_dir, self.version, self.load_path
             )
+
+    def _share_info(self, infos: list[dict[str, Any]]) -> None:
+        """Whether it can push its version to joiners (`cannot_share`, `weights_gpu`), from each worker process's
+        `rollouts_share_info`: one process, whose parameters are the checkpoint's values, and whose checkpoint names
+        and shapes are the model's own checkpoint's."""
+        self.weights_gpu = str(infos[0]["gpu"]) if len(infos) == 1 else ""
+        why = "its weights are split over several worker processes" if len(infos) != 1 else str(infos[0]["why_not"])
+        layout = self.weight_layout()
+        if not why and layout is None:
+            why = "its model has no safetensors checkpoint to check the names it would push against"
+        if not why and layout is not None:
+            try:
+                layout.check({k: tuple(v) for k, v in infos[0]["shapes"].items()}, "the weights it would push")
+            except ValueError as exc:
+                why = str(exc)
+        self.cannot_share = why
+        if why:
+            log.info("this vLLM engine pushes no version to joiners: %s", why)
+
+    @property
+    def shares_weights(self) -> bool:
+        """Whether it can push the version it holds to a worker that joins mid-run (`consumers.peer`): started, and
+        its one worker process's parameters hold the checkpoint's values (a GPU, unquantized, no LoRA, one rank)."""
+        return self._llm is not None and not self.cannot_share and not self._asleep and not self._closing
+
+    async def push_weights(self, push: PeerPush, staged: Callable[[], None]) -> BroadcastStats:
+        """Push the version it holds to the joiners of `push` from vLLM's worker process, where the weights are
+        (`RolloutsWorkerExtension.rollouts_push_weights`: on a thread there, so that vLLM's engine core goes on
+        stepping while joiners join and the bytes cross), polling its state: once staged, `staged()` (the joiners are
+        told), once done its stats. Host copies over gloo when `push.on_host`, else NCCL from its GPU."""
+        from staleness.weights.nccl import BroadcastStats
+
+        if not self.shares_weights:
+            raise RuntimeError(f"this vLLM engine cannot push its weights: {self.cannot_share or 'not awake'}")
+        llm = await self._started()
+        await llm.collective_rpc("rollouts_push_weights", args=(push.to_dict(),))
+        told: BaseException | bool = False
+        while True:
+            (state,) = await llm.collective_rpc("rollouts_push_state")
+            if state["staged"] and told is False:
+                try:
+                    await asyncio.to_thread(staged)
+                    told = True
+                except Exception as exc:  # the push ends on its own: nobody joins it, its wait times out
+                    told = exc
+            if state["done"]:
+                if isinstance(told, BaseException):
+                    raise told
+                if state["error"]:
+                    raise RuntimeError(f"vLLM's worker process could not push its weights: {state['error']}")
+                return BroadcastStats(**state["stats"])
+            await asyncio.sleep(PUSH_POLL_S)
 
     async def _watch_engine(self, died: asyncio.Future[None]) -> None:
         """Resolve `died` once the engine errored or was shut down.

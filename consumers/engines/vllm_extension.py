@@ -1,13 +1,17 @@
 """The half of the `vllm` engine that runs inside vLLM's worker processes: `RolloutsWorkerExtension`, mixed into
 vLLM's worker class (`worker_extension_cls`, named by `vllm_engine.EXTENSION`). It loads weights sent as a
 safetensors blob or file, opens handovers where the weights live (an `nccl://` broadcast's rank, an `ipc://` GPU
-buffer: `staleness.weights.base.opened_handover`, by the handover's transport), and masks base-model rows in vLLM's
-CPU LoRA ops. Kept apart from `vllm_engine` so that every vLLM worker process imports only this and what it needs."""
+buffer: `staleness.weights.base.opened_handover`, by the handover's transport), pushes the version it holds to
+workers that join mid-run where its parameters are the checkpoint's values (`rollouts_push_weights`), and masks
+base-model rows in vLLM's CPU LoRA ops. Kept apart from `vllm_engine` so that every vLLM worker process imports only
+this and what it needs."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -120,6 +124,104 @@ class RolloutsWorkerExtension:
         self._rollouts_prepared = pool.submit(prepare_handover, Handover.from_dict(handover), rank, device)
         pool.shutdown(wait=False)
         return 0
+
+    _rollouts_push: Future[dict[str, Any]] | None
+    """A push to joiners running on a thread of its own (`rollouts_push_weights`), until its result is taken."""
+    _rollouts_staged: threading.Event
+    """Set once that push's tensors are staged and its rendezvous listens."""
+
+    def rollouts_share_info(self) -> dict[str, Any]:
+        """What a peer needs to know of this process: `gpu`, its GPU's CUDA UUID ("" on the CPU); `why_not`, why it
+        cannot push the version it holds ("" where it can: its parameters hold the checkpoint's values exactly, which
+        is where versions load directly, `rollouts_load_path`, and with one rank); `shapes`, the checkpoint names and
+        shapes it would push (`checkpoint_views`), for the engine to check against the model's checkpoint."""
+        gpu = str(torch.cuda.get_device_properties(self.device).uuid) if self.device.type == "cuda" else ""
+        path, why, shapes = self.rollouts_load_path(), "", {}
+        ranks = int(self.vllm_config.parallel_config.world_size)
+        if path != "direct":
+            why = f"its parameters are not the checkpoint's values (versions load {path})"
+        elif ranks != 1:
+            why = f"its weights are split over {ranks} ranks"
+        else:
+            try:
+                shapes = {name: list(t.shape) for name, t in checkpoint_views(self.model_runner.get_model())}
+            except ValueError as exc:
+                why = str(exc)
+        return {"gpu": gpu, "why_not": why, "shapes": shapes}
+
+    def rollouts_push_weights(self, push: dict[str, Any]) -> int:
+        """Start pushing the version this process holds to a peer's joiners (`staleness.weights.nccl.PeerPush`, as
+        plain data) on a thread, and return at once: vLLM's steps go on while joiners join and the bytes cross (the
+        weights are only read). `rollouts_push_state` follows it. `RuntimeError` if a push is under way."""
+        from staleness.weights.nccl import PeerPush, push_from_peer
+
+        running: Future[Any] | None = getattr(self, "_rollouts_push", None)
+        if running is not None and not running.done():
+            raise RuntimeError("a push to joiners is under way in this process")
+        spec, device, model = PeerPush.from_dict(push), self.device, self.model_runner.get_model()
+        staged = self._rollouts_staged = threading.Event()
+
+        def run() -> dict[str, Any]:
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            return asdict(push_from_peer(spec, checkpoint_views(model), staged.set))
+
+        pool = ThreadPoolExecutor(1, thread_name_prefix="rollouts-push")
+        self._rollouts_push = pool.submit(run)
+        pool.shutdown(wait=False)
+        return 0
+
+    def rollouts_push_state(self) -> dict[str, Any]:
+        """The push's state, without waiting: `staged` (its joiners may be told), `done`, and once done `stats` (the
+        broadcast's, as plain data) or `error`; a result is handed out once."""
+        running: Future[dict[str, Any]] | None = getattr(self, "_rollouts_push", None)
+        if running is None:
+            return {"staged": False, "done": True, "stats": None, "error": "no push under way in this process"}
+        done = running.done()
+        state: dict[str, Any] = {"staged": self._rollouts_staged.is_set(), "done": done, "stats": None, "error": ""}
+        if done:
+            self._rollouts_push = None
+            error = running.exception()
+            if error is None:
+                state["stats"] = running.result()
+            else:
+                state["error"] = f"{type(error).__name__}: {error}"
+        return state
+
+
+def checkpoint_views(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The parameters of a vLLM model (one rank, unquantized: as a direct load leaves them) under their checkpoint
+    names, as views (nothing copied): a stacked parameter (`qkv_proj`, `gate_up_proj`: the model's
+    `packed_modules_mapping`) split along its output dimension by its layer's `output_sizes` into the checkpoint's
+    tensors (`q_proj`, `k_proj`, `v_proj`, ...), a vocabulary padded for its kernels cut back to the checkpoint's
+    rows; tied parameters once (vLLM's `named_parameters` yields a tied `lm_head` as the embedding). `ValueError`
+    where a stacked parameter does not add up."""
+    packed: dict[str, list[str]] = dict(getattr(model, "packed_modules_mapping", None) or {})
+    modules = dict(model.named_modules())
+    views: list[tuple[str, torch.Tensor]] = []
+    for name, param in model.named_parameters():
+        owner, _, leaf = name.rpartition(".")
+        parent, _, short = owner.rpartition(".")
+        module, tensor = modules.get(owner), param.data
+        parts = packed.get(short)
+        if parts:
+            sizes = [int(size) for size in getattr(module, "output_sizes", ())]
+            if len(sizes) != len(parts) or sum(sizes) != tensor.shape[0]:
+                raise ValueError(
+                    f"{name} {list(tensor.shape)} does not split into {', '.join(parts)} by its layer's output sizes "
+                    f"{sizes}"
+                )
+            offset = 0
+            for part, size in zip(parts, sizes, strict=True):
+                split = f"{parent}.{part}.{leaf}" if parent else f"{part}.{leaf}"
+                views.append((split, tensor.narrow(0, offset, size)))
+                offset += size
+            continue
+        rows = getattr(module, "org_vocab_size", None)
+        if isinstance(rows, int) and tensor.dim() and rows < tensor.shape[0]:
+            tensor = tensor.narrow(0, 0, rows)  # vLLM pads the vocabulary; the checkpoint has its own rows
+        views.append((name, tensor))
+    return views
 
 
 NO_OP_METHODS = frozenset({"UnquantizedLinearMethod", "UnquantizedEmbeddingMethod"})

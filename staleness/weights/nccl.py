@@ -29,7 +29,9 @@ rendezvous, and during each sync, between the manager's `weights` command and it
    stall (NCCL takes about half a second to destroy a communicator); a failed broadcast drops it.
 
 Only raw bytes and JSON cross the store and the group (no pickle). A worker that starts between
-syncs cannot fetch the current version from anywhere: it waits, paused, for the next sync.
+syncs cannot fetch the current version from the trainer: a live peer that holds it pushes it, as a one-off trainer
+(`PeerPush`, `push_from_peer`, run where the peer's weights are: `consumers.peer`), else it waits, paused, for the
+next sync.
 The receiving side runs in whatever process holds the engine's weights (the worker for `torch`,
 vLLM's worker processes for `vllm`), so GPU weights go from GPU to GPU; each such process keeps its
 group between syncs, as the trainer does.
@@ -49,9 +51,9 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -88,10 +90,12 @@ __all__ = [
     "BroadcastLink",
     "BroadcastStats",
     "NcclTransport",
+    "PeerPush",
     "drop_link",
     "forget_group",
     "join_broadcast",
     "prepare_receiver",
+    "push_from_peer",
     "receive_broadcast",
 ]
 """The transport, and the receiving side's calls (`staleness.weights.nccl_receive`) that tests and probes make here."""
@@ -481,6 +485,55 @@ class NcclTransport(Transport):
     ) -> AbstractContextManager[Iterable[tuple[str, torch.Tensor]]]:
         """The tensors as receiver `rank` takes them (`receive_broadcast`): every rank must drain them."""
         return contextlib.nullcontext(receive_broadcast(BroadcastLink.from_dict(handover.data), rank, device))
+
+
+# -- a peer's one-off push ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PeerPush:
+    """One push of the version a peer holds to the workers that joined mid-run and asked it (`consumers.peer`): the
+    peer acts as a one-off trainer, its rendezvous on `host:port`. Plain data: it crosses to vLLM's worker processes."""
+
+    host: str
+    port: int
+    version: int
+    epoch: int
+    members: int
+    """Joiners expected in the broadcast."""
+    timeout_s: float
+    on_host: bool
+    """Send host copies of the tensors over gloo, not the tensors on their GPU over NCCL: a joiner has no GPU, or
+    shares one with the peer or another joiner (NCCL puts no two ranks of a group on one GPU)."""
+
+    @property
+    def uri(self) -> str:
+        return f"nccl://{self.host}:{self.port}/v{check_version(self.version)}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> PeerPush:
+        return cls(str(data["host"]), int(data["port"]), int(data["version"]), int(data["epoch"]),
+                   int(data["members"]), float(data["timeout_s"]), bool(data["on_host"]))  # fmt: skip
+
+
+def push_from_peer(
+    push: PeerPush, tensors: Iterable[tuple[str, torch.Tensor]], staged: Callable[[], None]
+) -> BroadcastStats:
+    """The sending side of a peer's push, on the caller's thread, in the process that holds `tensors` (checkpoint
+    names, on one device): stage them (host copies when `push.on_host`), listen on the rendezvous, call `staged()`
+    (the peer tells its joiners where to join), broadcast to `push.members`, then free the group and stop listening.
+    The tensors are only read."""
+    transport = NcclTransport(push.host, push.port, timeout_s=push.timeout_s)
+    try:
+        named = ((name, t.to("cpu")) for name, t in tensors) if push.on_host else tensors
+        transport.put(named, push.version, None)
+        staged()
+        return transport.broadcast(push.epoch, push.members)
+    finally:
+        transport.close()
 
 
 NO_BROADCAST = (

@@ -1,6 +1,8 @@
 """A worker that joins mid-run takes the current version from a peer (`consumers.peer`): real worker processes (the
 torch engine on the CPU, so gloo), a real redis-server, the trainer publishing by `nccl://` (nothing stored) or
-`redis://`."""
+`redis://`. A vLLM worker on the CPU does not share (vLLM repacks its weights there); on a GPU (skipped elsewhere, run
+on the device machine: `python -m pytest tests/consumers/test_join.py -k gpu`) a vLLM joiner takes the version from a
+vLLM peer on the same GPU, from host copies."""
 
 from __future__ import annotations
 
@@ -8,9 +10,15 @@ import os
 import signal
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
+import pytest
 import redis
+import torch
 
+from consumers.engines.vllm_extension import RolloutsWorkerExtension, checkpoint_views
+from consumers.peer import over_host
 from consumers.sync import AWAITING_WEIGHTS
 from pipeline.codec import as_entries, as_text
 from pipeline.control import BELLS, bell_index
@@ -20,6 +28,12 @@ from pipeline.wire import Control, Keys
 from producers.client import RolloutClient
 from tests.fixtures import StartWorker, wait_until
 from tests.reference import check_spans_and_logprobs
+
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="vLLM shares from a GPU only (run on the device)")
+VLLM_ON_GPU = ("--engine", "vllm", "--kv-cache-bytes", "1000000000", "--engine-args",
+               '{"gpu_memory_utilization": 0.3, "enforce_eager": true}')  # fmt: skip
+"""Two vLLM workers on one GPU: each a small share of its memory (vLLM refuses to start on less free memory than its
+`gpu_memory_utilization` asks) and a 1 GB KV cache."""
 
 JOIN_DEADLINE_S = 20.0
 """A joiner's catch-up (`join_s`: from reading the state to serving), the tiny model on a loaded 2-core machine."""
@@ -158,3 +172,162 @@ def test_share_is_a_directed_control_command_in_plain_text(real_redis: redis.Red
     streams.control.ring_one("peer", "share")  # the peer's bell rings, not the fleet's
     rung = [k for k in range(BELLS) if real_redis.xlen(Keys(ns).bell(k))]
     assert rung == [bell_index("peer")]
+
+
+def test_a_push_goes_from_host_copies_unless_every_rank_has_a_gpu_of_its_own() -> None:
+    """NCCL puts no two ranks of a group on one GPU ("Duplicate GPU detected"), and reaches no rank without one."""
+    assert not over_host("GPU-a", ["GPU-b"])
+    assert not over_host("GPU-a", ["GPU-b", "GPU-c"])
+    assert over_host("GPU-a", ["GPU-a"]), "a joiner on the peer's GPU"
+    assert over_host("GPU-a", ["GPU-b", "GPU-b"]), "two joiners on one GPU"
+    assert over_host("GPU-a", ["GPU-b", ""]), "a joiner on the CPU, or that did not say"
+    assert over_host("", ["GPU-b"]), "a peer on the CPU"
+    assert over_host("", [""])
+
+
+def test_a_vllm_model_pushes_its_stacked_parameters_as_the_checkpoints_tensors() -> None:
+    """`checkpoint_views`: q/k/v and gate/up split by their layer's `output_sizes`, a padded vocabulary cut back, a tied
+    `lm_head` once; views of the parameters, not copies."""
+
+    class Stacked(torch.nn.Module):
+        def __init__(self, sizes: list[int], columns: int, bias: bool) -> None:
+            super().__init__()
+            self.output_sizes = sizes
+            self.weight = torch.nn.Parameter(torch.arange(sum(sizes) * columns, dtype=torch.float32).view(-1, columns))
+            self.bias = torch.nn.Parameter(torch.arange(sum(sizes), dtype=torch.float32)) if bias else None
+
+    class Vocab(torch.nn.Module):
+        org_vocab_size = 5
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(8, 4))  # padded to 8 rows for the kernels
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.packed_modules_mapping = {
+                "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+                "gate_up_proj": ["gate_proj", "up_proj"],
+            }
+            self.model = torch.nn.Module()
+            self.model.embed_tokens = Vocab()
+            layer = torch.nn.Module()
+            layer.self_attn = torch.nn.Module()
+            layer.self_attn.qkv_proj = Stacked([4, 2, 2], 4, bias=True)
+            layer.mlp = torch.nn.Module()
+            layer.mlp.gate_up_proj = Stacked([6, 6], 4, bias=False)
+            self.model.layers = torch.nn.ModuleList([layer])
+            self.lm_head = self.model.embed_tokens  # tied, as vLLM ties it
+
+    model = Model()
+    views = dict(checkpoint_views(model))
+    assert {name: tuple(t.shape) for name, t in views.items()} == {
+        "model.embed_tokens.weight": (5, 4),
+        "model.layers.0.self_attn.q_proj.weight": (4, 4),
+        "model.layers.0.self_attn.k_proj.weight": (2, 4),
+        "model.layers.0.self_attn.v_proj.weight": (2, 4),
+        "model.layers.0.self_attn.q_proj.bias": (4,),
+        "model.layers.0.self_attn.k_proj.bias": (2,),
+        "model.layers.0.self_attn.v_proj.bias": (2,),
+        "model.layers.0.mlp.gate_proj.weight": (6, 4),
+        "model.layers.0.mlp.up_proj.weight": (6, 4),
+    }
+    qkv = dict(model.named_modules())["model.layers.0.self_attn.qkv_proj"]
+    assert isinstance(qkv, Stacked)
+    assert views["model.layers.0.self_attn.k_proj.weight"].tolist() == qkv.weight[4:6].tolist()
+    assert views["model.layers.0.self_attn.v_proj.bias"].tolist() == [6.0, 7.0]
+    assert views["model.layers.0.self_attn.v_proj.weight"].data_ptr() == qkv.weight[6:].data_ptr(), "a view"
+    qkv.output_sizes = [4, 2, 1]
+    with pytest.raises(ValueError, match=r"qkv_proj.weight \[8, 4\] does not split into q_proj, k_proj, v_proj"):
+        checkpoint_views(model)
+
+
+def test_a_vllm_worker_process_pushes_on_a_thread_and_says_how_it_goes() -> None:
+    """`rollouts_push_weights` returns at once (vLLM's engine core goes on stepping) and pushes on a thread;
+    `rollouts_push_state` says when it is staged (the joiners may be told) and hands out its stats once. Here in this
+    process, over gloo, a stacked model as vLLM holds it, received in checkpoint names."""
+    from staleness.weights.nccl import PeerPush, drop_link, join_broadcast, receive_broadcast
+
+    model = torch.nn.Module()
+    setattr(model, "packed_modules_mapping", {"gate_up_proj": ["gate_proj", "up_proj"]})  # noqa: B010 (vLLM's)
+    model.mlp = torch.nn.Module()
+    model.mlp.gate_up_proj = torch.nn.Linear(3, 4, bias=False)
+    model.mlp.gate_up_proj.output_sizes = [2, 2]  # type: ignore[assignment]  # as vLLM's merged layer says
+    model.norm = torch.nn.LayerNorm(3)
+
+    class Worker(RolloutsWorkerExtension):
+        device = torch.device("cpu")
+        rank = 0
+        model_runner = SimpleNamespace(get_model=lambda: model)
+
+    worker, push = Worker(), PeerPush("127.0.0.1", free_port(), 4, 1, 1, 20.0, on_host=True)
+    assert worker.rollouts_push_weights(push.to_dict()) == 0
+    with pytest.raises(RuntimeError, match="a push to joiners is under way"):
+        worker.rollouts_push_weights(push.to_dict())
+    wait_until(lambda: worker.rollouts_push_state()["staged"], 20, "the push to be staged")
+    link = join_broadcast(push.uri, 1, version=4, timeout_s=20, member="joiner")
+    try:
+        got = {name: t.clone() for name, t in receive_broadcast(link)}
+    finally:
+        drop_link(push.uri, "joiner")
+    states: list[dict[str, Any]] = []
+
+    def ended() -> bool:
+        states.append(worker.rollouts_push_state())
+        return bool(states[-1]["done"])
+
+    wait_until(ended, 20, "the push to end")
+    assert states[-1]["error"] == "" and (states[-1]["stats"]["workers"], states[-1]["stats"]["backend"]) == (1, "gloo")
+    weight = model.mlp.gate_up_proj.weight
+    assert sorted(got) == ["mlp.gate_proj.weight", "mlp.up_proj.weight", "norm.bias", "norm.weight"]
+    assert torch.equal(got["mlp.up_proj.weight"], weight[2:].detach())
+    assert worker.rollouts_push_state()["error"] == "no push under way in this process"  # its result went once
+
+
+@pytest.mark.vllm
+def test_a_vllm_worker_on_the_cpu_does_not_share_and_a_joiner_beside_it_reads_the_store(
+    redis_server: RedisServer, ns: str, tiny_model_dir_v1: Path, workers: StartWorker
+) -> None:
+    """vLLM's CPU build repacks its linear weights after loading and drops `layer.weight`: its parameters are not the
+    checkpoint's, so it says `shares` 0 and nobody asks it; the joiner serves the stored version."""
+    workers("vllm", "--engine", "vllm", "--kv-cache-bytes", "268435456")
+    client = RolloutClient(redis_server.url, ns)
+    assert client.publish_weights(tiny_model_dir_v1, transport=f"redis://{ns}") == 1
+    wait_until(lambda: heartbeat(client, "vllm", "version") == "1", 30, "the vLLM worker to load version 1")
+    assert heartbeat(client, "vllm", "shares") == "0"
+    assert "pushes no version to joiners: its parameters are not the checkpoint's values" in (
+        workers.logs / "vllm.log"
+    ).read_text()
+    workers("late")
+    assert (heartbeat(client, "late", "joined_from"), heartbeat(client, "late", "version")) == ("store", "1")
+    assert shares_asked(client) == []
+
+
+@GPU
+@pytest.mark.vllm
+def test_gpu_a_vllm_worker_joins_from_a_vllm_peer_on_the_same_gpu(
+    redis_server: RedisServer, ns: str, tiny_model_dir_v1: Path, workers: StartWorker
+) -> None:
+    """A vLLM peer on cuda:0 holds version 1, pushed by the trainer over `nccl://` (nothing stored); a vLLM joiner on
+    the same GPU takes it from the peer (from host copies over gloo: NCCL puts no two ranks on one GPU) and generates
+    the peer's greedy tokens."""
+    peer = workers("peer", *VLLM_ON_GPU)
+    client = RolloutClient(redis_server.url, ns)
+    assert client.publish_weights(tiny_model_dir_v1, transport=f"nccl://127.0.0.1:{free_port()}") == 1
+    wait_until(lambda: heartbeat(client, "peer", "shares") == "1", 30, "the vLLM peer to say it shares")
+    client.submit(tokens=[7, 8, 9], n=1, max_tokens=32, temperature=0.0, id="from-peer")
+    (peer_rollout,) = [r for g in client.collect(1, timeout=120) for r in g.rollouts]
+    assert peer_rollout.worker == "peer" and peer_rollout.spans == [(1, 0, peer_rollout.n_tokens)]
+
+    workers("late", *VLLM_ON_GPU, "--join-from", "peer")
+    assert (heartbeat(client, "late", "joined_from"), heartbeat(client, "late", "version")) == ("peer:peer", "1")
+    assert shares_asked(client)[0].joiner_gpu, "the joiner said which GPU it is on"
+    wait_until(lambda: heartbeat(client, "peer", "shared_pushes") == "1", 10, "the peer to count its push")
+    assert "1 joined" in (workers.logs / "peer.log").read_text() and "gloo" in (workers.logs / "peer.log").read_text()
+
+    freeze(peer)  # what comes next is the joiner's alone
+    client.submit(tokens=[7, 8, 9], n=1, max_tokens=32, temperature=0.0, id="from-joiner")
+    (joiner_rollout,) = [r for g in client.collect(1, timeout=120) for r in g.rollouts]
+    assert joiner_rollout.worker == "late" and joiner_rollout.spans == [(1, 0, joiner_rollout.n_tokens)]
+    assert joiner_rollout.tokens.tolist() == peer_rollout.tokens.tolist()
