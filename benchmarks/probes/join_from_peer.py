@@ -91,31 +91,42 @@ class Fleet:
         stop_processes(list(self.procs.values()))
 
 
-def one_round(fleet: Fleet, client: RolloutClient, model: Path, k: int, joiners: int) -> dict[str, Any]:
+PATHS = ("peer", "at-once", "store", "sync")
+"""The joins a round makes, in this order (`--paths`)."""
+
+
+def one_round(
+    fleet: Fleet, client: RolloutClient, model: Path, k: int, joiners: int, paths: tuple[str, ...] = PATHS
+) -> dict[str, Any]:
     nccl = lambda: f"nccl://127.0.0.1:{free_port()}"  # noqa: E731
     found: dict[str, Any] = {}
-    client.publish_weights(model, transport=nccl())
-    found["peer"] = fleet.start([f"p{k}"])[0]
-    fleet.stop([f"p{k}"])
-    before = fleet.pushes("peer")
-    names = [f"j{k}-{i}" for i in range(joiners)]
-    found["peer_at_once"] = fleet.start(names)
-    deadline = time.monotonic() + 5  # the peer's next heartbeat counts the push(es)
-    while fleet.pushes("peer") == before and time.monotonic() < deadline:
-        time.sleep(0.1)
-    found["peer_at_once_pushes"] = fleet.pushes("peer") - before
-    fleet.stop(names)
-    client.publish_weights(model, transport=f"redis://{NS}")
-    found["store"] = fleet.start([f"s{k}"], "--join-from", "store")[0]
-    fleet.stop([f"s{k}"])
-    client.publish_weights(model, transport=nccl())
-    awaiting = fleet.start([f"w{k}"], "--join-from", "store", until="awaiting weights")[0]
-    published = time.perf_counter()
-    client.publish_weights(model, transport=nccl())
-    wait_for_worker(fleet.client, NS, f"w{k}", fleet.procs[f"w{k}"], timeout_s=600)
-    awaiting["serving_after_next_publish_s"] = round(time.perf_counter() - published, 2)
-    found["sync"] = awaiting
-    fleet.stop([f"w{k}"])
+    if "peer" in paths or "at-once" in paths:
+        client.publish_weights(model, transport=nccl())
+    if "peer" in paths:
+        found["peer"] = fleet.start([f"p{k}"])[0]
+        fleet.stop([f"p{k}"])
+    if "at-once" in paths:
+        before = fleet.pushes("peer")
+        names = [f"j{k}-{i}" for i in range(joiners)]
+        found["peer_at_once"] = fleet.start(names)
+        deadline = time.monotonic() + 5  # the peer's next heartbeat counts the push(es)
+        while fleet.pushes("peer") == before and time.monotonic() < deadline:
+            time.sleep(0.1)
+        found["peer_at_once_pushes"] = fleet.pushes("peer") - before
+        fleet.stop(names)
+    if "store" in paths:
+        client.publish_weights(model, transport=f"redis://{NS}")
+        found["store"] = fleet.start([f"s{k}"], "--join-from", "store")[0]
+        fleet.stop([f"s{k}"])
+    if "sync" in paths:
+        client.publish_weights(model, transport=nccl())
+        awaiting = fleet.start([f"w{k}"], "--join-from", "store", until="awaiting weights")[0]
+        published = time.perf_counter()
+        client.publish_weights(model, transport=nccl())
+        wait_for_worker(fleet.client, NS, f"w{k}", fleet.procs[f"w{k}"], timeout_s=600)
+        awaiting["serving_after_next_publish_s"] = round(time.perf_counter() - published, 2)
+        found["sync"] = awaiting
+        fleet.stop([f"w{k}"])
     return found
 
 
@@ -128,9 +139,13 @@ def main() -> None:
     parser.add_argument("--engine-args", default="", help="every worker's --engine-args (JSON), e.g. vLLM's memory")
     parser.add_argument("--joiners", type=int, default=2, help="joiners started at once from the peer, each round")
     parser.add_argument("--share-window-s", type=float, help="the peer's gathering window (the worker's default)")
+    parser.add_argument("--paths", default=",".join(PATHS), help=f"the joins a round makes, of {','.join(PATHS)}")
     args = parser.parse_args()
     if args.rounds < 1 or args.joiners < 1:
         parser.error("--rounds and --joiners must be at least 1")
+    paths = tuple(p for p in args.paths.split(",") if p)
+    if not paths or set(paths) - set(PATHS):
+        parser.error(f"--paths takes some of {','.join(PATHS)}, got {args.paths!r}")
     engine = ["--engine", args.engine, "--device", args.device]
     engine += ["--engine-args", args.engine_args] if args.engine_args else []
     window = [] if args.share_window_s is None else ["--share-window-s", str(args.share_window_s)]
@@ -146,16 +161,17 @@ def main() -> None:
             fleet.start(["peer"], *window)  # serves every round's joiners (its default window: 0.5 s)
             for k in range(args.rounds):
                 say(f"round {k + 1} of {args.rounds}")
-                rounds.append(one_round(fleet, client, args.model, k, args.joiners))
+                rounds.append(one_round(fleet, client, args.model, k, args.joiners, paths))
                 say(json.dumps(rounds[-1]))
         finally:
             fleet.close()
-    single = ("peer", "store")
-    median = {path: statistics.median(r[path]["join_s"] for r in rounds) for path in single}
-    median["peer_at_once"] = statistics.median(max(j["join_s"] for j in r["peer_at_once"]) for r in rounds)
-    median["sync_after_next_publish"] = statistics.median(r["sync"]["serving_after_next_publish_s"] for r in rounds)
+    median = {path: statistics.median(r[path]["join_s"] for r in rounds) for path in ("peer", "store") if path in paths}
+    if "at-once" in paths:
+        median["peer_at_once"] = statistics.median(max(j["join_s"] for j in r["peer_at_once"]) for r in rounds)
+    if "sync" in paths:
+        median["sync_after_next_publish"] = statistics.median(r["sync"]["serving_after_next_publish_s"] for r in rounds)
     setup = {"model": str(args.model), "engine": args.engine, "device": args.device, "engine_args": args.engine_args,
-             "joiners": args.joiners}  # fmt: skip
+             "joiners": args.joiners, "paths": list(paths)}  # fmt: skip
     print(json.dumps(setup | {"rounds": rounds, "median_join_s": median}, indent=1))
 
 
