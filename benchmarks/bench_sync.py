@@ -119,11 +119,13 @@ class Qwen2Shape:
 
 SHAPES = {
     "qwen2-tiny": Qwen2Shape(64, 2, 2, 1, 160, 1024, tied=True),
+    "smollm2-135m": Qwen2Shape(576, 30, 9, 3, 1536, 49152, tied=True),
     "qwen2.5-1.5b": Qwen2Shape(1536, 28, 12, 2, 8960, 151936, tied=True),
     "qwen2.5-7b": Qwen2Shape(3584, 28, 28, 4, 18944, 152064, tied=False),
 }
 """Real configurations, built as random Qwen2 models (`build_shaped_model`): Qwen2.5-1.5B's (1.54 B parameters, 2.9 GiB
-in bf16) and Qwen2.5-7B's (7.62 B, 14.2 GiB); `qwen2-tiny` has their features (grouped KV heads, biases, tied
+in bf16) and Qwen2.5-7B's (7.62 B, 14.2 GiB); `smollm2-135m`, SmolLM2-135M's shapes (a Llama; as Qwen2 it has q/k/v
+biases besides: 134.5 M parameters, 257 MiB), where the real model cannot travel; `qwen2-tiny` has their features (grouped KV heads, biases, tied
 embeddings) at a size for tests."""
 
 TRANSPORTS = ("redis", "fs", "nccl", "ipc")

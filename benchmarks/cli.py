@@ -123,7 +123,8 @@ def bench_sync(
         str | None,
         typer.Option(
             help="Model sizes, comma-separated: tiny, small, medium, large, xl, 7b (random Qwen2 models), and real "
-            "configurations built as random Qwen2 models: qwen2.5-1.5b, qwen2.5-7b (qwen2-tiny: their features, tiny). "
+            "configurations built as random Qwen2 models: qwen2.5-1.5b, qwen2.5-7b, smollm2-135m (qwen2-tiny: their "
+            "features, tiny). "
             "Default: tiny,small,medium, or none beside --model."
         ),
     ] = None,

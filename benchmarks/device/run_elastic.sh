@@ -5,14 +5,19 @@
 # next runs:
 #   gpu-tests  the GPU tests of joining from a vLLM peer (`tests/consumers/test_join.py -k gpu`), log in $OUT
 #   join       benchmarks/probes/join_from_peer.py on vLLM, SmolLM2-135M: a joiner from a vLLM peer on the same GPU
-#              (host copies over gloo), JOINERS (8) at once, one from the store; $OUT/join-135m.json
+#              (host copies over gloo), JOINERS (8) at once, one from the store; $OUT/join-135m.json (SHAPE=1: at
+#              SmolLM2-135M's shape with zero weights, built here, where the model's pieces were not carried)
 #   join-1.5b  the same at Qwen2.5-1.5B's shape (zero weights, built here); $OUT/join-1.5b.json
 #   delta      bench-sync --deltas into vLLM on real AdamW steps of SmolLM2-135M, redis and fs; $OUT/delta-stall.json
 #   OUT=$OUT STEPS="gpu-tests join" bash benchmarks/device/run_elastic.sh
 set -uo pipefail
 OUT="${OUT:-$(mktemp -d)}"
 source benchmarks/device/vllm_cuda_env.sh
-source benchmarks/device/real_model_env.sh || exit 1
+if [ -z "${SHAPE:-}" ] || [[ " ${STEPS:-} " == *" delta "* ]]; then source benchmarks/device/real_model_env.sh || exit 1; fi
+shaped() {  # shaped NAME DIR: a model folder of bench-sync's shape NAME, zero weights
+  python3 -c 'import sys; from pathlib import Path; from benchmarks.bench_sync import SHAPES, build_shaped_model
+build_shaped_model(Path(sys.argv[2]), SHAPES[sys.argv[1]])' "$1" "$2"
+}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 mkdir -p "$OUT/logs"
 engine='{"gpu_memory_utilization": '"${UTIL:-0.07}"', "enforce_eager": true}'
@@ -26,12 +31,10 @@ for step in ${STEPS:-gpu-tests join}; do
   case "$step" in
     gpu-tests) OUT=$OUT timeout -k 30 "${STEP_S:-540}" bash benchmarks/device/run_gpu_tests.sh \
                  tests/consumers/test_join.py -k gpu > /dev/null ;;
-    join) probe "$model" 135m ;;
-    join-1.5b)
-      python3 -c 'import sys; from pathlib import Path; from benchmarks.bench_sync import SHAPES, build_shaped_model
-build_shaped_model(Path(sys.argv[1]), SHAPES["qwen2.5-1.5b"])' /root/qwen-1.5b
-      probe /root/qwen-1.5b 1.5b
-      ;;
+    join)
+      if [ -n "${SHAPE:-}" ]; then shaped smollm2-135m /root/shape-135m && probe /root/shape-135m 135m-shape
+      else probe "$model" 135m; fi ;;
+    join-1.5b) shaped qwen2.5-1.5b /root/qwen-1.5b && probe /root/qwen-1.5b 1.5b ;;
     delta)
       timeout -k 30 "${STEP_S:-540}" python3 -m benchmarks bench-sync --engine vllm --model "$model" --device cuda:0 \
         --trainer-device cuda:0 --dtype bfloat16 --transports redis,fs --deltas --rounds "${DELTA_ROUNDS:-6}" \
