@@ -125,8 +125,8 @@ SHAPES = {
 }
 """Real configurations, built as random Qwen2 models (`build_shaped_model`): Qwen2.5-1.5B's (1.54 B parameters, 2.9 GiB
 in bf16) and Qwen2.5-7B's (7.62 B, 14.2 GiB); `smollm2-135m`, SmolLM2-135M's shapes (a Llama; as Qwen2 it has q/k/v
-biases besides: 134.5 M parameters, 257 MiB), where the real model cannot travel; `qwen2-tiny` has their features (grouped KV heads, biases, tied
-embeddings) at a size for tests."""
+biases besides: 134.5 M parameters, 257 MiB), where the real model cannot travel; `qwen2-tiny` has their features
+(grouped KV heads, biases, tied embeddings) at a size for tests."""
 
 TRANSPORTS = ("redis", "fs", "nccl", "ipc")
 COPY_BYTES = 2**30
