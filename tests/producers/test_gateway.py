@@ -259,7 +259,9 @@ def test_a_weight_sync_mid_turn_returns_one_complete_answer_spanning_both_versio
     client = openai_client(gateways("gw"))
     result: dict[str, Any] = {}
     ask = [{"role": "user", "content": "A long answer, please."}]
-    call = threading.Thread(target=lambda: result.update(answer=turn(client, "sync", ask, max_tokens=60)))
+    # 120 tokens at 20 a second: 6 s in flight, so that the sync lands mid-turn though the test process that publishes
+    # it is slow to (under a loaded suite a 3-s turn was over before the sync came).
+    call = threading.Thread(target=lambda: result.update(answer=turn(client, "sync", ask, max_tokens=120)))
     call.start()
     trainer = RolloutClient(redis_server.url, ns)
     beat = trainer.streams.redis
@@ -269,9 +271,9 @@ def test_a_weight_sync_mid_turn_returns_one_complete_answer_spanning_both_versio
     call.join(timeout=60)
     answer = result["answer"]
     choice = answer.choices[0]
-    assert choice.finish_reason == "length" and len(choice.model_extra["token_ids"]) == 60
+    assert choice.finish_reason == "length" and len(choice.model_extra["token_ids"]) == 120
     spans = choice.model_extra["spans"]
-    assert [s[0] for s in spans] == [0, 1] and spans[0][1] == 0 and spans[-1][2] == 60, spans
+    assert [s[0] for s in spans] == [0, 1] and spans[0][1] == 0 and spans[-1][2] == 120, spans
     assert answer.model_extra["policy_version"] == 0
 
 
