@@ -395,6 +395,9 @@ def run_bench(
             finally:
                 side_b.close(loop)
                 loop.run_until_complete(direct.shutdown())
+                # The worker's control reads run on the loop's threads: wait for them while Redis is up (a read
+                # left blocked when Redis stops retries for `RECONNECT_S`, and the exit waits for it).
+                loop.run_until_complete(loop.shutdown_default_executor())
                 loop.close()
 
         def medians(spends: list[dict[str, float]]) -> dict[str, float]:

@@ -35,7 +35,7 @@ from benchmarks.bench_sync import (
 from benchmarks.tests.test_lab_cli_errors import assert_refused_in_one_line, lab_here
 from consumers.engines.vllm_extension import RolloutsWorkerExtension
 from rollouts.engine_spec import EngineSpec
-from tests.cli.test_cli import assert_clean_error, rollouts
+from tests.cli.test_cli import rollouts
 
 
 def test_bench_sync_reports_the_stall_per_transport(tmp_path: Path) -> None:
@@ -65,7 +65,7 @@ def test_bench_sync_reports_the_stall_per_transport(tmp_path: Path) -> None:
     idle = rollouts("bench-sync", "--sizes", "tiny", "--transports", "nccl", "--rounds", "2", "--idle", timeout=300)
     assert idle.returncode == 0, idle.stderr
     assert json.loads(idle.stdout)["results"][0]["broadcast_s"] > 0
-    assert_clean_error(rollouts("bench-sync", "--sizes", "huge"), "unknown sizes ['huge']")
+    assert_refused_in_one_line(lab_here("bench-sync", "--sizes", "huge"), "unknown sizes ['huge']", code=2)
 
 
 def test_bench_sync_says_which_transports_cannot_run_on_the_devices_given() -> None:
@@ -132,7 +132,7 @@ def test_bench_sync_measures_a_real_model_and_a_real_configuration_with_where_th
         assert row["pause_s"] > 0 and row["load_s"] > 0 and row["fetch_s"] >= 0, row
         assert row["pause_s"] + row["load_s"] + row["resume_s"] == pytest.approx(row["stall_s"], abs=2e-3)
     assert sorted(p.name for p in logs.iterdir()) == sorted([f"{tiny_model_dir.name}.log", "qwen2-tiny.log"])
-    assert_clean_error(rollouts("bench-sync", "--model", str(tmp_path)), "not a model folder")
+    assert_refused_in_one_line(lab_here("bench-sync", "--model", str(tmp_path)), "not a model folder", code=2)
 
 
 def test_the_real_configurations_have_their_models_parameters_and_a_tied_head_is_left_out() -> None:
