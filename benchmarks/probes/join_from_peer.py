@@ -67,7 +67,12 @@ class Fleet:
         self.procs |= dict(zip(names, procs, strict=True))
         found = []
         for name, proc in zip(names, procs, strict=True):
-            wait_for_worker(self.client, NS, name, proc, timeout_s=600, status=until)
+            try:
+                wait_for_worker(self.client, NS, name, proc, timeout_s=600, status=until)
+            except Exception:  # its log goes with the temporary folder: say its end first
+                tail = (self.logs / f"{name}.log").read_text().splitlines()[-40:]
+                say(f"worker {name}'s log ends:\n" + "\n".join(tail))
+                raise
             beat = {as_text(k): as_text(v) for k, v in self.client.hgetall(self.keys.worker(name)).items()}
             found.append({
                 "worker": name,
