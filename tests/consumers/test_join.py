@@ -101,7 +101,7 @@ def test_two_workers_that_join_at_once_are_served_by_one_push(
 def test_without_a_peer_that_can_share_a_joiner_loads_the_store_or_awaits_the_next_sync(
     redis_server: RedisServer, ns: str, tiny_model_dir: Path, tiny_model_dir_v1: Path, workers: StartWorker
 ) -> None:
-    """A peer whose engine holds its weights in a process of its own does not export them (it never says `shares`):
+    """A peer whose engine holds its weights in a process of its own cannot push them (it never says `shares`):
     under `redis://` the joiner reads the store; told `--join-from peer` (no peer) or `--join-from sync`, it awaits the
     next sync though the version is stored, and the `nccl://` sync reaches it."""
     workers("remote", "--engine-process")
@@ -285,6 +285,10 @@ def test_a_vllm_worker_process_pushes_on_a_thread_and_says_how_it_goes() -> None
     assert worker.rollouts_push_state()["error"] == "no push under way in this process"  # its result went once
 
 
+@pytest.mark.long(
+    "a vLLM worker on the CPU says shares 0: tests/system/test_end_to_end.py's test_every_sample_delivered_once_with_"
+    "true_logprobs[vllm-installed]; a joiner beside a worker that cannot push reads the store: test_without_a_peer_..."
+)
 @pytest.mark.vllm
 def test_a_vllm_worker_on_the_cpu_does_not_share_and_a_joiner_beside_it_reads_the_store(
     redis_server: RedisServer, ns: str, tiny_model_dir_v1: Path, workers: StartWorker
