@@ -23,7 +23,7 @@ mkdir -p "$OUT/logs"
 engine='{"gpu_memory_utilization": '"${UTIL:-0.07}"', "enforce_eager": true}'
 probe() {  # probe MODEL NAME: the join probe on vLLM, ROUNDS rounds
   timeout -k 30 "${STEP_S:-540}" python3 benchmarks/probes/join_from_peer.py --engine vllm --device cuda:0 --model "$1" --rounds "${ROUNDS:-1}" \
-    --joiners "${JOINERS:-8}" --paths "${PATHS:-peer,at-once,store}" --engine-args "$engine" \
+    --joiners "${JOINERS:-8}" --paths "${PATHS:-peer,at-once,store}" --engine-args "$engine" --stagger-s "${STAGGER_S:-0}" \
     > "$OUT/join-$2.json" 2> "$OUT/logs/join-$2.err"
 }
 for step in ${STEPS:-gpu-tests join}; do

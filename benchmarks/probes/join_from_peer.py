@@ -50,6 +50,8 @@ class Fleet:
     def __init__(self, server: RedisServer, model: Path, logs: Path, engine: list[str]) -> None:
         self.server, self.model, self.logs = server, model, logs
         self.engine = engine
+        self.stagger_s = 0.0
+        """Seconds between the starts of workers started together (`--stagger-s`)."""
         """Every worker's engine flags (`--engine`, `--device`, `--engine-args`)."""
         self.client = redis.Redis.from_url(server.url)
         self.keys = Keys(NS)
@@ -58,12 +60,13 @@ class Fleet:
     def start(self, names: list[str], *extra: str, until: str = "serving") -> list[dict[str, Any]]:
         """Start `names` at once with `extra` flags; wait for each to say `until`; their heartbeats' join fields."""
         began = time.perf_counter()
-        procs = [
-            start_worker(
-                self.server.url, NS, self.model, n, *FLAGS, *self.engine, *extra, log_file=self.logs / f"{n}.log"
-            )
-            for n in names
-        ]
+        procs = []
+        for i, n in enumerate(names):
+            if i and self.stagger_s:
+                time.sleep(self.stagger_s)  # engines that measure a shared GPU as they start, a few seconds apart
+            log_file = self.logs / f"{n}.log"
+            procs.append(start_worker(self.server.url, NS, self.model, n, *FLAGS, *self.engine, *extra,
+                                      log_file=log_file))  # fmt: skip
         self.procs |= dict(zip(names, procs, strict=True))
         found = []
         for name, proc in zip(names, procs, strict=True):
@@ -145,6 +148,7 @@ def main() -> None:
     parser.add_argument("--joiners", type=int, default=2, help="joiners started at once from the peer, each round")
     parser.add_argument("--share-window-s", type=float, help="the peer's gathering window (the worker's default)")
     parser.add_argument("--paths", default=",".join(PATHS), help=f"the joins a round makes, of {','.join(PATHS)}")
+    parser.add_argument("--stagger-s", type=float, default=0.0, help="seconds between joiners' starts (one GPU)")
     args = parser.parse_args()
     if args.rounds < 1 or args.joiners < 1:
         parser.error("--rounds and --joiners must be at least 1")
@@ -160,6 +164,7 @@ def main() -> None:
         args.model = build_pretrained("smollm2")
     with tempfile.TemporaryDirectory() as tmp, RedisServer() as server:
         fleet = Fleet(server, args.model, Path(tmp), engine)
+        fleet.stagger_s = args.stagger_s
         client = RolloutClient(server.url, NS)
         rounds = []
         try:
