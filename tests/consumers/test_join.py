@@ -160,15 +160,19 @@ def test_a_version_published_while_a_worker_joins_is_the_one_it_serves(
 
 
 def test_share_is_a_directed_control_command_in_plain_text(real_redis: redis.Redis, ns: str) -> None:
-    """What a person reads with redis-cli: `cmd share worker PEER joiner NAME`; other commands carry no `joiner`."""
+    """What a person reads with redis-cli: `cmd share worker PEER joiner NAME`, and `joiner_gpu UUID` from a joiner
+    on a GPU; a joiner without one, and other commands, carry no `joiner_gpu` (nor `joiner`)."""
     from pipeline.streams import Streams
 
     streams = Streams(real_redis, ns)
     streams.control.send(Control(cmd="share", worker="peer", joiner="late"), ring=False)
     streams.control.send(Control(cmd="drain", worker="peer"), ring=False)
-    (_, share), (_, drain) = as_entries(real_redis.xrange(Keys(ns).control))
+    streams.control.send(Control(cmd="share", worker="peer", joiner="gpu1", joiner_gpu="GPU-1234"), ring=False)
+    (_, share), (_, drain), (_, on_gpu) = as_entries(real_redis.xrange(Keys(ns).control))
     assert (share[b"cmd"], share[b"worker"], share[b"joiner"]) == (b"share", b"peer", b"late")
-    assert b"joiner" not in drain
+    assert b"joiner" not in drain and b"joiner_gpu" not in share and b"joiner_gpu" not in drain
+    assert on_gpu[b"joiner_gpu"] == b"GPU-1234"
+    assert Control.from_fields(on_gpu).joiner_gpu == "GPU-1234" and Control.from_fields(share).joiner_gpu == ""
     streams.control.ring_one("peer", "share")  # the peer's bell rings, not the fleet's
     rung = [k for k in range(BELLS) if real_redis.xlen(Keys(ns).bell(k))]
     assert rung == [bell_index("peer")]
