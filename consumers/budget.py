@@ -32,6 +32,9 @@ class TakeBudget:
         """Prompt + `max_tokens` of each sample in `samples`, summed."""
         self.waiting = 0
         """Entries taken and decoded that wait for room (`wait_for_room`): none is read meanwhile."""
+        self.unstarted = 0
+        """Entries taken whose task has not run yet (`taken`, `starting`): their samples count only from its first step,
+        so until then each is room already spoken for (a heartbeat between the two would offer it again)."""
         self.mean_n: float | None = None
         """Samples per entry (an average): how many entries fit the room. None until the first entry: until then the
         worker reads one at a time, since a fresh worker that guessed 1 would take n times too many."""
@@ -76,9 +79,19 @@ class TakeBudget:
         return bool(self.waiting) or (self.free() <= 0 and self.samples > 0)
 
     def entries_to_take(self) -> int:
-        """Entries to take now for the room left (at least one when nothing is in flight: it runs alone); 0 if full."""
+        """Entries to take now for the room left (at least one when nothing is in flight: it runs alone), less those
+        taken and not yet started; 0 if full."""
         free = self.free()
-        return self.entries_for(free) if free > 0 or not self.samples else 0
+        entries = self.entries_for(free) if free > 0 or not self.samples else 0
+        return max(0, entries - self.unstarted)
+
+    def taken(self) -> None:
+        """An entry was taken: its task starts at the next turn of the event loop."""
+        self.unstarted += 1
+
+    def starting(self) -> None:
+        """A taken entry's task runs: in the same step it decodes and is counted (`add`) or waits for room."""
+        self.unstarted -= 1
 
     def add(self, samples: int, tokens: int) -> None:
         """An entry starts: its samples and tokens are in flight."""

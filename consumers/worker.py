@@ -342,6 +342,7 @@ class Worker:
         # Held from the moment it is taken, before it decodes: touched every heartbeat and never claimed back, even
         # while its dead letter or its publish waits for a thread (a claim of it would serve it twice).
         self._inflight[entry.stream, entry.id] = entry
+        self.budget.taken()
         task = asyncio.create_task(self._serve(entry))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -357,6 +358,7 @@ class Worker:
         the entry stops being held here (`_start` took it); if it was not acked, it stays pending.
         """
         counted = tokens = 0
+        self.budget.starting()
         try:
             decoded = await self._decode(entry)
             if decoded is None:

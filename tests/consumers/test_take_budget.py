@@ -143,3 +143,19 @@ def test_the_caps_are_asked_each_time_so_an_engine_that_learns_its_budget_late_i
     assert b.free() == 8
     tokens[0] = 300
     assert b.max_tokens == 300 and b.free() == 3
+
+
+def test_an_entry_taken_and_not_yet_started_is_room_spoken_for_until_its_task_runs() -> None:
+    b = budget(2)
+    b.seen(1, 10)
+    b.taken()
+    b.taken()  # both taken in one read; their tasks have not run: a heartbeat now offers no room
+    assert b.entries_to_take() == 0
+    b.starting()
+    b.add(1, 10)  # the first one's task runs: decoded and counted in the same step
+    assert b.entries_to_take() == 0
+    b.starting()
+    b.add(1, 10)
+    assert b.entries_to_take() == 0 and b.full()
+    b.remove(1, 10)
+    assert b.entries_to_take() == 1
