@@ -78,9 +78,13 @@ def train_real(
     eval_every: int = EVAL_EVERY,
     lr: float = LR,
     seed: int = 0,
+    prompts: int = PROMPTS,
+    samples: int = SAMPLES,
+    eval_problems: int = EVAL_PROBLEMS,
 ) -> RealRun:
     """GRPO one step off the worker on `TASK`, with the held-out accuracy sampled through the worker before the first
-    step, every `eval_every` steps and after the last; a live table on `console`."""
+    step, every `eval_every` steps and after the last; a live table on `console`. A step is `prompts` problems x
+    `samples` samples; the held-out split's first `eval_problems` problems are evaluated."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -94,7 +98,7 @@ def train_real(
     client = RolloutClient(url, ns, tokenizer=model)
     tokenizer = client.tokenizer
     reward = text_reward(lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True)))
-    held_out = task.problems("eval", EVAL_PROBLEMS, seed=seed)
+    held_out = task.problems("eval", eval_problems, seed=seed)
     policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     policy.train()
     optimizer = torch.optim.AdamW(policy.parameters(), lr=lr, betas=(0.9, 0.99))
@@ -110,7 +114,7 @@ def train_real(
         return ids
 
     def submit_step(step: int) -> list[str]:
-        return ask(task.problems("train", PROMPTS, seed=seed * 100_003 + step), SAMPLES, f"s{step}")
+        return ask(task.problems("train", prompts, seed=seed * 100_003 + step), samples, f"s{step}")
 
     def submit_eval(version: int) -> list[str]:
         return ask(held_out, EVAL_SAMPLES, f"eval-v{version}")

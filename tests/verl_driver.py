@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -68,8 +69,12 @@ async def sample(client: Any, prompt: list[int], tag: str, n: int) -> list[dict[
     return [output.model_dump() for output in outputs]
 
 
+STARTED = time.monotonic()
+
+
 def say(what: str) -> None:
-    print(what, file=sys.stderr, flush=True)
+    """A step on stderr (the test's log), at its second since the driver started: where the time went."""
+    print(f"[{time.monotonic() - STARTED:6.1f} s] {what}", file=sys.stderr, flush=True)
 
 
 def main(settings: dict[str, Any]) -> dict[str, Any]:
@@ -97,6 +102,7 @@ def main(settings: dict[str, Any]) -> dict[str, Any]:
     }
     rollout = OmegaConf.merge(OmegaConf.load(ROLLOUT_YAML), overrides)
     config = OmegaConf.create({"actor_rollout_ref": {"rollout": rollout, "model": {}}})
+    say("starting a local Ray cluster")
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         say("launching the replica with verl's LLMServerManager")
@@ -122,6 +128,7 @@ def main(settings: dict[str, Any]) -> dict[str, Any]:
         checkpoints.sleep_replicas()  # as verl's trainer does before its first update
         metrics = checkpoints.update_weights(global_steps=1)
         checkpoints.wake_up_replicas()
+        say("generating with the new weights")
         after = asyncio.run(sample(client, settings["prompt"], "after", 3))
         refused = ""
         try:

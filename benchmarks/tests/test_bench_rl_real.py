@@ -29,7 +29,7 @@ SUMMARY = Path(__file__).resolve().parents[1] / "device" / "bench_rl_real_summar
 @pytest.mark.timeout(300)
 @pytest.mark.long(
     "bench-rl's machinery: test_bench_rl.py on the tiny model; the real model trained a step: "
-    "test_the_real_demo_trains_a_step_publishes_it_and_evaluates_both_versions_on_held_out_sums"
+    "test_a_grpo_step_of_the_real_model_is_published_and_each_version_answers_the_held_out_sums"
 )
 def test_sync_and_async_on_the_real_model_each_give_a_held_out_curve_from_the_base_to_a_stated_target(
     smollm2_dir: Path, tmp_path: Path
