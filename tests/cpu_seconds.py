@@ -44,7 +44,7 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     """In the process that reports (under xdist, the controller): the cost that came with the teardown's report."""
     if report.when == "teardown":
         for name, value in report.user_properties:
-            if name == "cpu_s":
+            if name == "cpu_s" and isinstance(value, float | int):
                 _costs.append((float(value), report.nodeid))
 
 
