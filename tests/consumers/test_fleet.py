@@ -155,8 +155,9 @@ def test_partials_after_an_abort_sync_spread_over_the_workers(
 ) -> None:
     """Four workers that hand their interrupted samples off (`--hand-off-partials`) hold 16 long samples between them
     when an abort sync comes: all 16 go to `{ns}:partials`, and after the resume no worker continues more than 6 of
-    the 16 (its quarter and two: a loaded machine may wake one late, as in the step test above), and every worker
-    continues some."""
+    the 16 (its quarter and two: a loaded machine may wake one late, as in the step test above), and at least three of
+    the four continue some. (Once, in a full run on 2 busy cores, one woke so late that the other three had taken the
+    16 between them, 6, 5 and 5: a three-worker share. The bound of 6 is what keeps one worker from taking them all.)"""
     names = [f"w{k}" for k in range(4)]
     flags = (*SYNTHETIC, "--engine-args", '{"steps_per_s": 20}', "--max-inflight", "16", "--hand-off-partials")
     workers.many(*[(name, *flags) for name in names])
@@ -170,7 +171,7 @@ def test_partials_after_an_abort_sync_spread_over_the_workers(
     rollouts = [r for g in groups for r in g.rollouts]
     assert all(r.spans[-1][0] == 1 for r in rollouts), "each continued under the new version"
     continued = Counter(r.worker for r in rollouts)
-    assert set(continued) == set(names), dict(continued)
+    assert set(continued) <= set(names) and len(continued) >= 3, dict(continued)
     assert max(continued.values()) <= 6, dict(continued)
     assert client.stats["duplicates"] == 0
 
