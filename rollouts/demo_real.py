@@ -84,7 +84,7 @@ def train_real(
 ) -> RealRun:
     """GRPO one step off the worker on `TASK`, with the held-out accuracy sampled through the worker before the first
     step, every `eval_every` steps and after the last; a live table on `console`. A step is `prompts` problems x
-    `samples` samples; the held-out split's first `eval_problems` problems are evaluated."""
+    `samples` samples; `eval_problems` problems of the held-out split are evaluated."""
     import torch
     from transformers import AutoModelForCausalLM
 
