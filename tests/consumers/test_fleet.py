@@ -156,10 +156,13 @@ def test_partials_after_an_abort_sync_spread_over_the_workers(
     """Four workers that hand their interrupted samples off (`--hand-off-partials`) hold 16 long samples between them
     when an abort sync comes: all 16 go to `{ns}:partials`, and after the resume no worker continues more than 6 of
     the 16 (its quarter and two: a loaded machine may wake one late, as in the step test above), and at least three of
-    the four continue some. (Once, in a full run on 2 busy cores, one woke so late that the other three had taken the
-    16 between them, 6, 5 and 5: a three-worker share. The bound of 6 is what keeps one worker from taking them all.)"""
+    the four continue some. Heartbeats every second, not the tests' 0.3 s: a worker counts in the others' shares for
+    its take horizon (`WorkerSettings.take_horizon_ms`: 0.9 s at 0.3 s, 3 s at 1 s), and in full runs on 2 busy cores
+    a worker held back longer than 0.9 s dropped out of the fleet that the others shared the 16 by (6, 5, 5 and 0; 8,
+    3, 3 and 2)."""
     names = [f"w{k}" for k in range(4)]
-    flags = (*SYNTHETIC, "--engine-args", '{"steps_per_s": 20}', "--max-inflight", "16", "--hand-off-partials")
+    flags = (*SYNTHETIC, "--engine-args", '{"steps_per_s": 20}', "--max-inflight", "16", "--hand-off-partials",
+             "--heartbeat-s", "1")  # after the fixture's FAST flags: this one counts  # fmt: skip
     workers.many(*[(name, *flags) for name in names])
     client = RolloutClient(redis_server.url, ns)
     ids = [client.submit(tokens=[4, 5, k], n=1, max_tokens=200, seed=k) for k in range(16)]  # 10 s a sample
