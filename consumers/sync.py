@@ -47,7 +47,13 @@ work until the next."""
 class WorkerSync:
     """One worker's side of the sync protocol: follows control, pauses, loads, sleeps, wakes, resumes and acks."""
 
-    def __init__(self, house: House, adapters: WorkerAdapters, ack: Callable[[], Awaitable[object]]) -> None:
+    def __init__(
+        self,
+        house: House,
+        adapters: WorkerAdapters,
+        ack: Callable[[], Awaitable[object]],
+        handed_off: Callable[[], Awaitable[None]],
+    ) -> None:
         self.streams, self.name, self.metrics = house.streams, house.name, house.metrics
         self._slot, self._state, self._worker = house.slot, house.state, house.worker
         self.held = HeldWeights()
@@ -55,6 +61,9 @@ class WorkerSync:
         self._adapters = adapters
         self._ack = ack
         """Writes the heartbeat, which carries `epoch` and `version`: the ack of a sync or a sleep."""
+        self._handed_off = handed_off
+        self._hand_off = house.settings.hand_off_partials
+        """Waits, after an `abort` pause, until what it ended is published: the ack then says what the worker holds."""
         self._heartbeat_s = house.settings.heartbeat_s
         """How long a failed read of control waits before it is tried again."""
         self._block_ms = house.settings.block_ms
@@ -279,6 +288,13 @@ class WorkerSync:
 
     # -- pause, sleep, wake, resume -----------------------------------------------------------
 
+    async def _settled(self) -> None:
+        """Before an ack: after an `abort` pause of a worker that hands its samples off, the samples it ended are
+        published, so that the ack's heartbeat says what this worker holds at the resume. (One that continues them
+        holds them until the resume, as its ack says.)"""
+        if not self._frozen and (self._hand_off or self._state.stopping.is_set()):
+            await self._handed_off()
+
     async def _pause(self, mode: PauseMode) -> None:
         """Pause the engine for a sync or a sleep (`mode`; `abort` once the worker stops: it freezes nothing then),
         noting whether it now holds requests frozen."""
@@ -334,6 +350,7 @@ class WorkerSync:
                 self._state.status = WorkerStatus.ASLEEP
             except SleepNotSupported as exc:
                 log.error("%s: paused for a sleep, but its engine cannot sleep: %s", self.name, exc)
+            await self._settled()
         self._state.epoch = command.epoch
         await self._ack()
         log.info("%s: asleep at level %d (epoch %d) in %.3f s", self.name, self._state.asleep, command.epoch,
@@ -392,6 +409,7 @@ class WorkerSync:
             except Exception as exc:
                 self._cannot_load(command, exc)
                 return
+        await self._settled()  # (the load went on meanwhile)
         self._state.epoch = command.epoch
         await self._ack()  # the ack: `epoch` and `version` in the heartbeat
         self.metrics.synced(paused - started, time.monotonic() - paused)

@@ -64,6 +64,9 @@ of CPU): control is read and obeyed before what it brought starts or the next re
 TURN_WAIT_S = 0.002
 """How long a worker that holds its share of the waiting work waits before it asks again (doubling up to a read's
 wait): the others with room take theirs within a few milliseconds, and one that stops asking leaves the ready set."""
+HAND_OFF_WAIT_S = 1.0
+"""How long a sync waits, after its `abort` pause, for the samples it ended to be published before it acks
+(`Worker.handed_off`): each is one Redis write. (A sample that reached the engine as it paused waits for the resume.)"""
 
 
 class Worker:
@@ -103,6 +106,8 @@ class Worker:
         They are in `_inflight` too, so they are touched every heartbeat and nobody claims them; they start first."""
         self._drain_on_stop = True
         self._tasks: set[asyncio.Task] = set()
+        self._generating: set[asyncio.Task] = set()
+        """The tasks of `_tasks` whose samples are on the engine, until they publish (`handed_off`)."""
         self._fleet = 1
         """Workers on the registry at the last heartbeat: how often this one claims and sweeps (`sweep_chance`)."""
         house = House(self.name, self.settings, streams, self._slot, self.state, self.metrics, self)
@@ -110,7 +115,7 @@ class Worker:
         self.heartbeat = Heartbeat(house, self)
         self._adapters = WorkerAdapters(house, self.heartbeat.beat)
         """LoRA adapters: loaded on demand, evicted when idle, each paused alone for its own syncs."""
-        self._sync = WorkerSync(house, self._adapters, self.heartbeat.beat)
+        self._sync = WorkerSync(house, self._adapters, self.heartbeat.beat, self.handed_off)
         """Its side of the weight-sync protocol: follows control, pauses, loads, sleeps, wakes, resumes, acks; and of
         joining from a peer, and sharing with joiners (`consumers.peer`)."""
         self.heartbeat.fields = lambda: self._adapters.heartbeat_fields() | self._sync.peer_fields()
@@ -381,9 +386,12 @@ class Worker:
     async def _generate_and_publish(
         self, entry: Entry, prompt: Prompt, samples: list[tuple[int, Partial | None]]
     ) -> None:
+        task = asyncio.current_task()
         try:
             if not await self._keeper.ready():
                 return  # the engine could not start: the worker stops and the entry stays pending
+            if task is not None:
+                self._generating.add(task)
             results = await asyncio.gather(*(self._generate_sample(prompt, k, entry, done) for k, done in samples))
             rollouts = [r for r in results if isinstance(r, Rollout)]
             partials = [r for r in results if isinstance(r, Partial)]
@@ -401,6 +409,18 @@ class Worker:
             # Not the prompt's fault (a failed engine step, Redis gone): leave it pending for a retry elsewhere.
             log.exception("%s: prompt %s failed; it stays pending", self.name, prompt.id)
             self.metrics.prompt_failed()
+        finally:
+            if task is not None:
+                self._generating.discard(task)
+
+    async def handed_off(self) -> None:
+        """After an `abort` pause: wait until the entries whose samples were on the engine have published what it
+        ended (to `{ns}:partials`, where this worker hands them off), up to `HAND_OFF_WAIT_S`. The ack that follows
+        then says how many entries it still holds: the others' shares at the resume count it by that, not by what it
+        held before the pause (a worker that resumed first took 7 of 16 partials when the others' acks still said 4)."""
+        generating = list(self._generating)
+        if generating:
+            await asyncio.wait(generating, timeout=HAND_OFF_WAIT_S)
 
     async def _publish(self, rollouts: list[Rollout], entry: Entry, partials: list[Partial], prompt: Prompt) -> int:
         """Publish what was made of `entry`, trying again while Redis is out of reach for longer than the client's

@@ -179,6 +179,30 @@ def test_partials_after_an_abort_sync_spread_over_the_workers(
     assert client.stats["duplicates"] == 0
 
 
+def test_a_worker_that_hands_its_samples_off_acks_an_abort_pause_once_they_are_on_partials_holding_none(
+    redis_server: RedisServer, ns: str, workers: StartWorker
+) -> None:
+    """The ack of an `abort` pause (a sleep's here, a sync's alike) is written once the samples the pause ended are
+    on `{ns}:partials`: its heartbeat then says the worker holds none of them (only the entries that reached the engine
+    as it paused, which go on here after the resume), and the fleet's shares at the resume count it by that, not by
+    what it held before the pause. Its heartbeat beats every 60 s here: the ack is the only write after the pause."""
+    full = ("--max-inflight", "4")  # no read waits for new work: it would take a partial back as the pause hands it off
+    quiet = ("--heartbeat-s", "60")
+    workers("w", *SYNTHETIC, "--engine-args", '{"steps_per_s": 20}', *full, "--hand-off-partials", *quiet)
+    client = RolloutClient(redis_server.url, ns)
+    ids = [client.submit(tokens=[4, 5, k], n=1, max_tokens=100, seed=k) for k in range(4)]  # 5 s a sample
+    wait_until(lambda: len(pending_on(client, "w")) == 4, 30, "the worker to take all four")
+    assert client.sleep(1, mode="abort").acked == ["w"]
+    r, keys = client.streams.redis, client.streams.keys
+    held, handed_off = int(r.hget(keys.worker("w"), "held") or -1), r.xlen(keys.partials)
+    assert held == len(pending_on(client, "w")) == 4 - handed_off, "its ack says what it holds"
+    assert handed_off >= 1
+    client.wake()
+    groups = client.collect(len(ids), timeout=60)
+    assert sorted(g.prompt_id for g in groups) == sorted(ids)
+    assert client.stats["duplicates"] == 0
+
+
 def lag(client: RolloutClient) -> int:
     """How many prompts wait that no worker has taken yet."""
     return int(client.streams.redis.xinfo_groups(client.streams.keys.prompts)[0]["lag"])
