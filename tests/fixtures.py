@@ -73,6 +73,20 @@ ENGINES_ON_EVERY_SERVER = [*ENGINES_ON_BOTH_REDIS, pytest.param("torch", "valkey
 """`ENGINES_ON_BOTH_REDIS` and torch on Valkey 8.1 (see `EVERY_SERVER`)."""
 
 
+@pytest.fixture(scope="session", autouse=True)
+def forked_commands() -> Iterator[None]:
+    """Every plain `python -m rollouts ...` that `pipeline.processes` starts is forked from a process that has imported
+    what it imports (`tests.forkserver`): ~4 CPU s saved a torch worker, on a machine where every core is busy."""
+    import pipeline.processes
+    from tests.forkserver import RoutedSubprocess
+
+    routed = RoutedSubprocess()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(pipeline.processes, "subprocess", routed)
+        yield
+    routed.close()
+
+
 @pytest.fixture(scope="session")
 def installed_redis() -> Iterator[RedisServer]:
     """The installed Redis, found as the product finds it; it must be a 7.x (a missing one is an error, not a skip)."""
