@@ -73,8 +73,8 @@ ENGINES_ON_EVERY_SERVER = [*ENGINES_ON_BOTH_REDIS, pytest.param("torch", "valkey
 """`ENGINES_ON_BOTH_REDIS` and torch on Valkey 8.1 (see `EVERY_SERVER`)."""
 
 
-@pytest.fixture(scope="session", autouse=True)
-def forked_commands() -> Iterator[None]:
+@pytest.fixture(scope="session")
+def forked_commands() -> Iterator[Any]:
     """Every plain `python -m rollouts ...` that `pipeline.processes` starts is forked from a process that has imported
     what it imports (`tests.forkserver`): ~4 CPU s saved a torch worker, on a machine where every core is busy."""
     import pipeline.processes
@@ -83,8 +83,17 @@ def forked_commands() -> Iterator[None]:
     routed = RoutedSubprocess()
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(pipeline.processes, "subprocess", routed)
-        yield
+        yield routed
     routed.close()
+
+
+@pytest.fixture(autouse=True)
+def forked_unless_fresh(request: pytest.FixtureRequest, forked_commands: Any) -> Iterator[None]:
+    """`forked_commands` for every test but those marked `fresh_processes`: what they check is what a process
+    imports (a synthetic worker never imports torch), which a fork of one that did would not show."""
+    forked_commands.enabled = request.node.get_closest_marker("fresh_processes") is None
+    yield
+    forked_commands.enabled = True
 
 
 @pytest.fixture(scope="session")

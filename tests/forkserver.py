@@ -266,6 +266,8 @@ class RoutedSubprocess(types.ModuleType):
     def __init__(self) -> None:
         super().__init__("subprocess")
         self.server: Forkserver | None = None
+        self.enabled = True
+        """False: every command starts afresh (a test marked `fresh_processes`)."""
 
     def __getattr__(self, name: str) -> Any:
         return getattr(subprocess, name)
@@ -273,7 +275,8 @@ class RoutedSubprocess(types.ModuleType):
     def Popen(self, args: Sequence[str], **kwargs: Any) -> subprocess.Popen[bytes]:  # subprocess.Popen, by its name
         plain_env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         forkable = (
-            len(args) > 3
+            self.enabled
+            and len(args) > 3
             and list(args[:3]) == [sys.executable, "-m", "rollouts"]
             and kwargs.get("env") == plain_env
             and kwargs.get("stderr") == subprocess.STDOUT

@@ -16,6 +16,10 @@ ALONE_TTL_S = 86_400
 """How long the count of an entry's starts alone (`WorkReader.mark_alone`) lasts after the last."""
 
 
+STREAM_GONE = ("NOGROUP", "requires the key to exist", "the stream key no longer exists")
+"""What Redis answers a read of a stream that was deleted under its readers (`WorkReader._with_groups`)."""
+
+
 class WorkReader(StreamBase):
     """What a worker reads from the group `generators`, and the marks it keeps on what it reads."""
 
@@ -133,11 +137,13 @@ class WorkReader(StreamBase):
 
     def _with_groups(self, consumer: str, call: Callable[[], Any]) -> Any:
         """`call()`, once more after making the groups (and `consumer`'s inbox) again if a stream was deleted under
-        its readers (or a reader never joined): Redis then answers NOGROUP, or that the key must exist."""
+        its readers (or a reader never joined): Redis then answers NOGROUP, or that the key must exist, or (Redis 7,
+        to a read blocked on it) that it no longer exists: a manager that evicts a stopped worker deletes its inbox
+        as it hands what was there back, and the worker, woken, then reads its eviction."""
         try:
             return call()
         except redis.ResponseError as exc:
-            if "NOGROUP" not in str(exc) and "requires the key to exist" not in str(exc):
+            if not any(sign in str(exc) for sign in STREAM_GONE):
                 raise
             self.ensure_groups()
             self.join(consumer)

@@ -106,6 +106,7 @@ def test_bad_requests_and_options_are_refused_with_what_to_fix(tmp_path: Path) -
         create_engine("synthetic", "synthetic", steps_per_s=0)
 
 
+@pytest.mark.fresh_processes  # what it checks is what the process imports
 def test_a_synthetic_worker_serves_prompts_and_takes_weight_syncs(
     redis_server: RedisServer,
     ns: str,

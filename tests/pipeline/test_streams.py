@@ -912,6 +912,24 @@ def test_a_worker_silent_past_its_deadline_reads_as_gone_before_its_heartbeat_ex
     assert streams.registry.live_workers_with("epoch") == {"talking": "3", "old": "3"}
 
 
+def test_a_read_blocked_on_an_inbox_deleted_under_it_reads_on(real_redis: redis.Redis, ns: str) -> None:
+    """Redis 7 wakes a read blocked on a stream that is deleted (`UNBLOCKED the stream key no longer exists`): a
+    manager evicting a stopped worker deletes its inbox so. The worker's read makes its groups again and reads on
+    (it then reads its eviction on control): a worker that exited with "refused a command" instead lost its exit
+    code, 1, that says it was evicted."""
+    streams = Streams(real_redis, ns)
+    streams.ensure_groups()
+    streams.work.join("w1")
+    with ThreadPoolExecutor(1) as pool:
+        read = pool.submit(streams.work.read_work, "w1", 1, 20_000)
+        wait_until(lambda: b"cmd=xreadgroup" in real_redis.execute_command("CLIENT", "LIST"), 10, "the read to block")
+        real_redis.delete(streams.keys.inbox("w1"))
+        wait_until(lambda: real_redis.exists(streams.keys.inbox("w1")) == 1, 10, "the inbox made again")
+        streams.writer.add_prompts([prompt("after")])
+        entries = read.result(timeout=20)
+    assert [Prompt.from_fields(e.fields).id for e in entries] == ["after"]
+
+
 def test_a_departed_workers_inbox_goes_back_to_the_shared_prompts(any_redis: redis.Redis, ns: str) -> None:
     """Work pinned to a worker (its inbox) is never stranded: once its heartbeat is gone, what it held or had not
     read yet moves to `{ns}:prompts`, and a late publish by the presumed-dead worker writes nothing."""
