@@ -144,6 +144,7 @@ def _become(request: Mapping[str, Any], out: int | None) -> None:
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     sys.argv = [request["argv"][0], *request["argv"][1:]]
+    sys.path[0] = request["cwd"]  # where `python -m` looks first: the directory it was started in
     runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
 
 
@@ -153,8 +154,10 @@ def _become(request: Mapping[str, Any], out: int | None) -> None:
 class ForkedProcess(subprocess.Popen[bytes]):
     """A command the fork server started: a `subprocess.Popen` whose exit status comes from the fork server."""
 
-    def __init__(self, args: Sequence[str], conn: socket.socket, pid: int) -> None:  # Popen's would start one
+    def __init__(self, args: Sequence[str], server: Forkserver, conn: socket.socket, pid: int) -> None:
+        # (Popen's own __init__ would start a process.)
         self.args = list(args)
+        self._server = server
         self.pid = pid
         self.returncode: Any = None
         self.stdin = self.stdout = self.stderr = None
@@ -190,6 +193,7 @@ class ForkedProcess(subprocess.Popen[bytes]):
             message = json.loads(self._buf)
             self.returncode, self.cpu_s = message["returncode"], message["cpu_s"]
             forked_cpu[0] += self.cpu_s
+            self._server.told += self.cpu_s
         else:  # the fork server is gone without saying (it died), and did not reap the child
             self.returncode = -signal.SIGKILL
         self._conn.close()
@@ -216,9 +220,15 @@ class Forkserver:
         self._dir = tempfile.mkdtemp(prefix="rollouts-forkserver-")
         self.path = str(Path(self._dir) / "s")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "tests.forkserver", self.path], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL
+            [sys.executable, "-m", "tests.forkserver", self.path],
+            stdout=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            cwd=Path(__file__).resolve().parents[1],  # where `tests` is a package, whatever the test's directory
         )
         assert self.process.stdout is not None
+        self.told = 0.0
+        """CPU seconds of its children told so far (`forked_cpu`): its own reaping adds them to this process's
+        children's CPU again, so `close` takes them back off `forked_cpu`."""
         line = self.process.stdout.readline()
         if line != READY:
             raise RuntimeError(f"the tests' fork server did not start (it said {line!r})")
@@ -242,7 +252,7 @@ class Forkserver:
                 raise RuntimeError("the tests' fork server closed the connection before it forked")
             line += chunk
         conn.settimeout(None)
-        return ForkedProcess([sys.executable, "-m", module, *args], conn, json.loads(line)["pid"])
+        return ForkedProcess([sys.executable, "-m", module, *args], self, conn, json.loads(line)["pid"])
 
     def close(self) -> None:
         self.process.terminate()
@@ -251,6 +261,8 @@ class Forkserver:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+        forked_cpu[0] -= self.told  # reaped: its children's CPU is in RUSAGE_CHILDREN now, with its own
+        self.told = 0.0
         if self.process.stdout is not None:
             self.process.stdout.close()
         with contextlib.suppress(OSError):
