@@ -34,6 +34,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from pipeline.processes import stop_process
+
 PRELOAD = (
     "rollouts.app",
     "consumers.worker",
@@ -73,7 +75,12 @@ def serve(path: str) -> None:
         ready, _, _ = select.select([listener], [], [], 0.05)
         if ready:
             conn, _ = listener.accept()
-            request, fds = _receive(conn)
+            try:
+                request, fds = _receive(conn)
+            except (OSError, ValueError) as exc:  # a requester gone mid-request: the others are served on
+                print(f"tests' fork server: a request failed: {exc}", file=sys.stderr)
+                conn.close()
+                continue
             pid = os.fork()
             if pid == 0:
                 listener.close()
@@ -255,12 +262,7 @@ class Forkserver:
         return ForkedProcess([sys.executable, "-m", module, *args], self, conn, json.loads(line)["pid"])
 
     def close(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        stop_process(self.process, timeout_s=10)
         forked_cpu[0] -= self.told  # reaped: its children's CPU is in RUSAGE_CHILDREN now, with its own
         self.told = 0.0
         if self.process.stdout is not None:
