@@ -417,7 +417,7 @@ class Worker:
         """After an `abort` pause: wait until the entries whose samples were on the engine have published what it
         ended (to `{ns}:partials`, where this worker hands them off), up to `HAND_OFF_WAIT_S`. The ack that follows
         then says how many entries it still holds: the others' shares at the resume count it by that, not by what it
-        held before the pause (a worker that resumed first took 7 of 16 partials when the others' acks still said 4)."""
+        held before the pause."""
         generating = list(self._generating)
         if generating:
             await asyncio.wait(generating, timeout=HAND_OFF_WAIT_S)

@@ -2,8 +2,8 @@
 they import: a torch worker spends ~4 of its ~5 CPU seconds to serving importing torch and transformers, and a run
 starts ~250 processes on 2 cores (benchmarks/results/2026-12-07-ci-time-5.md).
 
-`pipeline.processes.start_command` starts every one of them; the `forked_commands` fixture (conftest.py) routes its
-`python -m rollouts ...` starts here, those with no environment or launcher of their own. The fork server is a child
+`pipeline.processes.start_command` starts every one of them; the `forked_commands` fixture (tests/fixtures.py) routes
+its `python -m rollouts ...` starts here, those with no environment or launcher of their own. The fork server is a child
 of the test process (one per xdist worker), started at the first such command: it imports `PRELOAD`, then forks a
 child per command, which takes the command's stdout, working directory and environment, resets the signals a Python
 starts with, and runs `rollouts` as `python -m rollouts` does (`runpy`, then the interpreter's own exit: its atexit
